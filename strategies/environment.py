@@ -1,0 +1,135 @@
+"""Where this process sits in the job, and the process group that joins it to the others.
+
+A process learns its rank from, in this order: a process group the user already initialised,
+torchrun / torch.distributed.elastic (``TORCHELASTIC_RUN_ID``), SLURM (``srun``), our own launcher
+(the ``ZEROTRAIN_LAUNCHED`` marker beside the standard variables), or nothing, which makes it rank 0
+of a job it may still have to launch.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import re
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class ProcessInfo:
+    global_rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+    #: "single", "local" (launched by us), "torchrun", "slurm" or "user" (process group exists)
+    source: str = "single"
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self.global_rank == 0
+
+    @property
+    def must_launch(self) -> bool:
+        """True for rank 0 of a local job whose other ranks do not exist yet."""
+        return self.source == "single" and self.world_size > 1
+
+
+def _slurm_first_host(nodelist: str) -> str:
+    """First host of a SLURM node list such as ``node[003-005,007],gpu1``."""
+    m = re.match(r"([^,\[]+)(\[([^\]]+)\])?", nodelist)
+    if not m:
+        return "127.0.0.1"
+    base, _, ranges = m.groups()
+    if not ranges:
+        return base
+    first = ranges.split(",")[0].split("-")[0]
+    return base + first
+
+
+def _in_slurm_batch() -> bool:
+    # An interactive `salloc` shell (job name bash/interactive) is not a multi-process job step.
+    return int(os.environ.get("SLURM_NTASKS", "1")) > 1 and os.environ.get("SLURM_JOB_NAME") not in (
+        "bash", "interactive")
+
+
+def detect(devices: int, num_nodes: int = 1) -> ProcessInfo:
+    """Work out this process's place; ``devices`` x ``num_nodes`` is the requested world size."""
+    env = os.environ
+    if dist.is_available() and dist.is_initialized():
+        ws, rank = dist.get_world_size(), dist.get_rank()
+        lr = int(env.get("LOCAL_RANK", rank % max(devices, 1)))
+        return ProcessInfo(rank, lr, ws, int(env.get("LOCAL_WORLD_SIZE", devices)), rank // max(devices, 1),
+                           source="user")
+    if "TORCHELASTIC_RUN_ID" in env or env.get("ZEROTRAIN_LAUNCHED") == "1":
+        ws = int(env["WORLD_SIZE"])
+        return ProcessInfo(
+            global_rank=int(env["RANK"]), local_rank=int(env["LOCAL_RANK"]), world_size=ws,
+            local_world_size=int(env.get("LOCAL_WORLD_SIZE", ws)), node_rank=int(env.get("GROUP_RANK", 0)),
+            master_addr=env.get("MASTER_ADDR", "127.0.0.1"), master_port=int(env.get("MASTER_PORT", 0)),
+            source="local" if env.get("ZEROTRAIN_LAUNCHED") == "1" else "torchrun")
+    if _in_slurm_batch():
+        ws = int(env["SLURM_NTASKS"])
+        port = int(env.get("MASTER_PORT", 15000 + int(env.get("SLURM_JOB_ID", "0")[-4:] or 0)))
+        return ProcessInfo(
+            global_rank=int(env["SLURM_PROCID"]), local_rank=int(env.get("SLURM_LOCALID", 0)), world_size=ws,
+            local_world_size=int(env.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0]),
+            node_rank=int(env.get("SLURM_NODEID", 0)),
+            master_addr=env.get("MASTER_ADDR", _slurm_first_host(env.get("SLURM_NODELIST", "127.0.0.1"))),
+            master_port=port, source="slurm")
+    if num_nodes > 1:
+        raise RuntimeError(
+            f"num_nodes={num_nodes} needs a multi-node launcher: start every node with torchrun "
+            "(--nnodes, --rdzv-backend c10d) or srun; see the README's multi-node section.")
+    return ProcessInfo(world_size=devices, local_world_size=devices, master_port=free_port(), source="single")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def default_backend(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init_process_group(info: ProcessInfo, device: torch.device, timeout_s: float) -> None:
+    """Join the job's default process group (no-op for one process or a user's own group)."""
+    if info.world_size == 1 or (dist.is_available() and dist.is_initialized()):
+        return
+    os.environ.setdefault("MASTER_ADDR", info.master_addr)
+    os.environ.setdefault("MASTER_PORT", str(info.master_port))
+    kwargs = {}
+    if device.type == "cuda":
+        kwargs["device_id"] = device
+    dist.init_process_group(
+        backend=default_backend(device), rank=info.global_rank, world_size=info.world_size,
+        timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+
+
+def pick_device(accelerator: str, local_rank: int) -> torch.device:
+    if accelerator == "auto":
+        accelerator = "cuda" if torch.cuda.is_available() else "cpu"
+    if accelerator == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("accelerator='cuda' was requested but torch sees no CUDA device; "
+                               "use accelerator='cpu' or 'auto'")
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    if accelerator != "cpu":
+        raise ValueError(f"accelerator={accelerator!r} is not supported; valid choices: cpu, cuda, auto")
+    return torch.device("cpu")
+
+
+def set_cpu_threads(info: ProcessInfo) -> None:
+    """Split the cores between the local ranks: oversubscribed ranks were 2x slower here."""
+    if "OMP_NUM_THREADS" in os.environ:
+        torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    torch.set_num_threads(max(1, cores // max(1, info.local_world_size)))

@@ -1,0 +1,60 @@
+"""Precision plugins: how the forward runs, how the loss is scaled and how overflow is handled.
+
+The base class is the "32" plugin and every method is a no-op, so a strategy calls the same methods
+whatever the precision (a null object instead of ``if fp16:`` branches).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterable
+
+import torch
+
+
+class Precision:
+    """Full fp32 precision; the no-op defaults every other plugin overrides selectively."""
+
+    name = "32"
+    #: dtype of the working (forward/backward) parameters. Replicated strategies keep fp32 params
+    #: under autocast; sharded strategies and "-true" precisions store working params in this dtype.
+    param_dtype: torch.dtype = torch.float32
+    #: dtype autocast computes in, or None for no autocast.
+    autocast_dtype: torch.dtype | None = None
+
+    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        """Cast a freshly built module for this precision (only "-true" precisions cast)."""
+        return module
+
+    def forward_context(self, device_type: str = "cpu") -> contextlib.AbstractContextManager:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=device_type, dtype=self.autocast_dtype)
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss
+
+    @property
+    def loss_scale(self) -> float:
+        return 1.0
+
+    def unscale_and_check(
+        self, grads: Iterable[torch.Tensor], any_rank: Callable[[bool], bool]
+    ) -> bool:
+        """Divide ``grads`` in place by the loss scale and return True if any rank overflowed.
+
+        ``any_rank`` is the strategy's collective OR over ranks; only plugins that can overflow
+        call it, so fp32/bf16 runs pay no extra collective.
+        """
+        return False
+
+    def update(self, overflow: bool) -> None:
+        """Adjust the loss scale after a step (skipped or not)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r})"

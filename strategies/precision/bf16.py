@@ -1,0 +1,26 @@
+"""bfloat16 plugins. bf16 has fp32's exponent range, so no loss scaling is needed."""
+from __future__ import annotations
+
+import torch
+
+from .base import Precision
+
+
+class BF16Mixed(Precision):
+    """Autocast to bf16; replicated strategies keep fp32 params, sharded ones bf16 working params
+    with fp32 master slices."""
+
+    name = "bf16-mixed"
+    param_dtype = torch.bfloat16
+    autocast_dtype = torch.bfloat16
+
+
+class BF16True(Precision):
+    """Everything in bf16, including the optimizer's view of the parameters."""
+
+    name = "bf16-true"
+    param_dtype = torch.bfloat16
+    autocast_dtype = None
+
+    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        return module.to(torch.bfloat16)

@@ -1,0 +1,126 @@
+"""Run a function on N real processes over gloo, failing fast.
+
+``run_ranks("module:function", world_size, tmp_path, **kwargs)`` starts one Python process per rank
+with the standard variables (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) set, as torchrun
+would, and returns each rank's return value (saved with torch.save, loaded with weights_only=True).
+
+Three timeouts keep a hang from costing more than seconds: the process group's own timeout
+(``init_dist``), ``faulthandler.dump_traceback_later`` in each rank (a stuck rank prints its stack
+and exits), and a parent deadline that kills every rank. The first rank to fail fails the test with
+its output; the others are killed at once.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+_HERE = Path(__file__).resolve().parent
+_TESTS = _HERE.parent
+
+
+class RankFailed(AssertionError):
+    pass
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(target: str, world_size: int, tmp_path: Path, timeout: float = 120.0,
+              env: dict[str, str] | None = None, **kwargs: Any) -> list[Any]:
+    import torch
+
+    tmp_path = Path(tmp_path)
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    args_file = tmp_path / f"args_{os.getpid()}_{time.monotonic_ns()}.json"
+    args_file.write_text(json.dumps(kwargs))
+    port = _free_port()
+    procs, logs = [], []
+    for rank in range(world_size):
+        e = dict(os.environ)
+        e.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                 LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
+                 MASTER_PORT=str(port), ZEROTRAIN_LAUNCHED="1", OMP_NUM_THREADS="1",
+                 ZT_TEST_RESULT=str(tmp_path / f"result_{rank}.pt"), ZT_TEST_TIMEOUT=str(timeout),
+                 PYTHONPATH=os.pathsep.join([str(_HERE), str(_TESTS), e.get("PYTHONPATH", "")]))
+        e.update(env or {})
+        log = open(tmp_path / f"rank_{rank}.log", "w+")
+        logs.append(log)
+        procs.append(subprocess.Popen([sys.executable, str(_HERE / "harness.py"), target, str(args_file)],
+                                      env=e, stdout=log, stderr=subprocess.STDOUT, cwd=str(tmp_path),
+                                      start_new_session=True))
+    deadline = time.monotonic() + timeout + 15
+    failed = None
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            bad = [r for r, c in enumerate(codes) if c not in (None, 0)]
+            if bad:
+                failed = (bad[0], f"rank {bad[0]} exited with code {codes[bad[0]]}")
+                break
+            if all(c == 0 for c in codes):
+                break
+            if time.monotonic() > deadline:
+                for p in procs:  # ask for stacks first
+                    if p.poll() is None:
+                        os.killpg(p.pid, signal.SIGABRT)
+                time.sleep(1)
+                failed = (0, f"job did not finish within {timeout}s")
+                break
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    if failed:
+        out = []
+        for r, log in enumerate(logs):
+            log.seek(0)
+            out.append(f"----- rank {r} -----\n{log.read()[-6000:]}")
+        raise RankFailed(failed[1] + "\n" + "\n".join(out))
+    for log in logs:
+        log.close()
+    return [torch.load(tmp_path / f"result_{r}.pt", weights_only=True) for r in range(world_size)]
+
+
+def init_dist(timeout_s: float = 60.0) -> tuple[int, int]:
+    """Join the gloo process group from the harness's variables; returns (rank, world_size)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _child(target: str, args_file: str) -> None:
+    import faulthandler
+    import importlib
+
+    import torch
+
+    faulthandler.dump_traceback_later(float(os.environ["ZT_TEST_TIMEOUT"]), exit=True)
+    faulthandler.enable(all_threads=True)  # SIGABRT from the parent prints every stack
+    torch.set_num_threads(1)
+    module_name, func_name = target.split(":")
+    fn = getattr(importlib.import_module(module_name), func_name)
+    result = fn(**json.loads(Path(args_file).read_text()))
+    torch.save(result, os.environ["ZT_TEST_RESULT"])
+    import torch.distributed as dist
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.path[:0] = [str(_HERE), str(_TESTS)]
+    _child(sys.argv[1], sys.argv[2])

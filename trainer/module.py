@@ -1,0 +1,76 @@
+"""TrainModule: the user's model, its step, its optimizers and its data, in one nn.Module."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from .trainer import Trainer
+
+
+class TrainModule(nn.Module):
+    """Subclass and implement ``training_step`` and ``configure_optimizers`` (and optionally the
+    data hooks, ``validation_step`` and ``configure_model``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._trainer: Trainer | None = None
+
+    # ---- what the user implements
+    def training_step(self, batch: Any, batch_idx: int) -> "torch.Tensor | dict[str, Any]":
+        raise NotImplementedError(f"{type(self).__name__} must implement training_step(batch, batch_idx)")
+
+    def validation_step(self, batch: Any, batch_idx: int) -> "torch.Tensor | dict[str, Any] | None":
+        return None
+
+    def configure_optimizers(self) -> Any:
+        """An optimizer, ``(optimizer, scheduler)``, or ``{"optimizer": ..., "lr_scheduler":
+        {"scheduler": ..., "interval": "step" | "epoch"}}``."""
+        raise NotImplementedError(f"{type(self).__name__} must implement configure_optimizers()")
+
+    def configure_model(self) -> None:
+        """Build large layers here instead of ``__init__``: sharded strategies call it on the meta
+        device and materialise it shard by shard."""
+
+    def train_dataloader(self) -> Any:
+        return None
+
+    def val_dataloader(self) -> Any:
+        return None
+
+    def flops_per_sample(self) -> float | None:
+        """Training FLOPs for one sample (forward + backward), for model-FLOPs utilisation."""
+        return None
+
+    def tokens_per_sample(self) -> int | None:
+        return None
+
+    # ---- what the Trainer provides
+    @property
+    def trainer(self) -> "Trainer":
+        if self._trainer is None:
+            raise RuntimeError(f"{type(self).__name__} is not attached to a Trainer")
+        return self._trainer
+
+    @property
+    def global_rank(self) -> int:
+        return self._trainer.global_rank if self._trainer is not None else 0
+
+    @property
+    def global_step(self) -> int:
+        return self._trainer.global_step if self._trainer is not None else 0
+
+    def log(self, name: str, value: Any, prog_bar: bool = False, sync_dist: bool = False) -> None:
+        """Record a scalar for loggers (and the progress bar). In validation, values are averaged
+        over batches and ranks; in training, ``sync_dist=True`` averages over ranks (a collective:
+        every rank must log the same names)."""
+        if self._trainer is not None:
+            self._trainer._log(name, value, prog_bar=prog_bar, sync_dist=sync_dist)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "_trainer":  # never register the Trainer as a submodule or pickle it into state
+            object.__setattr__(self, name, value)
+        else:
+            super().__setattr__(name, value)
