@@ -75,6 +75,16 @@ class Strategy:
         return self.info.global_rank == 0
 
     @property
+    def data_parallel_world_size(self) -> int:
+        """How many replicas see different data (the Trainer's DistributedSampler uses this).
+        Equal to world_size unless a strategy splits ranks another way (pipeline stages)."""
+        return self.world_size
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return self.global_rank
+
+    @property
     def distributed(self) -> bool:
         return self.world_size > 1 and dist.is_available() and dist.is_initialized()
 
