@@ -1,0 +1,106 @@
+"""A small model, its data and the plain single-process PyTorch loop it must match.
+
+The reference mirrors what the Trainer does with a DistributedSampler(shuffle=False) on N ranks
+with per-rank batch ``bs``: global batch b is samples [b*bs*N, (b+1)*bs*N), the loss is the mean
+over it, and with accumulation the step gradient is the mean of ``accum`` such micro-batches.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from zerotrain import TrainModule
+
+
+def make_data(n: int = 640, d_in: int = 12, seed: int = 1234) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d_in, generator=g)
+    w = torch.randn(d_in, 3, generator=g)
+    y = torch.tanh(x @ w) + 0.1 * torch.randn(n, 3, generator=g)
+    return TensorDataset(x, y)
+
+
+def build_net(d_in: int = 12, hidden: int = 37) -> nn.Module:
+    # odd sizes on purpose: uneven partitions are where sharding bugs hide
+    return nn.Sequential(nn.Linear(d_in, hidden), nn.GELU(), nn.Linear(hidden, hidden), nn.GELU(),
+                         nn.Linear(hidden, 3))
+
+
+def make_optimizer(net: nn.Module, lr: float = 0.05, kind: str = "adamw"):
+    decay = [p for n, p in net.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in net.named_parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0, "lr": lr * 0.5}]
+    if kind == "sgd":
+        opt = torch.optim.SGD(groups, lr=lr, momentum=0.9)
+    else:
+        opt = torch.optim.AdamW(groups, lr=lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.1 * s))
+    return opt, sched
+
+
+class ToyModule(TrainModule):
+    def __init__(self, bs: int = 8, n: int = 640, lr: float = 0.05, opt: str = "adamw", inject_inf_step: int = -1):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = build_net()
+        self.bs, self.n, self.lr, self.opt, self.inject_inf_step = bs, n, lr, opt, inject_inf_step
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x).float(), y)
+        if self.trainer.global_step == self.inject_inf_step:
+            loss = loss * float("inf")
+        self.log("train_loss", loss.detach(), sync_dist=True)
+        self.losses.append(float(self.trainer.strategy.reduce(loss.detach())))
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x).float(), y)
+        self.log("val_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        opt, sched = make_optimizer(self.net, self.lr, self.opt)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def train_dataloader(self):
+        return DataLoader(make_data(self.n), batch_size=self.bs, shuffle=False)
+
+
+def reference(steps: int, world_size: int, bs: int = 8, accum: int = 1, clip: float | None = None,
+              lr: float = 0.05, opt: str = "adamw", n: int = 640) -> dict:
+    """Plain single-process PyTorch over the same global batches."""
+    torch.manual_seed(0)
+    net = build_net()
+    optimizer, sched = make_optimizer(net, lr, opt)
+    loader = DataLoader(make_data(n), batch_size=bs * world_size, shuffle=False)
+    it = iter(loader)
+    losses, lrs = [], []
+    for _ in range(steps):
+        for _ in range(accum):
+            try:
+                x, y = next(it)
+            except StopIteration:
+                it = iter(loader)
+                x, y = next(it)
+            loss = nn.functional.mse_loss(net(x), y)
+            losses.append(float(loss.detach()))
+            (loss / accum).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
+        optimizer.step()
+        optimizer.zero_grad()
+        sched.step()
+        lrs.append(optimizer.param_groups[0]["lr"])
+    return {"params": {k: v.detach().clone() for k, v in net.state_dict().items()}, "losses": losses, "lrs": lrs}
+
+
+def assert_params_close(got: dict, want: dict, rtol: float = 1e-5) -> None:
+    assert set(got) == set(want), (sorted(got), sorted(want))
+    for k in want:
+        g, w = got[k].double(), want[k].double()
+        err = (g - w).norm() / w.norm().clamp_min(1e-12)
+        assert err <= rtol, f"{k}: relative error {err:.3e} > {rtol}"

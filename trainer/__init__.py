@@ -1,0 +1,6 @@
+"""The training loop and the user's module."""
+from .errors import CheckpointError, ConfigError
+from .module import TrainModule
+from .trainer import Trainer, seed_everything
+
+__all__ = ["Trainer", "TrainModule", "ConfigError", "CheckpointError", "seed_everything"]

@@ -1,0 +1,119 @@
+"""Local multi-process launch, as Lightning does it.
+
+When ``fit`` asks for N > 1 processes and no distributed environment exists, the calling process
+becomes global rank 0 and starts ranks 1..N-1 by re-running the same command line (same script or
+``-m`` module, same arguments) with RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set.
+Code after ``fit`` therefore runs on every rank. Under Hydra the children reuse rank 0's output
+directory instead of creating their own.
+
+Failure handling: a watchdog thread in rank 0 polls the children. When one exits with an error its
+traceback is already on the shared stderr; the watchdog kills the other ranks and ends rank 0 with
+the same exit code, even if rank 0 sits blocked inside a collective. Children die with rank 0
+(``PR_SET_PDEATHSIG``), and rank 0 waits for them at exit, so a job never leaves ranks behind.
+"""
+from __future__ import annotations
+
+import atexit
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+from ..strategies.environment import ProcessInfo
+
+
+def _child_command() -> list[str]:
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and spec.name not in ("__main__", None):
+        name = spec.name[: -len(".__main__")] if spec.name.endswith(".__main__") else spec.name
+        cmd = [sys.executable, "-m", name]
+    elif sys.argv and sys.argv[0] and sys.argv[0] not in ("-c", "-") and os.path.exists(sys.argv[0]):
+        cmd = [sys.executable, os.path.abspath(sys.argv[0])]
+    else:
+        raise RuntimeError(
+            "devices > 1 needs a script to re-run for the other ranks, but this process was started "
+            "interactively or with `python -c`. Put the code in a file, or launch it with torchrun.")
+    cmd += sys.argv[1:]
+    return cmd + _hydra_overrides()
+
+
+def _hydra_overrides() -> list[str]:
+    """Make Hydra in the children write into rank 0's run directory, not a fresh one each."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+    except ImportError:
+        return []
+    if not HydraConfig.initialized():
+        return []
+    out_dir = HydraConfig.get().runtime.output_dir
+    return [f"hydra.run.dir={out_dir}", "hydra.output_subdir=null", "hydra/job_logging=none",
+            "hydra/hydra_logging=none"]
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class LocalLauncher:
+    def __init__(self, info: ProcessInfo) -> None:
+        self.info = info
+        self.children: list[subprocess.Popen] = []
+        self._stop = threading.Event()
+
+    def launch(self) -> ProcessInfo:
+        """Start ranks 1..N-1; returns rank 0's ProcessInfo."""
+        info = self.info
+        cmd = _child_command()
+        base = dict(os.environ)
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        base.update(MASTER_ADDR=info.master_addr, MASTER_PORT=str(info.master_port),
+                    WORLD_SIZE=str(info.world_size), LOCAL_WORLD_SIZE=str(info.world_size),
+                    GROUP_RANK="0", ZEROTRAIN_LAUNCHED="1")
+        base.setdefault("OMP_NUM_THREADS", str(max(1, cores // info.world_size)))
+        for rank in range(1, info.world_size):
+            env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank))
+            self.children.append(subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent))
+        # rank 0 describes itself with the same variables, for user code that reads them
+        os.environ.update({k: base[k] for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE",
+                                                 "LOCAL_WORLD_SIZE", "ZEROTRAIN_LAUNCHED")})
+        os.environ.update(RANK="0", LOCAL_RANK="0")
+        threading.Thread(target=self._watch, name="zerotrain-watchdog", daemon=True).start()
+        atexit.register(self.wait)
+        return ProcessInfo(0, 0, info.world_size, info.world_size, 0, info.master_addr,
+                           info.master_port, source="local")
+
+    def _watch(self) -> None:
+        while not self._stop.is_set():
+            for rank, proc in enumerate(self.children, start=1):
+                code = proc.poll()
+                if code not in (None, 0):
+                    sys.stderr.write(f"\n[zerotrain] rank {rank} exited with code {code}; ending the "
+                                     "job (its traceback is above).\n")
+                    sys.stderr.flush()
+                    self.kill()
+                    os._exit(code if code > 0 else 1)
+            time.sleep(0.1)
+
+    def kill(self) -> None:
+        self._stop.set()
+        for proc in self.children:
+            if proc.poll() is None:
+                proc.kill()
+        for proc in self.children:
+            proc.wait()
+
+    def wait(self, timeout: float = 600.0) -> None:
+        """At rank 0's exit: let the other ranks finish the code after ``fit``, then reap them."""
+        deadline = time.monotonic() + timeout
+        for proc in self.children:
+            while proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+        self.kill()
