@@ -40,17 +40,17 @@ def make_optimizer(net: nn.Module, lr: float = 0.05, kind: str = "adamw"):
 
 
 class ToyModule(TrainModule):
-    def __init__(self, bs: int = 8, n: int = 640, lr: float = 0.05, opt: str = "adamw", inject_inf_step: int = -1):
+    def __init__(self, bs: int = 8, n: int = 640, lr: float = 0.05, opt: str = "adamw", inject_inf_steps=()):
         super().__init__()
         torch.manual_seed(0)
         self.net = build_net()
-        self.bs, self.n, self.lr, self.opt, self.inject_inf_step = bs, n, lr, opt, inject_inf_step
+        self.bs, self.n, self.lr, self.opt, self.inject_inf_steps = bs, n, lr, opt, tuple(inject_inf_steps)
         self.losses: list[float] = []
 
     def training_step(self, batch, batch_idx):
         x, y = batch
         loss = nn.functional.mse_loss(self.net(x).float(), y)
-        if self.trainer.global_step == self.inject_inf_step:
+        if self.trainer.global_step in self.inject_inf_steps:
             loss = loss * float("inf")
         self.log("train_loss", loss.detach(), sync_dist=True)
         self.losses.append(float(self.trainer.strategy.reduce(loss.detach())))

@@ -1,0 +1,245 @@
+"""A small GPT-style causal language model in plain PyTorch, the demo model for zerotrain.
+
+Byte-level by default (``vocab_size=256``), so it needs no tokenizer. The layout is the usual
+pre-LayerNorm decoder: token + position embeddings, ``blocks`` (one :class:`Block` per layer), a
+final LayerNorm and an ``lm_head`` whose weight *is* ``wte.weight``.
+
+Two things matter for the sharded strategies:
+
+* ``GPT.blocks`` is an ``nn.ModuleList`` of :class:`Block`; each Block is the unit that ZeRO-3 /
+  FSDP-style strategies gather and free together.
+* :meth:`GPT.init_weights` re-initialises every parameter and buffer in place, in a fixed order,
+  so a model built on the meta device and materialised with ``to_empty(device=...)`` gets real
+  weights, identical to an eager build when the global RNG is seeded the same way right before
+  each ``init_weights()`` call. ``to_empty`` unties ``lm_head.weight`` from ``wte.weight``;
+  ``init_weights`` ties them again, so call it before gathering parameters to shard.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class GPTConfig:
+    """Shape of a :class:`GPT`. ``vocab_size=256`` is byte-level text."""
+
+    vocab_size: int = 256
+    block_size: int = 128  # longest context the model sees (size of the position table)
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 256
+    dropout: float = 0.0
+    bias: bool = False  # biases in Linear and LayerNorm layers
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"GPTConfig.{name} must be a positive int, got {value!r}")
+        if self.n_embd % self.n_head != 0:
+            raise ValueError(
+                f"GPTConfig.n_embd={self.n_embd} must be divisible by GPTConfig.n_head={self.n_head}; "
+                f"pick n_embd as a multiple of n_head"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}")
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = config.n_head
+        self.dropout = config.dropout
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # q, k, v at once
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)  # residual projection
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        # (B, T, C) -> (B, n_head, T, head_dim)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        y = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+        )
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)  # residual projection
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    """One pre-LN decoder layer: ``x + attn(ln_1(x))``, then ``x + mlp(ln_2(x))``."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        x = x + self.mlp(self.ln_2(x))
+        return x
+
+
+class GPT(nn.Module):
+    """A GPT-style causal LM. ``forward(idx, targets=None)`` returns ``(logits, loss)``."""
+
+    def __init__(self, config: GPTConfig | None = None) -> None:
+        super().__init__()
+        self.config = config if config is not None else GPTConfig()
+        c = self.config
+        self.wte = nn.Embedding(c.vocab_size, c.n_embd)
+        self.wpe = nn.Embedding(c.block_size, c.n_embd)
+        self.drop = nn.Dropout(c.dropout)
+        self.blocks = nn.ModuleList(Block(c) for _ in range(c.n_layer))
+        self.ln_f = nn.LayerNorm(c.n_embd, bias=c.bias)
+        self.lm_head = nn.Linear(c.n_embd, c.vocab_size, bias=False)
+        self.tie_weights()
+        self.init_weights()
+
+    def tie_weights(self) -> None:
+        """Make ``lm_head.weight`` the very Parameter ``wte.weight`` (one Parameter, two modules).
+
+        ``to_empty()`` from the meta device gives each module a *new* Parameter and so unties them;
+        :meth:`init_weights` calls this first to restore the tie."""
+        if self.lm_head.weight is not self.wte.weight:
+            self.lm_head.weight = self.wte.weight
+
+    # ---- initialisation
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """(Re-)initialise every parameter and buffer in place, in ``named_modules()`` order.
+
+        Linear and Embedding weights ~ N(0, 0.02); the two residual projections of each block
+        (``attn.c_proj``, ``mlp.c_proj``) ~ N(0, 0.02 / sqrt(2 * n_layer)) so the residual stream
+        does not grow with depth; biases zero; LayerNorm weight one. The tied ``lm_head.weight`` is
+        initialised once, as ``wte.weight``.
+
+        Draws come from the global RNG of the parameters' device. To get the same weights from an
+        eager build and from a meta-device build materialised with ``to_empty(device=...)``, call
+        ``torch.manual_seed(s)`` immediately before each ``init_weights()`` call (module
+        construction itself consumes RNG in an eager build but not on the meta device).
+        It first re-ties ``lm_head.weight`` to ``wte.weight`` (see :meth:`tie_weights`), so a
+        strategy that materialises a meta model should call it before collecting parameters.
+        """
+        self.tie_weights()
+        std = 0.02
+        resid_std = std / math.sqrt(2 * self.config.n_layer)
+        done: set[int] = set()  # ids of tensors already initialised (tied weights appear twice)
+
+        for name, module in self.named_modules():
+            own = [t for t in (*module.parameters(recurse=False), *module.buffers(recurse=False))
+                   if id(t) not in done]
+            if not own:
+                continue
+            if isinstance(module, nn.Linear):
+                if id(module.weight) not in done:
+                    is_resid = name.endswith("c_proj")
+                    nn.init.normal_(module.weight, mean=0.0, std=resid_std if is_resid else std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+            elif isinstance(module, nn.LayerNorm):
+                nn.init.ones_(module.weight)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            else:
+                # A new layer type must say how it is initialised: after to_empty() its memory is garbage.
+                raise TypeError(
+                    f"GPT.init_weights does not know how to initialise {name!r} "
+                    f"({type(module).__name__}); add a branch for it"
+                )
+            done.update(id(t) for t in own)
+
+    # ---- forward
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``idx``: (B, T) int64 token ids with T <= block_size. Returns logits (B, T, vocab_size)
+        and the mean cross-entropy against ``targets`` (B, T), or None without targets."""
+        B, T = idx.shape
+        if T > self.config.block_size:
+            raise ValueError(
+                f"sequence length {T} exceeds GPTConfig.block_size={self.config.block_size}; "
+                f"crop the input or build the model with a larger block_size"
+            )
+        pos = torch.arange(T, device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(pos))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+        return logits, loss
+
+    # ---- accounting
+    def num_params(self, non_embedding: bool = False) -> int:
+        """Number of parameters, each tied parameter counted once. ``non_embedding=True`` leaves out
+        the position table ``wpe``; the token table stays in because, tied to ``lm_head``, it is
+        used as a weight matrix in the output projection."""
+        n = sum(p.numel() for p in self.parameters())  # parameters() deduplicates the tied weight
+        if non_embedding:
+            n -= self.wpe.weight.numel()
+        return n
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs (forward + backward) per token at full context, the PaLM / nanoGPT
+        estimate ``6 N + 12 L H Q T`` (N non-embedding parameters, L layers, H heads, Q head size,
+        T = block_size). ``6 N``: 2 N for the forward matmuls, 4 N for the backward; the second
+        term is attention's score and value products."""
+        c = self.config
+        N = self.num_params(non_embedding=True)
+        L, H, Q, T = c.n_layer, c.n_head, c.n_embd // c.n_head, c.block_size
+        return float(6 * N + 12 * L * H * Q * T)
+
+    # ---- sampling
+    @torch.no_grad()
+    def generate(
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+    ) -> torch.Tensor:
+        """Append ``max_new_tokens`` sampled tokens to ``idx`` (B, T) and return (B, T + new).
+        The context fed to the model is cropped to the last ``block_size`` tokens. Put the model
+        in ``eval()`` first if it uses dropout."""
+        if idx.dim() != 2 or idx.size(1) == 0:
+            raise ValueError(f"generate needs idx of shape (B, T) with T >= 1, got {tuple(idx.shape)}")
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {temperature!r}")
+        if top_k is not None and top_k <= 0:
+            raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
+        for _ in range(max_new_tokens):
+            context = idx[:, -self.config.block_size:]
+            logits, _ = self(context)
+            logits = logits[:, -1, :].float() / temperature
+            if top_k is not None:
+                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            probs = F.softmax(logits, dim=-1)
+            next_idx = torch.multinomial(probs, num_samples=1)
+            idx = torch.cat((idx, next_idx), dim=1)
+        return idx
