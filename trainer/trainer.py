@@ -160,8 +160,8 @@ class Trainer:
     # ------------------------------------------------------------------ public API
     def fit(self, module: TrainModule, train_dataloaders: Iterable | None = None,
             val_dataloaders: Iterable | None = None, ckpt_path: str | None = None) -> None:
-        self._setup(module)
         try:
+            self._setup(module)
             self.train_dataloader = self._prepare_loader(train_dataloaders or module.train_dataloader(), train=True)
             if self.train_dataloader is None:
                 raise ConfigError("Trainer.fit: no training data (pass train_dataloaders or implement "
@@ -175,6 +175,8 @@ class Trainer:
             self.hooks("on_fit_end", self, module)
         except BaseException as exc:
             self.hooks("on_exception", self, module, exc)
+            if self._launcher is not None:  # rank 0 failed: the ranks it started cannot finish
+                self._launcher.kill()
             raise
         finally:
             self._teardown()
@@ -265,7 +267,10 @@ class Trainer:
         kwargs = dict(batch_size=loader.batch_size, sampler=sampler, num_workers=loader.num_workers,
                       collate_fn=loader.collate_fn, pin_memory=loader.pin_memory, drop_last=loader.drop_last,
                       timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
-                      persistent_workers=loader.persistent_workers)
+                      persistent_workers=loader.persistent_workers,
+                      # its own generator: starting an epoch must not draw from the global RNG,
+                      # or a resumed run's dropout would drift from the uninterrupted one
+                      generator=torch.Generator().manual_seed(self.seed))
         if loader.num_workers > 0:
             kwargs["prefetch_factor"] = loader.prefetch_factor
         return DataLoader(loader.dataset, **kwargs)

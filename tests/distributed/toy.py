@@ -40,15 +40,18 @@ def make_optimizer(net: nn.Module, lr: float = 0.05, kind: str = "adamw"):
 
 
 class ToyModule(TrainModule):
-    def __init__(self, bs: int = 8, n: int = 640, lr: float = 0.05, opt: str = "adamw", inject_inf_steps=()):
+    def __init__(self, bs: int = 8, n: int = 640, lr: float = 0.05, opt: str = "adamw", inject_inf_steps=(), shuffle: bool = False):
         super().__init__()
         torch.manual_seed(0)
         self.net = build_net()
         self.bs, self.n, self.lr, self.opt, self.inject_inf_steps = bs, n, lr, opt, tuple(inject_inf_steps)
+        self.shuffle = shuffle
         self.losses: list[float] = []
+        self.seen: list[torch.Tensor] = []  # first feature of every sample, to check data order
 
     def training_step(self, batch, batch_idx):
         x, y = batch
+        self.seen.append(x[:, 0].clone())
         loss = nn.functional.mse_loss(self.net(x).float(), y)
         if self.trainer.global_step in self.inject_inf_steps:
             loss = loss * float("inf")
@@ -67,7 +70,7 @@ class ToyModule(TrainModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     def train_dataloader(self):
-        return DataLoader(make_data(self.n), batch_size=self.bs, shuffle=False)
+        return DataLoader(make_data(self.n), batch_size=self.bs, shuffle=self.shuffle)
 
 
 def reference(steps: int, world_size: int, bs: int = 8, accum: int = 1, clip: float | None = None,

@@ -1,0 +1,81 @@
+"""Resume: 10 steps, checkpoint, a new process resumes for 10 more -> the same parameters, data
+order and LR as an uninterrupted 20-step run. Also the atomicity and safety of checkpoint files."""
+import os
+import pickle
+
+import pytest
+import torch
+
+from harness import run_ranks
+from toy import ToyModule
+from zerotrain import CheckpointError, ModelCheckpoint, Trainer
+
+
+def _train(devices, steps, ckpt_dir, resume_from=None, every=None, strategy="ddp"):
+    module = ToyModule(shuffle=True, n=96)  # 96 samples / (8 x devices) -> epochs end mid-run
+    cbs = [ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=every, save_last=False)] if every else []
+    trainer = Trainer(strategy=strategy, devices=devices, max_steps=steps, accumulate_grad_batches=2,
+                      callbacks=cbs, logger=False, enable_checkpointing=bool(every),
+                      enable_progress_bar=False)
+    trainer.fit(module, ckpt_path=resume_from)
+    full = trainer.full_state_dict()
+    return {"params": full, "seen": torch.cat(module.seen), "lr": trainer.optimizer.param_groups[1]["lr"],
+            "epoch": trainer.current_epoch, "rng": torch.rand(3)}
+
+
+def _resume_case(devices, root):
+    full = _train(devices, 20, os.path.join(root, "a"))
+    first = _train(devices, 10, os.path.join(root, "b"), every=10)
+    second = _train(devices, 20, os.path.join(root, "c"), resume_from=os.path.join(root, "b", "step=000010"))
+    return {"full": full, "first": first, "second": second}
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_resume_continues_exactly(tmp_path, devices):
+    out = run_ranks("test_resume:_resume_case", devices, tmp_path, timeout=180, devices=devices,
+                    root=str(tmp_path))
+    for r in range(devices):
+        full, first, second = out[r]["full"], out[r]["first"], out[r]["second"]
+        assert torch.equal(torch.cat([first["seen"], second["seen"]]), full["seen"])  # data order
+        assert second["lr"] == full["lr"]
+        assert second["epoch"] == full["epoch"]
+        assert torch.equal(second["rng"], full["rng"])  # RNG state restored
+        for k, v in full["params"].items():
+            torch.testing.assert_close(second["params"][k], v, rtol=0, atol=0)
+
+
+def test_checkpoint_refuses_pickled_code_and_detects_truncation(tmp_path):
+    out = run_ranks("test_resume:_train", 1, tmp_path, timeout=120, devices=1, steps=2,
+                    ckpt_dir=str(tmp_path / "ck"), every=2)
+    assert out[0]["params"]
+    ck = tmp_path / "ck" / "step=000002"
+    from zerotrain.trainer import checkpoint_io
+
+    root, meta = checkpoint_io.load_meta(ck)
+    shard = ck / "rank_00000.pt"
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="rank_00000.pt.*corrupt or truncated"):
+        checkpoint_io.load_rank(root, meta, 0)
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {tmp_path / 'pwned'}",))
+
+    torch.save({"rng": Payload()}, shard)  # a pickle with a code payload in place of the shard
+    with pytest.raises(CheckpointError, match="cannot read checkpoint file"):
+        checkpoint_io.load_rank(root, meta, 0, verify=False)
+    assert not (tmp_path / "pwned").exists()
+    shard.write_bytes(pickle.dumps("x"))
+
+
+def test_interrupted_save_leaves_previous_checkpoint_loadable(tmp_path):
+    from zerotrain.trainer import checkpoint_io
+
+    final = tmp_path / "last"
+    final.mkdir()
+    torch.save({"files": {}, "world_size": 1}, final / "meta.pt")
+    os.replace(final, tmp_path / "last.old")  # a save killed between its two renames
+    assert checkpoint_io.resolve(final) == tmp_path / "last.old"
+    (tmp_path / "last.partial").mkdir()  # a save killed while ranks were writing
+    assert checkpoint_io.load_meta(final)[1]["world_size"] == 1
