@@ -18,6 +18,13 @@ def available() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def get(name: str) -> Callable[..., Strategy]:
+    _load_builtin()
+    if name not in _REGISTRY:
+        raise ValueError(f"strategy={name!r} is not registered; valid choices: {', '.join(available())}")
+    return _REGISTRY[name]
+
+
 def strategy_from_name(strategy: "str | Strategy", **kwargs: Any) -> Strategy:
     if isinstance(strategy, Strategy):
         return strategy
@@ -35,8 +42,7 @@ def _load_builtin() -> None:
 
     register("single", SingleDevice)
     register("ddp", DDP)
-    try:  # stages added by later work register here
-        from .zero import register_zero
-        register_zero(register)
-    except ImportError:
-        pass
+    from .pipeline import PipelineStrategy
+    register("pipeline", PipelineStrategy)
+    from .zero import register_zero
+    register_zero(register)

@@ -1,0 +1,24 @@
+"""ZeRO: partition optimizer states (stage 1) and gradients (stage 2) over data-parallel ranks.
+
+Pieces, smallest first: ``layout`` (pure partition arithmetic), ``comm`` (collectives returning
+handles, and the one queue that waits), ``flat_buffer`` (working parameters as views of one flat
+buffer per param group), ``sharded_optimizer`` (fp32 master slices + the user's optimizer
+re-targeted onto them), ``strategy`` (the shared step and checkpoints), ``stage1`` / ``stage2`` (how
+gradients reach each rank's partition) and ``estimate`` (the memory formulas).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from .config import ZeroConfig
+from .stage1 import ZeroStage1
+from .stage2 import ZeroStage2
+from .strategy import ZeroStrategy
+
+
+def register_zero(register: Callable[[str, Callable], None]) -> None:
+    register("zero1", ZeroStage1)
+    register("zero2", ZeroStage2)
+
+
+__all__ = ["ZeroConfig", "ZeroStrategy", "ZeroStage1", "ZeroStage2", "register_zero"]

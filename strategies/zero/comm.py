@@ -1,0 +1,166 @@
+"""The collectives ZeRO issues, as plain functions that return handles, and the one queue that
+waits on them.
+
+Every function takes all its inputs explicitly and returns a handle with ``wait()``. On one process
+(no process group) each is completed at once with single-process semantics, so callers never branch
+on the world size. All reductions are SUM: ``ReduceOp.AVG`` is unreliable on gloo
+(pytorch/pytorch#162338); callers divide by the world size.
+
+Overlap design: a caller launches a collective with ``async_op=True`` and hands the queue an
+:class:`InFlight` - the handles, the buffers they read and write (kept alive until waited), and
+``on_done``, the work to run once the data has arrived (copy my slice out, release the buffer).
+Only :class:`InFlightQueue` waits: when more than ``max_in_flight`` are pending it waits for the
+oldest (bounding bucket memory), and ``wait_all()`` drains it at the end of backward or of the
+all-gather.
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import Callable, NamedTuple, Protocol, Sequence
+
+import torch
+import torch.distributed as dist
+
+SUM = dist.ReduceOp.SUM if dist.is_available() else None
+
+# torch 2.13 renamed the single-tensor collectives; keep working on older releases (>= 2.4)
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class Handle(Protocol):
+    def wait(self) -> object: ...
+
+
+class Done:
+    """The handle of a collective that needed no communication."""
+
+    def wait(self) -> bool:
+        return True
+
+
+def world_size(group: object = None) -> int:
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(group)
+
+
+def backend(group: object = None) -> str:
+    if not (dist.is_available() and dist.is_initialized()):
+        return "none"
+    return str(dist.get_backend(group))
+
+
+def all_reduce_sum(buf: torch.Tensor, group: object = None) -> Handle:
+    """Sum ``buf`` over ranks, in place."""
+    if world_size(group) == 1:
+        return Done()
+    return dist.all_reduce(buf, op=SUM, group=group, async_op=True)
+
+
+def reduce_scatter_sum(out: torch.Tensor, inp: torch.Tensor, group: object = None) -> Handle:
+    """``out`` (n elements) = sum over ranks of ``inp[rank * n:(rank + 1) * n]``."""
+    if world_size(group) == 1:
+        out.copy_(inp)
+        return Done()
+    return _reduce_scatter_single(out, inp, op=SUM, group=group, async_op=True)
+
+
+def reduce_to_owner(buf: torch.Tensor, owner: int, group: object = None) -> Handle:
+    """Sum ``buf`` over ranks into ``owner``'s ``buf`` (other ranks' ``buf`` becomes undefined)."""
+    if world_size(group) == 1:
+        return Done()
+    return dist.reduce(buf, dst=owner, op=SUM, group=group, async_op=True)
+
+
+def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: object = None) -> Handle:
+    """``out[r * n:(r + 1) * n]`` = rank r's ``inp`` (n elements)."""
+    if world_size(group) == 1:
+        out.copy_(inp)
+        return Done()
+    return _all_gather_single(out, inp, group=group, async_op=True)
+
+
+def broadcast_from(buf: torch.Tensor, src: int = 0, group: object = None) -> Handle:
+    if world_size(group) == 1:
+        return Done()
+    return dist.broadcast(buf, src=src, group=group, async_op=True)
+
+
+def gather_to(inp: torch.Tensor, outs: Sequence[torch.Tensor] | None, dst: int = 0,
+              group: object = None) -> Handle:
+    """``outs[r]`` on ``dst`` = rank r's ``inp``; ``outs`` is None on the other ranks."""
+    if world_size(group) == 1:
+        outs[0].copy_(inp)
+        return Done()
+    return dist.gather(inp, gather_list=list(outs) if outs is not None else None, dst=dst,
+                       group=group, async_op=True)
+
+
+class InFlight(NamedTuple):
+    """A launched collective: who waits on it, what it keeps alive, what runs when it is done."""
+
+    handles: tuple[Handle, ...]
+    buffers: tuple[torch.Tensor, ...]
+    on_done: Callable[[], None]
+    label: str = ""
+
+
+class InFlightQueue:
+    """The one place ZeRO waits on communication."""
+
+    def __init__(self, overlap: bool = True, max_in_flight: int = 2) -> None:
+        if max_in_flight < 1:
+            raise ValueError(f"max_in_flight={max_in_flight} must be >= 1")
+        self.overlap = overlap
+        self.max_in_flight = max_in_flight
+        self._pending: deque[InFlight] = deque()
+        #: how many collectives were launched since construction (tests read it to see overlap)
+        self.launched = 0
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def push(self, item: InFlight) -> None:
+        self.launched += 1
+        self._pending.append(item)
+        if not self.overlap:
+            self.wait_all()
+        while len(self._pending) > self.max_in_flight:
+            self.wait_oldest()
+
+    def wait_oldest(self) -> None:
+        item = self._pending.popleft()
+        for h in item.handles:
+            h.wait()
+        item.on_done()
+
+    def wait_all(self) -> None:
+        while self._pending:
+            self.wait_oldest()
+
+
+class BufferPool:
+    """Reusable flat buffers of one dtype, so buckets do not pay a fresh allocation (and its page
+    faults) each time. ``acquire(n)`` returns an n-element view of a pooled buffer."""
+
+    def __init__(self, capacity: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.capacity, self.dtype, self.device = capacity, dtype, device
+        self._free: list[torch.Tensor] = []
+        self.buffers: list[torch.Tensor] = []  # every buffer ever made (for memory reports)
+
+    def acquire(self, numel: int) -> torch.Tensor:
+        if numel > self.capacity:
+            raise ValueError(f"bucket of {numel} elements exceeds the pool capacity {self.capacity}")
+        if not self._free:
+            self.buffers.append(torch.empty(self.capacity, dtype=self.dtype, device=self.device))
+            self._free.append(self.buffers[-1])
+        return self._free.pop()[:numel]
+
+    def release(self, view: torch.Tensor) -> None:
+        base = view._base if view._base is not None else view
+        self._free.append(base)
+
+    def clear(self) -> None:
+        self._free.clear()
+        self.buffers.clear()

@@ -1,0 +1,313 @@
+"""What ZeRO stages share: flat working parameters, fp32 master slices with the user's optimizer
+re-targeted onto them, the step, clipping, checkpoints and the memory report.
+
+A stage differs only in how gradients reach this rank's partition; it supplies that as a
+:class:`GradientShards` object built in ``_build_gradients()`` (stage 1: full gradients reduced
+after backward; stage 2: bucketed reduction during backward into partition buffers).
+
+After ``setup_optimizer`` each rank holds:
+
+* the whole model in the working dtype (``precision.param_dtype``), one flat padded buffer per
+  optimizer param group, parameters being views into it;
+* its fp32 master slice of each group (a view of the working buffer when that is fp32);
+* the optimizer's state for those slices only;
+* whatever gradient buffers its stage keeps.
+
+Step: fp32 gradient slices -> unscale and check overflow (one collective, fp16 only) -> clip (one
+collective) -> inner ``optimizer.step()`` on the slices -> all-gather the updated slices into every
+rank's working buffers -> zero gradients.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from ..base import StepWrapper, Strategy
+from ..memory import count_bytes
+from .comm import InFlight, InFlightQueue, all_reduce_sum, backend, broadcast_from
+from .config import ZeroConfig
+from .estimate import estimate_model_states, format_bytes
+from .flat_buffer import FlatParamGroup, flatten_group
+from .layout import build_layout
+from .sharded_optimizer import ShardedOptimizer
+
+log = logging.getLogger("zerotrain")
+
+
+class GradientShards(Protocol):
+    """How one stage gets reduced gradients into this rank's partitions."""
+
+    def before_backward(self) -> None: ...
+
+    def after_backward(self, sync: bool) -> None:
+        """Called after each ``loss.backward()``; ``sync`` is False inside ``no_sync()``."""
+
+    def partitions(self) -> list[torch.Tensor]:
+        """This rank's reduced gradient slice of each group (any float dtype), valid after a
+        synchronising backward."""
+
+    def zero(self) -> None: ...
+
+    def persistent(self) -> list[torch.Tensor]:
+        """Gradient buffers kept between steps (for the memory report)."""
+
+    def comm_buffers(self) -> list[torch.Tensor]: ...
+
+    def close(self) -> None: ...
+
+
+def trainable_groups(optimizer: torch.optim.Optimizer, module: nn.Module) -> list[list[nn.Parameter]]:
+    """The optimizer's groups, keeping parameters that require grad; checks that they are exactly
+    the module's trainable parameters."""
+    owned = {id(p): name for name, p in module.named_parameters()}
+    seen: dict[int, int] = {}
+    groups = []
+    for gi, group in enumerate(optimizer.param_groups):
+        kept = []
+        for p in group["params"]:
+            if id(p) not in owned:
+                raise ValueError(f"optimizer param group {gi} holds a tensor of shape {tuple(p.shape)} "
+                                 "that is not a parameter of the module: build the optimizer on "
+                                 "module.parameters()")
+            if id(p) in seen:
+                raise ValueError(f"parameter {owned[id(p)]!r} is in optimizer param groups "
+                                 f"{seen[id(p)]} and {gi}: put each parameter in one group")
+            seen[id(p)] = gi
+            if p.requires_grad:
+                if not p.is_floating_point():
+                    raise ValueError(f"parameter {owned[id(p)]!r} has dtype {p.dtype}: ZeRO "
+                                     "trains floating-point parameters only")
+                kept.append(p)
+        groups.append(kept)
+    missing = [name for name, p in module.named_parameters() if p.requires_grad and id(p) not in seen]
+    if missing:
+        raise ValueError(f"trainable parameters {missing[:5]} are in no optimizer param group: add "
+                         "them to the optimizer or set requires_grad=False")
+    return groups
+
+
+class ZeroStrategy(Strategy):
+    stage = 0
+
+    def __init__(self, reduce_bucket_size: int = 20_000_000, allgather_bucket_size: int = 20_000_000,
+                 overlap_comm: bool = True, contiguous_gradients: bool = True,
+                 reduce_dtype: str = "fp32", reduce_mode: str = "auto", partition_alignment: int = 1,
+                 process_group_timeout_s: float = 300.0) -> None:
+        super().__init__(process_group_timeout_s=process_group_timeout_s)
+        self.config = ZeroConfig(reduce_bucket_size, allgather_bucket_size, overlap_comm,
+                                 contiguous_gradients, reduce_dtype, reduce_mode, partition_alignment)
+        self.group: object = None  # the default process group
+        self.flat_groups: list[FlatParamGroup] = []
+        self.sharded: ShardedOptimizer | None = None
+        self.grads: GradientShards | None = None
+        self.reduce_mode: str | None = None  # resolved from the backend at setup_optimizer
+        self.queue = InFlightQueue(overlap=self.config.overlap_comm)
+        self._sync = True  # False inside no_sync()
+        self._step_grads: list[torch.Tensor] | None = None
+        self._logged_after_step = False
+
+    # ------------------------------------------------------------------ set-up
+    def setup_module(self, module: nn.Module) -> None:
+        # Parameters stay as built (fp32) until setup_optimizer, so master weights start exact.
+        module = self.precision.convert_module(module).to(self.device)
+        self.module = module
+        self.model = StepWrapper(module)
+
+    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        assert self.module is not None, "setup_module must run before setup_optimizer"
+        groups = trainable_groups(optimizer, self.module)
+        self._broadcast_extras()
+        masters = []
+        for params in groups:
+            layout = build_layout([p.numel() for p in params], self.world_size,
+                                  self.config.partition_alignment)
+            fg, master = flatten_group(params, layout, self.precision.param_dtype, self.global_rank,
+                                       self.queue, self.group)
+            self.flat_groups.append(fg)
+            masters.append(master)
+        self.sharded = ShardedOptimizer(optimizer, masters)
+        self.optimizer = optimizer
+        self.reduce_mode = self.config.resolved_reduce_mode(backend(self.group))
+        self.grads = self._build_gradients()
+        self._log_memory("at setup (optimizer state is allocated by the first step)")
+
+    def _build_gradients(self) -> GradientShards:
+        raise NotImplementedError
+
+    def _extra_state_names(self) -> list[str]:
+        """State-dict entries that are not trainable parameters: buffers and frozen parameters."""
+        assert self.module is not None
+        trainable = {n for n, p in self.module.named_parameters(remove_duplicate=False) if p.requires_grad}
+        return [k for k in self.module.state_dict() if k not in trainable]
+
+    def _broadcast_extras(self) -> None:
+        """Collective: rank 0's buffers and frozen parameters everywhere (as DDP does)."""
+        if self.world_size == 1:
+            return
+        sd = self.module.state_dict(keep_vars=True)
+        for name in self._extra_state_names():
+            t = sd[name].data if isinstance(sd[name], torch.Tensor) else None
+            if t is not None and t.numel():
+                self.queue.push(InFlight((broadcast_from(t, 0, self.group),), (t,), _nothing, name))
+        self.queue.wait_all()
+
+    # ------------------------------------------------------------------ the step
+    def backward(self, loss: torch.Tensor) -> None:
+        assert self.grads is not None, "setup_optimizer must run before backward"
+        self.grads.before_backward()
+        self.precision.scale_loss(loss).backward()
+        self.grads.after_backward(self._sync)
+
+    def step_gradients(self) -> list[torch.Tensor]:
+        """This rank's fp32 gradient slice of each group (attached to the master slices)."""
+        if self._step_grads is None:
+            self._step_grads = [g if g.dtype == torch.float32 else g.float()
+                                for g in self.grads.partitions()]
+            self.sharded.set_grads(self._step_grads)
+        return self._step_grads
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Collective: clip to a global L2 norm of ``max_norm`` computed from the partitions (one
+        all-reduce of the squared sum); returns the norm before clipping, as
+        ``torch.nn.utils.clip_grad_norm_`` over the full gradient would."""
+        sq = self._local_grad_sq_norm().float().reshape(1)
+        self.queue.push(InFlight((all_reduce_sum(sq, self.group),), (sq,), _nothing, "grad norm"))
+        self.queue.wait_all()
+        total = sq[0].sqrt()
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in self.step_gradients():
+            g.mul_(coef)
+        return total
+
+    def optimizer_step(self, gradient_clip_val: float | None = None) -> bool:
+        assert self.sharded is not None, "setup_optimizer must run before optimizer_step"
+        grads = self.step_gradients()
+        overflow = self.precision.unscale_and_check(grads, self.any_rank)
+        self.precision.update(overflow)
+        if not overflow:
+            if gradient_clip_val:
+                self.clip_grad_norm_(gradient_clip_val)
+            self.sharded.step()
+            self._gather_params()
+        self.zero_grad()
+        if not overflow and not self._logged_after_step:
+            self._logged_after_step = True
+            self._log_memory("after the first step")
+        return not overflow
+
+    def zero_grad(self) -> None:
+        self.sharded.clear_grads()
+        self._step_grads = None
+        self.grads.zero()
+
+    def _gather_params(self) -> None:
+        for fg, master in zip(self.flat_groups, self.sharded.masters):
+            fg.gather_from(master.detach(), self.global_rank, self.config.allgather_bucket_size,
+                           self.queue, self.group)
+
+    # ------------------------------------------------------------------ checkpoints
+    def writes_shard(self) -> bool:
+        return True
+
+    def checkpoint_shard_rank(self) -> int:
+        return self.global_rank
+
+    def _layout_meta(self) -> dict[str, Any]:
+        return {"world_size": self.world_size, "rank": self.global_rank,
+                "numels": [fg.layout.numel for fg in self.flat_groups],
+                "padded_numels": [fg.layout.padded_numel for fg in self.flat_groups]}
+
+    def state_dict(self) -> dict[str, Any]:
+        assert self.sharded is not None and self.module is not None
+        state = {"zero": {"stage": self.stage, **self._layout_meta()}, **self.sharded.state_dict(),
+                 "precision": self.precision.state_dict()}
+        if self.is_global_zero:
+            sd = self.module.state_dict()
+            state["module_extra"] = {k: sd[k].detach().clone() for k in self._extra_state_names()}
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Collective. Loads this rank's shard (stage 1 and 2 shards are interchangeable)."""
+        assert self.sharded is not None and self.module is not None
+        meta, mine = state.get("zero", {}), self._layout_meta()
+        for key in ("world_size", "rank", "numels", "padded_numels"):
+            if meta.get(key) != mine[key]:
+                raise ValueError(
+                    f"checkpoint shard has {key}={meta.get(key)!r} but this run has {mine[key]!r}: "
+                    "ZeRO shards load only on the same world size and model; export weights with "
+                    "full_state_dict() to change either")
+        self.sharded.load_state_dict(state)
+        self.precision.load_state_dict(state.get("precision", {}))
+        if "module_extra" in state:
+            self.module.load_state_dict(state["module_extra"], strict=False)
+        self._broadcast_extras()
+        self._gather_params()
+        self.zero_grad()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Collective: the complete fp32 weights (from the masters) on rank 0 with the module's
+        ``state_dict`` keys - tied parameters under each of their names, sharing one tensor as
+        ``module.state_dict()`` does; ``{}`` elsewhere."""
+        assert self.sharded is not None and self.module is not None
+        values: dict[int, torch.Tensor] = {}
+        for i, fg in enumerate(self.flat_groups):
+            full = self.sharded.gather_full(i, fg.layout, self.global_rank, self.queue, self.group)
+            if full is not None:
+                # one tensor per parameter (not views of one buffer: writers such as
+                # safetensors refuse tensors that share storage)
+                full = full.to("cpu")
+                values.update({id(p): fg.view(j, full).clone() for j, p in enumerate(fg.params)})
+        if not self.is_global_zero:
+            return {}
+        by_name = dict(self.module.named_parameters(remove_duplicate=False))
+        out = {}
+        for k, v in self.module.state_dict().items():
+            p = by_name.get(k)
+            out[k] = values[id(p)] if p is not None and id(p) in values else v.detach().to("cpu", copy=True)
+        return out
+
+    # ------------------------------------------------------------------ memory and end
+    def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
+        return {"params": list(self.module.parameters()) if self.module is not None else [],
+                "grads": self.grads.persistent() if self.grads else [],
+                "master": self.sharded.masters if self.sharded else [],
+                "optimizer": self.sharded.state_tensors() if self.sharded else [],
+                "comm_buffers": self.grads.comm_buffers() if self.grads else []}
+
+    def _grad_bytes_per_param(self) -> int:
+        """Bytes per parameter of the gradients this stage keeps (for the formula)."""
+        return self.precision.param_dtype.itemsize
+
+    def _log_memory(self, when: str) -> None:
+        if not self.is_global_zero or not log.isEnabledFor(logging.INFO):
+            return
+        psi = sum(fg.layout.numel for fg in self.flat_groups)
+        pdt = self.precision.param_dtype
+        est = estimate_model_states(
+            psi, self.world_size, param_bytes=pdt.itemsize, grad_bytes=self._grad_bytes_per_param(),
+            master_bytes=0 if pdt == torch.float32 else 4,
+            optimizer_bytes=8)[f"zero{self.stage}"]
+        got = count_bytes(self)
+        parts = ", ".join(f"{k} {format_bytes(got[k])} (formula {format_bytes(getattr(est, k))})"
+                          for k in ("params", "grads", "master", "optimizer"))
+        log.info("%s: model states per rank %s, %s; total %s (formula %s, optimizer counted as Adam's "
+                 "8 B/param); communication buffers %s; %d trainable params on %d ranks", self.name,
+                 when, parts, format_bytes(got["total"] - got["comm_buffers"]), format_bytes(est.total),
+                 format_bytes(got["comm_buffers"]), psi, self.world_size)
+
+    def teardown(self) -> None:
+        if self.grads is not None:
+            self.grads.close()
+        self.queue.wait_all()
+        super().teardown()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(world_size={self.world_size}, {self.config.as_dict()})"
+
+
+def _nothing() -> None:
+    pass
+

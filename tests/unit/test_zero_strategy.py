@@ -1,0 +1,150 @@
+"""ZeRO stages in one process (no process group): options, set-up checks, the step, the log."""
+import copy
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from zerotrain.strategies import strategy_from_name
+from zerotrain.strategies.environment import ProcessInfo
+from zerotrain.strategies.precision import BF16Mixed, Precision
+from zerotrain.strategies.zero import ZeroConfig, ZeroStage1, ZeroStage2
+from zerotrain.trainer.module import TrainModule
+
+
+class Net(TrainModule):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x).float(), y)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2, fused=True)
+
+
+def make(cls, module, precision=None, **kwargs):
+    s = cls(**kwargs)
+    s.connect(ProcessInfo(), torch.device("cpu"), precision or Precision())
+    s.setup_environment()
+    s.configure_model(module)
+    s.setup_module(module)
+    s.setup_optimizer(module.configure_optimizers())
+    return s
+
+
+def batches(n=6):
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randn(8, 5, generator=g), torch.randn(8, 3, generator=g)) for _ in range(n)]
+
+
+@pytest.mark.parametrize("cls", [ZeroStage1, ZeroStage2])
+def test_one_process_matches_pytorch_with_accumulation_and_clipping(cls):
+    ref, model = Net(), Net()
+    opt = ref.configure_optimizers()
+    s = make(cls, model, reduce_bucket_size=20, allgather_bucket_size=9)
+    data = batches()
+    for i in range(0, len(data), 2):
+        for k, b in enumerate(data[i:i + 2]):
+            (ref.training_step(b, 0) / 2).backward()
+            ctx = s.no_sync() if k == 0 else torch.enable_grad()
+            with ctx:
+                s.backward(s.training_step(b, 0) / 2)
+        expected_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
+        opt.step()
+        opt.zero_grad()
+        norm = s.clip_grad_norm_(0.1)
+        torch.testing.assert_close(norm, expected_norm, rtol=1e-6, atol=0)
+        assert s.optimizer_step() is True
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_stage1_grads_are_views_and_stage2_frees_them():
+    m1, m2 = Net(), Net()
+    s1, s2 = make(ZeroStage1, m1), make(ZeroStage2, m2)
+    b = batches(1)[0]
+    s1.backward(s1.training_step(b, 0))
+    s2.backward(s2.training_step(b, 0))
+    buf = s1.grads.buffers[0]
+    assert all(p.grad is not None and p.grad.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+               for p in m1.parameters())
+    assert all(p.grad is None for p in m2.parameters())  # only the partition holds gradients
+    torch.testing.assert_close(s1.grads.partitions()[0], s2.grads.partitions()[0])
+    m1.zero_grad()  # someone drops the views: the next backward re-attaches them
+    s1.backward(s1.training_step(b, 0))
+    assert m1.net[0].weight.grad.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+
+
+def test_bf16_working_params_with_fp32_masters():
+    model = Net()
+    fp32 = [p.detach().clone() for p in model.parameters()]
+    s = make(ZeroStage2, model, BF16Mixed(), reduce_dtype="bf16")
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    master = s.sharded.masters[0]
+    assert master.dtype == torch.float32
+    torch.testing.assert_close(master[:35], fp32[0].reshape(-1))  # exact copy of the fp32 init
+    assert s.grads.partitions()[0].dtype == torch.bfloat16
+    s.backward(s.training_step(batches(1)[0], 0))
+    assert s.optimizer_step(1.0)
+    full = s.full_state_dict()
+    assert all(v.dtype == torch.float32 for v in full.values())
+    torch.testing.assert_close(full["net.0.weight"].to(torch.bfloat16), model.net[0].weight.detach())
+
+
+def test_setup_log_states_measured_and_formula(caplog):
+    with caplog.at_level(logging.INFO, logger="zerotrain"):
+        s = make(ZeroStage1, Net(), BF16Mixed())
+        s.backward(s.training_step(batches(1)[0], 0))
+        s.optimizer_step()
+    lines = [r.getMessage() for r in caplog.records if r.name == "zerotrain"]
+    assert len(lines) == 2 and "at setup" in lines[0] and "after the first step" in lines[1]
+    assert "formula" in lines[1] and "optimizer" in lines[1]
+    assert set(s.memory_report()) == {"params", "grads", "master", "optimizer", "comm_buffers", "total"}
+
+
+def test_optimizer_must_cover_the_trainable_parameters():
+    model = Net()
+    s = ZeroStage1()
+    s.connect(ProcessInfo(), torch.device("cpu"), Precision())
+    s.setup_module(model)
+    with pytest.raises(ValueError, match=r"\['net.2.weight', 'net.2.bias'\] are in no optimizer"):
+        s.setup_optimizer(torch.optim.SGD(model.net[0].parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="not a parameter of the module"):
+        s.setup_optimizer(torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1))
+
+
+def test_checkpoint_from_another_layout_is_refused():
+    s = make(ZeroStage2, Net())
+    state = copy.deepcopy(s.state_dict())
+    state["zero"]["world_size"] = 2
+    with pytest.raises(ValueError, match="world_size=2 but this run has 1"):
+        s.load_state_dict(state)
+
+
+def test_options_are_validated_with_field_and_value():
+    assert ZeroConfig(reduce_bucket_size=5e7).reduce_bucket_size == 50_000_000
+    cases = [
+        (dict(reduce_bucket_size=0), ValueError, "reduce_bucket_size=0"),
+        (dict(allgather_bucket_size=1.5), ValueError, "allgather_bucket_size=1.5"),
+        (dict(reduce_bucket_size="big"), TypeError, "reduce_bucket_size='big'"),
+        (dict(overlap_comm="yes"), TypeError, "overlap_comm='yes'"),
+        (dict(reduce_dtype="fp8"), ValueError, "reduce_dtype='fp8'"),
+        (dict(reduce_mode="ring"), ValueError, "reduce_mode='ring'"),
+        (dict(contiguous_gradients=False), ValueError, "contiguous_gradients=False"),
+        (dict(process_group_timeout_s=0), ValueError, "process_group_timeout_s=0"),
+    ]
+    for kwargs, err, match in cases:
+        with pytest.raises(err, match=match):
+            ZeroStage2(**kwargs)
+    assert ZeroConfig().resolved_reduce_mode("gloo") == "all_reduce"
+    assert ZeroConfig().resolved_reduce_mode("nccl") == "reduce_scatter"
+
+
+def test_registered_names():
+    assert isinstance(strategy_from_name("zero1"), ZeroStage1)
+    assert isinstance(strategy_from_name("zero2", overlap_comm=False), ZeroStage2)
