@@ -1,0 +1,15 @@
+"""Pipeline parallelism: layers cut into stages on different processes, micro-batches streamed
+through them on a 1F1B or GPipe schedule, optionally times data-parallel replicas.
+
+``module.py`` (PipelineModule, LayerSpec, TiedLayerSpec), ``partition.py`` (pure stage cuts),
+``schedule.py`` (pure instruction lists), ``topology.py`` (pure rank grid), ``p2p.py`` (headers and
+batched sends/receives), ``stage.py`` (runs one stage's instructions), ``collectives.py`` (gradient
+and weight reductions), ``strategy.py`` (the Strategy the Trainer talks to).
+"""
+from .module import LayerSpec, PipelineModule, Tie, TiedLayerSpec
+from .schedule import SCHEDULES
+from .strategy import PipelineStrategy
+from .topology import PipelineGrid
+
+__all__ = ["LayerSpec", "PipelineModule", "PipelineStrategy", "PipelineGrid", "SCHEDULES", "Tie",
+           "TiedLayerSpec"]

@@ -1,0 +1,265 @@
+"""PipelineModule: a sequence of layers cut into stages, of which each process builds only its own.
+
+Layers are modules, plain callables (no parameters), ``LayerSpec(cls, *args, **kwargs)`` (built
+only on the stage that owns it) or ``TiedLayerSpec(key, cls, ...)`` (one module used at several
+positions: an embedding reused as the LM head). The cut is decided at construction from the specs
+alone (pure code in ``partition.py``); ``build(stage)`` then constructs the stage's layers. The
+pipeline strategy calls ``build`` in ``configure_model``.
+
+**Names.** Layer ``i`` is registered under the name ``str(i)``, exactly as ``nn.Sequential`` names
+it, so a stage's ``state_dict`` is the subset of the non-pipelined ``nn.Sequential(*layers)``'s
+state dict that the stage owns, key for key (``3.weight`` here is ``3.weight`` there; under a
+TrainModule attribute ``pipe`` both are ``pipe.3.weight``). ``stage_state_dict`` cuts a full state
+dict down to a stage; ``owner_stages_of_key`` maps a key to the stages that hold it. A tied module
+appears under every index that uses it, like a shared module in a Sequential.
+
+**Ties.** A ``Tie`` names parameters, as ``(layer index, parameter name)``, that are one weight.
+Stages holding a member keep a copy each; the strategy broadcasts it from the lowest owning stage
+at set-up and all-reduces its gradient among the owners after the backward. Ties come from
+``TiedLayerSpec`` (same key) and, in ``from_sequential``, from parameters shared between layers.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from .partition import partition, stage_of_layer
+
+
+class LayerSpec:
+    """Build ``cls(*args, **kwargs)`` later, on the stage that owns the layer only."""
+
+    def __init__(self, cls: Callable[..., nn.Module], *args: Any, **kwargs: Any) -> None:
+        if not callable(cls):
+            raise TypeError(f"LayerSpec: {cls!r} is not a class or factory")
+        self.cls, self.args, self.kwargs = cls, args, kwargs
+
+    def build(self) -> nn.Module:
+        return self.cls(*self.args, **self.kwargs)
+
+    def __repr__(self) -> str:
+        name = getattr(self.cls, "__name__", repr(self.cls))
+        return f"{type(self).__name__}({name}, args={self.args}, kwargs={self.kwargs})"
+
+
+class TiedLayerSpec(LayerSpec):
+    """A layer whose module is shared by every ``TiedLayerSpec`` with the same ``key``.
+
+    ``forward_fn(module, x)`` replaces ``module(x)`` at this position (e.g. ``lambda emb, h: h @
+    emb.weight.t()`` for an LM head tied to the embedding). ``tied_weight_attr`` names the
+    parameter(s), dotted paths inside the module, kept equal across stages.
+    """
+
+    def __init__(self, key: str, cls: Callable[..., nn.Module], *args: Any,
+                 forward_fn: Callable[[nn.Module, Any], Any] | None = None,
+                 tied_weight_attr: "str | Sequence[str]" = "weight", **kwargs: Any) -> None:
+        super().__init__(cls, *args, **kwargs)
+        self.key = str(key)
+        self.forward_fn = forward_fn
+        attrs = (tied_weight_attr,) if isinstance(tied_weight_attr, str) else tuple(tied_weight_attr)
+        if not attrs:
+            raise ValueError(f"TiedLayerSpec(key={key!r}): tied_weight_attr names no parameter")
+        self.tied_weight_attr = attrs
+
+
+@dataclass(frozen=True)
+class Tie:
+    key: str
+    members: tuple[tuple[int, str], ...]  # (layer index, parameter name inside that layer)
+    #: True when the members are uses of one module (TiedLayerSpec): then every parameter of that
+    #: module must be a member, or the stages' copies of the rest would drift apart.
+    shares_module: bool = False
+
+    @property
+    def layers(self) -> list[int]:
+        return sorted({i for i, _ in self.members})
+
+
+def count_parameters(layer: Any) -> int:
+    """Parameters of a layer; a spec is built on the meta device, which allocates nothing."""
+    if isinstance(layer, LayerSpec):
+        with torch.device("meta"):
+            layer = layer.build()
+    if isinstance(layer, nn.Module):
+        return sum(p.numel() for p in layer.parameters())
+    return 0
+
+
+def _get_parameter(module: nn.Module, name: str) -> nn.Parameter:
+    try:
+        return module.get_parameter(name)
+    except AttributeError as err:
+        raise ValueError(f"pipeline tie: {type(module).__name__} has no parameter {name!r} "
+                         f"(its parameters: {[n for n, _ in module.named_parameters()]})") from err
+
+
+class PipelineModule(nn.Module):
+    def __init__(self, layers: Iterable[Any], num_stages: int,
+                 partition_method: "str | Sequence[int]" = "parameters",
+                 loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+                 ties: Sequence[Tie] = ()) -> None:
+        super().__init__()
+        specs = list(layers)
+        for i, layer in enumerate(specs):
+            if not (isinstance(layer, (LayerSpec, nn.Module)) or callable(layer)):
+                raise TypeError(f"PipelineModule: layer {i} is {type(layer).__name__}; give a module, a "
+                                "LayerSpec/TiedLayerSpec or a parameter-free callable")
+        self.num_stages = int(num_stages)
+        self.num_layers = len(specs)
+        weights = ([count_parameters(s) for s in specs] if partition_method == "parameters"
+                   else [1] * len(specs))
+        self.bounds = partition(weights, self.num_stages, partition_method)
+        self.ties = tuple(sorted(_spec_ties(specs) + list(ties), key=lambda t: t.key))
+        object.__setattr__(self, "loss_fn", loss_fn)  # a plain attribute: never part of state
+        object.__setattr__(self, "_specs", specs)  # not registered: only owned layers become children
+        self.stage: int | None = None
+        self._forward_fns: list[Callable[[Any], Any]] = []
+
+    @classmethod
+    def from_sequential(cls, sequential: nn.Sequential, num_stages: int,
+                        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+                        partition_method: "str | Sequence[int]" = "parameters") -> "PipelineModule":
+        """Pipeline an existing ``nn.Sequential``; parameters shared between its layers become ties."""
+        layers = list(sequential)
+        return cls(layers, num_stages, partition_method, loss_fn, ties=_shared_parameter_ties(layers))
+
+    # ------------------------------------------------------------------ layout (pure)
+    def stage_of_layer(self, index: int) -> int:
+        return stage_of_layer(self.bounds, index)
+
+    def layer_range(self, stage: int) -> range:
+        return range(self.bounds[stage], self.bounds[stage + 1])
+
+    def tie_owner_stages(self, tie: Tie) -> list[int]:
+        return sorted({self.stage_of_layer(i) for i in tie.layers})
+
+    def owner_stages_of_key(self, key: str) -> list[int]:
+        """Stages holding a state-dict key such as ``3.weight`` (more than one for a tied layer)."""
+        head = key.split(".", 1)[0]
+        if not head.isdigit() or int(head) >= self.num_layers:
+            raise KeyError(f"{key!r} does not name a layer of this {self.num_layers}-layer pipeline")
+        index = int(head)
+        stages = {self.stage_of_layer(index)}
+        for tie in self.ties:
+            if index in tie.layers:
+                stages.update(self.tie_owner_stages(tie))
+        return sorted(stages)
+
+    # ------------------------------------------------------------------ this stage
+    @property
+    def is_built(self) -> bool:
+        return self.stage is not None
+
+    def build(self, stage: int) -> None:
+        """Construct (or keep) the layers of ``stage``; drop every other layer."""
+        if self.is_built:
+            if stage != self.stage:
+                raise RuntimeError(f"PipelineModule already built for stage {self.stage}, not {stage}")
+            return
+        if not 0 <= stage < self.num_stages:
+            raise ValueError(f"stage={stage} outside 0..{self.num_stages - 1}")
+        shared: dict[str, nn.Module] = {}
+        for i in self.layer_range(stage):
+            layer = self._specs[i]
+            if isinstance(layer, TiedLayerSpec):
+                module = shared.get(layer.key) or layer.build()
+                shared[layer.key] = module
+                fn = functools.partial(layer.forward_fn, module) if layer.forward_fn else module
+            elif isinstance(layer, LayerSpec):
+                module = fn = layer.build()
+            else:
+                module = fn = layer
+            if isinstance(module, nn.Module):
+                self.add_module(str(i), module)
+            self._forward_fns.append(fn)
+        self.stage = stage
+        self._check_ties()
+        object.__setattr__(self, "_specs", None)  # release the layers other stages own
+
+    def _check_ties(self) -> None:
+        for tie in self.ties:
+            if not tie.shares_module or len(self.tie_owner_stages(tie)) < 2:
+                continue
+            for i in tie.layers:
+                if i not in self.layer_range(self.stage):
+                    continue
+                tied = {name for j, name in tie.members if j == i}
+                layer = getattr(self, str(i))
+                for name, _ in layer.named_parameters():
+                    if name not in tied and not self._tied_elsewhere(i, name):
+                        raise ValueError(
+                            f"pipeline tie {tie.key!r}: layer {i} ({type(layer).__name__}) spans stages "
+                            f"{self.tie_owner_stages(tie)} but its parameter {name!r} is not tied, so its "
+                            f"copies would diverge; add {name!r} to tied_weight_attr")
+
+    def _tied_elsewhere(self, index: int, name: str) -> bool:
+        return any((index, name) in t.members for t in self.ties)
+
+    def tied_parameters(self, tie: Tie) -> list[nn.Parameter]:
+        """This stage's copy of a tie's parameters (empty if the stage holds none)."""
+        self._require_built()
+        out: dict[int, nn.Parameter] = {}
+        for i, name in tie.members:
+            if i in self.layer_range(self.stage):
+                p = _get_parameter(getattr(self, str(i)), name)
+                out[id(p)] = p
+        return list(out.values())
+
+    def stage_state_dict(self, full: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+        """The entries of a non-pipelined state dict (keys ``prefix + "3.weight"``) that this
+        stage holds, ready for ``load_state_dict``; raises if one is missing."""
+        self._require_built()
+        own = {prefix + k for k in self.state_dict().keys()}
+        missing = sorted(own - set(full))
+        if missing:
+            raise KeyError(f"stage {self.stage}: the state dict lacks {missing}")
+        return {k[len(prefix):]: full[k] for k in own}
+
+    def forward(self, x: Any) -> Any:
+        self._require_built()
+        for fn in self._forward_fns:
+            x = fn(x)
+        return x
+
+    def _require_built(self) -> None:
+        if not self.is_built:
+            raise RuntimeError("PipelineModule is not built: train it with strategy='pipeline' or call "
+                               ".build(stage) first")
+
+    def extra_repr(self) -> str:
+        return f"stage={self.stage}, num_stages={self.num_stages}, bounds={self.bounds}"
+
+
+def _spec_ties(specs: list[Any]) -> list[Tie]:
+    by_key: dict[str, list[tuple[int, str]]] = {}
+    first: dict[str, TiedLayerSpec] = {}
+    for i, spec in enumerate(specs):
+        if isinstance(spec, TiedLayerSpec):
+            ref = first.setdefault(spec.key, spec)
+            if (spec.cls, spec.args, spec.kwargs) != (ref.cls, ref.args, ref.kwargs):
+                raise ValueError(f"TiedLayerSpec(key={spec.key!r}) at layer {i} builds a different module "
+                                 "than its first use; every use of a key must give the same class and args")
+            by_key.setdefault(spec.key, []).extend((i, a) for a in spec.tied_weight_attr)
+    return [Tie(k, tuple(m), shares_module=True) for k, m in by_key.items()]
+
+
+def _shared_parameter_ties(layers: list[Any]) -> list[Tie]:
+    owners: dict[int, list[tuple[int, str]]] = {}
+    for i, layer in enumerate(layers):
+        if isinstance(layer, nn.Module):
+            for name, p in layer.named_parameters(remove_duplicate=False):
+                owners.setdefault(id(p), []).append((i, name))
+    return [Tie(f"shared:{m[0][0]}.{m[0][1]}", tuple(m)) for m in owners.values()
+            if len({i for i, _ in m}) > 1]
+
+
+def find_pipeline_module(module: nn.Module) -> PipelineModule:
+    for m in module.modules():
+        if isinstance(m, PipelineModule):
+            return m
+    raise ValueError(f"strategy='pipeline' needs a PipelineModule inside {type(module).__name__} (as an "
+                     "attribute, built in __init__ or configure_model); none was found")

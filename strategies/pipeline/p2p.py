@@ -1,0 +1,149 @@
+"""Point-to-point traffic between neighbouring stages.
+
+What crosses a stage boundary is a tensor or a tuple of tensors. Its layout (count, shapes,
+dtypes, which tensors require grad) travels once as a small int64 *header* before the first
+micro-batch of a given input shape; both ends cache it under a key that both can compute without
+talking (the micro-batch's input shapes and train/eval mode: every stage of a replica sees the
+same batch). After that only the tensors travel, received into buffers allocated from the cached
+layout. Gradients travel back only for the tensors that require grad, in the same order, so their
+layout is the sender's own cached header.
+
+One exchange posts all of its sends and receives with ``batch_isend_irecv`` and waits for all of
+them before the executor moves on (``Exchange`` is the in-flight value: its handles and the
+tensors that must stay alive until they complete).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Hashable, NamedTuple, Sequence
+
+import torch
+import torch.distributed as dist
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
+           torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
+_HEADER_TAG = 7_000  # headers never share a tag with data (tags 0..n-1: position in the tuple)
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+
+
+@dataclass(frozen=True)
+class ActivationMeta:
+    """The layout of one stage-boundary value: a tensor, or a tuple of tensors."""
+
+    tensors: tuple[TensorMeta, ...]
+    is_tuple: bool
+
+    @classmethod
+    def of(cls, value: Any) -> "ActivationMeta":
+        is_tuple = isinstance(value, (tuple, list))
+        items = tuple(value) if is_tuple else (value,)
+        for i, t in enumerate(items):
+            if not torch.is_tensor(t):
+                raise TypeError(f"pipeline: a stage returned {type(t).__name__} at position {i}; values "
+                                "passed between stages must be a tensor or a tuple of tensors")
+            if t.dtype not in _DTYPES:
+                raise TypeError(f"pipeline: dtype {t.dtype} at position {i} cannot cross a stage boundary")
+        return cls(tuple(TensorMeta(tuple(t.shape), t.dtype, bool(t.requires_grad)) for t in items), is_tuple)
+
+    def flatten(self, value: Any) -> list[torch.Tensor]:
+        return list(value) if self.is_tuple else [value]
+
+    def unflatten(self, tensors: Sequence[torch.Tensor]) -> Any:
+        return tuple(tensors) if self.is_tuple else tensors[0]
+
+    @property
+    def grad_positions(self) -> list[int]:
+        """Positions of the tensors whose gradient travels back."""
+        return [i for i, t in enumerate(self.tensors) if t.requires_grad]
+
+    def empty(self, device: torch.device) -> list[torch.Tensor]:
+        return [torch.empty(t.shape, dtype=t.dtype, device=device) for t in self.tensors]
+
+    def empty_grads(self, device: torch.device) -> list[torch.Tensor]:
+        return [torch.empty(self.tensors[i].shape, dtype=self.tensors[i].dtype, device=device)
+                for i in self.grad_positions]
+
+    def encode(self) -> torch.Tensor:
+        out = [int(self.is_tuple), len(self.tensors)]
+        for t in self.tensors:
+            out += [_DTYPES.index(t.dtype), int(t.requires_grad), len(t.shape), *t.shape]
+        return torch.tensor(out, dtype=torch.int64)
+
+    @classmethod
+    def decode(cls, header: torch.Tensor) -> "ActivationMeta":
+        v = [int(x) for x in header.tolist()]
+        is_tuple, n, pos, tensors = bool(v[0]), v[1], 2, []
+        for _ in range(n):
+            dtype, rg, ndim = _DTYPES[v[pos]], bool(v[pos + 1]), v[pos + 2]
+            tensors.append(TensorMeta(tuple(v[pos + 3:pos + 3 + ndim]), dtype, rg))
+            pos += 3 + ndim
+        return cls(tuple(tensors), is_tuple)
+
+
+class Exchange(NamedTuple):
+    """Posted sends and receives: wait on ``works``; ``keep`` holds the send buffers alive."""
+
+    works: list
+    keep: list
+
+
+class PipeComm:
+    """This stage's links to its neighbours (global ranks; ``None`` at the ends)."""
+
+    def __init__(self, prev_rank: int | None, next_rank: int | None, device: torch.device) -> None:
+        self.prev_rank, self.next_rank, self.device = prev_rank, next_rank, device
+        self.sent: dict[Hashable, ActivationMeta] = {}  # layouts this stage sent forward
+        self.received: dict[Hashable, ActivationMeta] = {}  # layouts it received
+
+    # ---- headers (blocking; at most once per key and direction)
+    def ensure_header_sent(self, key: Hashable, meta: ActivationMeta) -> None:
+        known = self.sent.get(key)
+        if known is not None:
+            if known != meta:
+                raise RuntimeError(
+                    f"pipeline: the activation sent to rank {self.next_rank} changed layout for the same "
+                    f"micro-batch input shapes ({known} -> {meta}); stage outputs must depend only on "
+                    "the input shapes")
+            return
+        header = meta.encode().to(self.device)
+        dist.send(torch.tensor([header.numel()], dtype=torch.int64, device=self.device), self.next_rank,
+                  tag=_HEADER_TAG)
+        dist.send(header, self.next_rank, tag=_HEADER_TAG + 1)
+        self.sent[key] = meta
+
+    def ensure_header_received(self, key: Hashable) -> ActivationMeta:
+        if key not in self.received:
+            size = torch.zeros(1, dtype=torch.int64, device=self.device)
+            dist.recv(size, self.prev_rank, tag=_HEADER_TAG)
+            header = torch.zeros(int(size.item()), dtype=torch.int64, device=self.device)
+            dist.recv(header, self.prev_rank, tag=_HEADER_TAG + 1)
+            self.received[key] = ActivationMeta.decode(header.cpu())
+        return self.received[key]
+
+    # ---- data
+    def post(self, sends: list[tuple[list[torch.Tensor], int]],
+             recvs: list[tuple[list[torch.Tensor], int]]) -> Exchange:
+        """Post ``(tensors, peer)`` sends and receives as one batch; tensor ``i`` of a message
+        uses tag ``i``."""
+        ops, keep = [], []
+        for tensors, peer in sends:
+            for i, t in enumerate(tensors):
+                t = t.detach().contiguous()
+                keep.append(t)
+                ops.append(dist.P2POp(dist.isend, t, peer, tag=i))
+        for tensors, peer in recvs:
+            for i, t in enumerate(tensors):
+                ops.append(dist.P2POp(dist.irecv, t, peer, tag=i))
+        works = dist.batch_isend_irecv(ops) if ops else []
+        return Exchange(works, keep)
+
+    @staticmethod
+    def wait(exchange: Exchange) -> None:
+        for w in exchange.works:
+            w.wait()

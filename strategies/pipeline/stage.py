@@ -1,0 +1,176 @@
+"""StageExecutor: runs one stage's instruction list for one global batch.
+
+It owns the per-step buffers (inputs received or loaded, outputs awaiting their backward, output
+gradients received, targets) keyed by micro-batch, and frees each as soon as the schedule is done
+with it, so the number of micro-batches whose activations are alive follows the schedule
+(``StepStats.peak_live``). Communication goes through ``PipeComm``; consecutive communication
+instructions form one exchange (``schedule.steps``), posted together and waited on together.
+
+The last stage computes ``loss_fn(outputs, targets) / micro_batches`` in its forward, so that the
+summed micro-batch gradients are those of the mean loss, exactly as without pipelining.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Hashable, Sequence
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from ..precision import Precision
+from .module import PipelineModule
+from .p2p import ActivationMeta, PipeComm
+from .schedule import (Backward, Forward, Instruction, LoadMicroBatch, RecvActivation, RecvGrad,
+                       SendActivation, SendGrad, steps)
+
+
+@dataclass
+class StepStats:
+    """What one run of a schedule did on this stage (host-side times)."""
+
+    compute_s: float = 0.0
+    comm_s: float = 0.0
+    wall_s: float = 0.0
+    peak_live: int = 0  # most micro-batches whose activations were held at once
+
+
+@dataclass
+class _Buffers:
+    key: Hashable
+    micro_inputs: Sequence[Any]
+    micro_targets: Sequence[Any]
+    train: bool
+    grad_scale: float = 1.0
+    inputs: dict[int, Any] = field(default_factory=dict)
+    targets: dict[int, Any] = field(default_factory=dict)
+    outputs: dict[int, Any] = field(default_factory=dict)
+    grads: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    loss_sum: torch.Tensor | None = None
+    live: int = 0
+
+
+def input_key(micro_input: Any, train: bool) -> Hashable:
+    """What every stage of a replica can compute alone to name a layout: mode + input shapes."""
+    items = micro_input if isinstance(micro_input, (tuple, list)) else (micro_input,)
+    return (train, tuple((tuple(t.shape), t.dtype) if torch.is_tensor(t) else repr(t) for t in items))
+
+
+class StageExecutor:
+    def __init__(self, pipe: PipelineModule, num_stages: int, comm: PipeComm | None,
+                 precision: Precision, device: torch.device, activation_checkpointing: bool = False) -> None:
+        self.pipe, self.num_stages, self.comm = pipe, num_stages, comm
+        self.stage = pipe.stage
+        self.first, self.last = self.stage == 0, self.stage == num_stages - 1
+        self.precision, self.device = precision, device
+        self.activation_checkpointing = activation_checkpointing
+        self.stats = StepStats()
+
+    def run(self, instructions: list[Instruction], micro_inputs: Sequence[Any],
+            micro_targets: Sequence[Any], train: bool, grad_scale: float = 1.0) -> torch.Tensor:
+        """Execute ``instructions``; returns the summed (already 1/m-scaled) micro-batch losses on
+        the last stage and 0 elsewhere. Gradients are those of ``grad_scale`` x that loss (the
+        Trainer's 1/accumulate_grad_batches)."""
+        if self.last and self.pipe.loss_fn is None:
+            raise ValueError("pipeline: the PipelineModule has no loss_fn; pass loss_fn=... so the last "
+                             "stage can compute the loss")
+        b = _Buffers(input_key(micro_inputs[0], train), micro_inputs, micro_targets, train, grad_scale)
+        self.stats = StepStats()
+        start = time.perf_counter()
+        for step in steps(instructions):
+            t0 = time.perf_counter()
+            if isinstance(step, list):
+                self._exchange(step, b)
+                self.stats.comm_s += time.perf_counter() - t0
+            else:
+                self._compute(step, b)
+                self.stats.compute_s += time.perf_counter() - t0
+        self.stats.wall_s = time.perf_counter() - start
+        leftover = [name for name in ("inputs", "outputs", "grads") if getattr(b, name)]
+        assert not leftover, f"schedule left buffers behind: {leftover}"
+        if b.loss_sum is None:
+            return torch.zeros((), device=self.device)
+        return b.loss_sum
+
+    # ------------------------------------------------------------------ compute
+    def _compute(self, ins: Instruction, b: _Buffers) -> None:
+        if isinstance(ins, LoadMicroBatch):
+            if self.first:
+                b.inputs[ins.mb] = b.micro_inputs[ins.mb]
+            if self.last:
+                b.targets[ins.mb] = b.micro_targets[ins.mb]
+        elif isinstance(ins, Forward):
+            self._forward(ins.mb, b)
+        elif isinstance(ins, Backward):
+            self._backward(ins.mb, b)
+        else:
+            raise TypeError(f"not a compute instruction: {ins!r}")
+
+    def _forward(self, mb: int, b: _Buffers) -> None:
+        x = b.inputs[mb] if b.train and not self.first else b.inputs.pop(mb)
+        with torch.set_grad_enabled(b.train), self.precision.forward_context(self.device.type):
+            if b.train and self.activation_checkpointing:
+                out = checkpoint(self.pipe, x, use_reentrant=False)
+            else:
+                out = self.pipe(x)
+            if self.last:
+                out = self.pipe.loss_fn(out, b.targets.pop(mb)) / len(b.micro_inputs)
+        if self.last:
+            loss = out.detach().float()
+            b.loss_sum = loss if b.loss_sum is None else b.loss_sum + loss
+            if not b.train:
+                return
+        b.outputs[mb] = out
+        if b.train:
+            b.live += 1
+            self.stats.peak_live = max(self.stats.peak_live, b.live)
+
+    def _backward(self, mb: int, b: _Buffers) -> None:
+        out = b.outputs.pop(mb)
+        if self.last:
+            self.precision.scale_loss(out * b.grad_scale if b.grad_scale != 1.0 else out).backward()
+        else:
+            meta = self.comm.sent[b.key]
+            tensors = meta.flatten(out)
+            grads = b.grads.pop(mb)
+            if grads:
+                torch.autograd.backward([tensors[i] for i in meta.grad_positions], grads)
+        b.live -= 1
+
+    # ------------------------------------------------------------------ communication
+    def _exchange(self, exchange: list[Instruction], b: _Buffers) -> None:
+        comm = self.comm
+        for ins in exchange:  # layouts first: only the first exchange of a key sends one
+            if isinstance(ins, SendActivation):
+                comm.ensure_header_sent(b.key, ActivationMeta.of(b.outputs[ins.mb]))
+            elif isinstance(ins, RecvActivation):
+                comm.ensure_header_received(b.key)
+        sends, recvs, landed = [], [], []
+        for ins in exchange:
+            if isinstance(ins, SendActivation):
+                out = b.outputs[ins.mb] if b.train else b.outputs.pop(ins.mb)
+                sends.append((comm.sent[b.key].flatten(out), comm.next_rank))
+            elif isinstance(ins, RecvActivation):
+                bufs = comm.received[b.key].empty(self.device)
+                recvs.append((bufs, comm.prev_rank))
+                landed.append((ins, bufs))
+            elif isinstance(ins, SendGrad):
+                meta = comm.received[b.key]
+                leaves = meta.flatten(b.inputs.pop(ins.mb))
+                grads = [leaves[i].grad if leaves[i].grad is not None else torch.zeros_like(leaves[i])
+                         for i in meta.grad_positions]
+                sends.append((grads, comm.prev_rank))
+            elif isinstance(ins, RecvGrad):
+                bufs = comm.sent[b.key].empty_grads(self.device)
+                recvs.append((bufs, comm.next_rank))
+                landed.append((ins, bufs))
+        comm.wait(comm.post(sends, recvs))
+        for ins, bufs in landed:
+            if isinstance(ins, RecvActivation):
+                meta = comm.received[b.key]
+                if b.train:
+                    for t, m in zip(bufs, meta.tensors):
+                        t.requires_grad_(m.requires_grad)
+                b.inputs[ins.mb] = meta.unflatten(bufs)
+            else:
+                b.grads[ins.mb] = bufs

@@ -1,0 +1,313 @@
+"""PipelineStrategy: pipeline stages x data-parallel replicas, behind the ordinary Strategy API.
+
+The Trainer's calls map onto a pipeline like this:
+
+* ``setup_environment``: join the world, lay out the grid (``PipelineGrid``: replica ``r`` is ranks
+  ``r*stages .. r*stages+stages-1``) and make one data-parallel group per stage.
+* ``configure_model``: the TrainModule builds itself; then its first ``PipelineModule`` builds only
+  this rank's stage.
+* ``setup_module``: make the tie groups (one per tie and replica, among the stages owning a copy),
+  broadcast tied weights from their lowest owning stage and every stage from replica 0.
+* ``training_step``: split the batch ``(inputs, targets)`` into ``micro_batches`` along dim 0 and run
+  the whole schedule (every forward and backward). Returns the mean loss, averaged over replicas,
+  identical on every rank. ``backward`` is then a no-op, so the Trainer's division of the loss by
+  ``accumulate_grad_batches`` is applied here instead: the strategy reads that number from the
+  Trainer attached to the TrainModule (1 when none is).
+* ``optimizer_step``: all-reduce tied gradients within each tie group (SUM), then every gradient
+  within the data-parallel group (SUM, divide by replicas), unscale/skip as the precision says,
+  clip by the global norm over all stages and replicas (tied weights counted once), step.
+
+The optimizer holds this stage's parameters only: ``parameters_for_optimizer()`` and the
+TrainModule's own ``self.parameters()`` are the same set after ``configure_model``, so a
+``configure_optimizers`` written for one process works unchanged. ZeRO-1 partitioning of the
+optimizer state over the data-parallel group is not built.
+"""
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..base import StepWrapper, Strategy
+from .collectives import all_reduce_grads, broadcast_tensors, sum_over_world
+from .module import PipelineModule, Tie, find_pipeline_module
+from .p2p import PipeComm
+from .schedule import inference, schedule_from_name
+from .stage import StageExecutor, StepStats
+from .topology import PipelineGrid
+
+
+@dataclass(frozen=True)
+class TieGroup:
+    """One tie as seen from this rank: its parameters here and the ranks sharing them."""
+
+    tie: Tie
+    ranks: tuple[int, ...]
+    group: Any
+    params: tuple[nn.Parameter, ...]
+
+
+class PipelineStrategy(Strategy):
+    name = "pipeline"
+
+    def __init__(self, stages: int | None = None, schedule: str = "1f1b", micro_batches: int = 4,
+                 activation_checkpointing: bool = False, process_group_timeout_s: float = 300.0) -> None:
+        super().__init__(process_group_timeout_s=process_group_timeout_s)
+        if stages is not None and int(stages) < 1:
+            raise ValueError(f"pipeline: stages={stages!r} must be >= 1 (or None: one stage per process)")
+        if int(micro_batches) < 1:
+            raise ValueError(f"pipeline: micro_batches={micro_batches!r} must be >= 1")
+        self.schedule_name = schedule
+        self._schedule = schedule_from_name(schedule)
+        self.stages_option = stages
+        self.micro_batches = int(micro_batches)
+        self.activation_checkpointing = bool(activation_checkpointing)
+        self.grid: PipelineGrid | None = None
+        self.pipe: PipelineModule | None = None
+        self.executor: StageExecutor | None = None
+        self._dp_group: Any = None
+        self._tie_groups: list[TieGroup] = []
+        self._groups: list[Any] = []  # every subgroup this rank belongs to, destroyed in teardown
+        #: most micro-batches whose activations this stage held at once, over all training steps
+        self.live_activation_peak = 0
+        #: the last training step's timings and peak on this stage
+        self.last_step_stats = StepStats()
+
+    # ------------------------------------------------------------------ topology
+    def setup_environment(self) -> None:
+        self.grid = PipelineGrid(self.world_size, self.stages_option or self.world_size)  # validates first
+        super().setup_environment()
+        for stage in range(self.grid.stages):  # every rank creates every group, in the same order
+            ranks = self.grid.data_parallel_ranks(stage)
+            group = self._new_group(ranks) if len(ranks) > 1 else None
+            if stage == self.stage:
+                self._dp_group = group
+
+    def _new_group(self, ranks: Sequence[int]) -> Any:
+        group = dist.new_group(list(ranks), timeout=datetime.timedelta(seconds=self.process_group_timeout_s))
+        if self.global_rank in ranks:
+            self._groups.append(group)
+        return group
+
+    @property
+    def num_stages(self) -> int:
+        return self._grid().stages
+
+    @property
+    def stage(self) -> int:
+        return self._grid().stage_of(self.global_rank)
+
+    @property
+    def replica(self) -> int:
+        return self._grid().replica_of(self.global_rank)
+
+    @property
+    def data_parallel_world_size(self) -> int:
+        return self._grid().replicas
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return self.replica
+
+    def _grid(self) -> PipelineGrid:
+        # pure arithmetic on the rank info, so the sampler may ask before setup_environment
+        return self.grid or PipelineGrid(self.world_size, self.stages_option or self.world_size)
+
+    # ------------------------------------------------------------------ model
+    def configure_model(self, module: nn.Module) -> None:
+        module.configure_model()
+        pipe = find_pipeline_module(module)
+        if pipe.num_stages != self.num_stages:
+            raise ValueError(f"pipeline: the PipelineModule has num_stages={pipe.num_stages} but the strategy "
+                             f"runs {self.num_stages} stages (world_size={self.world_size}); make them equal")
+        pipe.build(self.stage)
+        inside = {id(p) for p in pipe.parameters()}
+        stray = [n for n, p in module.named_parameters() if id(p) not in inside]
+        if stray:
+            raise ValueError(f"pipeline: parameters outside the PipelineModule would sit on every stage and "
+                             f"never get a gradient: {stray[:5]}; make them part of a layer")
+        self.pipe = pipe
+
+    def setup_module(self, module: nn.Module) -> None:
+        if self.pipe is None:
+            self.configure_model(module)
+        module = self.precision.convert_module(module).to(self.device)
+        self.module, self.model = module, StepWrapper(module)
+        grid = self._grid()
+        self._tie_groups = []
+        for tie in self.pipe.ties:  # every rank creates every group, in the same order
+            owners = self.pipe.tie_owner_stages(tie)
+            if len(owners) < 2:
+                continue
+            for replica in range(grid.replicas):
+                ranks = tuple(grid.tie_ranks(owners, replica))
+                group = self._new_group(ranks)
+                if self.global_rank in ranks:
+                    self._tie_groups.append(TieGroup(tie, ranks, group, tuple(self.pipe.tied_parameters(tie))))
+        if self.distributed:
+            for tg in self._tie_groups:
+                broadcast_tensors(tg.params, src=tg.ranks[0], group=tg.group)
+            if self._dp_group is not None:
+                state = list(module.parameters()) + list(module.buffers())
+                broadcast_tensors(state, src=grid.rank_of(self.stage, 0), group=self._dp_group)
+        comm = None
+        if grid.stages > 1:
+            comm = PipeComm(grid.prev_rank(self.global_rank), grid.next_rank(self.global_rank), self.device)
+        self.executor = StageExecutor(self.pipe, grid.stages, comm, self.precision, self.device,
+                                      self.activation_checkpointing)
+        # a world collective before the first batched send/receive: NCCL wants its communicator
+        # made by a call every rank joins, and a rank that failed set-up is found here, not mid-step
+        self.barrier()
+
+    # ------------------------------------------------------------------ the step
+    def split_batch(self, batch: Any) -> tuple[list[Any], list[Any]]:
+        """``(inputs, targets)`` -> per-micro-batch lists, split along dim 0 into equal parts."""
+        if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+            raise ValueError(f"pipeline: a batch must be (inputs, targets), got {type(batch).__name__}"
+                             + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else ""))
+        inputs, targets = batch
+        return self._split(inputs, "inputs"), self._split(targets, "targets")
+
+    def _split(self, value: Any, what: str) -> list[Any]:
+        m = self.micro_batches
+        if isinstance(value, (tuple, list)):
+            parts = [self._split(v, what) for v in value]
+            return [tuple(p[i] for p in parts) for i in range(m)]
+        if not torch.is_tensor(value):
+            raise TypeError(f"pipeline: {what} must be tensors or tuples of tensors, got {type(value).__name__}")
+        if value.shape[0] % m:
+            raise ValueError(f"pipeline: a batch of {value.shape[0]} rows cannot be split into "
+                             f"micro_batches={m} equal parts; use a batch size divisible by {m} "
+                             "(and drop_last=True)")
+        return [c.to(self.device) for c in value.chunk(m)]
+
+    def _run(self, batch: Any, train: bool) -> torch.Tensor:
+        assert self.executor is not None, "pipeline: setup_module() has not run yet"
+        micro_inputs, micro_targets = self.split_batch(batch)
+        grid = self._grid()
+        if train:
+            instructions = self._schedule(self.stage, grid.stages, self.micro_batches)
+            loss = self.executor.run(instructions, micro_inputs, micro_targets, train=True,
+                                     grad_scale=1.0 / self._accumulation())
+        else:
+            with torch.no_grad():
+                instructions = inference(self.stage, grid.stages, self.micro_batches)
+                loss = self.executor.run(instructions, micro_inputs, micro_targets, train=False)
+        return self._mean_over_replicas(loss)
+
+    def _accumulation(self) -> int:
+        trainer = getattr(self.module, "_trainer", None)
+        return int(getattr(trainer, "accumulate_grad_batches", 1) or 1)
+
+    def _mean_over_replicas(self, loss: torch.Tensor) -> torch.Tensor:
+        """The last stage of each replica holds its loss: sum them over the world (other ranks
+        add 0) and divide by the replicas, so every rank returns the same value."""
+        if not self.distributed:
+            return loss.detach()
+        mine = loss.detach().float() if self.stage == self.num_stages - 1 else torch.zeros((), device=self.device)
+        return sum_over_world(mine) / self._grid().replicas
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self._run(batch, train=True)
+        self.last_step_stats = self.executor.stats
+        self.live_activation_peak = max(self.live_activation_peak, self.executor.stats.peak_live)
+        log = getattr(self.module, "log", None)  # TrainModule.log; a plain nn.Module has none
+        if log is not None:
+            log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self._run(batch, train=False)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Nothing to do: ``training_step`` already ran every micro-batch's backward."""
+
+    def parameters_for_optimizer(self):
+        assert self.module is not None
+        return self.module.parameters()
+
+    # ------------------------------------------------------------------ gradients
+    def reduce_gradients(self) -> None:
+        """Tied gradients within their tie groups, then all gradients across replicas."""
+        if not self.distributed:
+            return
+        for tg in self._tie_groups:
+            all_reduce_grads(list(tg.params), tg.group)
+        if self._dp_group is not None:
+            all_reduce_grads(list(self.module.parameters()), self._dp_group,
+                             divide_by=self._grid().replicas)
+
+    def optimizer_step(self, gradient_clip_val: float | None = None) -> bool:
+        self.reduce_gradients()
+        return super().optimizer_step(gradient_clip_val)
+
+    def _counted_here(self) -> list[torch.Tensor]:
+        """Gradients for the global norm: a tied weight counts only on its lowest owning stage."""
+        skip = {id(p) for tg in self._tie_groups if tg.ranks[0] != self.global_rank for p in tg.params}
+        return [p.grad for p in self.module.parameters() if p.grad is not None and id(p) not in skip]
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip to a global L2 norm over all stages; replicas hold equal gradients after the
+        reduction, so only replica 0 contributes to the one world all-reduce."""
+        grads = self._counted_here()
+        local = torch.zeros((), device=self.device, dtype=torch.float32)
+        if grads and self.replica == 0:
+            local = torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum()
+        total = (sum_over_world(local) if self.distributed else local).sqrt()
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in self.step_gradients():
+            g.detach().mul_(coef.to(g.dtype))
+        return total
+
+    # ------------------------------------------------------------------ checkpoints
+    def writes_shard(self) -> bool:
+        return self.replica == 0
+
+    def checkpoint_shard_rank(self) -> int:
+        return self._grid().rank_of(self.stage, 0)
+
+    def state_dict(self) -> dict[str, Any]:
+        """This stage's layers under their original (non-pipelined) names, its optimizer state."""
+        state = super().state_dict()
+        state["pipeline"] = {"stage": self.stage, "num_stages": self.num_stages, "bounds": self.pipe.bounds}
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = state.get("pipeline", {})
+        if saved and (saved.get("num_stages"), list(saved.get("bounds", []))) != (self.num_stages, self.pipe.bounds):
+            raise ValueError(f"pipeline: the checkpoint was cut as {saved.get('bounds')} over "
+                             f"{saved.get('num_stages')} stages, this run as {self.pipe.bounds}; load its "
+                             "full_state_dict into the non-pipelined model instead")
+        super().load_state_dict(state)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Collective: every stage's layers, under their original names, on global rank 0."""
+        assert self.module is not None
+        mine = {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
+        if not self.distributed:
+            return mine
+        parts = [None] * self.world_size if self.is_global_zero else None
+        dist.gather_object(mine if self.replica == 0 else None, parts, dst=0)
+        if not self.is_global_zero:
+            return {}
+        full: dict[str, torch.Tensor] = {}
+        for part in parts:
+            full.update(part or {})
+        return full
+
+    def teardown(self) -> None:
+        super().teardown()
+        self.executor = None
+        self._tie_groups, self._dp_group = [], None
+        for group in self._groups:
+            dist.destroy_process_group(group)
+        self._groups = []
+
+    def __repr__(self) -> str:
+        grid = f"{self.grid.stages}x{self.grid.replicas}" if self.grid else "unset"
+        return (f"PipelineStrategy(stages x replicas={grid}, schedule={self.schedule_name!r}, "
+                f"micro_batches={self.micro_batches})")

@@ -1,0 +1,304 @@
+"""The pipeline strategy on real processes (gloo) against a plain single-process loop.
+
+Each rank drives the Strategy API in the Trainer's order (connect, setup_environment,
+configure_model, setup_module, setup_optimizer, then training_step / backward / optimizer_step),
+and also runs the reference: an ``nn.Sequential`` of the same layers with the same initial weights,
+trained on the concatenation of every replica's global batch with the loss averaged the same way
+(mean over rows; micro-batches are equal-sized, so the mean of micro-batch means is that mean).
+The optimizer is built on ``strategy.parameters_for_optimizer()``: this stage's parameters.
+
+Several cases share one spawn: world 2 runs the 2-stage cases, world 4 the 4-stage and the
+2-stage x 2-replica cases.
+"""
+from __future__ import annotations
+
+import copy
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from harness import run_ranks
+
+STEPS = 10
+VOCAB, DIM, SEQ = 13, 8, 6
+
+
+# ---------------------------------------------------------------------------- models
+def _lm_head(emb: nn.Embedding, h: torch.Tensor) -> torch.Tensor:
+    return h @ emb.weight.t()
+
+
+def _lm_loss(logits, targets):
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _lm_reference() -> nn.Sequential:
+    ref = nn.Sequential(nn.Embedding(VOCAB, DIM), nn.Linear(DIM, DIM), nn.GELU(), nn.Linear(DIM, DIM), nn.GELU(),
+                        nn.Linear(DIM, DIM), nn.Linear(DIM, VOCAB, bias=False))
+    ref[6].weight = ref[0].weight  # the LM head is the embedding
+    return ref
+
+
+def _lm_layers():
+    from zerotrain.strategies.pipeline import LayerSpec, TiedLayerSpec
+    return [TiedLayerSpec("embed", nn.Embedding, VOCAB, DIM), LayerSpec(nn.Linear, DIM, DIM), LayerSpec(nn.GELU),
+            LayerSpec(nn.Linear, DIM, DIM), LayerSpec(nn.GELU), LayerSpec(nn.Linear, DIM, DIM),
+            TiedLayerSpec("embed", nn.Embedding, VOCAB, DIM, forward_fn=_lm_head)]
+
+
+def _mlp_reference() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(DIM, 16), nn.GELU(), nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 16), nn.GELU(),
+                         nn.Linear(16, 4))
+
+
+class _WithMask(nn.Module):
+    """Starts a (hidden, mask) tuple: the bool mask needs no gradient and passes through stages."""
+
+    def forward(self, x):
+        return x, x[..., 0] > 0
+
+
+class _MaskedLinear(nn.Linear):
+    def forward(self, hm):
+        h, mask = hm
+        return torch.tanh(super().forward(h)) * mask.unsqueeze(-1), mask
+
+
+class _DropMask(nn.Module):
+    def forward(self, hm):
+        return hm[0]
+
+
+def _tuple_reference() -> nn.Sequential:
+    return nn.Sequential(_WithMask(), _MaskedLinear(DIM, DIM), _MaskedLinear(DIM, DIM), _MaskedLinear(DIM, 4),
+                         _DropMask())
+
+
+def _batch(kind: str, step: int, replica: int, rows: int):
+    g = torch.Generator().manual_seed(1000 * step + replica)
+    if kind == "lm":
+        return torch.randint(0, VOCAB, (rows, SEQ), generator=g), torch.randint(0, VOCAB, (rows, SEQ), generator=g)
+    return torch.randn(rows, DIM, generator=g), torch.randn(rows, 4, generator=g)
+
+
+# ---------------------------------------------------------------------------- one case on one rank
+def _run_case(case: dict) -> dict:
+    import torch.distributed as dist
+
+    from zerotrain.strategies.environment import detect
+    from zerotrain.strategies.pipeline import PipelineModule, PipelineStrategy
+    from zerotrain.strategies.precision import precision_from_name
+    from zerotrain.trainer.module import TrainModule
+
+    kind, stages, m, rows = case["model"], case["stages"], case["micro_batches"], case["rows"]
+    world = int(os.environ["WORLD_SIZE"])
+    torch.manual_seed(0)
+    ref = {"lm": _lm_reference, "mlp": _mlp_reference, "tuple": _tuple_reference}[kind]()
+    loss_fn = _lm_loss if kind == "lm" else F.mse_loss
+
+    class Model(TrainModule):
+        def __init__(self):
+            super().__init__()
+            if kind == "lm":  # specs: each stage builds only its layers
+                self.pipe = PipelineModule(_lm_layers(), stages, loss_fn=loss_fn)
+            else:  # an existing Sequential (shared weights would become ties)
+                self.pipe = PipelineModule.from_sequential(copy.deepcopy(ref), stages, loss_fn=loss_fn,
+                                                           partition_method=case.get("partition", "parameters"))
+
+    strategy = PipelineStrategy(stages=stages, schedule=case["schedule"], micro_batches=m,
+                                activation_checkpointing=case.get("ckpt", False), process_group_timeout_s=60)
+    strategy.connect(detect(devices=world), torch.device("cpu"), precision_from_name(case.get("precision", "32")))
+    strategy.setup_environment()
+    model = Model()
+    strategy.configure_model(model)
+    pipe, stage, replica = model.pipe, strategy.stage, strategy.data_parallel_rank
+    state = pipe.stage_state_dict(ref.state_dict())
+    with torch.no_grad():
+        for tie in pipe.ties:  # only the lowest owning stage starts right: set-up must broadcast it
+            if stage != pipe.tie_owner_stages(tie)[0]:
+                for i, name in tie.members:
+                    state.pop(f"{i}.{name}", None)
+        if replica > 0:  # other replicas start wrong: set-up must broadcast replica 0
+            state = {k: torch.randn_like(v) for k, v in state.items()}
+        pipe.load_state_dict(state, strict=False)
+    strategy.setup_module(model)
+
+    def make_opt(params):
+        if case["optimizer"] == "sgd":
+            return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+    strategy.setup_optimizer(make_opt(strategy.parameters_for_optimizer()))
+    ref_opt = make_opt(ref.parameters())
+    clip, replicas = case.get("clip"), strategy.data_parallel_world_size
+    losses, ref_losses, clipped = [], [], 0
+    for step in range(STEPS):
+        loss = strategy.training_step(_batch(kind, step, replica, rows), step)
+        strategy.backward(loss)
+        strategy.optimizer_step(clip)
+        losses.append(float(loss))
+        xs, ys = zip(*[_batch(kind, step, r, rows) for r in range(replicas)])
+        ref_loss = loss_fn(ref(torch.cat(xs)), torch.cat(ys))
+        ref_loss.backward()
+        if clip:
+            clipped += int(torch.nn.utils.clip_grad_norm_(ref.parameters(), clip) > clip)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_losses.append(float(ref_loss))
+
+    ref_state = ref.state_dict()
+    mine = {k[len("pipe."):]: v for k, v in model.state_dict().items()}
+    rel = max(float((v - ref_state[k]).norm() / ref_state[k].norm()) for k, v in mine.items())
+    out = {"rank": dist.get_rank(), "stage": stage, "replica": replica, "rel": rel, "losses": losses,
+           "ref_losses": ref_losses, "peak": strategy.live_activation_peak, "clipped": clipped,
+           "keys": sorted(mine), "writes_shard": strategy.writes_shard(),
+           "shard_rank": strategy.checkpoint_shard_rank()}
+    ckpt = strategy.state_dict()
+    out["ckpt_keys"] = sorted(ckpt["model"])
+    out["ckpt_has_optimizer_state"] = len(ckpt["optimizer"]["state"]) == len(list(pipe.parameters()))
+    full = strategy.full_state_dict()
+    if dist.get_rank() == 0:
+        out["full_keys"] = sorted(full)
+        out["full_rel"] = max(float((full["pipe." + k] - v).norm() / v.norm()) for k, v in ref_state.items())
+    if case.get("validate"):
+        x, y = _batch(kind, 99, replica, rows)
+        out["val"] = float(strategy.validation_step((x, y), 0))
+        xs, ys = zip(*[_batch(kind, 99, r, rows) for r in range(replicas)])
+        with torch.no_grad():
+            out["ref_val"] = float(loss_fn(ref(torch.cat(xs)), torch.cat(ys)))
+    strategy.teardown()
+    return out
+
+
+def _run_trainer_case(case: dict) -> dict:
+    """The real Trainer with strategy="pipeline" on a TrainModule holding a PipelineModule made
+    from an nn.Sequential whose head shares the embedding's weight (found and tied by
+    from_sequential); its DistributedSampler must give both stages of a replica the same data."""
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    from zerotrain.strategies.pipeline import PipelineModule, PipelineStrategy
+    from zerotrain.trainer import Trainer
+    from zerotrain.trainer.module import TrainModule
+
+    stages, accumulate, rows, steps = case["stages"], case["accumulate"], case["rows"], case["steps"]
+    world = int(os.environ["WORLD_SIZE"])
+    replicas = world // stages
+    torch.manual_seed(0)
+    ref = _lm_reference()
+    g = torch.Generator().manual_seed(5)
+    n = replicas * rows * accumulate * steps
+    data = TensorDataset(torch.randint(0, VOCAB, (n, SEQ), generator=g), torch.randint(0, VOCAB, (n, SEQ), generator=g))
+
+    class PipeLM(TrainModule):
+        def __init__(self):
+            super().__init__()
+            self.pipe = PipelineModule.from_sequential(copy.deepcopy(ref), stages, loss_fn=_lm_loss)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.2, momentum=0.9)  # sees the gradient's scale
+
+    model = PipeLM()
+    strategy = PipelineStrategy(stages=stages, micro_batches=case["micro_batches"], process_group_timeout_s=60)
+    trainer = Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=steps,
+                      accumulate_grad_batches=accumulate, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False)
+    trainer.fit(model, DataLoader(data, batch_size=rows, shuffle=False))
+
+    # the plain loop: each accumulation micro-step sees every replica's batch at once
+    order = [list(DistributedSampler(data, num_replicas=replicas, rank=r, shuffle=False)) for r in range(replicas)]
+    opt = torch.optim.SGD(ref.parameters(), lr=0.2, momentum=0.9)
+    for step in range(steps):
+        for j in range(accumulate):
+            b = step * accumulate + j
+            idx = torch.tensor([i for r in range(replicas) for i in order[r][b * rows:(b + 1) * rows]])
+            (_lm_loss(ref(data.tensors[0][idx]), data.tensors[1][idx]) / accumulate).backward()
+        opt.step()
+        opt.zero_grad()
+    ref_state = ref.state_dict()
+    mine = {k[len("pipe."):]: v for k, v in model.state_dict().items()}
+    rel = max(float((v - ref_state[k]).norm() / ref_state[k].norm()) for k, v in mine.items())
+    return {"rank": dist.get_rank(), "rel": rel, "losses": [], "ref_losses": [], "steps": trainer.global_step,
+            "train_loss": trainer.callback_metrics.get("train_loss"), "ties": [t.key for t in model.pipe.ties]}
+
+
+def run_cases(cases: list) -> list:
+    return [_run_trainer_case(c) if c.get("trainer") else _run_case(c) for c in cases]
+
+
+# ---------------------------------------------------------------------------- checks
+def _check_equivalent(results: list[dict], tol: float = 1e-5) -> None:
+    for r in results:
+        assert r["rel"] <= tol, f"rank {r['rank']}: parameters differ from the plain loop by {r['rel']:.2e}"
+        for a, b in zip(r["losses"], r["ref_losses"]):
+            assert abs(a - b) <= tol * abs(b), f"rank {r['rank']}: loss {a} vs plain {b}"
+    assert len({tuple(r["losses"]) for r in results}) == 1, "ranks returned different losses"
+
+
+_REF_KEYS = {
+    "lm": sorted(_lm_reference().state_dict()),
+    "mlp": sorted(_mlp_reference().state_dict()),
+}
+
+
+def test_two_stages_match_a_plain_loop(tmp_path):
+    cases = [
+        dict(model="mlp", stages=2, schedule="1f1b", micro_batches=4, rows=8, optimizer="sgd"),
+        dict(model="lm", stages=2, schedule="1f1b", micro_batches=4, rows=8, optimizer="adamw", clip=0.5,
+             validate=True),
+        dict(model="lm", stages=2, schedule="gpipe", micro_batches=4, rows=8, optimizer="adamw", clip=0.5,
+             ckpt=True),
+        dict(model="tuple", stages=2, schedule="1f1b", micro_batches=2, rows=6, optimizer="sgd",
+             partition="uniform"),
+        # smoke: reduced-precision activations cross the boundary; fp16 scales the loss
+        dict(model="lm", stages=2, schedule="1f1b", micro_batches=4, rows=8, optimizer="adamw", precision="bf16-mixed"),
+        dict(model="lm", stages=2, schedule="gpipe", micro_batches=4, rows=8, optimizer="adamw", precision="16-mixed"),
+    ]
+    out = run_ranks("test_pipeline:run_cases", 2, tmp_path, timeout=100, cases=cases)
+    mlp, lm, lm_gpipe, tup, bf16, fp16 = [[ranks[i] for ranks in out] for i in range(len(cases))]
+    for results in (mlp, lm, lm_gpipe, tup):
+        _check_equivalent(results)
+    for results in (bf16, fp16):  # same training, to reduced-precision accuracy
+        for a, b in zip(results[0]["losses"], results[0]["ref_losses"]):
+            assert abs(a - b) <= 0.03 * b, (a, b)
+    # clipping was active, and the tie spans both stages: each holds its own copy under its name
+    assert lm[0]["clipped"] > 0
+    assert lm[0]["keys"] + lm[1]["keys"] == sorted(lm[0]["keys"] + lm[1]["keys"])
+    assert set(lm[0]["keys"]) | set(lm[1]["keys"]) == set(_REF_KEYS["lm"])
+    assert "0.weight" in lm[0]["keys"] and "6.weight" in lm[1]["keys"]
+    # checkpoints: each stage's layers under their original names, written by both ranks
+    for r in lm:
+        assert r["ckpt_keys"] == ["pipe." + k for k in r["keys"]] and r["ckpt_has_optimizer_state"]
+        assert r["writes_shard"] and r["shard_rank"] == r["rank"]
+    assert lm[0]["full_keys"] == ["pipe." + k for k in _REF_KEYS["lm"]] and lm[0]["full_rel"] <= 1e-5
+    assert mlp[0]["full_keys"] == ["pipe." + k for k in _REF_KEYS["mlp"]]
+    assert lm[0]["val"] == lm[1]["val"] and abs(lm[0]["val"] - lm[0]["ref_val"]) <= 1e-5 * lm[0]["ref_val"]
+    # live activations: 1F1B holds at most (stages - stage) micro-batches, GPipe all of them
+    assert [r["peak"] for r in lm] == [2, 1] and [r["peak"] for r in lm_gpipe] == [4, 4]
+
+
+def test_four_stages_two_by_two_and_the_trainer_match_a_plain_loop(tmp_path):
+    cases = [
+        dict(model="lm", stages=4, schedule="1f1b", micro_batches=8, rows=8, optimizer="adamw", clip=0.5),
+        dict(model="lm", stages=2, schedule="1f1b", micro_batches=4, rows=8, optimizer="adamw", clip=0.5,
+             validate=True),
+        dict(trainer=True, stages=2, micro_batches=2, rows=4, accumulate=2, steps=3),
+    ]
+    out = run_ranks("test_pipeline:run_cases", 4, tmp_path, timeout=110, cases=cases)
+    four, grid, fit = [[ranks[i] for ranks in out] for i in range(len(cases))]
+    _check_equivalent(four)
+    _check_equivalent(grid)
+    # the Trainer (2 stages x 2 replicas, accumulate_grad_batches=2) = the plain loop
+    _check_equivalent(fit)
+    assert all(r["steps"] == 3 and r["ties"] == ["shared:0.weight"] for r in fit)
+    assert len({r["train_loss"] for r in fit}) == 1 and fit[0]["train_loss"] is not None
+    assert [r["peak"] for r in four] == [4, 3, 2, 1] and max(r["peak"] for r in four) <= 4
+    assert four[0]["full_rel"] <= 1e-5 and grid[0]["full_rel"] <= 1e-5
+    # 2 stages x 2 replicas: replica r is ranks 2r, 2r+1; replica 0 writes, replica 1 reads its files
+    assert [(r["stage"], r["replica"]) for r in grid] == [(0, 0), (1, 0), (0, 1), (1, 1)]
+    assert [r["writes_shard"] for r in grid] == [True, True, False, False]
+    assert [r["shard_rank"] for r in grid] == [0, 1, 0, 1]
+    assert grid[0]["full_keys"] == ["pipe." + k for k in _REF_KEYS["lm"]]
+    assert len({r["val"] for r in grid}) == 1 and abs(grid[0]["val"] - grid[0]["ref_val"]) <= 1e-5 * grid[0]["ref_val"]
