@@ -23,17 +23,18 @@ def _train(devices, steps, ckpt_dir, resume_from=None, every=None, strategy="ddp
             "epoch": trainer.current_epoch, "rng": torch.rand(3)}
 
 
-def _resume_case(devices, root):
-    full = _train(devices, 20, os.path.join(root, "a"))
-    first = _train(devices, 10, os.path.join(root, "b"), every=10)
-    second = _train(devices, 20, os.path.join(root, "c"), resume_from=os.path.join(root, "b", "step=000010"))
+def _resume_case(devices, root, strategy="ddp"):
+    full = _train(devices, 20, os.path.join(root, "a"), strategy=strategy)
+    first = _train(devices, 10, os.path.join(root, "b"), every=10, strategy=strategy)
+    second = _train(devices, 20, os.path.join(root, "c"), strategy=strategy,
+                    resume_from=os.path.join(root, "b", "step=000010"))
     return {"full": full, "first": first, "second": second}
 
 
-@pytest.mark.parametrize("devices", [1, 2])
-def test_resume_continues_exactly(tmp_path, devices):
+@pytest.mark.parametrize("devices,strategy", [(1, "single"), (2, "ddp"), (2, "zero2"), (3, "zero1")])
+def test_resume_continues_exactly(tmp_path, devices, strategy):
     out = run_ranks("test_resume:_resume_case", devices, tmp_path, timeout=180, devices=devices,
-                    root=str(tmp_path))
+                    root=str(tmp_path), strategy=strategy)
     for r in range(devices):
         full, first, second = out[r]["full"], out[r]["first"], out[r]["second"]
         assert torch.equal(torch.cat([first["seen"], second["seen"]]), full["seen"])  # data order
