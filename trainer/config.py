@@ -91,13 +91,13 @@ class TrainerConfig:
     accelerator: str = "auto"
     devices: int = 2
     num_nodes: int = 1
-    max_steps: int = 200
+    max_steps: int = 150
     max_epochs: Optional[int] = None
     accumulate_grad_batches: int = 1
     gradient_clip_val: Optional[float] = 1.0
-    val_check_interval: Optional[int] = 100
+    val_check_interval: Optional[int] = 50
     limit_train_batches: Optional[int] = None
-    limit_val_batches: Optional[int] = 20
+    limit_val_batches: Optional[int] = 10
     log_every_n_steps: int = 10
     enable_checkpointing: bool = True
     enable_progress_bar: bool = True
