@@ -45,3 +45,20 @@ def test_good_overrides_compose_into_objects(tmp_path):
     assert trainer.strategy.name == "ddp" and trainer.devices == 2 and trainer.max_steps == 50
     assert trainer.precision_plugin.loss_scale == 128
     assert module.config.n_layer == 2
+
+
+def test_two_process_cli_run_shares_one_hydra_output_dir(tmp_path):
+    """The demo path end to end: rank 0 re-launches rank 1 with rank 0's Hydra run directory."""
+    proc = subprocess.run([sys.executable, "-m", "zerotrain.train", "trainer.devices=2", "model=gpt_tiny",
+                           "trainer.max_steps=4", "trainer.val_check_interval=2", "trainer.limit_val_batches=2",
+                           "data.max_bytes=100000", "sample_tokens=8", "trainer.enable_progress_bar=false"],
+                          capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_dirs = [p for p in (tmp_path / "outputs").glob("*/*") if p.is_dir()]
+    assert len(run_dirs) == 1, run_dirs
+    assert proc.stdout.count("----- sample -----") == 1  # printed by rank 0 only
+    metas = list((run_dirs[0] / "checkpoints").rglob("meta.pt"))
+    assert len(metas) == 1, metas  # one checkpoint, written by both ranks together
+    assert sorted(p.stem for p in metas[0].parent.iterdir() if p.name.startswith("rank_")) == ["rank_00000",
+                                                                                               "rank_00001"]
+    assert any((run_dirs[0] / "tensorboard").rglob("events.out.tfevents*"))
