@@ -300,12 +300,9 @@ class PipelineStrategy(Strategy):
         return full
 
     def teardown(self) -> None:
+        # The stage, tie and data-parallel groups stay: evaluation and full_state_dict() after
+        # fit still communicate. They end with the default group at process exit.
         super().teardown()
-        self.executor = None
-        self._tie_groups, self._dp_group = [], None
-        for group in self._groups:
-            dist.destroy_process_group(group)
-        self._groups = []
 
     def __repr__(self) -> str:
         grid = f"{self.grid.stages}x{self.grid.replicas}" if self.grid else "unset"
