@@ -46,3 +46,5 @@ def _load_builtin() -> None:
     register("pipeline", PipelineStrategy)
     from .zero import register_zero
     register_zero(register)
+    from .offload import Offload
+    register("offload", Offload)

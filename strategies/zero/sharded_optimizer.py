@@ -25,20 +25,26 @@ from .layout import GroupLayout
 
 
 class ShardedOptimizer:
-    def __init__(self, optimizer: torch.optim.Optimizer, masters: Sequence[torch.Tensor]) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer,
+                 masters: Sequence[torch.Tensor | Sequence[torch.Tensor]]) -> None:
+        """``masters[i]``: group i's master slice, or a list of them (ZeRO-3 gives each group
+        one slice per unit); ``self.masters`` is the flat list, group after group."""
         if len(masters) != len(optimizer.param_groups):
             raise ValueError(f"{len(masters)} master slices for {len(optimizer.param_groups)} param groups")
         if optimizer.state:
             raise ValueError(
                 "the optimizer already holds state (was it stepped before setup?); ZeRO re-targets "
                 "it onto fp32 master slices and would drop that state: build a fresh optimizer")
+        self.masters = []
         for group, master in zip(optimizer.param_groups, masters):
-            if master.dtype != torch.float32:
-                raise ValueError(f"master slices must be fp32, got {master.dtype}")
-            group["params"] = [master]
+            slices = [master] if isinstance(master, torch.Tensor) else list(master)
+            for m in slices:
+                if m.dtype != torch.float32:
+                    raise ValueError(f"master slices must be fp32, got {m.dtype}")
+            group["params"] = slices
+            self.masters.extend(slices)
         optimizer.state.clear()
         self.optimizer = optimizer
-        self.masters = list(masters)
 
     def set_grads(self, grads: Sequence[torch.Tensor]) -> None:
         """Give each master slice its fp32 gradient slice (same size) for the next ``step()``."""

@@ -27,7 +27,7 @@ the pooled bucket buffers. With the default fp32 reduction the gradient partitio
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -87,6 +87,10 @@ class PartitionedGradients:
         buckets.sort(key=lambda b: -min(order[id(self.flat_groups[b.group].params[i])] for i in b.slots))
         self.buckets = buckets
         self._next = 0  # first bucket not launched in this backward
+        #: called as ``on_reduced(group, start, numel)`` once elements [start, start + numel) of
+        #: this rank's partition of ``group`` hold one backward's reduced gradient (CPU offload
+        #: streams them to the host from here while backward goes on)
+        self.on_reduced: Callable[[int, int, int], None] | None = None
         device = self.parts[0].device if self.parts else torch.device("cpu")
         self.pool = BufferPool(max([b.flat.numel for b in buckets] or [1]), reduce_dtype, device)
         self._hooks = []
@@ -129,10 +133,12 @@ class PartitionedGradients:
             handles = tuple(reduce_to_owner(buf[r.offset:r.offset + r.numel], r.rank, self.group)
                             for r in b.runs)
 
-        def add_mine(mine=b.mine) -> None:
+        def add_mine(mine=b.mine, group=b.group) -> None:
             if mine is not None:
                 boff, poff, n = mine
                 part[poff:poff + n].add_(buf[boff:boff + n].div_(world))
+                if self.on_reduced is not None:
+                    self.on_reduced(group, poff, n)
             self.pool.release(buf)
 
         b.buffer, b.launched = None, True

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from ..base import StepWrapper, Strategy
+from ..base import ParamShard, ShardReader, StepWrapper, Strategy, split_optimizer_state
 from ..memory import count_bytes
 from .comm import InFlight, InFlightQueue, all_reduce_sum, backend, broadcast_from
 from .config import ZeroConfig
@@ -269,6 +269,71 @@ class ZeroStrategy(Strategy):
             out[k] = values[id(p)] if p is not None and id(p) in values else v.detach().to("cpu", copy=True)
         return out
 
+    # ------------------------------------------------------------------ parameter shards
+    def optimizer_group_names(self) -> list[list[str]]:
+        names = self._trainable_names()
+        return [[names[id(p)] for p in fg.params] for fg in self.flat_groups]
+
+    def param_shards(self) -> dict[str, ParamShard]:
+        """Each parameter's intersection with this rank's partition, from the fp32 masters and
+        the optimizer state of that partition (padding excluded)."""
+        assert self.sharded is not None
+        saved = self.sharded.state_dict()
+        state = saved["optimizer"]["state"]
+        names = self._trainable_names()
+        out = {}
+        for g, fg in enumerate(self.flat_groups):
+            master = saved["master"][g].reshape(-1)
+            per, scalars = split_optimizer_state(f"param group {g}", master, state.get(g, {}))
+            for pc in fg.layout.pieces(self.global_rank):
+                cut = slice(pc.partition_start, pc.partition_start + pc.numel)
+                out[names[id(fg.params[pc.index])]] = ParamShard(
+                    pc.param_start, pc.param_start + pc.numel,
+                    {"param": master[cut], **{k: v[cut] for k, v in per.items()}}, scalars)
+        return out
+
+    def extra_state(self) -> dict[str, torch.Tensor]:
+        if not self.is_global_zero:
+            return {}
+        sd = self.module.state_dict()
+        return {k: sd[k].detach() for k in self._extra_state_names()}
+
+    def load_param_shards(self, reader: ShardReader) -> None:
+        """Collective: rebuild this rank's master slices and optimizer state from whatever
+        ranges the checkpoint holds (any strategy, any world size), then all-gather the working
+        parameters."""
+        assert self.sharded is not None and self.module is not None
+        names = self._trainable_names()
+        masters, state = [], {}
+        for g, fg in enumerate(self.flat_groups):
+            lo, hi = fg.layout.partition_range(self.global_rank)
+            group = [names[id(p)] for p in fg.params]
+            kinds = sorted({k for n in group for k in reader.kinds(n)} - {"param"})
+            master = torch.zeros(hi - lo, dtype=torch.float32)
+            per = {k: torch.zeros(hi - lo, dtype=torch.float32) for k in kinds}
+            mine = fg.layout.pieces(self.global_rank)
+            for pc in mine:
+                n, cut = group[pc.index], slice(pc.partition_start, pc.partition_start + pc.numel)
+                reader.read(n, "param", pc.param_start, pc.param_start + pc.numel, out=master[cut])
+                for k in kinds:
+                    if k in reader.kinds(n):  # else zeros: that parameter had no such state yet
+                        reader.read(n, k, pc.param_start, pc.param_start + pc.numel, out=per[k][cut])
+            # a group steps as one tensor: its scalars (Adam's step) come from its first parameter
+            first = [group[pc.index] for pc in mine] + [n for n in group if n in reader.names()]
+            scalars = reader.scalars(first[0]) if first else {}
+            if per or scalars:
+                state[g] = {**per, **scalars}
+            masters.append(master)
+        current = self.optimizer.state_dict()["param_groups"]
+        self.sharded.load_state_dict({"master": masters, "optimizer": {
+            "state": state, "param_groups": reader.param_groups(current)}})
+        extras = self._extra_state_names()
+        if extras:
+            with torch.no_grad():
+                self.module.load_state_dict({k: reader.extra(k) for k in extras}, strict=False)
+        self._gather_params()
+        self.zero_grad()
+
     # ------------------------------------------------------------------ memory and end
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         return {"params": list(self.module.parameters()) if self.module is not None else [],
@@ -277,6 +342,10 @@ class ZeroStrategy(Strategy):
                 "optimizer": self.sharded.state_tensors() if self.sharded else [],
                 "comm_buffers": self.grads.comm_buffers() if self.grads else []}
 
+    def _model_numel(self) -> int:
+        """Trainable elements laid out by this stage (for the formula in the memory log)."""
+        return sum(fg.layout.numel for fg in self.flat_groups)
+
     def _grad_bytes_per_param(self) -> int:
         """Bytes per parameter of the gradients this stage keeps (for the formula)."""
         return self.precision.param_dtype.itemsize
@@ -284,7 +353,7 @@ class ZeroStrategy(Strategy):
     def _log_memory(self, when: str) -> None:
         if not self.is_global_zero or not log.isEnabledFor(logging.INFO):
             return
-        psi = sum(fg.layout.numel for fg in self.flat_groups)
+        psi = self._model_numel()
         pdt = self.precision.param_dtype
         est = estimate_model_states(
             psi, self.world_size, param_bytes=pdt.itemsize, grad_bytes=self._grad_bytes_per_param(),

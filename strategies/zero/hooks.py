@@ -1,0 +1,167 @@
+"""Every hook ZeRO-3 installs, registered here and nowhere else, with their handles kept so that
+``Stage3Hooks.remove()`` undoes all of it. The hooks decide nothing: each calls one method of
+:class:`~.stage3_runtime.Stage3Runtime`.
+
+* scope modules (the Trainer's ``StepWrapper`` and every module holding a root-unit parameter,
+  e.g. the GPT itself, so ``model.generate()`` works too): forward pre-hook -> ``enter_scope``,
+  forward hook -> ``exit_scope``. While the outermost scope runs, a :class:`~.touch.ParamTouchMode`
+  watches the sharded parameters and gathers a unit whose parameter is used outside its forward.
+* unit modules: forward pre-hook -> ``pre_forward``, and (grad enabled) the inputs are routed
+  through :class:`PostBackward`, whose backward runs once gradients have flowed through the
+  whole unit -> ``post_backward``; forward hook -> ``post_forward``, and a multi-grad hook on the
+  outputs fires when the first gradient reaches them -> ``pre_backward``.
+* activation checkpointing: a unit's ``forward`` is replaced by :class:`CheckpointedForward`,
+  which runs it under non-reentrant ``torch.utils.checkpoint``; the recomputation in backward
+  first makes sure the unit is gathered.
+
+Forward hooks use ``always_call=True``, so a forward that raises still leaves the scope.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils.checkpoint import checkpoint
+
+from .stage3_runtime import Stage3Runtime
+from .touch import ParamTouchMode
+from .unit import Unit
+
+
+class PostBackward(torch.autograd.Function):
+    """Identity on a unit's inputs that require grad; its backward runs after the backward of
+    everything the unit computed from them (FSDP2's ``RegisterPostBackwardFunction``)."""
+
+    @staticmethod
+    def forward(ctx, callback: Callable[[], None], *inputs: torch.Tensor):
+        ctx.callback = callback
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        ctx.callback()
+        return (None,) + grads
+
+
+class CheckpointedForward:
+    """A unit's forward under non-reentrant activation checkpointing; ``before()`` runs first on
+    every call, including the recomputation in backward (it gathers the unit)."""
+
+    def __init__(self, forward: Callable[..., Any], before: Callable[[], None]) -> None:
+        self.forward, self.before = forward, before
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return self.forward(*args, **kwargs)
+        return checkpoint(self._run, *args, use_reentrant=False, **kwargs)
+
+    def _run(self, *args: Any, **kwargs: Any) -> Any:
+        self.before()
+        return self.forward(*args, **kwargs)
+
+
+class Stage3Hooks:
+    def __init__(self, runtime: Stage3Runtime, unit_modules: Sequence[tuple[Unit, nn.Module]],
+                 scope_modules: Sequence[nn.Module], activation_checkpointing: bool = False) -> None:
+        self.runtime = runtime
+        self.mode = ParamTouchMode(runtime.owner, self._touched)
+        self._mode_active = False
+        self.handles: list[Any] = []
+        self._patched: list[tuple[nn.Module, Any]] = []
+        for m in scope_modules:
+            self.handles.append(m.register_forward_pre_hook(self._enter_scope))
+            self.handles.append(m.register_forward_hook(self._exit_scope, always_call=True))
+        for u, m in unit_modules:
+            self.handles.append(m.register_forward_pre_hook(functools.partial(self._pre_forward, u),
+                                                            with_kwargs=True))
+            self.handles.append(m.register_forward_hook(functools.partial(self._post_forward, u),
+                                                        with_kwargs=True, always_call=True))
+            if activation_checkpointing:
+                self._patched.append((m, m.__dict__.get("forward")))
+                m.forward = CheckpointedForward(m.forward, functools.partial(self._recompute, u))
+
+    @contextlib.contextmanager
+    def _internal(self) -> Iterator[None]:
+        """The strategy's own tensor work: not a 'use' of a parameter."""
+        self.mode.quiet += 1
+        try:
+            yield
+        finally:
+            self.mode.quiet -= 1
+
+    # ------------------------------------------------------------------ scope
+    def _enter_scope(self, module: nn.Module, args: Any) -> None:
+        with self._internal():
+            outermost = self.runtime.enter_scope()
+        if outermost:
+            self.mode.__enter__()
+            self._mode_active = True
+
+    def _exit_scope(self, module: nn.Module, args: Any, output: Any) -> None:
+        with self._internal():
+            outermost = self.runtime.exit_scope()
+        if outermost and self._mode_active:
+            self._mode_active = False
+            self.mode.__exit__(None, None, None)
+
+    def _touched(self, params: list, func: Any, args: tuple, kwargs: dict) -> None:
+        with self._internal():
+            self.runtime.touched(params)
+
+    # ------------------------------------------------------------------ units
+    def _pre_forward(self, u: Unit, module: nn.Module, args: tuple, kwargs: dict):
+        with self._internal():
+            self.runtime.pre_forward(u)
+            if not torch.is_grad_enabled():
+                return None
+            flat, spec = tree_flatten((args, kwargs))
+            at = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+            if not at:
+                return None
+            routed = PostBackward.apply(functools.partial(self._post_backward, u), *[flat[i] for i in at])
+            for i, t in zip(at, routed):
+                flat[i] = t
+            u.pending_backward += 1
+            return tree_unflatten(flat, spec)
+
+    def _post_forward(self, u: Unit, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        with self._internal():
+            self.runtime.post_forward(u)
+            if output is None or not torch.is_grad_enabled():
+                return None
+            outs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            if outs:
+                torch.autograd.graph.register_multi_grad_hook(
+                    outs, functools.partial(self._pre_backward, u), mode="any")
+        return None
+
+    def _pre_backward(self, u: Unit, grad: Any) -> None:
+        with self._internal():
+            self.runtime.pre_backward(u)
+
+    def _post_backward(self, u: Unit) -> None:
+        with self._internal():
+            self.runtime.post_backward(u)
+
+    def _recompute(self, u: Unit) -> None:
+        with self._internal():
+            self.runtime.ensure_gathered(u)
+
+    # ------------------------------------------------------------------ removal
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+        for m, previous in self._patched:
+            if previous is None:
+                m.__dict__.pop("forward", None)
+            else:
+                m.forward = previous
+        self._patched.clear()
+        if self._mode_active:
+            self._mode_active = False
+            self.mode.__exit__(None, None, None)

@@ -1,0 +1,356 @@
+"""ZeRO stage 3: parameters, gradients and optimizer states all partitioned over the ranks.
+
+Pieces (one object per level, as FSDP2): ``unit_plan`` decides which parameters are communicated
+together (one unit per transformer block by default, a root unit for the rest, small parameters
+optionally kept whole); ``unit.Unit`` is one unit's shards and its SHARDED / GATHERING / UNSHARDED
+state machine; ``stage3_runtime.Stage3Runtime`` says what happens at each forward/backward event
+(gather, prefetch, free, reduce); ``hooks.Stage3Hooks`` is the one place hooks are installed;
+``materialize.PartitionedBuild`` builds the model partitioned in ``configure_model()``. This class
+wires them into the Strategy interface and reuses ZeRO-1/2's step, clipping and overflow handling.
+
+Set-up (the Trainer's order):
+
+* ``configure_model``: ``TrainModule.configure_model()`` runs inside ``PartitionedBuild``; a model
+  built there is never whole on any rank and equals an eager build with the same seed.
+* ``setup_module``: plan the units; move each unit's values (from the partitioned build, or from
+  rank 0's eagerly built parameters) into its shards, one unit at a time; install the hooks.
+* ``setup_optimizer``: the user's optimizer is re-targeted onto views of the units' fp32 masters
+  (one run of one param group at a time, ``unit_plan.optimizer_runs``).
+
+A step: forward and backward gather units just in time (hooks); each unit's gradients are reduced
+right after its backward into the rank's gradient partition (every micro-batch, as ZeRO-2); then
+``ZeroStrategy.optimizer_step``: unscale/overflow, clip (one all-reduce of the squared norm), the
+inner optimizer on the master views, and ``_gather_params``, which here only refreshes the working
+shards (and re-gathers the persistent small parameters). Nothing is gathered between steps.
+
+Checkpoints: ``state_dict()`` is this rank's unit master partitions and optimizer state (same
+world size and unit plan to load); the Trainer's strategy-neutral format (``param_shards`` /
+``load_param_shards``, in ``stage3_checkpoint``) loads into any strategy and world size;
+``full_state_dict()`` gathers unit by unit into rank 0.
+
+Memory per rank between steps: 16Psi/N with Adam in bf16-mixed (2 working shard + 2 gradient with
+``reduce_dtype="bf16"`` + 4 master + 8 Adam), plus the persistent parameters whole; during a step
+at most ``max_live_parameters`` gathered elements plus the unit in use.
+
+Outside a step a sharded parameter reads as NaN (a placeholder of the right shape): read weights
+with ``full_state_dict()`` or inside ``with strategy.gathered(module):``. During a step, a
+parameter used outside its unit's forward is gathered on demand (see ``hooks.py``). After ``fit``
+the hooks stay, so evaluation and ``model.generate()`` keep working; ``remove_hooks()`` drops them.
+A unit that did not run in a step gets zero gradients (ZeRO keeps a gradient for every element;
+plain PyTorch would skip the parameter), so Adam's momentum and weight decay still move it.
+
+Not supported: optimizers that are not element-wise (see ``sharded_optimizer``); control flow
+that differs between ranks (units would be gathered in different orders, as with FSDP); the
+"-true" precisions keep buffers in fp32 (working parameters are in ``param_dtype`` as usual).
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, fields
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+
+from ..base import ParamShard, ShardReader, StepWrapper
+from .comm import backend, broadcast_from
+from .hooks import Stage3Hooks
+from .layout import build_layout
+from .materialize import PartitionedBuild
+from .sharded_optimizer import ShardedOptimizer
+from .stage3_checkpoint import Stage3Checkpoint
+from .stage3_runtime import RuntimeOptions, Stage3Runtime
+from .strategy import ZeroStrategy, trainable_groups
+from .unit import Unit
+from .unit_plan import PERSISTENT, ROOT, UnitPlan, make_policy, optimizer_runs, plan_units
+
+
+@dataclass(frozen=True)
+class Stage3Config:
+    """Stage-3 options. Sizes are in elements."""
+
+    #: which modules are units: None (children of every nn.ModuleList), class names, or a
+    #: callable (qualified_name, module) -> bool
+    unit_modules: "tuple[str, ...] | Callable[[str, nn.Module], bool] | None" = None
+    #: free a unit after its forward (True) or keep it gathered until its backward (ZeRO-2-like
+    #: memory for the parameters, one all-gather fewer per unit and step)
+    reshard_after_forward: bool = True
+    #: elements to all-gather ahead of the unit in use (0: no prefetch)
+    prefetch_bucket_size: int = 50_000_000
+    #: most gathered elements at once (the unit in use may exceed it by itself)
+    max_live_parameters: int = 1_000_000_000
+    #: parameters of at most this many elements stay whole on every rank (0: none)
+    param_persistence_threshold: int = 0
+    #: recompute each unit's forward in backward (non-reentrant torch.utils.checkpoint)
+    activation_checkpointing: bool = False
+
+    def __post_init__(self) -> None:
+        make_policy(self.unit_modules)  # raises for anything but names, a callable or None
+        if self.unit_modules is not None and not callable(self.unit_modules):
+            object.__setattr__(self, "unit_modules", tuple(self.unit_modules))
+        for f in ("reshard_after_forward", "activation_checkpointing"):
+            if not isinstance(getattr(self, f), bool):
+                raise TypeError(f"zero3: {f}={getattr(self, f)!r} must be True or False")
+        for f, least in (("prefetch_bucket_size", 0), ("max_live_parameters", 1),
+                         ("param_persistence_threshold", 0)):
+            v = getattr(self, f)
+            if isinstance(v, float) and v.is_integer():
+                v = int(v)
+                object.__setattr__(self, f, v)
+            if isinstance(v, bool) or not isinstance(v, int) or v < least:
+                raise ValueError(f"zero3: {f}={v!r} must be an integer >= {least}")
+
+    def as_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+class ZeroStage3(ZeroStrategy):
+    """ZeRO-3: every rank keeps 1/N of the parameters; units are gathered just in time."""
+
+    name = "zero3"
+    stage = 3
+
+    def __init__(self, unit_modules: "list[str] | Callable[[str, nn.Module], bool] | None" = None,
+                 reshard_after_forward: bool = True, prefetch_bucket_size: int = 50_000_000,
+                 max_live_parameters: int = 1_000_000_000, param_persistence_threshold: int = 0,
+                 activation_checkpointing: bool = False, reduce_dtype: str = "fp32",
+                 reduce_mode: str = "auto", overlap_comm: bool = True, partition_alignment: int = 1,
+                 process_group_timeout_s: float = 300.0) -> None:
+        super().__init__(reduce_dtype=reduce_dtype, reduce_mode=reduce_mode, overlap_comm=overlap_comm,
+                         partition_alignment=partition_alignment,
+                         process_group_timeout_s=process_group_timeout_s)
+        self.stage3 = Stage3Config(unit_modules, reshard_after_forward, prefetch_bucket_size,
+                                   max_live_parameters, param_persistence_threshold,
+                                   activation_checkpointing)
+        self.plan: UnitPlan | None = None
+        self.units: list[Unit] = []
+        self.runtime: Stage3Runtime | None = None
+        self.hooks: Stage3Hooks | None = None
+        self._build: PartitionedBuild | None = None
+        #: (unit, run, master view): what the optimizer steps, in its order
+        self._runs: list[tuple[Unit, Any, torch.Tensor]] = []
+        self._group_of: dict[int, int] = {}  # id(param) -> optimizer param group
+        self._ckpt = Stage3Checkpoint(self)
+
+    # ------------------------------------------------------------------ set-up
+    def configure_model(self, module: nn.Module) -> None:
+        build = PartitionedBuild(self.global_rank, self.world_size, self.group)
+        with build:
+            module.configure_model()
+        self._build = build if build.params else None
+
+    def setup_module(self, module: nn.Module) -> None:
+        meta = [n for n, p in module.named_parameters() if p.device.type == "meta"]
+        if meta:
+            raise ValueError(f"zero3: parameters {meta[:5]} are on the meta device; build the model in "
+                             "TrainModule.configure_model() on the CPU (zero3 partitions it as it is "
+                             "built) or eagerly in __init__")
+        self.module = module
+        self.plan = plan_units(module, make_policy(self.stage3.unit_modules),
+                               self.stage3.param_persistence_threshold)
+        named = dict(module.named_parameters(remove_duplicate=False))
+        for spec in self.plan.units:
+            self.units.append(self._build_unit(len(self.units), spec.name, spec.params,
+                                               [named[n] for n in spec.params]))
+        if self._build is not None:
+            self._build.release()
+            self._build = None
+        managed = {id(p) for u in self.units for p in u.params}
+        with torch.no_grad():
+            for t in [*module.buffers(), *(p for p in module.parameters() if id(p) not in managed)]:
+                t.data = t.data.to(self.device)
+        self.model = StepWrapper(module)
+        self.reduce_mode = self.config.resolved_reduce_mode(backend(self.group))
+        options = RuntimeOptions(self.stage3.reshard_after_forward, self.stage3.prefetch_bucket_size,
+                                 self.stage3.max_live_parameters, self.reduce_mode)
+        self.runtime = Stage3Runtime(self.units, options, self.queue, self.config.torch_reduce_dtype,
+                                     self.group)
+        units = [(u, module.get_submodule(u.name)) for u in self.units if u.name not in (ROOT, PERSISTENT)]
+        self.hooks = Stage3Hooks(self.runtime, units, [self.model, *self._scope_modules()],
+                                 self.stage3.activation_checkpointing)
+
+    def _build_unit(self, index: int, name: str, names: tuple[str, ...], params: list[nn.Parameter]) -> Unit:
+        """Collective: lay out one unit and move its values into this rank's shards; the unit's
+        full values exist only here, once, in fp32."""
+        layout = build_layout([p.numel() for p in params], self.world_size, self.config.partition_alignment)
+        build = self._build
+        adopted = [build is not None and build.owns(p) for p in params]
+        slack = max([self.world_size * build.chunk_of(p) - p.numel() for p, a in zip(params, adopted) if a]
+                    or [0])
+        flat = torch.empty(layout.padded_numel + slack, dtype=torch.float32, device=self.device)
+        for p, span, a in zip(params, layout.spans, adopted):  # in order: a gather's tail is overwritten
+            if a:
+                build.take(p, flat[span.offset:])
+            else:
+                flat[span.offset:span.end].copy_(p.detach().reshape(-1))
+        flat[layout.numel:].zero_()
+        if not all(adopted) and layout.padded_numel:  # eager parameters: rank 0's values, as DDP
+            broadcast_from(flat[:layout.padded_numel], 0, self.group).wait()
+        unit = Unit(index, name, params, names, layout, self.global_rank, self.precision.param_dtype,
+                    self.config.torch_reduce_dtype, self.device, persistent=name == PERSISTENT)
+        unit.load_full(flat)
+        return unit
+
+    def _scope_modules(self) -> list[nn.Module]:
+        """The TrainModule and every module holding a root-unit parameter, with their ancestors:
+        whichever of them is called first gathers the root for its forward."""
+        root = next((u for u in self.units if u.name == ROOT), None)
+        paths = {ROOT}
+        if root is not None:
+            canonical = set(root.names)
+            for alias, name in self.plan.aliases.items():
+                if name in canonical:
+                    parts = alias.split(".")[:-1]
+                    paths.update(".".join(parts[:i]) for i in range(len(parts) + 1))
+        return [self.module.get_submodule(p) for p in sorted(paths, key=lambda s: (s.count("."), s))]
+
+    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        assert self.runtime is not None, "setup_module must run before setup_optimizer"
+        groups = trainable_groups(optimizer, self.module)
+        group_of = {id(p): gi for gi, ps in enumerate(groups) for p in ps}
+        masters: list[list[torch.Tensor]] = [[] for _ in groups]
+        grads: list[list[torch.Tensor]] = [[] for _ in groups]
+        for u in self.units:
+            runs = optimizer_runs(u.layout, self.global_rank, [group_of.get(id(p)) for p in u.params])
+            for r in runs:
+                masters[r.group].append(u.master[r.start:r.start + r.numel])
+                grads[r.group].append(u.grad[r.start:r.start + r.numel])
+                self._runs.append((u, r, masters[r.group][-1]))
+        self._group_of = group_of
+        self.sharded = ShardedOptimizer(optimizer, masters)
+        self.optimizer = optimizer
+        self.runtime.grad_views = [g for gs in grads for g in gs]
+        self.grads = self.runtime
+        self._log_memory("at setup (optimizer state is allocated by the first step)")
+
+    def _extra_state_names(self) -> list[str]:
+        """State-dict entries that no unit holds: buffers and non-floating-point parameters."""
+        managed = set(self.plan.aliases) if self.plan is not None else set()
+        return [k for k in self.module.state_dict() if k not in managed]
+
+    @contextlib.contextmanager
+    def gathered(self, module: nn.Module | None = None) -> Iterator[None]:
+        """Collective: inside, the parameters of ``module`` (default: the whole model) hold their
+        full values, e.g. to inspect or export weights between steps. Read-only: changes are not
+        written back (the masters are). Outside a step only."""
+        wanted = {id(p) for p in (module or self.module).parameters()}
+        units = [u for u in self.units if any(id(p) in wanted for p in u.params)]
+        self.runtime.hold(units)
+        try:
+            yield
+        finally:
+            self.runtime.free_all()
+
+    # ------------------------------------------------------------------ the step
+    def _gather_params(self) -> None:
+        """After the inner step: nothing is gathered between steps; refresh the working shards
+        from the masters (and all-gather the persistent parameters)."""
+        self.runtime.free_all()
+        for u in self.units:
+            u.refresh(self.group)
+
+    # ------------------------------------------------------------------ checkpoints
+    def _layout_meta(self) -> dict[str, Any]:
+        return {"world_size": self.world_size, "rank": self.global_rank,
+                "units": [u.name for u in self.units], "numels": [u.layout.numel for u in self.units],
+                "padded_numels": [u.layout.padded_numel for u in self.units]}
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's shards: every unit's fp32 master partition and the optimizer's state."""
+        assert self.sharded is not None and self.module is not None
+        state = {"zero": {"stage": self.stage, **self._layout_meta()},
+                 "masters": [u.master.detach().clone() for u in self.units],
+                 "optimizer": self.optimizer.state_dict(), "precision": self.precision.state_dict()}
+        if self.is_global_zero:
+            sd = self.module.state_dict()
+            state["module_extra"] = {k: sd[k].detach().clone() for k in self._extra_state_names()}
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Collective. Loads this rank's shard of a stage-3 checkpoint of the same world size."""
+        assert self.sharded is not None and self.module is not None
+        meta, mine = state.get("zero", {}), self._layout_meta()
+        if meta.get("stage") != self.stage:
+            raise ValueError(f"checkpoint shard is from ZeRO stage {meta.get('stage')!r}; zero3 loads "
+                             "zero3 shards only: export weights with full_state_dict() to switch")
+        for key in ("world_size", "rank", "units", "numels", "padded_numels"):
+            if meta.get(key) != mine[key]:
+                raise ValueError(f"checkpoint shard has {key}={meta.get(key)!r} but this run has "
+                                 f"{mine[key]!r}: zero3 shards load only on the same world size, model "
+                                 "and unit plan")
+        with torch.no_grad():
+            for u, m in zip(self.units, state["masters"]):
+                u.master.copy_(m)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.precision.load_state_dict(state.get("precision", {}))
+        if "module_extra" in state:
+            self.module.load_state_dict(state["module_extra"], strict=False)
+        self._broadcast_extras()
+        self._gather_params()
+        self.zero_grad()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Collective: the complete fp32 weights on rank 0, gathered one unit at a time (no rank
+        but rank 0 ever holds more than its shards); ``{}`` elsewhere. Tied parameters appear
+        under each of their names as one tensor, as in ``module.state_dict()``."""
+        assert self.module is not None
+        values: dict[int, torch.Tensor] = {}
+        for u in self.units:
+            full = u.gather_master(0, self.group)
+            if full is not None:
+                full = full.to("cpu")
+                values.update({id(p): v.clone() for p, v in zip(u.params, u.param_views(full))})
+                del full
+        if not self.is_global_zero:
+            return {}
+        by_name = dict(self.module.named_parameters(remove_duplicate=False))
+        out = {}
+        for k, v in self.module.state_dict().items():
+            p = by_name.get(k)
+            out[k] = values[id(p)] if p is not None and id(p) in values else v.detach().to("cpu", copy=True)
+        return out
+
+    # the strategy-neutral checkpoint format (parameter shards by name): see stage3_checkpoint
+    def optimizer_group_names(self) -> list[list[str]]:
+        return self._ckpt.optimizer_group_names()
+
+    def param_shards(self) -> dict[str, ParamShard]:
+        return self._ckpt.param_shards()
+
+    def extra_state(self) -> dict[str, torch.Tensor]:
+        return self._ckpt.extra_state()
+
+    def load_param_shards(self, reader: ShardReader) -> None:
+        self._ckpt.load_param_shards(reader)
+
+    # ------------------------------------------------------------------ memory and end
+    def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
+        managed = {id(p) for u in self.units for p in u.params}
+        return {"params": [t for u in self.units for t in (u.working, u.full)]
+                + [p for p in self.module.parameters() if id(p) not in managed],
+                "grads": [u.grad for u in self.units],
+                "master": [u.master for u in self.units],
+                "optimizer": self.sharded.state_tensors() if self.sharded else [],
+                "comm_buffers": self.runtime.comm_buffers() if self.runtime else []}
+
+    def _model_numel(self) -> int:
+        return sum(u.layout.numel for u in self.units)
+
+    def _grad_bytes_per_param(self) -> int:
+        return self.config.torch_reduce_dtype.itemsize
+
+    def teardown(self) -> None:
+        """End of fit: reductions finish, every unit is freed; the hooks stay, so the model keeps
+        working for evaluation and sampling (``remove_hooks()`` takes them away)."""
+        super().teardown()
+
+    def remove_hooks(self) -> None:
+        """Uninstall every ZeRO-3 hook. Parameters stay sharded placeholders: read weights with
+        ``full_state_dict()``."""
+        if self.hooks is not None:
+            self.hooks.remove()
+            self.hooks = None
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(world_size={self.world_size}, {self.config.as_dict()}, "
+                f"{self.stage3.as_dict()})")

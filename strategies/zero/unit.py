@@ -1,0 +1,235 @@
+"""One ZeRO-3 communication unit: the parameters gathered and freed together, their shards, and
+the explicit state machine that moves them between sharded and gathered.
+
+Storage (``P`` = this rank's partition of the unit's padded flat layout, see ``layout.py``):
+
+* ``master``: fp32, ``P`` elements - the only persistent copy of the values; the optimizer steps on
+  views of it (``unit_plan.optimizer_runs``);
+* ``working``: the all-gather's input, ``P`` elements in the working dtype - the master itself in
+  fp32, a copy refreshed after every step otherwise;
+* ``grad``: ``P`` elements in the reduction dtype, where reduced gradients accumulate;
+* ``full``: the gathered flat buffer (all ranks' partitions side by side, the layout of
+  ``all_gather_into_tensor``'s output). Its storage is resized to 0 bytes when sharded and back
+  when gathered, so views of it that autograd saved in forward (``weight.t()`` in ``linear``)
+  read the re-gathered values in backward, and the memory is really returned in between.
+
+A parameter's ``.data`` is a view of ``full`` while the unit is UNSHARDED and a *placeholder*
+otherwise: its shape and dtype, one NaN element of storage (``expand``). Shape queries keep
+working (``configure_optimizers`` may sort parameters by ``dim()``), a stray read gives NaN and a
+stray in-place write raises. Parameter objects never change, so ties and user references hold.
+
+A *persistent* unit (small parameters, ``param_persistence_threshold``) is gathered once and
+stays UNSHARDED; after each step it is refreshed with one all-gather, like ZeRO-1/2's params.
+"""
+from __future__ import annotations
+
+import enum
+from typing import NamedTuple, Sequence
+
+import torch
+from torch import nn
+
+from .comm import (BufferPool, Handle, InFlight, InFlightQueue, all_gather_into, all_reduce_sum,
+                   gather_to, reduce_scatter_sum)
+from .layout import GroupLayout
+
+
+class ShardState(enum.Enum):
+    SHARDED = "sharded"  # only this rank's partition exists; params are placeholders
+    GATHERING = "gathering"  # an all-gather into ``full`` is in flight
+    UNSHARDED = "unsharded"  # ``full`` holds every value; params are views of it
+
+
+class PendingGather(NamedTuple):
+    """An all-gather in flight: who waits (``Unit.wait``) and the input it keeps alive."""
+
+    handle: Handle
+    src: torch.Tensor
+
+
+_PLACEHOLDERS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def placeholder(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A tensor of ``shape`` backed by one shared NaN element (see the module docstring)."""
+    key = (dtype, torch.device(device))
+    if key not in _PLACEHOLDERS:
+        _PLACEHOLDERS[key] = torch.full((1,), float("nan"), dtype=dtype, device=device)
+    base = _PLACEHOLDERS[key]
+    return base.expand(shape) if len(shape) else base[0]
+
+
+def is_placeholder(t: torch.Tensor) -> bool:
+    base = _PLACEHOLDERS.get((t.dtype, t.device))
+    return base is not None and t.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
+
+
+class Unit:
+    def __init__(self, index: int, name: str, params: Sequence[nn.Parameter], names: Sequence[str],
+                 layout: GroupLayout, rank: int, dtype: torch.dtype, reduce_dtype: torch.dtype,
+                 device: torch.device, persistent: bool = False) -> None:
+        if len(params) != len(layout.spans):
+            raise ValueError(f"unit {name!r}: {len(params)} parameters, layout has {len(layout.spans)}")
+        # a unit with nothing to gather (an empty root) behaves as an always-gathered one
+        persistent = persistent or layout.padded_numel == 0
+        self.index, self.name, self.persistent = index, name, persistent
+        self.params, self.names, self.layout, self.rank = list(params), list(names), layout, rank
+        self.dtype, self.device = dtype, device
+        lo, hi = layout.partition_range(rank)
+        self.lo, self.hi = lo, hi
+        make = torch.zeros if persistent else torch.empty
+        self.full = make(layout.padded_numel, dtype=dtype, device=device)
+        self._views = [self.full[s.offset:s.end].view(p.shape) for s, p in zip(layout.spans, params)]
+        if persistent:
+            self.working = self.full[lo:hi]
+            self.master = self.working if dtype == torch.float32 else torch.zeros(hi - lo, device=device)
+        else:
+            self.master = torch.zeros(hi - lo, dtype=torch.float32, device=device)
+            self.working = (self.master if dtype == torch.float32
+                            else torch.zeros(hi - lo, dtype=dtype, device=device))
+        self.grad = torch.zeros(hi - lo, dtype=reduce_dtype, device=device)
+        self.state = ShardState.UNSHARDED
+        self.pending: PendingGather | None = None
+        if persistent:
+            self._bind()
+        else:
+            self._unbind()
+            self._free()
+            self.state = ShardState.SHARDED
+        # per-step bookkeeping, owned by the runtime
+        self.active = 0  # forwards of this unit currently running (nested or re-entrant calls)
+        self.pending_backward = 0  # forwards whose backward has not reached the unit's inputs yet
+        self.pinned = False  # gathered on demand for a use outside its forward: kept until the end
+        self.prefetched = False  # gathered ahead of use and not used yet
+        self.in_backward = False  # between its pre-backward and its post-backward
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def numel(self) -> int:
+        """Elements a gathered copy holds (padded): what counts against ``max_live_parameters``."""
+        return self.layout.padded_numel
+
+    @property
+    def gathered(self) -> bool:
+        return self.state is not ShardState.SHARDED
+
+    # ------------------------------------------------------------------ transitions
+    def unshard_async(self, group: object = None) -> bool:
+        """SHARDED -> GATHERING: launch the all-gather into ``full``; False when not SHARDED."""
+        if self.state is not ShardState.SHARDED:
+            return False
+        self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
+        self.pending = PendingGather(all_gather_into(self.full, self.working, group), self.working)
+        self.state = ShardState.GATHERING
+        return True
+
+    def wait(self) -> None:
+        """GATHERING -> UNSHARDED (idempotent otherwise): wait for the data, bind the params."""
+        if self.state is ShardState.GATHERING:
+            self.pending.handle.wait()
+            self.pending = None
+            self._bind()
+            self.state = ShardState.UNSHARDED
+
+    def unshard(self, group: object = None) -> None:
+        self.unshard_async(group)
+        self.wait()
+
+    def reshard(self) -> None:
+        """-> SHARDED: params become placeholders and ``full``'s memory is returned (an all-gather
+        in flight lands first). A persistent unit stays gathered."""
+        if self.persistent or self.state is ShardState.SHARDED:
+            return
+        self.wait()
+        self._unbind()
+        self._free()
+        self.state = ShardState.SHARDED
+        self.prefetched = False
+
+    def _bind(self) -> None:
+        for p, v in zip(self.params, self._views):
+            p.data = v
+
+    def _unbind(self) -> None:
+        for p in self.params:
+            p.data = placeholder(p.shape, self.dtype, self.device)
+
+    def _free(self) -> None:
+        self.full.untyped_storage().resize_(0)
+
+    # ------------------------------------------------------------------ values
+    def load_full(self, flat: torch.Tensor) -> None:
+        """Take this rank's partition of the unit's full flat values (fp32 or working dtype, at
+        least ``layout.numel`` elements) as master and working copy."""
+        mine = torch.zeros(self.hi - self.lo, dtype=torch.float32, device=self.device)
+        lo, hi = self.lo, min(self.hi, self.layout.numel)
+        if hi > lo:
+            mine[:hi - lo].copy_(flat[lo:hi])
+        self.master.copy_(mine)
+        if self.persistent:
+            self.full[:self.layout.numel].copy_(flat[:self.layout.numel])
+        elif self.working is not self.master:
+            self.working.copy_(self.master)
+
+    def refresh(self, group: object = None) -> None:
+        """Collective for a persistent unit: make the working values match the stepped master."""
+        if self.working is not self.master:
+            self.working.copy_(self.master)
+        if self.persistent and self.layout.padded_numel:
+            mine = self.working.clone()  # the all-gather's input must not alias its output
+            all_gather_into(self.full, mine, group).wait()
+
+    def gather_master(self, dst: int, group: object = None) -> torch.Tensor | None:
+        """Collective: the unit's fp32 flat values on ``dst`` (None elsewhere)."""
+        full = outs = None
+        if self.rank == dst:
+            full = torch.empty(self.layout.padded_numel, dtype=torch.float32, device=self.device)
+            outs = [full[slice(*self.layout.partition_range(r))] for r in range(self.layout.world_size)]
+        gather_to(self.master.detach().contiguous(), outs, dst, group).wait()
+        return full
+
+    def param_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        return [flat[s.offset:s.end].view(p.shape) for s, p in zip(self.layout.spans, self.params)]
+
+    # ------------------------------------------------------------------ gradients
+    def has_grads(self) -> bool:
+        return any(p.grad is not None for p in self.params)
+
+    def reduce_grads(self, mode: str, pool: BufferPool, queue: InFlightQueue, group: object = None) -> None:
+        """Collective: sum every rank's gradients of this unit, keep my partition (averaged) and
+        add it to ``grad``. The gradients are copied into a pooled flat buffer and ``p.grad`` is
+        freed at once; the reduction is pushed to ``queue`` (it completes while backward goes on).
+        ``mode``: ``all_reduce`` (gloo: faster there) or ``reduce_scatter`` (NCCL)."""
+        layout, world = self.layout, self.layout.world_size
+        n, part = layout.padded_numel, self.hi - self.lo
+        space = pool.acquire(n + (part if mode == "reduce_scatter" else 0))
+        flat = space[:n]
+        for p, span in zip(self.params, layout.spans):
+            dst = flat[span.offset:span.end]
+            if p.grad is None:
+                dst.zero_()
+            else:
+                dst.copy_(p.grad.reshape(-1))
+                p.grad = None
+        flat[layout.numel:].zero_()
+        if mode == "all_reduce":
+            handle, mine = all_reduce_sum(flat, group), flat[self.lo:self.hi]
+        elif mode == "reduce_scatter":
+            mine = space[n:]
+            handle = reduce_scatter_sum(mine, flat, group)
+        else:
+            raise ValueError(f"reduce mode {mode!r}; valid choices: all_reduce, reduce_scatter")
+
+        def add_mine() -> None:
+            self.grad.add_(mine.div_(world))
+            pool.release(space)
+
+        queue.push(InFlight((handle,), (space,), add_mine, f"zero3 reduce {self.name or 'root'}"))
+
+    # ------------------------------------------------------------------ memory
+    def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
+        return {"params": [self.working, self.full], "master": [self.master], "grads": [self.grad]}
+
+    def __repr__(self) -> str:
+        return (f"Unit({self.index}, {self.name or 'root'!r}, {len(self.params)} params, "
+                f"{self.layout.numel} elements, {self.state.value})")

@@ -1,0 +1,281 @@
+"""ZeRO-3 pieces in one process (no process group): the unit plan, the optimizer runs, the options,
+the parameter-touch mode, partitioned construction, a unit's state machine, and the strategy's
+step against plain PyTorch."""
+import pytest
+import torch
+from torch import nn
+
+from zerotrain.examples.gpt import GPT, GPTConfig
+from zerotrain.strategies import strategy_from_name
+from zerotrain.strategies.environment import ProcessInfo
+from zerotrain.strategies.precision import Precision
+from zerotrain.strategies.zero import Stage3Config, ZeroStage3
+from zerotrain.strategies.zero.layout import build_layout
+from zerotrain.strategies.zero.materialize import PartitionedBuild
+from zerotrain.strategies.zero.touch import func_name, is_overwrite
+from zerotrain.strategies.zero.unit import ShardState, Unit, is_placeholder
+from zerotrain.strategies.zero.unit_plan import PERSISTENT, Run, make_policy, optimizer_runs, plan_units
+from zerotrain.trainer.module import TrainModule
+
+CFG = GPTConfig(vocab_size=29, block_size=8, n_layer=2, n_head=2, n_embd=8)
+
+
+# ---------------------------------------------------------------------------- the plan
+def test_default_plan_one_unit_per_block_root_for_the_rest():
+    plan = plan_units(GPT(CFG), None, persistence_threshold=8)
+    names = [u.name for u in plan.units]
+    assert names == ["", "blocks.0", "blocks.1", PERSISTENT]
+    root, b0 = plan.units[0], plan.units[1]
+    assert root.params == ("wte.weight", "wpe.weight")  # lm_head.weight is wte.weight
+    assert plan.aliases["lm_head.weight"] == "wte.weight"
+    assert b0.params == ("blocks.0.attn.c_attn.weight", "blocks.0.attn.c_proj.weight",
+                         "blocks.0.mlp.c_fc.weight", "blocks.0.mlp.c_proj.weight")
+    assert "ln_f.weight" in plan.units[-1].params and "blocks.1.ln_2.weight" in plan.units[-1].params
+
+
+class Shared(nn.Module):
+    """A weight shared by two units, a unit nested in a unit, and an integer parameter."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), nn.Linear(4, 4)])
+        self.layers[1].weight = self.layers[0][0].weight
+        self.count = nn.Parameter(torch.zeros(2, dtype=torch.long), requires_grad=False)
+
+
+def test_a_parameter_used_by_two_units_goes_to_their_common_unit():
+    plan = plan_units(Shared(), None)
+    owner = plan.unit_of()
+    assert owner["layers.0.0.weight"] == ""  # shared by layers.0 and layers.1: the root gathers it
+    assert owner["layers.0.1.weight"] == "layers.0" and owner["layers.1.bias"] == "layers.1"
+    assert plan.unmanaged == ("count",)
+    nested = plan_units(Shared(), make_policy(["Sequential", "Linear"]))
+    owner = nested.unit_of()
+    assert owner["layers.0.0.bias"] == "layers.0.0"  # the innermost unit
+    assert owner["layers.0.0.weight"] == ""  # layers.0.0 and layers.1: only the root encloses both
+    by_callable = plan_units(Shared(), make_policy(lambda name, m: name == "layers.1"))
+    assert [u.name for u in by_callable.units] == ["", "layers.1"]
+
+
+@pytest.mark.parametrize("bad,err", [("Block", TypeError), ([], ValueError), ([3], TypeError)])
+def test_unit_modules_must_be_class_names_or_a_callable(bad, err):
+    with pytest.raises(err, match="unit_modules"):
+        make_policy(bad)
+    with pytest.raises(err, match="unit_modules"):
+        ZeroStage3(unit_modules=bad)
+
+
+def test_optimizer_runs_cut_a_partition_by_param_group():
+    layout = build_layout([5, 3, 4], world_size=2)  # padded to 12: rank 0 [0, 6), rank 1 [6, 12)
+    assert optimizer_runs(layout, 0, [0, None, 1]) == [Run(0, 0, 5)]  # the frozen one is left out
+    assert optimizer_runs(layout, 1, [0, None, 1]) == [Run(1, 2, 4)]
+    assert optimizer_runs(layout, 0, [0, 0, 0]) == [Run(0, 0, 6)]  # adjacent runs merge
+    assert optimizer_runs(layout, 1, [0, 1, 1]) == [Run(1, 0, 6)]
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"prefetch_bucket_size": -1}, "prefetch_bucket_size=-1"),
+    ({"max_live_parameters": 0}, "max_live_parameters=0"),
+    ({"param_persistence_threshold": 1.5}, "param_persistence_threshold=1.5"),
+    ({"reshard_after_forward": "yes"}, "reshard_after_forward='yes'"),
+])
+def test_stage3_options_are_validated(kw, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        ZeroStage3(**kw)
+
+
+def test_zero3_is_registered_and_configurable():
+    s = strategy_from_name("zero3")
+    assert isinstance(s, ZeroStage3) and s.stage3.prefetch_bucket_size == 50_000_000
+    assert Stage3Config(max_live_parameters=1e9).max_live_parameters == 10**9
+    from hydra import compose, initialize_config_module
+    from omegaconf import OmegaConf
+
+    from zerotrain.trainer.config import build_strategy, register_configs
+    register_configs()
+    with initialize_config_module(config_module="zerotrain.conf", version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[
+            "strategy=zero3", "strategy.prefetch_bucket_size=1000", "strategy.unit_modules=[Block]",
+            "strategy.activation_checkpointing=true"])
+    s = build_strategy(OmegaConf.to_object(cfg).strategy)
+    assert isinstance(s, ZeroStage3) and s.stage3.unit_modules == ("Block",)
+    assert s.stage3.prefetch_bucket_size == 1000 and s.stage3.activation_checkpointing
+
+
+# ---------------------------------------------------------------------------- the touch mode
+def test_func_names_and_overwrites():
+    p = nn.Parameter(torch.zeros(2, 3))
+    assert func_name(torch.Tensor.shape.__get__) == "shape"
+    assert func_name(torch.Tensor.data.__get__) == "data"
+    assert is_overwrite(nn.init.normal_, (), {"tensor": p}, p)  # nn.init passes it by keyword
+    assert is_overwrite(torch.Tensor.fill_, (p, 0.0), {}, p)
+    assert not is_overwrite(torch.Tensor.mul_, (p, 2.0), {}, p)
+
+
+# ---------------------------------------------------------------------------- partitioned construction
+class Custom(nn.Module):
+    """Parameters with values at registration, and an in-place edit that reads them."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(5, 3))
+        self.lin = nn.Linear(3, 4)
+        with torch.no_grad():
+            self.w.mul_(2.0)
+            self.lin.weight[0].copy_(self.w[0, :3] + 1)
+        self.register_buffer("table", torch.arange(4.0))
+
+
+def _built(factory):
+    """(partitioned build on one process, eager build, each followed by a random draw)."""
+    torch.manual_seed(3)
+    eager = factory()
+    after_eager = torch.rand(3)
+    torch.manual_seed(3)
+    with PartitionedBuild(rank=0, world_size=1) as build:
+        model = factory()
+    after = torch.rand(3)
+    values = {}
+    for name, p in model.named_parameters():
+        assert is_placeholder(p.data), name  # nothing is held whole after construction
+        out = torch.empty(p.numel())
+        build.take(p, out)
+        values[name] = out.view(p.shape)
+    return model, eager, values, torch.equal(after, after_eager)
+
+
+@pytest.mark.parametrize("factory", [lambda: GPT(CFG), Custom], ids=["gpt", "custom"])
+def test_partitioned_construction_equals_the_eager_build(factory):
+    model, eager, values, same_rng = _built(factory)
+    assert same_rng
+    for name, q in eager.named_parameters():
+        assert torch.equal(values[name], q), name
+    for (name, b), (_, q) in zip(model.named_buffers(), eager.named_buffers()):
+        assert torch.equal(b, q), name
+    if isinstance(model, GPT):
+        assert model.lm_head.weight is model.wte.weight  # the tie survived
+
+
+def test_partitioned_construction_of_a_hugging_face_model():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=31, n_positions=8, n_embd=8, n_layer=1, n_head=2,
+                                     bos_token_id=0, eos_token_id=0)
+    model, eager, values, same_rng = _built(lambda: transformers.GPT2LMHeadModel(config))
+    assert same_rng and model.lm_head.weight is model.transformer.wte.weight
+    for name, q in eager.named_parameters():
+        assert torch.equal(values[name], q), name
+
+
+def test_a_meta_parameter_in_configure_model_is_refused():
+    with pytest.raises(ValueError, match="meta device"):
+        with PartitionedBuild(rank=0, world_size=1):
+            nn.Linear(2, 2, device="meta")
+
+
+# ---------------------------------------------------------------------------- a unit
+def test_unit_state_machine_frees_memory_and_keeps_saved_views_valid():
+    torch.manual_seed(0)
+    lin = nn.Linear(3, 4)
+    want = {k: v.clone() for k, v in lin.state_dict().items()}
+    params = [lin.weight, lin.bias]
+    layout = build_layout([p.numel() for p in params], 1)
+    flat = torch.cat([p.detach().reshape(-1) for p in params])
+    unit = Unit(1, "lin", params, ["weight", "bias"], layout, 0, torch.float32, torch.float32,
+                torch.device("cpu"))
+    unit.load_full(flat)
+    assert unit.state is ShardState.SHARDED and unit.full.untyped_storage().nbytes() == 0
+    assert lin.weight.shape == (4, 3) and torch.isnan(lin.weight).all()  # a placeholder
+    with pytest.raises(RuntimeError):
+        lin.weight.data.add_(1)  # writing a placeholder fails loudly
+    unit.unshard()
+    assert unit.state is ShardState.UNSHARDED and torch.equal(lin.weight, want["weight"])
+    x = torch.randn(2, 3, requires_grad=True)
+    y = lin(x)  # saves a view of the weight
+    unit.reshard()
+    assert unit.full.untyped_storage().nbytes() == 0
+    unit.unshard()  # gathered again: the saved view reads the values again
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, want["weight"].sum(0).expand(2, 3))
+    assert unit.has_grads()
+
+
+# ---------------------------------------------------------------------------- the strategy
+class Net(TrainModule):
+    def __init__(self):
+        super().__init__()
+        self.net = None
+
+    def configure_model(self):
+        if self.net is None:
+            torch.manual_seed(0)
+            self.net = nn.ModuleList(nn.Linear(5, 5) for _ in range(3))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        for layer in self.net:
+            x = torch.tanh(layer(x))
+        return nn.functional.mse_loss(x, y)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def test_one_process_matches_pytorch_and_hooks_are_removable():
+    ref = Net()
+    ref.configure_model()
+    opt = ref.configure_optimizers()
+    s = ZeroStage3(prefetch_bucket_size=30)
+    s.connect(ProcessInfo(), torch.device("cpu"), Precision())
+    s.setup_environment()
+    model = Net()
+    s.configure_model(model)
+    s.setup_module(model)
+    s.setup_optimizer(model.configure_optimizers())
+    g = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        for _ in range(2):
+            b = (torch.randn(6, 5, generator=g), torch.randn(6, 5, generator=g))
+            (ref.training_step(b, 0) / 2).backward()
+            s.backward(s.training_step(b, 0) / 2)
+        want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
+        torch.testing.assert_close(s.clip_grad_norm_(0.1), want)
+        opt.step()
+        opt.zero_grad()
+        s.optimizer_step()
+    full = s.full_state_dict()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(full[k], v, rtol=1e-5, atol=1e-7)
+    assert all(u.state is ShardState.SHARDED for u in s.units if not u.persistent)
+    s.teardown()  # the model still works after fit
+    with torch.no_grad():
+        assert torch.isfinite(s.model("training_step", b, 0))
+    assert torch.isnan(model.net[1].weight).all()
+    with s.gathered(model.net[1]):
+        torch.testing.assert_close(model.net[1].weight, ref.net[1].weight, rtol=1e-5, atol=1e-7)
+    assert torch.isnan(model.net[1].weight).all()
+    s.remove_hooks()
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_mixed_precision_gathers_working_dtype_and_steps_fp32_masters(precision):
+    from zerotrain.strategies.precision import precision_from_name
+    plugin = precision_from_name(precision)
+    s = ZeroStage3()
+    s.connect(ProcessInfo(), torch.device("cpu"), plugin)
+    model = Net()
+    s.configure_model(model)
+    s.setup_module(model)
+    s.setup_optimizer(model.configure_optimizers())
+    seen = []
+    model.net[0].register_forward_pre_hook(lambda m, a: seen.append(m.weight.dtype))
+    before = [u.master.clone() for u in s.units]
+    b = (torch.randn(4, 5), torch.randn(4, 5))
+    for _ in range(2):
+        loss = s.training_step(b, 0)
+        s.backward(loss)
+        assert s.optimizer_step(1.0)
+    assert seen == [plugin.param_dtype] * 2 and torch.isfinite(loss)
+    assert all(u.master.dtype == torch.float32 for u in s.units)
+    assert all(u.working.dtype == plugin.param_dtype for u in s.units if u.layout.numel)
+    assert not all(torch.equal(a, u.master) for a, u in zip(before, s.units))
