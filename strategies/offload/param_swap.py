@@ -1,0 +1,154 @@
+"""ZeRO-3 parameter shards on NVMe (``param_device="nvme"``): each unit's shards live in files and
+take RAM only while they are used.
+
+How: a unit's fp32 master shard (and its bf16/fp16 working shard in mixed precision) is moved
+into a file under ``nvme_path`` and the tensor is re-pointed at a *shared memory mapping* of that
+file (:class:`MappedShard`). Every piece of ZeRO-3 that reads or writes the shard (the all-gather,
+the optimizer, checkpoints, ``full_state_dict``) keeps working on an ordinary tensor; what changes
+is when its pages are resident:
+
+* ``unshard_async`` (the runtime calls it ``prefetch_bucket_size`` ahead of use) first asks the
+  kernel to read the shard in (``madvise(MADV_WILLNEED)``: asynchronous readahead), so the data
+  is fetched ahead of the all-gather that consumes it;
+* once the gather has landed in the unit's ``full`` buffer (``wait``), and again when the unit
+  is resharded, the shard's pages are dropped from the process (``MADV_DONTNEED``; on a shared
+  mapping dirty data stays in the page cache and reaches the file, nothing is lost);
+* the offloaded optimizer step prefetches each sub-group's master range one sub-group ahead and
+  drops it after stepping it (:class:`ShardPager`).
+
+This goes through the page cache (buffered I/O with kernel readahead), not ``O_DIRECT``: the
+resident set stays at the units in use, but the kernel may keep clean file pages cached until it
+needs the memory. The optimizer state uses the O_DIRECT swapper (``swapper.py``).
+
+A unit is switched to this behaviour by re-classing it (``unit.__class__ = SwappedUnit``, as
+FSDP2 re-classes modules), so ZeRO-3's own ``Unit`` needs no option for it.
+"""
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+from typing import Sequence
+
+import torch
+
+from ..zero.unit import ShardState, Unit
+from .plan import SubGroup
+
+_PAGE = mmap.PAGESIZE
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+
+
+class MappedShard:
+    """A 1-D tensor of ``numel`` elements backed by a shared mapping of ``path``. The mapping is
+    the tensor's own storage (``torch.from_file(shared=True)``), so it lives exactly as long as
+    some tensor uses it; ``close()`` only removes the file name."""
+
+    def __init__(self, path: str, numel: int, dtype: torch.dtype) -> None:
+        self.path, self.numel, self.dtype = path, numel, dtype
+        self.nbytes = numel * dtype.itemsize
+        with open(path, "wb") as f:
+            f.truncate(max(self.nbytes, 1))
+        self.tensor = torch.from_file(path, shared=True, size=numel, dtype=dtype) if numel else \
+            torch.empty(0, dtype=dtype)
+
+    def _advise(self, advice: int, lo: int, hi: int | None) -> None:
+        if not self.nbytes:
+            return
+        base = self.tensor.data_ptr()  # a fresh mapping: page-aligned
+        start = (lo * self.dtype.itemsize) // _PAGE * _PAGE
+        end = self.nbytes if hi is None else min(self.nbytes, hi * self.dtype.itemsize)
+        end = -(-end // _PAGE) * _PAGE
+        if end > start and _libc.madvise(base + start, end - start, advice) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"madvise({advice}) on {self.path}: {os.strerror(err)}")
+
+    def prefetch(self, lo: int = 0, hi: int | None = None) -> None:
+        """Start reading ``[lo, hi)`` in (kernel readahead; returns at once)."""
+        self._advise(mmap.MADV_WILLNEED, lo, hi)
+
+    def release(self, lo: int = 0, hi: int | None = None) -> None:
+        """Drop ``[lo, hi)``'s pages from this process (the data stays in the file/page cache)."""
+        self._advise(mmap.MADV_DONTNEED, lo, hi)
+
+    def close(self) -> None:
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+class SwappedUnit(Unit):
+    """A ZeRO-3 unit whose master/working shards are :class:`MappedShard` tensors (``shards``:
+    the master, then the working shard when it is a separate low-precision copy)."""
+
+    shards: list[MappedShard]
+
+    def unshard_async(self, group: object = None) -> bool:
+        if self.state is ShardState.SHARDED:
+            self.shards[-1].prefetch()  # the working shard: what the all-gather reads
+        return super().unshard_async(group)
+
+    def wait(self) -> None:
+        super().wait()
+        self.release()  # the gathered copy is in `full` now
+
+    def reshard(self) -> None:
+        super().reshard()
+        self.release()
+
+    def refresh(self, group: object = None) -> None:
+        super().refresh(group)
+        self.release()
+
+    def release(self) -> None:
+        for s in self.shards:
+            s.release()
+
+
+def swap_unit_to_files(unit: Unit, directory: str) -> None:
+    """Move a (non-persistent) unit's master and working shards into files and re-class it."""
+    if unit.persistent:
+        return
+    shards = []
+    master = MappedShard(os.path.join(directory, f"unit{unit.index:04d}.master"), unit.master.numel(),
+                         torch.float32)
+    master.tensor.copy_(unit.master)
+    shards.append(master)
+    if unit.working is unit.master:
+        unit.master = unit.working = master.tensor
+    else:
+        working = MappedShard(os.path.join(directory, f"unit{unit.index:04d}.working"), unit.working.numel(),
+                              unit.working.dtype)
+        working.tensor.copy_(unit.working)
+        shards.append(working)
+        unit.master, unit.working = master.tensor, working.tensor
+    unit.__class__ = SwappedUnit
+    unit.shards = shards
+    unit.release()
+
+
+class ShardPager:
+    """Prefetch and release the file-backed master (and working) ranges the optimizer steps.
+    ``slots[i]`` is ``(unit, start)``: slot i is the unit's master from ``start`` on."""
+
+    def __init__(self, subgroups: Sequence[SubGroup], slots: Sequence[tuple[Unit, int]]) -> None:
+        self.subgroups, self.slots = list(subgroups), list(slots)
+
+    def _each(self, k: int):
+        sg = self.subgroups[k]
+        unit, start = self.slots[sg.slot]
+        for s in getattr(unit, "shards", ()):
+            yield s, start + sg.lo, start + sg.hi
+
+    def prefetch(self, k: int) -> None:
+        if k < len(self.subgroups):
+            for s, lo, hi in self._each(k):
+                s.prefetch(lo, hi)
+
+    def release(self, k: int) -> None:
+        for s, lo, hi in self._each(k):
+            s.release(lo, hi)

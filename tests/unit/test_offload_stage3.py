@@ -1,0 +1,155 @@
+"""Offload composed with ZeRO-3 in one process: the same result as ZeRO-3 without offload, Adam
+state swapped, parameter shards in files that are resident only while used, checkpoints."""
+import gc
+import io
+import os
+import re
+
+import pytest
+import torch
+from torch import nn
+
+from zerotrain.strategies.environment import ProcessInfo
+from zerotrain.strategies.offload import Offload
+from zerotrain.strategies.offload.param_swap import SwappedUnit
+from zerotrain.strategies.precision import BF16Mixed, Precision
+from zerotrain.strategies.zero import ZeroStage3
+from zerotrain.trainer.module import TrainModule
+
+
+class Deep(TrainModule):
+    """Units: the root (inp, out) and one per block of the ModuleList."""
+
+    def __init__(self, width=16, depth=3, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.inp = nn.Linear(5, width)
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.LayerNorm(width))
+                                    for _ in range(depth))
+        self.out = nn.Linear(width, 3)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        h = torch.tanh(self.inp(x))
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        return nn.functional.mse_loss(self.out(h).float(), y)
+
+    def configure_optimizers(self):
+        decay = [p for p in self.parameters() if p.ndim >= 2]
+        rest = [p for p in self.parameters() if p.ndim < 2]
+        opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                                 {"params": rest, "lr": 2e-2, "weight_decay": 0.0}], lr=1e-2)
+        return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.2 * s))
+
+
+def batches(n=8):
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randn(8, 5, generator=g), torch.randn(8, 3, generator=g)) for _ in range(n)]
+
+
+def make(strategy, module, precision=None):
+    strategy.connect(ProcessInfo(), torch.device("cpu"), precision or Precision())
+    strategy.setup_environment()
+    strategy.configure_model(module)
+    strategy.setup_module(module)
+    opt, sched = module.configure_optimizers()
+    strategy.setup_optimizer(opt)
+    return strategy, sched
+
+
+def train(strategy, sched, data):
+    for b in data:
+        strategy.backward(strategy.training_step(b, 0))
+        if strategy.optimizer_step(0.05):
+            sched.step()
+
+
+def weights(strategy):
+    full = strategy.full_state_dict()
+    return torch.cat([full[k].float().reshape(-1) for k in sorted(full)])
+
+
+def rel(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+CASES = {"cpu": {}, "nvme": {"optimizer_device": "nvme"},
+         "nvme+params": {"optimizer_device": "nvme", "param_device": "nvme"},
+         "cpu+params": {"param_device": "nvme"}, "params_cpu": {"param_device": "cpu"}}
+
+
+def offload(case, tmp_path, **kw):
+    kw.update(CASES[case])
+    if "nvme" in kw.values():
+        kw.update(nvme_path=str(tmp_path / "nvme"), buffer_count=2)
+    return Offload(stage=3, sub_group_size=50, **kw)
+
+
+@pytest.mark.parametrize("prec", ["32", "bf16"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_matches_zero3_without_offload(tmp_path, case, prec):
+    mk = Precision if prec == "32" else BF16Mixed
+    ref, sched = make(ZeroStage3(), Deep(), mk())
+    train(ref, sched, batches())
+    s, sched = make(offload(case, tmp_path), Deep(), mk())
+    train(s, sched, batches())
+    assert type(s).__name__ == "OffloadZeroStage3" and s.offload_report()["fused_adam"]
+    assert rel(weights(s), weights(ref)) < 1e-6
+    rep = s.offload_report()
+    assert rep["swapped_kinds"] == (["exp_avg", "exp_avg_sq"] if "nvme" in rep["optimizer_device"] else [])
+    assert (rep["param_disk_bytes"] > 0) == (rep["param_device"] == "nvme")
+    s.teardown()
+    del s
+    gc.collect()
+    assert not os.path.exists(tmp_path / "nvme") or os.listdir(tmp_path / "nvme") == []
+
+
+@pytest.mark.parametrize("case", ["nvme+params", "cpu"])
+def test_checkpoint_resumes_exactly(tmp_path, case):
+    data = batches(8)
+    s, sched = make(offload(case, tmp_path), Deep())
+    train(s, sched, data[:4])
+    saved = io.BytesIO()
+    torch.save({"s": s.state_dict(), "sched": sched.state_dict()}, saved)
+    shards = s.param_shards()  # the Trainer's format: Adam state must be in it, swapped or not
+    assert all({"param", "exp_avg", "exp_avg_sq"} <= set(sh.tensors) for sh in shards.values())
+    assert not s.optimizer.state or case == "cpu"  # swapped state was only exposed for the call
+    train(s, sched, data[4:])
+    saved.seek(0)
+    ck = torch.load(saved, weights_only=True)
+    s2, sched2 = make(offload(case, tmp_path), Deep(seed=9))
+    s2.load_state_dict(ck["s"])
+    sched2.load_state_dict(ck["sched"])
+    train(s2, sched2, data[4:])
+    assert torch.equal(weights(s2), weights(s))
+
+
+def _mapped_rss(directory: str) -> int:
+    """Resident bytes of this process's mappings of files under ``directory``."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if re.match(r"[0-9a-f]+-[0-9a-f]+ ", line):  # a mapping's header (anonymous: 5 fields)
+                inside = len(head) >= 6 and head[5].startswith(directory)
+            elif inside and line.startswith("Rss:"):
+                total += int(head[1]) * 1024
+    return total
+
+
+def test_parameter_shards_are_resident_only_while_used(tmp_path):
+    width = 256  # each block unit ~66k params (256 KiB): pages are worth counting
+    s, sched = make(offload("nvme+params", tmp_path, prefetch_bucket_size=0), Deep(width=width, depth=4))
+    directory = s.offload_report()["param_dir"]
+    units = [u for u in s.units if isinstance(u, SwappedUnit)]
+    assert len(units) == 5 and all(u.master.data_ptr() for u in units)
+    total = sum(sh.nbytes for u in units for sh in u.shards)
+    assert _mapped_rss(directory) <= 8192 * len(units)  # after set-up: nothing resident
+    seen = []
+    for u in units:  # during forward and backward at most about one unit is resident
+        for m in (s.module.get_submodule(u.name) if u.name else s.module,):
+            m.register_forward_hook(lambda *a: seen.append(_mapped_rss(directory)))
+    train(s, sched, batches(2))
+    assert max(seen) < total / 2, (seen, total)
+    assert _mapped_rss(directory) <= 8192 * len(units)  # after the step (it touched every master)
