@@ -1,0 +1,523 @@
+"""ZeRO side by side: one GPT, one data stream, ten ways to train it data-parallel on CPU.
+
+    python -m zerotrain.bench.gpt_bench --prepare                      # build DeepSpeed's op once
+    python -m zerotrain.bench.gpt_bench --model tiny --steps 3 --warmup 1 --repeats 1   # smoke
+    python -m zerotrain.bench.gpt_bench --model gpt_21m --out bench/RESULTS.md          # a real run
+
+Systems (``--systems``, a comma list; all by default):
+
+  ddp          torch DistributedDataParallel, a plain torch loop (the baseline, ratio 1.00)
+  fsdp2_zero2  torch FSDP2 ``fully_shard`` per block, then the root, reshard_after_forward=False
+  fsdp2        torch FSDP2 with its defaults (parameters resharded after forward: ~ZeRO-3)
+  ds_zero1/2/3 DeepSpeed (DS_ACCELERATOR=cpu, gloo), torch's fused AdamW (``torch_adam``),
+               2e7-element buckets, ``stage3_max_reuse_distance: 0``
+  zt_ddp, zt_zero1/2/3   zerotrain's Trainer with strategy ddp / zero1 / zero2 / zero3, as users
+               run it (logger, checkpointing and progress bar off); zero3 only once registered
+
+How it measures. The driver (this file, no ``--worker``) runs every system as its own ``torchrun
+--standalone --nproc_per_node 2`` job of this file's worker entry, with ``OMP_NUM_THREADS=1``
+(one thread per rank: 2 ranks x 2 threads on 2 cores was 2x slower, MACHINE_FACTS.md). Repeats
+are interleaved (each system once, then each again), so the machine's drift hits all alike; the
+figure per system is the median over repeats. Within a run, each rank times every step from the
+end of the previous optimizer step to the end of its own (for the Trainer: a callback's
+``on_train_batch_end``), drops ``--warmup`` steps and takes the median; the run's figure is the
+slowest rank's. Peak RSS is ``getrusage(RUSAGE_SELF).ru_maxrss``, which includes the imports;
+"dRSS" is the peak minus the peak before the process group and the model existed.
+
+Correctness. Every system builds the same weights (``common.build_gpt``), each rank sees the same
+micro-batches in every system (``common.make_batches``), and all step the same AdamW with a
+constant learning rate. The loss of a step is the mean over ranks of the ranks' micro-batch
+losses; in fp32 every system's curve must match DDP's to rounding ("max |dloss|").
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import importlib.metadata
+import importlib.util
+import json
+import os
+import shlex
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from zerotrain.bench.common import (MODELS, OPTIM, WEIGHT_DECAY, ModelSpec, Record, build_gpt, make_adamw,
+                                    make_batches, param_groups)
+
+ALL_SYSTEMS = ["ddp", "fsdp2_zero2", "fsdp2", "ds_zero1", "ds_zero2", "ds_zero3",
+               "zt_ddp", "zt_zero1", "zt_zero2", "zt_zero3"]
+ZT_STRATEGY = {"zt_ddp": "ddp", "zt_zero1": "zero1", "zt_zero2": "zero2", "zt_zero3": "zero3"}
+BUCKET = 20_000_000  # elements; DeepSpeed's 5e8 default is GPU-sized (MACHINE_FACTS.md)
+PG_TIMEOUT_S = 600
+
+
+# =============================================================================== worker side
+# Each ``run_*`` imports its library, records the RSS baseline, joins the process group, builds
+# the model and optimizer, then runs every step in ``batches`` and records it in ``rec``.
+
+def _init_torch_pg() -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
+
+
+def _loop(step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], batches: list, rec: Record) -> None:
+    rec.setup_done()
+    rec.start()
+    for x, y in batches:
+        rec.step_end(step(x, y))
+
+
+def _autocast(precision: str):
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed")
+
+
+def run_ddp(args: argparse.Namespace, spec: ModelSpec, batches: list, rec: Record) -> None:
+    from torch.nn.parallel import DistributedDataParallel
+
+    rec.baseline()
+    _init_torch_pg()
+    model = DistributedDataParallel(build_gpt(spec.config(), args.seed), bucket_cap_mb=25,
+                                    gradient_as_bucket_view=True)
+    opt, rec.optimizer = make_adamw(model)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with _autocast(args.precision):
+            _, loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    _loop(step, batches, rec)
+
+
+def run_fsdp2(args: argparse.Namespace, spec: ModelSpec, batches: list, rec: Record, *,
+              reshard_after_forward: bool) -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    rec.baseline()
+    _init_torch_pg()
+    model = build_gpt(spec.config(), args.seed)
+    # bf16-mixed as torchtitan sets it: bf16 compute copies, fp32 gradient reduction and master.
+    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+          if args.precision == "bf16-mixed" else MixedPrecisionPolicy())
+    for block in model.blocks:
+        fully_shard(block, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+    fully_shard(model, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+    opt, rec.optimizer = make_adamw(model)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        _, loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    _loop(step, batches, rec)
+
+
+def deepspeed_config(spec: ModelSpec, stage: int, precision: str, world: int) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": spec.micro_batch,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": spec.micro_batch * world,
+        "optimizer": {"type": "AdamW", "params": {
+            "lr": OPTIM["lr"], "betas": list(OPTIM["betas"]), "eps": OPTIM["eps"],
+            "weight_decay": WEIGHT_DECAY,  # the param groups' own values take precedence
+            "torch_adam": True, "fused": True}},  # torch.optim.AdamW(fused=True), as every system
+        "zero_optimization": {
+            "stage": stage,
+            "reduce_bucket_size": BUCKET, "allgather_bucket_size": BUCKET,
+            "stage3_prefetch_bucket_size": BUCKET,
+            "stage3_max_reuse_distance": 0,  # else small models stay gathered from forward to backward
+        },
+        "bf16": {"enabled": precision == "bf16-mixed"},
+        "gradient_clipping": 0.0,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+
+
+def run_deepspeed(args: argparse.Namespace, spec: ModelSpec, batches: list, rec: Record, *,
+                  stage: int) -> None:
+    import logging
+
+    import deepspeed
+
+    deepspeed.utils.logger.setLevel(logging.WARNING)
+    rec.baseline()
+    deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
+    world = torch.distributed.get_world_size()
+    model = build_gpt(spec.config(), args.seed)
+    engine, opt, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model),
+                                             config=deepspeed_config(spec, stage, args.precision, world))
+    inner = getattr(opt, "optimizer", opt)
+    fused = any(g.get("fused") for g in inner.param_groups)
+    rec.optimizer = f"{type(inner).__name__}{'(fused)' if fused else ''}"
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        _, loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        return loss
+
+    _loop(step, batches, rec)
+
+
+def run_zerotrain(args: argparse.Namespace, spec: ModelSpec, batches: list, rec: Record, *,
+                  strategy: str) -> None:
+    from zerotrain import Callback, Trainer, TrainModule
+
+    class BenchModule(TrainModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = None
+
+        def configure_model(self) -> None:
+            if self.model is None:
+                self.model = build_gpt(spec.config(), args.seed)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return self.model(x, y)[1]
+
+        def configure_optimizers(self):
+            opt, rec.optimizer = make_adamw(self)
+            return opt
+
+    class StepTimer(Callback):
+        def on_fit_start(self, trainer, module) -> None:  # model, optimizer and data are set up
+            rec.setup_done()
+            rec.start()
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+            rec.step_end(outputs)  # after the optimizer step
+
+    rec.baseline()
+    trainer = Trainer(accelerator="cpu", devices=int(os.environ["LOCAL_WORLD_SIZE"]), strategy=strategy,
+                      precision=args.precision, max_steps=len(batches), logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, callbacks=[StepTimer()],
+                      log_every_n_steps=10**9, seed=args.seed, default_root_dir=args.result_dir)
+    trainer.fit(BenchModule(), train_dataloaders=batches)  # a list of this rank's batches: no sampler
+
+
+def _worker_runner(system: str) -> Callable:
+    if system == "ddp":
+        return run_ddp
+    if system.startswith("fsdp2"):
+        return functools.partial(run_fsdp2, reshard_after_forward=system == "fsdp2")
+    if system.startswith("ds_zero"):
+        return functools.partial(run_deepspeed, stage=int(system[-1]))
+    if system in ZT_STRATEGY:
+        return functools.partial(run_zerotrain, strategy=ZT_STRATEGY[system])
+    raise SystemExit(f"--worker {system!r}: valid choices: {', '.join(ALL_SYSTEMS)}")
+
+
+def worker_main(args: argparse.Namespace) -> None:
+    import torch.distributed as dist
+
+    # DeepSpeed calls torch collectives torch deprecates; their warnings would be printed inside
+    # timed steps (ZeRO-3: every step), so they are silenced for every system alike.
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    spec = MODELS[args.model]
+    batches = make_batches(spec, args.data, args.seed, args.warmup + args.steps, rank, world)
+    rec = Record(system=args.worker, rank=rank, world=world)
+    _worker_runner(args.worker)(args, spec, batches, rec)
+    rec.write(args.result_dir)
+    if dist.is_initialized():
+        dist.barrier()  # no rank tears down while a peer still talks to it
+        dist.destroy_process_group()
+
+
+# =============================================================================== driver side
+@dataclass
+class RunSummary:
+    """One run of one system: the slowest rank's median step, the largest rank's RSS and the
+    loss curve averaged over ranks."""
+
+    step_s: float
+    rss_peak: int
+    rss_delta: int
+    losses: list[float]
+    optimizer: str
+    threads: int
+    exit_note: str = ""
+
+
+def summarise_run(records: list[dict], warmup: int) -> RunSummary:
+    medians = [statistics.median(r["step_times"][warmup:]) for r in records]
+    n = min(len(r["losses"]) for r in records)
+    losses = [statistics.fmean(r["losses"][i] for r in records) for i in range(n)]
+    return RunSummary(step_s=max(medians), rss_peak=max(r["rss_peak"] for r in records),
+                      rss_delta=max(r["rss_peak"] - r["rss_base"] for r in records), losses=losses,
+                      optimizer=records[0]["optimizer"], threads=max(r["threads"] for r in records))
+
+
+def max_abs_diff(a: list[float], b: list[float]) -> float:
+    if len(a) != len(b):
+        return float("nan")
+    return max((abs(x - y) for x, y in zip(a, b)), default=0.0)
+
+
+def child_env(args: argparse.Namespace) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS=str(args.threads), DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1",
+               TORCH_EXTENSIONS_DIR=args.ext_dir)
+    return env
+
+
+def prepare_deepspeed(args: argparse.Namespace) -> str | None:
+    """Build (first time, minutes) or load DeepSpeed's ``deepspeed_shm_comm`` op into
+    ``--ext-dir``, so no timed run builds it. Returns why DeepSpeed cannot run, or None."""
+    if importlib.util.find_spec("deepspeed") is None:
+        return "deepspeed is not importable (pip install 'deepspeed==0.19.8', the bench extra)"
+    code = ("from deepspeed.accelerator import get_accelerator\n"
+            "b = get_accelerator().create_op_builder('ShareMemCommBuilder')\n"
+            "b is None or b.load()\n")
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", code], env=child_env(args), capture_output=True, text=True,
+                          timeout=args.timeout)
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["(no output)"]
+        return f"deepspeed's shm_comm op did not build/load: {tail[0]}"
+    print(f"deepspeed_shm_comm ready in {args.ext_dir} ({time.perf_counter() - start:.0f} s)", flush=True)
+    return None
+
+
+def zerotrain_skip(system: str) -> str | None:
+    from zerotrain.strategies import available
+
+    name = ZT_STRATEGY[system]
+    return None if name in available() else f"zerotrain strategy {name!r} is not registered yet"
+
+
+def worker_flags(args: argparse.Namespace, system: str, result_dir: str) -> list[str]:
+    return ["--worker", system, "--model", args.model, "--precision", args.precision, "--data", args.data,
+            "--steps", str(args.steps), "--warmup", str(args.warmup), "--seed", str(args.seed),
+            "--result-dir", result_dir]
+
+
+def run_system(args: argparse.Namespace, system: str, rep: int, workdir: str) -> RunSummary | str:
+    """One torchrun job of ``system``; its summary, or why it failed (its log stays in ``workdir``)."""
+    result_dir = os.path.join(workdir, f"{system}.rep{rep}")
+    os.makedirs(result_dir, exist_ok=True)
+    log_path = result_dir + ".log"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),
+           "-m", "zerotrain.bench.gpt_bench", *worker_flags(args, system, result_dir)]
+    start = time.perf_counter()
+    with open(log_path, "w") as log:
+        log.write(shlex.join(cmd) + "\n")
+        log.flush()
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env(args),
+                                start_new_session=True)  # its own process group: killable as one
+        try:
+            rc = proc.wait(timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return f"timed out after {args.timeout} s (log: {log_path})"
+    wall = time.perf_counter() - start
+    files = [os.path.join(result_dir, f"rank{r}.json") for r in range(args.nproc)]
+    if not all(os.path.exists(f) for f in files):
+        return f"exit code {rc}: {_error_line(log_path)} (log: {log_path})"
+    records = []
+    for f in files:
+        with open(f) as fh:
+            records.append(json.load(fh))
+    summary = summarise_run(records, args.warmup)
+    if rc != 0:  # every rank finished and wrote its record: the measurement stands, the exit is noted
+        summary.exit_note = f"rep {rep} exited with code {rc} after writing its results: {_error_line(log_path)}"
+        print(f"  {system:12s} rep {rep}: {summary.exit_note} (log: {log_path})", flush=True)
+    print(f"  {system:12s} rep {rep}: {summary.step_s:.4f} s/step, wall {wall:.0f} s", flush=True)
+    return summary
+
+
+def _error_line(log_path: str) -> str:
+    """The log's last line that names an exception or a signal (skipping torchrun's own
+    ChildFailedError stack), or its last line."""
+    with open(log_path, errors="replace") as f:
+        lines = [ln.strip() for ln in f if ln.strip()]
+    keys = ("Error", "Exception", "terminate called", "Signal ", "Killed")
+    for ln in reversed(lines):
+        if "ChildFailedError" not in ln and "/elastic/" not in ln and any(k in ln for k in keys):
+            return ln[-300:]
+    return lines[-1][-300:] if lines else "(empty log)"
+
+
+def machine_info() -> dict[str, str]:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=30).stdout
+        cpu = next((ln.split(":", 1)[1].strip() for ln in out.splitlines() if ln.startswith("Model name")), "?")
+    except (OSError, subprocess.SubprocessError):
+        cpu = "?"
+    try:
+        ds = importlib.metadata.version("deepspeed")
+    except importlib.metadata.PackageNotFoundError:
+        ds = "not installed"
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((ln.split(":", 1)[1].split() for ln in f if ln.startswith("flags")), [])
+    except OSError:
+        flags = []
+    bf16 = "amx_bf16" in flags or "avx512_bf16" in flags
+    return {"cpu": cpu, "cores": str(len(os.sched_getaffinity(0))), "torch": torch.__version__, "deepspeed": ds,
+            "bf16_note": "" if bf16 or not flags else
+            " **This CPU has no AMX / AVX512-BF16: bf16 matmuls are far slower than fp32 here, so bf16-mixed "
+            "figures are not representative.**"}
+
+
+def _gb(n: float) -> str:
+    return f"{n / 2**30:.2f}"
+
+
+def render(args: argparse.Namespace, results: dict[str, list[RunSummary]], skipped: dict[str, str],
+           failed: dict[str, str]) -> str:
+    """The markdown table (median over repeats per system) and the notes under it."""
+    notes = [f"{s}: skipped: {why}" for s, why in skipped.items()]
+    notes += [f"{s}: FAILED: {why}" for s, why in failed.items()]
+    if not results:
+        return "No system completed.\n\n" + "\n".join(f"- {n}" for n in notes) + "\n"
+    spec = MODELS[args.model]
+    tokens = spec.micro_batch * spec.block_size * args.nproc  # per optimizer step, all ranks
+    step = {s: statistics.median(r.step_s for r in runs) for s, runs in results.items() if runs}
+    base_name = "ddp" if "ddp" in step else next(iter(step), None)
+    base = results[base_name][0].losses if base_name else []
+    lines = [f"| system | median step (s) | x {base_name} | spread | tokens/s | peak RSS/rank (GB) "
+             f"| dRSS (GB) | loss first | loss last | max abs dloss vs {base_name} |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for s, runs in results.items():
+        if not runs:
+            continue
+        t = step[s]
+        ts = [r.step_s for r in runs]
+        spread = f"{(max(ts) - min(ts)) / t * 100:.0f}%" if len(ts) > 1 else "-"
+        first = runs[0]
+        rss = statistics.median(r.rss_peak for r in runs)
+        drss = statistics.median(r.rss_delta for r in runs)
+        lines.append(f"| {s} | {t:.4f} | {t / step[base_name]:.2f} | {spread} | {tokens / t:,.0f} | {_gb(rss)} "
+                     f"| {_gb(drss)} | {first.losses[0]:.6f} | {first.losses[-1]:.6f} "
+                     f"| {max_abs_diff(first.losses, base):.2e} |")
+        drift = max(max_abs_diff(r.losses, first.losses) for r in runs)
+        if drift > 0:
+            notes.append(f"{s}: loss curves differ between repeats by up to {drift:.2e} (non-deterministic)")
+        notes += [f"{s}: {r.exit_note}" for r in runs if r.exit_note]
+        if first.threads != args.threads:
+            notes.append(f"{s}: ran with {first.threads} threads per rank, not {args.threads}")
+    opts = sorted({f"{s}: {runs[0].optimizer}" for s, runs in results.items() if runs})
+    notes.append("optimizer per system: " + "; ".join(opts))
+    return "\n".join(lines) + "\n\n" + "\n".join(f"- {n}" for n in notes) + "\n"
+
+
+def driver_main(args: argparse.Namespace) -> None:
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    bad = [s for s in systems if s not in ALL_SYSTEMS]
+    if bad:
+        raise SystemExit(f"--systems: unknown {bad}; valid choices: {', '.join(ALL_SYSTEMS)}")
+    os.makedirs(args.ext_dir, exist_ok=True)
+    skipped: dict[str, str] = {}
+    if args.prepare or any(s.startswith("ds_") for s in systems):
+        why = prepare_deepspeed(args)
+        if why:
+            print(f"DeepSpeed systems skipped: {why}", flush=True)
+            skipped.update({s: why for s in systems if s.startswith("ds_")})
+        if args.prepare:
+            return
+    for s in systems:
+        if s in ZT_STRATEGY and (why := zerotrain_skip(s)):
+            skipped[s] = why
+    for s, why in skipped.items():
+        print(f"skipping {s}: {why}", flush=True)
+    to_run = [s for s in systems if s not in skipped]
+
+    spec = MODELS[args.model]
+    workdir = args.workdir or tempfile.mkdtemp(prefix="gpt_bench_")
+    os.makedirs(workdir, exist_ok=True)
+    print(f"model {args.model}: {spec.num_params() / 1e6:.1f}M params, {spec.n_layer} layers, d={spec.n_embd}, "
+          f"seq {spec.block_size}, micro-batch {spec.micro_batch}/rank x {args.nproc} ranks; "
+          f"precision {args.precision}; {args.warmup} warm-up + {args.steps} timed steps; "
+          f"{args.repeats} repeat(s); logs in {workdir}", flush=True)
+    results: dict[str, list[RunSummary]] = {s: [] for s in to_run}
+    failures: dict[str, str] = {}
+    for rep in range(args.repeats):  # interleaved: every system once, then every system again
+        for s in to_run:
+            if s in failures:
+                continue
+            out = run_system(args, s, rep, workdir)
+            if isinstance(out, str):
+                print(f"  {s:12s} rep {rep}: FAILED: {out}", flush=True)
+                failures[s] = out
+            else:
+                results[s].append(out)
+    table = render(args, {s: r for s, r in results.items() if r and s not in failures}, skipped, failures)
+    info = machine_info()
+    header = (f"### {args.model}, precision {args.precision}, {datetime.datetime.now():%Y-%m-%d %H:%M}\n\n"
+              f"`python -m zerotrain.bench.gpt_bench {shlex.join(sys.argv[1:])}`\n\n"
+              f"CPU: {info['cpu']} ({info['cores']} cores); torch {info['torch']}, deepspeed {info['deepspeed']}; "
+              f"{args.nproc} ranks x {args.threads} thread(s), gloo. Model: {spec.num_params() / 1e6:.1f}M params, "
+              f"{spec.n_layer} layers, d={spec.n_embd}, seq {spec.block_size}, vocab {spec.vocab_size}, "
+              f"micro-batch {spec.micro_batch}/rank; data {args.data}; {args.warmup} warm-up + {args.steps} "
+              f"timed steps; median over {args.repeats} interleaved repeat(s)."
+              f"{info['bf16_note'] if args.precision == 'bf16-mixed' else ''}\n\n")
+    print("\n" + header + table, flush=True)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write("\n" + header + table)
+    if not failures and not any(r.exit_note for runs in results.values() for r in runs) and not args.workdir:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=sorted(MODELS), default="gpt_21m")
+    p.add_argument("--precision", choices=["32", "bf16-mixed"], default="32")
+    p.add_argument("--data", choices=["stdlib", "random"], default="stdlib",
+                   help="stdlib: the standard library's source as byte tokens; random: uniform token ids")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per run")
+    p.add_argument("--warmup", type=int, default=3, help="steps run before the timed ones, not timed")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved runs of every system")
+    p.add_argument("--systems", default=",".join(ALL_SYSTEMS), help="comma list, in run order")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--nproc", type=int, default=2, help="ranks (torchrun --nproc_per_node)")
+    p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS per rank")
+    p.add_argument("--out", help="append the table, the command, the date and the CPU to this markdown file")
+    p.add_argument("--prepare", action="store_true", help="build DeepSpeed's shm_comm op into --ext-dir, exit")
+    p.add_argument("--ext-dir", default=os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.expanduser(
+        "~/.cache/zerotrain/torch_extensions"), help="TORCH_EXTENSIONS_DIR for DeepSpeed's op")
+    p.add_argument("--timeout", type=int, default=1800, help="seconds before one run is killed")
+    p.add_argument("--workdir", help="keep per-run logs and JSON here (default: a temp dir, removed on success)")
+    p.add_argument("--worker", help=argparse.SUPPRESS)  # internal: run one system on this rank
+    p.add_argument("--result-dir", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    for name in ("steps", "repeats", "nproc", "threads", "timeout"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name}={getattr(args, name)} must be >= 1")
+    if args.warmup < 0:
+        p.error(f"--warmup={args.warmup} must be >= 0")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.worker:
+        worker_main(args)
+    else:
+        driver_main(args)
+
+
+if __name__ == "__main__":
+    main()
