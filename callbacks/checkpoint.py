@@ -1,4 +1,5 @@
-"""ModelCheckpoint: periodic, best-k and last checkpoints, each written atomically."""
+"""ModelCheckpoint: periodic and best-k checkpoints, each written atomically, and a ``latest``
+pointer to the newest."""
 from __future__ import annotations
 
 import math
@@ -6,15 +7,23 @@ import os
 import shutil
 from typing import Any
 
+from ..trainer.checkpoint_io import read_latest
 from .base import Callback
 
 
 class ModelCheckpoint(Callback):
     """Save every ``every_n_train_steps`` optimizer steps (and at the end of fit if ``save_last``).
 
-    With ``monitor`` set, only the ``save_top_k`` best checkpoints by that metric are kept
-    (``mode`` "min" or "max"); ``save_top_k=-1`` keeps all. ``last`` always points at the newest.
-    Saving is a collective: the callback runs on every rank and the Trainer writes atomically.
+    Each save is a new checkpoint directory ``dirpath/filename`` (a sharded, atomically written
+    directory: ``trainer/checkpoint_io.py``) and then moves the pointer ``dirpath/latest`` to it.
+    Resume with ``fit(ckpt_path="latest")`` (or ``ckpt_path=dirpath``); a worker restarted by the
+    elastic agent does so by itself.
+
+    With ``monitor`` set, the ``save_top_k`` best checkpoints by that metric (``mode`` "min" or
+    "max"; ``save_top_k=-1`` keeps all) are kept, and so is the one ``latest`` points to (the
+    newest, which a restart needs) even when it is not among the best: it is deleted once a newer
+    one replaces it. Without ``monitor`` every checkpoint is kept. Saving is a collective: the
+    callback runs on every rank.
     """
 
     def __init__(self, dirpath: str | None = None, every_n_train_steps: int | None = None,
@@ -26,18 +35,28 @@ class ModelCheckpoint(Callback):
             raise ValueError(f"ModelCheckpoint: every_n_train_steps={every_n_train_steps!r} must be >= 1")
         if save_top_k < -1:
             raise ValueError(f"ModelCheckpoint: save_top_k={save_top_k!r} must be >= -1")
+        if "/" in filename or filename in ("latest", "last"):
+            raise ValueError(f"ModelCheckpoint: filename={filename!r} must be one directory name, not "
+                             "'latest' or 'last'")
         self.dirpath, self.every_n_train_steps, self.save_last = dirpath, every_n_train_steps, save_last
         self.monitor, self.mode, self.save_top_k, self.filename = monitor, mode, save_top_k, filename
-        self.best_k: dict[str, float] = {}  # path -> score
+        self.best_k: dict[str, float] = {}  # path -> score, for the checkpoints this callback keeps
         self.last_path: str | None = None
         self._last_saved_step = -1
 
     @property
     def best_model_path(self) -> str | None:
-        if not self.best_k:
+        scored = {p: s for p, s in self.best_k.items() if not math.isnan(s)}
+        if not scored:
             return None
         pick = min if self.mode == "min" else max
-        return pick(self.best_k, key=self.best_k.get)
+        return pick(scored, key=scored.get)
+
+    @property
+    def latest_path(self) -> str | None:
+        """The checkpoint ``dirpath/latest`` names (read from disk), or None."""
+        latest = read_latest(self.dirpath) if self.dirpath else None
+        return str(latest) if latest is not None else None
 
     def setup(self, trainer, module) -> None:
         if self.dirpath is None:
@@ -56,41 +75,33 @@ class ModelCheckpoint(Callback):
     def _save(self, trainer) -> None:
         self._last_saved_step = trainer.global_step
         path = os.path.join(self.dirpath, self.filename.format(step=trainer.global_step, epoch=trainer.current_epoch))
-        score = None
         if self.monitor is not None:
             score = trainer.callback_metrics.get(self.monitor)
             if score is None:
                 raise KeyError(f"ModelCheckpoint: monitor={self.monitor!r} was never logged; logged: "
                                f"{sorted(trainer.callback_metrics)}")
-            if self.save_top_k == 0 or not self._is_top_k(score):
-                path = None
-        if path is not None:
-            trainer.save_checkpoint(path)
-            if score is not None:
-                self.best_k[path] = float(score)
-                self._prune(trainer, keep=path)
-        if self.save_last:
-            last = os.path.join(self.dirpath, "last")
-            trainer.save_checkpoint(last)
-            self.last_path = last
+            self.best_k[path] = float(score)  # before saving: the checkpoint's own state lists it
+        trainer.save_checkpoint(path)
+        self.last_path = path
+        self._prune(trainer)
 
-    def _is_top_k(self, score: float) -> bool:
-        if self.save_top_k == -1 or len(self.best_k) < self.save_top_k or math.isnan(score):
-            return not math.isnan(score)
-        worst = max(self.best_k.values()) if self.mode == "min" else min(self.best_k.values())
-        return score < worst if self.mode == "min" else score > worst
-
-    def _prune(self, trainer, keep: str) -> None:
+    def _keep(self) -> set[str]:
         if self.save_top_k == -1:
+            return set(self.best_k)
+        scored = [p for p in self.best_k if not math.isnan(self.best_k[p])]
+        scored.sort(key=self.best_k.get, reverse=self.mode == "max")
+        return set(scored[:self.save_top_k])
+
+    def _prune(self, trainer) -> None:
+        if self.monitor is None:
             return
-        while len(self.best_k) > self.save_top_k:
-            pick = max if self.mode == "min" else min
-            worst = pick(self.best_k, key=self.best_k.get)
-            if worst == keep:
-                break
-            del self.best_k[worst]
+        latest = os.path.abspath(self.latest_path or self.last_path or "")
+        for path in sorted(set(self.best_k) - self._keep()):
+            if os.path.abspath(path) == latest:
+                continue  # never the one a restart would resume from
+            del self.best_k[path]
             if trainer.is_global_zero:
-                shutil.rmtree(worst, ignore_errors=True)
+                shutil.rmtree(path, ignore_errors=True)
         trainer.strategy.barrier()
 
     def state_dict(self) -> dict[str, Any]:

@@ -15,7 +15,7 @@ checkpoint methods.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Iterator, NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,67 @@ from torch import nn
 
 from .environment import ProcessInfo, init_process_group
 from .precision import Precision
+
+
+class ParamShard(NamedTuple):
+    """The part of one (canonically named) parameter a rank saves: elements ``[start, end)`` of the
+    flattened full parameter, as 1-D tensors of ``end - start`` elements under ``tensors`` (the fp32
+    weights as ``"param"``, and each per-element optimizer state such as ``"exp_avg"``), and the
+    optimizer's 0-dim state (``"step"``) under ``scalars``."""
+
+    start: int
+    end: int
+    tensors: dict[str, torch.Tensor]
+    scalars: dict[str, torch.Tensor]
+
+
+class ShardReader(Protocol):
+    """What ``load_param_shards`` reads a checkpoint through (``trainer/reshard.py`` implements
+    it): any element range of any saved parameter, whichever files hold it."""
+
+    def names(self) -> list[str]:
+        """The canonical names of the saved trainable parameters."""
+
+    def kinds(self, name: str) -> list[str]:
+        """Per-element tensors saved for ``name``: ``"param"`` and optimizer state kinds."""
+
+    def read(self, name: str, kind: str, start: int, end: int,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+        """Elements ``[start, end)`` of the flattened ``kind`` of ``name`` (1-D, fp32 unless
+        ``out`` is given)."""
+
+    def scalars(self, name: str) -> dict[str, torch.Tensor]: ...
+
+    def extra(self, name: str) -> torch.Tensor:
+        """A buffer or frozen parameter, whole."""
+
+    def param_groups(self, current: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """``current`` (an ``optimizer.state_dict()["param_groups"]``) with the saved
+        hyperparameters."""
+
+
+def split_optimizer_state(owner: str, like: torch.Tensor, state: dict[str, Any]
+                          ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Split one tensor's optimizer state into per-element tensors (same shape as ``like``, given
+    flattened and fp32) and 0-dim scalars. Anything else (Adafactor's factored moments, python
+    objects) cannot be sharded by element: the error names it."""
+    per, scalars = {}, {}
+    for key, value in state.items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            value = torch.tensor(float(value), dtype=torch.float64)
+        if not torch.is_tensor(value):
+            raise ValueError(f"optimizer state {key!r} of {owner} is a {type(value).__name__}: the "
+                             "checkpoint format holds per-element tensors and scalars only")
+        if value.shape == like.shape and not (key == "step" and value.dim() == 0):
+            per[key] = value.detach().reshape(-1).float()
+        elif value.numel() == 1 and value.dim() == 0:
+            scalars[key] = value.detach().to("cpu")
+        else:
+            raise ValueError(
+                f"optimizer state {key!r} of {owner} has shape {tuple(value.shape)}, neither the "
+                f"parameter's {tuple(like.shape)} nor a scalar: an optimizer that keeps non-element-wise "
+                "state cannot be checkpointed by parameter shards")
+    return per, scalars
 
 
 class StepWrapper(nn.Module):
@@ -214,9 +275,85 @@ class Strategy:
             return {}
         return {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
 
+    # ------------------------------------------------------------------ checkpoints: parameter shards
+    # The Trainer's checkpoint format is strategy-neutral: every rank saves, per canonical
+    # parameter name, the flat element range of the full parameter it holds (``param_shards``);
+    # loading maps any saved layout onto this run's (``load_param_shards``). Replicated
+    # strategies: the ranks that ``writes_shard()`` hold every full range of their module.
+
+    def _trainable_names(self) -> dict[int, str]:
+        """``id(parameter) -> canonical name`` (its first name) for the trainable parameters."""
+        assert self.module is not None
+        return {id(p): n for n, p in self.module.named_parameters() if p.requires_grad}
+
+    def checkpoint_model_info(self) -> dict[str, Any]:
+        """What this rank's model needs from a checkpoint: trainable parameters by canonical name
+        ``{name: (shape, dtype)}``, their other names (``aliases``: tied parameters), the other
+        state-dict entries (``extras``: buffers, frozen parameters) and the state-dict keys in order."""
+        assert self.module is not None
+        names = self._trainable_names()
+        params = {n: (tuple(p.shape), p.dtype) for n, p in self.module.named_parameters()
+                  if names.get(id(p)) == n}
+        aliases = {n: names[id(p)] for n, p in self.module.named_parameters(remove_duplicate=False)
+                   if id(p) in names and names[id(p)] != n}
+        sd = self.module.state_dict()
+        extras = {k: (tuple(v.shape), v.dtype) for k, v in sd.items() if k not in params and k not in aliases}
+        return {"params": params, "aliases": aliases, "extras": extras, "keys": list(sd)}
+
+    def optimizer_group_names(self) -> list[list[str]]:
+        """The canonical names of the trainable parameters in each optimizer param group."""
+        assert self.optimizer is not None
+        names = self._trainable_names()
+        return [[names[id(p)] for p in g["params"] if id(p) in names] for g in self.optimizer.param_groups]
+
+    def param_shards(self) -> dict[str, ParamShard]:
+        """This rank's part of every trainable parameter, with its optimizer state."""
+        assert self.module is not None and self.optimizer is not None
+        if not self.writes_shard():
+            return {}
+        names = self._trainable_names()
+        out = {}
+        for n, p in self.module.named_parameters():
+            if names.get(id(p)) != n:
+                continue
+            per, scalars = split_optimizer_state(f"parameter {n!r}", p, self.optimizer.state.get(p, {}))
+            out[n] = ParamShard(0, p.numel(), {"param": p.detach().reshape(-1).float(), **per}, scalars)
+        return out
+
+    def extra_state(self) -> dict[str, torch.Tensor]:
+        """The state-dict entries that are not trainable parameters, from the ranks that save."""
+        assert self.module is not None
+        if not self.writes_shard():
+            return {}
+        extras = self.checkpoint_model_info()["extras"]
+        return {k: v.detach() for k, v in self.module.state_dict().items() if k in extras}
+
+    def load_param_shards(self, reader: ShardReader) -> None:
+        """Collective: fill this rank's parameters, optimizer state and extras from ``reader``.
+        Replicated: every rank reads every full parameter of its module."""
+        assert self.module is not None and self.optimizer is not None
+        names = self._trainable_names()
+        index = {id(p): i for i, p in enumerate(p for g in self.optimizer.param_groups for p in g["params"])}
+        state: dict[int, dict[str, torch.Tensor]] = {}
+        with torch.no_grad():
+            for n, p in self.module.named_parameters():
+                if names.get(id(p)) != n:
+                    continue
+                flat = reader.read(n, "param", 0, p.numel())
+                p.copy_(flat.view(p.shape))
+                st = {k: reader.read(n, k, 0, p.numel()).view(p.shape) for k in reader.kinds(n) if k != "param"}
+                st.update(reader.scalars(n))
+                if st and id(p) in index:
+                    state[index[id(p)]] = st
+            info = self.checkpoint_model_info()
+            self.module.load_state_dict({k: reader.extra(k) for k in info["extras"]}, strict=False)
+        saved = self.optimizer.state_dict()
+        self.optimizer.load_state_dict({"state": state, "param_groups": reader.param_groups(saved["param_groups"])})
+
     # ------------------------------------------------------------------ end
     def teardown(self) -> None:
-        self.model = None
+        """End of fit: finish communication in flight and release what only training needs. The
+        model stays usable for evaluation, sampling and ``full_state_dict()`` afterwards."""
 
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds per category (working params, grads, master, optimizer state)."""

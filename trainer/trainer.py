@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Sequ
 from ..callbacks.base import Callback, Logger
 from ..strategies import Strategy, precision_from_name, strategy_from_name
 from ..strategies.environment import detect, pick_device, set_cpu_threads
-from . import checkpoint_io
+from . import checkpoint_io, elastic, reshard
 from .errors import CheckpointError, ConfigError
 from .hooks import HookDispatcher
 from .launcher import LocalLauncher
@@ -71,6 +71,8 @@ class Trainer:
         default_root_dir: str | None = None,
         seed: int = 0,
         deterministic: bool = False,
+        max_restarts: int = 0,
+        collective_timeout_s: float | None = None,
     ) -> None:
         if accelerator not in ("cpu", "cuda", "auto"):
             raise ConfigError(f"Trainer: accelerator={accelerator!r}; valid choices: cpu, cuda, auto")
@@ -81,6 +83,9 @@ class Trainer:
         _positive_int("accumulate_grad_batches", accumulate_grad_batches)
         _positive_int("log_every_n_steps", log_every_n_steps)
         _positive_int("max_epochs", max_epochs, allow_none=True)
+        _positive_int("max_restarts", max_restarts, minimum=0)
+        if collective_timeout_s is not None and not collective_timeout_s > 0:
+            raise ConfigError(f"Trainer: collective_timeout_s={collective_timeout_s!r} must be > 0 or None")
         if not isinstance(max_steps, int) or max_steps < -1 or max_steps == 0:
             raise ConfigError(f"Trainer: max_steps={max_steps!r} must be -1 (no limit) or a positive integer")
         if gradient_clip_val is not None and gradient_clip_val <= 0:
@@ -106,6 +111,10 @@ class Trainer:
         self.log_every_n_steps = log_every_n_steps
         self.default_root_dir = os.path.abspath(default_root_dir or os.getcwd())
         self.seed, self.deterministic = seed, deterministic
+        # restarts (trainer/elastic.py): the process-group timeout after the first step
+        self.max_restarts = max_restarts
+        self.collective_timeout_s = collective_timeout_s if collective_timeout_s is not None else (
+            elastic.DEFAULT_RESTART_TIMEOUT_S if elastic.restarts_enabled(max_restarts) else None)
         self.enable_progress_bar = enable_progress_bar
         self.callbacks = self._default_callbacks(list(callbacks or []), enable_checkpointing, enable_progress_bar)
         self.loggers = self._make_loggers(logger)
@@ -160,6 +169,14 @@ class Trainer:
     # ------------------------------------------------------------------ public API
     def fit(self, module: TrainModule, train_dataloaders: Iterable | None = None,
             val_dataloaders: Iterable | None = None, ckpt_path: str | None = None) -> None:
+        """Train. ``ckpt_path``: a checkpoint directory to resume from, or ``"latest"`` (the newest
+        checkpoint of the ModelCheckpoint directory, if any). With ``max_restarts`` this process
+        supervises the workers and exits with the job's status (``trainer/elastic.py``); a
+        restarted worker resumes from ``latest``."""
+        if self.max_restarts and not self._ready:
+            info = detect(self.devices, self.num_nodes)
+            if info.source == "single":  # not yet inside a launched job: supervise one
+                raise SystemExit(elastic.ElasticLauncher(info, self.max_restarts).run())
         try:
             self._setup(module)
             self.train_dataloader = self._prepare_loader(train_dataloaders or module.train_dataloader(), train=True)
@@ -168,6 +185,7 @@ class Trainer:
                                   "train_dataloader())")
             val = val_dataloaders if val_dataloaders is not None else module.val_dataloader()
             self.val_dataloader = self._prepare_loader(val, train=False)
+            ckpt_path = self._resume_path(ckpt_path)
             if ckpt_path:
                 self._load_checkpoint(ckpt_path)
             self.hooks("on_fit_start", self, module)
@@ -189,13 +207,23 @@ class Trainer:
             raise ConfigError("Trainer.validate: no validation data")
         return [self._run_validation(loader)]
 
-    def save_checkpoint(self, path: str) -> None:
-        """Collective: every rank must call it."""
+    def save_checkpoint(self, path: str, update_latest: bool = True) -> None:
+        """Collective: every rank writes its shard of the checkpoint directory ``path`` in parallel;
+        rank 0 then publishes it atomically and points ``latest`` (beside it) at it
+        (``trainer/checkpoint_io.py`` describes the format)."""
         s = self._strategy
         s.barrier()
-        checkpoint_io.save(path, rank=s.global_rank, world_size=s.world_size,
-                           shard=s.state_dict() if s.writes_shard() else None,
-                           meta=self._checkpoint_meta, barrier=s.barrier)
+
+        def describe() -> tuple[list, dict[str, Any]]:  # e.g. an optimizer state that is not per element
+            entries, local = reshard.shard_entries(s.param_shards(), s.extra_state())
+            local.update(rng=checkpoint_io.rng_state(), model=reshard.model_info_meta(s.checkpoint_model_info()),
+                         optimizer=reshard.optimizer_meta(self.optimizer, s.optimizer_group_names()))
+            return entries, local
+
+        entries, local = reshard.agree(s, describe, catch=(ValueError, CheckpointError))
+        with elastic.timeout_during(s, s.process_group_timeout_s):
+            checkpoint_io.save(path, checkpoint_io.comm_of(s), entries, local, self._checkpoint_meta,
+                               update_latest=update_latest)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: the complete unsharded fp32 model state on global rank 0, ``{}`` elsewhere."""
@@ -215,6 +243,7 @@ class Trainer:
         device = pick_device(self.accelerator, info.local_rank)
         s = self._strategy
         s.connect(info, device, self.precision_plugin)
+        elastic.join_attempt_group(info, device, s.process_group_timeout_s)  # under torchelastic
         s.setup_environment()
         seed_everything(self.seed)
         if self.deterministic:
@@ -332,6 +361,7 @@ class Trainer:
         if last_micro:
             self.hooks("on_before_optimizer_step", self, module, self.optimizer)
             stepped = s.optimizer_step(self.gradient_clip_val)
+            elastic.lower_after_first_step(s, self.collective_timeout_s)
             if stepped and self.lr_scheduler is not None and self.lr_scheduler_interval == "step":
                 self.lr_scheduler.step()
             st.skipped_steps += not stepped
@@ -428,32 +458,78 @@ class Trainer:
                 lg.log_metrics(metrics, self.state.global_step)
 
     # ------------------------------------------------------------------ checkpoints
-    def _checkpoint_meta(self) -> dict[str, Any]:
-        meta = {"loop": self.state.state_dict(), "strategy": self._strategy.name,
-                "precision": self.precision_plugin.name,
+    def _checkpoint_meta(self, locals_: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        """Rank 0 at a save: everything but the tensors, from every rank's ``locals_``."""
+        s, loader = self._strategy, getattr(self, "train_dataloader", None)
+        meta = {"loop": self.state.state_dict(), "strategy": s.name,
+                "precision": self.precision_plugin.name, "precision_state": self.precision_plugin.state_dict(),
                 "scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
-                "callbacks": self.hooks.state_dict(), "zerotrain_version": _version()}
+                "callbacks": self.hooks.state_dict(), "zerotrain_version": _version(),
+                "data": {"batch_size": getattr(loader, "batch_size", None), "world": s.data_parallel_world_size,
+                         "accumulate_grad_batches": self.accumulate_grad_batches}}
+        if locals_ is not None:
+            meta.update(reshard.layout_meta(locals_))
+            meta["rng"] = [loc["rng"] for loc in locals_]
+            meta["optimizer"] = dict(locals_[0]["optimizer"], names=reshard.merge_group_names(
+                [loc["optimizer"]["names"] for loc in locals_]))
         self.hooks("on_save_checkpoint", self, self.module, meta)
         return meta
 
+    def _resume_path(self, ckpt_path: str | None) -> str | None:
+        """``"latest"``, and any start after an elastic restart, mean the ModelCheckpoint
+        directory's newest checkpoint (nothing yet: start from ``ckpt_path``, or from scratch)."""
+        if ckpt_path != "latest" and elastic.restart_count() == 0:
+            return ckpt_path
+        from ..callbacks.checkpoint import ModelCheckpoint
+
+        dirs = [cb.dirpath for cb in self.callbacks if isinstance(cb, ModelCheckpoint) and cb.dirpath]
+        for d in dirs:
+            if checkpoint_io.read_latest(d):
+                log.info("resuming from the latest checkpoint in %s (restart %d)", d, elastic.restart_count())
+                return d
+        if ckpt_path == "latest" and not dirs:
+            raise ConfigError("Trainer.fit: ckpt_path='latest' means the newest checkpoint of the "
+                              "ModelCheckpoint directory, but this Trainer has no ModelCheckpoint "
+                              "(enable_checkpointing=False?): pass a checkpoint directory instead")
+        if ckpt_path == "latest":
+            log.info("ckpt_path='latest': no checkpoint yet, starting from the beginning")
+            return None
+        return ckpt_path
+
     def _load_checkpoint(self, path: str) -> None:
+        """Collective: load a checkpoint saved by any strategy on any world size (resharding
+        online: each rank reads only the ranges it needs). Errors are raised on every rank."""
         s = self._strategy
-        root, meta = checkpoint_io.load_meta(path)
-        if meta["world_size"] != s.world_size:
-            raise CheckpointError(f"checkpoint {str(root)!r} was saved by {meta['world_size']} ranks; this "
-                                  f"run has {s.world_size}. Resume with the same world size.")
-        own = checkpoint_io.load_rank(root, meta, s.global_rank)
-        shard_rank = s.checkpoint_shard_rank()
-        shard = own if shard_rank == s.global_rank else checkpoint_io.load_rank(root, meta, shard_rank)
-        if shard["shard"] is None:
-            raise CheckpointError(f"{root / checkpoint_io.rank_file(shard_rank)} holds no model state")
-        s.load_state_dict(shard["shard"])
-        self.state.load_state_dict(meta["loop"])
+        root, meta = reshard.agree(s, lambda: checkpoint_io.load_meta(path))
+        saved_world = meta["world_size"]
+        reshard.agree(s, lambda: checkpoint_io.verify(root, meta, range(s.global_rank, saved_world, s.world_size)))
+        model = reshard.merge_model_info(reshard.all_gather(s, reshard.model_info_meta(s.checkpoint_model_info())))
+        groups = reshard.merge_group_names(reshard.all_gather(s, s.optimizer_group_names()))
+        optimizer = {"type": reshard.optimizer_meta(self.optimizer, [])["type"], "names": groups}
+        reshard.agree(s, lambda: reshard.check_compatible(root, meta, model, optimizer))
+        if (meta["strategy"], saved_world) != (s.name, s.world_size):
+            log.info("resharding checkpoint %s: saved by %s on %d ranks, loading into %s on %d", root,
+                     meta["strategy"], saved_world, s.name, s.world_size)
+        with reshard.CheckpointReader(root, meta) as reader:
+            s.load_param_shards(reader)
+        if meta["precision"] == self.precision_plugin.name:
+            self.precision_plugin.load_state_dict(meta["precision_state"])
+        loop, note = reshard.resume_position(meta["loop"], meta.get("data"),
+                                             getattr(self.train_dataloader, "batch_size", None),
+                                             s.data_parallel_world_size)
+        if note:
+            log.warning("resume: %s", note)
+        self.state.load_state_dict(loop)
         if self.lr_scheduler is not None and meta.get("scheduler") is not None:
             self.lr_scheduler.load_state_dict(meta["scheduler"])
         self.hooks.load_state_dict(meta.get("callbacks", {}))
         self.hooks("on_load_checkpoint", self, self.module, meta)
-        checkpoint_io.set_rng_state(own["rng"])
+        if s.global_rank < len(meta["rng"]):
+            checkpoint_io.set_rng_state(meta["rng"][s.global_rank])
+        else:  # a rank the saved job did not have: a fresh stream of its own
+            seed_everything(self.seed + 1_000_003 * s.global_rank + self.state.global_step)
+            log.warning("resume: rank %d has no saved RNG state (saved on %d ranks); re-seeded",
+                        s.global_rank, saved_world)
         s.barrier()
 
     # ------------------------------------------------------------------ construction helpers
@@ -477,6 +553,7 @@ class Trainer:
         return list(logger) if isinstance(logger, (list, tuple)) else [logger]
 
     def _teardown(self) -> None:
+        self._strategy.teardown()
         if self.module is not None:
             self.hooks("teardown", self, self.module)
         if self.is_global_zero:

@@ -51,21 +51,25 @@ def test_checkpoint_refuses_pickled_code_and_detects_truncation(tmp_path):
     assert out[0]["params"]
     ck = tmp_path / "ck" / "step=000002"
     from zerotrain.trainer import checkpoint_io
+    from zerotrain.trainer.tensor_files import SafetensorsFile
 
     root, meta = checkpoint_io.load_meta(ck)
-    shard = ck / "rank_00000.pt"
+    shard = ck / "rank_00000.safetensors"
     data = shard.read_bytes()
     shard.write_bytes(data[: len(data) // 2])
-    with pytest.raises(CheckpointError, match="rank_00000.pt.*corrupt or truncated"):
-        checkpoint_io.load_rank(root, meta, 0)
+    with pytest.raises(CheckpointError, match="rank_00000.safetensors.*truncated"):
+        checkpoint_io.verify(root, meta)
 
     class Payload:
         def __reduce__(self):
             return (os.system, (f"touch {tmp_path / 'pwned'}",))
 
     torch.save({"rng": Payload()}, shard)  # a pickle with a code payload in place of the shard
+    with pytest.raises(CheckpointError, match="not a valid safetensors file"):
+        SafetensorsFile(shard)
+    torch.save({"format": checkpoint_io.FORMAT, "rng": Payload()}, ck / "meta.pt")  # and of the metadata
     with pytest.raises(CheckpointError, match="cannot read checkpoint file"):
-        checkpoint_io.load_rank(root, meta, 0, verify=False)
+        checkpoint_io.load_meta(ck)
     assert not (tmp_path / "pwned").exists()
     shard.write_bytes(pickle.dumps("x"))
 
@@ -75,7 +79,7 @@ def test_interrupted_save_leaves_previous_checkpoint_loadable(tmp_path):
 
     final = tmp_path / "last"
     final.mkdir()
-    torch.save({"files": {}, "world_size": 1}, final / "meta.pt")
+    torch.save({"format": checkpoint_io.FORMAT, "files": {}, "world_size": 1}, final / "meta.pt")
     os.replace(final, tmp_path / "last.old")  # a save killed between its two renames
     assert checkpoint_io.resolve(final) == tmp_path / "last.old"
     (tmp_path / "last.partial").mkdir()  # a save killed while ranks were writing
