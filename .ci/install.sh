@@ -14,4 +14,9 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
   fi
 fi
 pip_install -e ".[dev]"
+# iproute2 lets the multi-node test build two network namespaces; without it that test skips.
+if ! command -v ip >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  (apt-get install -y -q iproute2 >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q iproute2 >/dev/null 2>&1; }) \
+    || echo "note: iproute2 could not be installed; the multi-node test will skip"
+fi
 "$PY" -c "import torch, zerotrain; print(f'zerotrain {zerotrain.__version__} with torch {torch.__version__}')"

@@ -104,6 +104,8 @@ class TrainerConfig:
     default_root_dir: Optional[str] = None  # None = Hydra's output directory
     seed: int = 0
     deterministic: bool = False
+    max_restarts: int = 0  # restart the workers after a failure, resuming from `latest`
+    collective_timeout_s: Optional[float] = None  # process-group timeout after the first step
 
 
 @dataclass
