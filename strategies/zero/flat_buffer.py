@@ -8,6 +8,7 @@ plain all-gather of every rank's partition into this buffer.
 """
 from __future__ import annotations
 
+from collections import deque
 from typing import Sequence
 
 import torch
@@ -46,6 +47,38 @@ class FlatParamGroup:
         lo, hi = self.layout.partition_range(rank)
         return (self.flat if buffer is None else buffer)[lo:hi]
 
+    def gather_chunks(self, bucket_numel: int) -> list[tuple[int, int]]:
+        """The ranges ``[s, e)`` of every rank's partition that one all-gather moves together."""
+        p = self.layout.partition_numel
+        return partition_chunks(p, self.layout.world_size, bucket_numel) if p else []
+
+    def chunk_params(self, s: int, e: int) -> list[int]:
+        """Indices of the parameters that chunk ``[s, e)`` (of every rank's partition) writes."""
+        p, world = self.layout.partition_numel, self.layout.world_size
+        return [i for i, sp in enumerate(self.layout.spans) if sp.numel and any(
+            sp.offset < r * p + e and r * p + s < sp.end for r in range(world))]
+
+    def launch_gather(self, master: torch.Tensor, s: int, e: int, single: bool,
+                      group: object = None) -> InFlight:
+        """Collective: start the all-gather of chunk ``[s, e)``; ``single``: it is the only chunk
+        (lands in the working buffer directly, else through a staging buffer)."""
+        world, p = self.layout.world_size, self.layout.partition_numel
+        src = master[s:e].to(self.flat.dtype)
+        if master.untyped_storage().data_ptr() == self.flat.untyped_storage().data_ptr():
+            src = src.clone()  # fp32: the master slice *is* this rank's part of the output
+        if single:
+            handle = all_gather_into(self.flat, src, group)
+            return InFlight((handle,), (src,), _nothing, "all_gather params")
+        n = e - s
+        staging = torch.empty(world * n, dtype=self.flat.dtype, device=self.flat.device)
+        handle = all_gather_into(staging, src, group)
+
+        def scatter_out() -> None:
+            for r in range(world):
+                self.flat[r * p + s:r * p + s + n].copy_(staging[r * n:(r + 1) * n])
+
+        return InFlight((handle,), (src, staging), scatter_out, "all_gather params")
+
     def gather_from(self, master: torch.Tensor, rank: int, bucket_numel: int, queue: InFlightQueue,
                     group: object = None) -> None:
         """Collective: write every rank's (updated) master slice into this working buffer.
@@ -53,30 +86,71 @@ class FlatParamGroup:
         Chunks of at most ``bucket_numel`` elements (all ranks together) go through
         ``all_gather_into_tensor``; a single chunk lands in the working buffer directly, several go
         through a staging buffer and are copied to their ranks' places."""
-        layout, world = self.layout, self.layout.world_size
-        p = layout.partition_numel
-        if p == 0:
-            return
-        chunks = partition_chunks(p, world, bucket_numel)
-        shares_storage = master.untyped_storage().data_ptr() == self.flat.untyped_storage().data_ptr()
+        chunks = self.gather_chunks(bucket_numel)
         for s, e in chunks:
-            src = master[s:e].to(self.flat.dtype)
-            if shares_storage:  # fp32: the master slice *is* this rank's part of the output
-                src = src.clone()
-            if len(chunks) == 1:
-                handle = all_gather_into(self.flat, src, group)
-                queue.push(InFlight((handle,), (src,), _nothing, "all_gather params"))
-                continue
-            n = e - s
-            staging = torch.empty(world * n, dtype=self.flat.dtype, device=self.flat.device)
-            handle = all_gather_into(staging, src, group)
-
-            def scatter_out(staging=staging, s=s, n=n) -> None:
-                for r in range(world):
-                    self.flat[r * p + s:r * p + s + n].copy_(staging[r * n:(r + 1) * n])
-
-            queue.push(InFlight((handle,), (src, staging), scatter_out, "all_gather params"))
+            queue.push(self.launch_gather(master, s, e, len(chunks) == 1, group))
         queue.wait_all()
+
+
+class PendingParams:
+    """Parameter all-gathers launched after a step and not yet landed (``overlap_param_gather``).
+
+    The one place that waits for them. ``push`` records which parameters an in-flight gather
+    writes; ``wait_for(module)`` waits (oldest first) until the gathers writing ``module``'s own
+    parameters have landed - a forward pre-hook ``install``-ed on every module owning parameters
+    calls it, so training and no-grad (validation) forwards read fresh weights while later buckets
+    are still moving; ``wait_all()`` is for every other reader (state dicts, checkpoints, the next
+    step, teardown). When nothing is pending both return at once, so the hooks stay installed and
+    the model stays usable after teardown.
+
+    A module whose ``forward`` reads *another* module's parameters directly (not by calling it)
+    is not covered by the hooks; such models should keep the option off."""
+
+    def __init__(self) -> None:
+        self._items: deque[tuple[int, InFlight]] = deque()
+        self._seq = 0  # gathers launched so far
+        self._need: dict[int, int] = {}  # id(param) -> sequence number of the last gather writing it
+        self._hooks: list = []
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def push(self, item: InFlight, params: Sequence[nn.Parameter]) -> None:
+        self._seq += 1
+        self._items.append((self._seq, item))
+        for p in params:
+            self._need[id(p)] = self._seq
+
+    def _wait_until(self, seq: int) -> None:
+        while self._items and self._items[0][0] <= seq:
+            _, item = self._items.popleft()
+            for h in item.handles:
+                h.wait()
+            item.on_done()
+
+    def wait_for(self, module: nn.Module) -> None:
+        if self._items:
+            self._wait_until(max((self._need.get(id(p), 0) for p in module.parameters(recurse=False)),
+                                 default=0))
+
+    def wait_all(self) -> None:
+        self._wait_until(self._seq)
+        self._need.clear()
+
+    def install(self, module: nn.Module, params: Sequence[nn.Parameter]) -> None:
+        """Forward pre-hooks on every submodule of ``module`` that owns one of ``params``, and a
+        state-dict pre-hook on ``module`` (a plain ``module.state_dict()`` waits for all)."""
+        if self._hooks:
+            return
+        ids = {id(p) for p in params}
+        for m in module.modules():
+            if any(id(p) in ids for p in m.parameters(recurse=False)):
+                self._hooks.append(m.register_forward_pre_hook(self._pre_forward))
+        if hasattr(module, "register_state_dict_pre_hook"):
+            self._hooks.append(module.register_state_dict_pre_hook(lambda *_: self.wait_all()))
+
+    def _pre_forward(self, module: nn.Module, args: object) -> None:
+        self.wait_for(module)
 
 
 def _nothing() -> None:

@@ -60,8 +60,18 @@ class Bucket:
         self.filled.clear()
 
 
-class PartitionedGradients:
-    """Bucketed reduction during backward into per-group gradient partitions."""
+class BucketedReduction:
+    """The machinery both stage 1 and stage 2 use to reduce gradients *during* backward.
+
+    Buckets are planned once (``layout.flat_buckets``, latest parameters first); a
+    post-accumulate-grad hook on every trainable parameter marks its slot filled (``_fill``), and
+    complete buckets are launched strictly in plan order, so every rank issues the same collectives
+    in the same order. A subclass says where a bucket's gradient comes from (``_fill`` /
+    ``_source``), what happens to a parameter that got no gradient (``_missing``) and where this
+    rank's reduced part goes (``_deliver``); ``_active()`` False makes the hooks do nothing (stage
+    1 inside ``no_sync()``)."""
+
+    label = "reduce"
 
     def __init__(self, flat_groups: Sequence[FlatParamGroup], rank: int, reduce_dtype: torch.dtype,
                  reduce_mode: str, bucket_numel: int, queue: InFlightQueue, order: dict[int, int],
@@ -72,9 +82,8 @@ class PartitionedGradients:
             raise ValueError(f"reduce_mode={reduce_mode!r}; valid choices: all_reduce, reduce_scatter")
         self.flat_groups = list(flat_groups)
         self.rank, self.reduce_mode, self.queue, self.group = rank, reduce_mode, queue, group
+        self.reduce_dtype = reduce_dtype
         self.world = self.flat_groups[0].layout.world_size if self.flat_groups else 1
-        self.parts = [torch.zeros(fg.layout.partition_numel, dtype=reduce_dtype, device=fg.flat.device)
-                      for fg in self.flat_groups]
         buckets = []
         for gi, fg in enumerate(self.flat_groups):
             lo, hi = fg.layout.partition_range(rank)
@@ -87,11 +96,7 @@ class PartitionedGradients:
         buckets.sort(key=lambda b: -min(order[id(self.flat_groups[b.group].params[i])] for i in b.slots))
         self.buckets = buckets
         self._next = 0  # first bucket not launched in this backward
-        #: called as ``on_reduced(group, start, numel)`` once elements [start, start + numel) of
-        #: this rank's partition of ``group`` hold one backward's reduced gradient (CPU offload
-        #: streams them to the host from here while backward goes on)
-        self.on_reduced: Callable[[int, int, int], None] | None = None
-        device = self.parts[0].device if self.parts else torch.device("cpu")
+        device = self.flat_groups[0].flat.device if self.flat_groups else torch.device("cpu")
         self.pool = BufferPool(max([b.flat.numel for b in buckets] or [1]), reduce_dtype, device)
         self._hooks = []
         for bi, b in enumerate(buckets):
@@ -99,23 +104,39 @@ class PartitionedGradients:
                 p = self.flat_groups[b.group].params[i]
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._hook(bi, i)))
 
+    # ---------------------------------------------------------------- what a stage supplies
+    def _active(self) -> bool:
+        return True
+
+    def _fill(self, b: Bucket, index: int, p: nn.Parameter) -> None:
+        """Parameter ``index`` of bucket ``b`` has its gradient in ``p.grad``."""
+
+    def _missing(self, b: Bucket, index: int) -> None:
+        """Parameter ``index`` got no gradient in this backward (called at the flush)."""
+
+    def _source(self, b: Bucket) -> tuple[torch.Tensor, bool]:
+        """The bucket's gradient to reduce in place, and whether it came from ``self.pool``."""
+        raise NotImplementedError
+
+    def _deliver(self, b: Bucket, buf: torch.Tensor) -> None:
+        """``buf`` holds the bucket summed over ranks (at least inside ``b.mine``)."""
+        raise NotImplementedError
+
+    # ---------------------------------------------------------------- shared
     def _hook(self, bi: int, index: int):
         def on_grad(p: nn.Parameter) -> None:
-            self._take(bi, index, p)
+            if self._active():
+                self._take(bi, index, p)
         return on_grad
 
     def _take(self, bi: int, index: int, p: nn.Parameter) -> None:
         b = self.buckets[bi]
         if b.launched or index in b.filled:
             raise RuntimeError(
-                "zero2: a parameter received its gradient twice in one backward (several backward "
-                "calls per micro-batch, or reentrant use): call strategy.backward() once per "
-                "micro-batch")
-        if b.buffer is None:
-            b.buffer = self.pool.acquire(b.flat.numel)
-        off, n = b.slots[index]
-        b.buffer[off:off + n].copy_(p.grad.reshape(-1))
-        p.grad = None
+                f"{self.label}: a parameter received its gradient twice in one backward (several "
+                "backward calls per micro-batch, or reentrant use): call strategy.backward() once "
+                "per micro-batch")
+        self._fill(b, index, p)
         b.filled.add(index)
         if b.complete:
             self._launch_ready()
@@ -126,40 +147,88 @@ class PartitionedGradients:
             self._next += 1
 
     def _launch(self, b: Bucket) -> None:
-        buf, part, world = b.buffer, self.parts[b.group], self.world
+        buf, pooled = self._source(b)
         if self.reduce_mode == "all_reduce":
             handles = (all_reduce_sum(buf, self.group),)
         else:
             handles = tuple(reduce_to_owner(buf[r.offset:r.offset + r.numel], r.rank, self.group)
                             for r in b.runs)
 
-        def add_mine(mine=b.mine, group=b.group) -> None:
-            if mine is not None:
-                boff, poff, n = mine
-                part[poff:poff + n].add_(buf[boff:boff + n].div_(world))
-                if self.on_reduced is not None:
-                    self.on_reduced(group, poff, n)
-            self.pool.release(buf)
+        def done(b=b, buf=buf, pooled=pooled) -> None:
+            self._deliver(b, buf)
+            if pooled:
+                self.pool.release(buf)
 
         b.buffer, b.launched = None, True
-        self.queue.push(InFlight(handles, (buf,), add_mine, "zero2 reduce"))
+        self.queue.push(InFlight(handles, (buf,), done, self.label))
+
+    def flush(self) -> None:
+        """Launch what is left in plan order, wait for all, and reset for the next backward."""
+        for b in self.buckets[self._next:]:
+            for i in b.slots:
+                if i not in b.filled:
+                    self._missing(b, i)
+            self._launch(b)
+        self.queue.wait_all()
+        self._next = 0
+        for b in self.buckets:
+            b.reset()
+
+    def comm_buffers(self) -> list[torch.Tensor]:
+        return list(self.pool.buffers)
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        self.pool.clear()
+
+
+class PartitionedGradients(BucketedReduction):
+    """Bucketed reduction during backward into per-group gradient partitions."""
+
+    label = "zero2 reduce"
+
+    def __init__(self, flat_groups: Sequence[FlatParamGroup], rank: int, reduce_dtype: torch.dtype,
+                 reduce_mode: str, bucket_numel: int, queue: InFlightQueue, order: dict[int, int],
+                 group: object = None) -> None:
+        super().__init__(flat_groups, rank, reduce_dtype, reduce_mode, bucket_numel, queue, order, group)
+        self.parts = [torch.zeros(fg.layout.partition_numel, dtype=reduce_dtype, device=fg.flat.device)
+                      for fg in self.flat_groups]
+        #: called as ``on_reduced(group, start, numel)`` once elements [start, start + numel) of
+        #: this rank's partition of ``group`` hold one backward's reduced gradient (CPU offload
+        #: streams them to the host from here while backward goes on)
+        self.on_reduced: Callable[[int, int, int], None] | None = None
+
+    def _fill(self, b: Bucket, index: int, p: nn.Parameter) -> None:
+        if b.buffer is None:
+            b.buffer = self.pool.acquire(b.flat.numel)
+        off, n = b.slots[index]
+        b.buffer[off:off + n].copy_(p.grad.reshape(-1))
+        p.grad = None
+
+    def _missing(self, b: Bucket, index: int) -> None:
+        if b.buffer is None:
+            b.buffer = self.pool.acquire(b.flat.numel)
+        off, n = b.slots[index]
+        b.buffer[off:off + n].zero_()
+
+    def _source(self, b: Bucket) -> tuple[torch.Tensor, bool]:
+        return b.buffer, True
+
+    def _deliver(self, b: Bucket, buf: torch.Tensor) -> None:
+        if b.mine is not None:
+            boff, poff, n = b.mine
+            self.parts[b.group][poff:poff + n].add_(buf[boff:boff + n].div_(self.world))
+            if self.on_reduced is not None:
+                self.on_reduced(b.group, poff, n)
 
     def before_backward(self) -> None:
         pass
 
     def after_backward(self, sync: bool) -> None:
         """Flush: launch what is left in plan order (missing gradients are zeros), wait for all."""
-        for b in self.buckets[self._next:]:
-            if b.buffer is None:
-                b.buffer = self.pool.acquire(b.flat.numel)
-            for i, (off, n) in b.slots.items():
-                if i not in b.filled:
-                    b.buffer[off:off + n].zero_()
-            self._launch(b)
-        self.queue.wait_all()
-        self._next = 0
-        for b in self.buckets:
-            b.reset()
+        self.flush()
 
     def partitions(self) -> list[torch.Tensor]:
         return list(self.parts)
@@ -171,14 +240,8 @@ class PartitionedGradients:
     def persistent(self) -> list[torch.Tensor]:
         return list(self.parts)
 
-    def comm_buffers(self) -> list[torch.Tensor]:
-        return list(self.pool.buffers)
-
     def close(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
-        self.pool.clear()
+        self.remove_hooks()
 
 
 class ZeroStage2(ZeroStrategy):

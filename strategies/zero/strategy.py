@@ -2,8 +2,10 @@
 re-targeted onto them, the step, clipping, checkpoints and the memory report.
 
 A stage differs only in how gradients reach this rank's partition; it supplies that as a
-:class:`GradientShards` object built in ``_build_gradients()`` (stage 1: full gradients reduced
-after backward; stage 2: bucketed reduction during backward into partition buffers).
+:class:`GradientShards` object built in ``_build_gradients()`` (stage 1: full gradients, reduced
+bucket by bucket during the synchronising backward; stage 2: bucketed reduction during every
+backward into partition buffers). ``overlap_param_gather`` leaves the post-step all-gathers in
+flight (:class:`~.flat_buffer.PendingParams`) until a forward or another reader needs them.
 
 After ``setup_optimizer`` each rank holds:
 
@@ -30,7 +32,7 @@ from ..memory import count_bytes
 from .comm import InFlight, InFlightQueue, all_reduce_sum, backend, broadcast_from
 from .config import ZeroConfig
 from .estimate import estimate_model_states, format_bytes
-from .flat_buffer import FlatParamGroup, flatten_group
+from .flat_buffer import FlatParamGroup, PendingParams, flatten_group
 from .layout import build_layout
 from .sharded_optimizer import ShardedOptimizer
 
@@ -95,8 +97,13 @@ class ZeroStrategy(Strategy):
     def __init__(self, reduce_bucket_size: int = 20_000_000, allgather_bucket_size: int = 20_000_000,
                  overlap_comm: bool = True, contiguous_gradients: bool = True,
                  reduce_dtype: str = "fp32", reduce_mode: str = "auto", partition_alignment: int = 1,
-                 process_group_timeout_s: float = 300.0) -> None:
+                 process_group_timeout_s: float = 300.0, overlap_param_gather: bool = False) -> None:
         super().__init__(process_group_timeout_s=process_group_timeout_s)
+        #: launch the post-step parameter all-gathers and return; forwards wait per module
+        #: (:class:`~.flat_buffer.PendingParams`), every other reader waits for all
+        self.overlap_param_gather = overlap_param_gather
+        self.pending = PendingParams()
+        self._gather_plan: list | None = None  # planned at the first overlapped gather
         self.config = ZeroConfig(reduce_bucket_size, allgather_bucket_size, overlap_comm,
                                  contiguous_gradients, reduce_dtype, reduce_mode, partition_alignment)
         self.group: object = None  # the default process group
@@ -184,6 +191,7 @@ class ZeroStrategy(Strategy):
 
     def optimizer_step(self, gradient_clip_val: float | None = None) -> bool:
         assert self.sharded is not None, "setup_optimizer must run before optimizer_step"
+        self.pending.wait_all()  # the step writes the masters the last gathers read
         grads = self.step_gradients()
         overflow = self.precision.unscale_and_check(grads, self.any_rank)
         self.precision.update(overflow)
@@ -204,9 +212,27 @@ class ZeroStrategy(Strategy):
         self.grads.zero()
 
     def _gather_params(self) -> None:
-        for fg, master in zip(self.flat_groups, self.sharded.masters):
-            fg.gather_from(master.detach(), self.global_rank, self.config.allgather_bucket_size,
-                           self.queue, self.group)
+        self.pending.wait_all()
+        if not self.overlap_param_gather:
+            for fg, master in zip(self.flat_groups, self.sharded.masters):
+                fg.gather_from(master.detach(), self.global_rank, self.config.allgather_bucket_size,
+                               self.queue, self.group)
+            return
+        # launch every chunk of every group, in the order forward first needs them, and return
+        if self._gather_plan is None:
+            order = {id(p): i for i, p in enumerate(self.module.parameters())}
+            plan = []
+            for g, fg in enumerate(self.flat_groups):
+                chunks = fg.gather_chunks(self.config.allgather_bucket_size)
+                for s, e in chunks:
+                    params = [fg.params[i] for i in fg.chunk_params(s, e)]
+                    first = min((order[id(p)] for p in params), default=len(order))
+                    plan.append((first, g, s, e, len(chunks) == 1, params))
+            self._gather_plan = sorted(plan, key=lambda c: c[:2])
+            self.pending.install(self.module, [p for fg in self.flat_groups for p in fg.params])
+        for _, g, s, e, single, params in self._gather_plan:
+            master = self.sharded.masters[g].detach()
+            self.pending.push(self.flat_groups[g].launch_gather(master, s, e, single, self.group), params)
 
     # ------------------------------------------------------------------ checkpoints
     def writes_shard(self) -> bool:
@@ -222,6 +248,7 @@ class ZeroStrategy(Strategy):
 
     def state_dict(self) -> dict[str, Any]:
         assert self.sharded is not None and self.module is not None
+        self.pending.wait_all()
         state = {"zero": {"stage": self.stage, **self._layout_meta()}, **self.sharded.state_dict(),
                  "precision": self.precision.state_dict()}
         if self.is_global_zero:
@@ -232,6 +259,7 @@ class ZeroStrategy(Strategy):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Collective. Loads this rank's shard (stage 1 and 2 shards are interchangeable)."""
         assert self.sharded is not None and self.module is not None
+        self.pending.wait_all()
         meta, mine = state.get("zero", {}), self._layout_meta()
         for key in ("world_size", "rank", "numels", "padded_numels"):
             if meta.get(key) != mine[key]:
@@ -252,6 +280,7 @@ class ZeroStrategy(Strategy):
         ``state_dict`` keys - tied parameters under each of their names, sharing one tensor as
         ``module.state_dict()`` does; ``{}`` elsewhere."""
         assert self.sharded is not None and self.module is not None
+        self.pending.wait_all()
         values: dict[int, torch.Tensor] = {}
         for i, fg in enumerate(self.flat_groups):
             full = self.sharded.gather_full(i, fg.layout, self.global_rank, self.queue, self.group)
@@ -278,6 +307,7 @@ class ZeroStrategy(Strategy):
         """Each parameter's intersection with this rank's partition, from the fp32 masters and
         the optimizer state of that partition (padding excluded)."""
         assert self.sharded is not None
+        self.pending.wait_all()
         saved = self.sharded.state_dict()
         state = saved["optimizer"]["state"]
         names = self._trainable_names()
@@ -293,6 +323,7 @@ class ZeroStrategy(Strategy):
         return out
 
     def extra_state(self) -> dict[str, torch.Tensor]:
+        self.pending.wait_all()
         if not self.is_global_zero:
             return {}
         sd = self.module.state_dict()
@@ -303,6 +334,7 @@ class ZeroStrategy(Strategy):
         ranges the checkpoint holds (any strategy, any world size), then all-gather the working
         parameters."""
         assert self.sharded is not None and self.module is not None
+        self.pending.wait_all()
         names = self._trainable_names()
         masters, state = [], {}
         for g, fg in enumerate(self.flat_groups):
@@ -368,6 +400,7 @@ class ZeroStrategy(Strategy):
                  format_bytes(got["comm_buffers"]), psi, self.world_size)
 
     def teardown(self) -> None:
+        self.pending.wait_all()
         if self.grads is not None:
             self.grads.close()
         self.queue.wait_all()
