@@ -301,14 +301,7 @@ class ZeroStage3(ZeroStrategy):
                 full = full.to("cpu")
                 values.update({id(p): v.clone() for p, v in zip(u.params, u.param_views(full))})
                 del full
-        if not self.is_global_zero:
-            return {}
-        by_name = dict(self.module.named_parameters(remove_duplicate=False))
-        out = {}
-        for k, v in self.module.state_dict().items():
-            p = by_name.get(k)
-            out[k] = values[id(p)] if p is not None and id(p) in values else v.detach().to("cpu", copy=True)
-        return out
+        return self._full_state_from(values)
 
     # the strategy-neutral checkpoint format (parameter shards by name): see stage3_checkpoint
     def optimizer_group_names(self) -> list[list[str]]:

@@ -289,6 +289,12 @@ class ZeroStrategy(Strategy):
                 # safetensors refuse tensors that share storage)
                 full = full.to("cpu")
                 values.update({id(p): fg.view(j, full).clone() for j, p in enumerate(fg.params)})
+        return self._full_state_from(values)
+
+    def _full_state_from(self, values: dict[int, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Rank 0: the module's ``state_dict`` keys, trainable parameters taken from ``values``
+        (gathered fp32 tensors by parameter id; tied names share one), the rest copied to CPU.
+        ``{}`` on the other ranks."""
         if not self.is_global_zero:
             return {}
         by_name = dict(self.module.named_parameters(remove_duplicate=False))
