@@ -7,6 +7,7 @@ through its interface: it never asks which strategy or precision it holds.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -346,7 +347,7 @@ class Trainer:
         st, s, module = self.state, self._strategy, self.module
         batch = _to_device(batch, s.device)
         self.hooks("on_train_batch_start", self, module, batch, batch_idx)
-        with (s.no_sync() if not last_micro else _null()):
+        with (s.no_sync() if not last_micro else contextlib.nullcontext()):
             out = s.training_step(batch, batch_idx)
             loss = out["loss"] if isinstance(out, dict) else out
             if not torch.is_tensor(loss):
@@ -559,14 +560,6 @@ class Trainer:
         if self.is_global_zero:
             for lg in self.loggers:
                 lg.finalize()
-
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _to_device(batch: Any, device: torch.device) -> Any:
