@@ -67,9 +67,10 @@ PG_TIMEOUT_S = 600
 # the model and optimizer, then runs every step in ``batches`` and records it in ``rec``.
 
 def _init_torch_pg() -> None:
-    import torch.distributed as dist
+    from zerotrain.strategies.environment import init_default_group
 
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
+    # the same group every system gets, made so that destroying it joins gloo's threads
+    init_default_group(backend="gloo", timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
 
 
 def _loop(step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], batches: list, rec: Record) -> None:

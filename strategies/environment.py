@@ -7,6 +7,7 @@ of a job it may still have to launch.
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import re
@@ -107,9 +108,30 @@ def init_process_group(info: ProcessInfo, device: torch.device, timeout_s: float
     kwargs = {}
     if device.type == "cuda":
         kwargs["device_id"] = device
-    dist.init_process_group(
-        backend=default_backend(device), rank=info.global_rank, world_size=info.world_size,
-        timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    init_default_group(backend=default_backend(device), rank=info.global_rank, world_size=info.world_size,
+                       timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+
+
+def init_default_group(**kwargs) -> None:
+    """``dist.init_process_group(**kwargs)``, made safe to leave at interpreter exit.
+
+    Two measured facts drive this. Importing ``torch._dynamo`` after the group exists (the first
+    ``torch.optim`` optimizer does it lazily) leaves ten extra references to the default group, so
+    ``destroy_process_group()`` no longer joins gloo's worker threads. A worker that releases the
+    last reference to a finished collective while the interpreter finalizes then takes the GIL,
+    and the process dies with "terminate called without an active exception" (SIGABRT) after a
+    successful run. So dynamo is imported first, and the group we made is destroyed at exit while
+    the interpreter is still whole.
+    """
+    import torch._dynamo  # noqa: F401  (before the group: see above)
+
+    dist.init_process_group(**kwargs)
+    atexit.register(_destroy_at_exit)
+
+
+def _destroy_at_exit() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def pick_device(accelerator: str, local_rank: int) -> torch.device:

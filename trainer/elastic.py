@@ -34,7 +34,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from ..strategies.environment import ProcessInfo, default_backend, free_port
+from ..strategies.environment import ProcessInfo, default_backend, free_port, init_default_group
 
 log = logging.getLogger("zerotrain")
 
@@ -99,8 +99,8 @@ def join_attempt_group(info: ProcessInfo, device: torch.device, timeout_s: float
                           timeout=timeout)
     store = dist.PrefixStore(f"zerotrain/attempt_{restart_count()}/", store)
     kwargs = {"device_id": device} if device.type == "cuda" else {}
-    dist.init_process_group(default_backend(device), store=store, rank=info.global_rank,
-                            world_size=info.world_size, timeout=timeout, **kwargs)
+    init_default_group(backend=default_backend(device), store=store, rank=info.global_rank,
+                       world_size=info.world_size, timeout=timeout, **kwargs)
 
 
 class ElasticLauncher:

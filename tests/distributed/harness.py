@@ -98,8 +98,10 @@ def init_dist(timeout_s: float = 60.0) -> tuple[int, int]:
     """Join the gloo process group from the harness's variables; returns (rank, world_size)."""
     import torch.distributed as dist
 
+    from zerotrain.strategies.environment import init_default_group
+
     if not dist.is_initialized():
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        init_default_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
     return dist.get_rank(), dist.get_world_size()
 
 
