@@ -25,10 +25,9 @@ Everything runs in fp32 compute: bf16 matmuls are ~70x slower than fp32 on this 
 The offload configurations reduce gradients in bf16 by default (``--reduce-dtype``), halving the
 gradient partitions they keep in RAM; plain keeps fp32 gradients.
 
-Measured here with ``--mem-cap-gb 2`` (ZeRO-3, machine shared, step times not comparable): plain
-101M params (peak RSS 1.85 GiB), offload_cpu 101M (1.95 GiB), offload_nvme 309M (1.89 GiB; the
-next rung, 391M, hit the cap): 3.06x. About 0.45 GiB of each process is torch itself, so the ratio
-should grow with the cap.
+Measured here (bench/RESULTS.md): with ``--mem-cap-gb 20`` (ZeRO-3, quiet machine) plain 1085M
+params (16.61 GiB), offload_cpu 1085M, offload_nvme 3330M (16.51 GiB; the next rung, 4174M, hit
+the cap): 3.07x. With ``--mem-cap-gb 2``: plain 101M, offload_nvme 309M (3.06x).
 
 Memory safety: every candidate runs in a child process in its own session, with (1) an RSS
 watchdog in the parent polling ``/proc/<pid>/status`` every 20 ms and killing the child's process
