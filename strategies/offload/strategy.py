@@ -34,6 +34,7 @@ from typing import Any, Optional
 import torch
 
 from ..zero.comm import InFlight, all_reduce_sum
+from ..zero.config import BUCKET_NUMEL
 from ..zero.estimate import format_bytes
 from ..zero.sharded_optimizer import ShardedOptimizer
 from ..zero.stage2 import ZeroStage2
@@ -70,7 +71,7 @@ class Offload(ZeroStrategy):
                  reduce_dtype: str = "fp32", reduce_mode: str = "auto", overlap_comm: bool = True,
                  partition_alignment: int = 1, process_group_timeout_s: float = 300.0,
                  # ZeRO-2 options
-                 reduce_bucket_size: int = 20_000_000, allgather_bucket_size: int = 20_000_000,
+                 reduce_bucket_size: int = BUCKET_NUMEL, allgather_bucket_size: int = BUCKET_NUMEL,
                  contiguous_gradients: bool = True,
                  # ZeRO-3 options
                  unit_modules: Optional[str] = None, reshard_after_forward: bool = True,

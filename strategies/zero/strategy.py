@@ -30,7 +30,7 @@ from torch import nn
 from ..base import ParamShard, ShardReader, StepWrapper, Strategy, split_optimizer_state
 from ..memory import count_bytes
 from .comm import InFlight, InFlightQueue, all_reduce_sum, backend, broadcast_from
-from .config import ZeroConfig
+from .config import BUCKET_NUMEL, ZeroConfig
 from .estimate import estimate_model_states, format_bytes
 from .flat_buffer import FlatParamGroup, PendingParams, flatten_group
 from .layout import build_layout
@@ -94,7 +94,7 @@ def trainable_groups(optimizer: torch.optim.Optimizer, module: nn.Module) -> lis
 class ZeroStrategy(Strategy):
     stage = 0
 
-    def __init__(self, reduce_bucket_size: int = 20_000_000, allgather_bucket_size: int = 20_000_000,
+    def __init__(self, reduce_bucket_size: int = BUCKET_NUMEL, allgather_bucket_size: int = BUCKET_NUMEL,
                  overlap_comm: bool = True, contiguous_gradients: bool = True,
                  reduce_dtype: str = "fp32", reduce_mode: str = "auto", partition_alignment: int = 1,
                  process_group_timeout_s: float = 300.0, overlap_param_gather: bool = False) -> None:

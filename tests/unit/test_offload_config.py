@@ -67,11 +67,11 @@ def test_stage3_composition_takes_its_options():
 
 
 def test_construction_composes_with_the_stage():
-    s = strategy_from_name("offload", sub_group_size=1000)
+    s = strategy_from_name("offload", sub_group_size=1000, reduce_bucket_size=1234)
     assert type(s) is OffloadZeroStage2 and isinstance(s, Offload) and isinstance(s, ZeroStage2)
     assert s.name == "offload" and s.stage == 2
     assert s.offload == OffloadConfig(sub_group_size=1000)
-    assert s.config.reduce_bucket_size == 20_000_000  # the stage's options pass through
+    assert s.config.reduce_bucket_size == 1234  # the stage's options pass through
     assert "optimizer_device" in repr(s)
 
 
