@@ -12,9 +12,10 @@ from collections import deque
 from typing import Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from .comm import InFlight, InFlightQueue, all_gather_into, broadcast_from
+from .comm import InFlight, InFlightQueue, all_gather_into, backend, broadcast_from
 from .layout import GroupLayout, partition_chunks
 
 
@@ -60,9 +61,13 @@ class FlatParamGroup:
 
     def launch_gather(self, master: torch.Tensor, s: int, e: int, single: bool,
                       group: object = None) -> InFlight:
-        """Collective: start the all-gather of chunk ``[s, e)``; ``single``: it is the only chunk
-        (lands in the working buffer directly, else through a staging buffer)."""
+        """Collective: start gathering chunk ``[s, e)`` of every rank's partition into the working
+        buffer. On gloo each rank broadcasts its own range in place; elsewhere an all-gather
+        (``single``: the only chunk, landing in the working buffer directly, else through a
+        staging buffer)."""
         world, p = self.layout.world_size, self.layout.partition_numel
+        if backend(group) == "gloo":
+            return self._launch_broadcasts(master, s, e, group)
         src = master[s:e].to(self.flat.dtype)
         if master.untyped_storage().data_ptr() == self.flat.untyped_storage().data_ptr():
             src = src.clone()  # fp32: the master slice *is* this rank's part of the output
@@ -90,6 +95,24 @@ class FlatParamGroup:
         for s, e in chunks:
             queue.push(self.launch_gather(master, s, e, len(chunks) == 1, group))
         queue.wait_all()
+
+    def _launch_broadcasts(self, master: torch.Tensor, s: int, e: int, group: object) -> InFlight:
+        """Gloo: rank r broadcasts ``flat[r*P + s : r*P + e]`` in place. No staging buffer and no
+        copy of the source: the per-step 10-20 MB transients of chunked all-gathers stayed on the
+        heap (peak RSS +0.1 GB at 21M), and gloo's broadcast is its fastest collective
+        (MACHINE_FACTS: ~2.1 GB/s vs 0.9-1.3 for all-gather)."""
+        p, me = self.layout.partition_numel, dist.get_rank(group)
+        mine = self.flat[me * p + s:me * p + e]
+        src = master[s:e]
+        if mine.data_ptr() != src.data_ptr():  # mixed precision: write my working copy first
+            mine.copy_(src)
+        handles = tuple(broadcast_from(self.flat[r * p + s:r * p + e], _global_rank(group, r), group)
+                        for r in range(self.layout.world_size))
+        return InFlight(handles, (), _nothing, "broadcast params")
+
+
+def _global_rank(group: object, rank: int) -> int:
+    return rank if group is None else dist.get_global_rank(group, rank)
 
 
 class PendingParams:
