@@ -80,8 +80,18 @@ def _loop(step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], batches: l
         rec.step_end(step(x, y))
 
 
-def _autocast(precision: str):
-    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed")
+def _torch_step(model: torch.nn.Module, opt: torch.optim.Optimizer, autocast: bool
+                ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """A plain PyTorch training step (DDP, FSDP2); ``autocast``: forward under bf16 autocast."""
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            _, loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    return step
 
 
 def run_ddp(args: argparse.Namespace, spec: ModelSpec, batches: list, rec: Record) -> None:
@@ -92,16 +102,7 @@ def run_ddp(args: argparse.Namespace, spec: ModelSpec, batches: list, rec: Recor
     model = DistributedDataParallel(build_gpt(spec.config(), args.seed), bucket_cap_mb=25,
                                     gradient_as_bucket_view=True)
     opt, rec.optimizer = make_adamw(model)
-
-    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        with _autocast(args.precision):
-            _, loss = model(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
-
-    _loop(step, batches, rec)
+    _loop(_torch_step(model, opt, autocast=args.precision == "bf16-mixed"), batches, rec)
 
 
 def run_fsdp2(args: argparse.Namespace, spec: ModelSpec, batches: list, rec: Record, *,
@@ -118,15 +119,7 @@ def run_fsdp2(args: argparse.Namespace, spec: ModelSpec, batches: list, rec: Rec
         fully_shard(block, reshard_after_forward=reshard_after_forward, mp_policy=mp)
     fully_shard(model, reshard_after_forward=reshard_after_forward, mp_policy=mp)
     opt, rec.optimizer = make_adamw(model)
-
-    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        _, loss = model(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
-
-    _loop(step, batches, rec)
+    _loop(_torch_step(model, opt, autocast=False), batches, rec)  # bf16: the policy above casts
 
 
 def deepspeed_config(spec: ModelSpec, stage: int, precision: str, world: int) -> dict:

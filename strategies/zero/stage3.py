@@ -262,8 +262,7 @@ class ZeroStage3(ZeroStrategy):
                  "masters": [u.master.detach().clone() for u in self.units],
                  "optimizer": self.optimizer.state_dict(), "precision": self.precision.state_dict()}
         if self.is_global_zero:
-            sd = self.module.state_dict()
-            state["module_extra"] = {k: sd[k].detach().clone() for k in self._extra_state_names()}
+            state["module_extra"] = self._module_extra_state()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -282,12 +281,7 @@ class ZeroStage3(ZeroStrategy):
             for u, m in zip(self.units, state["masters"]):
                 u.master.copy_(m)
         self.optimizer.load_state_dict(state["optimizer"])
-        self.precision.load_state_dict(state.get("precision", {}))
-        if "module_extra" in state:
-            self.module.load_state_dict(state["module_extra"], strict=False)
-        self._broadcast_extras()
-        self._gather_params()
-        self.zero_grad()
+        self._finish_state_load(state)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: the complete fp32 weights on rank 0, gathered one unit at a time (no rank

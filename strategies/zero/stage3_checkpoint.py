@@ -116,9 +116,4 @@ class Stage3Checkpoint:
                 state[index[id(view)]] = {**per, **scalars}
         current = s.optimizer.state_dict()["param_groups"]
         s.optimizer.load_state_dict({"state": state, "param_groups": reader.param_groups(current)})
-        extras = s._extra_state_names()
-        if extras:
-            with torch.no_grad():
-                s.module.load_state_dict({k: reader.extra(k) for k in extras}, strict=False)
-        s._gather_params()
-        s.zero_grad()
+        s._finish_shard_load(reader)

@@ -252,8 +252,7 @@ class ZeroStrategy(Strategy):
         state = {"zero": {"stage": self.stage, **self._layout_meta()}, **self.sharded.state_dict(),
                  "precision": self.precision.state_dict()}
         if self.is_global_zero:
-            sd = self.module.state_dict()
-            state["module_extra"] = {k: sd[k].detach().clone() for k in self._extra_state_names()}
+            state["module_extra"] = self._module_extra_state()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -268,10 +267,30 @@ class ZeroStrategy(Strategy):
                     "ZeRO shards load only on the same world size and model; export weights with "
                     "full_state_dict() to change either")
         self.sharded.load_state_dict(state)
+        self._finish_state_load(state)
+
+    def _module_extra_state(self) -> dict[str, torch.Tensor]:
+        """Copies of what a shard checkpoint carries beside the masters (buffers, frozen params)."""
+        sd = self.module.state_dict()
+        return {k: sd[k].detach().clone() for k in self._extra_state_names()}
+
+    def _finish_state_load(self, state: dict[str, Any]) -> None:
+        """Collective, after the masters and optimizer state are in: precision state, rank 0's
+        extras sent to every rank, then fresh working parameters and empty gradients."""
         self.precision.load_state_dict(state.get("precision", {}))
         if "module_extra" in state:
             self.module.load_state_dict(state["module_extra"], strict=False)
         self._broadcast_extras()
+        self._gather_params()
+        self.zero_grad()
+
+    def _finish_shard_load(self, reader: ShardReader) -> None:
+        """After ``load_param_shards`` filled masters and optimizer state: the extras from the
+        checkpoint, then fresh working parameters and empty gradients."""
+        extras = self._extra_state_names()
+        if extras:
+            with torch.no_grad():
+                self.module.load_state_dict({k: reader.extra(k) for k in extras}, strict=False)
         self._gather_params()
         self.zero_grad()
 
@@ -365,12 +384,7 @@ class ZeroStrategy(Strategy):
         current = self.optimizer.state_dict()["param_groups"]
         self.sharded.load_state_dict({"master": masters, "optimizer": {
             "state": state, "param_groups": reader.param_groups(current)}})
-        extras = self._extra_state_names()
-        if extras:
-            with torch.no_grad():
-                self.module.load_state_dict({k: reader.extra(k) for k in extras}, strict=False)
-        self._gather_params()
-        self.zero_grad()
+        self._finish_shard_load(reader)
 
     # ------------------------------------------------------------------ memory and end
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
