@@ -94,6 +94,34 @@ def run_ranks(target: str, world_size: int, tmp_path: Path, timeout: float = 120
     return [torch.load(tmp_path / f"result_{r}.pt", weights_only=True) for r in range(world_size)]
 
 
+def run_ranks_once(cache: dict, key: Any, target: str, world_size: int, tmp_path_factory,
+                   **kwargs: Any) -> list[Any]:
+    """``run_ranks`` once per ``key`` for a module's tests that share one spawn; a failure is
+    cached too and re-raised in each test that asks."""
+    if key not in cache:
+        try:
+            cache[key] = run_ranks(target, world_size, tmp_path_factory.mktemp(f"w{world_size}_"), **kwargs)
+        except Exception as e:  # noqa: BLE001 - cached and re-raised per test
+            cache[key] = e
+    if isinstance(cache[key], Exception):
+        raise cache[key]
+    return cache[key]
+
+
+def set_up_like_trainer(strategy: Any, module: Any, info: Any, precision: Any) -> tuple[Any, Any]:
+    """Drive a strategy through the Trainer's set-up order on CPU; returns what
+    ``module.configure_optimizers()`` returned (optimizer, scheduler)."""
+    import torch
+
+    strategy.connect(info, torch.device("cpu"), precision)
+    strategy.setup_environment()
+    strategy.configure_model(module)
+    strategy.setup_module(module)
+    opt, sched = module.configure_optimizers()
+    strategy.setup_optimizer(opt)
+    return opt, sched
+
+
 def init_dist(timeout_s: float = 60.0) -> tuple[int, int]:
     """Join the gloo process group from the harness's variables; returns (rank, world_size)."""
     import torch.distributed as dist

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from harness import run_ranks
+from harness import run_ranks_once, set_up_like_trainer
 from zerotrain.strategies.environment import detect
 from zerotrain.strategies.memory import count_bytes
 from zerotrain.strategies.precision import BF16Mixed, DynamicLossScaler, FP16Mixed, Precision
@@ -150,12 +150,7 @@ def reference(module: TrainModule, batches, clip: float):
 def setup(stage: int, module: TrainModule, precision: Precision | None = None, **kwargs):
     """The Trainer's set-up order."""
     strategy = STAGES[stage](process_group_timeout_s=60, **kwargs)
-    strategy.connect(detect(int(os.environ["WORLD_SIZE"])), torch.device("cpu"), precision or Precision())
-    strategy.setup_environment()
-    strategy.configure_model(module)
-    strategy.setup_module(module)
-    opt, sched = module.configure_optimizers()
-    strategy.setup_optimizer(opt)
+    _, sched = set_up_like_trainer(strategy, module, detect(int(os.environ["WORLD_SIZE"])), precision or Precision())
     return strategy, sched
 
 
@@ -324,15 +319,7 @@ _SPAWNED: dict[int, object] = {}
 
 def spawned(world: int, tmp_path_factory) -> list[dict]:
     """One spawn per world size, shared by the tests below (a failure is re-raised in each)."""
-    if world not in _SPAWNED:
-        try:
-            _SPAWNED[world] = run_ranks("test_zero12:_worker", world, tmp_path_factory.mktemp(f"w{world}"),
-                                        timeout=150, features=world == 2)
-        except Exception as e:  # noqa: BLE001 - cached and re-raised per test
-            _SPAWNED[world] = e
-    if isinstance(_SPAWNED[world], Exception):
-        raise _SPAWNED[world]
-    return _SPAWNED[world]
+    return run_ranks_once(_SPAWNED, world, "test_zero12:_worker", world, tmp_path_factory, timeout=150, features=world == 2)
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from harness import run_ranks
+from harness import run_ranks_once
 from toy import ToyModule, assert_params_close
 from toy import reference as toy_reference
 from zerotrain import Callback, Trainer, TrainModule
@@ -459,15 +459,7 @@ _SPAWNED: dict[int, object] = {}
 
 def spawned(world: int, tmp_path_factory) -> list[dict]:
     """One spawn per world size, shared by the tests below (a failure is re-raised in each)."""
-    if world not in _SPAWNED:
-        try:
-            _SPAWNED[world] = run_ranks("test_zero3:_worker", world, tmp_path_factory.mktemp(f"z3w{world}"),
-                                        timeout=240, env=ENV.get(world), cases=CASES[world])
-        except Exception as e:  # noqa: BLE001 - cached and re-raised per test
-            _SPAWNED[world] = e
-    if isinstance(_SPAWNED[world], Exception):
-        raise _SPAWNED[world]
-    return _SPAWNED[world]
+    return run_ranks_once(_SPAWNED, world, "test_zero3:_worker", world, tmp_path_factory, timeout=240, env=ENV.get(world), cases=CASES[world])
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])

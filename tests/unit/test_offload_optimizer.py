@@ -9,6 +9,8 @@ import pytest
 import torch
 from torch import nn
 
+from harness import set_up_like_trainer
+
 from zerotrain.ops import CPUAdam
 from zerotrain.strategies.environment import ProcessInfo
 from zerotrain.strategies.memory import count_bytes
@@ -65,12 +67,7 @@ def batches(n=8, seed=3):
 
 
 def make(strategy, module, precision=None):
-    strategy.connect(ProcessInfo(), torch.device("cpu"), precision or Precision())
-    strategy.setup_environment()
-    strategy.configure_model(module)
-    strategy.setup_module(module)
-    opt, sched = module.configure_optimizers()
-    strategy.setup_optimizer(opt)
+    opt, sched = set_up_like_trainer(strategy, module, ProcessInfo(), precision or Precision())
     return strategy, opt, sched
 
 
