@@ -13,10 +13,18 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
     pip_install torch==2.13.0
   fi
 fi
-pip_install -e ".[dev]"
+# extras: "dev" (test tools) by default; the test command adds "hf" (transformers, for the
+# Hugging Face model tests), so every package a test imports is installed.
+pip_install -e ".[${ZEROTRAIN_EXTRAS:-dev}]"
 # iproute2 lets the multi-node test build two network namespaces; without it that test skips.
 if ! command -v ip >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
   (apt-get install -y -q iproute2 >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q iproute2 >/dev/null 2>&1; }) \
     || echo "note: iproute2 could not be installed; the multi-node test will skip"
 fi
 "$PY" -c "import torch, zerotrain; print(f'zerotrain {zerotrain.__version__} with torch {torch.__version__}')"
+# Build the compiled ops now (once per op source, into ~/.cache/zerotrain/extensions), so that no
+# run or test compiles inside a timed step. The CUDA op is skipped where torch sees no GPU.
+if ! "$PY" -m zerotrain.ops.report --build; then
+  echo "note: the compiled ops could not be built (see above); training uses the pure-torch" \
+       "fallback. Run \`python -m zerotrain.ops.report\` for details."
+fi

@@ -3,37 +3,56 @@
 Each op is a small frozen :class:`OpSpec` (sources, flags). :func:`load_op` compiles it with
 ``torch.utils.cpp_extension.load`` on first use, into::
 
-    $ZEROTRAIN_EXTENSIONS_DIR/<tag>/<op name>/          if the variable is set, else
-    ~/.cache/zerotrain/extensions/<tag>/<op name>/      ($XDG_CACHE_HOME replaces ~/.cache)
+    <cache root>/<tag>/<op name>-<digest>/
 
-where ``<tag>`` names the Python and torch versions, so an upgrade never loads a stale binary.
-``cpp_extension.load`` hashes the sources and flags and reruns ninja, which rebuilds only what
-changed; a second process, or a second run, just loads the ``.so`` (well under a second). A lock
-file in the build folder makes concurrent ranks wait for one build instead of racing.
+* ``<cache root>``: ``$ZEROTRAIN_EXTENSIONS_DIR`` if set, else ``~/.cache/zerotrain/extensions``
+  (``$XDG_CACHE_HOME`` replaces ``~/.cache``);
+* ``<tag>``: the Python and torch versions and the machine architecture, so an upgrade never
+  loads a stale binary;
+* ``<digest>``: 12 hex digits of a hash of the op's sources, every file in its include folders
+  and its build flags. Two checkouts with different sources build into different folders; the
+  same source is built once and reused by every checkout and venv. The sources are copied into
+  ``src/`` of the folder and compiled from there, so the build never depends on the checkout.
+
+A finished build leaves a marker (``zerotrain.built``); later processes load the ``.so`` directly
+(well under a second, no lock). Building takes ``zerotrain.lock`` in the folder (created with
+O_CREAT|O_EXCL; it records the owner's PID, host and start time). A process that finds the lock
+held waits, saying for whom, for at most ``$ZEROTRAIN_BUILD_TIMEOUT_S`` seconds (default 600), then
+raises :class:`BuildLockTimeout`; a lock whose owner is dead (same host: the PID is gone) is taken
+over at once, and so is the ``lock`` file that ``cpp_extension``'s own baton leaves behind when a
+build is killed (which would otherwise make every later build wait forever).
 
 No ``-march=native``: the CPU kernel picks its SIMD path at run time (see csrc/adam/cpu_adam.cpp),
 so a cache built on one machine serves any x86-64 CPU with the same Python and torch.
 
 ``$ZEROTRAIN_BUILD_OPS`` chooses the policy:
 
-* unset: build on first use; if the toolchain is missing or the build fails, warn once and use
-  the pure-torch fallback (:mod:`zerotrain.ops.reference`).
-* ``1``: strict; a failed build raises. Build ahead of time (for example in a container image)
-  with ``ZEROTRAIN_BUILD_OPS=1 python -c "import zerotrain.ops; zerotrain.ops.build_all()"``.
+* unset: build on first use (saying so on stderr first: build ahead with ``zerotrain-build-ops``);
+  if the toolchain is missing or the build fails, warn once and use the pure-torch fallback
+  (:mod:`zerotrain.ops.reference`).
+* ``1``: strict; a failed build raises.
 * ``0``: never compile; always use the fallback, silently.
 """
 from __future__ import annotations
 
+import contextlib
+import filecmp
+import hashlib
+import importlib.util
+import json
 import logging
 import os
+import platform
 import re
 import shutil
+import socket
 import sys
 import threading
+import time
 import warnings
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -43,6 +62,12 @@ log = logging.getLogger(__name__)
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUILD_POLICY_ENV = "ZEROTRAIN_BUILD_OPS"
 CACHE_DIR_ENV = "ZEROTRAIN_EXTENSIONS_DIR"
+BUILD_TIMEOUT_ENV = "ZEROTRAIN_BUILD_TIMEOUT_S"
+DEFAULT_BUILD_TIMEOUT_S = 600.0
+LOCK_NAME = "zerotrain.lock"  # ours
+BATON_NAME = "lock"  # torch.utils.cpp_extension's FileBaton
+BUILT_MARKER = "zerotrain.built"
+_LAYOUT_VERSION = "1"  # bump to invalidate every cached build
 
 
 @dataclass(frozen=True)
@@ -50,8 +75,8 @@ class OpSpec:
     """What to compile for one op: a build descriptor, nothing more."""
 
     name: str
-    sources: tuple[str, ...]  # relative to the package root
-    include_dirs: tuple[str, ...] = ()
+    sources: tuple[str, ...]  # relative to `root`
+    include_dirs: tuple[str, ...] = ()  # relative to `root`
     cflags: tuple[str, ...] = ()
     ldflags: tuple[str, ...] = ()
     cuda_cflags: tuple[str, ...] = ()
@@ -59,12 +84,28 @@ class OpSpec:
     # False: a plain shared library that registers torch ops (torch.ops.zerotrain.*) on load;
     # load_op then returns the torch.ops.zerotrain namespace.
     is_python_module: bool = True
+    root: Optional[str] = None  # the folder `sources` are relative to; None: the package root
+    build_estimate_s: int = 60  # what the "compiling ..." line promises
+
+    @property
+    def root_dir(self) -> str:
+        return self.root or _ROOT
 
     def absolute_sources(self) -> list[str]:
-        return [os.path.join(_ROOT, s) for s in self.sources]
+        return [os.path.join(self.root_dir, s) for s in self.sources]
 
     def absolute_includes(self) -> list[str]:
-        return [os.path.join(_ROOT, s) for s in self.include_dirs]
+        return [os.path.join(self.root_dir, s) for s in self.include_dirs]
+
+    def input_files(self) -> list[str]:
+        """Every file the build reads from `root`, relative to it: sources, then headers."""
+        files = list(self.sources)
+        for inc in self.include_dirs:
+            for dirpath, dirnames, filenames in os.walk(os.path.join(self.root_dir, inc)):
+                dirnames.sort()
+                for f in sorted(filenames):
+                    files.append(os.path.relpath(os.path.join(dirpath, f), self.root_dir))
+        return files
 
 
 CPU_ADAM = OpSpec(
@@ -83,6 +124,7 @@ FUSED_ADAM_CUDA = OpSpec(
     cuda_cflags=("-O3",),
     cuda=True,
     is_python_module=False,
+    build_estimate_s=180,
 )
 
 ALL_OPS = (CPU_ADAM, FUSED_ADAM_CUDA)
@@ -114,17 +156,202 @@ def build_policy() -> str:
     )
 
 
+def build_timeout_s() -> float:
+    """How long to wait for another process's build: $ZEROTRAIN_BUILD_TIMEOUT_S, default 600."""
+    value = os.environ.get(BUILD_TIMEOUT_ENV, "").strip()
+    if not value:
+        return DEFAULT_BUILD_TIMEOUT_S
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0:
+        raise ValueError(f"{BUILD_TIMEOUT_ENV}={value!r} must be a number of seconds >= 0")
+    return seconds
+
+
 def extensions_dir() -> str:
-    """The root of the build cache (see the module docstring)."""
+    """The cache folder for this Python, torch and machine (see the module docstring)."""
     root = os.environ.get(CACHE_DIR_ENV)
     if not root:
         cache_home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
         root = os.path.join(cache_home, "zerotrain", "extensions")
-    torch_tag = re.sub(r"[^A-Za-z0-9_.]+", "_", torch.__version__)
-    tag = f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch_tag}"
-    return os.path.join(root, tag)
+    tag = f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch.__version__}_{platform.machine()}"
+    return os.path.join(root, re.sub(r"[^A-Za-z0-9_.]+", "_", tag))
 
 
+def source_digest(spec: OpSpec) -> str:
+    """12 hex digits of a hash of the op's input files (names and contents) and build flags."""
+    h = hashlib.sha256()
+    flags = [_LAYOUT_VERSION, spec.name, spec.cflags, spec.ldflags, spec.cuda_cflags, spec.cuda,
+             spec.is_python_module, spec.include_dirs]
+    h.update(repr(flags).encode())
+    for rel in spec.input_files():
+        with open(os.path.join(spec.root_dir, rel), "rb") as f:
+            data = f.read()
+        h.update(f"\0{rel}\0{len(data)}\0".encode())
+        h.update(data)
+    return h.hexdigest()[:12]
+
+
+def build_dir(spec: OpSpec) -> str:
+    """The folder this op's sources build into: ``<extensions_dir()>/<name>-<digest>``."""
+    return os.path.join(extensions_dir(), f"{spec.name}-{source_digest(spec)}")
+
+
+def library_path(spec: OpSpec, directory: Optional[str] = None) -> str:
+    """Where the built ``.so`` lies (it may not exist)."""
+    return os.path.join(directory or build_dir(spec), f"{spec.name}.so")
+
+
+def is_built(spec: OpSpec, directory: Optional[str] = None) -> bool:
+    directory = directory or build_dir(spec)
+    return os.path.exists(os.path.join(directory, BUILT_MARKER)) and os.path.exists(
+        library_path(spec, directory))
+
+
+# --------------------------------------------------------------------------------------------
+# The build lock
+# --------------------------------------------------------------------------------------------
+class BuildLockTimeout(TimeoutError):
+    """Another process held an op's build lock for longer than $ZEROTRAIN_BUILD_TIMEOUT_S."""
+
+
+def _say(message: str) -> None:
+    """One line on stderr (and the log): what a build is doing, so nothing is silent."""
+    log.info(message)
+    print(message, file=sys.stderr, flush=True)
+
+
+def _read_lock(path: str) -> tuple[Optional[dict], Optional[os.stat_result]]:
+    """The lock's owner record and stat (None, None if it is gone; None, stat if unreadable)."""
+    try:
+        st = os.stat(path)
+        with open(path, encoding="utf-8") as f:
+            owner = json.load(f)
+        return (owner if isinstance(owner, dict) else None), st
+    except FileNotFoundError:
+        return None, None
+    except (OSError, ValueError):
+        try:
+            return None, os.stat(path)
+        except FileNotFoundError:
+            return None, None
+
+
+def owner_alive(owner: dict) -> Optional[bool]:
+    """True/False for an owner on this host (a zombie counts as dead); None for another host."""
+    if owner.get("host") != socket.gethostname():
+        return None
+    pid = owner.get("pid")
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return True
+
+
+def _stale_reason(owner: Optional[dict], st: os.stat_result, timeout_s: float) -> Optional[str]:
+    """Why a held lock can be taken over, or None if its owner may still be building."""
+    age = time.time() - st.st_mtime
+    if owner is None:  # created but never written: its owner died at once
+        return f"an unreadable lock {age:.0f} s old" if age > 30 else None
+    alive = owner_alive(owner)
+    if alive is False:
+        return f"its owner pid {owner.get('pid')} on {owner.get('host')} is dead"
+    if alive is None and age > timeout_s:  # another host: we can only judge by age
+        return f"its owner on host {owner.get('host')} has held it for {age:.0f} s"
+    return None
+
+
+def _take_over(path: str, st: os.stat_result) -> None:
+    """Remove a stale lock, unless another waiter already replaced it (judged by inode)."""
+    aside = f"{path}.stale.{os.getpid()}"
+    try:
+        os.rename(path, aside)
+    except FileNotFoundError:
+        return
+    if os.stat(aside).st_ino == st.st_ino:
+        os.unlink(aside)
+    else:  # a fresh lock from a faster waiter: put it back
+        os.rename(aside, path)
+
+
+def _describe(owner: Optional[dict]) -> str:
+    if owner is None:
+        return "an unknown process"
+    started = owner.get("started")
+    since = time.strftime("%H:%M:%S", time.localtime(started)) if isinstance(started, (int, float)) else "?"
+    return f"pid {owner.get('pid')} on host {owner.get('host')} (building {owner.get('op', '?')} since {since})"
+
+
+@contextlib.contextmanager
+def build_lock(directory: str, what: str = "", timeout_s: Optional[float] = None,
+               poll_s: float = 0.2) -> Iterator[str]:
+    """Hold ``<directory>/zerotrain.lock`` (see the module docstring); yields its path.
+
+    Also removes a stale ``cpp_extension`` baton (``<directory>/lock``): every zerotrain build
+    takes this lock first, so while we hold it, that file is a leftover of a killed build.
+    """
+    timeout_s = build_timeout_s() if timeout_s is None else timeout_s
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, LOCK_NAME)
+    me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(), "op": what}
+    start, announced = time.monotonic(), False
+    while True:
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            pass
+        else:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(me, f)
+            break
+        owner, st = _read_lock(path)
+        if st is None:  # released just now
+            continue
+        stale = _stale_reason(owner, st, timeout_s)
+        if stale is not None:
+            _say(f"zerotrain: taking over the build lock {path} ({stale})")
+            _take_over(path, st)
+            continue
+        waited = time.monotonic() - start
+        if waited >= timeout_s:
+            raise BuildLockTimeout(
+                f"gave up after {waited:.0f} s waiting for the build lock {path}, held by "
+                f"{_describe(owner)}. If that process is not building anymore, delete the file; "
+                f"to wait longer, raise ${BUILD_TIMEOUT_ENV} (now {timeout_s:g})."
+            )
+        if not announced and owner is not None:
+            _say(f"zerotrain: waiting up to {timeout_s:g} s (${BUILD_TIMEOUT_ENV}) for "
+                 f"{_describe(owner)} to finish with {path}")
+            announced = True
+        time.sleep(poll_s)
+    try:
+        baton = os.path.join(directory, BATON_NAME)
+        if os.path.exists(baton):
+            _say(f"zerotrain: removing {baton}, left by a build that was killed")
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(baton)
+        yield path
+    finally:
+        owner, _ = _read_lock(path)
+        if owner == me:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+
+# --------------------------------------------------------------------------------------------
+# Building and loading
+# --------------------------------------------------------------------------------------------
 def _missing_toolchain(spec: OpSpec) -> Optional[str]:
     """Why this op cannot be compiled here, or None."""
     from torch.utils import cpp_extension
@@ -142,26 +369,59 @@ def _missing_toolchain(spec: OpSpec) -> Optional[str]:
     return None
 
 
+def _load_built(spec: OpSpec, directory: str) -> Any:
+    """Load a finished build's ``.so`` without ninja."""
+    path = library_path(spec, directory)
+    if not spec.is_python_module:
+        torch.ops.load_library(path)
+        return torch.ops.zerotrain
+    mod_spec = importlib.util.spec_from_file_location(spec.name, path)
+    module = importlib.util.module_from_spec(mod_spec)
+    mod_spec.loader.exec_module(module)
+    return module
+
+
+def _stage_sources(spec: OpSpec, directory: str) -> str:
+    """Copy the op's input files into ``<directory>/src`` (same relative layout); return it."""
+    src = os.path.join(directory, "src")
+    for rel in spec.input_files():
+        origin, dest = os.path.join(spec.root_dir, rel), os.path.join(src, rel)
+        if not (os.path.exists(dest) and filecmp.cmp(origin, dest, shallow=False)):
+            os.makedirs(os.path.dirname(dest), exist_ok=True)
+            shutil.copyfile(origin, dest)  # unchanged files keep their mtime: ninja skips them
+    return src
+
+
 def _compile(spec: OpSpec) -> tuple[Any, str]:
+    directory = build_dir(spec)
+    if is_built(spec, directory):
+        return _load_built(spec, directory), directory
     from torch.utils import cpp_extension
 
-    build_dir = os.path.join(extensions_dir(), spec.name)
-    os.makedirs(build_dir, exist_ok=True)
-    module = cpp_extension.load(
-        name=spec.name,
-        sources=spec.absolute_sources(),
-        extra_cflags=list(spec.cflags),
-        extra_cuda_cflags=list(spec.cuda_cflags) or None,
-        extra_ldflags=list(spec.ldflags),
-        extra_include_paths=spec.absolute_includes(),
-        build_directory=build_dir,
-        with_cuda=spec.cuda,
-        is_python_module=spec.is_python_module,
-        verbose=log.isEnabledFor(logging.DEBUG),
-    )
+    with build_lock(directory, spec.name):
+        if is_built(spec, directory):  # another process built it while we waited
+            return _load_built(spec, directory), directory
+        _say(f"zerotrain: compiling op {spec.name} into {directory} (takes about "
+             f"{spec.build_estimate_s} s, once; build ahead with `zerotrain-build-ops`)")
+        src = _stage_sources(spec, directory)
+        t0 = time.monotonic()
+        module = cpp_extension.load(
+            name=spec.name,
+            sources=[os.path.join(src, s) for s in spec.sources],
+            extra_cflags=list(spec.cflags),
+            extra_cuda_cflags=list(spec.cuda_cflags) or None,
+            extra_ldflags=list(spec.ldflags),
+            extra_include_paths=[os.path.join(src, s) for s in spec.include_dirs],
+            build_directory=directory,
+            with_cuda=spec.cuda,
+            is_python_module=spec.is_python_module,
+            verbose=log.isEnabledFor(logging.DEBUG),
+        )
+        with open(os.path.join(directory, BUILT_MARKER), "w", encoding="utf-8") as f:
+            f.write(f"built in {time.monotonic() - t0:.1f} s by pid {os.getpid()}\n")
     if not spec.is_python_module:  # the library registered its ops on load
         module = torch.ops.zerotrain
-    return module, build_dir
+    return module, directory
 
 
 def _first_line(text: str, limit: int = 300) -> str:
@@ -187,13 +447,15 @@ def load_op(spec: OpSpec, *, strict: Optional[bool] = None) -> Any:
         reason = _missing_toolchain(spec)
         if reason is None:
             try:
-                module, build_dir = _compile(spec)
-                _CACHE[spec.name] = _Loaded(module, None, build_dir)
+                module, directory = _compile(spec)
+                _CACHE[spec.name] = _Loaded(module, None, directory)
                 return module
             except Exception as exc:  # noqa: BLE001 - any build/load failure means "fall back"
                 if strict:
                     raise
-                reason = f"the build failed: {type(exc).__name__}: {exc}"
+                what = "waiting for its build timed out" if isinstance(exc, BuildLockTimeout) \
+                    else "the build failed"
+                reason = f"{what}: {type(exc).__name__}: {exc}"
         elif strict:
             raise RuntimeError(f"cannot build zerotrain op {spec.name!r}: {reason}")
         _CACHE[spec.name] = _Loaded(None, reason)
@@ -218,7 +480,7 @@ def build_dir_of(spec: OpSpec) -> str:
     cached = _CACHE.get(spec.name)
     if cached is not None and cached.build_dir:
         return cached.build_dir
-    return os.path.join(extensions_dir(), spec.name)
+    return build_dir(spec)
 
 
 def reset_cache() -> None:

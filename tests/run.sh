@@ -4,5 +4,5 @@
 # run them with: python3 -m pytest -m slow).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-bash .ci/install.sh
+ZEROTRAIN_EXTRAS=dev,hf bash .ci/install.sh
 exec "${PYTHON:-python3}" -m pytest -q "$@"
