@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import progress
 from .environment import ProcessInfo, init_process_group
 from .precision import Precision
 
@@ -219,6 +220,15 @@ class Strategy:
         assert self.optimizer is not None
         self.optimizer.zero_grad(set_to_none=True)
 
+    def skip_step(self) -> None:
+        """Collective: drop this step's gradients without stepping (every rank together; the
+        Trainer's ``on_nonfinite="skip"``)."""
+        self.zero_grad()
+
+    def stall_hint(self) -> str:
+        """A hint the progress watchdog prints when a rank of this strategy stalls the others."""
+        return ""
+
     # ------------------------------------------------------------------ collectives
     def reduce(self, value: torch.Tensor | float, op: str = "mean") -> torch.Tensor:
         """Sum or mean over ranks (SUM then divide: ReduceOp.AVG is unreliable on gloo)."""
@@ -227,6 +237,7 @@ class Strategy:
         t = torch.as_tensor(value, dtype=torch.float64 if not torch.is_tensor(value) else None)
         t = t.detach().clone().to(self.device)
         if self.distributed:
+            progress.mark("all_reduce (Strategy.reduce)")
             dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
             if op == "mean":
                 t = t / self.world_size
@@ -239,12 +250,14 @@ class Strategy:
 
     def barrier(self) -> None:
         if self.distributed:
+            progress.mark("barrier")
             dist.barrier()
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if not self.distributed:
             return obj
         box = [obj]
+        progress.mark("broadcast")
         dist.broadcast_object_list(box, src=src)
         return box[0]
 

@@ -148,8 +148,15 @@ def pick_device(accelerator: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+#: torch's thread count when zerotrain was imported: a different count at fit time is the user's
+_THREADS_AT_IMPORT = torch.get_num_threads()
+
+
 def set_cpu_threads(info: ProcessInfo) -> None:
-    """Split the cores between the local ranks: oversubscribed ranks were 2x slower here."""
+    """Split the cores between the local ranks: oversubscribed ranks were 2x slower here. A
+    count the user set (``torch.set_num_threads`` after importing zerotrain) is left alone."""
+    if torch.get_num_threads() != _THREADS_AT_IMPORT:
+        return
     if "OMP_NUM_THREADS" in os.environ:
         torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
         return

@@ -23,6 +23,7 @@ import threading
 import time
 
 from ..strategies.environment import ProcessInfo
+from .watchdog import STALL_EXIT_CODE
 
 
 def _child_command() -> list[str]:
@@ -62,6 +63,19 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         pass
 
 
+def describe_exit(rank: int, code: int) -> str:
+    """``rank 1 was killed by signal 9 (SIGKILL)`` / ``rank 1 exited with code 3``."""
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = "an unknown signal"
+        return f"rank {rank} was killed by signal {-code} ({name})"
+    if code == STALL_EXIT_CODE:
+        return f"rank {rank} was ended by the progress watchdog (exit code {code}; its message is above)"
+    return f"rank {rank} exited with code {code} (its traceback is above)"
+
+
 class LocalLauncher:
     def __init__(self, info: ProcessInfo) -> None:
         self.info = info
@@ -95,14 +109,27 @@ class LocalLauncher:
             for rank, proc in enumerate(self.children, start=1):
                 code = proc.poll()
                 if code not in (None, 0):
-                    sys.stderr.write(f"\n[zerotrain] rank {rank} exited with code {code}; ending the "
-                                     "job (its traceback is above).\n")
-                    sys.stderr.flush()
-                    self.kill()
+                    self._report(rank, code)
+                    self.kill(report=False)
                     os._exit(code if code > 0 else 1)
             time.sleep(0.1)
 
-    def kill(self) -> None:
+    @staticmethod
+    def _report(rank: int, code: int) -> None:
+        sys.stderr.write(f"\n[zerotrain] {describe_exit(rank, code)}; ending the job.\n")
+        sys.stderr.flush()
+
+    def kill(self, report: bool = True) -> None:
+        """End every rank this process started. ``report``: first say which ranks had already
+        died and how (rank 0 usually fails *because* a peer died: a gloo "Connection reset by
+        peer" says nothing about who), waiting up to a second for a dying peer to be reaped."""
+        if report and not self._stop.is_set():
+            deadline = time.monotonic() + 1.0
+            while time.monotonic() < deadline and all(p.poll() is None for p in self.children):
+                time.sleep(0.05)
+            for rank, proc in enumerate(self.children, start=1):
+                if proc.poll() not in (None, 0):
+                    self._report(rank, proc.returncode)
         self._stop.set()
         for proc in self.children:
             if proc.poll() is None:

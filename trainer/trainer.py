@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 
 from ..callbacks.base import Callback, Logger
-from ..strategies import Strategy, precision_from_name, strategy_from_name
+from ..strategies import Strategy, precision_from_name, progress, strategy_from_name
 from ..strategies.environment import detect, pick_device, set_cpu_threads
 from . import checkpoint_io, elastic, reshard
 from .errors import CheckpointError, ConfigError
@@ -26,6 +26,7 @@ from .hooks import HookDispatcher
 from .launcher import LocalLauncher
 from .module import TrainModule
 from .state import LoopState
+from .watchdog import ProgressWatchdog, make_watchdog
 
 log = logging.getLogger("zerotrain")
 
@@ -39,6 +40,30 @@ def seed_everything(seed: int) -> None:
         np.random.seed(seed % 2**32)
     except ImportError:
         pass
+
+
+#: seconds a rank may make no progress while another waits for it (trainer/watchdog.py)
+DEFAULT_STALL_TIMEOUT_S = 20.0
+#: what a non-finite training loss does under fp32/bf16 (16-mixed: the loss scaler skips the step)
+NONFINITE_POLICIES = ("raise", "skip", "warn")
+
+
+class NonFiniteLossError(FloatingPointError):
+    """The training loss is inf or nan (``Trainer(on_nonfinite="raise")``, the default)."""
+
+
+def _check_limit(name: str, value: Any, allow_zero: bool) -> None:
+    """``limit_*_batches``: None, a count (int >= 0) or a fraction of the loader (float in [0, 1])."""
+    if value is None:
+        return
+    ok = (isinstance(value, int) and not isinstance(value, bool) and value >= 0) or (
+        isinstance(value, float) and 0.0 <= value <= 1.0)
+    if not ok:
+        raise ConfigError(f"Trainer: {name}={value!r}; valid: None, an int >= 0 (batches) or a float "
+                          "in [0.0, 1.0] (fraction of the loader)")
+    if not allow_zero and value == 0:
+        raise ConfigError(f"Trainer: {name}={value!r} leaves no batch to train on; valid: an int >= 1 "
+                          "or a float in (0.0, 1.0]")
 
 
 def _positive_int(name: str, value: Any, allow_none: bool = False, minimum: int = 1) -> None:
@@ -74,6 +99,8 @@ class Trainer:
         deterministic: bool = False,
         max_restarts: int = 0,
         collective_timeout_s: float | None = None,
+        on_nonfinite: str = "raise",
+        stall_timeout_s: float | None = DEFAULT_STALL_TIMEOUT_S,
     ) -> None:
         if accelerator not in ("cpu", "cuda", "auto"):
             raise ConfigError(f"Trainer: accelerator={accelerator!r}; valid choices: cpu, cuda, auto")
@@ -94,6 +121,16 @@ class Trainer:
         if isinstance(val_check_interval, float) and not 0 < val_check_interval <= 1:
             raise ConfigError(f"Trainer: val_check_interval={val_check_interval!r} as a float is a "
                               "fraction of an epoch in (0, 1]; give an int for a number of steps")
+        if isinstance(val_check_interval, int) and not isinstance(val_check_interval, bool):
+            _positive_int("val_check_interval", val_check_interval)
+        _check_limit("limit_train_batches", limit_train_batches, allow_zero=False)
+        _check_limit("limit_val_batches", limit_val_batches, allow_zero=True)
+        if on_nonfinite not in NONFINITE_POLICIES:
+            raise ConfigError(f"Trainer: on_nonfinite={on_nonfinite!r}; valid choices: "
+                              f"{', '.join(NONFINITE_POLICIES)}")
+        if stall_timeout_s is not None and (isinstance(stall_timeout_s, bool) or not stall_timeout_s > 0):
+            raise ConfigError(f"Trainer: stall_timeout_s={stall_timeout_s!r} must be > 0 (seconds), or None "
+                              "to disable the progress watchdog")
         if strategy == "auto":
             strategy = "ddp" if devices * num_nodes > 1 else "single"
         try:
@@ -112,6 +149,9 @@ class Trainer:
         self.log_every_n_steps = log_every_n_steps
         self.default_root_dir = os.path.abspath(default_root_dir or os.getcwd())
         self.seed, self.deterministic = seed, deterministic
+        self.on_nonfinite, self.stall_timeout_s = on_nonfinite, stall_timeout_s
+        self._watchdog: ProgressWatchdog | None = None
+        self._fits = 0  # fit() calls in this process: keys the watchdog's store entries
         # restarts (trainer/elastic.py): the process-group timeout after the first step
         self.max_restarts = max_restarts
         self.collective_timeout_s = collective_timeout_s if collective_timeout_s is not None else (
@@ -189,6 +229,10 @@ class Trainer:
             ckpt_path = self._resume_path(ckpt_path)
             if ckpt_path:
                 self._load_checkpoint(ckpt_path)
+            self._fits += 1
+            self._watchdog = make_watchdog(self._strategy, self.stall_timeout_s,
+                                           key=f"zerotrain/progress/{elastic.restart_count()}/{self._fits}")
+            progress.set_sink(self._watchdog.mark if self._watchdog is not None else None)
             self.hooks("on_fit_start", self, module)
             self._fit_loop()
             self.hooks("on_fit_end", self, module)
@@ -198,6 +242,10 @@ class Trainer:
                 self._launcher.kill()
             raise
         finally:
+            if self._watchdog is not None:
+                progress.set_sink(None)
+                self._watchdog.disarm()
+                self._watchdog = None
             self._teardown()
 
     def validate(self, module: TrainModule, dataloaders: Iterable | None = None) -> list[dict[str, float]]:
@@ -310,14 +358,20 @@ class Trainer:
         st, s, module = self.state, self._strategy, self.module
         loader = self.train_dataloader
         n_batches = self._limit(loader, self.limit_train_batches)
+        if n_batches == 0:
+            raise ConfigError(f"Trainer.fit: the training loader has no batch (len(train_dataloader)="
+                              f"{_len_or_none(loader)}, limit_train_batches={self.limit_train_batches!r}): an "
+                              "epoch without a training step would never end the run")
         self.num_training_batches = n_batches
         val_every = self._val_every_steps(n_batches)
         module.train()
         while not self._done():
             if hasattr(getattr(loader, "sampler", None), "set_epoch"):
                 loader.sampler.set_epoch(st.epoch)
+            self._tick("on_train_epoch_start")
             self.hooks("on_train_epoch_start", self, module)
             skip = st.batches_in_epoch  # > 0 only when resuming mid-epoch
+            batch_idx = -1
             for batch_idx, batch in enumerate(loader):
                 if batch_idx >= n_batches or self._done():
                     break
@@ -327,7 +381,12 @@ class Trainer:
                 stepped = self._train_micro_batch(batch, batch_idx, last_micro)
                 if stepped and val_every and self.val_dataloader is not None and st.global_step % val_every == 0:
                     self._run_validation(self.val_dataloader)
+                self._tick("fetching the next training batch")
             else:
+                if batch_idx == -1:  # a loader without a length that yielded nothing
+                    raise ConfigError(f"Trainer.fit: the training loader ({type(loader).__name__}) yielded no "
+                                      f"batch in epoch {st.epoch}: an epoch without a training step would "
+                                      "never end the run")
                 batch_idx = None
             if self._done() and batch_idx is not None and batch_idx < n_batches:
                 break  # stopped mid-epoch by max_steps: the epoch is not over
@@ -335,6 +394,7 @@ class Trainer:
             st.batches_in_epoch = 0
             if self.lr_scheduler is not None and self.lr_scheduler_interval == "epoch":
                 self.lr_scheduler.step()
+            self._tick("on_train_epoch_end")
             self.hooks("on_train_epoch_end", self, module)
             if not val_every and self.val_dataloader is not None:
                 self._run_validation(self.val_dataloader)
@@ -346,31 +406,66 @@ class Trainer:
     def _train_micro_batch(self, batch: Any, batch_idx: int, last_micro: bool) -> bool:
         st, s, module = self.state, self._strategy, self.module
         batch = _to_device(batch, s.device)
+        self._tick("on_train_batch_start")
         self.hooks("on_train_batch_start", self, module, batch, batch_idx)
         with (s.no_sync() if not last_micro else contextlib.nullcontext()):
+            self._tick("training_step")
             out = s.training_step(batch, batch_idx)
             loss = out["loss"] if isinstance(out, dict) else out
             if not torch.is_tensor(loss):
                 raise ConfigError(f"training_step must return a loss tensor or a dict with 'loss'; got {type(out).__name__}")
+            self._check_finite(loss, batch_idx)
+            self._tick("on_before_backward")
             self.hooks("on_before_backward", self, module, loss)
+            self._tick("backward")
             s.backward(loss / self.accumulate_grad_batches)
+            self._tick("on_after_backward")
             self.hooks("on_after_backward", self, module)
         self.progress_bar_metrics["loss"] = float(loss.detach())
         st.batches_in_epoch += 1
         st.total_batches += 1
         stepped = False
         if last_micro:
+            self._tick("on_before_optimizer_step")
             self.hooks("on_before_optimizer_step", self, module, self.optimizer)
-            stepped = s.optimizer_step(self.gradient_clip_val)
+            self._tick("optimizer_step")
+            # on_nonfinite="skip": a bad loss on any rank skips the step on every rank together
+            if self.on_nonfinite == "skip" and s.any_rank(self._nonfinite_in_step):
+                s.skip_step()
+            else:
+                stepped = s.optimizer_step(self.gradient_clip_val)
+            self._nonfinite_in_step = False
             elastic.lower_after_first_step(s, self.collective_timeout_s)
+            if self._watchdog is not None:
+                self._watchdog.arm()
             if stepped and self.lr_scheduler is not None and self.lr_scheduler_interval == "step":
                 self.lr_scheduler.step()
             st.skipped_steps += not stepped
             st.global_step += 1
             if st.global_step % self.log_every_n_steps == 0:
                 self._emit(self._collect_step_metrics())
+        self._tick("on_train_batch_end")
         self.hooks("on_train_batch_end", self, module, out, batch, batch_idx)
         return last_micro
+
+    _nonfinite_in_step = False
+
+    def _tick(self, phase: str) -> None:
+        if self._watchdog is not None:
+            self._watchdog.tick(phase, self.state.global_step)
+
+    def _check_finite(self, loss: torch.Tensor, batch_idx: int) -> None:
+        """``on_nonfinite`` for fp32/bf16 (a 16-mixed loss scaler skips overflowing steps itself)."""
+        if self.precision_plugin.skips_nonfinite_steps or bool(torch.isfinite(loss.detach()).all()):
+            return
+        where = (f"rank {self.global_rank}: the training loss is {float(loss.detach().float().mean())} at step "
+                 f"{self.state.global_step} (epoch {self.state.epoch}, batch {batch_idx})")
+        if self.on_nonfinite == "raise":
+            raise NonFiniteLossError(f"{where}. Lower the learning rate, clip gradients, check the data, or "
+                                     "set Trainer(on_nonfinite='skip' | 'warn')")
+        log.warning("%s; %s", where, "the step is skipped on every rank" if self.on_nonfinite == "skip"
+                    else "training goes on (on_nonfinite='warn')")
+        self._nonfinite_in_step = self.on_nonfinite == "skip"
 
     def _done(self) -> bool:
         st = self.state
@@ -412,6 +507,7 @@ class Trainer:
             if batch_idx >= limit:
                 break
             self._val_logged = False
+            self._tick("validation_step")
             out = s.validation_step(_to_device(batch, s.device), batch_idx)
             loss = out["loss"] if isinstance(out, dict) else out
             if torch.is_tensor(loss) and not self._val_logged:  # nothing logged: track the loss
@@ -425,6 +521,7 @@ class Trainer:
         self.progress_bar_metrics.update(metrics)
         self._emit(metrics)
         self._last_val_step = self.state.global_step
+        self._tick("on_validation_epoch_end")
         self.hooks("on_validation_epoch_end", self, module)
         if was_training:
             module.train()
@@ -572,6 +669,13 @@ def _to_device(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, dict):
         return {k: _to_device(v, device) for k, v in batch.items()}
     return batch
+
+
+def _len_or_none(loader: Any) -> int | None:
+    try:
+        return len(loader)
+    except TypeError:
+        return None
 
 
 def _version() -> str:

@@ -20,6 +20,9 @@ class Precision:
     param_dtype: torch.dtype = torch.float32
     #: dtype autocast computes in, or None for no autocast.
     autocast_dtype: torch.dtype | None = None
+    #: True where the plugin itself skips steps whose gradients are not finite (the fp16 loss
+    #: scaler); elsewhere the Trainer's ``on_nonfinite`` decides.
+    skips_nonfinite_steps: bool = False
 
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
         """Cast a freshly built module for this precision (only "-true" precisions cast)."""

@@ -79,6 +79,7 @@ class DynamicLossScaler:
 
 class FP16Mixed(Precision):
     name = "16-mixed"
+    skips_nonfinite_steps = True
     param_dtype = torch.float16
     autocast_dtype = torch.float16
 

@@ -21,6 +21,8 @@ from typing import Callable, NamedTuple, Protocol, Sequence
 import torch
 import torch.distributed as dist
 
+from .. import progress
+
 SUM = dist.ReduceOp.SUM if dist.is_available() else None
 
 # torch 2.13 renamed the single-tensor collectives; keep working on older releases (>= 2.4)
@@ -55,6 +57,7 @@ def all_reduce_sum(buf: torch.Tensor, group: object = None) -> Handle:
     """Sum ``buf`` over ranks, in place."""
     if world_size(group) == 1:
         return Done()
+    progress.mark("all_reduce", group)
     return dist.all_reduce(buf, op=SUM, group=group, async_op=True)
 
 
@@ -63,6 +66,7 @@ def reduce_scatter_sum(out: torch.Tensor, inp: torch.Tensor, group: object = Non
     if world_size(group) == 1:
         out.copy_(inp)
         return Done()
+    progress.mark("reduce_scatter", group)
     return _reduce_scatter_single(out, inp, op=SUM, group=group, async_op=True)
 
 
@@ -70,6 +74,7 @@ def reduce_to_owner(buf: torch.Tensor, owner: int, group: object = None) -> Hand
     """Sum ``buf`` over ranks into ``owner``'s ``buf`` (other ranks' ``buf`` becomes undefined)."""
     if world_size(group) == 1:
         return Done()
+    progress.mark("reduce", group)
     return dist.reduce(buf, dst=owner, op=SUM, group=group, async_op=True)
 
 
@@ -78,12 +83,14 @@ def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: object = None) 
     if world_size(group) == 1:
         out.copy_(inp)
         return Done()
+    progress.mark("all_gather", group)
     return _all_gather_single(out, inp, group=group, async_op=True)
 
 
 def broadcast_from(buf: torch.Tensor, src: int = 0, group: object = None) -> Handle:
     if world_size(group) == 1:
         return Done()
+    progress.mark("broadcast", group)
     return dist.broadcast(buf, src=src, group=group, async_op=True)
 
 
@@ -93,6 +100,7 @@ def gather_to(inp: torch.Tensor, outs: Sequence[torch.Tensor] | None, dst: int =
     if world_size(group) == 1:
         outs[0].copy_(inp)
         return Done()
+    progress.mark("gather", group)
     return dist.gather(inp, gather_list=list(outs) if outs is not None else None, dst=dst,
                        group=group, async_op=True)
 

@@ -331,6 +331,12 @@ class ZeroStage3(ZeroStrategy):
         working for evaluation and sampling (``remove_hooks()`` takes them away)."""
         super().teardown()
 
+    def stall_hint(self) -> str:
+        return ("under zero3 every forward gathers parameters collectively, so every rank must run it: "
+                "a forward on one rank only (a callback that samples or evaluates under "
+                "`if trainer.is_global_zero:`) waits for gathers the other ranks never join. Run it on "
+                "every rank and keep only rank 0's output.")
+
     def remove_hooks(self) -> None:
         """Uninstall every ZeRO-3 hook. Parameters stay sharded placeholders: read weights with
         ``full_state_dict()``."""

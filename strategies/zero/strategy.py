@@ -206,6 +206,10 @@ class ZeroStrategy(Strategy):
             self._log_memory("after the first step")
         return not overflow
 
+    def skip_step(self) -> None:
+        self.pending.wait_all()  # reductions still in flight write the gradients being dropped
+        self.zero_grad()
+
     def zero_grad(self) -> None:
         self.sharded.clear_grads()
         self._step_grads = None

@@ -30,6 +30,11 @@ class RankFailed(AssertionError):
     pass
 
 
+def timeout_scale() -> float:
+    """How much slower than an idle machine this one is (``tests/conftest.py`` measures it once)."""
+    return float(os.environ.get("ZEROTRAIN_TEST_TIMEOUT_SCALE", "1"))
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -40,6 +45,7 @@ def run_ranks(target: str, world_size: int, tmp_path: Path, timeout: float = 120
               env: dict[str, str] | None = None, **kwargs: Any) -> list[Any]:
     import torch
 
+    timeout = timeout * timeout_scale()
     tmp_path = Path(tmp_path)
     tmp_path.mkdir(parents=True, exist_ok=True)
     args_file = tmp_path / f"args_{os.getpid()}_{time.monotonic_ns()}.json"

@@ -1,0 +1,182 @@
+"""The progress watchdog: a rank that stops making progress while the others wait ends the job
+within seconds, naming itself, its last step and its Python stack.
+
+Why: a rank stuck in user code (or in a forward that only it runs, the classic ZeRO-3 trap) leaves
+the other ranks blocked inside a collective until the process group's timeout, minutes later,
+with a message that names no rank. Collective timeouts cannot say *who* is late; progress can.
+
+How: the Trainer calls :meth:`ProgressWatchdog.tick` at every phase of the loop (batch start,
+training step, backward, optimizer step, hooks, validation batches). Every rank runs the phases
+in the same order, so the tick count says how far a rank got. A side thread in each rank publishes
+``(ticks, step, phase, seconds since the last tick)`` to the job's c10d store once a second and
+reads everyone else's. A rank that has not ticked for ``timeout_s`` while another rank has ticked
+more often is the one the others wait for: its own watchdog prints its stack and ends the process,
+and every other rank ends a few seconds later (so no launcher has to notice anything: this works
+the same under our launcher, torchrun, SLURM and a user's process group).
+
+When every rank stands still at the same tick (a long optimizer step with NVMe offload, a save),
+nobody waits for anybody: that is slow work, not a stall, and the watchdog leaves it alone.
+
+The watchdog arms after this rank's first optimizer step (the first step builds kernels and
+warms caches) and is disarmed when the fit loop ends.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import sys
+import threading
+import time
+import traceback
+from typing import Any, Callable, NamedTuple
+
+log = logging.getLogger("zerotrain")
+
+#: exit status of a rank ended by the watchdog (as ``timeout(1)``'s)
+STALL_EXIT_CODE = 124
+#: how long the other ranks give the stuck rank to print its stack before they end too
+_GRACE_S = 5.0
+
+
+class Progress(NamedTuple):
+    ticks: int
+    step: int
+    phase: str
+    idle_s: float  # seconds since this rank's last tick, measured by that rank
+
+    def encode(self) -> bytes:
+        return f"{self.ticks}|{self.step}|{self.idle_s:.3f}|{self.phase}".encode()
+
+    @staticmethod
+    def decode(raw: bytes) -> "Progress":
+        ticks, step, idle, phase = raw.decode().split("|", 3)
+        return Progress(int(ticks), int(step), phase, float(idle))
+
+
+def find_stuck(progress: dict[int, Progress], timeout_s: float) -> int | None:
+    """The rank the others wait for, or None. Pure: the same answer on every rank.
+
+    A rank is stuck when it has been idle for longer than ``timeout_s`` and some other rank got
+    further (more ticks); among several, the one furthest behind (lowest rank on a tie)."""
+    if len(progress) < 2:
+        return None
+    furthest = max(p.ticks for p in progress.values())
+    late = [(p.ticks, r) for r, p in progress.items() if p.idle_s > timeout_s and p.ticks < furthest]
+    return min(late)[1] if late else None
+
+
+def _main_thread_stack() -> str:
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    return "".join(traceback.format_stack(frame)) if frame is not None else "(no stack available)\n"
+
+
+class ProgressWatchdog:
+    """One rank's ticks, and the side thread that compares them with the other ranks'."""
+
+    def __init__(self, rank: int, world_size: int, store: Any, timeout_s: float, key: str,
+                 hint: Callable[[], str] = lambda: "", interval_s: float = 1.0) -> None:
+        self.rank, self.world_size, self.store = rank, world_size, store
+        self.timeout_s, self.interval_s, self.hint = float(timeout_s), float(interval_s), hint
+        self._keys = [f"{key}/{r}" for r in range(world_size)]
+        self._count = itertools.count(1)  # next() is atomic: ticks may come from autograd threads
+        self._ticks, self._step, self._phase = 0, 0, "start"
+        self._last = time.monotonic()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._seen: dict[int, tuple[bytes, float]] = {}  # rank -> (last value read, when first read)
+
+    # ------------------------------------------------------------------ the loop's side
+    def tick(self, phase: str, step: int) -> None:
+        """Called by the loop at each phase and by each world-wide collective
+        (``strategies/progress.py``): cheap, no I/O."""
+        self._ticks = next(self._count)
+        self._phase, self._step, self._last = phase, step, time.monotonic()
+
+    def mark(self, collective: str) -> None:
+        """A world-wide collective is being issued (``strategies/progress.py``): one tick more,
+        within the loop's current phase."""
+        self._ticks = next(self._count)
+        self._phase = f"{self._phase.split(' (')[0]} (last collective issued: {collective})"
+        self._last = time.monotonic()
+
+    def arm(self) -> None:
+        """Start watching (idempotent): after the first optimizer step."""
+        if self._thread is not None:
+            return
+        self._publish()
+        self._thread = threading.Thread(target=self._run, name="zerotrain-progress-watchdog", daemon=True)
+        self._thread.start()
+
+    def disarm(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=2 * self.interval_s + 1)
+
+    # ------------------------------------------------------------------ the thread's side
+    def _mine(self) -> Progress:
+        return Progress(self._ticks, self._step, self._phase, time.monotonic() - self._last)
+
+    def _publish(self) -> None:
+        self.store.set(self._keys[self.rank], self._mine().encode())
+
+    def _read(self) -> dict[int, Progress]:
+        """Every armed rank's progress. A value that has not changed since we first read it means
+        that rank's watchdog thread stopped publishing (it cannot get the GIL, say): its idle time
+        then keeps growing on our clock."""
+        present = [r for r, k in enumerate(self._keys) if self.store.check([k])]
+        values = self.store.multi_get([self._keys[r] for r in present]) if present else []
+        now, out = time.monotonic(), {}
+        for r, raw in zip(present, map(bytes, values)):
+            if r not in self._seen or self._seen[r][0] != raw:
+                self._seen[r] = (raw, now)
+            p = Progress.decode(raw)
+            out[r] = p._replace(idle_s=p.idle_s + now - self._seen[r][1])
+        return out
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self._publish()
+                progress = self._read()
+            except Exception as exc:  # noqa: BLE001 - the store's host is gone: the job is ending anyway
+                log.debug("progress watchdog stopped: %s", exc)
+                return
+            stuck = find_stuck(progress, self.timeout_s)
+            if stuck is not None and not self._stop.is_set():
+                self._end_job(stuck, progress)
+
+    def _end_job(self, stuck: int, progress: dict[int, Progress]) -> None:
+        p = progress[stuck]
+        waiting = ", ".join(str(r) for r, q in sorted(progress.items()) if q.ticks > p.ticks)
+        if stuck == self.rank:
+            hint = self.hint()
+            msg = (f"\n[zerotrain] rank {stuck} made no progress for {p.idle_s:.0f} s (last step {p.step}, "
+                   f"in {p.phase}) while rank(s) {waiting} wait for it; ending the job. "
+                   f"Stack of rank {stuck}:\n{_main_thread_stack()}"
+                   + (f"[zerotrain] hint: {hint}\n" if hint else "")
+                   + f"[zerotrain] (a rank that legitimately works alone for longer than {self.timeout_s:g} s: "
+                   "raise Trainer(stall_timeout_s=...), or None to disable this watchdog)\n")
+        else:
+            msg = (f"\n[zerotrain] rank {self.rank}: rank {stuck} made no progress for {p.idle_s:.0f} s "
+                   f"(last step {p.step}, in {p.phase}) while this rank waits for it; ending (rank "
+                   f"{stuck} prints its stack).\n")
+            time.sleep(_GRACE_S)  # let the stuck rank print first; a launcher may end us before
+        sys.stderr.write(msg)
+        sys.stderr.flush()
+        os._exit(STALL_EXIT_CODE)
+
+
+def make_watchdog(strategy: Any, timeout_s: float | None, key: str) -> ProgressWatchdog | None:
+    """A watchdog for this rank, or None for one process, ``timeout_s=None``, or no c10d store."""
+    if timeout_s is None or not strategy.distributed:
+        return None
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        store = _get_default_store()
+    except Exception as exc:  # noqa: BLE001 - a process group without a store (rare): no watchdog
+        log.warning("progress watchdog disabled: the process group has no c10d store (%s)", exc)
+        return None
+    return ProgressWatchdog(strategy.global_rank, strategy.world_size, store, timeout_s, key,
+                            hint=strategy.stall_hint)
