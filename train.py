@@ -2,34 +2,71 @@
 
 Everything that can be wrong with the configuration is checked here, in the first process, before
 the Trainer starts any other rank: Hydra rejects unknown options, misspelt keys and wrong types at
-compose time, and building the strategy, precision and Trainer objects checks the values.
+compose time; ``Config.validate()`` range-checks every field (see ``trainer/config.py``), and
+building the strategy, precision and Trainer objects checks the rest. A bad value ends the command
+with exit code 2 and one line ``zerotrain-train: configuration error: field=value: ...; valid: ...``.
+
+``precision=`` takes Lightning's names and aliases (16, "16", 16-mixed, bf16, bf16-mixed, bf16-true,
+32, 32-true): they are mapped to the config group's option before Hydra sees the command line,
+since Hydra would read ``precision=16`` as a number and refuse it as a group option.
 """
 from __future__ import annotations
 
 import logging
+import os
+import re
 import sys
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
-from .trainer.config import (Config, build_precision, build_strategy, register_configs, validate_data,
-                             validate_optimizer)
+from .strategies.precision import canonical_precision
+from .trainer.config import Config, build_precision, build_strategy, register_configs
 from .trainer.errors import ConfigError
 
 register_configs()
 log = logging.getLogger("zerotrain")
 
+_PRECISION_OVERRIDE = re.compile(r"^(\+{0,2})precision=(.*)$")
+
+
+def _fail(message: str) -> None:
+    print(f"zerotrain-train: configuration error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def normalize_overrides(overrides: list[str]) -> list[str]:
+    """The command line with a ``precision=`` alias replaced by its config-group option (quoted,
+    so Hydra reads "32" as a name, not a number). Raises ConfigError for an unknown precision."""
+    out = []
+    for arg in overrides:
+        m = _PRECISION_OVERRIDE.match(arg)
+        if m and not any(c in m.group(2) for c in "()[]{}$"):  # leave Hydra's sweep functions alone
+            names = []
+            for value in m.group(2).split(","):  # a --multirun sweep: precision=16,bf16
+                value = value.strip()
+                if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+                    value = value[1:-1]
+                try:
+                    names.append(f"'{canonical_precision(value)}'")
+                except ValueError as exc:
+                    raise ConfigError(str(exc)) from None
+            arg = f"{m.group(1)}precision={','.join(names)}"
+        out.append(arg)
+    return out
+
 
 def build(cfg: Config):
-    """Turn a composed config into (trainer, module, config). Raises ConfigError on bad values."""
+    """Turn a composed config into (trainer, module). Raises ConfigError on bad values; starts nothing."""
     from .callbacks import LearningRateMonitor, ModelCheckpoint, TensorBoardLogger, ThroughputMonitor
     from .examples.gpt_module import GPTModule
     from .trainer import Trainer
 
-    validate_data(cfg.data)
-    validate_optimizer(cfg.optimizer)
+    cfg.validate()  # every field of every section, before anything is built
     root = cfg.trainer.default_root_dir or HydraConfig.get().runtime.output_dir
+    strategy, precision = build_strategy(cfg.strategy), build_precision(cfg.precision)
     callbacks = []
     if cfg.trainer.enable_checkpointing:
         callbacks.append(ModelCheckpoint(dirpath=f"{root}/checkpoints", save_last=cfg.callbacks.save_last,
@@ -41,6 +78,12 @@ def build(cfg: Config):
     logger = TensorBoardLogger(f"{root}/tensorboard", version="") if cfg.callbacks.tensorboard else False
     tkw = {k: getattr(cfg.trainer, k) for k in cfg.trainer.__dataclass_fields__ if k != "default_root_dir"}
     try:
+        trainer = Trainer(**tkw, strategy=strategy, precision=precision, callbacks=callbacks, logger=logger,
+                          default_root_dir=root)
+    except ConfigError as exc:  # name the CLI key: "Trainer: devices=-1 ..." -> "trainer.devices=-1 ..."
+        msg = str(exc)
+        raise ConfigError("trainer." + msg[len("Trainer: "):] if msg.startswith("Trainer: ") else msg) from None
+    try:
         module = GPTModule(config=cfg.model, lr=cfg.optimizer.lr, weight_decay=cfg.optimizer.weight_decay,
                            betas=tuple(cfg.optimizer.betas), warmup_steps=min(cfg.optimizer.warmup_steps,
                                                                               cfg.trainer.max_steps),
@@ -49,19 +92,16 @@ def build(cfg: Config):
                            val_fraction=cfg.data.val_fraction, num_workers=cfg.data.num_workers)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    trainer = Trainer(**tkw, strategy=build_strategy(cfg.strategy), precision=build_precision(cfg.precision),
-                      callbacks=callbacks, logger=logger, default_root_dir=root)
     return trainer, module
 
 
 def run(dcfg: DictConfig) -> None:
     try:
-        cfg: Config = OmegaConf.to_object(dcfg)  # runs the dataclasses' __post_init__ checks
+        cfg: Config = OmegaConf.to_object(dcfg)  # runs GPTConfig's __post_init__ checks
         trainer, module = build(cfg)
-    except (ConfigError, ValueError) as exc:
-        print(f"zerotrain-train: configuration error: {exc}", file=sys.stderr)
-        sys.exit(2)
-    if trainer.is_global_zero and "RANK" not in __import__("os").environ:
+    except (ConfigError, ValueError, OmegaConfBaseException) as exc:
+        _fail(str(exc))
+    if trainer.is_global_zero and "RANK" not in os.environ:
         print(OmegaConf.to_yaml(dcfg), file=sys.stderr)
     trainer.fit(module, ckpt_path=cfg.ckpt_path)
     if cfg.sample_tokens:
@@ -81,6 +121,10 @@ def _hydra_main(dcfg: DictConfig) -> None:
 
 
 def main() -> None:
+    try:
+        sys.argv[1:] = normalize_overrides(sys.argv[1:])  # the other ranks re-run this command line
+    except ConfigError as exc:
+        _fail(str(exc))
     _hydra_main()
 
 

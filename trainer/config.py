@@ -3,9 +3,15 @@
 Each config group (``strategy``, ``precision``, ``optimizer``, ``model``, ``data``, ``trainer``,
 ``callbacks``) has a dataclass schema named ``base_<option>``; the YAML files in ``conf/`` extend
 them with ``defaults: [base_...]``. Hydra then rejects a misspelt key or a wrongly typed value at
-compose time, and an unknown option (``strategy=zero9``, ``precision=fp8``) with the list of valid
-ones. Value checks that need more than a type run when the objects are built (``build_*``), which
-``cli.py`` does before any process is started.
+compose time, and an unknown option (``strategy=zero9``) with the list of valid ones (``precision=``
+also takes Lightning's aliases: ``train.py`` maps them to the group's options first).
+
+Every value is then range-checked before any process is started, in one place per schema: the
+``validate()`` method of each dataclass below (``Config.validate()`` runs them all, plus the checks
+that span sections), the strategy's own constructor for the ``strategy`` group (``ZeroConfig``,
+``OffloadConfig``, ...), ``GPTConfig.__post_init__`` for ``model``, and ``Trainer.__init__`` for the
+``trainer`` options it takes (``train.py`` builds the Trainer before ``fit`` starts the other ranks).
+Each error is a :class:`ConfigError` reading ``section.field=value: what is wrong; valid: ...``.
 
 Strategy schemas are generated from each registered strategy's constructor signature, so a new
 strategy's options are configurable without writing its fields twice.
@@ -14,6 +20,9 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
+import os
+import re
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -24,8 +33,38 @@ from omegaconf import MISSING
 from ..examples.gpt import GPTConfig
 from ..strategies import Strategy, registry
 from .errors import ConfigError
+from .trainer import DEFAULT_STALL_TIMEOUT_S
 
 _SIMPLE = (int, float, bool, str)
+
+
+def _bad(field: str, value: Any, problem: str, valid: str) -> ConfigError:
+    """The one message format: ``field=value: problem; valid: ...``."""
+    return ConfigError(f"{field}={value!r}: {problem}; valid: {valid}")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _int_at_least(field: str, value: Any, least: int, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if not _is_int(value) or value < least:
+        raise _bad(field, value, f"must be an integer >= {least}",
+                   f"{least}, {least + 1}, ..." + (" or null" if allow_none else ""))
+
+
+def _check_dir(field: str, path: Any) -> None:
+    from ..strategies.offload.config import directory_problem
+
+    problem = directory_problem(path)
+    if problem:
+        raise _bad(field, path, problem, "a writable directory on a real file system (created if missing)")
 
 
 def _omegaconf_type(tp: Any) -> Any:
@@ -66,6 +105,26 @@ class PrecisionConfig:
     hysteresis: int = 2
     min_scale: float = 1.0
 
+    def validate(self) -> None:
+        from ..strategies.precision import canonical_precision
+
+        try:
+            canonical_precision(self.name, field="precision.name")
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        if not _is_num(self.init_scale) or self.init_scale <= 0:
+            raise _bad("precision.init_scale", self.init_scale, "must be > 0", "e.g. 65536.0")
+        _int_at_least("precision.growth_interval", self.growth_interval, 1)
+        if not _is_num(self.backoff_factor) or not 0 < self.backoff_factor < 1:
+            raise _bad("precision.backoff_factor", self.backoff_factor, "must be in (0, 1)", "e.g. 0.5")
+        _int_at_least("precision.hysteresis", self.hysteresis, 1)
+        if not _is_num(self.min_scale) or not 0 < self.min_scale <= self.init_scale:
+            raise _bad("precision.min_scale", self.min_scale, "must be > 0 and <= precision.init_scale",
+                       f"(0, {self.init_scale!r}]")
+
+
+OPTIMIZERS = ("adamw",)
+
 
 @dataclass
 class OptimizerConfig:
@@ -73,8 +132,22 @@ class OptimizerConfig:
     lr: float = 1e-3
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)
-    warmup_steps: int = 20
+    warmup_steps: int = 20  # linear warmup, then cosine decay to min_lr_ratio * lr at trainer.max_steps
     min_lr_ratio: float = 0.1
+
+    def validate(self) -> None:
+        if self.name not in OPTIMIZERS:
+            raise _bad("optimizer.name", self.name, "is not an optimizer of the CLI", ", ".join(OPTIMIZERS))
+        if not _is_num(self.lr) or self.lr <= 0:
+            raise _bad("optimizer.lr", self.lr, "must be > 0", "e.g. 1e-3")
+        if not _is_num(self.weight_decay) or self.weight_decay < 0:
+            raise _bad("optimizer.weight_decay", self.weight_decay, "must be >= 0", "e.g. 0.1, or 0 for none")
+        betas = list(self.betas) if isinstance(self.betas, (list, tuple)) else self.betas
+        if not isinstance(betas, list) or len(betas) != 2 or not all(_is_num(b) and 0 <= b < 1 for b in betas):
+            raise _bad("optimizer.betas", betas, "must be two numbers, each in [0, 1)", "e.g. [0.9, 0.95]")
+        _int_at_least("optimizer.warmup_steps", self.warmup_steps, 0)
+        if not _is_num(self.min_lr_ratio) or not 0 <= self.min_lr_ratio <= 1:
+            raise _bad("optimizer.min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]", "e.g. 0.1")
 
 
 @dataclass
@@ -84,6 +157,34 @@ class DataConfig:
     val_fraction: float = 0.05
     batch_size: int = 16  # per data-parallel rank
     num_workers: int = 0
+
+    def validate(self) -> None:
+        if self.path is not None:
+            from ..strategies.offload.config import pseudo_filesystem
+
+            valid = "an existing, readable, non-empty text file, or null for the Python standard library"
+            if not isinstance(self.path, str) or not os.path.isfile(self.path):
+                raise _bad("data.path", self.path, "does not exist or is not a file", valid)
+            pseudo = pseudo_filesystem(self.path)
+            if pseudo:
+                raise _bad("data.path", self.path, pseudo, valid)
+            try:
+                with open(self.path, "rb") as f:
+                    empty = not f.read(1)
+            except OSError as exc:
+                raise _bad("data.path", self.path, f"cannot be read ({exc.strerror or exc})", valid) from None
+            if empty:
+                raise _bad("data.path", self.path, "is empty", valid)
+        _int_at_least("data.max_bytes", self.max_bytes, 1)
+        if not _is_num(self.val_fraction) or not 0 <= self.val_fraction < 1:
+            raise _bad("data.val_fraction", self.val_fraction, "must be in [0, 1)",
+                       "e.g. 0.05, or 0 for no validation")
+        _int_at_least("data.batch_size", self.batch_size, 1)
+        _int_at_least("data.num_workers", self.num_workers, 0)
+
+    def size(self) -> int:
+        """Bytes the run reads: at most ``max_bytes`` (the standard library has more than that)."""
+        return self.max_bytes if self.path is None else min(self.max_bytes, os.path.getsize(self.path))
 
 
 @dataclass
@@ -95,9 +196,11 @@ class TrainerConfig:
     max_epochs: Optional[int] = None
     accumulate_grad_batches: int = 1
     gradient_clip_val: Optional[float] = 1.0
-    val_check_interval: Optional[int] = 50
-    limit_train_batches: Optional[int] = None
-    limit_val_batches: Optional[int] = 10
+    # int (batches / steps) or float (fraction of the loader / epoch), as in Lightning; the Trainer
+    # checks the ranges (limits >= 0, interval > 0)
+    val_check_interval: Any = 50
+    limit_train_batches: Any = None
+    limit_val_batches: Any = 10
     log_every_n_steps: int = 10
     enable_checkpointing: bool = True
     enable_progress_bar: bool = True
@@ -106,6 +209,29 @@ class TrainerConfig:
     deterministic: bool = False
     max_restarts: int = 0  # restart the workers after a failure, resuming from `latest`
     collective_timeout_s: Optional[float] = None  # process-group timeout after the first step
+    on_nonfinite: str = "raise"  # a nan/inf training loss under fp32/bf16: raise | skip | warn
+    stall_timeout_s: Optional[float] = DEFAULT_STALL_TIMEOUT_S  # a rank without progress ends the job; null: off
+
+    def validate(self) -> None:
+        """What ``Trainer.__init__`` does not check, or checks more loosely than the CLI needs. The
+        other fields (devices, accelerator, limits, intervals, ...) are checked by the Trainer,
+        which ``train.py`` constructs before any other rank starts."""
+        if not _is_int(self.max_steps) or self.max_steps < 1:
+            raise _bad("trainer.max_steps", self.max_steps,
+                       "must be an integer >= 1 (the learning-rate schedule decays over it)", "1, 2, ...")
+        if not _is_int(self.seed) or not 0 <= self.seed < 2**32:
+            raise _bad("trainer.seed", self.seed, "must be an integer in [0, 2**32)", "0 .. 4294967295")
+        if self.default_root_dir is not None:
+            _check_dir("trainer.default_root_dir", self.default_root_dir)
+        if self.accelerator == "cuda":
+            import torch
+
+            have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if have == 0:
+                raise _bad("trainer.accelerator", self.accelerator, "torch sees no CUDA device", "cpu, auto")
+            if _is_int(self.devices) and self.devices > have:
+                raise _bad("trainer.devices", self.devices, f"is more than the {have} CUDA device(s) here",
+                           f"1 .. {have}")
 
 
 @dataclass
@@ -115,6 +241,11 @@ class CallbacksConfig:
     lr_monitor: bool = True
     throughput: bool = True
     tensorboard: bool = True
+
+    def validate(self) -> None:
+        # dirpath (<trainer.default_root_dir or the Hydra run dir>/checkpoints) is checked with the
+        # root directory in Config.validate
+        _int_at_least("callbacks.checkpoint_every_n_steps", self.checkpoint_every_n_steps, 1, allow_none=True)
 
 
 @dataclass
@@ -129,6 +260,54 @@ class Config:
     ckpt_path: Optional[str] = None  # resume from this checkpoint directory
     sample_tokens: int = 200  # generate this many bytes after training (0: none)
     sample_prompt: str = "def "
+
+    def validate(self) -> None:
+        """Every section's checks, then those spanning sections. Raises :class:`ConfigError`."""
+        for section in (self.precision, self.optimizer, self.data, self.trainer, self.callbacks):
+            section.validate()
+        build_strategy(self.strategy)  # the strategy's constructor checks its fields
+        if not _is_int(self.sample_tokens) or self.sample_tokens < 0:
+            raise _bad("sample_tokens", self.sample_tokens, "must be an integer >= 0", "0 (no sample), 1, 2, ...")
+        if self.sample_tokens and not self.sample_prompt:
+            raise _bad("sample_prompt", self.sample_prompt, "must not be empty when sample_tokens > 0",
+                       "any text, e.g. 'def '")
+        if self.ckpt_path not in (None, "latest") and not os.path.isdir(self.ckpt_path):
+            raise _bad("ckpt_path", self.ckpt_path, "is not a directory",
+                       "a checkpoint directory, 'latest' (the newest under <root>/checkpoints) or null")
+        if self.ckpt_path == "latest" and not self.trainer.enable_checkpointing:
+            raise _bad("ckpt_path", self.ckpt_path, "needs trainer.enable_checkpointing=true",
+                       "a checkpoint directory, or null")
+        self._validate_model_and_data()
+
+    def _validate_model_and_data(self) -> None:
+        model, data, trainer = self.model, self.data, self.trainer
+        world = trainer.devices * trainer.num_nodes if _is_int(trainer.devices) and _is_int(trainer.num_nodes) \
+            else 0
+        strategy = getattr(self.strategy, "name", None)
+        if strategy == "single" and world > 1:
+            raise _bad("strategy", strategy, f"runs one process, but trainer.devices x trainer.num_nodes = {world}",
+                       "trainer.devices=1, or strategy=ddp (or a zero stage)")
+        if strategy == "pipeline":
+            raise _bad("strategy", strategy, "needs a model made of a PipelineModule; the CLI's GPT is not one",
+                       ", ".join(n for n in registry.available() if n != "pipeline"))
+        if model.vocab_size < 256:
+            raise _bad("model.vocab_size", model.vocab_size, "must be >= 256: the data are bytes", "256 or more")
+        chunk, size = model.block_size + 1, data.size()
+        n_val = int(size * data.val_fraction)
+        train_seqs = (size - n_val) // chunk
+        if not (_is_int(world) and world >= 1):
+            return  # the Trainer names the bad trainer.devices / trainer.num_nodes
+        per_rank = -(-train_seqs // world)  # the sampler pads the ranks to equal shares
+        if per_rank < data.batch_size:  # the loader drops a partial batch: no step would ever run
+            raise _bad("data.batch_size", data.batch_size,
+                       f"is more than the {per_rank} training sequence(s) each of the {world} rank(s) gets "
+                       f"({size - n_val} training bytes in sequences of model.block_size+1={chunk})",
+                       f"data.batch_size <= {per_rank}" if per_rank else
+                       "more data (data.max_bytes, data.path) or a smaller model.block_size")
+        if data.val_fraction and n_val < chunk:
+            raise _bad("data.val_fraction", data.val_fraction,
+                       f"holds out {n_val} bytes, fewer than one sequence of model.block_size+1={chunk}",
+                       f">= {chunk / size:.4g}, or 0 for no validation")
 
 
 def register_configs() -> None:
@@ -153,14 +332,19 @@ def build_strategy(cfg: Any) -> Strategy:
     try:
         return registry.strategy_from_name(name, **kwargs)
     except (TypeError, ValueError) as exc:
-        raise ConfigError(f"strategy={name}: {exc}") from None
+        # "Offload: nvme_path='/x': ..." -> "strategy.nvme_path='/x': ... (strategy=offload)"
+        msg = str(exc)
+        m = re.match(r"(?:[\w-]+: )?(\w+)=(.*)", msg, re.S)
+        if m and m.group(1) in kwargs:
+            raise ConfigError(f"strategy.{m.group(1)}={m.group(2)} (strategy={name})") from None
+        raise ConfigError(f"strategy={name}: {msg}") from None
 
 
 def build_precision(cfg: PrecisionConfig):
-    from ..strategies.precision import DynamicLossScaler, FP16Mixed, precision_from_name
+    from ..strategies.precision import DynamicLossScaler, FP16Mixed, canonical_precision, precision_from_name
 
     try:
-        if cfg.name in ("16-mixed", "16"):
+        if canonical_precision(cfg.name, field="precision.name") == "16-mixed":
             return FP16Mixed(DynamicLossScaler(init_scale=cfg.init_scale, growth_interval=cfg.growth_interval,
                                                backoff_factor=cfg.backoff_factor, hysteresis=cfg.hysteresis,
                                                min_scale=cfg.min_scale))
@@ -169,22 +353,3 @@ def build_precision(cfg: PrecisionConfig):
         raise ConfigError(f"precision: {exc}") from None
 
 
-def validate_data(cfg: DataConfig) -> None:
-    if cfg.batch_size < 1:
-        raise ConfigError(f"data.batch_size={cfg.batch_size!r} must be >= 1")
-    if cfg.max_bytes < 1:
-        raise ConfigError(f"data.max_bytes={cfg.max_bytes!r} must be >= 1")
-    if not 0 <= cfg.val_fraction < 1:
-        raise ConfigError(f"data.val_fraction={cfg.val_fraction!r} must be in [0, 1)")
-    if cfg.path is not None:
-        import os
-
-        if not os.path.isfile(cfg.path):
-            raise ConfigError(f"data.path={cfg.path!r} is not a file")
-
-
-def validate_optimizer(cfg: OptimizerConfig) -> None:
-    if cfg.name != "adamw":
-        raise ConfigError(f"optimizer.name={cfg.name!r}; valid choices: adamw")
-    if cfg.lr <= 0:
-        raise ConfigError(f"optimizer.lr={cfg.lr!r} must be > 0")

@@ -73,5 +73,6 @@ def _positive_int(name: str, value: object) -> int:
     if isinstance(value, float) and not value.is_integer():
         raise ValueError(f"ZeRO: {name}={value!r} must be a whole number of elements")
     if value < 1:
-        raise ValueError(f"ZeRO: {name}={value!r} must be >= 1")
+        raise ValueError(f"ZeRO: {name}={value!r} must be >= 1; valid: a whole number of elements >= 1, "
+                         f"e.g. {BUCKET_NUMEL}")
     return int(value)

@@ -2,6 +2,7 @@
 and a good command line composes into the objects it names."""
 import subprocess
 import sys
+import time
 
 import pytest
 from hydra import compose, initialize_config_module
@@ -9,12 +10,12 @@ from omegaconf import OmegaConf
 
 BAD = [
     ("strategy=zero9", ["Could not find 'strategy/zero9'", "Available options in 'strategy'", "ddp"]),
-    ("precision=fp8", ["Could not find 'precision/fp8'", "bf16-mixed"]),
+    ("precision=fp8", ["precision='fp8'", "valid choices", "bf16-mixed"]),
     ("trainer.devices=-1", ["devices=-1", ">= 1"]),
     ("trainer.max_step=5", ["Key 'max_step' not in 'TrainerConfig'"]),
     ("trainer.devices=two", ["trainer.devices", "two"]),
-    ("data.path=/no/such/file.txt", ["data.path='/no/such/file.txt' is not a file"]),
-    ("strategy.bucket_cap_mb=-1", ["bucket_cap_mb=-1.0 must be > 0"]),
+    ("data.path=/no/such/file.txt", ["data.path='/no/such/file.txt': does not exist or is not a file"]),
+    ("strategy.bucket_cap_mb=-1", ["strategy.bucket_cap_mb=-1.0 must be > 0"]),
     ("model.n_embd=30", ["n_embd", "30"]),
 ]
 
@@ -28,6 +29,145 @@ def test_cli_rejects_bad_values_before_launch(tmp_path, override, expected):
         assert text in proc.stderr, proc.stderr
     assert "step/s" not in proc.stderr and "done:" not in proc.stdout  # the loop (and the other ranks) never started
     assert not (tmp_path / "checkpoints").exists()
+
+
+def _run_cli(tmp_path, *overrides, timeout=60):
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "zerotrain.train", *overrides, f"hydra.run.dir={tmp_path}"],
+                          capture_output=True, text=True, timeout=timeout, cwd=tmp_path)
+    return proc, time.monotonic() - start
+
+
+# Values that used to get past the checks made before any rank starts (issue 10): each must now end
+# the command with rc 2 and one line naming the field, the value and the valid range.
+PRE_SPAWN = [
+    (["strategy=offload_nvme", "strategy.nvme_path=/proc"],
+     ["strategy.nvme_path='/proc'", "pseudo-filesystem", "valid: a writable directory"]),
+    (["optimizer.betas=[2.0,0.9]"], ["optimizer.betas=[2.0, 0.9]", "each in [0, 1)"]),
+    (["trainer.limit_train_batches=-3"], ["trainer.limit_train_batches=-3", ">= 0"]),
+    (["trainer.val_check_interval=0"], ["trainer.val_check_interval=0", ">= 1"]),
+    (["trainer.max_steps=-5"], ["trainer.max_steps=-5", ">= 1"]),
+    (["precision=fp8"], ["precision='fp8'", "valid choices", "16-mixed", "bf16-true", "32-true"]),
+]
+
+
+@pytest.mark.parametrize("overrides,expected", PRE_SPAWN, ids=[" ".join(p[0]) for p in PRE_SPAWN])
+def test_bad_value_is_refused_before_any_rank_starts(tmp_path, overrides, expected):
+    proc, elapsed = _run_cli(tmp_path, *overrides)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out[-3000:]
+    assert "zerotrain-train: configuration error: " in proc.stderr, out[-3000:]
+    for text in expected:
+        assert text in proc.stderr, proc.stderr
+    assert "Traceback" not in out, out[-3000:]
+    assert "warmup_steps" not in proc.stderr  # the field the user set is named, not a derived one
+    # nothing ran: the config dump printed just before fit(), the loop and the other ranks never started
+    assert "sample_prompt:" not in proc.stderr and "step/s" not in out and "done:" not in out
+    assert not (tmp_path / "checkpoints").exists()
+    assert elapsed < 25, f"took {elapsed:.1f} s: the value was caught at run time, not before spawn"
+
+
+def test_lightning_precision_16_is_accepted_on_the_command_line(tmp_path):
+    """``precision=16`` (Hydra reads a number) selects 16-mixed; ``--cfg job`` composes and prints
+    the config without running anything."""
+    proc, _ = _run_cli(tmp_path, "--cfg", "job", "precision=16")
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert "name: 16-mixed" in proc.stdout, proc.stdout
+
+
+ALIASES = [("16", "FP16Mixed"), ("'16'", "FP16Mixed"), ("16-mixed", "FP16Mixed"), ("bf16", "BF16Mixed"),
+           ("bf16-mixed", "BF16Mixed"), ("bf16-true", "BF16True"), ("32", "Precision"), ("32-true", "Precision")]
+
+
+@pytest.mark.parametrize("alias,plugin", ALIASES, ids=[a[0] for a in ALIASES])
+def test_precision_aliases_compose_and_build(tmp_path, alias, plugin):
+    from zerotrain.train import build, normalize_overrides
+
+    overrides = normalize_overrides([f"precision={alias}", "model=gpt_tiny", "trainer.devices=1",
+                                     f"trainer.default_root_dir={tmp_path}"])
+    with initialize_config_module(config_module="zerotrain.conf", version_base="1.3"):
+        cfg = OmegaConf.to_object(compose(config_name="config", overrides=overrides))
+    trainer, _ = build(cfg)
+    assert type(trainer.precision_plugin).__name__ == plugin
+
+
+@pytest.mark.parametrize("value,why", [("64", "no float64"), ("fp8", ""), ("16-true", "pure fp16")])
+def test_unsupported_precision_names_the_choices(value, why):
+    from zerotrain.train import normalize_overrides
+    from zerotrain.trainer.errors import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        normalize_overrides([f"precision={value}"])
+    msg = str(info.value)
+    assert f"precision='{value}'" in msg and why in msg and "valid choices: 32, bf16-mixed" in msg, msg
+
+
+# Every other field's range, checked in one place per section (Config.validate and the sections'
+# validate()), in-process: compose, then validate, as the CLI does before building anything.
+FIELDS = [
+    ("optimizer.lr=0", "optimizer.lr=0.0: must be > 0"),
+    ("optimizer.weight_decay=-0.1", "optimizer.weight_decay=-0.1: must be >= 0"),
+    ("optimizer.betas=[0.9,1.0]", "optimizer.betas=[0.9, 1.0]"),
+    ("optimizer.betas=[0.9]", "optimizer.betas=[0.9]"),
+    ("optimizer.warmup_steps=-1", "optimizer.warmup_steps=-1"),
+    ("optimizer.min_lr_ratio=1.5", "optimizer.min_lr_ratio=1.5: must be in [0, 1]"),
+    ("optimizer.name=sgd", "optimizer.name='sgd'"),
+    ("precision.name=64", "precision.name='64'"),
+    ("precision.init_scale=0", "precision.init_scale=0.0: must be > 0"),
+    ("precision.growth_interval=0", "precision.growth_interval=0"),
+    ("precision.backoff_factor=1", "precision.backoff_factor=1.0: must be in (0, 1)"),
+    ("precision.hysteresis=0", "precision.hysteresis=0"),
+    ("precision.min_scale=1e9", "precision.min_scale=1000000000.0"),
+    ("data.batch_size=0", "data.batch_size=0"),
+    ("data.max_bytes=0", "data.max_bytes=0"),
+    ("data.val_fraction=1.0", "data.val_fraction=1.0: must be in [0, 1)"),
+    ("data.num_workers=-1", "data.num_workers=-1"),
+    ("data.path=/proc/cpuinfo", "data.path='/proc/cpuinfo': is under /proc, a kernel pseudo-filesystem"),
+    ("data.max_bytes=1000", "data.batch_size=16: is more than the"),
+    ("data.val_fraction=0.00001", "data.val_fraction=1e-05: holds out"),
+    ("model.vocab_size=100", "model.vocab_size=100: must be >= 256"),
+    ("trainer.max_steps=0", "trainer.max_steps=0"),
+    ("trainer.seed=-1", "trainer.seed=-1"),
+    ("trainer.default_root_dir=/sys/zerotrain", "trainer.default_root_dir='/sys/zerotrain': is under /sys"),
+    ("callbacks.checkpoint_every_n_steps=0", "callbacks.checkpoint_every_n_steps=0"),
+    ("sample_tokens=-1", "sample_tokens=-1"),
+    ("sample_prompt=''", "sample_prompt='': must not be empty"),
+    ("ckpt_path=/no/such/checkpoint", "ckpt_path='/no/such/checkpoint': is not a directory"),
+    ("strategy=single", "strategy='single': runs one process"),
+    ("strategy=pipeline", "strategy='pipeline': needs a model made of a PipelineModule"),
+    ("strategy=zero3 strategy.prefetch_bucket_size=-1", "strategy.prefetch_bucket_size=-1"),
+    ("strategy=zero2 strategy.reduce_bucket_size=0", "strategy.reduce_bucket_size=0"),
+    ("strategy=offload_nvme strategy.nvme_path=/dev/zerotrain", "strategy.nvme_path='/dev/zerotrain': is under /dev"),
+]
+
+
+@pytest.mark.parametrize("override,expected", FIELDS, ids=[f[0] for f in FIELDS])
+def test_every_section_checks_its_ranges(override, expected):
+    import zerotrain.train  # noqa: F401  (registers the schemas)
+    from zerotrain.trainer.errors import ConfigError
+
+    with initialize_config_module(config_module="zerotrain.conf", version_base="1.3"):
+        cfg = OmegaConf.to_object(compose(config_name="config", overrides=override.split()))
+    with pytest.raises(ConfigError) as info:
+        cfg.validate()
+    msg = str(info.value)
+    assert expected in msg, msg
+    # the strategy's own constructor words its messages; every CLI section says what is valid
+    assert "valid" in msg or override.startswith("strategy=zero3"), msg
+
+
+def test_nvme_path_must_be_writable_and_real(tmp_path):
+    from zerotrain.strategies.offload.config import directory_problem
+
+    assert directory_problem(str(tmp_path / "new" / "dir")) is None  # creatable; nothing created
+    assert not (tmp_path / "new").exists() and not list(tmp_path.iterdir())  # the write probe is gone
+    assert directory_problem("/dev/shm") is None  # tmpfs under /dev is a real file system
+    for path in ("/proc", "/sys/kernel", "/dev/zerotrain"):
+        assert "pseudo-filesystem" in directory_problem(path), path
+    (tmp_path / "f").write_text("x")
+    assert directory_problem(str(tmp_path / "f")) == "exists and is not a directory"
+    assert "is not a directory" in directory_problem(str(tmp_path / "f" / "sub"))
 
 
 def test_good_overrides_compose_into_objects(tmp_path):
