@@ -8,6 +8,7 @@ import shutil
 from typing import Any
 
 from ..trainer.checkpoint_io import read_latest
+from ..trainer.errors import CheckpointError
 from .base import Callback
 
 
@@ -81,7 +82,10 @@ class ModelCheckpoint(Callback):
                 raise KeyError(f"ModelCheckpoint: monitor={self.monitor!r} was never logged; logged: "
                                f"{sorted(trainer.callback_metrics)}")
             self.best_k[path] = float(score)  # before saving: the checkpoint's own state lists it
-        trainer.save_checkpoint(path)
+        try:
+            trainer.save_checkpoint(path)
+        except CheckpointError as exc:  # name the setting that chose the path
+            raise CheckpointError(f"{exc} (ModelCheckpoint dirpath={self.dirpath!r})") from exc
         self.last_path = path
         self._prune(trainer)
 

@@ -23,10 +23,15 @@ previous ``NAME`` is moved to ``NAME.old`` first and deleted after), and only th
 ``latest`` (temporary file, fsync, rename). A process killed at any moment leaves ``latest``
 naming a complete checkpoint: the previous one, or the new one (``NAME.old`` stands in for
 ``NAME`` between its two renames). Shards are safetensors, ``meta.pt`` is read with
-``weights_only=True``: a checkpoint can never run code.
+``weights_only=True``: a checkpoint can never run code, and every number in it is checked against
+the files before anything is sized by it (:func:`check_meta`). A failed save removes its
+``NAME.partial`` on every rank; a later save removes the ones a killed job left.
 """
 from __future__ import annotations
 
+import contextlib
+import io
+import math
 import os
 import random
 import shutil
@@ -42,6 +47,8 @@ from .tensor_files import Entry, FileDigest, SafetensorsFile, file_digest, fsync
 META = "meta.pt"
 LATEST = "latest"
 FORMAT = "zerotrain.sharded/1"
+#: the largest world size a checkpoint may claim (loading sizes per-rank work by it)
+MAX_WORLD_SIZE = 1 << 20
 
 
 def rank_file(rank: int) -> str:
@@ -103,9 +110,11 @@ def set_rng_state(state: dict[str, Any]) -> None:
 # ---------------------------------------------------------------------------- small atomic files
 
 def _fsync_save(obj: Any, path: Path) -> None:
+    buf = io.BytesIO()  # small (no tensors but RNG states); written by plain I/O, a full disk is an OSError
+    torch.save(obj, buf)
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
-        torch.save(obj, f)
+        f.write(buf.getbuffer())
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -130,6 +139,8 @@ def read_latest(directory: str | os.PathLike) -> Path | None:
         name = pointer.read_text().strip()
     except (FileNotFoundError, NotADirectoryError):
         return None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"cannot read {str(pointer)!r}: {_why(exc)}") from None
     if not name or "/" in name or name in (".", ".."):
         raise CheckpointError(f"{str(pointer)!r} does not name a checkpoint (it holds {name!r})")
     return Path(directory) / name
@@ -153,40 +164,88 @@ def save(path: str | os.PathLike, comm: Comm, entries: Sequence[Entry], local: d
 
     ``local`` is this rank's description (its layout, RNG state); rank 0 calls ``meta(locals)``
     with every rank's, each completed with its file's ``"file": {"size", "sha256"}``. A failure on
-    any rank raises CheckpointError on every rank and leaves the previous checkpoint in place."""
+    any rank raises CheckpointError on every rank, naming the file and the OS's reason, removes
+    the new ``NAME.partial`` (every rank its file, then rank 0 the folder) and leaves the previous
+    checkpoint in place. Rank 0 first removes stale ``*.partial`` checkpoint folders beside it (a
+    killed job's)."""
     final = Path(path).absolute()
     partial = final.with_name(final.name + ".partial")
-    if comm.rank == 0:
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
-    comm.barrier()
+    mine = partial / rank_file(comm.rank)
     error = None
-    try:
-        digest = _write_shard(partial / rank_file(comm.rank), entries, comm.rank)
-        local = {**local, "file": {"size": digest.size, "sha256": digest.sha256}}
-    except Exception as exc:  # noqa: BLE001 - reported on every rank below
-        error = f"rank {comm.rank} could not write {partial / rank_file(comm.rank)}: {exc!r}"
+    if comm.rank == 0:
+        try:
+            remove_stale_partials(final.parent)
+            shutil.rmtree(partial, ignore_errors=True)
+            partial.mkdir(parents=True)
+        except OSError as exc:  # a read-only or full disk: reported on every rank below
+            error = f"rank 0: creating {exc.filename or partial}: {_why(exc)}"
+    comm.barrier()
+    if error is None:
+        try:
+            digest = _write_shard(mine, entries, comm.rank)
+            local = {**local, "file": {"size": digest.size, "sha256": digest.sha256}}
+        except OSError as exc:
+            error = f"rank {comm.rank}: writing {mine}: {_why(exc)}"
+        except Exception as exc:  # noqa: BLE001 - reported on every rank below
+            error = f"rank {comm.rank} could not write {mine}: {exc!r}"
     gathered = comm.gather({"local": local, "error": error})
     status = None
     if comm.rank == 0:
         errors = [g["error"] for g in gathered if g["error"]]
         if not errors:
+            doing = partial / META
             try:
                 locals_ = [g["local"] for g in gathered]
                 files = {rank_file(r): loc["file"] for r, loc in enumerate(locals_)}
                 _fsync_save({**meta(locals_), "format": FORMAT, "world_size": comm.world_size,
                              "files": files}, partial / META)
+                doing = partial
                 fsync_dir(partial)
+                doing = final
                 _publish(partial, final)
+                doing = final.parent / LATEST
                 if update_latest:
                     write_latest(final.parent, final.name)
+            except OSError as exc:
+                errors.append(f"rank 0: writing {exc.filename or doing}: {_why(exc)}")
             except Exception as exc:  # noqa: BLE001
                 errors.append(f"rank 0 could not publish {final}: {exc!r}")
         status = errors[0] if errors else None
     status = comm.broadcast(status)
-    if status:
+    if status:  # every rank got here with the same status: clean up together, then raise
+        with contextlib.suppress(OSError):
+            mine.unlink(missing_ok=True)
+        comm.barrier()
+        if comm.rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
         raise CheckpointError(f"saving checkpoint {str(final)!r} failed: {status}")
     return final
+
+
+def _why(exc: BaseException) -> str:
+    """The OS's reason for an OSError (``No space left on device``), else the error itself."""
+    return (exc.strerror if isinstance(exc, OSError) and exc.strerror else None) or str(exc) or repr(exc)
+
+
+def remove_stale_partials(directory: Path) -> list[Path]:
+    """Remove ``*.partial`` checkpoint folders in ``directory`` (saves killed before publishing;
+    rank 0, before a save). Only folders that hold nothing but shard files and ``meta.pt`` (or its
+    temporary file) are removed: a folder of anything else is left alone."""
+    removed = []
+    try:
+        candidates = [p for p in directory.iterdir() if p.name.endswith(".partial") and p.is_dir()]
+    except OSError:
+        return removed
+    for p in candidates:
+        try:
+            names = [c.name for c in p.iterdir()]
+        except OSError:
+            continue
+        if all(n in (META, META + ".tmp") or (n.startswith("rank_") and n.endswith(".safetensors"))
+               for n in names):
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+    return removed
 
 
 def _write_shard(file: Path, entries: Sequence[Entry], rank: int) -> FileDigest:
@@ -202,22 +261,26 @@ def resolve(path: str | os.PathLike) -> Path:
     killed between its renames), or ``DIR/last`` (earlier releases' name) when ``DIR/latest``
     exists."""
     p = Path(path)
-    if p.name == LATEST and p.is_file():
-        return resolve(read_latest(p.parent))
-    if (p / META).is_file():
-        return p
-    if (p / LATEST).is_file():
-        return resolve(read_latest(p))
-    old = p.with_name(p.name + ".old")
-    if (old / META).is_file():
-        return old
-    if p.name == "last" and (p.parent / LATEST).is_file():
-        return resolve(read_latest(p.parent))
+    try:
+        if p.name == LATEST and p.is_file():
+            return resolve(read_latest(p.parent))
+        if (p / META).is_file():
+            return p
+        if (p / LATEST).is_file():
+            return resolve(read_latest(p))
+        old = p.with_name(p.name + ".old")
+        if (old / META).is_file():
+            return old
+        if p.name == "last" and (p.parent / LATEST).is_file():
+            return resolve(read_latest(p.parent))
+    except OSError as exc:  # e.g. a directory this user may not read
+        raise CheckpointError(f"cannot look for a checkpoint at {str(p)!r}: {_why(exc)}") from None
     raise CheckpointError(f"no checkpoint at {str(p)!r} (expected a directory holding {META}, or a "
                           f"directory with a {LATEST!r} pointer)")
 
 
 def load_meta(path: str | os.PathLike) -> tuple[Path, dict[str, Any]]:
+    """The checkpoint directory ``path`` means and its ``meta.pt``, checked by :func:`check_meta`."""
     root = resolve(path)
     file = root / META
     try:
@@ -227,28 +290,173 @@ def load_meta(path: str | os.PathLike) -> tuple[Path, dict[str, Any]]:
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         found = meta.get("format", "none (an earlier zerotrain layout)") if isinstance(meta, dict) else type(meta)
         raise CheckpointError(f"{str(file)!r} has format {found}; this zerotrain reads {FORMAT!r}")
+    check_meta(root, meta)
     return root, meta
+
+
+# ---------------------------------------------------------------------------- bounds of meta.pt
+
+def _count(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _short(x: Any) -> str:
+    r = repr(x)
+    return r if len(r) <= 80 else r[:77] + "..."
+
+
+def _strs(x: Any) -> bool:
+    return isinstance(x, list) and all(isinstance(v, str) for v in x)
+
+
+def check_meta(root: Path, meta: dict[str, Any]) -> None:
+    """Check every number ``meta.pt`` states before anything is sized by it, so that a corrupt or
+    hostile one fails here, naming the file, instead of allocating what it claims:
+
+    * ``world_size`` in 1..MAX_WORLD_SIZE, at most that many shard files listed, each with an
+      integer size and a sha256 (:func:`verify` then compares the listing and sizes with the files);
+    * every parameter's and buffer's shape (non-negative integers) and dtype (a torch dtype name);
+      every range ``[rank, start, end]`` on a rank of the job and inside its parameter; the ranges
+      of each parameter cover it;
+    * the bytes the layout places in each shard file (at least 4 per element of its ranges, 1 per
+      element of its buffers) fit in the size recorded for that file: no parameter is larger than
+      the files that hold it (and the reader checks each range against its file's own header,
+      which must match the file's real size, before it allocates anything);
+    * the layout's other parts have the types loading uses (names, aliases, RNG states).
+
+    The layout parts are optional (a metadata file without them has nothing to load)."""
+    file = root / META
+
+    def bad(why: str) -> CheckpointError:
+        return CheckpointError(f"checkpoint file {str(file)!r} is corrupt: {why}")
+
+    ws = meta.get("world_size")
+    if not _count(ws) or not 1 <= ws <= MAX_WORLD_SIZE:
+        raise bad(f"world_size={_short(ws)} (valid: an integer in 1..{MAX_WORLD_SIZE})")
+    files = meta.get("files")
+    if not isinstance(files, dict) or len(files) > ws:
+        raise bad(f"it lists {len(files) if isinstance(files, dict) else _short(files)} shard files for "
+                  f"world_size={ws}")
+    for name, info in files.items():
+        if not (isinstance(name, str) and isinstance(info, dict) and _count(info.get("size"))
+                and isinstance(info.get("sha256"), str)):
+            raise bad(f"shard file entry {_short(name)}: {_short(info)}")
+    placed: dict[int, int] = {}  # bytes of tensors the layout puts in each rank's file
+
+    def place(rank: Any, nbytes: int, what: str) -> None:
+        if not _count(rank) or rank >= ws:
+            raise bad(f"{what} is saved by rank {_short(rank)}, outside world_size={ws}")
+        placed[rank] = placed.get(rank, 0) + nbytes
+
+    def shape_of(x: Any, what: str) -> tuple[int, ...]:
+        if not isinstance(x, (list, tuple)) or len(x) > 64 or not all(_count(d) for d in x):
+            raise bad(f"{what} has shape {_short(x)} (valid: a list of integers >= 0)")
+        return tuple(x)
+
+    def dtype_of(x: Any, what: str) -> torch.dtype:
+        dtype = getattr(torch, x, None) if isinstance(x, str) else None
+        if not isinstance(dtype, torch.dtype):
+            raise bad(f"{what} has dtype {_short(x)}")
+        return dtype
+
+    params, extras = meta.get("params", {}), meta.get("extras", {})
+    if not isinstance(params, dict) or not isinstance(extras, dict):
+        raise bad("its params/extras are not mappings")
+    for name, p in params.items():
+        what = f"parameter {_short(name)}"
+        if not isinstance(name, str) or not isinstance(p, dict):
+            raise bad(f"{what}: {_short(p)}")
+        numel = math.prod(shape_of(p.get("shape"), what))
+        dtype_of(p.get("dtype"), what)
+        kinds, ranges = p.get("kinds"), p.get("ranges")
+        if not _strs(kinds) or not _strs(p.get("scalars")) or not isinstance(ranges, list):
+            raise bad(f"{what}: kinds {_short(kinds)}, scalars {_short(p.get('scalars'))}, ranges {_short(ranges)}")
+        for r in ranges:
+            if not (isinstance(r, (list, tuple)) and len(r) == 3 and all(_count(x) for x in r)):
+                raise bad(f"{what}: range {_short(r)} (valid: [rank, start, end], integers >= 0)")
+            rank, start, end = r
+            if not start <= end <= numel:
+                raise bad(f"{what}: range [{start}, {end}) is outside its {numel} elements")
+            place(rank, (end - start) * 4, what)  # its fp32 "param" elements at least
+        covered = 0
+        for _, start, end in sorted(ranges, key=lambda r: r[1]):
+            covered = max(covered, end) if start <= covered else covered
+        if covered < numel:
+            raise bad(f"the ranges of {what} cover {covered} of its {numel} elements")
+    for name, x in extras.items():
+        what = f"buffer {_short(name)}"
+        if not isinstance(name, str) or not isinstance(x, dict):
+            raise bad(f"{what}: {_short(x)}")
+        numel = math.prod(shape_of(x.get("shape"), what))
+        dtype_of(x.get("dtype"), what)
+        place(x.get("rank"), numel, what)  # a byte per element at least, whatever dtype the rank saved
+    for rank, nbytes in sorted(placed.items()):
+        name = rank_file(rank)
+        if name not in files:
+            raise bad(f"its layout places tensors in {name}, which it does not list")
+        if nbytes > files[name]["size"]:
+            raise bad(f"its layout places {nbytes} bytes of tensors in {name}, recorded as {files[name]['size']} "
+                      "bytes long")
+    aliases, keys = meta.get("aliases", {}), meta.get("keys", [])
+    if not (isinstance(aliases, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in aliases.items())
+            and _strs(keys)):
+        raise bad("its state-dict keys or aliases are not strings")
+    rng = meta.get("rng", [])
+    if not isinstance(rng, list) or len(rng) > ws or not all(
+            isinstance(r, dict) and isinstance(r.get("torch"), torch.Tensor) and r["torch"].dtype == torch.uint8
+            and isinstance(r.get("python"), (list, tuple)) and len(r["python"]) == 3 for r in rng):
+        raise bad(f"its RNG states are not {ws} saved generator states")
+    if "params" in meta:  # a Trainer's checkpoint: what resuming and consolidating read besides the layout
+        missing = [k for k in _TRAINER_KEYS if k not in meta]
+        if missing:
+            raise bad(f"it has a layout but no {', '.join(missing)}")
+    loop, opt, data = meta.get("loop", {}), meta.get("optimizer", {}), meta.get("data")
+    if not isinstance(loop, dict) or not all(isinstance(k, str) and isinstance(v, (int, float))
+                                             for k, v in loop.items()):
+        raise bad(f"loop={_short(loop)} (valid: named counters)")
+    names, groups = (opt.get("names", []), opt.get("param_groups", [])) if isinstance(opt, dict) else (None, None)
+    if not (isinstance(opt, dict) and isinstance(opt.get("type", ""), str) and isinstance(names, list)
+            and all(_strs(g) for g in names) and isinstance(groups, list)
+            and all(isinstance(g, dict) for g in groups)):
+        raise bad(f"optimizer={_short(opt)}")
+    if data is not None and not (isinstance(data, dict) and all(data.get(k) is None or _count(data[k])
+                                                                for k in ("batch_size", "world"))):
+        raise bad(f"data={_short(data)}")
+    if not all(isinstance(meta.get(k, ""), str) for k in ("strategy", "precision")):
+        raise bad(f"strategy={_short(meta.get('strategy'))}, precision={_short(meta.get('precision'))}")
+
+
+#: what a checkpoint with a layout (a Trainer's) must hold: resuming and consolidating read these
+_TRAINER_KEYS = ("extras", "aliases", "keys", "loop", "strategy", "precision", "precision_state", "optimizer",
+                 "rng")
 
 
 def verify(root: Path, meta: dict[str, Any], ranks: Sequence[int] | None = None) -> None:
     """Check that every shard file exists with its recorded size, and the sha256 of the files of
     ``ranks`` (default: all). Raises CheckpointError naming the first bad file."""
-    files = meta["files"]
-    checksum = set(range(meta["world_size"]) if ranks is None else ranks)
-    for r in range(meta["world_size"]):
+    check_meta(root, meta)  # bounded world size and listing before anything is sized by them
+    files, world = meta["files"], meta["world_size"]
+    if len(files) != world:
+        missing = next((rank_file(r) for r in range(world) if rank_file(r) not in files), None)
+        raise CheckpointError(f"{str(root / META)!r} lists no {missing}")
+    checksum = None if ranks is None else set(ranks)
+    for r in range(world):
         name = rank_file(r)
         file = root / name
         want = files.get(name)
         if want is None:
             raise CheckpointError(f"{str(root / META)!r} lists no {name}")
-        if not file.is_file():
-            raise CheckpointError(f"checkpoint {str(root)!r} has no {name}")
-        size = file.stat().st_size
-        if size != want["size"]:
-            raise CheckpointError(f"checkpoint file {str(file)!r} is truncated or corrupt: {size} bytes, "
-                                  f"{META} recorded {want['size']}")
-        if r in checksum:
-            if file_digest(file).sha256 != want["sha256"]:
-                raise CheckpointError(f"checkpoint file {str(file)!r} is corrupt: its sha256 does not "
-                                      f"match the one {META} recorded")
-            SafetensorsFile(file).close()  # and its header parses
+        try:
+            if not file.is_file():
+                raise CheckpointError(f"checkpoint {str(root)!r} has no {name}")
+            size = file.stat().st_size
+            if size != want["size"]:
+                raise CheckpointError(f"checkpoint file {str(file)!r} is truncated or corrupt: {size} bytes, "
+                                      f"{META} recorded {want['size']}")
+            if checksum is None or r in checksum:
+                if file_digest(file).sha256 != want["sha256"]:
+                    raise CheckpointError(f"checkpoint file {str(file)!r} is corrupt: its sha256 does not "
+                                          f"match the one {META} recorded")
+                SafetensorsFile(file).close()  # and its header parses
+        except OSError as exc:
+            raise CheckpointError(f"cannot read checkpoint file {str(file)!r}: {_why(exc)}") from None

@@ -18,6 +18,7 @@ first unless ``--no-verify``; the output appears atomically (``OUT.partial``, th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import sys
@@ -91,16 +92,29 @@ def consolidate(ckpt: str | os.PathLike, out: str | os.PathLike, *, bf16: bool =
     if verify:
         checkpoint_io.verify(root, meta)
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".partial")
-    with CheckpointReader(root, meta) as reader:
-        entries = plan(meta, reader, bf16=bf16, shared_aliases=fmt == "torch")
-        if fmt == "safetensors":
-            write_safetensors(tmp, entries, {"format": "pt", "source": str(root),
-                                             "step": str(meta["loop"]["global_step"])})
-        else:
-            write_torch(tmp, entries)
-    os.replace(tmp, out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with CheckpointReader(root, meta) as reader:
+            entries = plan(meta, reader, bf16=bf16, shared_aliases=fmt == "torch")
+            if fmt == "safetensors":
+                write_safetensors(tmp, entries, {"format": "pt", "source": str(root),
+                                                 "step": str(meta.get("loop", {}).get("global_step"))})
+            else:
+                write_torch(tmp, entries)
+        os.replace(tmp, out)
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)  # a failed write leaves nothing holding the space
+        if isinstance(exc, CheckpointError) or not isinstance(exc, Exception):
+            raise
+        if isinstance(exc, OSError):  # the output side: checkpoint reads raise CheckpointError
+            raise CheckpointError(f"writing {exc.filename or tmp} (consolidate OUT={str(out)!r}) failed: "
+                                  f"{exc.strerror or exc}") from exc
+        if isinstance(exc, (ValueError, KeyError, TypeError, IndexError)):
+            raise CheckpointError(f"checkpoint {str(root)!r} does not match its {checkpoint_io.META}: "
+                                  f"{type(exc).__name__}: {exc}") from exc
+        raise
     return out
 
 
@@ -118,7 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         out = consolidate(args.ckpt, args.out, bf16=args.bf16, verify=not args.no_verify)
     except (CheckpointError, ValueError) as exc:
-        print(f"zerotrain-consolidate: error: {exc}", file=sys.stderr)
+        print(f"zerotrain-consolidate: error: {' '.join(str(exc).splitlines())}", file=sys.stderr)  # one line
         return 2
     print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB) in {time.perf_counter() - start:.1f} s")
     return 0

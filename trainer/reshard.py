@@ -21,8 +21,9 @@ from typing import Any, Callable, Mapping, TypeVar
 import torch
 import torch.distributed as dist
 
+from ..strategies import progress
 from ..strategies.base import ParamShard
-from .checkpoint_io import rank_file
+from .checkpoint_io import META, rank_file
 from .errors import CheckpointError
 from .tensor_files import Entry, SafetensorsFile, dtype_name
 
@@ -36,6 +37,7 @@ def all_gather(strategy: Any, obj: Any) -> list[Any]:
     if not strategy.distributed:
         return [obj]
     out = [None] * strategy.world_size
+    progress.mark("all_gather_object")
     dist.all_gather_object(out, obj)
     return out
 
@@ -217,19 +219,27 @@ class CheckpointReader:
         numel = math.prod(info["shape"])
         if not 0 <= start <= end <= numel:
             raise CheckpointError(f"range [{start}, {end}) is outside {name!r} ({numel} elements)")
-        if out is None:
-            out = torch.empty(end - start, dtype=torch.float32)
-        pos = start
+        key, pieces, pos = f"{kind}/{name}", [], start
         for rank, s, e in sorted(info["ranges"], key=lambda r: r[1]):
             if pos >= end:
                 break
             if s <= pos < e:
                 stop = min(e, end)
-                self._file(rank).read(f"{kind}/{name}", pos - s, stop - s, out=out[pos - start:stop - start])
+                pieces.append((rank, s, pos, stop))
                 pos = stop
         if pos < end:
             raise CheckpointError(f"checkpoint {str(self.root)!r} holds no {kind} for elements "
                                   f"[{pos}, {end}) of {name!r}")
+        for rank, s, lo, hi in pieces:  # each piece inside its file's header before anything is allocated
+            f = self._file(rank)
+            held = math.prod(f.info(key)[1])
+            if hi - s > held:
+                raise CheckpointError(f"checkpoint file {f.path!r} holds {held} elements of {key!r}; "
+                                      f"{META} places elements [{s}, {hi}) of {name!r} there")
+        if out is None:
+            out = torch.empty(end - start, dtype=torch.float32)
+        for rank, s, lo, hi in pieces:
+            self._file(rank).read(key, lo - s, hi - s, out=out[lo - start:hi - start])
         return out
 
     def scalars(self, name: str) -> dict[str, torch.Tensor]:

@@ -141,14 +141,27 @@ def file_digest(path: str | os.PathLike, block: int = 8 << 20) -> FileDigest:
     return FileDigest(size, digest.hexdigest())
 
 
+def _count(x: object) -> int:
+    """A non-negative JSON integer (a shape dimension or a byte offset), else ValueError."""
+    if not isinstance(x, int) or isinstance(x, bool) or x < 0:
+        raise ValueError(x)
+    return x
+
+
 class SafetensorsFile:
     """Reads element ranges of the tensors of one safetensors file (see the module docstring)."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = str(path)
-        self._f = open(self.path, "rb", buffering=0)
+        try:
+            self._f = open(self.path, "rb", buffering=0)
+        except OSError as exc:
+            raise CheckpointError(f"cannot open checkpoint file {self.path!r}: {exc.strerror or exc}") from None
         try:
             self._parse()
+        except OSError as exc:
+            self._f.close()
+            raise CheckpointError(f"cannot read checkpoint file {self.path!r}: {exc.strerror or exc}") from None
         except BaseException:
             self._f.close()
             raise
@@ -166,8 +179,8 @@ class SafetensorsFile:
             raise self._bad(f"header length {n} does not fit in its {size} bytes")
         try:
             header = json.loads(self._f.read(n))
-        except (UnicodeDecodeError, ValueError) as exc:
-            raise self._bad(f"header is not JSON ({exc})") from None
+        except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # deep nesting: RecursionError
+            raise self._bad(f"header is not JSON ({type(exc).__name__}: {str(exc)[:200]})") from None
         if not isinstance(header, dict):
             raise self._bad("header is not a JSON object")
         self.metadata = header.pop("__metadata__", {}) or {}
@@ -175,13 +188,13 @@ class SafetensorsFile:
         self._tensors: dict[str, tuple[torch.dtype, tuple[int, ...], int]] = {}
         end_of_data = 0
         for key, info in header.items():
-            try:
+            try:  # every number checked before it sizes anything: JSON ints only, no bools or floats
                 dtype = _BY_CODE[info["dtype"]]
-                shape = tuple(int(d) for d in info["shape"])
-                begin, stop = (int(x) for x in info["data_offsets"])
+                shape = tuple(_count(d) for d in info["shape"])
+                begin, stop = (_count(x) for x in info["data_offsets"])
             except (KeyError, TypeError, ValueError):
-                raise self._bad(f"bad header entry for {key!r}: {info!r}") from None
-            if stop - begin != math.prod(shape) * dtype.itemsize or begin < 0:
+                raise self._bad(f"bad header entry for {key[:100]!r}: {repr(info)[:200]}") from None
+            if stop - begin != math.prod(shape) * dtype.itemsize or stop > size:
                 raise self._bad(f"{key!r}: byte range {begin}..{stop} does not hold shape {list(shape)}")
             end_of_data = max(end_of_data, stop)
             self._tensors[key] = (dtype, shape, begin)
@@ -226,7 +239,10 @@ class SafetensorsFile:
             pos = self._data_start + begin + start * dtype.itemsize
             got = 0
             while got < len(view):
-                n = os.preadv(self._f.fileno(), [view[got:]], pos + got)
+                try:
+                    n = os.preadv(self._f.fileno(), [view[got:]], pos + got)
+                except OSError as exc:
+                    raise CheckpointError(f"cannot read checkpoint file {self.path!r}: {exc.strerror or exc}") from None
                 if n <= 0:
                     raise self._bad(f"{key!r} ends early")
                 got += n

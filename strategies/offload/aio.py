@@ -22,7 +22,7 @@ import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -92,19 +92,39 @@ def probe_direct_io(directory: str, align: int = ALIGN) -> DirectIOProbe:
             os.unlink(path)
 
 
+class OffloadIOError(OSError):
+    """A file operation of NVMe offload failed; the message names the file and the ``nvme_path``
+    setting that put it there, and ``errno`` is the OS's (e.g. ``ENOSPC``)."""
+
+
+def offload_error(exc: OSError, action: str, path: str, nvme_path: str) -> OSError:
+    """``exc`` as an :class:`OffloadIOError` naming ``path`` and ``nvme_path`` (unchanged if it is one)."""
+    if isinstance(exc, OffloadIOError):
+        return exc
+    return OffloadIOError(exc.errno, f"NVMe offload (strategy nvme_path={nvme_path}): {action} {path} failed: "
+                                     f"{exc.strerror or exc}")
+
+
 class IOHandle:
     """The pieces of one read or write in flight; ``wait()`` returns when all are done and
-    re-raises the first error."""
+    re-raises the first error (an OSError through ``on_error``, when given, to name the file)."""
 
-    def __init__(self, futures: Sequence[Future], label: str = "") -> None:
-        self.futures, self.label = list(futures), label
+    def __init__(self, futures: Sequence[Future], label: str = "",
+                 on_error: Callable[[OSError], BaseException] | None = None) -> None:
+        self.futures, self.label, self.on_error = list(futures), label, on_error
 
     def done(self) -> bool:
         return all(f.done() for f in self.futures)
 
     def wait(self) -> None:
         for f in self.futures:
-            f.result()
+            try:
+                f.result()
+            except OSError as exc:
+                err = exc if self.on_error is None else self.on_error(exc)
+                if err is exc:
+                    raise
+                raise err from exc
 
 
 class Completed(IOHandle):
@@ -138,17 +158,19 @@ class AsyncFileIO:
         view, step = _buffer(t), self.block_bytes
         return [(view[s:s + step], offset + s) for s in range(0, len(view), step)]
 
-    def write(self, fd: int, t: torch.Tensor, offset: int = 0, label: str = "") -> IOHandle:
+    def write(self, fd: int, t: torch.Tensor, offset: int = 0, label: str = "",
+              on_error: Callable[[OSError], BaseException] | None = None) -> IOHandle:
         """Write ``t``'s bytes at ``offset``. ``t`` must stay alive and unchanged until waited."""
         pieces = self._split(t, offset)
         self.bytes_written += sum(len(v) for v, _ in pieces)
-        return IOHandle([self.pool.submit(_pwrite_all, fd, v, o) for v, o in pieces], label)
+        return IOHandle([self.pool.submit(_pwrite_all, fd, v, o) for v, o in pieces], label, on_error)
 
-    def read(self, fd: int, t: torch.Tensor, offset: int = 0, label: str = "") -> IOHandle:
+    def read(self, fd: int, t: torch.Tensor, offset: int = 0, label: str = "",
+             on_error: Callable[[OSError], BaseException] | None = None) -> IOHandle:
         """Fill ``t`` from ``offset``. ``t`` must not be used until waited."""
         pieces = self._split(t, offset)
         self.bytes_read += sum(len(v) for v, _ in pieces)
-        return IOHandle([self.pool.submit(_pread_all, fd, v, o) for v, o in pieces], label)
+        return IOHandle([self.pool.submit(_pread_all, fd, v, o) for v, o in pieces], label, on_error)
 
     def close(self) -> None:
         """Stop the worker threads (a later request starts them again)."""

@@ -26,6 +26,7 @@ FSDP2 re-classes modules), so ZeRO-3's own ``Unit`` needs no option for it.
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
 import os
 from typing import Sequence
@@ -33,6 +34,7 @@ from typing import Sequence
 import torch
 
 from ..zero.unit import ShardState, Unit
+from .aio import offload_error
 from .plan import SubGroup
 
 _PAGE = mmap.PAGESIZE
@@ -42,16 +44,32 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 
 
+def _reserve(fd: int, nbytes: int) -> None:
+    """Give the file ``nbytes`` of allocated blocks now, so that a full disk fails here (ENOSPC)
+    rather than killing the process with SIGBUS at a later store through the mapping; a plain
+    (sparse) truncate where the file system cannot allocate ahead."""
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.ENOSYS):
+            raise
+        os.ftruncate(fd, nbytes)
+
+
 class MappedShard:
     """A 1-D tensor of ``numel`` elements backed by a shared mapping of ``path``. The mapping is
     the tensor's own storage (``torch.from_file(shared=True)``), so it lives exactly as long as
     some tensor uses it; ``close()`` only removes the file name."""
 
-    def __init__(self, path: str, numel: int, dtype: torch.dtype) -> None:
+    def __init__(self, path: str, numel: int, dtype: torch.dtype, nvme_path: str | None = None) -> None:
         self.path, self.numel, self.dtype = path, numel, dtype
         self.nbytes = numel * dtype.itemsize
-        with open(path, "wb") as f:
-            f.truncate(max(self.nbytes, 1))
+        try:
+            with open(path, "wb") as f:
+                _reserve(f.fileno(), max(self.nbytes, 1))
+        except OSError as exc:
+            raise offload_error(exc, "creating", path,
+                                nvme_path or os.path.dirname(os.path.dirname(os.path.abspath(path)))) from exc
         self.tensor = torch.from_file(path, shared=True, size=numel, dtype=dtype) if numel else \
             torch.empty(0, dtype=dtype)
 
@@ -109,20 +127,23 @@ class SwappedUnit(Unit):
             s.release()
 
 
-def swap_unit_to_files(unit: Unit, directory: str) -> None:
-    """Move a (non-persistent) unit's master and working shards into files and re-class it."""
+def swap_unit_to_files(unit: Unit, directory: str, nvme_path: str | None = None) -> None:
+    """Move a (non-persistent) unit's master and working shards into files in ``directory`` (a
+    folder under the strategy's ``nvme_path``, its parent by default, which errors name) and
+    re-class it."""
     if unit.persistent:
         return
+    nvme_path = nvme_path or os.path.dirname(os.path.abspath(directory))
     shards = []
     master = MappedShard(os.path.join(directory, f"unit{unit.index:04d}.master"), unit.master.numel(),
-                         torch.float32)
+                         torch.float32, nvme_path)
     master.tensor.copy_(unit.master)
     shards.append(master)
     if unit.working is unit.master:
         unit.master = unit.working = master.tensor
     else:
         working = MappedShard(os.path.join(directory, f"unit{unit.index:04d}.working"), unit.working.numel(),
-                              unit.working.dtype)
+                              unit.working.dtype, nvme_path)
         working.tensor.copy_(unit.working)
         shards.append(working)
         unit.master, unit.working = master.tensor, working.tensor

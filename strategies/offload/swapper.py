@@ -31,8 +31,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from .aio import ALIGN, AsyncFileIO, Completed, IOHandle, aligned_empty, atomic_file, open_swap_file, \
-    round_up, write_tensor_at
+from .aio import ALIGN, AsyncFileIO, Completed, IOHandle, aligned_empty, atomic_file, offload_error, \
+    open_swap_file, round_up, write_tensor_at
 from .plan import SubGroup, run_pipelined
 
 KINDS = ("master", "exp_avg", "exp_avg_sq")
@@ -87,8 +87,12 @@ class SwappedStates:
                  external_master: Sequence[torch.Tensor] | None = None) -> None:
         if buffer_count < 1:
             raise ValueError(f"buffer_count={buffer_count} must be >= 1")
-        os.makedirs(nvme_path, exist_ok=True)
-        self.directory = tempfile.mkdtemp(prefix=f"zerotrain-offload-rank{rank}-", dir=nvme_path)
+        self.nvme_path = nvme_path
+        try:
+            os.makedirs(nvme_path, exist_ok=True)
+            self.directory = tempfile.mkdtemp(prefix=f"zerotrain-offload-rank{rank}-", dir=nvme_path)
+        except OSError as exc:
+            raise self._error(exc, "creating a folder in", nvme_path) from exc
         self.subgroups, self.io, self.direct = list(subgroups), io, direct
         self.buffer_count = buffer_count
         self.external = list(external_master) if external_master is not None else None
@@ -97,7 +101,10 @@ class SwappedStates:
         self.fds: list[int] = []
         try:
             for sg, region in zip(self.subgroups, self.region):
-                self.fds.append(open_swap_file(self._path(sg.index), len(self.kinds) * region, direct))
+                try:
+                    self.fds.append(open_swap_file(self._path(sg.index), len(self.kinds) * region, direct))
+                except OSError as exc:
+                    raise self._error(exc, "creating", self._path(sg.index)) from exc
         except BaseException:
             self.close()
             raise
@@ -106,6 +113,10 @@ class SwappedStates:
 
     def _path(self, k: int) -> str:
         return os.path.join(self.directory, f"sg{k:05d}.swp")
+
+    def _error(self, exc: OSError, action: str, path: str) -> OSError:
+        """An OSError naming the file and the ``nvme_path`` setting (a full or read-only disk)."""
+        return offload_error(exc, action, path, self.nvme_path)
 
     def _span(self, k: int, b: int) -> torch.Tensor:
         return self.buffers[b][:len(self.kinds) * self.region[k]]
@@ -119,10 +130,12 @@ class SwappedStates:
         return tuple(swapped)
 
     def read(self, k: int, b: int) -> IOHandle:
-        return self.io.read(self.fds[k], self._span(k, b), 0, label=f"read sg{k}")
+        return self.io.read(self.fds[k], self._span(k, b), 0, label=f"read sg{k}",
+                            on_error=lambda exc: self._error(exc, "reading", self._path(k)))
 
     def write(self, k: int, b: int) -> IOHandle:
-        return self.io.write(self.fds[k], self._span(k, b), 0, label=f"write sg{k}")
+        return self.io.write(self.fds[k], self._span(k, b), 0, label=f"write sg{k}",
+                             on_error=lambda exc: self._error(exc, "writing", self._path(k)))
 
     def staging(self) -> list[torch.Tensor]:
         return list(self.buffers)
@@ -151,24 +164,35 @@ class SwappedStates:
         return fp32 tensors memory-mapped from those files: ``{kind: [tensor per slot]}``.
         ``after(k)`` runs once sub-group k is copied (file-backed masters release pages there)."""
         directory = os.path.join(self.directory, tag)
-        os.makedirs(directory, exist_ok=True)
         paths = {kind: [os.path.join(directory, f"{kind}_{i}.bin") for i in range(len(slot_numels))]
                  for kind in KINDS}
-        with contextlib.ExitStack() as stack:
-            fds = {kind: [stack.enter_context(atomic_file(p)) for p in paths[kind]] for kind in KINDS}
-            for kind in KINDS:
-                for fd, n in zip(fds[kind], slot_numels):
-                    os.ftruncate(fd, 4 * n)
+        doing = directory
+        try:
+            os.makedirs(directory, exist_ok=True)
+            with contextlib.ExitStack() as stack:
+                fds = {kind: [stack.enter_context(atomic_file(p)) for p in paths[kind]] for kind in KINDS}
+                for kind in KINDS:
+                    for fd, n, p in zip(fds[kind], slot_numels, paths[kind]):
+                        doing = p
+                        os.ftruncate(fd, 4 * n)
 
-            def step(k: int, b: int) -> None:
-                sg = self.subgroups[k]
-                for kind, view in zip(KINDS, self.views(k, b)):
-                    write_tensor_at(fds[kind][sg.slot], view, 4 * sg.lo)
-                if after is not None:
-                    after(k)
+                def step(k: int, b: int) -> None:
+                    nonlocal doing
+                    sg = self.subgroups[k]
+                    for kind, view in zip(KINDS, self.views(k, b)):
+                        doing = paths[kind][sg.slot]
+                        write_tensor_at(fds[kind][sg.slot], view, 4 * sg.lo)
+                    if after is not None:
+                        after(k)
 
-            run_pipelined(len(self.subgroups), self.buffer_count, self.read, step,
-                          lambda k, b: Completed())
+                run_pipelined(len(self.subgroups), self.buffer_count, self.read, step,
+                              lambda k, b: Completed())
+                doing = directory  # the closing fsyncs and renames
+        except OSError as exc:
+            err = self._error(exc, "writing", exc.filename or doing)
+            if err is exc:  # a swap read in the pipeline, already named
+                raise
+            raise err from exc
         return {kind: [_map(p, n) for p, n in zip(paths[kind], slot_numels)] for kind in KINDS}
 
     def gather_kind(self, kind: str, slot: int, numel: int) -> torch.Tensor:
