@@ -1,6 +1,7 @@
-"""Which Adam kernel providers this process can use (the ``kernels`` config group picks one).
+"""Which Adam kernel providers this process can use (``zerotrain-report`` prints them).
 
-* ``native``: zerotrain's own kernels (CPU always; CUDA where torch sees a GPU and a toolkit).
+* ``native``: zerotrain's own kernels (CPU always; CUDA where torch sees a GPU and a toolkit); the
+  offload strategies step with them. ``ZEROTRAIN_BUILD_OPS=0`` makes them use ``torch`` instead.
 * ``torch``:  torch's fused Adam/AdamW (always present).
 * ``apex``:   NVIDIA apex's ``FusedAdam`` (CUDA only). Detected, never depended on: the PyPI
   package named ``apex`` is an unrelated project, so we require NVIDIA's layout, its compiled
