@@ -4,6 +4,12 @@
 with the standard variables (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) set, as torchrun
 would, and returns each rank's return value (saved with torch.save, loaded with weights_only=True).
 
+Rendezvous: ``init_dist`` and ``set_up_like_trainer`` join the group through a ``FileStore`` in
+``tmp_path`` (``ZT_TEST_RENDEZVOUS``, one file per spawn) and bind no port. A target that runs the
+real Trainer (or calls ``strategy.setup_environment()`` itself) goes through zerotrain's own
+detection (``ZEROTRAIN_LAUNCHED`` + env://), which needs MASTER_PORT: only those bind the probed
+port, and for them another process can still take it between the probe and rank 0's bind.
+
 Three timeouts keep a hang from costing more than seconds: the process group's own timeout
 (``init_dist``), ``faulthandler.dump_traceback_later`` in each rank (a stuck rank prints its stack
 and exits), and a parent deadline that kills every rank. The first rank to fail fails the test with
@@ -36,6 +42,7 @@ def timeout_scale() -> float:
 
 
 def _free_port() -> int:
+    """A port free now (may be taken before it is bound): only for the Trainer's env:// rendezvous."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -48,7 +55,8 @@ def run_ranks(target: str, world_size: int, tmp_path: Path, timeout: float = 120
     timeout = timeout * timeout_scale()
     tmp_path = Path(tmp_path)
     tmp_path.mkdir(parents=True, exist_ok=True)
-    args_file = tmp_path / f"args_{os.getpid()}_{time.monotonic_ns()}.json"
+    spawn = f"{os.getpid()}_{time.monotonic_ns()}"
+    args_file = tmp_path / f"args_{spawn}.json"
     args_file.write_text(json.dumps(kwargs))
     port = _free_port()
     procs, logs = [], []
@@ -58,6 +66,7 @@ def run_ranks(target: str, world_size: int, tmp_path: Path, timeout: float = 120
                  LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
                  MASTER_PORT=str(port), ZEROTRAIN_LAUNCHED="1", OMP_NUM_THREADS="1",
                  ZT_TEST_RESULT=str(tmp_path / f"result_{rank}.pt"), ZT_TEST_TIMEOUT=str(timeout),
+                 ZT_TEST_RENDEZVOUS=str(tmp_path.resolve() / f"rendezvous_{spawn}"),
                  PYTHONPATH=os.pathsep.join([str(_HERE), str(_TESTS), e.get("PYTHONPATH", "")]))
         e.update(env or {})
         log = open(tmp_path / f"rank_{rank}.log", "w+")
@@ -120,6 +129,8 @@ def set_up_like_trainer(strategy: Any, module: Any, info: Any, precision: Any) -
     import torch
 
     strategy.connect(info, torch.device("cpu"), precision)
+    if info.world_size > 1:  # meet through the spawn's file; setup_environment then finds the group
+        init_dist(strategy.process_group_timeout_s)
     strategy.setup_environment()
     strategy.configure_model(module)
     strategy.setup_module(module)
@@ -128,14 +139,28 @@ def set_up_like_trainer(strategy: Any, module: Any, info: Any, precision: Any) -
     return opt, sched
 
 
+_joins = 0  # groups this process has joined: each join meets in a file of its own
+
+
 def init_dist(timeout_s: float = 60.0) -> tuple[int, int]:
-    """Join the gloo process group from the harness's variables; returns (rank, world_size)."""
+    """Join the gloo process group from the harness's variables; returns (rank, world_size).
+
+    The ranks meet through a FileStore under the spawn's tmp_path (no port to race for). A
+    process that destroys its group and joins again gets a new file (every rank joins in the
+    same order), so it never meets the old group's keys. Without the harness's variables (a
+    worker started by torchrun, say) it falls back to env://."""
+    global _joins
     import torch.distributed as dist
 
     from zerotrain.strategies.environment import init_default_group
 
     if not dist.is_initialized():
-        init_default_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        kwargs = {}
+        if "ZT_TEST_RENDEZVOUS" in os.environ:
+            _joins += 1
+            kwargs = dict(init_method=f"file://{os.environ['ZT_TEST_RENDEZVOUS']}.{_joins}",
+                          rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+        init_default_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
     return dist.get_rank(), dist.get_world_size()
 
 

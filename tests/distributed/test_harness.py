@@ -1,11 +1,17 @@
-"""The harness itself: a raising rank and a hung rank each fail the test in seconds."""
+"""The harness itself: a raising rank and a hung rank each fail the test in seconds, and
+conftest's ``fail_on_leaks`` fails a test that leaks a variable, a thread or a process group."""
+import os
+import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from harness import RankFailed, init_dist, run_ranks
+
+pytest_plugins = ["pytester"]
 
 
 def _sum_ranks():
@@ -46,3 +52,86 @@ def test_hung_rank_fails_within_its_timeout(tmp_path):
     with pytest.raises(RankFailed, match="_hang_on_rank_0"):
         run_ranks("test_harness:_hang_on_rank_0", 2, tmp_path, timeout=8)
     assert time.monotonic() - t0 < 40
+
+
+def _join_twice():
+    """Destroy and join again: the second join meets in a new file, not among the old keys."""
+    init_dist()
+    dist.destroy_process_group()
+    rank, world = init_dist()
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    store = dist.distributed_c10d._get_default_store()
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return {"sum": t, "store": type(store).__name__}
+
+
+def test_ranks_meet_through_a_file_and_can_join_again(tmp_path):
+    out = run_ranks("test_harness:_join_twice", 2, tmp_path, timeout=60)
+    assert [o["sum"].item() for o in out] == [3.0, 3.0]
+    assert [o["store"] for o in out] == ["FileStore", "FileStore"]  # no port was bound
+
+
+LEAKY_TESTS = """
+import os
+import threading
+import time
+
+import torch.distributed as dist
+
+
+def test_adds_a_variable():
+    os.environ["ZT_SYNTHETIC_LEAK"] = "1"
+
+
+def test_removes_a_variable():
+    del os.environ["ZT_SYNTHETIC_PRESET"]
+
+
+def test_changes_a_variable():
+    os.environ["ZT_SYNTHETIC_PRESET"] = "changed"
+
+
+def test_leaves_a_thread_running():
+    stop = threading.Event()
+    thread = threading.Thread(target=stop.wait, name="zt-synthetic-leak", daemon=True)
+    thread.stop = stop  # for the outer test to end it
+    thread.start()
+
+
+def test_leaves_the_process_group_initialised(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+
+
+def test_cleaning_up_is_not_a_leak(monkeypatch, tmp_path):
+    monkeypatch.setenv("ZT_SYNTHETIC_LEAK", "1")
+    threading.Thread(target=time.sleep, args=(0.2,), name="zt-finishing").start()  # ends in the grace
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    dist.destroy_process_group()
+"""
+
+
+def test_leak_fixture_fails_each_kind_of_leak(pytester, monkeypatch):
+    monkeypatch.setenv("ZT_SYNTHETIC_PRESET", "preset")
+    pytester.makeconftest((Path(__file__).parents[1] / "conftest.py").read_text())
+    pytester.makepyfile(test_leaky=LEAKY_TESTS)
+    try:
+        result = pytester.runpytest_inprocess("-p", "no:cacheprovider")
+    finally:
+        for thread in threading.enumerate():
+            if thread.name == "zt-synthetic-leak":
+                thread.stop.set()
+                thread.join()
+    result.assert_outcomes(passed=6, errors=5)  # each leak errors at its test's teardown
+    result.stdout.fnmatch_lines_random([
+        "*ERROR at teardown of test_adds_a_variable*",
+        "*added ZT_SYNTHETIC_LEAK='1'*",
+        "*removed ZT_SYNTHETIC_PRESET (was 'preset')*",
+        "*changed ZT_SYNTHETIC_PRESET: 'preset' -> 'changed'*",
+        "*threads still running*zt-synthetic-leak (daemon=True)*",
+        "*default process group was left initialised*",
+    ])
+    # and each was undone, so the leak stayed in the test that made it
+    assert "ZT_SYNTHETIC_LEAK" not in os.environ
+    assert not dist.is_initialized()

@@ -120,6 +120,8 @@ def test_checkpoint_resumes_exactly(tmp_path, case):
     sched2.load_state_dict(ck["sched"])
     train(s2, sched2, data[4:])
     assert torch.equal(weights(s2), weights(s))
+    s.teardown()  # stops the I/O threads
+    s2.teardown()
 
 
 def _mapped_rss(directory: str) -> int:
@@ -150,3 +152,4 @@ def test_parameter_shards_are_resident_only_while_used(tmp_path):
     train(s, sched, batches(2))
     assert max(seen) < total / 2, (seen, total)
     assert _mapped_rss(directory) <= 8192 * len(units)  # after the step (it touched every master)
+    s.teardown()  # stops the I/O threads
