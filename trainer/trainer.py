@@ -20,8 +20,8 @@ from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Sequ
 from ..callbacks.base import Callback, Logger
 from ..strategies import Strategy, precision_from_name, progress, strategy_from_name
 from ..strategies.environment import detect, pick_device, set_cpu_threads
-from . import checkpoint_io, elastic, reshard
-from .errors import CheckpointError, ConfigError
+from . import checkpointing, elastic
+from .errors import ConfigError
 from .hooks import HookDispatcher
 from .launcher import LocalLauncher
 from .module import TrainModule
@@ -226,9 +226,9 @@ class Trainer:
                                   "train_dataloader())")
             val = val_dataloaders if val_dataloaders is not None else module.val_dataloader()
             self.val_dataloader = self._prepare_loader(val, train=False)
-            ckpt_path = self._resume_path(ckpt_path)
+            ckpt_path = checkpointing.resume_path(self, ckpt_path)
             if ckpt_path:
-                self._load_checkpoint(ckpt_path)
+                checkpointing.load(self, ckpt_path)
             self._fits += 1
             self._watchdog = make_watchdog(self._strategy, self.stall_timeout_s,
                                            key=f"zerotrain/progress/{elastic.restart_count()}/{self._fits}")
@@ -259,20 +259,8 @@ class Trainer:
     def save_checkpoint(self, path: str, update_latest: bool = True) -> None:
         """Collective: every rank writes its shard of the checkpoint directory ``path`` in parallel;
         rank 0 then publishes it atomically and points ``latest`` (beside it) at it
-        (``trainer/checkpoint_io.py`` describes the format)."""
-        s = self._strategy
-        s.barrier()
-
-        def describe() -> tuple[list, dict[str, Any]]:  # e.g. an optimizer state that is not per element
-            entries, local = reshard.shard_entries(s.param_shards(), s.extra_state())
-            local.update(rng=checkpoint_io.rng_state(), model=reshard.model_info_meta(s.checkpoint_model_info()),
-                         optimizer=reshard.optimizer_meta(self.optimizer, s.optimizer_group_names()))
-            return entries, local
-
-        entries, local = reshard.agree(s, describe, catch=(ValueError, CheckpointError))
-        with elastic.timeout_during(s, s.process_group_timeout_s):
-            checkpoint_io.save(path, checkpoint_io.comm_of(s), entries, local, self._checkpoint_meta,
-                               update_latest=update_latest)
+        (``trainer/checkpointing.py``; ``trainer/checkpoint_io.py`` describes the format)."""
+        checkpointing.save(self, path, update_latest)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: the complete unsharded fp32 model state on global rank 0, ``{}`` elsewhere."""
@@ -355,7 +343,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
     def _fit_loop(self) -> None:
-        st, s, module = self.state, self._strategy, self.module
+        st, module = self.state, self.module
         loader = self.train_dataloader
         n_batches = self._limit(loader, self.limit_train_batches)
         if n_batches == 0:
@@ -555,81 +543,6 @@ class Trainer:
             for lg in self.loggers:
                 lg.log_metrics(metrics, self.state.global_step)
 
-    # ------------------------------------------------------------------ checkpoints
-    def _checkpoint_meta(self, locals_: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-        """Rank 0 at a save: everything but the tensors, from every rank's ``locals_``."""
-        s, loader = self._strategy, getattr(self, "train_dataloader", None)
-        meta = {"loop": self.state.state_dict(), "strategy": s.name,
-                "precision": self.precision_plugin.name, "precision_state": self.precision_plugin.state_dict(),
-                "scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
-                "callbacks": self.hooks.state_dict(), "zerotrain_version": _version(),
-                "data": {"batch_size": getattr(loader, "batch_size", None), "world": s.data_parallel_world_size,
-                         "accumulate_grad_batches": self.accumulate_grad_batches}}
-        if locals_ is not None:
-            meta.update(reshard.layout_meta(locals_))
-            meta["rng"] = [loc["rng"] for loc in locals_]
-            meta["optimizer"] = dict(locals_[0]["optimizer"], names=reshard.merge_group_names(
-                [loc["optimizer"]["names"] for loc in locals_]))
-        self.hooks("on_save_checkpoint", self, self.module, meta)
-        return meta
-
-    def _resume_path(self, ckpt_path: str | None) -> str | None:
-        """``"latest"``, and any start after an elastic restart, mean the ModelCheckpoint
-        directory's newest checkpoint (nothing yet: start from ``ckpt_path``, or from scratch)."""
-        if ckpt_path != "latest" and elastic.restart_count() == 0:
-            return ckpt_path
-        from ..callbacks.checkpoint import ModelCheckpoint
-
-        dirs = [cb.dirpath for cb in self.callbacks if isinstance(cb, ModelCheckpoint) and cb.dirpath]
-        for d in dirs:
-            if checkpoint_io.read_latest(d):
-                log.info("resuming from the latest checkpoint in %s (restart %d)", d, elastic.restart_count())
-                return d
-        if ckpt_path == "latest" and not dirs:
-            raise ConfigError("Trainer.fit: ckpt_path='latest' means the newest checkpoint of the "
-                              "ModelCheckpoint directory, but this Trainer has no ModelCheckpoint "
-                              "(enable_checkpointing=False?): pass a checkpoint directory instead")
-        if ckpt_path == "latest":
-            log.info("ckpt_path='latest': no checkpoint yet, starting from the beginning")
-            return None
-        return ckpt_path
-
-    def _load_checkpoint(self, path: str) -> None:
-        """Collective: load a checkpoint saved by any strategy on any world size (resharding
-        online: each rank reads only the ranges it needs). Errors are raised on every rank."""
-        s = self._strategy
-        root, meta = reshard.agree(s, lambda: checkpoint_io.load_meta(path))
-        saved_world = meta["world_size"]
-        reshard.agree(s, lambda: checkpoint_io.verify(root, meta, range(s.global_rank, saved_world, s.world_size)))
-        model = reshard.merge_model_info(reshard.all_gather(s, reshard.model_info_meta(s.checkpoint_model_info())))
-        groups = reshard.merge_group_names(reshard.all_gather(s, s.optimizer_group_names()))
-        optimizer = {"type": reshard.optimizer_meta(self.optimizer, [])["type"], "names": groups}
-        reshard.agree(s, lambda: reshard.check_compatible(root, meta, model, optimizer))
-        if (meta["strategy"], saved_world) != (s.name, s.world_size):
-            log.info("resharding checkpoint %s: saved by %s on %d ranks, loading into %s on %d", root,
-                     meta["strategy"], saved_world, s.name, s.world_size)
-        with reshard.CheckpointReader(root, meta) as reader:
-            s.load_param_shards(reader)
-        if meta["precision"] == self.precision_plugin.name:
-            self.precision_plugin.load_state_dict(meta["precision_state"])
-        loop, note = reshard.resume_position(meta["loop"], meta.get("data"),
-                                             getattr(self.train_dataloader, "batch_size", None),
-                                             s.data_parallel_world_size)
-        if note:
-            log.warning("resume: %s", note)
-        self.state.load_state_dict(loop)
-        if self.lr_scheduler is not None and meta.get("scheduler") is not None:
-            self.lr_scheduler.load_state_dict(meta["scheduler"])
-        self.hooks.load_state_dict(meta.get("callbacks", {}))
-        self.hooks("on_load_checkpoint", self, self.module, meta)
-        if s.global_rank < len(meta["rng"]):
-            checkpoint_io.set_rng_state(meta["rng"][s.global_rank])
-        else:  # a rank the saved job did not have: a fresh stream of its own
-            seed_everything(self.seed + 1_000_003 * s.global_rank + self.state.global_step)
-            log.warning("resume: rank %d has no saved RNG state (saved on %d ranks); re-seeded",
-                        s.global_rank, saved_world)
-        s.barrier()
-
     # ------------------------------------------------------------------ construction helpers
     def _default_callbacks(self, callbacks: list, checkpointing: bool, progress: bool) -> list:
         from ..callbacks.checkpoint import ModelCheckpoint
@@ -676,8 +589,3 @@ def _len_or_none(loader: Any) -> int | None:
         return len(loader)
     except TypeError:
         return None
-
-
-def _version() -> str:
-    from .. import __version__
-    return __version__

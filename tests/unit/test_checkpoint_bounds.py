@@ -163,7 +163,7 @@ def child(dirs: list[str]) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (vm + (1 << 30), resource.getrlimit(resource.RLIMIT_AS)[1]))
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
-    def load(ck, out):  # what Trainer._load_checkpoint does before reading its ranges
+    def load(ck, out):  # what trainer/checkpointing.load does before reading its ranges
         root, meta = checkpoint_io.load_meta(ck)
         checkpoint_io.verify(root, meta, range(0, meta["world_size"], 1))
 
