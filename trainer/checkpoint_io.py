@@ -362,12 +362,17 @@ def check_meta(root: Path, meta: dict[str, Any]) -> None:
     params, extras = meta.get("params", {}), meta.get("extras", {})
     if not isinstance(params, dict) or not isinstance(extras, dict):
         raise bad("its params/extras are not mappings")
+    def entry(kind: str, name: Any, x: Any) -> tuple[str, int]:
+        """``(description, element count)`` of one described tensor, its shape and dtype checked."""
+        what = f"{kind} {_short(name)}"
+        if not isinstance(name, str) or not isinstance(x, dict):
+            raise bad(f"{what}: {_short(x)}")
+        numel = math.prod(shape_of(x.get("shape"), what))
+        dtype_of(x.get("dtype"), what)
+        return what, numel
+
     for name, p in params.items():
-        what = f"parameter {_short(name)}"
-        if not isinstance(name, str) or not isinstance(p, dict):
-            raise bad(f"{what}: {_short(p)}")
-        numel = math.prod(shape_of(p.get("shape"), what))
-        dtype_of(p.get("dtype"), what)
+        what, numel = entry("parameter", name, p)
         kinds, ranges = p.get("kinds"), p.get("ranges")
         if not _strs(kinds) or not _strs(p.get("scalars")) or not isinstance(ranges, list):
             raise bad(f"{what}: kinds {_short(kinds)}, scalars {_short(p.get('scalars'))}, ranges {_short(ranges)}")
@@ -384,11 +389,7 @@ def check_meta(root: Path, meta: dict[str, Any]) -> None:
         if covered < numel:
             raise bad(f"the ranges of {what} cover {covered} of its {numel} elements")
     for name, x in extras.items():
-        what = f"buffer {_short(name)}"
-        if not isinstance(name, str) or not isinstance(x, dict):
-            raise bad(f"{what}: {_short(x)}")
-        numel = math.prod(shape_of(x.get("shape"), what))
-        dtype_of(x.get("dtype"), what)
+        what, numel = entry("buffer", name, x)
         place(x.get("rank"), numel, what)  # a byte per element at least, whatever dtype the rank saved
     for rank, nbytes in sorted(placed.items()):
         name = rank_file(rank)
