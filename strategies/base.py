@@ -9,13 +9,29 @@ The Trainer calls these methods in a fixed order and never asks which strategy i
 
 The defaults here implement a *replicated* strategy: every rank holds the whole model and whole
 optimizer, and gradients are already identical on every rank when ``optimizer_step`` runs. Single
-process and DDP use them as they are; sharded strategies override the gradient, optimizer and
-checkpoint methods.
+process and DDP use them as they are.
+
+The step is written once, here, as a sequence of small pieces; other strategies override pieces,
+never the sequence:
+
+    run_forward                 every forward, under the precision's forward context (autocast)
+    backward                    _before_backward -> precision.pre_backward (loss scale)
+                                -> precision.backward -> precision.post_backward -> _after_backward
+    optimizer_step              _gradients_ready -> step_gradients -> precision.unscale_and_check
+                                -> precision.update -> [no overflow: clip_grad_norm_ (_grad_norm,
+                                _scale_grads) -> _inner_step -> _refresh_params] -> zero_grad
+                                -> _after_step
+    skip_step                   _gradients_ready -> zero_grad
+
+ZeRO supplies the gradient buffers around backward, its fp32 gradient partitions, the
+all-reduced norm, the sharded inner step and the parameter all-gather; offload its host stepper
+(the clip coefficient and loss scale passed to it as one gradient multiplier); the pipeline its
+gradient reduction and norm over stages.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, NamedTuple, Protocol
+from typing import Any, Callable, Iterator, NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
@@ -156,6 +172,9 @@ class Strategy:
         module.configure_model()
 
     def setup_module(self, module: nn.Module) -> None:
+        """Cast the module for the precision (the one place ``convert_module`` is called), move it
+        to the device and wrap it for the step methods. Sharded strategies keep the parameters as
+        built (fp32 unless "-true") until ``setup_optimizer``, so master weights start exact."""
         module = self.precision.convert_module(module).to(self.device)
         self.module = module
         self.model = StepWrapper(module)
@@ -168,62 +187,115 @@ class Strategy:
         return self.module.parameters()
 
     # ------------------------------------------------------------------ the step
-    def training_step(self, batch: Any, batch_idx: int) -> Any:
+    # Forward, backward and optimizer step are written once, here. A strategy supplies pieces
+    # (the ``_``-prefixed hooks below and ``step_gradients``/``zero_grad``), never its own copy
+    # of the sequence.
+
+    def run_forward(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)`` under the precision's forward context (autocast for the mixed
+        precisions): every forward the library runs enters it here, the training and validation
+        steps and each micro-batch of a pipeline schedule."""
         with self.precision.forward_context(self.device.type):
-            return self.model("training_step", batch, batch_idx)
+            return fn(*args, **kwargs)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        return self.run_forward(self.model, "training_step", batch, batch_idx)
 
     def validation_step(self, batch: Any, batch_idx: int) -> Any:
-        with self.precision.forward_context(self.device.type):
-            return self.model("validation_step", batch, batch_idx)
+        return self.run_forward(self.model, "validation_step", batch, batch_idx)
 
     def backward(self, loss: torch.Tensor) -> None:
-        self.precision.scale_loss(loss).backward()
+        """The precision plugin's pre-backward (loss scaling), backward and post-backward, between
+        the strategy's own ``_before_backward``/``_after_backward`` (ZeRO: gradient buffers and
+        bucketed reductions)."""
+        self._before_backward()
+        loss = self.precision.pre_backward(loss)
+        self.precision.backward(loss, self.model)
+        self.precision.post_backward(loss)
+        self._after_backward()
+
+    def _before_backward(self) -> None:
+        """Before autograd runs for one micro-batch."""
+
+    def _after_backward(self) -> None:
+        """After autograd ran for one micro-batch (inside ``no_sync()`` too)."""
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         """Context for micro-batches that only accumulate gradients (no communication)."""
         return contextlib.nullcontext()
+
+    def optimizer_step(self, gradient_clip_val: float | None = None) -> bool:
+        """Gradients ready -> unscale and check overflow (every rank together) -> clip -> inner
+        step -> refresh the working parameters -> zero the gradients. On overflow the step is
+        skipped on every rank (the gradients are still zeroed). Returns whether it stepped."""
+        self._gradients_ready()
+        loss_scale = self.precision.loss_scale  # what backward scaled by (update() may change it)
+        overflow = self.precision.unscale_and_check(self.step_gradients(), self.any_rank)
+        self.precision.update(overflow)
+        if not overflow:
+            if gradient_clip_val:
+                self.clip_grad_norm_(gradient_clip_val)
+            self._inner_step(loss_scale)
+            self._refresh_params()
+        self.zero_grad()
+        self._after_step(stepped=not overflow)
+        return not overflow
+
+    def skip_step(self) -> None:
+        """Collective: drop this step's gradients without stepping (every rank together; the
+        Trainer's ``on_nonfinite="skip"``)."""
+        self._gradients_ready()
+        self.zero_grad()
+
+    def _gradients_ready(self) -> None:
+        """Collective where a strategy communicates here: make ``step_gradients()`` final (finish
+        or run the reductions the backward did not)."""
 
     def step_gradients(self) -> list[torch.Tensor]:
         """The gradient tensors this rank's optimizer steps on, after reduction."""
         assert self.module is not None
         return [p.grad for p in self.module.parameters() if p.grad is not None]
 
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip the step gradients to a global L2 norm of ``max_norm``; returns the norm before
+        clipping (collective where the gradients are spread over ranks)."""
+        total = self._grad_norm()
+        self._scale_grads(torch.clamp(max_norm / (total + 1e-6), max=1.0))
+        return total
+
     def _local_grad_sq_norm(self) -> torch.Tensor:
+        """The squared L2 norm of this rank's step gradients, in fp32."""
         grads = self.step_gradients()
         if not grads:
             return torch.zeros((), device=self.device)
         return torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum()
 
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Clip this rank's step gradients to a global L2 norm of ``max_norm``; returns the norm
-        before clipping. Replicated strategies need no communication."""
-        total = self._local_grad_sq_norm().sqrt()
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    def _grad_norm(self) -> torch.Tensor:
+        """The global L2 norm of the step gradients. Replicated strategies: this rank's."""
+        return self._local_grad_sq_norm().sqrt()
+
+    def _scale_grads(self, coef: torch.Tensor) -> None:
+        """Multiply the step gradients by the clip coefficient ``coef`` (at most 1)."""
         for g in self.step_gradients():
             g.detach().mul_(coef.to(g.dtype))
-        return total
 
-    def optimizer_step(self, gradient_clip_val: float | None = None) -> bool:
-        """Unscale, skip on overflow (every rank together), clip, step, zero the gradients.
-        Returns whether the optimizer stepped."""
+    def _inner_step(self, loss_scale: float) -> None:
+        """Step the optimizer on the unscaled, clipped step gradients. ``loss_scale`` is what
+        backward multiplied the loss by, for a stepper that reads gradient copies taken before
+        the unscale (offload's GPU path)."""
         assert self.optimizer is not None
-        overflow = self.precision.unscale_and_check(self.step_gradients(), self.any_rank)
-        self.precision.update(overflow)
-        if not overflow:
-            if gradient_clip_val:
-                self.clip_grad_norm_(gradient_clip_val)
-            self.optimizer.step()
-        self.zero_grad()
-        return not overflow
+        self.optimizer.step()
+
+    def _refresh_params(self) -> None:
+        """After the inner step: bring the working parameters up to date (ZeRO: all-gather the
+        updated partitions). Replicated strategies step the working parameters themselves."""
 
     def zero_grad(self) -> None:
         assert self.optimizer is not None
         self.optimizer.zero_grad(set_to_none=True)
 
-    def skip_step(self) -> None:
-        """Collective: drop this step's gradients without stepping (every rank together; the
-        Trainer's ``on_nonfinite="skip"``)."""
-        self.zero_grad()
+    def _after_step(self, stepped: bool) -> None:
+        """After every optimizer step, taken or skipped for overflow."""
 
     def stall_hint(self) -> str:
         """A hint the progress watchdog prints when a rank of this strategy stalls the others."""

@@ -111,7 +111,6 @@ class OffloadedAdam(_GatherMasters):
                 for group in optimizer.param_groups:
                     group["params"] = [next(it) for _ in group["params"]]
             self.states = swapped
-        self._loss_scale = 1.0  # set by the strategy when host gradients are still loss-scaled
         #: with file-backed masters (ZeRO-3 ``param_device="nvme"``): ``prefetch(k)``/``release(k)``
         self.pager: Any = None
 
@@ -124,10 +123,9 @@ class OffloadedAdam(_GatherMasters):
 
     # ------------------------------------------------------------------ the step
     def step(self, grad_scale: float = 1.0) -> None:
-        """One optimizer step on every sub-group. ``grad_scale`` multiplies the gradients (the
-        clip coefficient; the loss scale's inverse is added here when the transfer says so)."""
-        if self.transfer.host_grads_scaled:
-            grad_scale /= self._loss_scale
+        """One optimizer step on every sub-group. ``grad_scale`` multiplies the host gradients
+        inside the kernel (the strategy folds the clip coefficient and any loss scale they still
+        carry into it)."""
         self.transfer.grads_ready()
         hypers = [adam_hyper(self.optimizer, g) for g in self.optimizer.param_groups]
         steps = [self._step_of(i) + 1 for i in range(len(self.masters))]
@@ -261,11 +259,10 @@ class TorchOffload(_GatherMasters):
     def __init__(self, sharded: ShardedOptimizer, transfer: Any, subgroups: Sequence[SubGroup]) -> None:
         self.sharded, self.transfer, self.subgroups = sharded, transfer, list(subgroups)
         self.optimizer, self.masters = sharded.optimizer, sharded.masters
-        self._loss_scale = 1.0
 
     def step(self, grad_scale: float = 1.0) -> None:
-        if self.transfer.host_grads_scaled:
-            grad_scale /= self._loss_scale
+        """The optimizer's own step on the host masters, the gradients multiplied by
+        ``grad_scale`` first (as :meth:`OffloadedAdam.step`)."""
         self.transfer.grads_ready()
         grads = [self.transfer.slot_grad(i).float() for i in range(len(self.masters))]
         if grad_scale != 1.0:

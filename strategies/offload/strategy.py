@@ -10,12 +10,13 @@ layout); :class:`Offload` replaces only the optimizer piece and the step around 
                      group; ZeRO-3: one per run of a unit) and gradient partitions; Offload keeps
                      the masters on the host (or writes them to swap files), allocates or swaps the
                      Adam state and plans the sub-groups
-    optimizer_step:  unscale + overflow check (fp16) -> global grad norm (one all-reduce; the clip
-                     coefficient is *not* applied to the gradients but folded into the kernel's
-                     ``grad_scale``) -> for each sub-group: [read its state from disk] -> fused
-                     Adam writing master, state and the bf16/fp16 working copy in one pass ->
-                     [write the state back] -> the stage refreshes the working parameters
-                     (ZeRO-2: all-gather of the partitions; ZeRO-3: nothing until the next use)
+    optimizer_step:  ``Strategy.optimizer_step`` with these pieces: unscale + overflow check
+                     (fp16) -> global grad norm (one all-reduce; the clip coefficient is *not*
+                     applied to the gradients but folded into the kernel's ``grad_scale``) -> for
+                     each sub-group: [read its state from disk] -> fused Adam writing master,
+                     state and the bf16/fp16 working copy in one pass -> [write the state back]
+                     -> the stage refreshes the working parameters (ZeRO-2: all-gather of the
+                     partitions; ZeRO-3: nothing until the next use)
 
 One constructor with simple typed keywords (the Hydra schema ``base_offload`` is generated from it):
 the offload policy (:class:`~.config.OffloadConfig`), then the stage options, each passed to the
@@ -33,7 +34,6 @@ from typing import Any, Optional
 
 import torch
 
-from ..zero.comm import InFlight, all_reduce_sum
 from ..zero.config import BUCKET_NUMEL
 from ..zero.estimate import format_bytes
 from ..zero.sharded_optimizer import ShardedOptimizer
@@ -186,7 +186,8 @@ class Offload(ZeroStrategy):
         finally:
             self._sync = prev
 
-    # ------------------------------------------------------------------ the step
+    # ------------------------------------------------------------------ pieces of the step
+    # (the sequence is Strategy.optimizer_step; the stage supplies the rest)
     def step_gradients(self) -> list[torch.Tensor]:
         """The reduced gradient of each slot, in the stage's reduce dtype, on its device."""
         return self.grads.partitions()
@@ -199,29 +200,16 @@ class Offload(ZeroStrategy):
                 sq += torch.dot(c, c)
         return sq * self._clip_coef ** 2
 
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Collective: as ZeRO's, but the coefficient is folded into the next step's kernel
-        (``grad_scale``) instead of rewriting the gradients in place. Returns the norm before."""
-        sq = self._local_grad_sq_norm().reshape(1)
-        self.queue.push(InFlight((all_reduce_sum(sq, self.group),), (sq,), _nothing, "grad norm"))
-        self.queue.wait_all()
-        total = sq[0].sqrt()
-        self._clip_coef *= float(torch.clamp(max_norm / (total + 1e-6), max=1.0))
-        return total
+    def _scale_grads(self, coef: torch.Tensor) -> None:
+        """The clip coefficient is folded into the next step's kernel (``grad_scale``) instead of
+        rewriting the gradients in place."""
+        self._clip_coef *= float(coef)
 
-    def optimizer_step(self, gradient_clip_val: float | None = None) -> bool:
-        assert self.sharded is not None, "setup_optimizer must run before optimizer_step"
-        scale = self.precision.loss_scale  # before update() may change it
-        overflow = self.precision.unscale_and_check(self.step_gradients(), self.any_rank)
-        self.precision.update(overflow)
-        if not overflow:
-            if gradient_clip_val:
-                self.clip_grad_norm_(gradient_clip_val)
-            self.sharded._loss_scale = scale
-            self.sharded.step(grad_scale=self._clip_coef)
-            self._gather_params()
-        self.zero_grad()
-        return not overflow
+    def _inner_step(self, loss_scale: float) -> None:
+        """The host stepper, given one gradient multiplier: the clip coefficient, divided by the
+        loss scale the host gradient copies still carry (the transfer says which: the GPU path
+        copies them during backward, before the plugin unscaled the device partitions)."""
+        self.sharded.step(grad_scale=self._clip_coef / self.transfer.host_grad_scale(loss_scale))
 
     def zero_grad(self) -> None:
         self._clip_coef = 1.0
@@ -282,10 +270,6 @@ def _close_quietly(*objs: Any) -> None:
             obj.close()
 
 
-def _nothing() -> None:
-    pass
-
-
 #: every stage option of Offload's constructor, with its default
 _STAGE_OPTIONS = {k: p.default for k, p in inspect.signature(Offload.__init__).parameters.items()
                   if k not in ("self", *OffloadConfig.__dataclass_fields__)}
@@ -299,7 +283,7 @@ class OffloadZeroStage2(Offload, ZeroStage2):
     def _slot_views(self):
         return self.grads.partitions(), [fg.partition(self.global_rank) for fg in self.flat_groups]
 
-    def _gather_params(self) -> None:
+    def _refresh_params(self) -> None:
         """All-gather the updated working partitions (the kernel already wrote them)."""
         for fg in self.flat_groups:
             fg.gather_from(fg.partition(self.global_rank), self.global_rank,
@@ -345,9 +329,9 @@ class OffloadZeroStage3(Offload, ZeroStage3):
                      if r.group == g]
             self.sharded.pager = ShardPager(subgroups, order)
 
-    def _gather_params(self) -> None:
+    def _refresh_params(self) -> None:
         self.sharded.import_loaded_state()  # after ZeRO-3's own loads (optimizer.load_state_dict)
-        super()._gather_params()  # free units, refresh working shards, gather persistent ones
+        super()._refresh_params()  # free units, refresh working shards, gather persistent ones
 
     def state_dict(self) -> dict[str, Any]:
         with self.sharded.exposed_state():

@@ -17,8 +17,8 @@ partition and nothing is copied at all.
 * ``finish`` makes the compute stream wait for the uploads before the parameter all-gather.
 
 Host copies of the gradient are not unscaled by the precision plugin (it unscales the device
-partitions), so :attr:`DeviceWorking.host_grads_scaled` tells the optimizer to fold ``1 / loss
-scale`` into the kernel's ``grad_scale``.
+partitions), so :meth:`DeviceWorking.host_grad_scale` returns the loss scale they still carry and
+the strategy folds its inverse into the kernel's ``grad_scale``.
 """
 from __future__ import annotations
 
@@ -30,12 +30,15 @@ from .plan import SubGroup
 
 
 class HostWorking:
-    host_grads_scaled = False
-
     def __init__(self, working: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> None:
         self.working = list(working)  # the working values of each slot (bf16/fp16/fp32)
         self.grads = list(grads)  # the reduced gradient of each slot
         self.device = torch.device("cpu")
+
+    def host_grad_scale(self, loss_scale: float) -> float:
+        """The loss scale the gradients the stepper reads still carry: none, they are the
+        partitions the precision plugin unscaled in place."""
+        return 1.0
 
     def grads_ready(self) -> None:
         pass
@@ -69,8 +72,6 @@ class HostWorking:
 
 
 class DeviceWorking:
-    host_grads_scaled = True
-
     def __init__(self, working: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], pin: bool) -> None:
         self.working, self.device_grads = list(working), list(grads)
         self.device = self.working[0].device if self.working else torch.device("cuda")
@@ -84,6 +85,12 @@ class DeviceWorking:
         with torch.cuda.stream(self.stream):
             self.host_grads[slot][start:start + numel].copy_(
                 self.device_grads[slot][start:start + numel], non_blocking=True)
+
+    def host_grad_scale(self, loss_scale: float) -> float:
+        """The loss scale the host copies still carry: all of it (``loss_scale``, what backward
+        multiplied the loss by), as they were copied before the plugin unscaled the device
+        partitions."""
+        return loss_scale
 
     def grads_ready(self) -> None:
         self.stream.synchronize()

@@ -8,12 +8,18 @@ instructions form one exchange (``schedule.steps``), posted together and waited 
 
 The last stage computes ``loss_fn(outputs, targets) / micro_batches`` in its forward, so that the
 summed micro-batch gradients are those of the mean loss, exactly as without pipelining.
+
+Forward and backward go through the strategy's and the precision plugin's one copy of each:
+every micro-batch forward runs through ``run_forward`` (the strategy's, which enters the
+precision's forward context); the last stage's backward is the plugin's ``pre_backward`` (loss
+scale) -> ``backward`` -> ``post_backward``, and the other stages' backward from the received
+output gradients (already scaled) is the plugin's ``backward`` alone.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Sequence
+from typing import Any, Callable, Hashable, Sequence
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -58,11 +64,14 @@ def input_key(micro_input: Any, train: bool) -> Hashable:
 
 class StageExecutor:
     def __init__(self, pipe: PipelineModule, num_stages: int, comm: PipeComm | None,
-                 precision: Precision, device: torch.device, activation_checkpointing: bool = False) -> None:
+                 precision: Precision, device: torch.device, run_forward: Callable[..., Any],
+                 activation_checkpointing: bool = False) -> None:
+        """``run_forward(fn, *args)``: the strategy's, which runs ``fn`` under the precision's
+        forward context."""
         self.pipe, self.num_stages, self.comm = pipe, num_stages, comm
         self.stage = pipe.stage
         self.first, self.last = self.stage == 0, self.stage == num_stages - 1
-        self.precision, self.device = precision, device
+        self.precision, self.device, self.run_forward = precision, device, run_forward
         self.activation_checkpointing = activation_checkpointing
         self.stats = StepStats()
 
@@ -108,13 +117,9 @@ class StageExecutor:
 
     def _forward(self, mb: int, b: _Buffers) -> None:
         x = b.inputs[mb] if b.train and not self.first else b.inputs.pop(mb)
-        with torch.set_grad_enabled(b.train), self.precision.forward_context(self.device.type):
-            if b.train and self.activation_checkpointing:
-                out = checkpoint(self.pipe, x, use_reentrant=False)
-            else:
-                out = self.pipe(x)
-            if self.last:
-                out = self.pipe.loss_fn(out, b.targets.pop(mb)) / len(b.micro_inputs)
+        target = b.targets.pop(mb) if self.last else None
+        with torch.set_grad_enabled(b.train):
+            out = self.run_forward(self._stage_forward, x, target, b)
         if self.last:
             loss = out.detach().float()
             b.loss_sum = loss if b.loss_sum is None else b.loss_sum + loss
@@ -125,16 +130,28 @@ class StageExecutor:
             b.live += 1
             self.stats.peak_live = max(self.stats.peak_live, b.live)
 
+    def _stage_forward(self, x: Any, target: Any, b: _Buffers) -> Any:
+        """This stage's layers on one micro-batch; on the last stage, its share of the loss."""
+        if b.train and self.activation_checkpointing:
+            out = checkpoint(self.pipe, x, use_reentrant=False)
+        else:
+            out = self.pipe(x)
+        if self.last:
+            out = self.pipe.loss_fn(out, target) / len(b.micro_inputs)
+        return out
+
     def _backward(self, mb: int, b: _Buffers) -> None:
         out = b.outputs.pop(mb)
         if self.last:
-            self.precision.scale_loss(out * b.grad_scale if b.grad_scale != 1.0 else out).backward()
+            loss = self.precision.pre_backward(out * b.grad_scale if b.grad_scale != 1.0 else out)
+            self.precision.backward(loss, self.pipe)
+            self.precision.post_backward(loss)
         else:
             meta = self.comm.sent[b.key]
             tensors = meta.flatten(out)
             grads = b.grads.pop(mb)
             if grads:
-                torch.autograd.backward([tensors[i] for i in meta.grad_positions], grads)
+                self.precision.backward([tensors[i] for i in meta.grad_positions], self.pipe, grads)
         b.live -= 1
 
     # ------------------------------------------------------------------ communication

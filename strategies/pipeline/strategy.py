@@ -13,9 +13,11 @@ The Trainer's calls map onto a pipeline like this:
   identical on every rank. ``backward`` is then a no-op, so the Trainer's division of the loss by
   ``accumulate_grad_batches`` is applied here instead: the strategy reads that number from the
   Trainer attached to the TrainModule (1 when none is).
-* ``optimizer_step``: all-reduce tied gradients within each tie group (SUM), then every gradient
+* ``optimizer_step`` (the base sequence; this class supplies ``_gradients_ready`` and
+  ``_grad_norm``): all-reduce tied gradients within each tie group (SUM), then every gradient
   within the data-parallel group (SUM, divide by replicas), unscale/skip as the precision says,
   clip by the global norm over all stages and replicas (tied weights counted once), step.
+  ``skip_step`` reduces too (every rank skips together) before dropping the gradients.
 
 The optimizer holds this stage's parameters only: ``parameters_for_optimizer()`` and the
 TrainModule's own ``self.parameters()`` are the same set after ``configure_model``, so a
@@ -32,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..base import StepWrapper, Strategy
+from ..base import Strategy
 from .collectives import all_reduce_grads, broadcast_tensors, sum_over_world
 from .module import PipelineModule, Tie, find_pipeline_module
 from .p2p import PipeComm
@@ -135,8 +137,8 @@ class PipelineStrategy(Strategy):
     def setup_module(self, module: nn.Module) -> None:
         if self.pipe is None:
             self.configure_model(module)
-        module = self.precision.convert_module(module).to(self.device)
-        self.module, self.model = module, StepWrapper(module)
+        super().setup_module(module)
+        module = self.module
         grid = self._grid()
         self._tie_groups = []
         for tie in self.pipe.ties:  # every rank creates every group, in the same order
@@ -158,7 +160,7 @@ class PipelineStrategy(Strategy):
         if grid.stages > 1:
             comm = PipeComm(grid.prev_rank(self.global_rank), grid.next_rank(self.global_rank), self.device)
         self.executor = StageExecutor(self.pipe, grid.stages, comm, self.precision, self.device,
-                                      self.activation_checkpointing)
+                                      self.run_forward, self.activation_checkpointing)
         # a world collective before the first batched send/receive: NCCL wants its communicator
         # made by a call every rank joins, and a rank that failed set-up is found here, not mid-step
         self.barrier()
@@ -230,7 +232,11 @@ class PipelineStrategy(Strategy):
         assert self.module is not None
         return self.module.parameters()
 
-    # ------------------------------------------------------------------ gradients
+    # ------------------------------------------------------------------ pieces of the step
+    # (the sequence is Strategy.optimizer_step)
+    def _gradients_ready(self) -> None:
+        self.reduce_gradients()
+
     def reduce_gradients(self) -> None:
         """Tied gradients within their tie groups, then all gradients across replicas."""
         if not self.distributed:
@@ -241,27 +247,19 @@ class PipelineStrategy(Strategy):
             all_reduce_grads(list(self.module.parameters()), self._dp_group,
                              divide_by=self._grid().replicas)
 
-    def optimizer_step(self, gradient_clip_val: float | None = None) -> bool:
-        self.reduce_gradients()
-        return super().optimizer_step(gradient_clip_val)
-
     def _counted_here(self) -> list[torch.Tensor]:
         """Gradients for the global norm: a tied weight counts only on its lowest owning stage."""
         skip = {id(p) for tg in self._tie_groups if tg.ranks[0] != self.global_rank for p in tg.params}
         return [p.grad for p in self.module.parameters() if p.grad is not None and id(p) not in skip]
 
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Clip to a global L2 norm over all stages; replicas hold equal gradients after the
-        reduction, so only replica 0 contributes to the one world all-reduce."""
+    def _grad_norm(self) -> torch.Tensor:
+        """Collective: the global L2 norm over all stages; replicas hold equal gradients after
+        the reduction, so only replica 0 contributes to the one world all-reduce."""
         grads = self._counted_here()
         local = torch.zeros((), device=self.device, dtype=torch.float32)
         if grads and self.replica == 0:
             local = torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum()
-        total = (sum_over_world(local) if self.distributed else local).sqrt()
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in self.step_gradients():
-            g.detach().mul_(coef.to(g.dtype))
-        return total
+        return (sum_over_world(local) if self.distributed else local).sqrt()
 
     # ------------------------------------------------------------------ checkpoints
     def writes_shard(self) -> bool:

@@ -1,12 +1,16 @@
-"""Precision plugins: how the forward runs, how the loss is scaled and how overflow is handled.
+"""Precision plugins: how the forward runs, how the backward runs, how overflow is handled.
 
-The base class is the "32" plugin and every method is a no-op, so a strategy calls the same methods
-whatever the precision (a null object instead of ``if fp16:`` branches).
+The base class is the "32" plugin and every method is a no-op (or the plain operation), so a
+strategy calls the same methods whatever the precision (a null object instead of ``if fp16:``
+branches). As in Lightning Fabric, the plugin owns the backward: ``Strategy.backward`` is
+``pre_backward`` (scale the loss) -> ``backward`` (run autograd) -> ``post_backward``, and the
+pipeline's stages call the same three for their schedule; nothing else in the library calls
+autograd's backward.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
@@ -25,15 +29,36 @@ class Precision:
     skips_nonfinite_steps: bool = False
 
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
-        """Cast a freshly built module for this precision (only "-true" precisions cast)."""
+        """Cast a freshly built module for this precision (only "-true" precisions cast); called
+        only by ``Strategy.setup_module``."""
         return module
 
     def forward_context(self, device_type: str = "cpu") -> contextlib.AbstractContextManager:
+        """What every forward runs under (autocast to ``autocast_dtype``, or nothing); entered
+        only by ``Strategy.run_forward``."""
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(device_type=device_type, dtype=self.autocast_dtype)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the loss scale (the identity unless the plugin scales)."""
+        return loss
+
+    # ------------------------------------------------------------------ the backward
+    def pre_backward(self, loss: torch.Tensor) -> torch.Tensor:
+        """What autograd runs from: the loss, scaled if this plugin scales it."""
+        return self.scale_loss(loss)
+
+    def backward(self, tensor: torch.Tensor | Sequence[torch.Tensor], model: torch.nn.Module | None,
+                 grad_tensors: Sequence[torch.Tensor] | None = None) -> None:
+        """Run autograd from ``tensor``: a (pre-backward) loss, or a pipeline stage's outputs with
+        the gradients the next stage sent for them (``grad_tensors``, already scaled). ``model``
+        is the module the gradients flow into, for plugins that need it."""
+        torch.autograd.backward(tensor, grad_tensors)
+
+    def post_backward(self, loss: torch.Tensor) -> torch.Tensor:
+        """After autograd has run (gradients are still scaled: ``unscale_and_check`` unscales them
+        at the step, once per accumulated step)."""
         return loss
 
     @property

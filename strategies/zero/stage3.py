@@ -19,9 +19,10 @@ Set-up (the Trainer's order):
 
 A step: forward and backward gather units just in time (hooks); each unit's gradients are reduced
 right after its backward into the rank's gradient partition (every micro-batch, as ZeRO-2); then
-``ZeroStrategy.optimizer_step``: unscale/overflow, clip (one all-reduce of the squared norm), the
-inner optimizer on the master views, and ``_gather_params``, which here only refreshes the working
-shards (and re-gathers the persistent small parameters). Nothing is gathered between steps.
+``Strategy.optimizer_step`` with ZeRO's pieces: unscale/overflow, clip (one all-reduce of the
+squared norm), the inner optimizer on the master views, and ``_refresh_params``, which here only
+refreshes the working shards (and re-gathers the persistent small parameters). Nothing is gathered
+between steps.
 
 Checkpoints: ``state_dict()`` is this rank's unit master partitions and optimizer state (same
 world size and unit plan to load); the Trainer's strategy-neutral format (``param_shards`` /
@@ -242,7 +243,7 @@ class ZeroStage3(ZeroStrategy):
             self.runtime.free_all()
 
     # ------------------------------------------------------------------ the step
-    def _gather_params(self) -> None:
+    def _refresh_params(self) -> None:
         """After the inner step: nothing is gathered between steps; refresh the working shards
         from the masters (and all-gather the persistent parameters)."""
         self.runtime.free_all()

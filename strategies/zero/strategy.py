@@ -15,9 +15,10 @@ After ``setup_optimizer`` each rank holds:
 * the optimizer's state for those slices only;
 * whatever gradient buffers its stage keeps.
 
-Step: fp32 gradient slices -> unscale and check overflow (one collective, fp16 only) -> clip (one
-collective) -> inner ``optimizer.step()`` on the slices -> all-gather the updated slices into every
-rank's working buffers -> zero gradients.
+Step (``Strategy.optimizer_step``, with the pieces this class supplies): wait for last step's
+overlapped gathers -> fp32 gradient slices -> unscale and check overflow (one collective, fp16
+only) -> clip (one collective) -> inner ``optimizer.step()`` on the slices -> all-gather the
+updated slices into every rank's working buffers -> zero gradients.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from ..base import ParamShard, ShardReader, StepWrapper, Strategy, split_optimizer_state
+from ..base import ParamShard, ShardReader, Strategy, split_optimizer_state
 from ..memory import count_bytes
 from .comm import InFlight, InFlightQueue, all_reduce_sum, backend, broadcast_from
 from .config import BUCKET_NUMEL, ZeroConfig
@@ -45,7 +46,7 @@ class GradientShards(Protocol):
     def before_backward(self) -> None: ...
 
     def after_backward(self, sync: bool) -> None:
-        """Called after each ``loss.backward()``; ``sync`` is False inside ``no_sync()``."""
+        """Called after each micro-batch's backward; ``sync`` is False inside ``no_sync()``."""
 
     def partitions(self) -> list[torch.Tensor]:
         """This rank's reduced gradient slice of each group (any float dtype), valid after a
@@ -117,12 +118,6 @@ class ZeroStrategy(Strategy):
         self._logged_after_step = False
 
     # ------------------------------------------------------------------ set-up
-    def setup_module(self, module: nn.Module) -> None:
-        # Parameters stay as built (fp32) until setup_optimizer, so master weights start exact.
-        module = self.precision.convert_module(module).to(self.device)
-        self.module = module
-        self.model = StepWrapper(module)
-
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         assert self.module is not None, "setup_module must run before setup_optimizer"
         groups = trainable_groups(optimizer, self.module)
@@ -161,12 +156,21 @@ class ZeroStrategy(Strategy):
                 self.queue.push(InFlight((broadcast_from(t, 0, self.group),), (t,), _nothing, name))
         self.queue.wait_all()
 
-    # ------------------------------------------------------------------ the step
-    def backward(self, loss: torch.Tensor) -> None:
+    # ------------------------------------------------------------------ pieces of the step
+    # (the sequence is Strategy.backward / Strategy.optimizer_step)
+    def _before_backward(self) -> None:
         assert self.grads is not None, "setup_optimizer must run before backward"
         self.grads.before_backward()
-        self.precision.scale_loss(loss).backward()
+
+    def _after_backward(self) -> None:
         self.grads.after_backward(self._sync)
+
+    def _gradients_ready(self) -> None:
+        """Wait for the parameter all-gathers still in flight from the last step
+        (``overlap_param_gather``): the step writes the masters they read. The gradient
+        reductions already landed at the end of the synchronising backward."""
+        assert self.sharded is not None, "setup_optimizer must run before optimizer_step"
+        self.pending.wait_all()
 
     def step_gradients(self) -> list[torch.Tensor]:
         """This rank's fp32 gradient slice of each group (attached to the master slices)."""
@@ -176,46 +180,29 @@ class ZeroStrategy(Strategy):
             self.sharded.set_grads(self._step_grads)
         return self._step_grads
 
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Collective: clip to a global L2 norm of ``max_norm`` computed from the partitions (one
-        all-reduce of the squared sum); returns the norm before clipping, as
-        ``torch.nn.utils.clip_grad_norm_`` over the full gradient would."""
+    def _grad_norm(self) -> torch.Tensor:
+        """Collective: the global L2 norm from the partitions (one all-reduce of the squared
+        sum), as ``torch.nn.utils.clip_grad_norm_`` over the full gradient would compute it."""
         sq = self._local_grad_sq_norm().float().reshape(1)
         self.queue.push(InFlight((all_reduce_sum(sq, self.group),), (sq,), _nothing, "grad norm"))
         self.queue.wait_all()
-        total = sq[0].sqrt()
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in self.step_gradients():
-            g.mul_(coef)
-        return total
+        return sq[0].sqrt()
 
-    def optimizer_step(self, gradient_clip_val: float | None = None) -> bool:
-        assert self.sharded is not None, "setup_optimizer must run before optimizer_step"
-        self.pending.wait_all()  # the step writes the masters the last gathers read
-        grads = self.step_gradients()
-        overflow = self.precision.unscale_and_check(grads, self.any_rank)
-        self.precision.update(overflow)
-        if not overflow:
-            if gradient_clip_val:
-                self.clip_grad_norm_(gradient_clip_val)
-            self.sharded.step()
-            self._gather_params()
-        self.zero_grad()
-        if not overflow and not self._logged_after_step:
-            self._logged_after_step = True
-            self._log_memory("after the first step")
-        return not overflow
-
-    def skip_step(self) -> None:
-        self.pending.wait_all()  # reductions still in flight write the gradients being dropped
-        self.zero_grad()
+    def _inner_step(self, loss_scale: float) -> None:
+        self.sharded.step()
 
     def zero_grad(self) -> None:
         self.sharded.clear_grads()
         self._step_grads = None
         self.grads.zero()
 
-    def _gather_params(self) -> None:
+    def _after_step(self, stepped: bool) -> None:
+        if stepped and not self._logged_after_step:
+            self._logged_after_step = True
+            self._log_memory("after the first step")
+
+    def _refresh_params(self) -> None:
+        """All-gather the updated master slices into every rank's working buffers."""
         self.pending.wait_all()
         if not self.overlap_param_gather:
             for fg, master in zip(self.flat_groups, self.sharded.masters):
@@ -285,7 +272,7 @@ class ZeroStrategy(Strategy):
         if "module_extra" in state:
             self.module.load_state_dict(state["module_extra"], strict=False)
         self._broadcast_extras()
-        self._gather_params()
+        self._refresh_params()
         self.zero_grad()
 
     def _finish_shard_load(self, reader: ShardReader) -> None:
@@ -295,7 +282,7 @@ class ZeroStrategy(Strategy):
         if extras:
             with torch.no_grad():
                 self.module.load_state_dict({k: reader.extra(k) for k in extras}, strict=False)
-        self._gather_params()
+        self._refresh_params()
         self.zero_grad()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
