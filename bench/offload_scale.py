@@ -98,7 +98,6 @@ def run_child(spec: dict) -> dict:
     from zerotrain import Callback, Trainer
     from zerotrain.examples.gpt import GPT, GPTConfig
     from zerotrain.strategies.offload import Offload
-    from zerotrain.strategies.offload.config import available_stages
     from zerotrain.trainer.module import TrainModule
 
     torch.set_num_threads(spec["threads"])
@@ -138,7 +137,7 @@ def run_child(spec: dict) -> dict:
             self.times.append(time.perf_counter() - self._t)
             self.losses.append(float(outputs.detach()) if torch.is_tensor(outputs) else float("nan"))
 
-    stage = 3 if 3 in available_stages() else 2
+    stage = 3
     config = spec["config"]
     if config == "plain":
         strategy = "single"
@@ -310,8 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     start = args.start_params or cap / 64
     shapes = ladder(start, args.growth, args.max_rungs, args.n_layer, args.seq)
 
-    from zerotrain.strategies.offload.config import available_stages
-    stage = 3 if 3 in available_stages() else 2
+    stage = 3
     print(f"offload_scale: cap {args.mem_cap_gb} GiB RSS per run, {args.steps} steps, fp32 compute, "
           f"GPT L={args.n_layer} seq={args.seq} batch={args.batch}, {args.threads} threads; offload uses "
           f"ZeRO stage {stage}" + ("" if stage == 3 else " (ZeRO-3 is not built: stage 2 fallback, "

@@ -97,13 +97,8 @@ def directory_problem(path: object, create: bool = True) -> Optional[str]:
     return None
 
 
-def available_stages() -> tuple[int, ...]:
-    """ZeRO stages offload can compose with in this build (3 once ``zero/stage3.py`` exists)."""
-    try:
-        from ..zero import stage3  # noqa: F401
-    except ImportError:
-        return (2,)
-    return (2, 3)
+#: the ZeRO stages offload composes with
+STAGES = (2, 3)
 
 
 @dataclass(frozen=True)
@@ -139,12 +134,8 @@ class OffloadConfig:
         for f in ("pin_memory", "direct_io"):
             if not isinstance(getattr(self, f), bool):
                 raise TypeError(f"Offload: {f}={getattr(self, f)!r} must be True or False")
-        stages = available_stages()
-        if self.stage not in stages:
-            why = "" if 3 in stages or self.stage != 3 else \
-                " (ZeRO-3 is not in this build: strategies/zero/stage3.py is missing)"
-            raise ValueError(f"Offload: stage={self.stage!r}{why}; valid choices: "
-                             f"{', '.join(map(str, stages))}")
+        if self.stage not in STAGES:
+            raise ValueError(f"Offload: stage={self.stage!r}; valid choices: {', '.join(map(str, STAGES))}")
         if self.optimizer_device not in OPTIMIZER_DEVICES:
             raise ValueError(f"Offload: optimizer_device={self.optimizer_device!r}; valid choices: "
                              f"{', '.join(OPTIMIZER_DEVICES)}")
