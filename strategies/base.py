@@ -3,9 +3,16 @@
 The Trainer calls these methods in a fixed order and never asks which strategy it holds:
 
     connect(info, device, precision) -> setup_environment() -> configure_model(module)
-    -> setup_module(module) -> setup_optimizer(optimizer)
+    -> setup_module(module) -> setup_optimizer(optimizer) -> [fit(ckpt_path=...): load_param_shards]
     loop: training_step -> backward [under no_sync() while accumulating] -> optimizer_step
-    state_dict / load_state_dict / full_state_dict -> teardown()
+          [save_checkpoint: param_shards, extra_state]
+    -> teardown()
+
+Checkpoints (``trainer/checkpointing.py``) have one path: a save writes every rank's
+``param_shards()`` and ``extra_state()`` (described by ``checkpoint_model_info()`` and
+``optimizer_group_names()``); a load calls ``load_param_shards(reader)``, which fills this rank's
+part from any strategy's checkpoint on any world size. ``full_state_dict()`` exports the complete
+weights.
 
 The defaults here implement a *replicated* strategy: every rank holds the whole model and whole
 optimizer, and gradients are already identical on every rank when ``optimizer_step`` runs. Single
@@ -334,25 +341,6 @@ class Strategy:
         return box[0]
 
     # ------------------------------------------------------------------ checkpoints
-    def checkpoint_shard_rank(self) -> int:
-        """Which rank's shard file this rank loads (replicated: rank 0's; sharded: its own)."""
-        return 0
-
-    def writes_shard(self) -> bool:
-        return self.is_global_zero
-
-    def state_dict(self) -> dict[str, Any]:
-        """This rank's part of a checkpoint: model and optimizer state it alone must save."""
-        assert self.module is not None and self.optimizer is not None
-        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "precision": self.precision.state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        assert self.module is not None and self.optimizer is not None
-        self.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.precision.load_state_dict(state.get("precision", {}))
-
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: the complete fp32 model state on global rank 0, ``{}`` elsewhere."""
         assert self.module is not None
@@ -365,6 +353,10 @@ class Strategy:
     # parameter name, the flat element range of the full parameter it holds (``param_shards``);
     # loading maps any saved layout onto this run's (``load_param_shards``). Replicated
     # strategies: the ranks that ``writes_shard()`` hold every full range of their module.
+
+    def writes_shard(self) -> bool:
+        """Whether this rank's ``param_shards``/``extra_state`` hold anything (replicated: rank 0)."""
+        return self.is_global_zero
 
     def _trainable_names(self) -> dict[int, str]:
         """``id(parameter) -> canonical name`` (its first name) for the trainable parameters."""

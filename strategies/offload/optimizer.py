@@ -20,10 +20,12 @@ fp32 state, without ``amsgrad``, ``maximize`` or ``differentiable``. Any other o
 * ``optimizer_device="nvme"``: refused at set-up with the reason. Swapping an arbitrary optimizer's
   state would need its state layout; Adam's is known.
 
-Checkpoints use the ZeRO shard layout (``{"master": [...], "optimizer": optimizer.state_dict()}``
-with torch's ``step``/``exp_avg``/``exp_avg_sq`` per slot), so shards move between ``zero2``/``zero3``
-and ``offload`` (and the Trainer's per-parameter format sees the real state). With NVMe the
-tensors are memory-mapped copies of the swap files (see :meth:`~.swapper.SwappedStates.snapshot`).
+For checkpoints the stepper speaks ZeRO's layout (``state_dict()`` is ``{"master": [...],
+"optimizer": optimizer.state_dict()}`` with torch's ``step``/``exp_avg``/``exp_avg_sq`` per slot,
+``load_state_dict`` takes the same): the stage's ``param_shards`` / ``load_param_shards`` read and
+fill it as they do a :class:`ShardedOptimizer`, so the Trainer's per-parameter format sees the real
+state and checkpoints move between ``zero2``/``zero3`` and ``offload``. With NVMe the tensors are
+memory-mapped copies of the swap files (see :meth:`~.swapper.SwappedStates.snapshot`).
 """
 from __future__ import annotations
 

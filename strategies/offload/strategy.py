@@ -252,8 +252,9 @@ class Offload(ZeroStrategy):
 
     def teardown(self) -> None:
         """Stops the I/O threads. Swap files stay until the strategy is garbage-collected (or the
-        process exits): the Trainer tears down at the end of ``fit`` and ``full_state_dict()`` /
-        ``state_dict()`` may still follow, reading the state back (threads restart on demand)."""
+        process exits): the Trainer tears down at the end of ``fit`` and ``full_state_dict()`` or a
+        checkpoint (``param_shards()``) may still follow, reading the state back (threads restart
+        on demand)."""
         if self.io is not None:
             self.io.close()
         super().teardown()
@@ -330,10 +331,6 @@ class OffloadZeroStage3(Offload, ZeroStage3):
     def _refresh_params(self) -> None:
         self.sharded.import_loaded_state()  # after ZeRO-3's own loads (optimizer.load_state_dict)
         super()._refresh_params()  # free units, refresh working shards, gather persistent ones
-
-    def state_dict(self) -> dict[str, Any]:
-        with self.sharded.exposed_state():
-            return super().state_dict()
 
     def param_shards(self):
         with self.sharded.exposed_state():

@@ -265,23 +265,6 @@ class PipelineStrategy(Strategy):
     def writes_shard(self) -> bool:
         return self.replica == 0
 
-    def checkpoint_shard_rank(self) -> int:
-        return self._grid().rank_of(self.stage, 0)
-
-    def state_dict(self) -> dict[str, Any]:
-        """This stage's layers under their original (non-pipelined) names, its optimizer state."""
-        state = super().state_dict()
-        state["pipeline"] = {"stage": self.stage, "num_stages": self.num_stages, "bounds": self.pipe.bounds}
-        return state
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        saved = state.get("pipeline", {})
-        if saved and (saved.get("num_stages"), list(saved.get("bounds", []))) != (self.num_stages, self.pipe.bounds):
-            raise ValueError(f"pipeline: the checkpoint was cut as {saved.get('bounds')} over "
-                             f"{saved.get('num_stages')} stages, this run as {self.pipe.bounds}; load its "
-                             "full_state_dict into the non-pipelined model instead")
-        super().load_state_dict(state)
-
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: every stage's layers, under their original names, on global rank 0."""
         assert self.module is not None

@@ -24,10 +24,10 @@ squared norm), the inner optimizer on the master views, and ``_refresh_params``,
 refreshes the working shards (and re-gathers the persistent small parameters). Nothing is gathered
 between steps.
 
-Checkpoints: ``state_dict()`` is this rank's unit master partitions and optimizer state (same
-world size and unit plan to load); the Trainer's strategy-neutral format (``param_shards`` /
-``load_param_shards``, in ``stage3_checkpoint``) loads into any strategy and world size;
-``full_state_dict()`` gathers unit by unit into rank 0.
+Checkpoints: the Trainer's strategy-neutral format (``param_shards`` / ``load_param_shards``, in
+``stage3_checkpoint``) saves each rank's element ranges of the units' masters with their optimizer
+state and loads into any strategy and world size; ``full_state_dict()`` gathers unit by unit into
+rank 0.
 
 Memory per rank between steps: 16Psi/N with Adam in bf16-mixed (2 working shard + 2 gradient with
 ``reduce_dtype="bf16"`` + 4 master + 8 Adam), plus the persistent parameters whole; during a step
@@ -251,39 +251,6 @@ class ZeroStage3(ZeroStrategy):
             u.refresh(self.group)
 
     # ------------------------------------------------------------------ checkpoints
-    def _layout_meta(self) -> dict[str, Any]:
-        return {"world_size": self.world_size, "rank": self.global_rank,
-                "units": [u.name for u in self.units], "numels": [u.layout.numel for u in self.units],
-                "padded_numels": [u.layout.padded_numel for u in self.units]}
-
-    def state_dict(self) -> dict[str, Any]:
-        """This rank's shards: every unit's fp32 master partition and the optimizer's state."""
-        assert self.sharded is not None and self.module is not None
-        state = {"zero": {"stage": self.stage, **self._layout_meta()},
-                 "masters": [u.master.detach().clone() for u in self.units],
-                 "optimizer": self.optimizer.state_dict(), "precision": self.precision.state_dict()}
-        if self.is_global_zero:
-            state["module_extra"] = self._module_extra_state()
-        return state
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Collective. Loads this rank's shard of a stage-3 checkpoint of the same world size."""
-        assert self.sharded is not None and self.module is not None
-        meta, mine = state.get("zero", {}), self._layout_meta()
-        if meta.get("stage") != self.stage:
-            raise ValueError(f"checkpoint shard is from ZeRO stage {meta.get('stage')!r}; zero3 loads "
-                             "zero3 shards only: export weights with full_state_dict() to switch")
-        for key in ("world_size", "rank", "units", "numels", "padded_numels"):
-            if meta.get(key) != mine[key]:
-                raise ValueError(f"checkpoint shard has {key}={meta.get(key)!r} but this run has "
-                                 f"{mine[key]!r}: zero3 shards load only on the same world size, model "
-                                 "and unit plan")
-        with torch.no_grad():
-            for u, m in zip(self.units, state["masters"]):
-                u.master.copy_(m)
-        self.optimizer.load_state_dict(state["optimizer"])
-        self._finish_state_load(state)
-
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: the complete fp32 weights on rank 0, gathered one unit at a time (no rank
         but rank 0 ever holds more than its shards); ``{}`` elsewhere. Tied parameters appear

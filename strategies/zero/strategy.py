@@ -23,7 +23,7 @@ updated slices into every rank's working buffers -> zero gradients.
 from __future__ import annotations
 
 import logging
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -226,55 +226,6 @@ class ZeroStrategy(Strategy):
             self.pending.push(self.flat_groups[g].launch_gather(master, s, e, single, self.group), params)
 
     # ------------------------------------------------------------------ checkpoints
-    def writes_shard(self) -> bool:
-        return True
-
-    def checkpoint_shard_rank(self) -> int:
-        return self.global_rank
-
-    def _layout_meta(self) -> dict[str, Any]:
-        return {"world_size": self.world_size, "rank": self.global_rank,
-                "numels": [fg.layout.numel for fg in self.flat_groups],
-                "padded_numels": [fg.layout.padded_numel for fg in self.flat_groups]}
-
-    def state_dict(self) -> dict[str, Any]:
-        assert self.sharded is not None and self.module is not None
-        self.pending.wait_all()
-        state = {"zero": {"stage": self.stage, **self._layout_meta()}, **self.sharded.state_dict(),
-                 "precision": self.precision.state_dict()}
-        if self.is_global_zero:
-            state["module_extra"] = self._module_extra_state()
-        return state
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Collective. Loads this rank's shard (stage 1 and 2 shards are interchangeable)."""
-        assert self.sharded is not None and self.module is not None
-        self.pending.wait_all()
-        meta, mine = state.get("zero", {}), self._layout_meta()
-        for key in ("world_size", "rank", "numels", "padded_numels"):
-            if meta.get(key) != mine[key]:
-                raise ValueError(
-                    f"checkpoint shard has {key}={meta.get(key)!r} but this run has {mine[key]!r}: "
-                    "ZeRO shards load only on the same world size and model; export weights with "
-                    "full_state_dict() to change either")
-        self.sharded.load_state_dict(state)
-        self._finish_state_load(state)
-
-    def _module_extra_state(self) -> dict[str, torch.Tensor]:
-        """Copies of what a shard checkpoint carries beside the masters (buffers, frozen params)."""
-        sd = self.module.state_dict()
-        return {k: sd[k].detach().clone() for k in self._extra_state_names()}
-
-    def _finish_state_load(self, state: dict[str, Any]) -> None:
-        """Collective, after the masters and optimizer state are in: precision state, rank 0's
-        extras sent to every rank, then fresh working parameters and empty gradients."""
-        self.precision.load_state_dict(state.get("precision", {}))
-        if "module_extra" in state:
-            self.module.load_state_dict(state["module_extra"], strict=False)
-        self._broadcast_extras()
-        self._refresh_params()
-        self.zero_grad()
-
     def _finish_shard_load(self, reader: ShardReader) -> None:
         """After ``load_param_shards`` filled masters and optimizer state: the extras from the
         checkpoint, then fresh working parameters and empty gradients."""

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import copy
 import os
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from harness import run_ranks
+from harness import load_checkpoint, run_ranks, save_checkpoint
 
 STEPS = 10
 VOCAB, DIM, SEQ = 13, 8, 6
@@ -84,7 +85,15 @@ def _batch(kind: str, step: int, replica: int, rows: int):
 
 
 # ---------------------------------------------------------------------------- one case on one rank
-def _run_case(case: dict) -> dict:
+def _same(a: dict, b: dict) -> bool:
+    """Nested dicts of tensors (and numbers) with the same keys and equal values."""
+    if sorted(a) != sorted(b):
+        return False
+    return all(_same(v, b[k]) if isinstance(v, dict) else torch.equal(torch.as_tensor(v), torch.as_tensor(b[k]))
+               for k, v in a.items())
+
+
+def _run_case(case: dict, ck_name: str) -> dict:
     import torch.distributed as dist
 
     from zerotrain.strategies.environment import detect
@@ -153,11 +162,12 @@ def _run_case(case: dict) -> dict:
     rel = max(float((v - ref_state[k]).norm() / ref_state[k].norm()) for k, v in mine.items())
     out = {"rank": dist.get_rank(), "stage": stage, "replica": replica, "rel": rel, "losses": losses,
            "ref_losses": ref_losses, "peak": strategy.live_activation_peak, "clipped": clipped,
-           "keys": sorted(mine), "writes_shard": strategy.writes_shard(),
-           "shard_rank": strategy.checkpoint_shard_rank()}
-    ckpt = strategy.state_dict()
-    out["ckpt_keys"] = sorted(ckpt["model"])
-    out["ckpt_has_optimizer_state"] = len(ckpt["optimizer"]["state"]) == len(list(pipe.parameters()))
+           "keys": sorted(mine), "writes_shard": strategy.writes_shard()}
+    shards, numel = strategy.param_shards(), {n: p.numel() for n, p in model.named_parameters()}
+    out["shard_names"] = sorted(shards)
+    out["shards_whole"] = all((sh.start, sh.end) == (0, numel[n]) for n, sh in shards.items())
+    out["shard_kinds"] = sorted({k for sh in shards.values() for k in sh.tensors})
+    out["shards_have_optimizer_state"] = all(len(sh.tensors) > 1 for sh in shards.values())
     full = strategy.full_state_dict()
     if dist.get_rank() == 0:
         out["full_keys"] = sorted(full)
@@ -168,6 +178,18 @@ def _run_case(case: dict) -> dict:
         xs, ys = zip(*[_batch(kind, 99, r, rows) for r in range(replicas)])
         with torch.no_grad():
             out["ref_val"] = float(loss_fn(ref(torch.cat(xs)), torch.cat(ys)))
+    # a checkpoint round trip through the Trainer's format: every rank (replicas > 0 too, which
+    # write nothing) gets its stage's weights and optimizer state back from the files
+    params = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    opt_state = copy.deepcopy(strategy.optimizer.state_dict()["state"])
+    ck = save_checkpoint(strategy, Path.cwd() / ck_name)  # the spawn's shared tmp_path
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    strategy.optimizer.state.clear()
+    load_checkpoint(strategy, ck)
+    out["restored"] = (_same(model.state_dict(), params)
+                       and _same(strategy.optimizer.state_dict()["state"], opt_state))
     strategy.teardown()
     return out
 
@@ -225,7 +247,7 @@ def _run_trainer_case(case: dict) -> dict:
 
 
 def run_cases(cases: list) -> list:
-    return [_run_trainer_case(c) if c.get("trainer") else _run_case(c) for c in cases]
+    return [_run_trainer_case(c) if c.get("trainer") else _run_case(c, f"ck{i}") for i, c in enumerate(cases)]
 
 
 # ---------------------------------------------------------------------------- checks
@@ -268,10 +290,13 @@ def test_two_stages_match_a_plain_loop(tmp_path):
     assert lm[0]["keys"] + lm[1]["keys"] == sorted(lm[0]["keys"] + lm[1]["keys"])
     assert set(lm[0]["keys"]) | set(lm[1]["keys"]) == set(_REF_KEYS["lm"])
     assert "0.weight" in lm[0]["keys"] and "6.weight" in lm[1]["keys"]
-    # checkpoints: each stage's layers under their original names, written by both ranks
+    # checkpoints: each stage's layers under their original names, whole, with their optimizer
+    # state, written by both ranks; a round trip restores every case on every rank
     for r in lm:
-        assert r["ckpt_keys"] == ["pipe." + k for k in r["keys"]] and r["ckpt_has_optimizer_state"]
-        assert r["writes_shard"] and r["shard_rank"] == r["rank"]
+        assert r["shard_names"] == ["pipe." + k for k in r["keys"]] and r["shards_whole"]
+        assert r["shard_kinds"] == ["exp_avg", "exp_avg_sq", "param"] and r["shards_have_optimizer_state"]
+        assert r["writes_shard"]
+    assert all(r["restored"] for results in (mlp, lm, lm_gpipe, tup, bf16, fp16) for r in results)
     assert lm[0]["full_keys"] == ["pipe." + k for k in _REF_KEYS["lm"]] and lm[0]["full_rel"] <= 1e-5
     assert mlp[0]["full_keys"] == ["pipe." + k for k in _REF_KEYS["mlp"]]
     assert lm[0]["val"] == lm[1]["val"] and abs(lm[0]["val"] - lm[0]["ref_val"]) <= 1e-5 * lm[0]["ref_val"]
@@ -299,6 +324,8 @@ def test_four_stages_two_by_two_and_the_trainer_match_a_plain_loop(tmp_path):
     # 2 stages x 2 replicas: replica r is ranks 2r, 2r+1; replica 0 writes, replica 1 reads its files
     assert [(r["stage"], r["replica"]) for r in grid] == [(0, 0), (1, 0), (0, 1), (1, 1)]
     assert [r["writes_shard"] for r in grid] == [True, True, False, False]
-    assert [r["shard_rank"] for r in grid] == [0, 1, 0, 1]
+    assert [bool(r["shard_names"]) for r in grid] == [True, True, False, False]
+    assert all(grid[r]["shard_names"] == ["pipe." + k for k in grid[r + 2]["keys"]] for r in (0, 1))
+    assert all(r["restored"] for results in (four, grid) for r in results)
     assert grid[0]["full_keys"] == ["pipe." + k for k in _REF_KEYS["lm"]]
     assert len({r["val"] for r in grid}) == 1 and abs(grid[0]["val"] - grid[0]["ref_val"]) <= 1e-5 * grid[0]["ref_val"]

@@ -7,14 +7,14 @@ single-process PyTorch loop over the same global batches is the reference.
 from __future__ import annotations
 
 import contextlib
-import io
 import os
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-from harness import run_ranks_once, set_up_like_trainer
+from harness import load_checkpoint, run_ranks_once, save_checkpoint, set_up_like_trainer
 from zerotrain.strategies.environment import detect
 from zerotrain.strategies.memory import count_bytes
 from zerotrain.strategies.precision import BF16Mixed, DynamicLossScaler, FP16Mixed, Precision
@@ -278,18 +278,14 @@ def _checkpoint(rank: int, world: int) -> dict:
         model = Tied()
         strategy, sched = setup(stage, model, reduce_bucket_size=50, allgather_bucket_size=40)
         train(strategy, sched, batches[:half], CLIP)
-        saved = io.BytesIO()
-        torch.save({"strategy": strategy.state_dict(), "sched": sched.state_dict()}, saved)
+        ck = save_checkpoint(strategy, Path.cwd() / f"ck_zero{stage}", sched)  # the spawn's shared tmp_path
         train(strategy, sched, batches[half:], CLIP)
         full = strategy.full_state_dict()
         strategy.teardown()
 
         resumed = Tied(seed=123)  # different start: everything must come from the checkpoint
         strategy2, sched2 = setup(stage, resumed, reduce_bucket_size=50, allgather_bucket_size=40)
-        saved.seek(0)
-        state = torch.load(saved, weights_only=True)
-        strategy2.load_state_dict(state["strategy"])
-        sched2.load_state_dict(state["sched"])
+        load_checkpoint(strategy2, ck, sched2)
         train(strategy2, sched2, batches[half:], CLIP)
         case = {"uninterrupted": flat(model), "resumed": flat(resumed),
                 "calls": model.calls.clone(), "resumed_calls": resumed.calls.clone(),

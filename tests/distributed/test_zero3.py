@@ -6,9 +6,9 @@ throughout); the references build the same model eagerly with the same seed.
 """
 from __future__ import annotations
 
-import io
 import os
 import resource
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from harness import run_ranks_once
+from harness import load_checkpoint, run_ranks_once, save_checkpoint
 from toy import ToyModule, assert_params_close
 from toy import reference as toy_reference
 from zerotrain import Callback, Trainer, TrainModule
@@ -313,8 +313,7 @@ def _checkpoint(world: int, rank: int) -> dict:
         data, world, rank, shuffle=False)))[:STEPS]
     s, sched = _setup(LM(), world)
     _steps(s, sched, batches[:10])
-    legacy = io.BytesIO()
-    torch.save({"strategy": s.state_dict(), "sched": sched.state_dict()}, legacy)
+    ck = save_checkpoint(s, Path.cwd() / "ck", sched)  # the spawn's shared tmp_path
     shards = [None] * world
     dist.all_gather_object(shards, s.param_shards())
     extras, groups = s.extra_state(), [dict(g, params=[]) for g in s.optimizer.state_dict()["param_groups"]]
@@ -322,14 +321,13 @@ def _checkpoint(world: int, rank: int) -> dict:
     _steps(s, sched, batches[10:])
     out = {"uninterrupted": s.full_state_dict(),
            "ranges": {k: (v.start, v.end) for k, v in shards[rank].items()}}
-    for name in ("legacy", "param_shards"):
+    for name in ("files", "param_shards"):
         s2, sched2 = _setup(LM(), world, seed=1)  # other weights: all must come from the checkpoint
-        state = torch.load(io.BytesIO(legacy.getvalue()), weights_only=True)
-        if name == "legacy":
-            s2.load_state_dict(state["strategy"])
-        else:
+        if name == "files":  # the Trainer's sequence: checkpoint_io + CheckpointReader
+            load_checkpoint(s2, ck, sched2)
+        else:  # the same shards, read from memory
             s2.load_param_shards(MemoryReader(shards, extras, groups))
-        sched2.load_state_dict(state["sched"])
+            sched2.load_state_dict(torch.load(ck / "meta.pt", weights_only=True)["scheduler"])
         _steps(s2, sched2, batches[10:])
         out[name] = s2.full_state_dict()
     return out
@@ -423,11 +421,6 @@ def _demo(world: int, rank: int) -> dict:
     return {"text": text, "val_loss": module.trainer.callback_metrics.get("val_loss")}
 
 
-def _worker(cases: list[str]) -> dict:
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    fns = {"equivalence": _equivalence, "hf": _hf, "quirky": _quirky, "prefetch": _prefetch_and_memory,
-           "checkpoint": _checkpoint, "memory_cap": _memory_cap}
-    return {c: fns[c](world, rank) for c in cases}
 def _construction(world: int, rank: int) -> dict:
     """Built partitioned in configure_model() vs built eagerly with the same seed."""
     out = {}
@@ -568,7 +561,7 @@ def test_memory_between_steps_is_16_psi_over_n(tmp_path_factory):
 def test_checkpoint_round_trips_resume_exactly(tmp_path_factory):
     ranks = [r["checkpoint"] for r in spawned(2, tmp_path_factory)]
     res = ranks[0]
-    for name in ("legacy", "param_shards"):
+    for name in ("files", "param_shards"):
         assert list(res[name]) == list(res["uninterrupted"])
         for k, v in res["uninterrupted"].items():
             assert torch.equal(res[name][k], v), f"{name}: {k}"

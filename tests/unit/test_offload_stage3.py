@@ -1,7 +1,6 @@
 """Offload composed with ZeRO-3 in one process: the same result as ZeRO-3 without offload, Adam
 state swapped, parameter shards in files that are resident only while used, checkpoints."""
 import gc
-import io
 import os
 import re
 
@@ -9,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from harness import set_up_like_trainer
+from harness import load_checkpoint, save_checkpoint, set_up_like_trainer
 
 from zerotrain.strategies.environment import ProcessInfo
 from zerotrain.strategies.offload import Offload
@@ -107,17 +106,13 @@ def test_checkpoint_resumes_exactly(tmp_path, case):
     data = batches(8)
     s, sched = make(offload(case, tmp_path), Deep())
     train(s, sched, data[:4])
-    saved = io.BytesIO()
-    torch.save({"s": s.state_dict(), "sched": sched.state_dict()}, saved)
+    ck = save_checkpoint(s, tmp_path / "ck", sched)
     shards = s.param_shards()  # the Trainer's format: Adam state must be in it, swapped or not
     assert all({"param", "exp_avg", "exp_avg_sq"} <= set(sh.tensors) for sh in shards.values())
     assert not s.optimizer.state or case == "cpu"  # swapped state was only exposed for the call
     train(s, sched, data[4:])
-    saved.seek(0)
-    ck = torch.load(saved, weights_only=True)
     s2, sched2 = make(offload(case, tmp_path), Deep(seed=9))
-    s2.load_state_dict(ck["s"])
-    sched2.load_state_dict(ck["sched"])
+    load_checkpoint(s2, ck, sched2)
     train(s2, sched2, data[4:])
     assert torch.equal(weights(s2), weights(s))
     s.teardown()  # stops the I/O threads

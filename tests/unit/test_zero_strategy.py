@@ -1,15 +1,17 @@
 """ZeRO stages in one process (no process group): options, set-up checks, the step, the log."""
-import copy
 import logging
 
 import pytest
 import torch
 from torch import nn
 
+from harness import load_checkpoint, save_checkpoint
+
 from zerotrain.strategies import strategy_from_name
 from zerotrain.strategies.environment import ProcessInfo
 from zerotrain.strategies.precision import BF16Mixed, Precision
 from zerotrain.strategies.zero import ZeroConfig, ZeroStage1, ZeroStage2
+from zerotrain.trainer.errors import CheckpointError
 from zerotrain.trainer.module import TrainModule
 
 
@@ -118,12 +120,37 @@ def test_optimizer_must_cover_the_trainable_parameters():
         s.setup_optimizer(torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1))
 
 
-def test_checkpoint_from_another_layout_is_refused():
-    s = make(ZeroStage2, Net())
-    state = copy.deepcopy(s.state_dict())
-    state["zero"]["world_size"] = 2
-    with pytest.raises(ValueError, match="world_size=2 but this run has 1"):
-        s.load_state_dict(state)
+class Wider(Net):
+    def __init__(self):
+        super().__init__()
+        self.net[2] = nn.Linear(7, 4)
+
+
+def test_checkpoint_loads_into_another_layout_and_refuses_another_model(tmp_path):
+    """The checkpoint reshards: ZeRO-2's loads into ZeRO-1 with another partition padding and
+    training continues as without the stop; a checkpoint of another model is refused by name."""
+    data = batches(8)
+    model, other = Net(), Net()
+    s = make(ZeroStage2, model)
+    for b in data[:4]:
+        s.backward(s.training_step(b, 0))
+        assert s.optimizer_step(0.1)
+    ck = save_checkpoint(s, tmp_path / "ck")
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(1.0)  # another start: everything must come from the checkpoint
+    s2 = make(ZeroStage1, other, partition_alignment=16)
+    assert s2.flat_groups[0].layout.padded_numel != s.flat_groups[0].layout.padded_numel
+    load_checkpoint(s2, ck)
+    for b in data[4:]:
+        for strategy in (s, s2):
+            strategy.backward(strategy.training_step(b, 0))
+            assert strategy.optimizer_step(0.1)
+    for a, b in zip(other.parameters(), model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    refusal = r"different model:\n  shape mismatch: .*net\.2\.weight \(checkpoint \[3, 7\], model \[4, 7\]\)"
+    with pytest.raises(CheckpointError, match=refusal):
+        load_checkpoint(make(ZeroStage2, Wider()), ck)
 
 
 def test_options_are_validated_with_field_and_value():
