@@ -4,9 +4,10 @@ the tensor ranges are ``reshard.py``'s; this module decides what goes in and wha
 """
 from __future__ import annotations
 
-import functools
 import logging
-from typing import TYPE_CHECKING, Any
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
 
 from .. import __version__
 from . import checkpoint_io, elastic, reshard
@@ -22,37 +23,44 @@ def save(trainer: "Trainer", path: str, update_latest: bool = True) -> None:
     """Collective: every rank writes its shard of the checkpoint directory ``path`` in parallel;
     rank 0 then publishes it atomically and points ``latest`` (beside it) at it
     (``trainer/checkpoint_io.py`` describes the format)."""
-    s = trainer.strategy
+    loader = trainer.train_dataloader
+
+    def loop_meta(meta: dict[str, Any]) -> None:  # rank 0: the Trainer's part, then the hook
+        meta.update(loop=trainer.state.state_dict(), callbacks=trainer.hooks.state_dict(),
+                    scheduler=trainer.lr_scheduler.state_dict() if trainer.lr_scheduler is not None else None,
+                    data={"batch_size": getattr(loader, "batch_size", None),
+                          "world": trainer.strategy.data_parallel_world_size,
+                          "accumulate_grad_batches": trainer.accumulate_grad_batches})
+        trainer.hooks("on_save_checkpoint", trainer, trainer.module, meta)
+
+    save_strategy(trainer.strategy, trainer.optimizer, path, loop_meta, update_latest)
+
+
+def save_strategy(s: Any, optimizer: Any, path: str | os.PathLike, complete: Callable[[dict[str, Any]], None],
+                  update_latest: bool = True) -> Path:
+    """Collective: the strategy's part of a save (every rank's parameter shards, optimizer state,
+    extras and RNG state, and the layout); rank 0 hands the metadata to ``complete`` to add the
+    loop's part before it is written. Returns the checkpoint directory."""
     s.barrier()
 
     def describe() -> tuple[list, dict[str, Any]]:  # e.g. an optimizer state that is not per element
         entries, local = reshard.shard_entries(s.param_shards(), s.extra_state())
         local.update(rng=checkpoint_io.rng_state(), model=reshard.model_info_meta(s.checkpoint_model_info()),
-                     optimizer=reshard.optimizer_meta(trainer.optimizer, s.optimizer_group_names()))
+                     optimizer=reshard.optimizer_meta(optimizer, s.optimizer_group_names()))
         return entries, local
+
+    def meta(locals_: list[dict[str, Any]]) -> dict[str, Any]:
+        out = {"strategy": s.name, "precision": s.precision.name, "precision_state": s.precision.state_dict(),
+               "zerotrain_version": __version__, **reshard.layout_meta(locals_),
+               "rng": [loc["rng"] for loc in locals_],
+               "optimizer": dict(locals_[0]["optimizer"], names=reshard.merge_group_names(
+                   [loc["optimizer"]["names"] for loc in locals_]))}
+        complete(out)
+        return out
 
     entries, local = reshard.agree(s, describe, catch=(ValueError, CheckpointError))
     with elastic.timeout_during(s, s.process_group_timeout_s):
-        checkpoint_io.save(path, checkpoint_io.comm_of(s), entries, local, functools.partial(checkpoint_meta, trainer),
-                           update_latest=update_latest)
-
-
-def checkpoint_meta(trainer: "Trainer", locals_: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """Rank 0 at a save: everything but the tensors, from every rank's ``locals_``."""
-    s, loader = trainer.strategy, trainer.train_dataloader
-    meta = {"loop": trainer.state.state_dict(), "strategy": s.name,
-            "precision": trainer.precision_plugin.name, "precision_state": trainer.precision_plugin.state_dict(),
-            "scheduler": trainer.lr_scheduler.state_dict() if trainer.lr_scheduler is not None else None,
-            "callbacks": trainer.hooks.state_dict(), "zerotrain_version": __version__,
-            "data": {"batch_size": getattr(loader, "batch_size", None), "world": s.data_parallel_world_size,
-                     "accumulate_grad_batches": trainer.accumulate_grad_batches}}
-    if locals_ is not None:
-        meta.update(reshard.layout_meta(locals_))
-        meta["rng"] = [loc["rng"] for loc in locals_]
-        meta["optimizer"] = dict(locals_[0]["optimizer"], names=reshard.merge_group_names(
-            [loc["optimizer"]["names"] for loc in locals_]))
-    trainer.hooks("on_save_checkpoint", trainer, trainer.module, meta)
-    return meta
+        return checkpoint_io.save(path, checkpoint_io.comm_of(s), entries, local, meta, update_latest=update_latest)
 
 
 def resume_path(trainer: "Trainer", ckpt_path: str | None) -> str | None:
@@ -81,20 +89,7 @@ def load(trainer: "Trainer", path: str) -> None:
     """Collective: load a checkpoint saved by any strategy on any world size (resharding
     online: each rank reads only the ranges it needs). Errors are raised on every rank."""
     s = trainer.strategy
-    root, meta = reshard.agree(s, lambda: checkpoint_io.load_meta(path))
-    saved_world = meta["world_size"]
-    reshard.agree(s, lambda: checkpoint_io.verify(root, meta, range(s.global_rank, saved_world, s.world_size)))
-    model = reshard.merge_model_info(reshard.all_gather(s, reshard.model_info_meta(s.checkpoint_model_info())))
-    groups = reshard.merge_group_names(reshard.all_gather(s, s.optimizer_group_names()))
-    optimizer = {"type": reshard.optimizer_meta(trainer.optimizer, [])["type"], "names": groups}
-    reshard.agree(s, lambda: reshard.check_compatible(root, meta, model, optimizer))
-    if (meta["strategy"], saved_world) != (s.name, s.world_size):
-        log.info("resharding checkpoint %s: saved by %s on %d ranks, loading into %s on %d", root,
-                 meta["strategy"], saved_world, s.name, s.world_size)
-    with reshard.CheckpointReader(root, meta) as reader:
-        s.load_param_shards(reader)
-    if meta["precision"] == trainer.precision_plugin.name:
-        trainer.precision_plugin.load_state_dict(meta["precision_state"])
+    meta = load_strategy(s, trainer.optimizer, path)
     loop, note = reshard.resume_position(meta["loop"], meta.get("data"),
                                          getattr(trainer.train_dataloader, "batch_size", None),
                                          s.data_parallel_world_size)
@@ -112,5 +107,27 @@ def load(trainer: "Trainer", path: str) -> None:
 
         seed_everything(trainer.seed + 1_000_003 * s.global_rank + trainer.state.global_step)
         log.warning("resume: rank %d has no saved RNG state (saved on %d ranks); re-seeded",
-                    s.global_rank, saved_world)
+                    s.global_rank, meta["world_size"])
     s.barrier()
+
+
+def load_strategy(s: Any, optimizer: Any, path: str | os.PathLike) -> dict[str, Any]:
+    """Collective: the strategy's part of a load: check the files and that the checkpoint fits
+    this model and optimizer (on every rank together), fill this rank's parameters, optimizer
+    state and extras through a :class:`~.reshard.CheckpointReader`, and the precision state.
+    Returns the checkpoint's metadata for the loop's part."""
+    root, meta = reshard.agree(s, lambda: checkpoint_io.load_meta(path))
+    saved_world = meta["world_size"]
+    reshard.agree(s, lambda: checkpoint_io.verify(root, meta, range(s.global_rank, saved_world, s.world_size)))
+    model = reshard.merge_model_info(reshard.all_gather(s, reshard.model_info_meta(s.checkpoint_model_info())))
+    groups = reshard.merge_group_names(reshard.all_gather(s, s.optimizer_group_names()))
+    kind = {"type": reshard.optimizer_meta(optimizer, [])["type"], "names": groups}
+    reshard.agree(s, lambda: reshard.check_compatible(root, meta, model, kind))
+    if (meta["strategy"], saved_world) != (s.name, s.world_size):
+        log.info("resharding checkpoint %s: saved by %s on %d ranks, loading into %s on %d", root,
+                 meta["strategy"], saved_world, s.name, s.world_size)
+    with reshard.CheckpointReader(root, meta) as reader:
+        s.load_param_shards(reader)
+    if meta["precision"] == s.precision.name:
+        s.precision.load_state_dict(meta["precision_state"])
+    return meta

@@ -144,50 +144,28 @@ def set_up_like_trainer(strategy: Any, module: Any, info: Any, precision: Any) -
 
 
 def save_checkpoint(strategy: Any, path: str | os.PathLike, scheduler: Any = None) -> Path:
-    """Collective: write ``strategy``'s checkpoint to the directory ``path`` the way
-    ``Trainer.save_checkpoint`` does (``trainer/checkpointing.py`` ``save``: every rank's
-    ``param_shards()`` and ``extra_state()`` through ``checkpoint_io.save``), for tests that drive
-    a strategy without a Trainer. The loop state is empty; ``scheduler``'s state goes in the
+    """Collective: write ``strategy``'s checkpoint to the directory ``path`` as
+    ``Trainer.save_checkpoint`` does (``trainer/checkpointing.py`` ``save_strategy``), for tests that
+    drive a strategy without a Trainer. The loop state is empty; ``scheduler``'s state goes in the
     metadata when given. Returns the checkpoint directory."""
-    from zerotrain.trainer import checkpoint_io, reshard
+    from zerotrain.trainer import checkpointing
 
-    s = strategy
-    s.barrier()
-    entries, local = reshard.shard_entries(s.param_shards(), s.extra_state())
-    local.update(rng=checkpoint_io.rng_state(), model=reshard.model_info_meta(s.checkpoint_model_info()),
-                 optimizer=reshard.optimizer_meta(s.optimizer, s.optimizer_group_names()))
+    def loop_meta(meta: dict[str, Any]) -> None:
+        meta.update(loop={}, scheduler=scheduler.state_dict() if scheduler is not None else None)
 
-    def meta(locals_: list[dict[str, Any]]) -> dict[str, Any]:
-        return {**reshard.layout_meta(locals_), "rng": [loc["rng"] for loc in locals_], "loop": {},
-                "strategy": s.name, "precision": s.precision.name, "precision_state": s.precision.state_dict(),
-                "scheduler": scheduler.state_dict() if scheduler is not None else None,
-                "optimizer": dict(locals_[0]["optimizer"], names=reshard.merge_group_names(
-                    [loc["optimizer"]["names"] for loc in locals_]))}
-
-    return checkpoint_io.save(path, checkpoint_io.comm_of(s), entries, local, meta, update_latest=False)
+    return checkpointing.save_strategy(strategy, strategy.optimizer, path, loop_meta, update_latest=False)
 
 
 def load_checkpoint(strategy: Any, path: str | os.PathLike, scheduler: Any = None) -> dict[str, Any]:
-    """Collective: load a checkpoint into ``strategy`` the way ``Trainer.fit(ckpt_path=...)`` does
-    (``trainer/checkpointing.py`` ``load``: verify the files, check the model and optimizer against
-    every rank's, ``load_param_shards`` through a ``CheckpointReader``, then the precision state),
-    and ``scheduler``'s state when given. Returns the checkpoint's metadata."""
-    from zerotrain.trainer import checkpoint_io, reshard
+    """Collective: load a checkpoint into ``strategy`` as ``Trainer.fit(ckpt_path=...)`` does
+    (``trainer/checkpointing.py`` ``load_strategy``), and ``scheduler``'s state when given. Returns
+    the checkpoint's metadata."""
+    from zerotrain.trainer import checkpointing
 
-    s = strategy
-    root, meta = checkpoint_io.load_meta(path)
-    checkpoint_io.verify(root, meta)
-    model = reshard.merge_model_info(reshard.all_gather(s, reshard.model_info_meta(s.checkpoint_model_info())))
-    groups = reshard.merge_group_names(reshard.all_gather(s, s.optimizer_group_names()))
-    reshard.check_compatible(root, meta, model, {"type": reshard.optimizer_meta(s.optimizer, [])["type"],
-                                                 "names": groups})
-    with reshard.CheckpointReader(root, meta) as reader:
-        s.load_param_shards(reader)
-    if meta["precision"] == s.precision.name:
-        s.precision.load_state_dict(meta["precision_state"])
+    meta = checkpointing.load_strategy(strategy, strategy.optimizer, path)
     if scheduler is not None:
         scheduler.load_state_dict(meta["scheduler"])
-    s.barrier()
+    strategy.barrier()
     return meta
 
 
