@@ -122,10 +122,15 @@ class StepWrapper(nn.Module):
         return getattr(self.module, method)(*args, **kwargs)
 
 
+#: the default timeout of every collective (seconds); the Trainer's watchdog usually ends a stuck
+#: job much sooner (``stall_timeout_s``)
+PROCESS_GROUP_TIMEOUT_S = 300.0
+
+
 class Strategy:
     name = "base"
 
-    def __init__(self, process_group_timeout_s: float = 300.0) -> None:
+    def __init__(self, process_group_timeout_s: float = PROCESS_GROUP_TIMEOUT_S) -> None:
         if process_group_timeout_s <= 0:
             raise ValueError(f"process_group_timeout_s={process_group_timeout_s!r} must be > 0")
         self.process_group_timeout_s = float(process_group_timeout_s)

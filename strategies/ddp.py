@@ -4,25 +4,44 @@ model and optimizer."""
 from __future__ import annotations
 
 import contextlib
+import math
+from dataclasses import dataclass
+from typing import Any
 
 from torch.nn.parallel import DistributedDataParallel
 
-from .base import StepWrapper, Strategy
+from .base import PROCESS_GROUP_TIMEOUT_S, StepWrapper, Strategy
+from .options import check_bool, config_from
+
+
+@dataclass(frozen=True)
+class DDPConfig:
+    """``DistributedDataParallel``'s own options (see its documentation)."""
+
+    #: megabytes per gradient all-reduce bucket
+    bucket_cap_mb: float = 25.0
+    #: allow parameters that get no gradient in some steps (costs a graph traversal per step)
+    find_unused_parameters: bool = False
+    #: gradients are views into the all-reduce buckets (saves one copy of the gradients)
+    gradient_as_bucket_view: bool = True
+    #: the graph is the same every step (lets DDP skip per-step bookkeeping)
+    static_graph: bool = False
+
+    def __post_init__(self) -> None:
+        v = self.bucket_cap_mb
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise ValueError(f"DDP: bucket_cap_mb={v!r} must be > 0")
+        for f in ("find_unused_parameters", "gradient_as_bucket_view", "static_graph"):
+            check_bool("DDP", f, getattr(self, f))
 
 
 class DDP(Strategy):
     name = "ddp"
 
-    def __init__(self, bucket_cap_mb: float = 25.0, find_unused_parameters: bool = False,
-                 gradient_as_bucket_view: bool = True, static_graph: bool = False,
-                 process_group_timeout_s: float = 300.0) -> None:
+    def __init__(self, config: DDPConfig | None = None, *,
+                 process_group_timeout_s: float = PROCESS_GROUP_TIMEOUT_S, **options: Any) -> None:
         super().__init__(process_group_timeout_s=process_group_timeout_s)
-        if bucket_cap_mb <= 0:
-            raise ValueError(f"DDP: bucket_cap_mb={bucket_cap_mb!r} must be > 0")
-        self.bucket_cap_mb = bucket_cap_mb
-        self.find_unused_parameters = find_unused_parameters
-        self.gradient_as_bucket_view = gradient_as_bucket_view
-        self.static_graph = static_graph
+        self.config = config_from(DDPConfig, config, options, "DDP")
 
     def setup_module(self, module) -> None:
         super().setup_module(module)
@@ -30,9 +49,9 @@ class DDP(Strategy):
             return  # one process: DDP would only add overhead
         ids = [self.device.index] if self.device.type == "cuda" else None
         self.model = DistributedDataParallel(
-            StepWrapper(self.module), device_ids=ids, bucket_cap_mb=self.bucket_cap_mb,
-            find_unused_parameters=self.find_unused_parameters,
-            gradient_as_bucket_view=self.gradient_as_bucket_view, static_graph=self.static_graph)
+            StepWrapper(self.module), device_ids=ids, bucket_cap_mb=self.config.bucket_cap_mb,
+            find_unused_parameters=self.config.find_unused_parameters,
+            gradient_as_bucket_view=self.config.gradient_as_bucket_view, static_graph=self.config.static_graph)
 
     def no_sync(self):
         if isinstance(self.model, DistributedDataParallel):

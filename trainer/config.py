@@ -9,21 +9,21 @@ also takes Lightning's aliases: ``train.py`` maps them to the group's options fi
 Every value is then range-checked before any process is started, in one place per schema: the
 ``validate()`` method of each dataclass below (``Config.validate()`` runs them all, plus the checks
 that span sections), the strategy's own constructor for the ``strategy`` group (``ZeroConfig``,
-``OffloadConfig``, ...), ``GPTConfig.__post_init__`` for ``model``, and ``Trainer.__init__`` for the
+``OffloadPolicy``, ...), ``GPTConfig.__post_init__`` for ``model``, and ``Trainer.__init__`` for the
 ``trainer`` options it takes (``train.py`` builds the Trainer before ``fit`` starts the other ranks).
 Each error is a :class:`ConfigError` reading ``section.field=value: what is wrong; valid: ...``.
 
-Strategy schemas are generated from each registered strategy's constructor signature, so a new
-strategy's options are configurable without writing its fields twice.
+Every default is written once, in the library's option dataclasses: the strategy schemas are
+generated from each registered preset's dataclasses (``strategies/registry.py``) and the precision
+schema from the loss scaler's, so a new option is configurable without writing it twice, and the
+YAML files in ``conf/`` only select (a test checks they hold no literal that differs).
 """
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 import os
 import re
-import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -32,6 +32,7 @@ from omegaconf import MISSING
 
 from ..examples.gpt import GPTConfig
 from ..strategies import Strategy, registry
+from ..strategies.precision import PRECISIONS
 from .errors import ConfigError
 from .trainer import DEFAULT_STALL_TIMEOUT_S
 
@@ -68,59 +69,64 @@ def _check_dir(field: str, path: Any) -> None:
 
 
 def _omegaconf_type(tp: Any) -> Any:
-    """The annotation OmegaConf can check, or Any where it cannot (unions of several types)."""
+    """The annotation OmegaConf can check, or Any where it cannot (unions of several types,
+    callables). ``tp`` may be a string (the option dataclasses use postponed annotations)."""
+    if isinstance(tp, str):
+        simple = {t.__name__: t for t in _SIMPLE}
+        parts = [p.strip() for p in tp.replace("Optional[", "").rstrip("]").split("|")]
+        names = [p for p in parts if p != "None"]
+        if len(names) == 1 and names[0] in simple:
+            t = simple[names[0]]
+            return Optional[t] if ("None" in parts or tp.startswith("Optional[")) else t
+        return Any
     if tp in _SIMPLE:
         return tp
-    args = [a for a in typing.get_args(tp) if a is not type(None)]
-    if typing.get_origin(tp) is typing.Union or type(tp).__name__ == "UnionType":
-        if len(args) == 1 and args[0] in _SIMPLE:
-            return Optional[args[0]]
-        if set(args) <= {int, float}:
-            return Optional[float] if type(None) in typing.get_args(tp) else float
     return Any
 
 
-def strategy_schema(name: str, cls: type[Strategy]) -> type:
-    """A dataclass with the strategy's constructor keywords (and ``name``) as typed fields."""
-    hints = typing.get_type_hints(cls.__init__)
-    fields: list[tuple] = [("name", str, field(default=name))]
-    for pname, p in inspect.signature(cls.__init__).parameters.items():
-        if pname == "self" or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
-            continue
-        default = p.default if p.default is not inspect.Parameter.empty else MISSING
-        tp = _omegaconf_type(hints.get(pname, Any))
+def schema(name: str, options: dict[str, tuple[Any, Any]], bases: tuple[type, ...] = (), **extra: Any) -> type:
+    """A typed dataclass for Hydra with one field per option: ``options`` maps a name to its
+    (annotation, default), as read from the option dataclasses; nothing is written twice."""
+    fields_ = []
+    for fname, (tp, default) in options.items():
         if isinstance(default, (list, dict, tuple)):
-            default, tp = field(default_factory=lambda d=default: d), Any
-        fields.append((pname, tp, default if isinstance(default, dataclasses.Field) else field(default=default)))
-    return dataclasses.make_dataclass(f"{cls.__name__}Config", fields)
+            fields_.append((fname, Any, field(default_factory=lambda d=default: d)))
+        else:
+            fields_.append((fname, _omegaconf_type(tp), field(default=default)))
+    return dataclasses.make_dataclass(name, fields_, bases=bases, namespace=extra)
 
 
-@dataclass
-class PrecisionConfig:
-    name: str = "32"
-    # dynamic loss scaler (16-mixed only)
-    init_scale: float = 2.0**16
-    growth_interval: int = 1000
-    backoff_factor: float = 0.5
-    hysteresis: int = 2
-    min_scale: float = 1.0
+def strategy_schema(name: str) -> type:
+    """The ``strategy`` group's schema for a registered preset: ``name`` and its options."""
+    options = {"name": ("str", name), **registry.get(name).fields()}
+    return schema(f"{name.title().replace('_', '')}StrategyConfig", options)
 
-    def validate(self) -> None:
-        from ..strategies.precision import canonical_precision
 
-        try:
-            canonical_precision(self.name, field="precision.name")
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-        if not _is_num(self.init_scale) or self.init_scale <= 0:
-            raise _bad("precision.init_scale", self.init_scale, "must be > 0", "e.g. 65536.0")
-        _int_at_least("precision.growth_interval", self.growth_interval, 1)
-        if not _is_num(self.backoff_factor) or not 0 < self.backoff_factor < 1:
-            raise _bad("precision.backoff_factor", self.backoff_factor, "must be in (0, 1)", "e.g. 0.5")
-        _int_at_least("precision.hysteresis", self.hysteresis, 1)
-        if not _is_num(self.min_scale) or not 0 < self.min_scale <= self.init_scale:
-            raise _bad("precision.min_scale", self.min_scale, "must be > 0 and <= precision.init_scale",
-                       f"(0, {self.init_scale!r}]")
+def _validate_precision(self: Any) -> None:
+    """The name, then the loss scaler's own checks (it defines the options and their rules)."""
+    from ..strategies.precision import DynamicLossScaler, canonical_precision
+
+    try:
+        canonical_precision(self.name, field="precision.name")
+        DynamicLossScaler(**{f.name: getattr(self, f.name) for f in dataclasses.fields(DynamicLossScaler)})
+    except ValueError as exc:
+        raise ConfigError(str(exc).replace("DynamicLossScaler: ", "precision.")) from None
+
+
+def _precision_schema() -> type:
+    """``name`` and the dynamic loss scaler's options (16-mixed only), from its dataclass."""
+    from ..strategies.precision import DynamicLossScaler
+
+    options = {"name": ("str", "32"), **{f.name: (f.type, f.default) for f in dataclasses.fields(DynamicLossScaler)}}
+    return schema("PrecisionConfig", options, validate=_validate_precision)
+
+
+PrecisionConfig = _precision_schema()
+
+
+def precision_schema(name: str) -> type:
+    """The schema of ``conf/precision/<name>.yaml``: PrecisionConfig selecting ``name``."""
+    return schema(f"PrecisionConfig_{name.replace('-', '_')}", {"name": ("str", name)}, bases=(PrecisionConfig,))
 
 
 OPTIMIZERS = ("adamw",)
@@ -314,9 +320,9 @@ def register_configs() -> None:
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=Config)
     for name in registry.available():
-        cls = registry.get(name)
-        cs.store(group="strategy", name=f"base_{name}", node=strategy_schema(name, cls))
-    cs.store(group="precision", name="base_precision", node=PrecisionConfig)
+        cs.store(group="strategy", name=f"base_{name}", node=strategy_schema(name))
+    for name in PRECISIONS:  # conf/precision/<name>.yaml selects base_<name>
+        cs.store(group="precision", name=f"base_{name}", node=precision_schema(name))
     cs.store(group="optimizer", name="base_optimizer", node=OptimizerConfig)
     cs.store(group="model", name="base_gpt", node=GPTConfig)
     cs.store(group="data", name="base_data", node=DataConfig)
@@ -345,9 +351,8 @@ def build_precision(cfg: PrecisionConfig):
 
     try:
         if canonical_precision(cfg.name, field="precision.name") == "16-mixed":
-            return FP16Mixed(DynamicLossScaler(init_scale=cfg.init_scale, growth_interval=cfg.growth_interval,
-                                               backoff_factor=cfg.backoff_factor, hysteresis=cfg.hysteresis,
-                                               min_scale=cfg.min_scale))
+            return FP16Mixed(DynamicLossScaler(**{f.name: getattr(cfg, f.name)
+                                                  for f in dataclasses.fields(DynamicLossScaler)}))
         return precision_from_name(cfg.name)
     except ValueError as exc:
         raise ConfigError(f"precision: {exc}") from None

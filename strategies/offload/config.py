@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import os
 import tempfile
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Optional
 
+from ..options import check_bool, check_choice, whole_number
 from .aio import ALIGN
 
 OPTIMIZER_DEVICES = ("cpu", "nvme")
@@ -97,14 +98,11 @@ def directory_problem(path: object, create: bool = True) -> Optional[str]:
     return None
 
 
-#: the ZeRO stages offload composes with
-STAGES = (2, 3)
-
-
 @dataclass(frozen=True)
-class OffloadConfig:
-    #: the ZeRO stage the offload composes with
-    stage: int = 2
+class OffloadPolicy:
+    """Where fp32 master weights, optimizer state and (ZeRO-3) parameter shards live, and how
+    they move. Composed with a ZeRO stage (2 or 3) by ``Offload(stage=..., ...)``."""
+
     #: where fp32 master weights and Adam state live: "cpu" (host RAM) or "nvme" (files)
     optimizer_device: str = "cpu"
     #: where ZeRO-3 parameter shards live between uses: "none" (with the working params), "cpu"
@@ -127,25 +125,12 @@ class OffloadConfig:
     direct_io: bool = True
 
     def __post_init__(self) -> None:
-        for f in ("stage", "buffer_count", "sub_group_size", "io_threads", "io_block_size"):
-            v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise TypeError(f"Offload: {f}={v!r} must be an integer")
+        for f in ("buffer_count", "sub_group_size", "io_threads", "io_block_size"):
+            object.__setattr__(self, f, whole_number("Offload", f, getattr(self, f), 1))
         for f in ("pin_memory", "direct_io"):
-            if not isinstance(getattr(self, f), bool):
-                raise TypeError(f"Offload: {f}={getattr(self, f)!r} must be True or False")
-        if self.stage not in STAGES:
-            raise ValueError(f"Offload: stage={self.stage!r}; valid choices: {', '.join(map(str, STAGES))}")
-        if self.optimizer_device not in OPTIMIZER_DEVICES:
-            raise ValueError(f"Offload: optimizer_device={self.optimizer_device!r}; valid choices: "
-                             f"{', '.join(OPTIMIZER_DEVICES)}")
-        if self.param_device not in PARAM_DEVICES:
-            raise ValueError(f"Offload: param_device={self.param_device!r}; valid choices: "
-                             f"{', '.join(PARAM_DEVICES)}")
-        if self.param_device != "none" and self.stage != 3:
-            raise ValueError(f"Offload: param_device={self.param_device!r} needs stage=3 (only ZeRO-3 "
-                             f"partitions the parameters); got stage={self.stage}. Valid with "
-                             f"stage={self.stage}: param_device='none'")
+            check_bool("Offload", f, getattr(self, f))
+        check_choice("Offload", "optimizer_device", self.optimizer_device, OPTIMIZER_DEVICES)
+        check_choice("Offload", "param_device", self.param_device, PARAM_DEVICES)
         if self.uses_nvme:
             if not isinstance(self.nvme_path, str) or not self.nvme_path:
                 raise ValueError(f"Offload: nvme_path={self.nvme_path!r} must name a directory when "
@@ -155,9 +140,6 @@ class OffloadConfig:
             if problem:
                 raise ValueError(f"Offload: nvme_path={self.nvme_path!r}: {problem}; valid: a writable "
                                  f"directory on a local disk (created if missing), e.g. /local_nvme/zerotrain")
-        for f, low in (("buffer_count", 1), ("sub_group_size", 1), ("io_threads", 1)):
-            if getattr(self, f) < low:
-                raise ValueError(f"Offload: {f}={getattr(self, f)!r} must be >= {low}")
         if self.io_block_size < ALIGN or self.io_block_size % ALIGN:
             raise ValueError(f"Offload: io_block_size={self.io_block_size!r} must be a positive "
                              f"multiple of {ALIGN} bytes")
@@ -165,6 +147,3 @@ class OffloadConfig:
     @property
     def uses_nvme(self) -> bool:
         return self.optimizer_device == "nvme" or self.param_device == "nvme"
-
-    def as_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self)}

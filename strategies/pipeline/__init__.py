@@ -6,10 +6,11 @@ through them on a 1F1B or GPipe schedule, optionally times data-parallel replica
 batched sends/receives), ``stage.py`` (runs one stage's instructions), ``collectives.py`` (gradient
 and weight reductions), ``strategy.py`` (the Strategy the Trainer talks to).
 """
+from .config import PipelineConfig
 from .module import LayerSpec, PipelineModule, Tie, TiedLayerSpec
 from .schedule import SCHEDULES
 from .strategy import PipelineStrategy
 from .topology import PipelineGrid
 
-__all__ = ["LayerSpec", "PipelineModule", "PipelineStrategy", "PipelineGrid", "SCHEDULES", "Tie",
+__all__ = ["LayerSpec", "PipelineConfig", "PipelineModule", "PipelineStrategy", "PipelineGrid", "SCHEDULES", "Tie",
            "TiedLayerSpec"]

@@ -34,9 +34,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..base import Strategy
+from ..base import PROCESS_GROUP_TIMEOUT_S, Strategy
+from ..options import config_from
 from .collectives import all_reduce_grads, broadcast_tensors, sum_over_world
 from .module import PipelineModule, Tie, find_pipeline_module
+from .config import PipelineConfig
 from .p2p import PipeComm
 from .schedule import inference, schedule_from_name
 from .stage import StageExecutor, StepStats
@@ -56,18 +58,15 @@ class TieGroup:
 class PipelineStrategy(Strategy):
     name = "pipeline"
 
-    def __init__(self, stages: int | None = None, schedule: str = "1f1b", micro_batches: int = 4,
-                 activation_checkpointing: bool = False, process_group_timeout_s: float = 300.0) -> None:
+    def __init__(self, config: PipelineConfig | None = None, *,
+                 process_group_timeout_s: float = PROCESS_GROUP_TIMEOUT_S, **options: Any) -> None:
         super().__init__(process_group_timeout_s=process_group_timeout_s)
-        if stages is not None and int(stages) < 1:
-            raise ValueError(f"pipeline: stages={stages!r} must be >= 1 (or None: one stage per process)")
-        if int(micro_batches) < 1:
-            raise ValueError(f"pipeline: micro_batches={micro_batches!r} must be >= 1")
-        self.schedule_name = schedule
-        self._schedule = schedule_from_name(schedule)
-        self.stages_option = stages
-        self.micro_batches = int(micro_batches)
-        self.activation_checkpointing = bool(activation_checkpointing)
+        self.config = config = config_from(PipelineConfig, config, options, "pipeline")
+        self.schedule_name = config.schedule
+        self._schedule = schedule_from_name(config.schedule)
+        self.stages_option = config.stages
+        self.micro_batches = config.micro_batches
+        self.activation_checkpointing = config.activation_checkpointing
         self.grid: PipelineGrid | None = None
         self.pipe: PipelineModule | None = None
         self.executor: StageExecutor | None = None

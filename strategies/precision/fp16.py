@@ -35,17 +35,24 @@ class DynamicLossScaler:
     min_scale: float = 1.0
 
     def __post_init__(self) -> None:
-        checks = {
-            "init_scale": self.init_scale > 0,
-            "growth_factor": self.growth_factor > 1,
-            "backoff_factor": 0 < self.backoff_factor < 1,
-            "growth_interval": self.growth_interval >= 1,
-            "hysteresis": self.hysteresis >= 1,
-            "min_scale": 0 < self.min_scale <= self.init_scale,
+        """Each option's rule; the message reads ``field=value: rule; valid: ...`` (the CLI puts
+        ``precision.`` in front of it)."""
+        number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)  # noqa: E731
+        whole = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731
+        rules = {
+            "init_scale": (number(self.init_scale) and self.init_scale > 0, "must be > 0", "e.g. 65536.0"),
+            "growth_factor": (number(self.growth_factor) and self.growth_factor > 1, "must be > 1", "e.g. 2.0"),
+            "backoff_factor": (number(self.backoff_factor) and 0 < self.backoff_factor < 1, "must be in (0, 1)",
+                               "e.g. 0.5"),
+            "growth_interval": (whole(self.growth_interval) and self.growth_interval >= 1,
+                                "must be an integer >= 1", "1, 2, ..."),
+            "hysteresis": (whole(self.hysteresis) and self.hysteresis >= 1, "must be an integer >= 1", "1, 2, ..."),
+            "min_scale": (number(self.min_scale) and number(self.init_scale) and 0 < self.min_scale <= self.init_scale,
+                          "must be > 0 and <= init_scale", f"(0, {self.init_scale!r}]"),
         }
-        for field, ok in checks.items():
+        for field, (ok, rule, valid) in rules.items():
             if not ok:
-                raise ValueError(f"DynamicLossScaler: invalid {field}={getattr(self, field)!r}")
+                raise ValueError(f"DynamicLossScaler: {field}={getattr(self, field)!r}: {rule}; valid: {valid}")
         self.scale = float(self.init_scale)
         self.good_steps = 0
         self.hysteresis_left = self.hysteresis

@@ -1,31 +1,37 @@
 """ZeRO: partition optimizer states (stage 1), gradients (stage 2) and parameters (stage 3) over
 data-parallel ranks.
 
-Pieces, smallest first: ``layout`` (pure partition arithmetic), ``comm`` (collectives returning
-handles, and the one queue that waits), ``flat_buffer`` (working parameters as views of one flat
-buffer per param group), ``sharded_optimizer`` (fp32 master slices + the user's optimizer
-re-targeted onto them), ``strategy`` (the shared step and checkpoints), ``stage1`` / ``stage2`` (how
-gradients reach each rank's partition) and ``estimate`` (the memory formulas). Stage 3 adds
-``unit_plan`` (which parameters are gathered together), ``unit`` (one unit's shards and state
-machine), ``stage3_runtime`` (what each forward/backward event does), ``hooks`` (every hook, in one
-place), ``touch`` and ``materialize`` (partitioned construction) and ``stage3``.
+Pieces, smallest first: ``config`` (every option, once: ``ZeroSpec`` and its sections),
+``layout`` (pure partition arithmetic), ``comm`` (collectives returning handles, and the one queue
+that waits), ``flat_buffer`` (working parameters as views of one flat buffer per param group),
+``sharded_optimizer`` (fp32 master slices + the user's optimizer re-targeted onto them),
+``stepper`` (the default optimizer part; offload supplies the other), ``strategy`` (the shared
+pieces of the step and checkpoints), ``stage1`` / ``stage2`` (how gradients reach each rank's
+partition) and ``estimate`` (the memory formulas). Stage 3 adds ``unit_plan`` (which parameters are
+gathered together), ``unit`` (one unit's shards and state machine), ``stage3_runtime`` (what each
+forward/backward event does), ``hooks`` (every hook, in one place), ``touch`` and ``materialize``
+(partitioned construction) and ``stage3``.
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any
 
-from .config import ZeroConfig
+from ..base import PROCESS_GROUP_TIMEOUT_S
+from .config import BucketConfig, Stage3Config, ZeroConfig, ZeroSpec
 from .stage1 import ZeroStage1
 from .stage2 import ZeroStage2
-from .stage3 import Stage3Config, ZeroStage3
+from .stage3 import ZeroStage3
+from .stepper import ShardedStepper
 from .strategy import ZeroStrategy
 
-
-def register_zero(register: Callable[[str, Callable], None]) -> None:
-    register("zero1", ZeroStage1)
-    register("zero2", ZeroStage2)
-    register("zero3", ZeroStage3)
+_STAGE_CLASSES: dict[int, type[ZeroStrategy]] = {1: ZeroStage1, 2: ZeroStage2, 3: ZeroStage3}
 
 
-__all__ = ["ZeroConfig", "ZeroStrategy", "ZeroStage1", "ZeroStage2", "ZeroStage3", "Stage3Config",
-           "register_zero"]
+def zero_strategy(spec: ZeroSpec, stepper: Any = None, *,
+                  process_group_timeout_s: float = PROCESS_GROUP_TIMEOUT_S) -> ZeroStrategy:
+    """The ZeRO strategy of ``spec.stage`` with ``stepper`` (default: on the device)."""
+    return _STAGE_CLASSES[spec.stage](spec, stepper, process_group_timeout_s=process_group_timeout_s)
+
+
+__all__ = ["BucketConfig", "ShardedStepper", "Stage3Config", "ZeroConfig", "ZeroSpec", "ZeroStrategy",
+           "ZeroStage1", "ZeroStage2", "ZeroStage3", "zero_strategy"]

@@ -1,32 +1,35 @@
-"""The options ZeRO stages share, validated once when the strategy is built."""
+"""Every ZeRO option, written once: the frozen dataclasses the strategies are built from and the
+CLI's ``strategy`` schemas are generated from (``registry``). Validated when built; each error
+names the field, its value and what is valid.
+
+* :class:`ZeroConfig`: options of every stage (the gradient reduction).
+* :class:`BucketConfig`: stages 1 and 2 (flat buffers reduced and gathered in buckets).
+* :class:`Stage3Config`: stage 3 (units gathered just in time).
+* :class:`ZeroSpec`: a stage and its sections; ``ZeroSpec.from_options(stage, **flat)`` routes flat
+  keyword options (``reduce_bucket_size=...``, ``unit_modules=...``) to their section by name.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, Optional
 
 import torch
+from torch import nn
+
+from ..options import check_bool, check_choice, whole_number
 
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 REDUCE_MODES = ("auto", "all_reduce", "reduce_scatter")
-#: default elements per gradient-reduction bucket and per parameter all-gather message: about
-#: DDP's 25 MB buckets in fp32. On gloo / 2 cores (GPT 21M, 2 ranks) 5e6-element all-gathers took
-#: 0.10 s per step against 0.21 s for 2e7: smaller messages keep two collectives in flight on
-#: gloo's two worker threads. DeepSpeed's GPU-sized 5e8 was much slower still (MACHINE_FACTS).
-BUCKET_NUMEL = 5_000_000
+STAGES = (1, 2, 3)
 
 
 @dataclass(frozen=True)
 class ZeroConfig:
-    """Sizes are in elements (bucket defaults: :data:`BUCKET_NUMEL`)."""
+    """Options of every stage: how gradients are reduced."""
 
-    #: elements per gradient reduction message
-    reduce_bucket_size: int = BUCKET_NUMEL
-    #: elements per parameter all-gather message (all ranks' chunks together)
-    allgather_bucket_size: int = BUCKET_NUMEL
-    #: launch each full gradient bucket while backward continues (ZeRO-2); False waits at once
+    #: launch each gradient reduction while backward continues; False waits for each at once
     overlap_comm: bool = True
-    #: gradient partitions live in one contiguous buffer per group (the only layout supported)
-    contiguous_gradients: bool = True
-    #: dtype of the gradient reduction and of ZeRO-2's gradient partitions
+    #: dtype of the gradient reduction and of the gradient partitions
     reduce_dtype: str = "fp32"
     #: "all_reduce" (all-reduce a bucket, keep your slice: faster on gloo), "reduce_scatter"
     #: (each rank receives only its slice: right for NCCL), or "auto" (pick by backend)
@@ -35,21 +38,11 @@ class ZeroConfig:
     partition_alignment: int = 1
 
     def __post_init__(self) -> None:
-        for f in ("reduce_bucket_size", "allgather_bucket_size", "partition_alignment"):
-            object.__setattr__(self, f, _positive_int(f, getattr(self, f)))
-        for f in ("overlap_comm", "contiguous_gradients"):
-            if not isinstance(getattr(self, f), bool):
-                raise TypeError(f"ZeRO: {f}={getattr(self, f)!r} must be True or False")
-        if not self.contiguous_gradients:
-            raise ValueError(
-                "ZeRO: contiguous_gradients=False is not supported: zerotrain always keeps "
-                "gradient partitions in one contiguous buffer per param group; drop the option")
-        if self.reduce_dtype not in REDUCE_DTYPES:
-            raise ValueError(f"ZeRO: reduce_dtype={self.reduce_dtype!r}; valid choices: "
-                             f"{', '.join(REDUCE_DTYPES)}")
-        if self.reduce_mode not in REDUCE_MODES:
-            raise ValueError(f"ZeRO: reduce_mode={self.reduce_mode!r}; valid choices: "
-                             f"{', '.join(REDUCE_MODES)}")
+        object.__setattr__(self, "partition_alignment",
+                           whole_number("ZeRO", "partition_alignment", self.partition_alignment, 1))
+        check_bool("ZeRO", "overlap_comm", self.overlap_comm)
+        check_choice("ZeRO", "reduce_dtype", self.reduce_dtype, REDUCE_DTYPES)
+        check_choice("ZeRO", "reduce_mode", self.reduce_mode, REDUCE_MODES)
 
     @property
     def torch_reduce_dtype(self) -> torch.dtype:
@@ -62,17 +55,117 @@ class ZeroConfig:
             return self.reduce_mode
         return "reduce_scatter" if backend == "nccl" else "all_reduce"
 
-    def as_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+@dataclass(frozen=True)
+class BucketConfig:
+    """Stages 1 and 2: the whole model lives in flat buffers, reduced and gathered in buckets.
+
+    The default bucket, 5e6 elements, is about DDP's 25 MB in fp32. On gloo / 2 cores (GPT 21M,
+    2 ranks) 5e6-element all-gathers took 0.10 s per step against 0.21 s for 2e7: smaller messages
+    keep two collectives in flight on gloo's two worker threads; DeepSpeed's GPU-sized 5e8 was
+    much slower still (MACHINE_FACTS)."""
+
+    #: elements per gradient reduction message
+    reduce_bucket_size: int = 5_000_000
+    #: elements per parameter all-gather message (all ranks' chunks together)
+    allgather_bucket_size: int = 5_000_000
+    #: leave the post-step all-gathers in flight; each forward waits only for its own module's
+    overlap_param_gather: bool = False
+
+    def __post_init__(self) -> None:
+        for f in ("reduce_bucket_size", "allgather_bucket_size"):
+            object.__setattr__(self, f, whole_number("ZeRO", f, getattr(self, f), 1))
+        check_bool("ZeRO", "overlap_param_gather", self.overlap_param_gather)
 
 
-def _positive_int(name: str, value: object) -> int:
-    # 5e7 is a natural way to write a bucket size: accept integral floats, reject the rest
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"ZeRO: {name}={value!r} must be a positive integer (elements)")
-    if isinstance(value, float) and not value.is_integer():
-        raise ValueError(f"ZeRO: {name}={value!r} must be a whole number of elements")
-    if value < 1:
-        raise ValueError(f"ZeRO: {name}={value!r} must be >= 1; valid: a whole number of elements >= 1, "
-                         f"e.g. {BUCKET_NUMEL}")
-    return int(value)
+@dataclass(frozen=True)
+class Stage3Config:
+    """Stage 3: parameters partitioned too, gathered one unit at a time. Sizes are in elements."""
+
+    #: which modules are units: None (children of every nn.ModuleList), class names (a list, or
+    #: one comma-separated string as on the command line), or a callable (name, module) -> bool
+    unit_modules: "tuple[str, ...] | Callable[[str, nn.Module], bool] | None" = None
+    #: free a unit after its forward (True) or keep it gathered until its backward (ZeRO-2-like
+    #: memory for the parameters, one all-gather fewer per unit and step)
+    reshard_after_forward: bool = True
+    #: elements to all-gather ahead of the unit in use (0: no prefetch)
+    prefetch_bucket_size: int = 50_000_000
+    #: most gathered elements at once (the unit in use may exceed it by itself)
+    max_live_parameters: int = 1_000_000_000
+    #: parameters of at most this many elements stay whole on every rank (0: none)
+    param_persistence_threshold: int = 0
+    #: recompute each unit's forward in backward (non-reentrant torch.utils.checkpoint)
+    activation_checkpointing: bool = False
+
+    def __post_init__(self) -> None:
+        from .unit_plan import make_policy
+
+        units = self.unit_modules
+        if isinstance(units, str):
+            units = [n.strip() for n in units.split(",") if n.strip()]
+        make_policy(units)  # raises for anything but names, a callable or None
+        if units is not None and not callable(units):
+            units = tuple(units)
+        object.__setattr__(self, "unit_modules", units)
+        for f in ("reshard_after_forward", "activation_checkpointing"):
+            check_bool("zero3", f, getattr(self, f))
+        for f, least in (("prefetch_bucket_size", 0), ("max_live_parameters", 1),
+                         ("param_persistence_threshold", 0)):
+            object.__setattr__(self, f, whole_number("zero3", f, getattr(self, f), least))
+
+
+#: the sections a stage has (besides ZeroConfig)
+_SECTIONS: dict[str, type] = {"buckets": BucketConfig, "stage3": Stage3Config}
+_STAGE_SECTIONS = {1: ("buckets",), 2: ("buckets",), 3: ("stage3",)}
+
+
+@dataclass(frozen=True)
+class ZeroSpec:
+    """A ZeRO stage and the option sections it uses (the other section is None)."""
+
+    stage: int = 2
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    buckets: Optional[BucketConfig] = None
+    stage3: Optional[Stage3Config] = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stage, bool) or self.stage not in STAGES:
+            raise ValueError(f"ZeRO: stage={self.stage!r}; valid choices: {', '.join(map(str, STAGES))}")
+        for name, cls in _SECTIONS.items():
+            used = name in _STAGE_SECTIONS[self.stage]
+            if getattr(self, name) is None and used:
+                object.__setattr__(self, name, cls())
+            elif getattr(self, name) is not None and not used:
+                raise ValueError(f"ZeRO: {name}= is not a section of stage={self.stage}")
+
+    @classmethod
+    def from_options(cls, stage: int, owner: str = "ZeRO", **options: Any) -> "ZeroSpec":
+        """The spec from flat options, each routed to the section that has a field of its name.
+        An option of a section this stage does not use must stay at its default."""
+        probe = cls(stage=stage)  # validates the stage
+        sections: dict[str, dict[str, Any]] = {"zero": {}, **{n: {} for n in _SECTIONS}}
+        where = {f.name: "zero" for f in fields(ZeroConfig)}
+        where.update({f.name: n for n, c in _SECTIONS.items() for f in fields(c)})
+        for key, value in options.items():
+            if key not in where:
+                raise TypeError(f"{owner}: {key}={value!r} is not an option; valid: {', '.join(where)}")
+            sections[where[key]][key] = value
+        built: dict[str, Any] = {"zero": ZeroConfig(**sections["zero"])}
+        for name, cls_ in _SECTIONS.items():
+            if getattr(probe, name) is not None:
+                built[name] = cls_(**sections[name])
+                continue
+            for key, value in sections[name].items():
+                default = cls_.__dataclass_fields__[key].default
+                if value != default:
+                    raise ValueError(f"{owner}: {key}={value!r} is not an option of stage={stage} "
+                                     f"(a {cls_.__name__} field); leave it at its default {default!r}")
+        return cls(stage=stage, **built)
+
+    def options(self) -> dict[str, Any]:
+        """The flat options of this spec (for ``repr`` and logs)."""
+        out: dict[str, Any] = {"stage": self.stage}
+        for section in (self.zero, self.buckets, self.stage3):
+            if section is not None:
+                out.update({f.name: getattr(section, f.name) for f in fields(section)})
+        return out

@@ -16,7 +16,6 @@ Memory per rank: 2Psi (params) + 2Psi (grads) + 12Psi/N (master + Adam) in bf16-
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Callable, Sequence
 
 import torch
@@ -117,14 +116,5 @@ class ZeroStage1(ZeroStrategy):
     def _build_gradients(self) -> ReplicatedGradients:
         order = {id(p): i for i, p in enumerate(self.module.parameters())}
         return ReplicatedGradients(self.flat_groups, self.global_rank, self.config.torch_reduce_dtype,
-                                   self.reduce_mode, self.config.reduce_bucket_size, self.queue,
+                                   self.reduce_mode, self.buckets.reduce_bucket_size, self.queue,
                                    order, self.group, is_sync=lambda: self._sync)
-
-    @contextlib.contextmanager
-    def no_sync(self):
-        """Accumulate locally; the next backward outside this context reduces."""
-        prev, self._sync = self._sync, False
-        try:
-            yield
-        finally:
-            self._sync = prev

@@ -253,7 +253,7 @@ class ZeroStage2(ZeroStrategy):
     def _build_gradients(self) -> PartitionedGradients:
         order = {id(p): i for i, p in enumerate(self.module.parameters())}
         return PartitionedGradients(self.flat_groups, self.global_rank, self.config.torch_reduce_dtype,
-                                    self.reduce_mode, self.config.reduce_bucket_size, self.queue,
+                                    self.reduce_mode, self.buckets.reduce_bucket_size, self.queue,
                                     order, self.group)
 
     def _grad_bytes_per_param(self) -> int:

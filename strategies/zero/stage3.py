@@ -47,8 +47,7 @@ that differs between ranks (units would be gathered in different orders, as with
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, fields
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -66,63 +65,14 @@ from .unit import Unit
 from .unit_plan import PERSISTENT, ROOT, UnitPlan, make_policy, optimizer_runs, plan_units
 
 
-@dataclass(frozen=True)
-class Stage3Config:
-    """Stage-3 options. Sizes are in elements."""
-
-    #: which modules are units: None (children of every nn.ModuleList), class names, or a
-    #: callable (qualified_name, module) -> bool
-    unit_modules: "tuple[str, ...] | Callable[[str, nn.Module], bool] | None" = None
-    #: free a unit after its forward (True) or keep it gathered until its backward (ZeRO-2-like
-    #: memory for the parameters, one all-gather fewer per unit and step)
-    reshard_after_forward: bool = True
-    #: elements to all-gather ahead of the unit in use (0: no prefetch)
-    prefetch_bucket_size: int = 50_000_000
-    #: most gathered elements at once (the unit in use may exceed it by itself)
-    max_live_parameters: int = 1_000_000_000
-    #: parameters of at most this many elements stay whole on every rank (0: none)
-    param_persistence_threshold: int = 0
-    #: recompute each unit's forward in backward (non-reentrant torch.utils.checkpoint)
-    activation_checkpointing: bool = False
-
-    def __post_init__(self) -> None:
-        make_policy(self.unit_modules)  # raises for anything but names, a callable or None
-        if self.unit_modules is not None and not callable(self.unit_modules):
-            object.__setattr__(self, "unit_modules", tuple(self.unit_modules))
-        for f in ("reshard_after_forward", "activation_checkpointing"):
-            if not isinstance(getattr(self, f), bool):
-                raise TypeError(f"zero3: {f}={getattr(self, f)!r} must be True or False")
-        for f, least in (("prefetch_bucket_size", 0), ("max_live_parameters", 1),
-                         ("param_persistence_threshold", 0)):
-            v = getattr(self, f)
-            if isinstance(v, float) and v.is_integer():
-                v = int(v)
-                object.__setattr__(self, f, v)
-            if isinstance(v, bool) or not isinstance(v, int) or v < least:
-                raise ValueError(f"zero3: {f}={v!r} must be an integer >= {least}")
-
-    def as_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
-
 class ZeroStage3(ZeroStrategy):
     """ZeRO-3: every rank keeps 1/N of the parameters; units are gathered just in time."""
 
     name = "zero3"
     stage = 3
 
-    def __init__(self, unit_modules: "list[str] | Callable[[str, nn.Module], bool] | None" = None,
-                 reshard_after_forward: bool = True, prefetch_bucket_size: int = 50_000_000,
-                 max_live_parameters: int = 1_000_000_000, param_persistence_threshold: int = 0,
-                 activation_checkpointing: bool = False, reduce_dtype: str = "fp32",
-                 reduce_mode: str = "auto", overlap_comm: bool = True, partition_alignment: int = 1,
-                 process_group_timeout_s: float = 300.0) -> None:
-        super().__init__(reduce_dtype=reduce_dtype, reduce_mode=reduce_mode, overlap_comm=overlap_comm,
-                         partition_alignment=partition_alignment,
-                         process_group_timeout_s=process_group_timeout_s)
-        self.stage3 = Stage3Config(unit_modules, reshard_after_forward, prefetch_bucket_size,
-                                   max_live_parameters, param_persistence_threshold,
-                                   activation_checkpointing)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self.plan: UnitPlan | None = None
         self.units: list[Unit] = []
         self.runtime: Stage3Runtime | None = None
@@ -190,6 +140,7 @@ class ZeroStage3(ZeroStrategy):
         unit = Unit(index, name, params, names, layout, self.global_rank, self.precision.param_dtype,
                     self.config.torch_reduce_dtype, self.device, persistent=name == PERSISTENT)
         unit.load_full(flat)
+        self.stepper.place_unit(unit, self.global_rank)  # offload: shards to files, unit by unit
         return unit
 
     def _scope_modules(self) -> list[nn.Module]:
@@ -218,11 +169,13 @@ class ZeroStage3(ZeroStrategy):
                 grads[r.group].append(u.grad[r.start:r.start + r.numel])
                 self._runs.append((u, r, masters[r.group][-1]))
         self._group_of = group_of
-        self.sharded = ShardedOptimizer(optimizer, masters)
         self.optimizer = optimizer
         self.runtime.grad_views = [g for gs in grads for g in gs]
         self.grads = self.runtime
-        self._log_memory("at setup (optimizer state is allocated by the first step)")
+        order = [(u, r) for g in range(len(groups)) for u, r, _ in self._runs if r.group == g]
+        self.stepper.page_units([(u, r.start) for u, r in order])  # the masters' order: group by group
+        self._attach_stepper(ShardedOptimizer(optimizer, masters),
+                             [u.working[r.start:r.start + r.numel] for u, r in order], masters_external=True)
 
     def _extra_state_names(self) -> list[str]:
         """State-dict entries that no unit holds: buffers and non-floating-point parameters."""
@@ -246,6 +199,7 @@ class ZeroStage3(ZeroStrategy):
     def _refresh_params(self) -> None:
         """After the inner step: nothing is gathered between steps; refresh the working shards
         from the masters (and all-gather the persistent parameters)."""
+        self.stepper.before_refresh(self.sharded)
         self.runtime.free_all()
         for u in self.units:
             u.refresh(self.group)
@@ -270,7 +224,8 @@ class ZeroStage3(ZeroStrategy):
         return self._ckpt.optimizer_group_names()
 
     def param_shards(self) -> dict[str, ParamShard]:
-        return self._ckpt.param_shards()
+        with self.stepper.exposed_state(self.sharded):
+            return self._ckpt.param_shards()
 
     def extra_state(self) -> dict[str, torch.Tensor]:
         return self._ckpt.extra_state()
@@ -281,12 +236,14 @@ class ZeroStage3(ZeroStrategy):
     # ------------------------------------------------------------------ memory and end
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         managed = {id(p) for u in self.units for p in u.params}
-        return {"params": [t for u in self.units for t in (u.working, u.full)]
-                + [p for p in self.module.parameters() if id(p) not in managed],
-                "grads": [u.grad for u in self.units],
-                "master": [u.master for u in self.units],
-                "optimizer": self.sharded.state_tensors() if self.sharded else [],
-                "comm_buffers": self.runtime.comm_buffers() if self.runtime else []}
+        out = {"params": [t for u in self.units for t in (u.working, u.full)]
+               + [p for p in self.module.parameters() if id(p) not in managed],
+               "grads": [u.grad for u in self.units],
+               "master": [u.master for u in self.units],
+               "optimizer": self.sharded.state_tensors() if self.sharded else [],
+               "comm_buffers": self.runtime.comm_buffers() if self.runtime else []}
+        self.stepper.adjust_memory(out, self.sharded)
+        return out
 
     def _model_numel(self) -> int:
         return sum(u.layout.numel for u in self.units)
@@ -313,5 +270,4 @@ class ZeroStage3(ZeroStrategy):
             self.hooks = None
 
     def __repr__(self) -> str:
-        return (f"{type(self).__name__}(world_size={self.world_size}, {self.config.as_dict()}, "
-                f"{self.stage3.as_dict()})")
+        return f"{type(self).__name__}(world_size={self.world_size}, {self.spec.options()}, {self.stepper})"

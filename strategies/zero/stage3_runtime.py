@@ -44,10 +44,12 @@ log = logging.getLogger("zerotrain")
 
 @dataclass(frozen=True)
 class RuntimeOptions:
-    reshard_after_forward: bool = True
-    prefetch_bucket_size: int = 50_000_000
-    max_live_parameters: int = 1_000_000_000
-    reduce_mode: str = "all_reduce"
+    """What the runtime reads of ``Stage3Config`` (defaults there), with the resolved reduce mode."""
+
+    reshard_after_forward: bool
+    prefetch_bucket_size: int
+    max_live_parameters: int
+    reduce_mode: str
 
 
 class Stage3Runtime:

@@ -22,20 +22,22 @@ updated slices into every rank's working buffers -> zero gradients.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-from ..base import ParamShard, ShardReader, Strategy, split_optimizer_state
+from ..base import PROCESS_GROUP_TIMEOUT_S, ParamShard, ShardReader, Strategy, split_optimizer_state
 from ..memory import count_bytes
 from .comm import InFlight, InFlightQueue, all_reduce_sum, backend, broadcast_from
-from .config import BUCKET_NUMEL, ZeroConfig
+from .config import ZeroSpec
 from .estimate import estimate_model_states, format_bytes
 from .flat_buffer import FlatParamGroup, PendingParams, flatten_group
 from .layout import build_layout
 from .sharded_optimizer import ShardedOptimizer
+from .stepper import ShardedStepper
 
 log = logging.getLogger("zerotrain")
 
@@ -93,33 +95,44 @@ def trainable_groups(optimizer: torch.optim.Optimizer, module: nn.Module) -> lis
 
 
 class ZeroStrategy(Strategy):
+    """A ZeRO stage built from a :class:`~.config.ZeroSpec` and a stepper (the optimizer part:
+    :class:`~.stepper.ShardedStepper` on the device by default, offload's on the host). Options
+    may also be given flat (``ZeroStage2(reduce_bucket_size=...)``): each goes to the section of
+    the spec that has a field of its name."""
+
     stage = 0
 
-    def __init__(self, reduce_bucket_size: int = BUCKET_NUMEL, allgather_bucket_size: int = BUCKET_NUMEL,
-                 overlap_comm: bool = True, contiguous_gradients: bool = True,
-                 reduce_dtype: str = "fp32", reduce_mode: str = "auto", partition_alignment: int = 1,
-                 process_group_timeout_s: float = 300.0, overlap_param_gather: bool = False) -> None:
+    def __init__(self, spec: ZeroSpec | None = None, stepper: Any = None, *,
+                 process_group_timeout_s: float = PROCESS_GROUP_TIMEOUT_S, **options: Any) -> None:
         super().__init__(process_group_timeout_s=process_group_timeout_s)
-        #: launch the post-step parameter all-gathers and return; forwards wait per module
-        #: (:class:`~.flat_buffer.PendingParams`), every other reader waits for all
-        self.overlap_param_gather = overlap_param_gather
+        if spec is None:
+            spec = ZeroSpec.from_options(self.stage, owner=self.name, **options)
+        elif options:
+            raise TypeError(f"{self.name}: give the options in spec= or as keywords, not both "
+                            f"(got spec and {sorted(options)})")
+        if spec.stage != self.stage:
+            raise ValueError(f"{self.name}: spec.stage={spec.stage} does not match this stage ({self.stage})")
+        self.spec, self.config, self.buckets, self.stage3 = spec, spec.zero, spec.buckets, spec.stage3
+        self.stepper = stepper if stepper is not None else ShardedStepper()
+        self.stepper.check_stage(self.stage)
+        self.name = self.stepper.name or type(self).name
+        #: where masters and optimizer state live (None: with the working parameters)
+        self.offload = self.stepper.policy
         self.pending = PendingParams()
         self._gather_plan: list | None = None  # planned at the first overlapped gather
-        self.config = ZeroConfig(reduce_bucket_size, allgather_bucket_size, overlap_comm,
-                                 contiguous_gradients, reduce_dtype, reduce_mode, partition_alignment)
         self.group: object = None  # the default process group
         self.flat_groups: list[FlatParamGroup] = []
-        self.sharded: ShardedOptimizer | None = None
+        self.sharded: Any = None  # the stepper's optimizer (ShardedOptimizer, or offload's)
         self.grads: GradientShards | None = None
         self.reduce_mode: str | None = None  # resolved from the backend at setup_optimizer
         self.queue = InFlightQueue(overlap=self.config.overlap_comm)
         self._sync = True  # False inside no_sync()
-        self._step_grads: list[torch.Tensor] | None = None
         self._logged_after_step = False
 
     # ------------------------------------------------------------------ set-up
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         assert self.module is not None, "setup_module must run before setup_optimizer"
+        self.stepper.check(self.stage, self.device, optimizer)
         groups = trainable_groups(optimizer, self.module)
         self._broadcast_extras()
         masters = []
@@ -130,11 +143,37 @@ class ZeroStrategy(Strategy):
                                        self.queue, self.group)
             self.flat_groups.append(fg)
             masters.append(master)
-        self.sharded = ShardedOptimizer(optimizer, masters)
         self.optimizer = optimizer
         self.reduce_mode = self.config.resolved_reduce_mode(backend(self.group))
         self.grads = self._build_gradients()
+        self._attach_stepper(ShardedOptimizer(optimizer, masters), self._working_partitions())
+
+    def _working_partitions(self) -> list[torch.Tensor]:
+        """This rank's slice of each group's working buffer (what an offload stepper writes)."""
+        return [fg.partition(self.global_rank) for fg in self.flat_groups]
+
+    def _attach_stepper(self, sharded: ShardedOptimizer, working: list[torch.Tensor],
+                        masters_external: bool = False) -> None:
+        """Hand the laid-out masters, gradients and working slices to the stepper; it returns what
+        steps from now on."""
+        def on_reduced(fn):
+            self.grads.on_reduced = fn
+
+        self.sharded = self.stepper.setup(sharded, lambda: (self.grads.partitions(), working), self.device,
+                                          self.global_rank, masters_external, on_reduced, lambda: self._sync)
+        self.stepper.log_setup(self.sharded, self.stage) if self.is_global_zero else None
         self._log_memory("at setup (optimizer state is allocated by the first step)")
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Micro-batches inside accumulate without the synchronising reduction where the stage
+        defers it (stage 1); stages 2/3 reduce every micro-batch, and this only says which
+        backward's gradients are final."""
+        prev, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = prev
 
     def _build_gradients(self) -> GradientShards:
         raise NotImplementedError
@@ -173,12 +212,14 @@ class ZeroStrategy(Strategy):
         self.pending.wait_all()
 
     def step_gradients(self) -> list[torch.Tensor]:
-        """This rank's fp32 gradient slice of each group (attached to the master slices)."""
-        if self._step_grads is None:
-            self._step_grads = [g if g.dtype == torch.float32 else g.float()
-                                for g in self.grads.partitions()]
-            self.sharded.set_grads(self._step_grads)
-        return self._step_grads
+        """This rank's gradient slice of each group, as the stepper steps on it."""
+        return self.stepper.gradients(self.grads.partitions(), self.sharded)
+
+    def _local_grad_sq_norm(self) -> torch.Tensor:
+        return self.stepper.local_sq_norm(self.step_gradients(), self.device)
+
+    def _scale_grads(self, coef: torch.Tensor) -> None:
+        self.stepper.scale(self.step_gradients(), coef)
 
     def _grad_norm(self) -> torch.Tensor:
         """Collective: the global L2 norm from the partitions (one all-reduce of the squared
@@ -189,11 +230,10 @@ class ZeroStrategy(Strategy):
         return sq[0].sqrt()
 
     def _inner_step(self, loss_scale: float) -> None:
-        self.sharded.step()
+        self.stepper.step(self.sharded, loss_scale)
 
     def zero_grad(self) -> None:
-        self.sharded.clear_grads()
-        self._step_grads = None
+        self.stepper.zero(self.sharded)
         self.grads.zero()
 
     def _after_step(self, stepped: bool) -> None:
@@ -202,11 +242,14 @@ class ZeroStrategy(Strategy):
             self._log_memory("after the first step")
 
     def _refresh_params(self) -> None:
-        """All-gather the updated master slices into every rank's working buffers."""
+        """All-gather the updated slices (the stepper says which: the masters, or the working
+        partitions an offload kernel wrote) into every rank's working buffers."""
         self.pending.wait_all()
-        if not self.overlap_param_gather:
-            for fg, master in zip(self.flat_groups, self.sharded.masters):
-                fg.gather_from(master.detach(), self.global_rank, self.config.allgather_bucket_size,
+        self.stepper.before_refresh(self.sharded)
+        updated = self.stepper.updated(self.sharded, self._working_partitions())
+        if not self.buckets.overlap_param_gather:
+            for fg, values in zip(self.flat_groups, updated):
+                fg.gather_from(values, self.global_rank, self.buckets.allgather_bucket_size,
                                self.queue, self.group)
             return
         # launch every chunk of every group, in the order forward first needs them, and return
@@ -214,7 +257,7 @@ class ZeroStrategy(Strategy):
             order = {id(p): i for i, p in enumerate(self.module.parameters())}
             plan = []
             for g, fg in enumerate(self.flat_groups):
-                chunks = fg.gather_chunks(self.config.allgather_bucket_size)
+                chunks = fg.gather_chunks(self.buckets.allgather_bucket_size)
                 for s, e in chunks:
                     params = [fg.params[i] for i in fg.chunk_params(s, e)]
                     first = min((order[id(p)] for p in params), default=len(order))
@@ -222,8 +265,7 @@ class ZeroStrategy(Strategy):
             self._gather_plan = sorted(plan, key=lambda c: c[:2])
             self.pending.install(self.module, [p for fg in self.flat_groups for p in fg.params])
         for _, g, s, e, single, params in self._gather_plan:
-            master = self.sharded.masters[g].detach()
-            self.pending.push(self.flat_groups[g].launch_gather(master, s, e, single, self.group), params)
+            self.pending.push(self.flat_groups[g].launch_gather(updated[g], s, e, single, self.group), params)
 
     # ------------------------------------------------------------------ checkpoints
     def _finish_shard_load(self, reader: ShardReader) -> None:
@@ -330,11 +372,17 @@ class ZeroStrategy(Strategy):
 
     # ------------------------------------------------------------------ memory and end
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
-        return {"params": list(self.module.parameters()) if self.module is not None else [],
-                "grads": self.grads.persistent() if self.grads else [],
-                "master": self.sharded.masters if self.sharded else [],
-                "optimizer": self.sharded.state_tensors() if self.sharded else [],
-                "comm_buffers": self.grads.comm_buffers() if self.grads else []}
+        out = {"params": list(self.module.parameters()) if self.module is not None else [],
+               "grads": self.grads.persistent() if self.grads else [],
+               "master": list(self.sharded.masters) if self.sharded else [],
+               "optimizer": self.sharded.state_tensors() if self.sharded else [],
+               "comm_buffers": self.grads.comm_buffers() if self.grads else []}
+        self.stepper.adjust_memory(out, self.sharded)
+        return out
+
+    def offload_report(self) -> dict[str, Any]:
+        """Where the optimizer state is, and how it moves (for logs and tests)."""
+        return self.stepper.report(self.sharded, self.stage)
 
     def _model_numel(self) -> int:
         """Trainable elements laid out by this stage (for the formula in the memory log)."""
@@ -345,7 +393,7 @@ class ZeroStrategy(Strategy):
         return self.precision.param_dtype.itemsize
 
     def _log_memory(self, when: str) -> None:
-        if not self.is_global_zero or not log.isEnabledFor(logging.INFO):
+        if not self.is_global_zero or not self.stepper.formula or not log.isEnabledFor(logging.INFO):
             return
         psi = self._model_numel()
         pdt = self.precision.param_dtype
@@ -366,10 +414,11 @@ class ZeroStrategy(Strategy):
         if self.grads is not None:
             self.grads.close()
         self.queue.wait_all()
+        self.stepper.teardown()
         super().teardown()
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(world_size={self.world_size}, {self.config.as_dict()})"
+        return f"{type(self).__name__}(world_size={self.world_size}, {self.spec.options()}, {self.stepper})"
 
 
 def _nothing() -> None:

@@ -56,7 +56,7 @@ def _fit(kind: str, root: str, precision: str = "32", steps: int = STEPS, ckpt_e
     out = {"full": full, "losses": torch.tensor(module.losses),
            "lr": trainer.optimizer.param_groups[1]["lr"],
            "flat": torch.cat([p.detach().float().reshape(-1) for p in module.parameters()])}
-    if isinstance(s, Offload):  # fit() tore the strategy down; its state is still readable
+    if s.offload is not None:  # fit() tore the strategy down; its state is still readable
         rep = s.offload_report()
         out["report"] = {k: v for k, v in rep.items() if k not in ("swap_dir", "param_dir")}
         _SCRATCH.extend(d for d in (rep["swap_dir"], rep.get("param_dir")) if d)

@@ -5,7 +5,7 @@ from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
 from zerotrain.strategies import strategy_from_name
-from zerotrain.strategies.offload import Offload, OffloadConfig, OffloadZeroStage2
+from zerotrain.strategies.offload import Offload, OffloadPolicy, OffloadStepper
 from zerotrain.strategies.zero import ZeroStage2
 
 BAD = [
@@ -25,7 +25,7 @@ BAD = [
     (dict(pin_memory="yes"), TypeError, ["pin_memory='yes' must be True or False"]),
     (dict(reduce_dtype="fp8"), ValueError, ["reduce_dtype='fp8'", "fp32, bf16, fp16"]),  # the stage's own
     (dict(prefetch_bucket_size=5), ValueError, ["prefetch_bucket_size=5 is not an option of stage=2",
-                                                "ZeroStage2", "default 50000000"]),
+                                                "Stage3Config", "default 50000000"]),
     (dict(stage=3, reduce_bucket_size=5), ValueError, ["reduce_bucket_size=5 is not an option of stage=3"]),
     (dict(stage=3, max_live_parameters=0), ValueError, ["max_live_parameters=0"]),
 ]
@@ -49,22 +49,21 @@ def test_nvme_path_must_be_a_directory(tmp_path):
 
 
 def test_stage3_composition_takes_its_options():
-    from zerotrain.strategies.offload import OffloadZeroStage3
     from zerotrain.strategies.zero import ZeroStage3
 
     s = Offload(stage=3, optimizer_device="nvme", param_device="nvme", nvme_path="/tmp",
                 unit_modules="Block, MLP", prefetch_bucket_size=7, reduce_dtype="bf16")
-    assert type(s) is OffloadZeroStage3 and isinstance(s, ZeroStage3) and s.stage == 3
+    assert type(s) is ZeroStage3 and isinstance(s.stepper, OffloadStepper) and s.stage == 3
     assert s.stage3.unit_modules == ("Block", "MLP") and s.stage3.prefetch_bucket_size == 7
     assert s.config.reduce_dtype == "bf16"
 
 
 def test_construction_composes_with_the_stage():
     s = strategy_from_name("offload", sub_group_size=1000, reduce_bucket_size=1234)
-    assert type(s) is OffloadZeroStage2 and isinstance(s, Offload) and isinstance(s, ZeroStage2)
+    assert type(s) is ZeroStage2 and isinstance(s.stepper, OffloadStepper)
     assert s.name == "offload" and s.stage == 2
-    assert s.offload == OffloadConfig(sub_group_size=1000)
-    assert s.config.reduce_bucket_size == 1234  # the stage's options pass through
+    assert s.offload == OffloadPolicy(sub_group_size=1000)
+    assert s.buckets.reduce_bucket_size == 1234  # the stage's options pass through
     assert "optimizer_device" in repr(s)
 
 
@@ -85,9 +84,9 @@ def test_hydra_presets_build_the_strategy(preset, tmp_path):
             f"strategy={preset}", "strategy.sub_group_size=5000", "strategy.reduce_dtype=bf16",
             f"strategy.nvme_path={tmp_path}" if preset == "offload_nvme" else "strategy.io_threads=3"]))
     s = build_strategy(cfg.strategy)
-    assert isinstance(s, Offload) and s.offload.sub_group_size == 5000 and s.config.reduce_dtype == "bf16"
+    assert isinstance(s.stepper, OffloadStepper) and s.offload.sub_group_size == 5000 and s.config.reduce_dtype == "bf16"
     for key, value in PRESETS[preset].items():
-        assert getattr(s.offload, key) == value, key
+        assert getattr(s if key == "stage" else s.offload, key) == value, key
 
 
 def test_hydra_rejects_wrong_types_and_bad_values():

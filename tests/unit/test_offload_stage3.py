@@ -90,7 +90,7 @@ def test_matches_zero3_without_offload(tmp_path, case, prec):
     train(ref, sched, batches())
     s, sched = make(offload(case, tmp_path), Deep(), mk())
     train(s, sched, batches())
-    assert type(s).__name__ == "OffloadZeroStage3" and s.offload_report()["fused_adam"]
+    assert type(s).__name__ == "ZeroStage3" and s.offload is not None and s.offload_report()["fused_adam"]
     assert rel(weights(s), weights(ref)) < 1e-6
     rep = s.offload_report()
     assert rep["swapped_kinds"] == (["exp_avg", "exp_avg_sq"] if "nvme" in rep["optimizer_device"] else [])

@@ -57,12 +57,15 @@ def test_a_parameter_used_by_two_units_goes_to_their_common_unit():
     assert [u.name for u in by_callable.units] == ["", "layers.1"]
 
 
-@pytest.mark.parametrize("bad,err", [("Block", TypeError), ([], ValueError), ([3], TypeError)])
+@pytest.mark.parametrize("bad,err", [("Block", TypeError), ([], ValueError), ([3], TypeError), (",", ValueError)])
 def test_unit_modules_must_be_class_names_or_a_callable(bad, err):
-    with pytest.raises(err, match="unit_modules"):
-        make_policy(bad)
-    with pytest.raises(err, match="unit_modules"):
-        ZeroStage3(unit_modules=bad)
+    if bad != ",":  # make_policy takes a list; the option also takes one comma-separated string
+        with pytest.raises(err, match="unit_modules"):
+            make_policy(bad)
+    if bad != "Block":
+        with pytest.raises(err, match="unit_modules"):
+            ZeroStage3(unit_modules=bad)
+    assert ZeroStage3(unit_modules="Block, MLP").stage3.unit_modules == ("Block", "MLP")
 
 
 def test_optimizer_runs_cut_a_partition_by_param_group():

@@ -1,0 +1,255 @@
+"""The offload *stepper*: the optimizer part of a ZeRO strategy when fp32 master weights and
+optimizer state live in host RAM or on NVMe (``OffloadPolicy``), stepped sub-group by sub-group by
+the fused CPU Adam kernel. It is composed into the stage, not inherited: ``Offload(stage=3, ...)``
+builds a ``ZeroStage3`` whose ``stepper`` is an :class:`OffloadStepper` (the default stepper,
+:class:`~..zero.stepper.ShardedStepper`, steps the masters on the working device).
+
+The stage keeps everything it owns (working parameters, gradient reduction into partitions,
+gathering, checkpoint layout) and hands this part, at set-up, the *slots*: each master slice with
+its reduced gradient and its working values. The part then
+
+    set-up:  keeps the masters on the host (or writes them to swap files), allocates or swaps the
+             Adam state and plans the sub-groups;
+    a step:  unscale + overflow check (the precision plugin, on the device partitions) -> global
+             grad norm (one all-reduce; the clip coefficient is *not* applied to the gradients but
+             folded into the kernel's ``grad_scale``) -> for each sub-group: [read its state from
+             disk] -> fused Adam writing master, state and the bf16/fp16 working copy in one pass
+             -> [write the state back] -> the stage refreshes the working parameters from
+             :meth:`updated` (ZeRO-2: all-gather of the working partitions; ZeRO-3: nothing until
+             the next use).
+
+With ``param_device="nvme"`` (ZeRO-3) it also places each unit's shards in files as the unit is
+built (:meth:`place_unit`), so the whole model's shards are never in RAM together.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import tempfile
+import weakref
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ..zero.estimate import format_bytes
+from ..zero.sharded_optimizer import ShardedOptimizer
+from .aio import AsyncFileIO, DirectIOProbe, probe_direct_io
+from .config import OffloadPolicy
+from .optimizer import OffloadedAdam, TorchOffload, fused_path_refusal
+from .param_swap import ShardPager, swap_unit_to_files
+from .plan import plan_subgroups
+from .swapper import SwappedStates
+from .transfer import DeviceWorking, HostWorking
+
+log = logging.getLogger("zerotrain")
+
+
+class OffloadStepper:
+    """Steps the optimizer on host (or NVMe) fp32 masters; see the module docstring."""
+
+    #: the strategy's name with this part
+    name = "offload"
+    #: the stage's memory formula does not hold (the masters and state are elsewhere)
+    formula = False
+
+    def __init__(self, policy: OffloadPolicy) -> None:
+        self.policy = policy
+        self.transfer: HostWorking | DeviceWorking | None = None
+        self.io: AsyncFileIO | None = None
+        self.direct_io = DirectIOProbe(False, "no swap files")  # what set-up detected
+        self._clip_coef = 1.0
+        self._param_dir: str | None = None
+        self._param_shards: list = []
+        self._unit_order: list | None = None  # ZeRO-3 with parameter files: see page_units
+
+    def check_stage(self, stage: int) -> None:
+        """At construction: the policy fits the stage."""
+        if self.policy.param_device != "none" and stage != 3:
+            raise ValueError(f"Offload: param_device={self.policy.param_device!r} needs stage=3 (only "
+                             f"ZeRO-3 partitions the parameters); got stage={stage}. Valid with "
+                             f"stage={stage}: param_device='none'")
+
+    # ------------------------------------------------------------------ set-up
+    def check(self, stage: int, device: torch.device, optimizer: torch.optim.Optimizer) -> None:
+        """Before the stage lays anything out: refuse what this combination cannot do."""
+        cfg = self.policy
+        refusal = fused_path_refusal(optimizer)
+        if refusal and cfg.optimizer_device == "nvme":
+            raise ValueError(
+                f"Offload: optimizer_device='nvme' swaps Adam state only, and {refusal}. Use "
+                "torch.optim.Adam/AdamW or zerotrain.ops.CPUAdam, or optimizer_device='cpu' (which "
+                "steps any element-wise optimizer on the host)")
+        if device.type == "cuda" and (stage == 3 or cfg.param_device != "none"):
+            raise ValueError(f"Offload: stage={stage} with param_device={cfg.param_device!r} on a "
+                             "CUDA device is not built; use stage=2 with param_device='none' on GPUs")
+
+    def place_unit(self, unit: Any, rank: int) -> None:
+        """ZeRO-3, as each unit is built: with ``param_device="nvme"`` its shards go to files."""
+        if self.policy.param_device != "nvme":
+            return
+        if self._param_dir is None:
+            os.makedirs(self.policy.nvme_path, exist_ok=True)
+            self._param_dir = tempfile.mkdtemp(prefix=f"zerotrain-params-rank{rank}-", dir=self.policy.nvme_path)
+            weakref.finalize(self, _remove_param_files, self._param_shards, self._param_dir)
+        swap_unit_to_files(unit, self._param_dir)
+        self._param_shards.extend(getattr(unit, "shards", ()))
+
+    def setup(self, sharded: ShardedOptimizer, slots: "Callable[[], tuple[list, list]]", device: torch.device, rank: int,
+              masters_external: bool, on_reduced: "Callable[[Callable], None]",
+              is_sync: Callable[[], bool]) -> OffloadedAdam | TorchOffload:
+        """After the stage laid out its masters (``sharded``, on ``device``) and gradient partitions:
+        returns what steps from now on. ``slots()``: (reduced gradient, working values) of each
+        master slice in ``sharded.masters`` order; ``masters_external``: the stage owns the masters
+        (ZeRO-3 units), so only Adam's moments may be swapped; ``on_reduced(fn)`` asks the stage's
+        reducer to call ``fn(slot, start, numel)`` as each reduced piece lands (the GPU path
+        streams it to the host)."""
+        cfg, optimizer = self.policy, sharded.optimizer
+        refusal = fused_path_refusal(optimizer)
+        on_gpu = device.type == "cuda"
+        masters = list(sharded.masters)
+        if on_gpu:  # host copies; the stage's device masters are dropped below
+            masters = [m.to("cpu").pin_memory() if cfg.pin_memory else m.to("cpu") for m in masters]
+        grads, working = slots()
+        if on_gpu:
+            self.transfer = DeviceWorking(working, grads, cfg.pin_memory)
+            on_reduced(lambda slot, start, numel: self.transfer.stream_grad(slot, start, numel)
+                       if is_sync() else None)  # inside no_sync() the partition still accumulates
+        else:
+            self.transfer = HostWorking(working, grads)
+        subgroups = plan_subgroups([m.numel() for m in masters], cfg.sub_group_size)
+        sizes = [len(g["params"]) for g in optimizer.param_groups]
+        it = iter(masters)
+        for group, n in zip(optimizer.param_groups, sizes):  # host masters, group by group
+            group["params"] = [next(it) for _ in range(n)]
+        if refusal:
+            log.info("offload: %s; stepping it with the optimizer itself on host fp32 masters", refusal)
+            if on_gpu:
+                it = iter(masters)
+                optimizer.state.clear()
+                sharded = ShardedOptimizer(optimizer, [[next(it) for _ in range(n)] for n in sizes])
+            return TorchOffload(sharded, self.transfer, subgroups)
+        swapped = None
+        if cfg.optimizer_device == "nvme":
+            same = all(m.data_ptr() == w.data_ptr() for m, w in zip(masters, working) if m.numel())
+            external = masters if not on_gpu and (masters_external or same) else None
+            swapped = self._swapper(subgroups, external, rank, pin=cfg.pin_memory and on_gpu)
+        stepper = OffloadedAdam(optimizer, subgroups, self.transfer, swapped)
+        if self._param_dir is not None:
+            stepper.pager = ShardPager(subgroups, self._unit_order)
+        return stepper
+
+    def page_units(self, order: "Sequence[tuple[Any, int]]") -> None:
+        """ZeRO-3 with parameter files: (unit, start) of each master slot, so the step can page
+        each sub-group's unit shards in and out (``ShardPager``)."""
+        self._unit_order = list(order)
+
+    def _swapper(self, subgroups, external, rank: int, pin: bool) -> SwappedStates:
+        cfg = self.policy
+        os.makedirs(cfg.nvme_path, exist_ok=True)
+        self.direct_io = probe_direct_io(cfg.nvme_path) if cfg.direct_io else \
+            DirectIOProbe(False, "direct_io=False")
+        self.io = AsyncFileIO(cfg.io_threads, cfg.io_block_size)
+        swapped = SwappedStates(cfg.nvme_path, subgroups, cfg.buffer_count, self.io, self.direct_io.supported,
+                                pin=pin, rank=rank, external_master=external)
+        # scratch files go when this part is collected or the process exits (not at teardown:
+        # full_state_dict() may follow fit())
+        weakref.finalize(self, _close_quietly, swapped, self.io)
+        return swapped
+
+    # ------------------------------------------------------------------ pieces of the step
+    def gradients(self, partitions: list[torch.Tensor], sharded: Any) -> list[torch.Tensor]:
+        """The reduced gradient of each slot, in the stage's reduce dtype, on its device."""
+        return partitions
+
+    def local_sq_norm(self, grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+        """Chunked by sub-group, so a low-precision gradient is never copied to fp32 whole."""
+        sq = torch.zeros((), dtype=torch.float32, device=device)
+        for g in grads:
+            for chunk in g.split(self.policy.sub_group_size):
+                c = chunk.float()
+                sq += torch.dot(c, c)
+        return sq * self._clip_coef ** 2
+
+    def scale(self, grads: list[torch.Tensor], coef: torch.Tensor) -> None:
+        """The clip coefficient is folded into the next step's kernel (``grad_scale``) instead of
+        rewriting the gradients in place."""
+        self._clip_coef *= float(coef)
+
+    def step(self, sharded: Any, loss_scale: float) -> None:
+        """The host stepper, given one gradient multiplier: the clip coefficient, divided by the
+        loss scale the host gradient copies still carry (the transfer says which: the GPU path
+        copies them during backward, before the plugin unscaled the device partitions)."""
+        sharded.step(grad_scale=self._clip_coef / self.transfer.host_grad_scale(loss_scale))
+
+    def zero(self, sharded: Any) -> None:
+        self._clip_coef = 1.0
+
+    def before_refresh(self, sharded: Any) -> None:
+        sharded.import_loaded_state()  # after ZeRO-3's own loads (optimizer.load_state_dict)
+
+    def updated(self, sharded: Any, working: list[torch.Tensor]) -> list[torch.Tensor]:
+        """What stages 1/2 all-gather after a step: the kernel already wrote the working
+        partitions."""
+        return working
+
+    def exposed_state(self, sharded: Any) -> "contextlib.AbstractContextManager":
+        return sharded.exposed_state()
+
+    # ------------------------------------------------------------------ memory, reports, end
+    def adjust_memory(self, out: dict[str, list[torch.Tensor]], sharded: Any) -> None:
+        """Masters as the stepper holds them, its transfer buffers, and no file-backed shards."""
+        out["master"] = sharded.master_tensors() if sharded else []
+        out["comm_buffers"] += self.transfer.buffers() if self.transfer else []
+        mapped = {sh.tensor.untyped_storage().data_ptr() for sh in self._param_shards}
+        for cat in ("params", "master"):
+            out[cat] = [t for t in out[cat] if t.untyped_storage().data_ptr() not in mapped]
+
+    def report(self, sharded: Any, stage: int) -> dict[str, Any]:
+        """Where the optimizer state is, and how it moves (for logs and tests)."""
+        states = getattr(sharded, "states", None)
+        swapped = isinstance(states, SwappedStates)
+        return {"stage": stage, "optimizer_device": self.policy.optimizer_device,
+                "param_device": self.policy.param_device,
+                "fused_adam": isinstance(sharded, OffloadedAdam),
+                "subgroups": len(getattr(sharded, "subgroups", [])),
+                "swapped_kinds": list(states.kinds) if swapped else [],
+                "io_mode": self.direct_io.mode if swapped else None,
+                "io_reason": self.direct_io.reason if swapped else None,
+                "disk_bytes": states.disk_bytes() if swapped else 0,
+                "swap_dir": states.directory if swapped else None,
+                "bytes_read": self.io.bytes_read if self.io else 0,
+                "bytes_written": self.io.bytes_written if self.io else 0,
+                "param_dir": self._param_dir,
+                "param_disk_bytes": sum(s.nbytes for s in self._param_shards)}
+
+    def log_setup(self, sharded: Any, stage: int) -> None:
+        rep = self.report(sharded, stage)
+        where = (f"swap files ({'+'.join(rep['swapped_kinds'])}) in {rep['swap_dir']} "
+                 f"({format_bytes(rep['disk_bytes'])}, {rep['io_mode']}: {rep['io_reason']})"
+                 if rep["io_mode"] else "host RAM")
+        log.info("offload: stage %d, optimizer state in %s, %d sub-groups of <= %d elements, %s", stage,
+                 where, rep["subgroups"], self.policy.sub_group_size,
+                 "fused Adam" if rep["fused_adam"] else "the optimizer's own step")
+
+    def teardown(self) -> None:
+        """Stops the I/O threads. Swap files stay until this part is garbage-collected (or the
+        process exits): ``full_state_dict()`` or a checkpoint may still follow ``fit``, reading
+        the state back (threads restart on demand)."""
+        if self.io is not None:
+            self.io.close()
+
+    def __repr__(self) -> str:
+        return f"OffloadStepper({self.policy})"
+
+
+def _close_quietly(*objs: Any) -> None:
+    for obj in objs:
+        with contextlib.suppress(Exception):
+            obj.close()
+
+
+def _remove_param_files(shards, directory: str) -> None:
+    _close_quietly(*shards)
+    with contextlib.suppress(OSError):
+        os.rmdir(directory)
