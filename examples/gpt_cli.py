@@ -7,6 +7,8 @@ GPT's pieces from this module. Messages read ``field=value: problem; valid: ...`
 """
 from __future__ import annotations
 
+import dataclasses
+
 from hydra.core.config_store import ConfigStore
 
 from ..strategies import registry
@@ -16,11 +18,27 @@ from .gpt import GPTConfig
 from .gpt_module import GPTModule
 
 
+#: the model group's sizes: ``conf/model/<name>.yaml`` selects ``base_<name>`` (written here once;
+#: the other fields keep GPTConfig's defaults)
+SIZES = {
+    "gpt_tiny": dict(block_size=64, n_layer=2, n_head=2, n_embd=64),  # ~0.2M parameters: smoke tests
+    "gpt_small": dict(block_size=128, n_layer=4, n_head=4, n_embd=256),  # ~3.2M: the demo
+    "gpt_21m": dict(block_size=256, n_layer=4, n_head=8, n_embd=512),  # the MACHINE_FACTS benchmark model
+    "gpt_118m": dict(block_size=256, n_layer=8, n_head=16, n_embd=1024),  # communication-bound benchmark
+}
+
+
 def register_schema() -> None:
-    """``model/base_gpt``, which ``conf/model/*.yaml`` extend, so Hydra rejects a misspelt or wrongly
-    typed model key at compose time; ``GPTConfig.__post_init__`` checks the values when the
-    composed config becomes objects."""
-    ConfigStore.instance().store(group="model", name="base_gpt", node=GPTConfig)
+    """``model/base_gpt`` and one ``model/base_<size>`` per entry of :data:`SIZES` (GPTConfig with
+    those defaults), which ``conf/model/*.yaml`` select, so Hydra rejects a misspelt or wrongly typed
+    model key at compose time; ``GPTConfig.__post_init__`` checks the values when the composed config
+    becomes objects."""
+    cs = ConfigStore.instance()
+    cs.store(group="model", name="base_gpt", node=GPTConfig)
+    for name, values in SIZES.items():
+        node = dataclasses.make_dataclass(f"GPTConfig_{name}", [(k, int, dataclasses.field(default=v))
+                                                                for k, v in values.items()], bases=(GPTConfig,))
+        cs.store(group="model", name=f"base_{name}", node=node)
 
 
 def _bad(field: str, value, problem: str, valid: str) -> ConfigError:
