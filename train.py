@@ -1,10 +1,14 @@
-"""``zerotrain-train`` / ``python -m zerotrain.train``: the Hydra entry point.
+"""``zerotrain-train`` / ``python -m zerotrain.train``: the Hydra entry point, the application that
+trains the demo GPT. Its GPT-specific pieces (the ``model`` group's schema, the model-against-data
+checks, building the GPTModule) come from ``examples/gpt_cli.py``: the library never imports
+``examples/``, so this file is where the two meet.
 
 Everything that can be wrong with the configuration is checked here, in the first process, before
 the Trainer starts any other rank: Hydra rejects unknown options, misspelt keys and wrong types at
-compose time; ``Config.validate()`` range-checks every field (see ``trainer/config.py``), and
-building the strategy, precision and Trainer objects checks the rest. A bad value ends the command
-with exit code 2 and one line ``zerotrain-train: configuration error: field=value: ...; valid: ...``.
+compose time; ``Config.validate()`` range-checks every field (see ``trainer/config.py``), the demo's
+checks relate the model to the data, and building the strategy, precision and Trainer objects
+checks the rest. A bad value ends the command with exit code 2 and one line
+``zerotrain-train: configuration error: field=value: ...; valid: ...``.
 
 ``precision=`` takes Lightning's names and aliases (16, "16", 16-mixed, bf16, bf16-mixed, bf16-true,
 32, 32-true): they are mapped to the config group's option before Hydra sees the command line,
@@ -22,11 +26,13 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from .examples import gpt_cli as app  # the demo GPT: the model group's schema, its checks, its module
 from .strategies.precision import canonical_precision
 from .trainer.config import Config, build_precision, build_strategy, register_configs
 from .trainer.errors import ConfigError
 
 register_configs()
+app.register_schema()
 log = logging.getLogger("zerotrain")
 
 _PRECISION_OVERRIDE = re.compile(r"^(\+{0,2})precision=(.*)$")
@@ -58,13 +64,19 @@ def normalize_overrides(overrides: list[str]) -> list[str]:
     return out
 
 
+def validate(cfg: Config) -> None:
+    """Every field of every section, then the demo's checks of the model against the data and the
+    strategy. Raises ConfigError; builds nothing."""
+    cfg.validate()
+    app.validate(cfg)
+
+
 def build(cfg: Config):
     """Turn a composed config into (trainer, module). Raises ConfigError on bad values; starts nothing."""
     from .callbacks import LearningRateMonitor, ModelCheckpoint, TensorBoardLogger, ThroughputMonitor
-    from .examples.gpt_module import GPTModule
     from .trainer import Trainer
 
-    cfg.validate()  # every field of every section, before anything is built
+    validate(cfg)
     root = cfg.trainer.default_root_dir or HydraConfig.get().runtime.output_dir
     strategy, precision = build_strategy(cfg.strategy), build_precision(cfg.precision)
     callbacks = []
@@ -83,21 +95,12 @@ def build(cfg: Config):
     except ConfigError as exc:  # name the CLI key: "Trainer: devices=-1 ..." -> "trainer.devices=-1 ..."
         msg = str(exc)
         raise ConfigError("trainer." + msg[len("Trainer: "):] if msg.startswith("Trainer: ") else msg) from None
-    try:
-        module = GPTModule(config=cfg.model, lr=cfg.optimizer.lr, weight_decay=cfg.optimizer.weight_decay,
-                           betas=tuple(cfg.optimizer.betas), warmup_steps=min(cfg.optimizer.warmup_steps,
-                                                                              cfg.trainer.max_steps),
-                           max_steps=cfg.trainer.max_steps, min_lr_ratio=cfg.optimizer.min_lr_ratio,
-                           batch_size=cfg.data.batch_size, data_path=cfg.data.path, max_bytes=cfg.data.max_bytes,
-                           val_fraction=cfg.data.val_fraction, num_workers=cfg.data.num_workers)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-    return trainer, module
+    return trainer, app.build_module(cfg)
 
 
 def run(dcfg: DictConfig) -> None:
     try:
-        cfg: Config = OmegaConf.to_object(dcfg)  # runs GPTConfig's __post_init__ checks
+        cfg: Config = OmegaConf.to_object(dcfg)  # runs the model schema's __post_init__ checks
         trainer, module = build(cfg)
     except (ConfigError, ValueError, OmegaConfBaseException) as exc:
         _fail(str(exc))

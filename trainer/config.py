@@ -9,9 +9,13 @@ also takes Lightning's aliases: ``train.py`` maps them to the group's options fi
 Every value is then range-checked before any process is started, in one place per schema: the
 ``validate()`` method of each dataclass below (``Config.validate()`` runs them all, plus the checks
 that span sections), the strategy's own constructor for the ``strategy`` group (``ZeroConfig``,
-``OffloadPolicy``, ...), ``GPTConfig.__post_init__`` for ``model``, and ``Trainer.__init__`` for the
-``trainer`` options it takes (``train.py`` builds the Trainer before ``fit`` starts the other ranks).
-Each error is a :class:`ConfigError` reading ``section.field=value: what is wrong; valid: ...``.
+``OffloadPolicy``, ...), and ``Trainer.__init__`` for the ``trainer`` options it takes (``train.py``
+builds the Trainer before ``fit`` starts the other ranks). Each error is a :class:`ConfigError`
+reading ``section.field=value: what is wrong; valid: ...``.
+
+The ``model`` group belongs to the application, not to the library, which never imports
+``examples/``: ``Config.model`` is untyped here, and ``train.py`` registers the demo GPT's schema
+(``base_gpt``) and runs its checks of the model against the data (``examples/gpt_cli.py``).
 
 Every default is written once, in the library's option dataclasses: the strategy schemas are
 generated from each registered preset's dataclasses (``strategies/registry.py``) and the precision
@@ -30,7 +34,6 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from ..examples.gpt import GPTConfig
 from ..strategies import Strategy, registry
 from ..strategies.precision import PRECISIONS
 from .errors import ConfigError
@@ -259,7 +262,7 @@ class Config:
     strategy: Any = MISSING
     precision: PrecisionConfig = MISSING
     optimizer: OptimizerConfig = MISSING
-    model: GPTConfig = MISSING
+    model: Any = MISSING  # the application's schema (train.py registers the demo GPT's)
     data: DataConfig = MISSING
     trainer: TrainerConfig = MISSING
     callbacks: CallbacksConfig = MISSING
@@ -283,37 +286,21 @@ class Config:
         if self.ckpt_path == "latest" and not self.trainer.enable_checkpointing:
             raise _bad("ckpt_path", self.ckpt_path, "needs trainer.enable_checkpointing=true",
                        "a checkpoint directory, or null")
-        self._validate_model_and_data()
+        self._validate_world()
 
-    def _validate_model_and_data(self) -> None:
-        model, data, trainer = self.model, self.data, self.trainer
-        world = trainer.devices * trainer.num_nodes if _is_int(trainer.devices) and _is_int(trainer.num_nodes) \
-            else 0
-        strategy = getattr(self.strategy, "name", None)
+    def _validate_world(self) -> None:
+        """The process count against the strategy; the checks that need the model and the data are
+        the application's (the demo GPT's: ``examples/gpt_cli.py``)."""
+        world, strategy = world_size(self.trainer), getattr(self.strategy, "name", None)
         if strategy == "single" and world > 1:
             raise _bad("strategy", strategy, f"runs one process, but trainer.devices x trainer.num_nodes = {world}",
                        "trainer.devices=1, or strategy=ddp (or a zero stage)")
-        if strategy == "pipeline":
-            raise _bad("strategy", strategy, "needs a model made of a PipelineModule; the CLI's GPT is not one",
-                       ", ".join(n for n in registry.available() if n != "pipeline"))
-        if model.vocab_size < 256:
-            raise _bad("model.vocab_size", model.vocab_size, "must be >= 256: the data are bytes", "256 or more")
-        chunk, size = model.block_size + 1, data.size()
-        n_val = int(size * data.val_fraction)
-        train_seqs = (size - n_val) // chunk
-        if not (_is_int(world) and world >= 1):
-            return  # the Trainer names the bad trainer.devices / trainer.num_nodes
-        per_rank = -(-train_seqs // world)  # the sampler pads the ranks to equal shares
-        if per_rank < data.batch_size:  # the loader drops a partial batch: no step would ever run
-            raise _bad("data.batch_size", data.batch_size,
-                       f"is more than the {per_rank} training sequence(s) each of the {world} rank(s) gets "
-                       f"({size - n_val} training bytes in sequences of model.block_size+1={chunk})",
-                       f"data.batch_size <= {per_rank}" if per_rank else
-                       "more data (data.max_bytes, data.path) or a smaller model.block_size")
-        if data.val_fraction and n_val < chunk:
-            raise _bad("data.val_fraction", data.val_fraction,
-                       f"holds out {n_val} bytes, fewer than one sequence of model.block_size+1={chunk}",
-                       f">= {chunk / size:.4g}, or 0 for no validation")
+
+
+def world_size(trainer: TrainerConfig) -> int:
+    """``trainer.devices x trainer.num_nodes``, or 0 while either is not an integer (the Trainer
+    then names the bad one)."""
+    return trainer.devices * trainer.num_nodes if _is_int(trainer.devices) and _is_int(trainer.num_nodes) else 0
 
 
 def register_configs() -> None:
@@ -324,7 +311,7 @@ def register_configs() -> None:
     for name in PRECISIONS:  # conf/precision/<name>.yaml selects base_<name>
         cs.store(group="precision", name=f"base_{name}", node=precision_schema(name))
     cs.store(group="optimizer", name="base_optimizer", node=OptimizerConfig)
-    cs.store(group="model", name="base_gpt", node=GPTConfig)
+    # group "model": the application registers its schema (train.py: the demo GPT's)
     cs.store(group="data", name="base_data", node=DataConfig)
     cs.store(group="trainer", name="base_trainer", node=TrainerConfig)
     cs.store(group="callbacks", name="base_callbacks", node=CallbacksConfig)

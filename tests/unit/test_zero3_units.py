@@ -94,8 +94,8 @@ def test_zero3_is_registered_and_configurable():
     from hydra import compose, initialize_config_module
     from omegaconf import OmegaConf
 
-    from zerotrain.trainer.config import build_strategy, register_configs
-    register_configs()
+    import zerotrain.train  # noqa: F401  (registers the schemas, the demo model's too)
+    from zerotrain.trainer.config import build_strategy
     with initialize_config_module(config_module="zerotrain.conf", version_base="1.3"):
         cfg = compose(config_name="config", overrides=[
             "strategy=zero3", "strategy.prefetch_bucket_size=1000", "strategy.unit_modules=[Block]",

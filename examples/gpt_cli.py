@@ -1,0 +1,87 @@
+"""The demo GPT's part of the command line (``train.py``): the ``model`` group's schema, the checks
+of the model against the data and the strategy, and the :class:`GPTModule` a composed config names.
+
+It lives here, not in ``trainer/config.py``, because the library never imports ``examples/``: the
+library's ``Config`` leaves ``model`` untyped, and ``train.py``, the demo application, brings the
+GPT's pieces from this module. Messages read ``field=value: problem; valid: ...`` like the library's.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from hydra.core.config_store import ConfigStore
+
+from ..strategies import registry
+from ..trainer.config import Config, world_size
+from ..trainer.errors import ConfigError
+from .gpt import GPTConfig
+from .gpt_module import GPTModule
+
+
+#: the model group's sizes: ``conf/model/<name>.yaml`` selects ``base_<name>`` (written here once;
+#: the other fields keep GPTConfig's defaults)
+SIZES = {
+    "gpt_tiny": dict(block_size=64, n_layer=2, n_head=2, n_embd=64),  # ~0.2M parameters: smoke tests
+    "gpt_small": dict(block_size=128, n_layer=4, n_head=4, n_embd=256),  # ~3.2M: the demo
+    "gpt_21m": dict(block_size=256, n_layer=4, n_head=8, n_embd=512),  # the MACHINE_FACTS benchmark model
+    "gpt_118m": dict(block_size=256, n_layer=8, n_head=16, n_embd=1024),  # communication-bound benchmark
+}
+
+
+def register_schema() -> None:
+    """``model/base_gpt`` and one ``model/base_<size>`` per entry of :data:`SIZES` (GPTConfig with
+    those defaults), which ``conf/model/*.yaml`` select, so Hydra rejects a misspelt or wrongly typed
+    model key at compose time; ``GPTConfig.__post_init__`` checks the values when the composed config
+    becomes objects."""
+    cs = ConfigStore.instance()
+    cs.store(group="model", name="base_gpt", node=GPTConfig)
+    for name, values in SIZES.items():
+        node = dataclasses.make_dataclass(f"GPTConfig_{name}", [(k, int, dataclasses.field(default=v))
+                                                                for k, v in values.items()], bases=(GPTConfig,))
+        cs.store(group="model", name=f"base_{name}", node=node)
+
+
+def _bad(field: str, value, problem: str, valid: str) -> ConfigError:
+    return ConfigError(f"{field}={value!r}: {problem}; valid: {valid}")
+
+
+def validate(cfg: Config) -> None:
+    """What only the demo knows: its GPT is no PipelineModule, reads bytes, and must get at least one
+    full batch per rank (the loader drops a partial one, so no step would ever run) and, with
+    validation on, one held-out sequence. Run after ``cfg.validate()``, which checked each field."""
+    model, data, world = cfg.model, cfg.data, world_size(cfg.trainer)
+    strategy = getattr(cfg.strategy, "name", None)
+    if strategy == "pipeline":
+        raise _bad("strategy", strategy, "needs a model made of a PipelineModule; the CLI's GPT is not one",
+                   ", ".join(n for n in registry.available() if n != "pipeline"))
+    if model.vocab_size < 256:
+        raise _bad("model.vocab_size", model.vocab_size, "must be >= 256: the data are bytes", "256 or more")
+    if world < 1:
+        return  # the Trainer names the bad trainer.devices / trainer.num_nodes
+    chunk, size = model.block_size + 1, data.size()
+    n_val = int(size * data.val_fraction)
+    per_rank = -(-((size - n_val) // chunk) // world)  # the sampler pads the ranks to equal shares
+    if per_rank < data.batch_size:
+        raise _bad("data.batch_size", data.batch_size,
+                   f"is more than the {per_rank} training sequence(s) each of the {world} rank(s) gets "
+                   f"({size - n_val} training bytes in sequences of model.block_size+1={chunk})",
+                   f"data.batch_size <= {per_rank}" if per_rank else
+                   "more data (data.max_bytes, data.path) or a smaller model.block_size")
+    if data.val_fraction and n_val < chunk:
+        raise _bad("data.val_fraction", data.val_fraction,
+                   f"holds out {n_val} bytes, fewer than one sequence of model.block_size+1={chunk}",
+                   f">= {chunk / size:.4g}, or 0 for no validation")
+
+
+def build_module(cfg: Config) -> GPTModule:
+    """The GPTModule with the optimizer and data sections' values; its own checks become ConfigErrors.
+    Warmup is capped at ``trainer.max_steps`` so a short run keeps the default warmup."""
+    try:
+        return GPTModule(config=cfg.model, lr=cfg.optimizer.lr, weight_decay=cfg.optimizer.weight_decay,
+                         betas=tuple(cfg.optimizer.betas),
+                         warmup_steps=min(cfg.optimizer.warmup_steps, cfg.trainer.max_steps),
+                         max_steps=cfg.trainer.max_steps, min_lr_ratio=cfg.optimizer.min_lr_ratio,
+                         batch_size=cfg.data.batch_size, data_path=cfg.data.path, max_bytes=cfg.data.max_bytes,
+                         val_fraction=cfg.data.val_fraction, num_workers=cfg.data.num_workers)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
