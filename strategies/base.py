@@ -4,9 +4,23 @@ The Trainer calls these methods in a fixed order and never asks which strategy i
 
     connect(info, device, precision) -> setup_environment() -> configure_model(module)
     -> setup_module(module) -> setup_optimizer(optimizer) -> [fit(ckpt_path=...): load_param_shards]
-    loop: training_step -> backward [under no_sync() while accumulating] -> optimizer_step
-          [save_checkpoint: param_shards, extra_state]
+    loop: run_schedule(batch, batch_idx, hooks) [under no_sync() while accumulating]
+          -> optimizer_step [save_checkpoint: param_shards, extra_state]
     -> teardown()
+
+``run_schedule`` is every forward and backward of one training batch: the one capability that
+differs in kind between strategies, so it is part of the interface rather than something the
+Trainer works around. Here it is one forward and one backward, with the Trainer's
+``on_before_backward``/``on_after_backward`` around the backward (the Trainer lends them as
+``BatchHooks``). A strategy that interleaves many forwards and backwards itself (the pipeline's
+1F1B/GPipe schedule) overrides it whole, and this is the only place a strategy may: it has no
+single loss before its backwards nor a single moment after them, so it calls only
+``hooks.loss_of`` and lists the hooks it never calls in ``skipped_hooks``; the Trainer warns
+once when a callback overrides one of those, rather than calling them around a backward that did
+nothing. Such a strategy has no separate ``training_step``/``backward`` (calling them raises).
+The Trainer never calls ``training_step``/``backward`` itself, only ``run_schedule``; it logs the
+loss that ``hooks.loss_of`` saw as ``train_loss`` when the training step logged nothing (as it
+logs ``val_loss`` in validation), whatever the strategy, and no strategy logs metrics itself.
 
 Checkpoints (``trainer/checkpointing.py``) have one path: a save writes every rank's
 ``param_shards()`` and ``extra_state()`` (described by ``checkpoint_model_info()`` and
@@ -19,8 +33,12 @@ optimizer, and gradients are already identical on every rank when ``optimizer_st
 process and DDP use them as they are.
 
 The step is written once, here, as a sequence of small pieces; other strategies override pieces,
-never the sequence:
+never the sequence (``run_schedule`` as a whole is the one exception, above; the pipeline's
+schedule still runs each forward through ``run_forward`` and each backward through the
+precision's ``pre_backward``/``backward``/``post_backward``, and steps through ``optimizer_step``):
 
+    run_schedule                training_step (run_forward) -> hooks.loss_of -> hooks.before_backward
+                                -> backward(loss / hooks.accumulation) -> hooks.after_backward
     run_forward                 every forward, under the precision's forward context (autocast)
     backward                    _before_backward -> precision.pre_backward (loss scale)
                                 -> precision.backward -> precision.post_backward -> _after_backward
@@ -33,7 +51,7 @@ never the sequence:
 ZeRO supplies the gradient buffers around backward, its fp32 gradient partitions, the
 all-reduced norm, the sharded inner step and the parameter all-gather; offload its host stepper
 (the clip coefficient and loss scale passed to it as one gradient multiplier); the pipeline its
-gradient reduction and norm over stages.
+gradient reduction and norm over stages, and its own ``run_schedule``.
 """
 from __future__ import annotations
 
@@ -110,6 +128,24 @@ def split_optimizer_state(owner: str, like: torch.Tensor, state: dict[str, Any]
     return per, scalars
 
 
+class BatchHooks(Protocol):
+    """What the Trainer lends ``run_schedule`` for one training batch: the loss check and the
+    backward hooks, so that the strategy calls the ones it can honour at the moment they mean."""
+
+    #: the loss of each backward is divided by this (the Trainer's ``accumulate_grad_batches``)
+    accumulation: int
+
+    def loss_of(self, out: Any) -> torch.Tensor:
+        """The loss in a training step's output (a tensor, or a dict with ``"loss"``), checked:
+        raises for any other output and applies the Trainer's ``on_nonfinite``. Called once."""
+
+    def before_backward(self, loss: torch.Tensor) -> None:
+        """``on_before_backward`` with the loss about to be backwarded (not yet divided)."""
+
+    def after_backward(self) -> None:
+        """``on_after_backward``: the batch's gradients are accumulated."""
+
+
 class StepWrapper(nn.Module):
     """Routes ``forward`` to the TrainModule's step methods, so that wrappers which act on
     ``forward`` (DDP's gradient hooks, ZeRO-3's gather hooks) see the user's training step."""
@@ -129,6 +165,9 @@ PROCESS_GROUP_TIMEOUT_S = 300.0
 
 class Strategy:
     name = "base"
+    #: Trainer hooks (``trainer/hooks.py`` names) that this strategy's ``run_schedule`` never
+    #: calls; the Trainer warns once when a callback overrides one. The base calls them all.
+    skipped_hooks: tuple[str, ...] = ()
 
     def __init__(self, process_group_timeout_s: float = PROCESS_GROUP_TIMEOUT_S) -> None:
         if process_group_timeout_s <= 0:
@@ -209,6 +248,19 @@ class Strategy:
         steps and each micro-batch of a pipeline schedule."""
         with self.precision.forward_context(self.device.type):
             return fn(*args, **kwargs)
+
+    def run_schedule(self, batch: Any, batch_idx: int, hooks: BatchHooks) -> Any:
+        """Every forward and backward of one training batch; returns what the training step
+        returned (a loss, or a dict with ``"loss"``). Here: the TrainModule's ``training_step``
+        (``run_forward``), then one ``backward`` of its loss divided by ``hooks.accumulation``,
+        between ``hooks.before_backward`` and ``hooks.after_backward``. A strategy that runs a
+        schedule of its own overrides this whole and lists the hooks it skips in ``skipped_hooks``."""
+        out = self.training_step(batch, batch_idx)
+        loss = hooks.loss_of(out)
+        hooks.before_backward(loss)
+        self.backward(loss / hooks.accumulation)
+        hooks.after_backward()
+        return out
 
     def training_step(self, batch: Any, batch_idx: int) -> Any:
         return self.run_forward(self.model, "training_step", batch, batch_idx)

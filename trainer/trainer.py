@@ -230,6 +230,8 @@ class Trainer:
             if ckpt_path:
                 checkpointing.load(self, ckpt_path)
             self._fits += 1
+            if self._fits == 1:
+                self._warn_skipped_hooks()
             self._watchdog = make_watchdog(self._strategy, self.stall_timeout_s,
                                            key=f"zerotrain/progress/{elastic.restart_count()}/{self._fits}")
             progress.set_sink(self._watchdog.mark if self._watchdog is not None else None)
@@ -392,23 +394,27 @@ class Trainer:
     _last_val_step = -1
 
     def _train_micro_batch(self, batch: Any, batch_idx: int, last_micro: bool) -> bool:
+        """One training batch: ``Strategy.run_schedule`` runs its forwards and backwards and calls
+        back the hooks it can honour (``_BatchHooks``): every strategy the loss check, the ordinary
+        step also ``on_before_backward``/``on_after_backward``; a strategy running its own schedule
+        (the pipeline) skips those two (its ``skipped_hooks``, warned about at fit start). Then the
+        loss is logged as ``train_loss`` unless the step logged something, and on the last batch of
+        an accumulation the optimizer steps."""
         st, s, module = self.state, self._strategy, self.module
         batch = _to_device(batch, s.device)
         self._tick("on_train_batch_start")
         self.hooks("on_train_batch_start", self, module, batch, batch_idx)
+        batch_hooks = _BatchHooks(self, batch_idx)
         with (s.no_sync() if not last_micro else contextlib.nullcontext()):
             self._tick("training_step")
-            out = s.training_step(batch, batch_idx)
-            loss = out["loss"] if isinstance(out, dict) else out
-            if not torch.is_tensor(loss):
-                raise ConfigError(f"training_step must return a loss tensor or a dict with 'loss'; got {type(out).__name__}")
-            self._check_finite(loss, batch_idx)
-            self._tick("on_before_backward")
-            self.hooks("on_before_backward", self, module, loss)
-            self._tick("backward")
-            s.backward(loss / self.accumulate_grad_batches)
-            self._tick("on_after_backward")
-            self.hooks("on_after_backward", self, module)
+            self._train_logged = False
+            out = s.run_schedule(batch, batch_idx, batch_hooks)
+        loss = batch_hooks.loss
+        if loss is None:
+            raise RuntimeError(f"strategy={s!r}: run_schedule returned without calling hooks.loss_of; "
+                               "valid: every run_schedule checks its loss through hooks.loss_of once")
+        if not batch_hooks.step_logged:  # the step logged nothing: track its loss (as val_loss in validation)
+            self._log("train_loss", loss)
         self.progress_bar_metrics["loss"] = float(loss.detach())
         st.batches_in_epoch += 1
         st.total_batches += 1
@@ -437,6 +443,17 @@ class Trainer:
         return last_micro
 
     _nonfinite_in_step = False
+    _train_logged = False
+
+    def _warn_skipped_hooks(self) -> None:
+        """A strategy that runs its own schedule never calls some hooks (``Strategy.skipped_hooks``):
+        say once (global rank 0, first fit) which callbacks override one, so nothing is silently off."""
+        skipped = set(self._strategy.skipped_hooks)
+        found = [f"{type(cb).__name__}.{hook}" for cb in self.callbacks for hook in sorted(skipped)
+                 if getattr(type(cb), hook, None) is not getattr(Callback, hook, None)]
+        if found and self.is_global_zero:
+            log.warning("strategy=%r: runs its own forward/backward schedule and never calls %s; these "
+                        "overrides will not run: %s", self._strategy, ", ".join(sorted(skipped)), ", ".join(found))
 
     def _tick(self, phase: str) -> None:
         if self._watchdog is not None:
@@ -524,6 +541,7 @@ class Trainer:
             acc[0] += float(v)
             acc[1] += 1
             return
+        self._train_logged = True
         if sync_dist:
             v = self._strategy.reduce(v, op="mean")
         self._step_metrics[name] = v
@@ -570,6 +588,39 @@ class Trainer:
         if self.is_global_zero:
             for lg in self.loggers:
                 lg.finalize()
+
+
+class _BatchHooks:
+    """The Trainer's side of one ``Strategy.run_schedule`` call (``strategies.base.BatchHooks``):
+    checks the loss, keeps it for the progress bar and ``train_loss``, and fires the backward
+    hooks when the strategy calls them."""
+
+    def __init__(self, trainer: Trainer, batch_idx: int) -> None:
+        self.trainer, self.batch_idx = trainer, batch_idx
+        self.accumulation = trainer.accumulate_grad_batches
+        self.loss: torch.Tensor | None = None
+        self.step_logged = False
+
+    def loss_of(self, out: Any) -> torch.Tensor:
+        loss = out["loss"] if isinstance(out, dict) else out
+        if not torch.is_tensor(loss):
+            raise ConfigError(f"training_step must return a loss tensor or a dict with 'loss'; "
+                              f"got {type(out).__name__}")
+        self.trainer._check_finite(loss, self.batch_idx)
+        self.loss = loss
+        self.step_logged = self.trainer._train_logged  # by the step itself, not by the hooks after it
+        return loss
+
+    def before_backward(self, loss: torch.Tensor) -> None:
+        t = self.trainer
+        t._tick("on_before_backward")
+        t.hooks("on_before_backward", t, t.module, loss)
+        t._tick("backward")
+
+    def after_backward(self) -> None:
+        t = self.trainer
+        t._tick("on_after_backward")
+        t.hooks("on_after_backward", t, t.module)
 
 
 def _to_device(batch: Any, device: torch.device) -> Any:

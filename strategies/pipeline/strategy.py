@@ -8,11 +8,15 @@ The Trainer's calls map onto a pipeline like this:
   this rank's stage.
 * ``setup_module``: make the tie groups (one per tie and replica, among the stages owning a copy),
   broadcast tied weights from their lowest owning stage and every stage from replica 0.
-* ``training_step``: split the batch ``(inputs, targets)`` into ``micro_batches`` along dim 0 and run
-  the whole schedule (every forward and backward). Returns the mean loss, averaged over replicas,
-  identical on every rank. ``backward`` is then a no-op, so the Trainer's division of the loss by
-  ``accumulate_grad_batches`` is applied here instead: the strategy reads that number from the
-  Trainer attached to the TrainModule (1 when none is).
+* ``run_schedule``: split the batch ``(inputs, targets)`` into ``micro_batches`` along dim 0 and run
+  the whole 1F1B/GPipe schedule (every forward and backward, each backward's loss divided by
+  ``hooks.accumulation``). Returns the mean loss, averaged over replicas, identical on every rank,
+  after checking it through ``hooks.loss_of``; the Trainer logs it as ``train_loss``. There is no
+  single loss before the backwards nor one moment after them, so ``on_before_backward`` and
+  ``on_after_backward`` are never called (``skipped_hooks``; the Trainer warns about callbacks
+  that override them), and ``training_step``/``backward`` do not exist apart: calling either
+  raises. The TrainModule's own ``training_step`` is not run (its ``PipelineModule``'s
+  ``loss_fn`` is the loss).
 * ``optimizer_step`` (the base sequence; this class supplies ``_gradients_ready`` and
   ``_grad_norm``): all-reduce tied gradients within each tie group (SUM), then every gradient
   within the data-parallel group (SUM, divide by replicas), unscale/skip as the precision says,
@@ -34,15 +38,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..base import PROCESS_GROUP_TIMEOUT_S, Strategy
+from ..base import PROCESS_GROUP_TIMEOUT_S, BatchHooks, Strategy
 from ..options import config_from
 from .collectives import all_reduce_grads, broadcast_tensors, sum_over_world
-from .module import PipelineModule, Tie, find_pipeline_module
 from .config import PipelineConfig
+from .module import PipelineModule, Tie, find_pipeline_module
 from .p2p import PipeComm
 from .schedule import inference, schedule_from_name
 from .stage import StageExecutor, StepStats
 from .topology import PipelineGrid
+
+
+_NO_SEPARATE_STEP = ("pipeline: {call}() is not a step of its own here: the schedule interleaves every "
+                     "micro-batch's forward and backward; valid: run_schedule(batch, batch_idx, hooks)")
 
 
 @dataclass(frozen=True)
@@ -57,6 +65,7 @@ class TieGroup:
 
 class PipelineStrategy(Strategy):
     name = "pipeline"
+    skipped_hooks = ("on_before_backward", "on_after_backward")
 
     def __init__(self, config: PipelineConfig | None = None, *,
                  process_group_timeout_s: float = PROCESS_GROUP_TIMEOUT_S, **options: Any) -> None:
@@ -186,23 +195,19 @@ class PipelineStrategy(Strategy):
                              "(and drop_last=True)")
         return [c.to(self.device) for c in value.chunk(m)]
 
-    def _run(self, batch: Any, train: bool) -> torch.Tensor:
+    def _run(self, batch: Any, train: bool, accumulation: int = 1) -> torch.Tensor:
         assert self.executor is not None, "pipeline: setup_module() has not run yet"
         micro_inputs, micro_targets = self.split_batch(batch)
         grid = self._grid()
         if train:
             instructions = self._schedule(self.stage, grid.stages, self.micro_batches)
             loss = self.executor.run(instructions, micro_inputs, micro_targets, train=True,
-                                     grad_scale=1.0 / self._accumulation())
+                                     grad_scale=1.0 / accumulation)
         else:
             with torch.no_grad():
                 instructions = inference(self.stage, grid.stages, self.micro_batches)
                 loss = self.executor.run(instructions, micro_inputs, micro_targets, train=False)
         return self._mean_over_replicas(loss)
-
-    def _accumulation(self) -> int:
-        trainer = getattr(self.module, "_trainer", None)
-        return int(getattr(trainer, "accumulate_grad_batches", 1) or 1)
 
     def _mean_over_replicas(self, loss: torch.Tensor) -> torch.Tensor:
         """The last stage of each replica holds its loss: sum them over the world (other ranks
@@ -212,20 +217,22 @@ class PipelineStrategy(Strategy):
         mine = loss.detach().float() if self.stage == self.num_stages - 1 else torch.zeros((), device=self.device)
         return sum_over_world(mine) / self._grid().replicas
 
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        loss = self._run(batch, train=True)
+    def run_schedule(self, batch: Any, batch_idx: int, hooks: BatchHooks) -> torch.Tensor:
+        """The whole schedule of one batch, every micro-batch's forward and backward; the loss is
+        checked through ``hooks.loss_of`` after it (the backward hooks are ``skipped_hooks``)."""
+        loss = self._run(batch, train=True, accumulation=hooks.accumulation)
         self.last_step_stats = self.executor.stats
         self.live_activation_peak = max(self.live_activation_peak, self.executor.stats.peak_live)
-        log = getattr(self.module, "log", None)  # TrainModule.log; a plain nn.Module has none
-        if log is not None:
-            log("train_loss", loss)
-        return loss
+        return hooks.loss_of(loss)
 
     def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         return self._run(batch, train=False)
 
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        raise RuntimeError(_NO_SEPARATE_STEP.format(call="training_step"))
+
     def backward(self, loss: torch.Tensor) -> None:
-        """Nothing to do: ``training_step`` already ran every micro-batch's backward."""
+        raise RuntimeError(_NO_SEPARATE_STEP.format(call="backward"))
 
     def parameters_for_optimizer(self):
         assert self.module is not None

@@ -1,7 +1,7 @@
 """The pipeline strategy on real processes (gloo) against a plain single-process loop.
 
 Each rank drives the Strategy API in the Trainer's order (connect, setup_environment,
-configure_model, setup_module, setup_optimizer, then training_step / backward / optimizer_step),
+configure_model, setup_module, setup_optimizer, then run_schedule / optimizer_step),
 and also runs the reference: an ``nn.Sequential`` of the same layers with the same initial weights,
 trained on the concatenation of every replica's global batch with the loss averaged the same way
 (mean over rows; micro-batches are equal-sized, so the mean of micro-batch means is that mean).
@@ -85,6 +85,14 @@ def _batch(kind: str, step: int, replica: int, rows: int):
 
 
 # ---------------------------------------------------------------------------- one case on one rank
+class _Hooks:
+    """What the Trainer lends run_schedule, without callbacks: the pipeline calls only these."""
+    accumulation = 1
+
+    def loss_of(self, out):
+        return out
+
+
 def _same(a: dict, b: dict) -> bool:
     """Nested dicts of tensors (and numbers) with the same keys and equal values."""
     if sorted(a) != sorted(b):
@@ -144,8 +152,7 @@ def _run_case(case: dict, ck_name: str) -> dict:
     clip, replicas = case.get("clip"), strategy.data_parallel_world_size
     losses, ref_losses, clipped = [], [], 0
     for step in range(STEPS):
-        loss = strategy.training_step(_batch(kind, step, replica, rows), step)
-        strategy.backward(loss)
+        loss = strategy.run_schedule(_batch(kind, step, replica, rows), step, _Hooks())
         strategy.optimizer_step(clip)
         losses.append(float(loss))
         xs, ys = zip(*[_batch(kind, step, r, rows) for r in range(replicas)])

@@ -278,6 +278,14 @@ class _LM(TrainModule):
             out.flatten(0, 1), y.flatten()))
 
 
+class _Hooks:
+    """What the Trainer lends run_schedule, without callbacks: the pipeline calls only these."""
+    accumulation = 1
+
+    def loss_of(self, out):
+        return out
+
+
 @pytest.mark.parametrize("schedule,ckpt", [("1f1b", False), ("gpipe", True)])
 def test_one_stage_pipeline_matches_a_plain_loop(schedule, ckpt):
     torch.manual_seed(0)
@@ -296,8 +304,7 @@ def test_one_stage_pipeline_matches_a_plain_loop(schedule, ckpt):
     gen = torch.Generator().manual_seed(1)
     for i in range(3):
         x, y = torch.randint(0, 11, (8, 5), generator=gen), torch.randint(0, 11, (8, 5), generator=gen)
-        loss = strategy.training_step((x, y), i)
-        strategy.backward(loss)
+        loss = strategy.run_schedule((x, y), i, _Hooks())
         strategy.optimizer_step(0.5)
         ref_loss = nn.functional.cross_entropy(ref(x).flatten(0, 1), y.flatten())
         ref_loss.backward()
@@ -311,4 +318,7 @@ def test_one_stage_pipeline_matches_a_plain_loop(schedule, ckpt):
     val = strategy.validation_step((x, y), 0)
     torch.testing.assert_close(val, nn.functional.cross_entropy(ref(x).flatten(0, 1), y.flatten()).detach())
     with pytest.raises(ValueError, match="divisible by 4"):
-        strategy.training_step((x[:6], y[:6]), 0)
+        strategy.run_schedule((x[:6], y[:6]), 0, _Hooks())
+    for separate in (lambda: strategy.training_step((x, y), 0), lambda: strategy.backward(loss)):
+        with pytest.raises(RuntimeError, match="run_schedule"):  # no step of its own, no silent no-op
+            separate()
