@@ -1,0 +1,58 @@
+"""Structural rules of strategies/ (issue 11), checked on the source so a regression fails here:
+composition, not inheritance; small constructors; the step written once."""
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import zerotrain
+
+STRATEGIES = pathlib.Path(zerotrain.__file__).parent / "strategies"
+FILES = sorted(STRATEGIES.rglob("*.py"))
+
+
+def _classes():
+    for path in FILES:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                yield path, node
+
+
+def test_no_class_has_more_than_one_base():
+    multiple = [f"{p.relative_to(STRATEGIES)}:{c.name}" for p, c in _classes()
+                if len([b for b in c.bases if not (isinstance(b, ast.Name) and b.id in ("Protocol", "Generic"))]) > 1]
+    assert not multiple, f"multiple inheritance in strategies/: {multiple}"
+
+
+def test_no_constructor_takes_more_than_twelve_parameters():
+    big = []
+    for p, c in _classes():
+        for fn in c.body:
+            if isinstance(fn, ast.FunctionDef) and fn.name == "__init__":
+                a = fn.args
+                n = len(a.posonlyargs) + len(a.args) + len(a.kwonlyargs) - 1  # without self
+                if n > 12:
+                    big.append(f"{p.relative_to(STRATEGIES)}:{c.name} ({n})")
+    assert not big, f"constructors with more than 12 parameters: {big}"
+
+
+def _calls(*names: str) -> dict[str, list[str]]:
+    """Where each attribute call ``x.<name>(...)`` appears: name -> ["file:caller", ...]."""
+    out: dict[str, list[str]] = {n: [] for n in names}
+    for path in FILES:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in out:
+                out[node.func.attr].append(f"{path.relative_to(STRATEGIES)}:{ast.unparse(node.func.value)}")
+    return out
+
+
+def test_the_step_sequence_is_written_once():
+    """The loss is scaled in one place (the precision plugin's pre_backward), autograd runs in one
+    place (the plugin's backward: the base strategy and the pipeline's per-micro-batch backward call
+    it), and unscale -> clip -> inner step are sequenced once, in the base strategy."""
+    calls = _calls("scale_loss", "backward", "unscale_and_check", "clip_grad_norm_", "_inner_step")
+    assert calls["scale_loss"] == ["precision/base.py:self"], calls["scale_loss"]
+    autograd = [c for c in calls["backward"] if not c.endswith(("self.precision", ":self", "schedule.py:b"))]
+    assert autograd == ["precision/base.py:torch.autograd"], autograd
+    for name in ("unscale_and_check", "clip_grad_norm_", "_inner_step"):
+        assert [c.split(":")[0] for c in calls[name]] == ["base.py"], (name, calls[name])
