@@ -36,7 +36,8 @@ from typing import Sequence
 
 import torch
 
-from .comm import BufferPool, InFlightQueue
+from .comm import BufferPool
+from .inflight import InFlightQueue, Work
 from .unit import ShardState, Unit
 
 log = logging.getLogger("zerotrain")
@@ -235,7 +236,7 @@ class Stage3Runtime:
         for u in self.units:  # index order: the same on every rank
             if u.has_grads():
                 u.reduce_grads(self.options.reduce_mode, self.pool, self.queue, self.group)
-        self.queue.wait_all()
+        self.queue.wait(Work.BUCKETS)  # the reductions; gathers still in flight land in free_all
         self.pool.clear()  # between steps a rank holds its shards and nothing else
         if self._recording_bwd is not None:
             self.bwd_order, self._recording_bwd = self._recording_bwd, None
