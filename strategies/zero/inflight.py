@@ -75,6 +75,8 @@ class InFlightQueue:
         return tuple(self._pending.get(key, ()))
 
     def push(self, item: InFlight, key: Hashable = Work.BUCKETS) -> None:
+        """File ``item`` under ``key``; only ``Work.BUCKETS`` may wait here (its bound, or no
+        ``overlap``)."""
         self.launched += 1
         pending = self._pending.setdefault(key, deque())
         pending.append(item)
