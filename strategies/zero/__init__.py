@@ -2,15 +2,17 @@
 data-parallel ranks.
 
 Pieces, smallest first: ``config`` (every option, once: ``ZeroSpec`` and its sections),
-``layout`` (pure partition arithmetic), ``comm`` (collectives returning handles, and the one queue
-that waits), ``flat_buffer`` (working parameters as views of one flat buffer per param group),
-``sharded_optimizer`` (fp32 master slices + the user's optimizer re-targeted onto them),
-``stepper`` (the default optimizer part; offload supplies the other), ``strategy`` (the shared
-pieces of the step and checkpoints), ``stage1`` / ``stage2`` (how gradients reach each rank's
+``layout`` (pure partition arithmetic), ``comm`` (collectives returning handles), ``inflight``
+(every collective in flight, typed by what it is for, and the one place that waits on a handle),
+``flat_buffer`` (working parameters as views of one flat buffer per param group),
+``sharded_optimizer`` (fp32 master slices + the user's optimizer re-targeted onto them), ``stepper``
+(the default optimizer part; offload supplies the other), ``hooks`` (every hook of every stage, in
+one place), ``strategy`` (the shared pieces of the step and checkpoints), ``reduction`` (bucketed
+gradient reduction during backward), ``stage1`` / ``stage2`` (how gradients reach each rank's
 partition) and ``estimate`` (the memory formulas). Stage 3 adds ``unit_plan`` (which parameters are
 gathered together), ``unit`` (one unit's shards and state machine), ``stage3_runtime`` (what each
-forward/backward event does), ``hooks`` (every hook, in one place), ``touch`` and ``materialize``
-(partitioned construction) and ``stage3``.
+forward/backward event does), ``touch`` and ``materialize`` (partitioned construction) and
+``stage3``.
 """
 from __future__ import annotations
 

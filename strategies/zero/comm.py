@@ -1,22 +1,15 @@
-"""The collectives ZeRO issues, as plain functions that return handles, and the one queue that
-waits on them.
+"""The collectives ZeRO issues, as plain functions that return handles, and the pooled buffers
+they move.
 
-Every function takes all its inputs explicitly and returns a handle with ``wait()``. On one process
-(no process group) each is completed at once with single-process semantics, so callers never branch
-on the world size. All reductions are SUM: ``ReduceOp.AVG`` is unreliable on gloo
-(pytorch/pytorch#162338); callers divide by the world size.
-
-Overlap design: a caller launches a collective with ``async_op=True`` and hands the queue an
-:class:`InFlight` - the handles, the buffers they read and write (kept alive until waited), and
-``on_done``, the work to run once the data has arrived (copy my slice out, release the buffer).
-Only :class:`InFlightQueue` waits: when more than ``max_in_flight`` are pending it waits for the
-oldest (bounding bucket memory), and ``wait_all()`` drains it at the end of backward or of the
-all-gather.
+Every function takes all its inputs explicitly, launches with ``async_op=True`` and returns a
+handle with ``wait()``; the caller files it in the in-flight layer (``inflight.py``), the only
+code that waits on it. On one process (no process group) each is completed at once with
+single-process semantics, so callers never branch on the world size. All reductions are SUM:
+``ReduceOp.AVG`` is unreliable on gloo (pytorch/pytorch#162338); callers divide by the world size.
 """
 from __future__ import annotations
 
-from collections import deque
-from typing import Callable, NamedTuple, Protocol, Sequence
+from typing import Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -105,63 +98,20 @@ def gather_to(inp: torch.Tensor, outs: Sequence[torch.Tensor] | None, dst: int =
                        group=group, async_op=True)
 
 
-class InFlight(NamedTuple):
-    """A launched collective: who waits on it, what it keeps alive, what runs when it is done."""
-
-    handles: tuple[Handle, ...]
-    buffers: tuple[torch.Tensor, ...]
-    on_done: Callable[[], None]
-    label: str = ""
-
-
-class InFlightQueue:
-    """The one place ZeRO waits on communication."""
-
-    def __init__(self, overlap: bool = True, max_in_flight: int = 2) -> None:
-        if max_in_flight < 1:
-            raise ValueError(f"max_in_flight={max_in_flight} must be >= 1")
-        self.overlap = overlap
-        self.max_in_flight = max_in_flight
-        self._pending: deque[InFlight] = deque()
-        #: how many collectives were launched since construction (tests read it to see overlap)
-        self.launched = 0
-
-    def __len__(self) -> int:
-        return len(self._pending)
-
-    def push(self, item: InFlight) -> None:
-        self.launched += 1
-        self._pending.append(item)
-        if not self.overlap:
-            self.wait_all()
-        while len(self._pending) > self.max_in_flight:
-            self.wait_oldest()
-
-    def wait_oldest(self) -> None:
-        item = self._pending.popleft()
-        for h in item.handles:
-            h.wait()
-        item.on_done()
-
-    def wait_all(self) -> None:
-        while self._pending:
-            self.wait_oldest()
-
-
 class BufferPool:
     """Reusable flat buffers of one dtype, so buckets do not pay a fresh allocation (and its page
     faults) each time. ``acquire(n)`` returns an n-element view of a pooled buffer."""
 
-    def __init__(self, capacity: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.capacity, self.dtype, self.device = capacity, dtype, device
+    def __init__(self, buffer_numel: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.buffer_numel, self.dtype, self.device = buffer_numel, dtype, device
         self._free: list[torch.Tensor] = []
         self.buffers: list[torch.Tensor] = []  # every buffer ever made (for memory reports)
 
     def acquire(self, numel: int) -> torch.Tensor:
-        if numel > self.capacity:
-            raise ValueError(f"bucket of {numel} elements exceeds the pool capacity {self.capacity}")
+        if numel > self.buffer_numel:
+            raise ValueError(f"bucket of {numel} elements exceeds the pool buffer_numel {self.buffer_numel}")
         if not self._free:
-            self.buffers.append(torch.empty(self.capacity, dtype=self.dtype, device=self.device))
+            self.buffers.append(torch.empty(self.buffer_numel, dtype=self.dtype, device=self.device))
             self._free.append(self.buffers[-1])
         return self._free.pop()[:numel]
 

@@ -8,14 +8,14 @@ plain all-gather of every rank's partition into this buffer.
 """
 from __future__ import annotations
 
-from collections import deque
 from typing import Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from .comm import InFlight, InFlightQueue, all_gather_into, backend, broadcast_from
+from .comm import all_gather_into, backend, broadcast_from
+from .inflight import InFlight, InFlightQueue, Work
 from .layout import GroupLayout, partition_chunks
 
 
@@ -48,10 +48,10 @@ class FlatParamGroup:
         lo, hi = self.layout.partition_range(rank)
         return (self.flat if buffer is None else buffer)[lo:hi]
 
-    def gather_chunks(self, bucket_numel: int) -> list[tuple[int, int]]:
+    def gather_chunks(self, allgather_bucket_size: int) -> list[tuple[int, int]]:
         """The ranges ``[s, e)`` of every rank's partition that one all-gather moves together."""
         p = self.layout.partition_numel
-        return partition_chunks(p, self.layout.world_size, bucket_numel) if p else []
+        return partition_chunks(p, self.layout.world_size, allgather_bucket_size) if p else []
 
     def chunk_params(self, s: int, e: int) -> list[int]:
         """Indices of the parameters that chunk ``[s, e)`` (of every rank's partition) writes."""
@@ -84,17 +84,17 @@ class FlatParamGroup:
 
         return InFlight((handle,), (src, staging), scatter_out, "all_gather params")
 
-    def gather_from(self, master: torch.Tensor, rank: int, bucket_numel: int, queue: InFlightQueue,
+    def gather_from(self, master: torch.Tensor, rank: int, allgather_bucket_size: int, queue: InFlightQueue,
                     group: object = None) -> None:
         """Collective: write every rank's (updated) master slice into this working buffer.
 
-        Chunks of at most ``bucket_numel`` elements (all ranks together) go through
+        Chunks of at most ``allgather_bucket_size`` elements (all ranks together) go through
         ``all_gather_into_tensor``; a single chunk lands in the working buffer directly, several go
         through a staging buffer and are copied to their ranks' places."""
-        chunks = self.gather_chunks(bucket_numel)
+        chunks = self.gather_chunks(allgather_bucket_size)
         for s, e in chunks:
             queue.push(self.launch_gather(master, s, e, len(chunks) == 1, group))
-        queue.wait_all()
+        queue.wait(Work.BUCKETS)
 
     def _launch_broadcasts(self, master: torch.Tensor, s: int, e: int, group: object) -> InFlight:
         """Gloo: rank r broadcasts ``flat[r*P + s : r*P + e]`` in place. No staging buffer and no
@@ -115,67 +115,6 @@ def _global_rank(group: object, rank: int) -> int:
     return rank if group is None else dist.get_global_rank(group, rank)
 
 
-class PendingParams:
-    """Parameter all-gathers launched after a step and not yet landed (``overlap_param_gather``).
-
-    The one place that waits for them. ``push`` records which parameters an in-flight gather
-    writes; ``wait_for(module)`` waits (oldest first) until the gathers writing ``module``'s own
-    parameters have landed - a forward pre-hook ``install``-ed on every module owning parameters
-    calls it, so training and no-grad (validation) forwards read fresh weights while later buckets
-    are still moving; ``wait_all()`` is for every other reader (state dicts, checkpoints, the next
-    step, teardown). When nothing is pending both return at once, so the hooks stay installed and
-    the model stays usable after teardown.
-
-    A module whose ``forward`` reads *another* module's parameters directly (not by calling it)
-    is not covered by the hooks; such models should keep the option off."""
-
-    def __init__(self) -> None:
-        self._items: deque[tuple[int, InFlight]] = deque()
-        self._seq = 0  # gathers launched so far
-        self._need: dict[int, int] = {}  # id(param) -> sequence number of the last gather writing it
-        self._hooks: list = []
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def push(self, item: InFlight, params: Sequence[nn.Parameter]) -> None:
-        self._seq += 1
-        self._items.append((self._seq, item))
-        for p in params:
-            self._need[id(p)] = self._seq
-
-    def _wait_until(self, seq: int) -> None:
-        while self._items and self._items[0][0] <= seq:
-            _, item = self._items.popleft()
-            for h in item.handles:
-                h.wait()
-            item.on_done()
-
-    def wait_for(self, module: nn.Module) -> None:
-        if self._items:
-            self._wait_until(max((self._need.get(id(p), 0) for p in module.parameters(recurse=False)),
-                                 default=0))
-
-    def wait_all(self) -> None:
-        self._wait_until(self._seq)
-        self._need.clear()
-
-    def install(self, module: nn.Module, params: Sequence[nn.Parameter]) -> None:
-        """Forward pre-hooks on every submodule of ``module`` that owns one of ``params``, and a
-        state-dict pre-hook on ``module`` (a plain ``module.state_dict()`` waits for all)."""
-        if self._hooks:
-            return
-        ids = {id(p) for p in params}
-        for m in module.modules():
-            if any(id(p) in ids for p in m.parameters(recurse=False)):
-                self._hooks.append(m.register_forward_pre_hook(self._pre_forward))
-        if hasattr(module, "register_state_dict_pre_hook"):
-            self._hooks.append(module.register_state_dict_pre_hook(lambda *_: self.wait_all()))
-
-    def _pre_forward(self, module: nn.Module, args: object) -> None:
-        self.wait_for(module)
-
-
 def _nothing() -> None:
     pass
 
@@ -192,8 +131,7 @@ def flatten_group(params: Sequence[nn.Parameter], layout: GroupLayout, dtype: to
     for p, span in zip(params, layout.spans):
         full[span.offset:span.end].copy_(p.detach().reshape(-1))
     if full.numel():
-        queue.push(InFlight((broadcast_from(full, 0, group),), (full,), _nothing, "broadcast params"))
-        queue.wait_all()
+        queue.complete(broadcast_from(full, 0, group), full, label="broadcast params")
     lo, hi = layout.partition_range(rank)
     if dtype == torch.float32:
         flat, master = full, full[lo:hi]

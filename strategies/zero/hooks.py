@@ -1,6 +1,17 @@
-"""Every hook ZeRO-3 installs, registered here and nowhere else, with their handles kept so that
-``Stage3Hooks.remove()`` undoes all of it. The hooks decide nothing: each calls one method of
-:class:`~.stage3_runtime.Stage3Runtime`.
+"""Every hook ZeRO installs, for all stages, registered here and nowhere else; each class keeps
+its handles so that ``remove()`` undoes all of it. The hooks decide nothing: each calls one method
+of the object that owns the step's state.
+
+ZeRO-1/2:
+
+* :class:`GradientHooks`: a post-accumulate-grad hook on every trainable parameter ->
+  ``BucketedReduction._grad_ready`` (``reduction.py``), which fills and launches buckets.
+* :class:`ParamGatherHooks` (``overlap_param_gather``): a forward pre-hook on every module owning a
+  trainable parameter waits, in the in-flight layer, for the post-step gathers writing that
+  module's own parameters; a state-dict pre-hook on the model waits for all of them.
+
+ZeRO-3 (:class:`Stage3Hooks`, each calling one method of
+:class:`~.stage3_runtime.Stage3Runtime`):
 
 * scope modules (the Trainer's ``StepWrapper`` and every module holding a root-unit parameter,
   e.g. the GPT itself, so ``model.generate()`` works too): forward pre-hook -> ``enter_scope``,
@@ -27,6 +38,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
+from .inflight import InFlightQueue, Work
 from .stage3_runtime import Stage3Runtime
 from .touch import ParamTouchMode
 from .unit import Unit
@@ -165,3 +177,51 @@ class Stage3Hooks:
         if self._mode_active:
             self._mode_active = False
             self.mode.__exit__(None, None, None)
+
+
+# ---------------------------------------------------------------------- ZeRO-1/2
+class _Handles:
+    """The registrations' handles, kept so that ``remove()`` undoes all of them."""
+
+    handles: list[Any]
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+
+
+class GradientHooks(_Handles):
+    """A post-accumulate-grad hook on each parameter of ``slots`` (``(bucket, index, param)``),
+    calling ``on_grad(bucket, index, param)`` once autograd has accumulated its gradient."""
+
+    def __init__(self, slots: Sequence[tuple[int, int, nn.Parameter]],
+                 on_grad: Callable[[int, int, nn.Parameter], None]) -> None:
+        self.handles = [p.register_post_accumulate_grad_hook(functools.partial(on_grad, bi, i))
+                        for bi, i, p in slots]
+
+
+class ParamGatherHooks(_Handles):
+    """``overlap_param_gather``: the post-step all-gathers are still in flight (``Work.PARAMS`` in
+    ``queue``) when the step returns. A forward pre-hook on every submodule of ``module`` owning
+    one of ``params`` waits through the last gather writing that module's own parameters, so
+    training and no-grad (validation) forwards read fresh weights while later chunks are still
+    moving; a state-dict pre-hook on ``module`` waits for all (a plain ``module.state_dict()``).
+    With nothing in flight both return at once, so they stay installed after teardown.
+
+    A module whose ``forward`` reads *another* module's parameters directly (not by calling it)
+    is not covered; such models should keep the option off."""
+
+    def __init__(self, queue: InFlightQueue, module: nn.Module, params: Sequence[nn.Parameter]) -> None:
+        self.queue = queue
+        ids = {id(p) for p in params}
+        self.handles = [m.register_forward_pre_hook(self._pre_forward) for m in module.modules()
+                        if any(id(p) in ids for p in m.parameters(recurse=False))]
+        if hasattr(module, "register_state_dict_pre_hook"):
+            self.handles.append(module.register_state_dict_pre_hook(self._pre_state_dict))
+
+    def _pre_forward(self, module: nn.Module, args: Any) -> None:
+        self.queue.wait_writes(Work.PARAMS, (id(p) for p in module.parameters(recurse=False)))
+
+    def _pre_state_dict(self, *args: Any) -> None:
+        self.queue.wait(Work.PARAMS)

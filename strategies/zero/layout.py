@@ -130,18 +130,18 @@ class FlatBucket:
         return self.hi - self.lo
 
 
-def flat_buckets(layout: GroupLayout, capacity: int) -> list[FlatBucket]:
-    """Pack the group's parameters, last first, into contiguous ranges of at most ``capacity``
-    elements; a parameter larger than ``capacity`` gets a bucket of its own. Empty parameters are
+def flat_buckets(layout: GroupLayout, reduce_bucket_size: int) -> list[FlatBucket]:
+    """Pack the group's parameters, last first, into contiguous ranges of at most ``reduce_bucket_size``
+    elements; a parameter larger than ``reduce_bucket_size`` gets a bucket of its own. Empty parameters are
     skipped. The result is in expected completion order (the last parameters' bucket first)."""
-    if capacity < 1:
-        raise ValueError(f"capacity={capacity} must be >= 1")
+    if reduce_bucket_size < 1:
+        raise ValueError(f"reduce_bucket_size={reduce_bucket_size} must be >= 1")
     buckets: list[FlatBucket] = []
     cur: list[ParamSpan] = []
     for span in reversed(layout.spans):
         if span.numel == 0:
             continue
-        if cur and cur[-1].end - span.offset > capacity:
+        if cur and cur[-1].end - span.offset > reduce_bucket_size:
             buckets.append(_bucket(cur))
             cur = []
         cur.insert(0, span)  # spans are walked backwards: keep cur in flat order
@@ -179,10 +179,10 @@ def owner_runs(layout: GroupLayout, bucket: FlatBucket) -> list[Run]:
     return runs
 
 
-def partition_chunks(partition_numel: int, world_size: int, bucket_numel: int) -> list[tuple[int, int]]:
+def partition_chunks(partition_numel: int, world_size: int, allgather_bucket_size: int) -> list[tuple[int, int]]:
     """Cut a partition into ranges ``[s, e)`` so that ``world_size`` ranks' chunks together hold
-    at most ``bucket_numel`` elements (at least one element per rank)."""
-    if bucket_numel < 1:
-        raise ValueError(f"bucket_numel={bucket_numel} must be >= 1")
-    step = max(1, bucket_numel // world_size)
+    at most ``allgather_bucket_size`` elements (at least one element per rank)."""
+    if allgather_bucket_size < 1:
+        raise ValueError(f"allgather_bucket_size={allgather_bucket_size} must be >= 1")
+    step = max(1, allgather_bucket_size // world_size)
     return [(s, min(s + step, partition_numel)) for s in range(0, partition_numel, step)]

@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from .comm import all_gather_into
+from .inflight import InFlightQueue
 from .touch import ParamTouchMode, is_overwrite
 from .unit import placeholder
 
@@ -56,8 +57,10 @@ class Provisional:
 
 
 class PartitionedBuild:
-    def __init__(self, rank: int, world_size: int, group: object = None) -> None:
+    def __init__(self, rank: int, world_size: int, group: object = None,
+                 inflight: InFlightQueue | None = None) -> None:
         self.rank, self.world, self.group = rank, world_size, group
+        self.inflight = inflight if inflight is not None else InFlightQueue()  # where gathers wait
         self.params: dict[int, Provisional] = {}
         self._open: dict[int, Provisional] = {}  # least recently touched first
         self._largest = 0
@@ -145,7 +148,7 @@ class PartitionedBuild:
         full = torch.empty(self.world * rec.chunk, dtype=rec.shard.dtype, device=rec.shard.device)
         if gather:
             self.gathers += 1
-            all_gather_into(full, rec.shard, self.group).wait()
+            self.inflight.complete(all_gather_into(full, rec.shard, self.group), label="open param")
         rec.param.data = full[:rec.numel].view(rec.param.shape)
 
     def _close(self, rec: Provisional) -> None:
@@ -172,10 +175,10 @@ class PartitionedBuild:
         rec = self.params.pop(id(p))
         span = self.world * rec.chunk
         if out.dtype == rec.shard.dtype and out.numel() >= span and out.is_contiguous():
-            all_gather_into(out[:span], rec.shard, self.group).wait()
+            self.inflight.complete(all_gather_into(out[:span], rec.shard, self.group), label="take param")
             return
         tmp = torch.empty(span, dtype=rec.shard.dtype, device=rec.shard.device)
-        all_gather_into(tmp, rec.shard, self.group).wait()
+        self.inflight.complete(all_gather_into(tmp, rec.shard, self.group), tmp, label="take param")
         out[:rec.numel].copy_(tmp[:rec.numel])
 
     def chunk_of(self, p: nn.Parameter) -> int:

@@ -20,7 +20,8 @@ from typing import Any, Sequence
 
 import torch
 
-from .comm import InFlight, InFlightQueue, gather_to
+from .comm import gather_to
+from .inflight import InFlightQueue
 from .layout import GroupLayout
 
 
@@ -91,7 +92,5 @@ class ShardedOptimizer:
         if rank == dst:
             full = torch.empty(layout.padded_numel, dtype=torch.float32, device=master.device)
             outs = [full[slice(*layout.partition_range(r))] for r in range(layout.world_size)]
-        handle = gather_to(master.contiguous(), outs, dst, group)
-        queue.push(InFlight((handle,), (master,), lambda: None, "gather masters"))
-        queue.wait_all()
+        queue.complete(gather_to(master.contiguous(), outs, dst, group), master, label="gather masters")
         return full

@@ -4,9 +4,9 @@ Gradients: every rank keeps the *full* gradient, like DDP, in one flat buffer pe
 the working dtype, laid out like the parameters; each ``p.grad`` is a view into it, so autograd
 accumulates micro-batches in place. Inside ``no_sync()`` nothing is communicated. During the
 backward of the synchronising micro-batch the buffer is reduced bucket by bucket as the buckets
-become ready - stage 2's machinery (:class:`~.stage2.BucketedReduction`: buckets planned once,
-post-accumulate-grad hooks, launched strictly in plan order), overlapping communication with the
-rest of backward. A bucket is all-reduced in place in the gradient buffer when ``reduce_dtype`` is
+become ready - the machinery stage 2 uses too (:class:`~.reduction.BucketedReduction`: buckets
+planned once, post-accumulate-grad hooks, launched strictly in plan order), overlapping
+communication with the rest of backward. A bucket is all-reduced in place in the gradient buffer when ``reduce_dtype`` is
 the working dtype (else through a pooled ``reduce_dtype`` copy); ``reduce_scatter`` mode sums each
 partition's piece onto its owner only. Each rank keeps its own slice of the result, averaged; the
 rest of the buffer holds partial sums and must not be read (``p.grad`` is only valid inside this
@@ -21,9 +21,9 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from .comm import InFlightQueue
 from .flat_buffer import FlatParamGroup
-from .stage2 import Bucket, BucketedReduction
+from .inflight import InFlightQueue
+from .reduction import Bucket, BucketedReduction
 from .strategy import ZeroStrategy
 
 
@@ -34,9 +34,9 @@ class ReplicatedGradients(BucketedReduction):
     label = "zero1 reduce"
 
     def __init__(self, flat_groups: Sequence[FlatParamGroup], rank: int, reduce_dtype: torch.dtype,
-                 reduce_mode: str, bucket_numel: int, queue: InFlightQueue, order: dict[int, int],
+                 reduce_mode: str, reduce_bucket_size: int, queue: InFlightQueue, order: dict[int, int],
                  group: object = None, is_sync: Callable[[], bool] = lambda: True) -> None:
-        super().__init__(flat_groups, rank, reduce_dtype, reduce_mode, bucket_numel, queue, order, group)
+        super().__init__(flat_groups, rank, reduce_dtype, reduce_mode, reduce_bucket_size, queue, order, group)
         self.is_sync = is_sync
         self.buffers = [torch.zeros_like(fg.flat) for fg in self.flat_groups]
         self.views = [[fg.view(i, buf) for i in range(len(fg.params))]

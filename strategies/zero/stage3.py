@@ -4,9 +4,11 @@ Pieces (one object per level, as FSDP2): ``unit_plan`` decides which parameters 
 together (one unit per transformer block by default, a root unit for the rest, small parameters
 optionally kept whole); ``unit.Unit`` is one unit's shards and its SHARDED / GATHERING / UNSHARDED
 state machine; ``stage3_runtime.Stage3Runtime`` says what happens at each forward/backward event
-(gather, prefetch, free, reduce); ``hooks.Stage3Hooks`` is the one place hooks are installed;
-``materialize.PartitionedBuild`` builds the model partitioned in ``configure_model()``. This class
-wires them into the Strategy interface and reuses ZeRO-1/2's step, clipping and overflow handling.
+(gather, prefetch, free, reduce); ``hooks.Stage3Hooks`` installs every hook (``hooks.py`` holds
+every stage's); ``materialize.PartitionedBuild`` builds the model partitioned in
+``configure_model()``; gathers and reductions in flight are entries of the strategy's in-flight
+layer (``inflight.py``). This class wires them into the Strategy interface and reuses ZeRO-1/2's
+step, clipping and overflow handling.
 
 Set-up (the Trainer's order):
 
@@ -85,7 +87,7 @@ class ZeroStage3(ZeroStrategy):
 
     # ------------------------------------------------------------------ set-up
     def configure_model(self, module: nn.Module) -> None:
-        build = PartitionedBuild(self.global_rank, self.world_size, self.group)
+        build = PartitionedBuild(self.global_rank, self.world_size, self.group, self.queue)
         with build:
             module.configure_model()
         self._build = build if build.params else None
@@ -136,9 +138,11 @@ class ZeroStage3(ZeroStrategy):
                 flat[span.offset:span.end].copy_(p.detach().reshape(-1))
         flat[layout.numel:].zero_()
         if not all(adopted) and layout.padded_numel:  # eager parameters: rank 0's values, as DDP
-            broadcast_from(flat[:layout.padded_numel], 0, self.group).wait()
+            self.queue.complete(broadcast_from(flat[:layout.padded_numel], 0, self.group), flat,
+                                label="broadcast unit")
         unit = Unit(index, name, params, names, layout, self.global_rank, self.precision.param_dtype,
-                    self.config.torch_reduce_dtype, self.device, persistent=name == PERSISTENT)
+                    self.config.torch_reduce_dtype, self.device, persistent=name == PERSISTENT,
+                    inflight=self.queue)
         unit.load_full(flat)
         self.stepper.place_unit(unit, self.global_rank)  # offload: shards to files, unit by unit
         return unit

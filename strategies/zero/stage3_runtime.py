@@ -36,7 +36,8 @@ from typing import Sequence
 
 import torch
 
-from .comm import BufferPool, InFlightQueue
+from .comm import BufferPool
+from .inflight import InFlightQueue, Work
 from .unit import ShardState, Unit
 
 log = logging.getLogger("zerotrain")
@@ -60,9 +61,9 @@ class Stage3Runtime:
         self.options, self.queue, self.group = options, queue, group
         #: id(param) -> its unit, for the params that are ever sharded
         self.owner = {id(p): u for u in self.units if not u.persistent for p in u.params}
-        capacity = max([u.numel + (u.hi - u.lo) for u in self.units] or [1])
+        buffer_numel = max([u.numel + (u.hi - u.lo) for u in self.units] or [1])
         device = self.root.device
-        self.pool = BufferPool(capacity, reduce_dtype, device)
+        self.pool = BufferPool(buffer_numel, reduce_dtype, device)
         self.grad_views: list[torch.Tensor] = []  # set by the strategy: the optimizer's order
         self.fwd_order: list[int] | None = None
         self.bwd_order: list[int] | None = None
@@ -237,7 +238,7 @@ class Stage3Runtime:
         for u in self.units:  # index order: the same on every rank
             if u.has_grads():
                 u.reduce_grads(self.options.reduce_mode, self.pool, self.queue, self.group)
-        self.queue.wait_all()
+        self.queue.wait(Work.BUCKETS)  # the reductions; gathers still in flight land in free_all
         self.pool.clear()  # between steps a rank holds its shards and nothing else
         if self._recording_bwd is not None:
             self.bwd_order, self._recording_bwd = self._recording_bwd, None

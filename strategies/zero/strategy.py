@@ -5,7 +5,8 @@ A stage differs only in how gradients reach this rank's partition; it supplies t
 :class:`GradientShards` object built in ``_build_gradients()`` (stage 1: full gradients, reduced
 bucket by bucket during the synchronising backward; stage 2: bucketed reduction during every
 backward into partition buffers). ``overlap_param_gather`` leaves the post-step all-gathers in
-flight (:class:`~.flat_buffer.PendingParams`) until a forward or another reader needs them.
+flight (``inflight.Work.PARAMS``) until a forward (``hooks.ParamGatherHooks``) or another reader
+needs them. Every collective is filed in one in-flight layer, ``self.queue`` (``inflight.py``).
 
 After ``setup_optimizer`` each rank holds:
 
@@ -31,10 +32,12 @@ from torch import nn
 
 from ..base import PROCESS_GROUP_TIMEOUT_S, ParamShard, ShardReader, Strategy, split_optimizer_state
 from ..memory import count_bytes
-from .comm import InFlight, InFlightQueue, all_reduce_sum, backend, broadcast_from
+from .comm import all_reduce_sum, backend, broadcast_from
 from .config import ZeroSpec
 from .estimate import estimate_model_states, format_bytes
-from .flat_buffer import FlatParamGroup, PendingParams, flatten_group
+from .flat_buffer import FlatParamGroup, flatten_group
+from .hooks import ParamGatherHooks
+from .inflight import InFlight, InFlightQueue, Work
 from .layout import build_layout
 from .sharded_optimizer import ShardedOptimizer
 from .stepper import ShardedStepper
@@ -118,7 +121,10 @@ class ZeroStrategy(Strategy):
         self.name = self.stepper.name or type(self).name
         #: where masters and optimizer state live (None: with the working parameters)
         self.offload = self.stepper.policy
-        self.pending = PendingParams()
+        #: with ``buckets.overlap_param_gather`` the post-step all-gathers are left in flight;
+        #: forwards wait per module (``hooks.ParamGatherHooks``), every other reader for all
+        #: (``Work.PARAMS``)
+        self._param_hooks: ParamGatherHooks | None = None  # installed at the first such gather
         self._gather_plan: list | None = None  # planned at the first overlapped gather
         self.group: object = None  # the default process group
         self.flat_groups: list[FlatParamGroup] = []
@@ -193,7 +199,12 @@ class ZeroStrategy(Strategy):
             t = sd[name].data if isinstance(sd[name], torch.Tensor) else None
             if t is not None and t.numel():
                 self.queue.push(InFlight((broadcast_from(t, 0, self.group),), (t,), _nothing, name))
-        self.queue.wait_all()
+        self.queue.wait(Work.BUCKETS)
+
+    @property
+    def pending(self) -> tuple[InFlight, ...]:
+        """The post-step parameter all-gathers still in flight (``overlap_param_gather``)."""
+        return self.queue.entries(Work.PARAMS)
 
     # ------------------------------------------------------------------ pieces of the step
     # (the sequence is Strategy.backward / Strategy.optimizer_step)
@@ -209,7 +220,7 @@ class ZeroStrategy(Strategy):
         (``overlap_param_gather``): the step writes the masters they read. The gradient
         reductions already landed at the end of the synchronising backward."""
         assert self.sharded is not None, "setup_optimizer must run before optimizer_step"
-        self.pending.wait_all()
+        self.queue.wait(Work.PARAMS)
 
     def step_gradients(self) -> list[torch.Tensor]:
         """This rank's gradient slice of each group, as the stepper steps on it."""
@@ -225,8 +236,7 @@ class ZeroStrategy(Strategy):
         """Collective: the global L2 norm from the partitions (one all-reduce of the squared
         sum), as ``torch.nn.utils.clip_grad_norm_`` over the full gradient would compute it."""
         sq = self._local_grad_sq_norm().float().reshape(1)
-        self.queue.push(InFlight((all_reduce_sum(sq, self.group),), (sq,), _nothing, "grad norm"))
-        self.queue.wait_all()
+        self.queue.complete(all_reduce_sum(sq, self.group), sq, label="grad norm")
         return sq[0].sqrt()
 
     def _inner_step(self, loss_scale: float) -> None:
@@ -244,7 +254,7 @@ class ZeroStrategy(Strategy):
     def _refresh_params(self) -> None:
         """All-gather the updated slices (the stepper says which: the masters, or the working
         partitions an offload kernel wrote) into every rank's working buffers."""
-        self.pending.wait_all()
+        self.queue.wait(Work.PARAMS)
         self.stepper.before_refresh(self.sharded)
         updated = self.stepper.updated(self.sharded, self._working_partitions())
         if not self.buckets.overlap_param_gather:
@@ -259,13 +269,15 @@ class ZeroStrategy(Strategy):
             for g, fg in enumerate(self.flat_groups):
                 chunks = fg.gather_chunks(self.buckets.allgather_bucket_size)
                 for s, e in chunks:
-                    params = [fg.params[i] for i in fg.chunk_params(s, e)]
-                    first = min((order[id(p)] for p in params), default=len(order))
-                    plan.append((first, g, s, e, len(chunks) == 1, params))
+                    ids = frozenset(id(fg.params[i]) for i in fg.chunk_params(s, e))
+                    first = min((order[i] for i in ids), default=len(order))
+                    plan.append((first, g, s, e, len(chunks) == 1, ids))
             self._gather_plan = sorted(plan, key=lambda c: c[:2])
-            self.pending.install(self.module, [p for fg in self.flat_groups for p in fg.params])
-        for _, g, s, e, single, params in self._gather_plan:
-            self.pending.push(self.flat_groups[g].launch_gather(updated[g], s, e, single, self.group), params)
+            self._param_hooks = ParamGatherHooks(self.queue, self.module,
+                                                 [p for fg in self.flat_groups for p in fg.params])
+        for _, g, s, e, single, writes in self._gather_plan:
+            item = self.flat_groups[g].launch_gather(updated[g], s, e, single, self.group)
+            self.queue.push(item._replace(writes=writes), Work.PARAMS)
 
     # ------------------------------------------------------------------ checkpoints
     def _finish_shard_load(self, reader: ShardReader) -> None:
@@ -283,7 +295,7 @@ class ZeroStrategy(Strategy):
         ``state_dict`` keys - tied parameters under each of their names, sharing one tensor as
         ``module.state_dict()`` does; ``{}`` elsewhere."""
         assert self.sharded is not None and self.module is not None
-        self.pending.wait_all()
+        self.queue.wait(Work.PARAMS)
         values: dict[int, torch.Tensor] = {}
         for i, fg in enumerate(self.flat_groups):
             full = self.sharded.gather_full(i, fg.layout, self.global_rank, self.queue, self.group)
@@ -316,7 +328,7 @@ class ZeroStrategy(Strategy):
         """Each parameter's intersection with this rank's partition, from the fp32 masters and
         the optimizer state of that partition (padding excluded)."""
         assert self.sharded is not None
-        self.pending.wait_all()
+        self.queue.wait(Work.PARAMS)
         saved = self.sharded.state_dict()
         state = saved["optimizer"]["state"]
         names = self._trainable_names()
@@ -332,7 +344,7 @@ class ZeroStrategy(Strategy):
         return out
 
     def extra_state(self) -> dict[str, torch.Tensor]:
-        self.pending.wait_all()
+        self.queue.wait(Work.PARAMS)
         if not self.is_global_zero:
             return {}
         sd = self.module.state_dict()
@@ -343,7 +355,7 @@ class ZeroStrategy(Strategy):
         ranges the checkpoint holds (any strategy, any world size), then all-gather the working
         parameters."""
         assert self.sharded is not None and self.module is not None
-        self.pending.wait_all()
+        self.queue.wait(Work.PARAMS)
         names = self._trainable_names()
         masters, state = [], {}
         for g, fg in enumerate(self.flat_groups):
@@ -410,7 +422,7 @@ class ZeroStrategy(Strategy):
                  format_bytes(got["comm_buffers"]), psi, self.world_size)
 
     def teardown(self) -> None:
-        self.pending.wait_all()
+        self.queue.wait(Work.PARAMS)
         if self.grads is not None:
             self.grads.close()
         self.queue.wait_all()

@@ -18,19 +18,23 @@ otherwise: its shape and dtype, one NaN element of storage (``expand``). Shape q
 working (``configure_optimizers`` may sort parameters by ``dim()``), a stray read gives NaN and a
 stray in-place write raises. Parameter objects never change, so ties and user references hold.
 
+A gather in flight is an entry of the strategy's in-flight layer (``inflight.py``) filed under the
+unit itself; its ``on_done`` binds the parameters, so whoever waits for it (the unit when it is
+used or resharded, teardown) completes GATHERING -> UNSHARDED.
+
 A *persistent* unit (small parameters, ``param_persistence_threshold``) is gathered once and
 stays UNSHARDED; after each step it is refreshed with one all-gather, like ZeRO-1/2's params.
 """
 from __future__ import annotations
 
 import enum
-from typing import NamedTuple, Sequence
+from typing import Sequence
 
 import torch
 from torch import nn
 
-from .comm import (BufferPool, Handle, InFlight, InFlightQueue, all_gather_into, all_reduce_sum,
-                   gather_to, reduce_scatter_sum)
+from .comm import BufferPool, all_gather_into, all_reduce_sum, gather_to, reduce_scatter_sum
+from .inflight import InFlight, InFlightQueue
 from .layout import GroupLayout
 
 
@@ -38,13 +42,6 @@ class ShardState(enum.Enum):
     SHARDED = "sharded"  # only this rank's partition exists; params are placeholders
     GATHERING = "gathering"  # an all-gather into ``full`` is in flight
     UNSHARDED = "unsharded"  # ``full`` holds every value; params are views of it
-
-
-class PendingGather(NamedTuple):
-    """An all-gather in flight: who waits (``Unit.wait``) and the input it keeps alive."""
-
-    handle: Handle
-    src: torch.Tensor
 
 
 _PLACEHOLDERS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
@@ -67,7 +64,8 @@ def is_placeholder(t: torch.Tensor) -> bool:
 class Unit:
     def __init__(self, index: int, name: str, params: Sequence[nn.Parameter], names: Sequence[str],
                  layout: GroupLayout, rank: int, dtype: torch.dtype, reduce_dtype: torch.dtype,
-                 device: torch.device, persistent: bool = False) -> None:
+                 device: torch.device, persistent: bool = False,
+                 inflight: InFlightQueue | None = None) -> None:
         if len(params) != len(layout.spans):
             raise ValueError(f"unit {name!r}: {len(params)} parameters, layout has {len(layout.spans)}")
         # a unit with nothing to gather (an empty root) behaves as an always-gathered one
@@ -89,7 +87,9 @@ class Unit:
                             else torch.zeros(hi - lo, dtype=dtype, device=device))
         self.grad = torch.zeros(hi - lo, dtype=reduce_dtype, device=device)
         self.state = ShardState.UNSHARDED
-        self.pending: PendingGather | None = None
+        #: where this unit's collectives are filed and waited (the strategy's in-flight layer);
+        #: its all-gather in flight is the entry filed under the unit itself
+        self.inflight = inflight if inflight is not None else InFlightQueue()
         if persistent:
             self._bind()
         else:
@@ -119,17 +119,21 @@ class Unit:
         if self.state is not ShardState.SHARDED:
             return False
         self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
-        self.pending = PendingGather(all_gather_into(self.full, self.working, group), self.working)
+        handle = all_gather_into(self.full, self.working, group)
         self.state = ShardState.GATHERING
+        self.inflight.push(InFlight((handle,), (self.working,), self._landed,
+                                    f"zero3 gather {self.name or 'root'}"), self)
         return True
 
     def wait(self) -> None:
         """GATHERING -> UNSHARDED (idempotent otherwise): wait for the data, bind the params."""
         if self.state is ShardState.GATHERING:
-            self.pending.handle.wait()
-            self.pending = None
-            self._bind()
-            self.state = ShardState.UNSHARDED
+            self.inflight.wait(self)
+
+    def _landed(self) -> None:
+        """The gather's ``on_done``: the data is in ``full``."""
+        self._bind()
+        self.state = ShardState.UNSHARDED
 
     def unshard(self, group: object = None) -> None:
         self.unshard_async(group)
@@ -177,7 +181,7 @@ class Unit:
             self.working.copy_(self.master)
         if self.persistent and self.layout.padded_numel:
             mine = self.working.clone()  # the all-gather's input must not alias its output
-            all_gather_into(self.full, mine, group).wait()
+            self.inflight.complete(all_gather_into(self.full, mine, group), mine, label="zero3 refresh")
 
     def gather_master(self, dst: int, group: object = None) -> torch.Tensor | None:
         """Collective: the unit's fp32 flat values on ``dst`` (None elsewhere)."""
@@ -185,7 +189,8 @@ class Unit:
         if self.rank == dst:
             full = torch.empty(self.layout.padded_numel, dtype=torch.float32, device=self.device)
             outs = [full[slice(*self.layout.partition_range(r))] for r in range(self.layout.world_size)]
-        gather_to(self.master.detach().contiguous(), outs, dst, group).wait()
+        mine = self.master.detach().contiguous()
+        self.inflight.complete(gather_to(mine, outs, dst, group), mine, label="zero3 gather masters")
         return full
 
     def param_views(self, flat: torch.Tensor) -> list[torch.Tensor]:

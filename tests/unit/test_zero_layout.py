@@ -124,7 +124,7 @@ def test_examples_and_errors():
         build_layout([1, -1], 2)
     with pytest.raises(ValueError, match="rank=3"):
         layout.partition_range(3)
-    with pytest.raises(ValueError, match="capacity=0"):
+    with pytest.raises(ValueError, match="reduce_bucket_size=0"):
         flat_buckets(layout, 0)
-    with pytest.raises(ValueError, match="bucket_numel=0"):
+    with pytest.raises(ValueError, match="allgather_bucket_size=0"):
         partition_chunks(4, 2, 0)

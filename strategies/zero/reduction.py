@@ -1,0 +1,167 @@
+"""Bucketed gradient reduction during backward: the machinery ZeRO-1 (``stage1.ReplicatedGradients``)
+and ZeRO-2 (``stage2.PartitionedGradients``) share.
+
+Buckets are planned once from the parameter sizes (``layout.flat_buckets``): contiguous ranges of
+one group's flat layout, at most ``reduce_bucket_size`` elements, the latest parameters first. A
+post-accumulate-grad hook on every trainable parameter (:class:`~.hooks.GradientHooks`) marks its
+slot filled; complete buckets are launched strictly in plan order, so every rank issues the same
+collectives in the same order even if autograd visits parameters in a different order or some get
+no gradient (a complete bucket whose predecessor is still filling waits for it). Each launched
+reduction is filed in the in-flight layer (``inflight.Work.BUCKETS``) and lands while backward goes
+on; ``flush()`` launches what is left and waits for all.
+
+``reduce_mode``: ``all_reduce`` (gloo default) all-reduces a bucket; ``reduce_scatter`` (NCCL
+default) cuts it at partition boundaries and sums each piece onto its owner only (``dist.reduce``;
+a flat bucket's pieces are uneven, so this is the reduce-scatter that fits the contiguous layout).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from .comm import BufferPool, all_reduce_sum, reduce_to_owner
+from .flat_buffer import FlatParamGroup
+from .hooks import GradientHooks
+from .inflight import InFlight, InFlightQueue, Work
+from .layout import FlatBucket, Run, flat_buckets, intersect, owner_runs
+
+
+@dataclass
+class Bucket:
+    """One planned bucket and its state during the current backward."""
+
+    group: int
+    flat: FlatBucket
+    slots: dict[int, tuple[int, int]]  # parameter index -> (offset in bucket, numel)
+    runs: list[Run]  # the bucket cut at partition boundaries
+    mine: tuple[int, int, int] | None  # (offset in bucket, offset in my partition, numel)
+    buffer: torch.Tensor | None = None
+    filled: set[int] = field(default_factory=set)
+    launched: bool = False
+
+    @property
+    def complete(self) -> bool:
+        return len(self.filled) == len(self.slots)
+
+    def reset(self) -> None:
+        self.buffer, self.launched = None, False
+        self.filled.clear()
+
+
+class BucketedReduction:
+    """The machinery both stage 1 and stage 2 use to reduce gradients *during* backward.
+
+    The hooks (``hooks.GradientHooks``) call ``_grad_ready``, which marks the slot filled
+    (``_fill``) and launches the complete buckets in plan order. A subclass says where a bucket's gradient comes from (``_fill`` /
+    ``_source``), what happens to a parameter that got no gradient (``_missing``) and where this
+    rank's reduced part goes (``_deliver``); ``_active()`` False makes the hooks do nothing (stage
+    1 inside ``no_sync()``)."""
+
+    label = "reduce"
+
+    def __init__(self, flat_groups: Sequence[FlatParamGroup], rank: int, reduce_dtype: torch.dtype,
+                 reduce_mode: str, reduce_bucket_size: int, queue: InFlightQueue, order: dict[int, int],
+                 group: object = None) -> None:
+        """``order`` maps ``id(param)`` to its position in ``module.parameters()``; buckets are
+        launched in the order backward is expected to complete them (latest parameters first)."""
+        if reduce_mode not in ("all_reduce", "reduce_scatter"):
+            raise ValueError(f"reduce_mode={reduce_mode!r}; valid choices: all_reduce, reduce_scatter")
+        self.flat_groups = list(flat_groups)
+        self.rank, self.reduce_mode, self.queue, self.group = rank, reduce_mode, queue, group
+        self.reduce_dtype = reduce_dtype
+        self.world = self.flat_groups[0].layout.world_size if self.flat_groups else 1
+        buckets = []
+        for gi, fg in enumerate(self.flat_groups):
+            lo, hi = fg.layout.partition_range(rank)
+            for fb in flat_buckets(fg.layout, reduce_bucket_size):
+                slots = {i: (fg.layout.spans[i].offset - fb.lo, fg.layout.spans[i].numel) for i in fb.indices}
+                hit = intersect(fb.lo, fb.hi, lo, hi)
+                mine = (hit[0] - fb.lo, hit[0] - lo, hit[1] - hit[0]) if hit else None
+                buckets.append(Bucket(gi, fb, slots, owner_runs(fg.layout, fb), mine))
+        # the bucket holding the earliest parameters completes last
+        buckets.sort(key=lambda b: -min(order[id(self.flat_groups[b.group].params[i])] for i in b.slots))
+        self.buckets = buckets
+        self._next = 0  # first bucket not launched in this backward
+        device = self.flat_groups[0].flat.device if self.flat_groups else torch.device("cpu")
+        self.pool = BufferPool(max([b.flat.numel for b in buckets] or [1]), reduce_dtype, device)
+        self._hooks = GradientHooks([(bi, i, self.flat_groups[b.group].params[i])
+                                     for bi, b in enumerate(buckets) for i in b.slots], self._grad_ready)
+
+    # ---------------------------------------------------------------- what a stage supplies
+    def _active(self) -> bool:
+        return True
+
+    def _fill(self, b: Bucket, index: int, p: nn.Parameter) -> None:
+        """Parameter ``index`` of bucket ``b`` has its gradient in ``p.grad``."""
+
+    def _missing(self, b: Bucket, index: int) -> None:
+        """Parameter ``index`` got no gradient in this backward (called at the flush)."""
+
+    def _source(self, b: Bucket) -> tuple[torch.Tensor, bool]:
+        """The bucket's gradient to reduce in place, and whether it came from ``self.pool``."""
+        raise NotImplementedError
+
+    def _deliver(self, b: Bucket, buf: torch.Tensor) -> None:
+        """``buf`` holds the bucket summed over ranks (at least inside ``b.mine``)."""
+        raise NotImplementedError
+
+    # ---------------------------------------------------------------- shared
+    def _grad_ready(self, bi: int, index: int, p: nn.Parameter) -> None:
+        """The hook: parameter ``index`` of bucket ``bi`` has its gradient accumulated."""
+        if self._active():
+            self._take(bi, index, p)
+
+    def _take(self, bi: int, index: int, p: nn.Parameter) -> None:
+        b = self.buckets[bi]
+        if b.launched or index in b.filled:
+            raise RuntimeError(
+                f"{self.label}: a parameter received its gradient twice in one backward (several "
+                "backward calls per micro-batch, or reentrant use): call strategy.backward() once "
+                "per micro-batch")
+        self._fill(b, index, p)
+        b.filled.add(index)
+        if b.complete:
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self.buckets) and self.buckets[self._next].complete:
+            self._launch(self.buckets[self._next])
+            self._next += 1
+
+    def _launch(self, b: Bucket) -> None:
+        buf, pooled = self._source(b)
+        if self.reduce_mode == "all_reduce":
+            handles = (all_reduce_sum(buf, self.group),)
+        else:
+            handles = tuple(reduce_to_owner(buf[r.offset:r.offset + r.numel], r.rank, self.group)
+                            for r in b.runs)
+
+        def done(b=b, buf=buf, pooled=pooled) -> None:
+            self._deliver(b, buf)
+            if pooled:
+                self.pool.release(buf)
+
+        b.buffer, b.launched = None, True
+        self.queue.push(InFlight(handles, (buf,), done, self.label))
+
+    def flush(self) -> None:
+        """Launch what is left in plan order, wait for all, and reset for the next backward."""
+        for b in self.buckets[self._next:]:
+            for i in b.slots:
+                if i not in b.filled:
+                    self._missing(b, i)
+            self._launch(b)
+        self.queue.wait(Work.BUCKETS)
+        self._next = 0
+        for b in self.buckets:
+            b.reset()
+
+    def comm_buffers(self) -> list[torch.Tensor]:
+        return list(self.pool.buffers)
+
+    def remove_hooks(self) -> None:
+        self._hooks.remove()
+        self.pool.clear()

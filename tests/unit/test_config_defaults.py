@@ -1,0 +1,76 @@
+"""Every config default is written once, in the library's dataclasses: the YAML files under conf/
+select a schema and hold no literal that differs from it, and the schemas are generated from the
+option dataclasses (strategies, precision) rather than restating them."""
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+
+import pytest
+from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
+
+import zerotrain
+import zerotrain.train  # noqa: F401  (registers the schemas)
+from zerotrain.strategies import registry
+from zerotrain.strategies.base import PROCESS_GROUP_TIMEOUT_S
+from zerotrain.strategies.precision import DynamicLossScaler
+from zerotrain.trainer import config as tc
+
+CONF = pathlib.Path(zerotrain.__file__).parent / "conf"
+YAMLS = sorted(p for p in CONF.rglob("*.yaml") if p.parent != CONF)
+
+
+def _schema_node(group: str, base: str):
+    return ConfigStore.instance().load(f"{group}/{base}.yaml").node
+
+
+@pytest.mark.parametrize("path", YAMLS, ids=[str(p.relative_to(CONF)) for p in YAMLS])
+def test_yaml_holds_no_literal_that_differs_from_its_schema(path):
+    text = OmegaConf.load(path)
+    defaults = list(text.pop("defaults", []))
+    bases = [d for d in defaults if isinstance(d, str) and d.startswith("base_")]
+    assert len(bases) == 1, f"{path}: selects no schema (defaults: {defaults})"
+    node = _schema_node(path.parent.name, bases[0])
+    for key, value in text.items():
+        assert key in node, f"{path}: {key} is in no schema field"
+        assert OmegaConf.to_container(OmegaConf.create({"v": value}))["v"] == node[key], (
+            f"{path}: {key}={value!r} differs from the schema's default {node[key]!r}: write it once, "
+            "in the dataclass (or the preset in strategies/registry.py)")
+
+
+@pytest.mark.parametrize("name", registry.available())
+def test_strategy_schema_defaults_are_the_option_dataclasses(name):
+    """The schema of each preset holds exactly its dataclasses' fields, with their defaults except
+    where the preset sets a value."""
+    preset = registry.get(name)
+    node = _schema_node("strategy", f"base_{name}")
+    expected = {f.name: f.default for cls in preset.options for f in dataclasses.fields(cls)}
+    expected.update(preset.values)
+    for key, default in expected.items():
+        got = node[key]
+        assert (tuple(got) if isinstance(default, tuple) and got is not None else got) == default, (name, key)
+    assert set(node) == {"name", "process_group_timeout_s", *expected}
+    assert node["process_group_timeout_s"] == PROCESS_GROUP_TIMEOUT_S
+
+
+def test_precision_schema_is_the_loss_scaler():
+    node = OmegaConf.structured(tc.PrecisionConfig)
+    for f in dataclasses.fields(DynamicLossScaler):
+        assert node[f.name] == f.default, f.name
+    assert "growth_factor" in node  # once missing from the CLI
+
+
+def test_reduce_bucket_size_keeps_its_name_to_the_collective(tmp_path):
+    """One name from the command line to the object that cuts the buckets."""
+    from hydra import compose, initialize_config_module
+
+    with initialize_config_module(config_module="zerotrain.conf", version_base="1.3"):
+        cfg = OmegaConf.to_object(compose(config_name="config", overrides=[
+            "strategy=zero2", "strategy.reduce_bucket_size=1234"]))
+    s = tc.build_strategy(cfg.strategy)
+    assert s.buckets.reduce_bucket_size == 1234
+    lib = pathlib.Path(zerotrain.__file__).parent / "strategies"
+    for path in lib.rglob("*.py"):
+        for word in ("bucket_numel", "capacity"):
+            assert word not in path.read_text(), f"{path}: the reduce bucket size is called {word} there"
