@@ -17,10 +17,7 @@ from ..base import PROCESS_GROUP_TIMEOUT_S
 from ..zero import ZeroSpec, zero_strategy
 from ..zero.strategy import ZeroStrategy
 from .config import OffloadPolicy
-from .stepper import OffloadStepper
-
-#: the ZeRO stages offload composes with
-STAGES = (2, 3)
+from .stepper import STAGES, OffloadStepper, check_stage
 _POLICY_FIELDS = frozenset(f.name for f in fields(OffloadPolicy))
 
 
@@ -30,8 +27,7 @@ def Offload(stage: int = 2, *, process_group_timeout_s: float = PROCESS_GROUP_TI
     whose stepper is an :class:`OffloadStepper`. ``options`` are flat: the policy's fields
     (:class:`OffloadPolicy`) and the stage's (``ZeroConfig``, ``BucketConfig`` or
     ``Stage3Config``); an option of the other stage must stay at its default."""
-    if isinstance(stage, bool) or stage not in STAGES:
-        raise ValueError(f"Offload: stage={stage!r}; valid choices: {', '.join(map(str, STAGES))}")
+    check_stage(stage)
     policy = OffloadPolicy(**{k: v for k, v in options.items() if k in _POLICY_FIELDS})
     spec = ZeroSpec.from_options(stage, owner="Offload",
                                  **{k: v for k, v in options.items() if k not in _POLICY_FIELDS})

@@ -44,6 +44,14 @@ from .transfer import DeviceWorking, HostWorking
 
 log = logging.getLogger("zerotrain")
 
+#: the ZeRO stages offload composes with (stage 1 keeps full gradients: nothing to stream per slot)
+STAGES = (2, 3)
+
+
+def check_stage(stage: object) -> None:
+    if isinstance(stage, bool) or stage not in STAGES:
+        raise ValueError(f"Offload: stage={stage!r}; valid choices: {', '.join(map(str, STAGES))}")
+
 
 class OffloadStepper:
     """Steps the optimizer on host (or NVMe) fp32 masters; see the module docstring."""
@@ -65,6 +73,7 @@ class OffloadStepper:
 
     def check_stage(self, stage: int) -> None:
         """At construction: the policy fits the stage."""
+        check_stage(stage)
         if self.policy.param_device != "none" and stage != 3:
             raise ValueError(f"Offload: param_device={self.policy.param_device!r} needs stage=3 (only "
                              f"ZeRO-3 partitions the parameters); got stage={stage}. Valid with "
