@@ -114,7 +114,4 @@ class ZeroStage1(ZeroStrategy):
     stage = 1
 
     def _build_gradients(self) -> ReplicatedGradients:
-        order = {id(p): i for i, p in enumerate(self.module.parameters())}
-        return ReplicatedGradients(self.flat_groups, self.global_rank, self.config.torch_reduce_dtype,
-                                   self.reduce_mode, self.buckets.reduce_bucket_size, self.queue,
-                                   order, self.group, is_sync=lambda: self._sync)
+        return ReplicatedGradients(*self._reduction_args(), is_sync=lambda: self._sync)

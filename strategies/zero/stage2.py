@@ -93,10 +93,7 @@ class ZeroStage2(ZeroStrategy):
     stage = 2
 
     def _build_gradients(self) -> PartitionedGradients:
-        order = {id(p): i for i, p in enumerate(self.module.parameters())}
-        return PartitionedGradients(self.flat_groups, self.global_rank, self.config.torch_reduce_dtype,
-                                    self.reduce_mode, self.buckets.reduce_bucket_size, self.queue,
-                                    order, self.group)
+        return PartitionedGradients(*self._reduction_args())
 
     def _grad_bytes_per_param(self) -> int:
         return self.config.torch_reduce_dtype.itemsize

@@ -181,6 +181,12 @@ class ZeroStrategy(Strategy):
         finally:
             self._sync = prev
 
+    def _reduction_args(self) -> tuple:
+        """What stages 1/2's bucketed reduction (``reduction.BucketedReduction``) is built from."""
+        order = {id(p): i for i, p in enumerate(self.module.parameters())}
+        return (self.flat_groups, self.global_rank, self.config.torch_reduce_dtype, self.reduce_mode,
+                self.buckets.reduce_bucket_size, self.queue, order, self.group)
+
     def _build_gradients(self) -> GradientShards:
         raise NotImplementedError
 
