@@ -120,6 +120,7 @@ CPU_ADAM = OpSpec(
 FUSED_ADAM_CUDA = OpSpec(
     name="zerotrain_fused_adam_cuda",
     sources=("csrc/adam/fused_adam.cu",),
+    include_dirs=("csrc/includes",),  # adam_scalars.h, shared with the CPU op
     cflags=("-O3",),
     cuda_cflags=("-O3",),
     cuda=True,

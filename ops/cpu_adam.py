@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from . import builder
-from .reference import fallback_adam_step, stochastic_rounding_key
+from .reference import AdamHyper, fallback_adam_step, stochastic_rounding_key
 
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _STATE_DTYPES = (torch.float32, torch.bfloat16)
@@ -37,8 +37,7 @@ def _check_tensor(t: torch.Tensor, name: str, numel: int, dtypes: tuple, allowed
         )
 
 
-def check_inputs(master, grad, exp_avg, exp_avg_sq, param_out, *, step, lr, beta1, beta2, eps,
-                 weight_decay, bias_correction) -> None:
+def check_inputs(master, grad, exp_avg, exp_avg_sq, param_out, h: AdamHyper) -> None:
     """The checks the native kernel makes, in Python, for the fallback path (same messages)."""
     if not isinstance(master, torch.Tensor):
         raise TypeError(f"fused_adam_step: `master` must be a tensor, got {type(master).__name__}")
@@ -65,18 +64,19 @@ def check_inputs(master, grad, exp_avg, exp_avg_sq, param_out, *, step, lr, beta
                         f"fused_adam_step: `{name_a}` and `{name_b}` share memory; each needs its "
                         "own buffer"
                     )
-    if not lr >= 0.0:
-        raise ValueError(f"fused_adam_step: `lr` must be >= 0, got {lr}")
-    for name, beta in (("beta1", beta1), ("beta2", beta2)):
+    if not h.lr >= 0.0:
+        raise ValueError(f"fused_adam_step: `lr` must be >= 0, got {h.lr}")
+    for name, beta in (("beta1", h.beta1), ("beta2", h.beta2)):
         if not 0.0 <= beta < 1.0:
             raise ValueError(f"fused_adam_step: `{name}` must be in [0, 1), got {beta}")
-    if not eps >= 0.0:
-        raise ValueError(f"fused_adam_step: `eps` must be >= 0, got {eps}")
-    if not weight_decay >= 0.0:
-        raise ValueError(f"fused_adam_step: `weight_decay` must be >= 0, got {weight_decay}")
-    if bias_correction and step < 1:
+    if not h.eps >= 0.0:
+        raise ValueError(f"fused_adam_step: `eps` must be >= 0, got {h.eps}")
+    if not h.weight_decay >= 0.0:
+        raise ValueError(f"fused_adam_step: `weight_decay` must be >= 0, got {h.weight_decay}")
+    if h.bias_correction and h.step < 1:
         raise ValueError(
-            f"fused_adam_step: `step` must be >= 1 (the step being taken, counted from 1), got {step}"
+            f"fused_adam_step: `step` must be >= 1 (the step being taken, counted from 1), got "
+            f"{h.step}"
         )
 
 
@@ -86,20 +86,12 @@ def fused_adam_step(
     exp_avg: torch.Tensor,
     exp_avg_sq: torch.Tensor,
     *,
-    step: int,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    adamw: bool,
-    grad_scale: float = 1.0,
     param_out: Optional[torch.Tensor] = None,
-    bias_correction: bool = True,
     stochastic_rounding: bool = False,
     seed: int = 0,
     n_threads: Optional[int] = None,
     isa: Optional[str] = None,
+    **hyper: Any,
 ) -> None:
     """One in-place Adam/AdamW step on a flat slice, in one pass over memory.
 
@@ -111,44 +103,36 @@ def fused_adam_step(
             rounded to nearest even, or stochastically with ``stochastic_rounding`` (the noise is
             a hash of ``seed``, ``step`` and the element index: reproducible, thread-count
             independent).
-        step: the step being taken, counted from 1 (bias correction uses it).
-        adamw: True for decoupled weight decay (AdamW), False for L2 added to the gradient (Adam).
         param_out: optional bf16/fp16 tensor that receives the new master rounded to nearest even
             (equal to ``master.to(param_out.dtype)``), written in the same pass.
         n_threads: OpenMP threads (default ``torch.get_num_threads()``).
         isa: force "avx512", "avx2" or "scalar" (default: $ZEROTRAIN_ADAM_ISA, else the best the
             CPU has). Ignored by the fallback.
+        hyper: the fields of :class:`~zerotrain.ops.reference.AdamHyper`: ``step`` (the step being
+            taken, counted from 1; bias correction uses it), ``lr``, ``beta1``, ``beta2``,
+            ``eps``, ``weight_decay``, ``adamw`` (True: decoupled weight decay, AdamW; False: L2
+            added to the gradient, Adam), ``bias_correction=True``, ``grad_scale=1.0``.
 
     All tensors must be contiguous, on the same device, with ``master``'s number of elements, and
     must not share memory. Alignment is not required (64-byte alignment is a little faster).
     CUDA tensors go to the multi-tensor CUDA kernel (:mod:`zerotrain.ops.cuda_adam`).
     """
+    h = AdamHyper.of("fused_adam_step", hyper)
     if isinstance(master, torch.Tensor) and master.is_cuda:
         from .cuda_adam import multi_tensor_adam_step
 
-        multi_tensor_adam_step(
-            [master], [grad], [exp_avg], [exp_avg_sq], step=step, lr=lr, beta1=beta1,
-            beta2=beta2, eps=eps, weight_decay=weight_decay, adamw=adamw, grad_scale=grad_scale,
-            param_outs=None if param_out is None else [param_out],
-            bias_correction=bias_correction,
-        )
+        multi_tensor_adam_step([master], [grad], [exp_avg], [exp_avg_sq],
+                               param_outs=None if param_out is None else [param_out], **hyper)
         return
     module = builder.cpu_adam_module()
     if module is None:
-        check_inputs(master, grad, exp_avg, exp_avg_sq, param_out, step=step, lr=lr, beta1=beta1,
-                     beta2=beta2, eps=eps, weight_decay=weight_decay,
-                     bias_correction=bias_correction)
-        fallback_adam_step(
-            master, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1, beta2=beta2,
-            eps=eps, weight_decay=weight_decay, adamw=adamw, bias_correction=bias_correction,
-            grad_scale=grad_scale, param_out=param_out, stochastic_rounding=stochastic_rounding,
-            seed=seed,
-        )
+        check_inputs(master, grad, exp_avg, exp_avg_sq, param_out, h)
+        fallback_adam_step(master, grad, exp_avg, exp_avg_sq, param_out=param_out,
+                           stochastic_rounding=stochastic_rounding, seed=seed, **hyper)
         return
     module.adam_step(
-        master, grad, exp_avg, exp_avg_sq, param_out, int(step), float(lr), float(beta1),
-        float(beta2), float(eps), float(weight_decay), bool(adamw), bool(bias_correction),
-        float(grad_scale), bool(stochastic_rounding), stochastic_rounding_key(int(seed), int(step)),
+        master, grad, exp_avg, exp_avg_sq, param_out, *h.native_args(),
+        bool(stochastic_rounding), stochastic_rounding_key(int(seed), int(h.step)),
         int(n_threads or 0), isa or "",
     )
 

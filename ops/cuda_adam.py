@@ -7,12 +7,12 @@ per tensor, after one warning.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
 from . import builder
-from .reference import adam_step_reference
+from .reference import AdamHyper, adam_step_reference
 
 
 def cuda_adam_op():
@@ -28,18 +28,12 @@ def multi_tensor_adam_step(
     exp_avgs: Sequence[torch.Tensor],
     exp_avg_sqs: Sequence[torch.Tensor],
     *,
-    step: int,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    adamw: bool,
-    grad_scale: float = 1.0,
     param_outs: Optional[Sequence[torch.Tensor]] = None,
-    bias_correction: bool = True,
+    **hyper: Any,
 ) -> None:
-    """In-place Adam/AdamW step over lists of CUDA tensors on one device (see module docstring)."""
+    """In-place Adam/AdamW step over lists of CUDA tensors on one device (see module docstring);
+    ``hyper``: the fields of :class:`~zerotrain.ops.reference.AdamHyper`."""
+    h = AdamHyper.of("multi_tensor_adam_step", hyper)
     if not masters:
         return
     device = masters[0].device
@@ -47,17 +41,11 @@ def multi_tensor_adam_step(
     if op is None:
         outs = list(param_outs) if param_outs is not None else [None] * len(masters)
         for p, g, m, v, o in zip(masters, grads, exp_avgs, exp_avg_sqs, outs):
-            adam_step_reference(
-                p, g, m, v, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                weight_decay=weight_decay, adamw=adamw, bias_correction=bias_correction,
-                grad_scale=grad_scale, param_out=o,
-            )
+            adam_step_reference(p, g, m, v, param_out=o, **hyper)
         return
     with torch.cuda.device(device):
         stream = torch.cuda.current_stream(device).cuda_stream
         op(
             list(masters), list(grads), list(exp_avgs), list(exp_avg_sqs),
-            list(param_outs) if param_outs is not None else [],
-            int(step), float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
-            bool(adamw), bool(bias_correction), float(grad_scale), int(stream),
+            list(param_outs) if param_outs is not None else [], *h.native_args(), int(stream),
         )

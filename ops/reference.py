@@ -12,7 +12,8 @@ memory (the fp32 copy of a bf16 gradient, the separate parameter copy).
 """
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import MISSING, dataclass, fields
+from typing import Any, Optional
 
 import torch
 
@@ -20,6 +21,44 @@ _MASK32 = 0xFFFFFFFF
 # Salts that decorrelate the two state tensors' rounding noise; must match cpu_adam.cpp.
 SALT_EXP_AVG = 0x3C6EF372
 SALT_EXP_AVG_SQ = 0xA54FF53A
+
+
+@dataclass(frozen=True)
+class AdamHyper:
+    """The scalars of one Adam/AdamW step: the keyword arguments that :func:`adam_step_reference`,
+    :func:`fallback_adam_step`, :func:`zerotrain.ops.fused_adam_step` and
+    :func:`zerotrain.ops.cuda_adam.multi_tensor_adam_step` all take (as ``**hyper``), declared
+    once here. ``step`` is the step being taken, counted from 1; ``adamw``: decoupled weight decay
+    (AdamW) rather than L2 added to the gradient (Adam); ``grad_scale`` multiplies the gradient
+    first. The field order is the compiled ops' argument order (:meth:`native_args`)."""
+
+    step: int
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    adamw: bool
+    bias_correction: bool = True
+    grad_scale: float = 1.0
+
+    @classmethod
+    def of(cls, caller: str, hyper: dict[str, Any]) -> "AdamHyper":
+        """The hyperparameters among a call's keyword arguments; a missing or unknown one is a
+        TypeError naming the call, as it was when each function listed them itself."""
+        names = [f.name for f in fields(cls)]
+        unknown = sorted(set(hyper) - set(names))
+        missing = [f.name for f in fields(cls) if f.default is MISSING and f.name not in hyper]
+        if unknown or missing:
+            raise TypeError(f"{caller}: unknown keyword arguments {unknown}, missing "
+                            f"hyperparameters {missing}; valid hyperparameters: {', '.join(names)}")
+        return cls(**hyper)
+
+    def native_args(self) -> tuple:
+        """``step`` .. ``grad_scale`` as the compiled ops (csrc/adam) take them, in this order."""
+        return (int(self.step), float(self.lr), float(self.beta1), float(self.beta2),
+                float(self.eps), float(self.weight_decay), bool(self.adamw),
+                bool(self.bias_correction), float(self.grad_scale))
 
 
 def stochastic_rounding_key(seed: int, step: int) -> int:
@@ -64,45 +103,36 @@ def _store_state(dst: torch.Tensor, value: torch.Tensor, stochastic: bool, key: 
         dst.copy_(value)  # torch's float -> bf16 copy rounds to nearest even
 
 
+def _scaled_grad(grad: torch.Tensor, h: AdamHyper) -> torch.Tensor:
+    """fp32 ``grad * grad_scale``: a new tensor unless grad is fp32 and unscaled; never modified
+    in place by its users."""
+    g = grad.float()
+    return g * h.grad_scale if h.grad_scale != 1.0 else g
+
+
 @torch.no_grad()
-def adam_step_reference(
-    master: torch.Tensor,
-    grad: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    *,
-    step: int,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    adamw: bool,
-    bias_correction: bool = True,
-    grad_scale: float = 1.0,
-    param_out: Optional[torch.Tensor] = None,
-    stochastic_rounding: bool = False,
-    seed: int = 0,
-) -> None:
-    """One in-place Adam (``adamw=False``: L2 decay added to the gradient) or AdamW step."""
-    g = grad.float()  # a new tensor unless grad is fp32; never modified in place below
-    if grad_scale != 1.0:
-        g = g * grad_scale
+def adam_step_reference(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
+                        exp_avg_sq: torch.Tensor, *, param_out: Optional[torch.Tensor] = None,
+                        stochastic_rounding: bool = False, seed: int = 0, **hyper: Any) -> None:
+    """One in-place Adam (``adamw=False``: L2 decay added to the gradient) or AdamW step;
+    ``hyper``: the fields of :class:`AdamHyper`."""
+    h = AdamHyper.of("adam_step_reference", hyper)
+    g = _scaled_grad(grad, h)
     m = exp_avg if exp_avg.dtype == torch.float32 else exp_avg.float()
     v = exp_avg_sq if exp_avg_sq.dtype == torch.float32 else exp_avg_sq.float()
-    if weight_decay != 0:
-        if adamw:
-            master.mul_(1 - lr * weight_decay)
+    if h.weight_decay != 0:
+        if h.adamw:
+            master.mul_(1 - h.lr * h.weight_decay)
         else:
-            g = g.add(master, alpha=weight_decay)
-    m.lerp_(g, 1 - beta1)
-    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-    bias_correction1 = 1 - beta1**step if bias_correction else 1.0
-    bias_correction2 = 1 - beta2**step if bias_correction else 1.0
-    step_size = lr / bias_correction1
-    denom = (v.sqrt() / bias_correction2**0.5).add_(eps)
+            g = g.add(master, alpha=h.weight_decay)
+    m.lerp_(g, 1 - h.beta1)
+    v.mul_(h.beta2).addcmul_(g, g, value=1 - h.beta2)
+    bias_correction1 = 1 - h.beta1**h.step if h.bias_correction else 1.0
+    bias_correction2 = 1 - h.beta2**h.step if h.bias_correction else 1.0
+    step_size = h.lr / bias_correction1
+    denom = (v.sqrt() / bias_correction2**0.5).add_(h.eps)
     master.addcdiv_(m, denom, value=-step_size)
-    key = stochastic_rounding_key(seed, step)
+    key = stochastic_rounding_key(seed, h.step)
     _store_state(exp_avg, m, stochastic_rounding, key ^ SALT_EXP_AVG)
     _store_state(exp_avg_sq, v, stochastic_rounding, key ^ SALT_EXP_AVG_SQ)
     if param_out is not None:
@@ -110,45 +140,24 @@ def adam_step_reference(
 
 
 @torch.no_grad()
-def fallback_adam_step(
-    master: torch.Tensor,
-    grad: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    *,
-    step: int,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    adamw: bool,
-    bias_correction: bool = True,
-    grad_scale: float = 1.0,
-    param_out: Optional[torch.Tensor] = None,
-    stochastic_rounding: bool = False,
-    seed: int = 0,
-) -> None:
-    """The same step without the native kernel: torch's fused Adam where it applies."""
+def fallback_adam_step(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
+                       exp_avg_sq: torch.Tensor, *, param_out: Optional[torch.Tensor] = None,
+                       stochastic_rounding: bool = False, seed: int = 0, **hyper: Any) -> None:
+    """The same step without the native kernel (:func:`adam_step_reference`'s arguments):
+    torch's fused Adam where it applies."""
+    h = AdamHyper.of("fallback_adam_step", hyper)
     fp32_state = exp_avg.dtype == torch.float32 and exp_avg_sq.dtype == torch.float32
-    if not (fp32_state and bias_correction and master.numel() > 0):
-        adam_step_reference(
-            master, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1, beta2=beta2,
-            eps=eps, weight_decay=weight_decay, adamw=adamw, bias_correction=bias_correction,
-            grad_scale=grad_scale, param_out=param_out, stochastic_rounding=stochastic_rounding,
-            seed=seed,
-        )
+    if not (fp32_state and h.bias_correction and master.numel() > 0):
+        adam_step_reference(master, grad, exp_avg, exp_avg_sq, param_out=param_out,
+                            stochastic_rounding=stochastic_rounding, seed=seed, **hyper)
         return
-    g = grad.float()
-    if grad_scale != 1.0:
-        g = g * grad_scale
-    fused = torch._fused_adamw_ if adamw else torch._fused_adam_
+    fused = torch._fused_adamw_ if h.adamw else torch._fused_adam_
     # Torch's fused kernel writes the gradient only when given its own grad_scale, which we never
     # pass, so the caller's fp32 gradient is left alone.
     fused(
-        [master], [g], [exp_avg], [exp_avg_sq], [],
-        [torch.tensor(float(step), dtype=torch.float32, device=master.device)],
-        lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
+        [master], [_scaled_grad(grad, h)], [exp_avg], [exp_avg_sq], [],
+        [torch.tensor(float(h.step), dtype=torch.float32, device=master.device)],
+        lr=h.lr, beta1=h.beta1, beta2=h.beta2, weight_decay=h.weight_decay, eps=h.eps,
         amsgrad=False, maximize=False,
     )
     if param_out is not None:

@@ -39,6 +39,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "adam_scalars.h"
 #include "simd.h"
 
 namespace zerotrain {
@@ -48,22 +49,18 @@ using simd::Bf16;
 using simd::Fp16;
 
 enum class Isa { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
-enum class WeightDecay { kNone, kL2, kDecoupled };
 
-// Everything one span of the step needs; fp32 scalars are rounded from double once.
-struct StepArgs {
-  float* master;
-  const void* grad;
-  void* exp_avg;
-  void* exp_avg_sq;
-  void* param_out;
-  int64_t numel;
-  float grad_scale, weight_decay, decay, lerp_weight, one_minus_lerp_weight;
-  float beta2, one_minus_beta2, bias_correction2_sqrt, eps, neg_step_size;
-  WeightDecay wd_mode;
-  bool lerp_from_start;  // torch's lerp: start + w*(end-start) if w < 0.5, else end - (end-start)*(1-w)
-  bool stochastic;       // stochastic rounding of bf16 state
-  uint32_t seed;         // key of the stochastic-rounding hash
+// Everything one span of the step needs: the step's scalars (adam_scalars.h, shared with the CUDA
+// kernel) and the buffers.
+struct StepArgs : AdamScalars {
+  float* master = nullptr;
+  const void* grad = nullptr;
+  void* exp_avg = nullptr;
+  void* exp_avg_sq = nullptr;
+  void* param_out = nullptr;
+  int64_t numel = 0;
+  bool stochastic = false;  // stochastic rounding of bf16 state
+  uint32_t seed = 0;        // key of the stochastic-rounding hash
 };
 
 struct NoOut {};  // "no param_out" marker type
@@ -352,30 +349,14 @@ void adam_step(at::Tensor master, at::Tensor grad, at::Tensor exp_avg, at::Tenso
   }
   if (n == 0) return;
 
-  StepArgs a{};
+  StepArgs a{adam_scalars(step, lr, beta1, beta2, eps, weight_decay, adamw, bias_correction,
+                          grad_scale)};
   a.master = master.data_ptr<float>();
   a.grad = grad.data_ptr();
   a.exp_avg = exp_avg.data_ptr();
   a.exp_avg_sq = exp_avg_sq.data_ptr();
   a.param_out = param_out ? param_out->data_ptr() : nullptr;
   a.numel = n;
-  a.grad_scale = static_cast<float>(grad_scale);
-  a.weight_decay = static_cast<float>(weight_decay);
-  a.decay = static_cast<float>(1.0 - lr * weight_decay);
-  a.wd_mode = weight_decay == 0.0 ? WeightDecay::kNone
-                                  : (adamw ? WeightDecay::kDecoupled : WeightDecay::kL2);
-  const double w = 1.0 - beta1;
-  a.lerp_weight = static_cast<float>(w);
-  a.one_minus_lerp_weight = static_cast<float>(1.0 - static_cast<float>(w));
-  a.lerp_from_start = static_cast<float>(w) < 0.5f;
-  a.beta2 = static_cast<float>(beta2);
-  a.one_minus_beta2 = static_cast<float>(1.0 - beta2);
-  const double s = static_cast<double>(step);
-  const double bc1 = bias_correction ? 1.0 - std::pow(beta1, s) : 1.0;
-  const double bc2 = bias_correction ? 1.0 - std::pow(beta2, s) : 1.0;
-  a.bias_correction2_sqrt = static_cast<float>(std::sqrt(bc2));
-  a.eps = static_cast<float>(eps);
-  a.neg_step_size = static_cast<float>(-(lr / bc1));
   a.stochastic = stochastic_rounding && exp_avg.scalar_type() == at::kBFloat16;
   a.seed = static_cast<uint32_t>(static_cast<uint64_t>(seed) & 0xFFFFFFFFu);
 

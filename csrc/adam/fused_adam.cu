@@ -20,6 +20,9 @@
 #include <cmath>
 #include <cstdint>
 
+// By its path from this file, so that a bare `nvcc -c fused_adam.cu` finds it too.
+#include "../includes/adam_scalars.h"
+
 namespace zerotrain {
 namespace cuda_adam {
 
@@ -31,7 +34,6 @@ constexpr int kIlp = 4;
 
 enum class GradType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
 enum class OutType : int { kNone = 0, kBF16 = 1, kF16 = 2 };
-enum WeightDecayMode : int { kNoDecay = 0, kL2 = 1, kDecoupled = 2 };
 
 struct TensorListMeta {
   float* master[kMaxTensors];
@@ -45,13 +47,8 @@ struct TensorListMeta {
 };
 static_assert(sizeof(TensorListMeta) <= 4000, "kernel parameters must stay under 4 KiB");
 
-// fp32 scalars rounded once from double on the host, as torch does for fp32 tensors.
-struct Hyper {
-  float grad_scale, weight_decay, decay, lerp_weight, one_minus_lerp_weight;
-  float beta2, one_minus_beta2, bias_correction2_sqrt, eps, neg_step_size;
-  int wd_mode;
-  int lerp_from_start;
-};
+// fp32 scalars rounded once from double on the host (adam_scalars.h, shared with the CPU kernel).
+using Hyper = AdamScalars;
 
 __device__ __forceinline__ float load_grad(const float* p, int64_t i) { return p[i]; }
 __device__ __forceinline__ float load_grad(const __nv_bfloat16* p, int64_t i) {
@@ -68,9 +65,9 @@ __device__ __forceinline__ void store_out(__half* p, int64_t i, float x) { p[i] 
 
 __device__ __forceinline__ void adam_element(const Hyper& h, float& p, float g, float& m, float& v) {
   g = __fmul_rn(g, h.grad_scale);
-  if (h.wd_mode == kL2) {
+  if (h.wd_mode == WeightDecay::kL2) {
     g = fmaf(p, h.weight_decay, g);
-  } else if (h.wd_mode == kDecoupled) {
+  } else if (h.wd_mode == WeightDecay::kDecoupled) {
     p = __fmul_rn(p, h.decay);
   }
   const float diff = __fsub_rn(g, m);
@@ -127,28 +124,6 @@ struct TensorPtrs {
   void* param_out;
   int64_t numel;
 };
-
-Hyper make_hyper(int64_t step, double lr, double beta1, double beta2, double eps,
-                 double weight_decay, bool adamw, bool bias_correction, double grad_scale) {
-  Hyper h{};
-  h.grad_scale = static_cast<float>(grad_scale);
-  h.weight_decay = static_cast<float>(weight_decay);
-  h.decay = static_cast<float>(1.0 - lr * weight_decay);
-  h.wd_mode = weight_decay == 0.0 ? kNoDecay : (adamw ? kDecoupled : kL2);
-  const float w = static_cast<float>(1.0 - beta1);
-  h.lerp_weight = w;
-  h.one_minus_lerp_weight = 1.0f - w;
-  h.lerp_from_start = w < 0.5f ? 1 : 0;
-  h.beta2 = static_cast<float>(beta2);
-  h.one_minus_beta2 = static_cast<float>(1.0 - beta2);
-  const double s = static_cast<double>(step);
-  const double bc1 = bias_correction ? 1.0 - std::pow(beta1, s) : 1.0;
-  const double bc2 = bias_correction ? 1.0 - std::pow(beta2, s) : 1.0;
-  h.bias_correction2_sqrt = static_cast<float>(std::sqrt(bc2));
-  h.eps = static_cast<float>(eps);
-  h.neg_step_size = static_cast<float>(-(lr / bc1));
-  return h;
-}
 
 template <typename G, typename P>
 cudaError_t launch_typed(const TensorPtrs* tensors, int count, const Hyper& h, cudaStream_t stream) {
@@ -300,8 +275,8 @@ void fused_adam_cuda(at::TensorList masters, at::TensorList grads, at::TensorLis
   TORCH_CHECK(cudaGetDevice(&current_device) == cudaSuccess &&
                   current_device == masters[0].device().index(),
               "fused_adam_cuda: make ", masters[0].device(), " the current device first");
-  const Hyper h = make_hyper(step, lr, beta1, beta2, eps, weight_decay, adamw, bias_correction,
-                             grad_scale);
+  const Hyper h = adam_scalars(step, lr, beta1, beta2, eps, weight_decay, adamw, bias_correction,
+                               grad_scale);
   const cudaError_t err = launch_fused_adam(ptrs.data(), static_cast<int>(ptrs.size()), g, out, h,
                                             reinterpret_cast<cudaStream_t>(stream));
   TORCH_CHECK(err == cudaSuccess, "fused_adam_cuda: kernel launch failed: ",

@@ -151,65 +151,77 @@ struct Scalar {
 #define ZT_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define ZT_TARGET_AVX512 __attribute__((target("avx512f,avx2,fma,f16c")))
 
+// Lane indices, loaded by iota (the first kWidth of them).
+alignas(64) inline constexpr int32_t kLaneIndex[16] = {0, 1, 2,  3,  4,  5,  6,  7,
+                                                       8, 9, 10, 11, 12, 13, 14, 15};
+
+// The members whose AVX2 and AVX-512 forms differ only in names, written once and stamped into
+// each struct: its kName NAME, target attribute T and vector types FV (fp32) and IV (integer); the
+// intrinsics' prefix P (_mm256 | _mm512) and integer-vector suffix SI (si256 | si512); 16-bit loads
+// and stores use half-width vectors, named by HP (_mm | _mm256), HSI (si128 | si256) and the type
+// HI (__m128i | __m256i). Each struct adds what really differs: store_bf16_bits (the NaN blend
+// and the 32 -> 16-bit pack).
+#define ZT_SIMD_VECTOR_MEMBERS(NAME, T, FV, IV, P, SI, HP, HSI, HI)                                \
+  using V = FV;                                                                                    \
+  using VI = IV;                                                                                   \
+  static constexpr int kWidth = static_cast<int>(sizeof(V) / sizeof(float));                       \
+  static constexpr const char* kName = NAME;                                                       \
+  T static inline V set1(float x) { return P##_set1_ps(x); }                                       \
+  T static inline V load(const float* p) { return P##_loadu_ps(p); }                               \
+  T static inline V load(const Bf16* p) {                                                          \
+    const HI h = HP##_loadu_##HSI(reinterpret_cast<const HI*>(p));                                 \
+    return P##_cast##SI##_ps(P##_slli_epi32(P##_cvtepu16_epi32(h), 16));                           \
+  }                                                                                                \
+  T static inline V load(const Fp16* p) {                                                          \
+    return P##_cvtph_ps(HP##_loadu_##HSI(reinterpret_cast<const HI*>(p)));                         \
+  }                                                                                                \
+  T static inline void store(float* p, V v) { P##_storeu_ps(p, v); }                               \
+  T static inline void store(Bf16* p, V v) {                                                       \
+    const VI u = P##_castps_##SI(v);                                                               \
+    const VI lsb = P##_and_##SI(P##_srli_epi32(u, 16), P##_set1_epi32(1));                         \
+    const VI bias = P##_add_epi32(lsb, P##_set1_epi32(0x7FFF));                                    \
+    store_bf16_bits(p, P##_srli_epi32(P##_add_epi32(u, bias), 16), v);                             \
+  }                                                                                                \
+  T static inline void store_sr(Bf16* p, V v, VI r) {                                              \
+    const VI noise = P##_and_##SI(r, P##_set1_epi32(0xFFFF));                                      \
+    store_bf16_bits(p, P##_srli_epi32(P##_add_epi32(P##_castps_##SI(v), noise), 16), v);           \
+  }                                                                                                \
+  T static inline void store(Fp16* p, V v) {                                                       \
+    const HI h = P##_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);                   \
+    HP##_storeu_##HSI(reinterpret_cast<HI*>(p), h);                                                \
+  }                                                                                                \
+                                                                                                   \
+  T static inline V add(V a, V b) { return P##_add_ps(a, b); }                                     \
+  T static inline V sub(V a, V b) { return P##_sub_ps(a, b); }                                     \
+  T static inline V mul(V a, V b) { return P##_mul_ps(a, b); }                                     \
+  T static inline V div(V a, V b) { return P##_div_ps(a, b); }                                     \
+  T static inline V sqrt(V a) { return P##_sqrt_ps(a); }                                           \
+  T static inline V fmadd(V a, V b, V c) { return P##_fmadd_ps(a, b, c); }                         \
+  T static inline V fnmadd(V a, V b, V c) { return P##_fnmadd_ps(a, b, c); }                       \
+                                                                                                   \
+  T static inline VI iota(uint32_t base) {                                                         \
+    const VI lanes = P##_loadu_##SI(reinterpret_cast<const VI*>(kLaneIndex));                      \
+    return P##_add_epi32(P##_set1_epi32(static_cast<int>(base)), lanes);                           \
+  }                                                                                                \
+  T static inline VI vi_set1(uint32_t x) { return P##_set1_epi32(static_cast<int>(x)); }           \
+  T static inline VI vi_add(VI a, VI b) { return P##_add_epi32(a, b); }                            \
+  T static inline VI vi_mul(VI a, VI b) { return P##_mullo_epi32(a, b); }                          \
+  T static inline VI vi_xor(VI a, VI b) { return P##_xor_##SI(a, b); }                             \
+  template <int k>                                                                                 \
+  T static inline VI vi_srl(VI a) {                                                                \
+    return P##_srli_epi32(a, k);                                                                   \
+  }
+
 // ---------------------------------------------------------------------------------------------
 // AVX2 + FMA + F16C path
 // ---------------------------------------------------------------------------------------------
 struct Avx2 {
-  using V = __m256;
-  using VI = __m256i;
-  static constexpr int kWidth = 8;
-  static constexpr const char* kName = "avx2";
-
-  ZT_TARGET_AVX2 static inline V set1(float x) { return _mm256_set1_ps(x); }
-  ZT_TARGET_AVX2 static inline V load(const float* p) { return _mm256_loadu_ps(p); }
-  ZT_TARGET_AVX2 static inline V load(const Bf16* p) {
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-  }
-  ZT_TARGET_AVX2 static inline V load(const Fp16* p) {
-    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  }
-  ZT_TARGET_AVX2 static inline void store(float* p, V v) { _mm256_storeu_ps(p, v); }
-  ZT_TARGET_AVX2 static inline void store(Bf16* p, V v) {
-    const __m256i u = _mm256_castps_si256(v);
-    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    const __m256i bias = _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF));
-    store_upper_halves(p, _mm256_add_epi32(u, bias), v);
-  }
-  ZT_TARGET_AVX2 static inline void store_sr(Bf16* p, V v, VI r) {
-    const __m256i noise = _mm256_and_si256(r, _mm256_set1_epi32(0xFFFF));
-    store_upper_halves(p, _mm256_add_epi32(_mm256_castps_si256(v), noise), v);
-  }
-  ZT_TARGET_AVX2 static inline void store(Fp16* p, V v) {
-    const __m128i h = _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h);
-  }
-
-  ZT_TARGET_AVX2 static inline V add(V a, V b) { return _mm256_add_ps(a, b); }
-  ZT_TARGET_AVX2 static inline V sub(V a, V b) { return _mm256_sub_ps(a, b); }
-  ZT_TARGET_AVX2 static inline V mul(V a, V b) { return _mm256_mul_ps(a, b); }
-  ZT_TARGET_AVX2 static inline V div(V a, V b) { return _mm256_div_ps(a, b); }
-  ZT_TARGET_AVX2 static inline V sqrt(V a) { return _mm256_sqrt_ps(a); }
-  ZT_TARGET_AVX2 static inline V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
-  ZT_TARGET_AVX2 static inline V fnmadd(V a, V b, V c) { return _mm256_fnmadd_ps(a, b, c); }
-
-  ZT_TARGET_AVX2 static inline VI iota(uint32_t base) {
-    return _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(base)),
-                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-  }
-  ZT_TARGET_AVX2 static inline VI vi_set1(uint32_t x) {
-    return _mm256_set1_epi32(static_cast<int>(x));
-  }
-  ZT_TARGET_AVX2 static inline VI vi_add(VI a, VI b) { return _mm256_add_epi32(a, b); }
-  ZT_TARGET_AVX2 static inline VI vi_mul(VI a, VI b) { return _mm256_mullo_epi32(a, b); }
-  ZT_TARGET_AVX2 static inline VI vi_xor(VI a, VI b) { return _mm256_xor_si256(a, b); }
-  template <int k>
-  ZT_TARGET_AVX2 static inline VI vi_srl(VI a) { return _mm256_srli_epi32(a, k); }
+  ZT_SIMD_VECTOR_MEMBERS("avx2", ZT_TARGET_AVX2, __m256, __m256i, _mm256, si256, _mm, si128,
+                         __m128i)
 
  private:
-  // Stores bits 16..31 of each lane of `rounded` (NaN lanes of `v` become 0x7FC0).
-  ZT_TARGET_AVX2 static inline void store_upper_halves(Bf16* p, __m256i rounded, V v) {
-    __m256i hi = _mm256_srli_epi32(rounded, 16);
+  // Stores each lane's bf16 bit pattern (`hi`, in [0, 0xFFFF]); NaN lanes of `v` become 0x7FC0.
+  ZT_TARGET_AVX2 static inline void store_bf16_bits(Bf16* p, __m256i hi, V v) {
     const __m256i ordered = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_ORD_Q));
     hi = _mm256_blendv_epi8(_mm256_set1_epi32(0x7FC0), hi, ordered);
     // Values are in [0, 0xFFFF], so the unsigned-saturating pack is exact.
@@ -223,66 +235,18 @@ struct Avx2 {
 // AVX-512F path
 // ---------------------------------------------------------------------------------------------
 struct Avx512 {
-  using V = __m512;
-  using VI = __m512i;
-  static constexpr int kWidth = 16;
-  static constexpr const char* kName = "avx512";
-
-  ZT_TARGET_AVX512 static inline V set1(float x) { return _mm512_set1_ps(x); }
-  ZT_TARGET_AVX512 static inline V load(const float* p) { return _mm512_loadu_ps(p); }
-  ZT_TARGET_AVX512 static inline V load(const Bf16* p) {
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-  }
-  ZT_TARGET_AVX512 static inline V load(const Fp16* p) {
-    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  }
-  ZT_TARGET_AVX512 static inline void store(float* p, V v) { _mm512_storeu_ps(p, v); }
-  ZT_TARGET_AVX512 static inline void store(Bf16* p, V v) {
-    const __m512i u = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    const __m512i bias = _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF));
-    store_upper_halves(p, _mm512_add_epi32(u, bias), v);
-  }
-  ZT_TARGET_AVX512 static inline void store_sr(Bf16* p, V v, VI r) {
-    const __m512i noise = _mm512_and_si512(r, _mm512_set1_epi32(0xFFFF));
-    store_upper_halves(p, _mm512_add_epi32(_mm512_castps_si512(v), noise), v);
-  }
-  ZT_TARGET_AVX512 static inline void store(Fp16* p, V v) {
-    const __m256i h = _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), h);
-  }
-
-  ZT_TARGET_AVX512 static inline V add(V a, V b) { return _mm512_add_ps(a, b); }
-  ZT_TARGET_AVX512 static inline V sub(V a, V b) { return _mm512_sub_ps(a, b); }
-  ZT_TARGET_AVX512 static inline V mul(V a, V b) { return _mm512_mul_ps(a, b); }
-  ZT_TARGET_AVX512 static inline V div(V a, V b) { return _mm512_div_ps(a, b); }
-  ZT_TARGET_AVX512 static inline V sqrt(V a) { return _mm512_sqrt_ps(a); }
-  ZT_TARGET_AVX512 static inline V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
-  ZT_TARGET_AVX512 static inline V fnmadd(V a, V b, V c) { return _mm512_fnmadd_ps(a, b, c); }
-
-  ZT_TARGET_AVX512 static inline VI iota(uint32_t base) {
-    return _mm512_add_epi32(
-        _mm512_set1_epi32(static_cast<int>(base)),
-        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-  }
-  ZT_TARGET_AVX512 static inline VI vi_set1(uint32_t x) {
-    return _mm512_set1_epi32(static_cast<int>(x));
-  }
-  ZT_TARGET_AVX512 static inline VI vi_add(VI a, VI b) { return _mm512_add_epi32(a, b); }
-  ZT_TARGET_AVX512 static inline VI vi_mul(VI a, VI b) { return _mm512_mullo_epi32(a, b); }
-  ZT_TARGET_AVX512 static inline VI vi_xor(VI a, VI b) { return _mm512_xor_si512(a, b); }
-  template <int k>
-  ZT_TARGET_AVX512 static inline VI vi_srl(VI a) { return _mm512_srli_epi32(a, k); }
+  ZT_SIMD_VECTOR_MEMBERS("avx512", ZT_TARGET_AVX512, __m512, __m512i, _mm512, si512, _mm256, si256,
+                         __m256i)
 
  private:
-  ZT_TARGET_AVX512 static inline void store_upper_halves(Bf16* p, __m512i rounded, V v) {
-    __m512i hi = _mm512_srli_epi32(rounded, 16);
+  ZT_TARGET_AVX512 static inline void store_bf16_bits(Bf16* p, __m512i hi, V v) {
     const __mmask16 ordered = _mm512_cmp_ps_mask(v, v, _CMP_ORD_Q);
-    hi = _mm512_mask_blend_epi32(ordered, _mm512_set1_epi32(0x7FC0), hi);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(hi));
+    const __m512i bits = _mm512_mask_blend_epi32(ordered, _mm512_set1_epi32(0x7FC0), hi);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bits));
   }
 };
+
+#undef ZT_SIMD_VECTOR_MEMBERS
 
 #endif  // ZT_SIMD_X86
 

@@ -29,10 +29,30 @@ import torch
 from .plan import SubGroup
 
 
-class HostWorking:
+class _HostBuffers:
+    """What the stepper sees in both cases: host gradients to read (``host_grads``, one per slot)
+    and host buffers the kernel writes the low-precision working copy into (``host_out``)."""
+
+    host_grads: list[torch.Tensor]
+    host_out: list[torch.Tensor]
+
+    def grad(self, sg: SubGroup) -> torch.Tensor:
+        return self.host_grads[sg.slot][sg.lo:sg.hi]
+
+    def slot_grad(self, slot: int) -> torch.Tensor:
+        return self.host_grads[slot]
+
+    def param_out(self, sg: SubGroup, master: torch.Tensor) -> torch.Tensor | None:
+        """Where the kernel writes the low-precision working copy (None: fp32, see after_step)."""
+        out = self.host_out[sg.slot]
+        return out[sg.lo:sg.hi] if out.dtype != torch.float32 else None
+
+
+class HostWorking(_HostBuffers):
     def __init__(self, working: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> None:
         self.working = list(working)  # the working values of each slot (bf16/fp16/fp32)
-        self.grads = list(grads)  # the reduced gradient of each slot
+        self.host_grads = list(grads)  # the reduced gradient of each slot, read in place
+        self.host_out = self.working  # the kernel writes the working partitions directly
         self.device = torch.device("cpu")
 
     def host_grad_scale(self, loss_scale: float) -> float:
@@ -42,17 +62,6 @@ class HostWorking:
 
     def grads_ready(self) -> None:
         pass
-
-    def grad(self, sg: SubGroup) -> torch.Tensor:
-        return self.grads[sg.slot][sg.lo:sg.hi]
-
-    def slot_grad(self, slot: int) -> torch.Tensor:
-        return self.grads[slot]
-
-    def param_out(self, sg: SubGroup, master: torch.Tensor) -> torch.Tensor | None:
-        """Where the kernel writes the low-precision working copy (None: fp32, see after_step)."""
-        w = self.working[sg.slot]
-        return w[sg.lo:sg.hi] if w.dtype != torch.float32 else None
 
     def after_step(self, sg: SubGroup, master: torch.Tensor) -> None:
         w = self.working[sg.slot][sg.lo:sg.hi]
@@ -71,13 +80,14 @@ class HostWorking:
         return []
 
 
-class DeviceWorking:
+class DeviceWorking(_HostBuffers):
     def __init__(self, working: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], pin: bool) -> None:
         self.working, self.device_grads = list(working), list(grads)
         self.device = self.working[0].device if self.working else torch.device("cuda")
         self.stream = torch.cuda.Stream(device=self.device)
         self.host_grads = [torch.zeros(g.numel(), dtype=g.dtype, pin_memory=pin) for g in self.device_grads]
         self.staging = [torch.empty(w.numel(), dtype=w.dtype, pin_memory=pin) for w in self.working]
+        self.host_out = self.staging  # uploaded to the working partitions in after_step
 
     def stream_grad(self, slot: int, start: int, numel: int) -> None:
         """Start copying a just-reduced piece of a slot's gradient to the host."""
@@ -94,16 +104,6 @@ class DeviceWorking:
 
     def grads_ready(self) -> None:
         self.stream.synchronize()
-
-    def grad(self, sg: SubGroup) -> torch.Tensor:
-        return self.host_grads[sg.slot][sg.lo:sg.hi]
-
-    def slot_grad(self, slot: int) -> torch.Tensor:
-        return self.host_grads[slot]
-
-    def param_out(self, sg: SubGroup, master: torch.Tensor) -> torch.Tensor | None:
-        s = self.staging[sg.slot]
-        return s[sg.lo:sg.hi] if s.dtype != torch.float32 else None
 
     def after_step(self, sg: SubGroup, master: torch.Tensor) -> None:
         host = self.staging[sg.slot][sg.lo:sg.hi]

@@ -80,9 +80,11 @@ def _check(stage: int, num_stages: int, micro_batches: int) -> None:
 
 
 class _Builder:
-    """Emits one stage's instructions, dropping the sends/receives that have no peer."""
+    """Emits one stage's instructions, dropping the sends/receives that have no peer (and
+    checking the stage's arguments first, for every schedule)."""
 
-    def __init__(self, stage: int, num_stages: int) -> None:
+    def __init__(self, stage: int, num_stages: int, micro_batches: int) -> None:
+        _check(stage, num_stages, micro_batches)
         self.first, self.last = stage == 0, stage == num_stages - 1
         self.out: list[Instruction] = []
 
@@ -110,19 +112,27 @@ class _Builder:
         if not self.first:
             self.out.append(SendGrad(mb))
 
+    def forward_pass(self, mb: int) -> None:
+        """Receive, forward and send one micro-batch: the whole forward of a GPipe or
+        inference step, and 1F1B's warm-up."""
+        self.recv_forward(mb)
+        self.forward(mb)
+        self.send_forward(mb)
+
+    def backward_pass(self, mb: int) -> None:
+        """Receive the gradient, backward and send it on: GPipe's backward, 1F1B's cool-down."""
+        self.recv_backward(mb)
+        self.backward(mb)
+        self.send_backward(mb)
+
 
 def gpipe(stage: int, num_stages: int, micro_batches: int) -> list[Instruction]:
     """All forwards, then all backwards (in the same order)."""
-    _check(stage, num_stages, micro_batches)
-    b = _Builder(stage, num_stages)
+    b = _Builder(stage, num_stages, micro_batches)
     for mb in range(micro_batches):
-        b.recv_forward(mb)
-        b.forward(mb)
-        b.send_forward(mb)
+        b.forward_pass(mb)
     for mb in range(micro_batches):
-        b.recv_backward(mb)
-        b.backward(mb)
-        b.send_backward(mb)
+        b.backward_pass(mb)
     return b.out
 
 
@@ -133,40 +143,30 @@ def one_f_one_b(stage: int, num_stages: int, micro_batches: int) -> list[Instruc
     needs next, and sends a gradient together with receiving the next activation: pairing them
     in one exchange is what keeps neighbours from each waiting on the other.
     """
-    _check(stage, num_stages, micro_batches)
-    b = _Builder(stage, num_stages)
+    b = _Builder(stage, num_stages, micro_batches)
     warmup = min(num_stages - stage - 1, micro_batches)
     steady = micro_batches - warmup
     for mb in range(warmup):
-        b.recv_forward(mb)
-        b.forward(mb)
-        b.send_forward(mb)
+        b.forward_pass(mb)
     if steady:
         b.recv_forward(warmup)
     for i in range(steady):
         fwd, bwd = warmup + i, i
         b.forward(fwd)
         b.send_forward(fwd)
-        b.recv_backward(bwd)  # same exchange as the send above
-        b.backward(bwd)
-        b.send_backward(bwd)
+        b.backward_pass(bwd)  # its receive is in the same exchange as the send above
         if i + 1 < steady:
             b.recv_forward(fwd + 1)  # same exchange as the send above
     for bwd in range(steady, micro_batches):
-        b.recv_backward(bwd)
-        b.backward(bwd)
-        b.send_backward(bwd)
+        b.backward_pass(bwd)
     return b.out
 
 
 def inference(stage: int, num_stages: int, micro_batches: int) -> list[Instruction]:
     """Forward only (validation): receive, forward, send, for each micro-batch."""
-    _check(stage, num_stages, micro_batches)
-    b = _Builder(stage, num_stages)
+    b = _Builder(stage, num_stages, micro_batches)
     for mb in range(micro_batches):
-        b.recv_forward(mb)
-        b.forward(mb)
-        b.send_forward(mb)
+        b.forward_pass(mb)
     return b.out
 
 

@@ -29,9 +29,8 @@ Forward hooks use ``always_call=True``, so a forward that raises still leaves th
 """
 from __future__ import annotations
 
-import contextlib
 import functools
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -96,37 +95,28 @@ class Stage3Hooks:
                 self._patched.append((m, m.__dict__.get("forward")))
                 m.forward = CheckpointedForward(m.forward, functools.partial(self._recompute, u))
 
-    @contextlib.contextmanager
-    def _internal(self) -> Iterator[None]:
-        """The strategy's own tensor work: not a 'use' of a parameter."""
-        self.mode.quiet += 1
-        try:
-            yield
-        finally:
-            self.mode.quiet -= 1
-
     # ------------------------------------------------------------------ scope
     def _enter_scope(self, module: nn.Module, args: Any) -> None:
-        with self._internal():
+        with self.mode.silenced():
             outermost = self.runtime.enter_scope()
         if outermost:
             self.mode.__enter__()
             self._mode_active = True
 
     def _exit_scope(self, module: nn.Module, args: Any, output: Any) -> None:
-        with self._internal():
+        with self.mode.silenced():
             outermost = self.runtime.exit_scope()
         if outermost and self._mode_active:
             self._mode_active = False
             self.mode.__exit__(None, None, None)
 
     def _touched(self, params: list, func: Any, args: tuple, kwargs: dict) -> None:
-        with self._internal():
+        with self.mode.silenced():
             self.runtime.touched(params)
 
     # ------------------------------------------------------------------ units
     def _pre_forward(self, u: Unit, module: nn.Module, args: tuple, kwargs: dict):
-        with self._internal():
+        with self.mode.silenced():
             self.runtime.pre_forward(u)
             if not torch.is_grad_enabled():
                 return None
@@ -141,7 +131,7 @@ class Stage3Hooks:
             return tree_unflatten(flat, spec)
 
     def _post_forward(self, u: Unit, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        with self._internal():
+        with self.mode.silenced():
             self.runtime.post_forward(u)
             if output is None or not torch.is_grad_enabled():
                 return None
@@ -152,15 +142,15 @@ class Stage3Hooks:
         return None
 
     def _pre_backward(self, u: Unit, grad: Any) -> None:
-        with self._internal():
+        with self.mode.silenced():
             self.runtime.pre_backward(u)
 
     def _post_backward(self, u: Unit) -> None:
-        with self._internal():
+        with self.mode.silenced():
             self.runtime.post_backward(u)
 
     def _recompute(self, u: Unit) -> None:
-        with self._internal():
+        with self.mode.silenced():
             self.runtime.ensure_gathered(u)
 
     # ------------------------------------------------------------------ removal

@@ -33,9 +33,8 @@ as usual: they are small and replicated.
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -86,20 +85,12 @@ class PartitionedBuild:
     def __exit__(self, exc_type, exc, tb) -> bool:
         try:
             if exc_type is None:
-                with self._quiet():
+                with self.mode.silenced():
                     self._close_all()
         finally:
             self.mode.__exit__(exc_type, exc, tb)
             nn.Module.register_parameter = self._orig_register
         return False
-
-    @contextlib.contextmanager
-    def _quiet(self) -> Iterator[None]:
-        self.mode.quiet += 1
-        try:
-            yield
-        finally:
-            self.mode.quiet -= 1
 
     # ------------------------------------------------------------------ partitioning
     def adopt(self, p: nn.Parameter, where: str = "") -> None:
@@ -114,7 +105,7 @@ class PartitionedBuild:
         if isinstance(p, nn.parameter.UninitializedParameter):
             raise ValueError(f"zero3: {where} is a lazy (uninitialized) parameter; give the layer "
                              "its input size so the parameter exists at construction")
-        with self._quiet():
+        with self.mode.silenced():
             n = p.numel()
             chunk = max(1, -(-n // self.world))
             shard = torch.zeros(chunk, dtype=p.dtype, device=p.device)
@@ -129,7 +120,7 @@ class PartitionedBuild:
 
     # ------------------------------------------------------------------ open / close
     def _on_touch(self, params: list, func: Any, args: tuple, kwargs: dict) -> None:
-        with self._quiet():
+        with self.mode.silenced():
             for p in params:
                 rec = self._open.pop(id(p), None)  # re-inserted last: most recently touched
                 if rec is None:

@@ -136,6 +136,25 @@ class Stage3Runtime:
                     break
                 self._gather(u, prefetch=True)
 
+    def _enter(self, u: Unit, event: str, recording: list[int] | None, order: list[int] | None,
+               pos: int) -> int:
+        """The start of ``u``'s forward or backward (``event``), the same for both: note ``u`` in
+        the order being recorded (the first pass), gather it, then prefetch the units the recorded
+        ``order`` has after it. Returns the position in ``order`` to search from next.
+
+        The caller marks ``u`` busy (``active``/``in_backward``) first; that mark cannot change
+        which units ``_use`` frees to make room, as it frees only gathered units and ``u`` is
+        gathered only after that choice."""
+        if recording is not None:
+            recording.append(u.index)
+        self._use(u)
+        self._event(event, u)
+        at = self._advance(order, pos, u.index)
+        if at is None or recording is not None:
+            return pos
+        self._prefetch(order, at + 1)
+        return at + 1
+
     @staticmethod
     def _advance(order: list[int] | None, pos: int, index: int) -> int | None:
         """Where ``index`` next occurs in ``order`` at or after ``pos`` (None: not expected)."""
@@ -176,15 +195,9 @@ class Stage3Runtime:
 
     # ------------------------------------------------------------------ forward
     def pre_forward(self, u: Unit) -> None:
-        if self._recording_fwd is not None:
-            self._recording_fwd.append(u.index)
-        self._use(u)
         u.active += 1
-        self._event("forward", u)
-        at = self._advance(self.fwd_order, self._fwd_pos, u.index)
-        if at is not None and self._recording_fwd is None:
-            self._fwd_pos = at + 1
-            self._prefetch(self.fwd_order, at + 1)
+        self._fwd_pos = self._enter(u, "forward", self._recording_fwd, self.fwd_order,
+                                    self._fwd_pos)
 
     def post_forward(self, u: Unit) -> None:
         u.active -= 1
@@ -212,15 +225,9 @@ class Stage3Runtime:
             self._prefetch(self.bwd_order, 0)
 
     def pre_backward(self, u: Unit) -> None:
-        if self._recording_bwd is not None:
-            self._recording_bwd.append(u.index)
-        self._use(u)
         u.in_backward = True
-        self._event("backward", u)
-        at = self._advance(self.bwd_order, self._bwd_pos, u.index)
-        if at is not None and self._recording_bwd is None:
-            self._bwd_pos = at + 1
-            self._prefetch(self.bwd_order, at + 1)
+        self._bwd_pos = self._enter(u, "backward", self._recording_bwd, self.bwd_order,
+                                    self._bwd_pos)
 
     def post_backward(self, u: Unit) -> None:
         u.pending_backward -= 1

@@ -12,12 +12,13 @@ count, since a sharded parameter's placeholder answers them correctly. ZeRO-3 us
   (say, a block's weight in a loss term) is gathered on demand instead of reading placeholders.
 
 Inside ``__torch_function__`` torch disables the mode, so the op itself (and the collectives
-``on_touch`` issues) are not intercepted again. ``quiet`` silences the mode while the strategy's
-own hooks move parameters around.
+``on_touch`` issues) are not intercepted again. :meth:`ParamTouchMode.silenced` silences the mode
+while the strategy's own hooks move parameters around.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextlib
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -61,7 +62,17 @@ class ParamTouchMode(TorchFunctionMode):
         super().__init__()
         self.watched = watched
         self.on_touch = on_touch
-        self.quiet = 0
+        self.quiet = 0  # how many silenced() blocks are open
+
+    @contextlib.contextmanager
+    def silenced(self) -> Iterator[None]:
+        """The strategy's own tensor work (gathering, freeing, partitioning) inside this block is
+        not a 'use' of a parameter; blocks nest."""
+        self.quiet += 1
+        try:
+            yield
+        finally:
+            self.quiet -= 1
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
