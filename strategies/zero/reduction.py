@@ -159,6 +159,16 @@ class BucketedReduction:
         for b in self.buckets:
             b.reset()
 
+    #: the gradient buffers this reduction keeps between steps (set by the stage's subclass)
+    kept: list[torch.Tensor]
+
+    def zero(self) -> None:
+        for buf in self.kept:
+            buf.zero_()
+
+    def persistent(self) -> list[torch.Tensor]:
+        return list(self.kept)
+
     def comm_buffers(self) -> list[torch.Tensor]:
         return list(self.pool.buffers)
 

@@ -38,7 +38,7 @@ class ReplicatedGradients(BucketedReduction):
                  group: object = None, is_sync: Callable[[], bool] = lambda: True) -> None:
         super().__init__(flat_groups, rank, reduce_dtype, reduce_mode, reduce_bucket_size, queue, order, group)
         self.is_sync = is_sync
-        self.buffers = [torch.zeros_like(fg.flat) for fg in self.flat_groups]
+        self.buffers = self.kept = [torch.zeros_like(fg.flat) for fg in self.flat_groups]
         self.views = [[fg.view(i, buf) for i in range(len(fg.params))]
                       for fg, buf in zip(self.flat_groups, self.buffers)]
         self.before_backward()
@@ -92,13 +92,6 @@ class ReplicatedGradients(BucketedReduction):
 
     def partitions(self) -> list[torch.Tensor]:
         return [fg.partition(self.rank, buf) for fg, buf in zip(self.flat_groups, self.buffers)]
-
-    def zero(self) -> None:
-        for buf in self.buffers:
-            buf.zero_()
-
-    def persistent(self) -> list[torch.Tensor]:
-        return list(self.buffers)
 
     def close(self) -> None:
         self.remove_hooks()

@@ -35,8 +35,9 @@ class PartitionedGradients(BucketedReduction):
                  reduce_mode: str, reduce_bucket_size: int, queue: InFlightQueue, order: dict[int, int],
                  group: object = None) -> None:
         super().__init__(flat_groups, rank, reduce_dtype, reduce_mode, reduce_bucket_size, queue, order, group)
-        self.parts = [torch.zeros(fg.layout.partition_numel, dtype=reduce_dtype, device=fg.flat.device)
-                      for fg in self.flat_groups]
+        self.parts = self.kept = [
+            torch.zeros(fg.layout.partition_numel, dtype=reduce_dtype, device=fg.flat.device)
+            for fg in self.flat_groups]
         #: called as ``on_reduced(group, start, numel)`` once elements [start, start + numel) of
         #: this rank's partition of ``group`` hold one backward's reduced gradient (CPU offload
         #: streams them to the host from here while backward goes on)
@@ -73,13 +74,6 @@ class PartitionedGradients(BucketedReduction):
         self.flush()
 
     def partitions(self) -> list[torch.Tensor]:
-        return list(self.parts)
-
-    def zero(self) -> None:
-        for part in self.parts:
-            part.zero_()
-
-    def persistent(self) -> list[torch.Tensor]:
         return list(self.parts)
 
     def close(self) -> None:
