@@ -219,8 +219,15 @@ class Strategy:
 
     # ------------------------------------------------------------------ model and optimizer
     def configure_model(self, module: nn.Module) -> None:
-        """Let the module build its layers (``TrainModule.configure_model``)."""
-        module.configure_model()
+        """Let the module build its layers (``TrainModule.configure_model``) inside ``init_context``."""
+        with self.init_context():
+            module.configure_model()
+
+    def init_context(self) -> contextlib.AbstractContextManager:
+        """Where the model's parameters are created: the Trainer's ``configure_model`` and the
+        Engine's ``init_module()`` (a loop the user writes) build inside it. Here nothing changes;
+        ZeRO-3 partitions each parameter as it is registered, so no rank holds the model whole."""
+        return contextlib.nullcontext()
 
     def setup_module(self, module: nn.Module) -> None:
         """Cast the module for the precision (the one place ``convert_module`` is called), move it

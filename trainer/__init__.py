@@ -1,6 +1,7 @@
 """The training loop and the user's module."""
+from .engine import Engine
 from .errors import CheckpointError, ConfigError
 from .module import TrainModule
 from .trainer import Trainer, seed_everything
 
-__all__ = ["Trainer", "TrainModule", "ConfigError", "CheckpointError", "seed_everything"]
+__all__ = ["Trainer", "Engine", "TrainModule", "ConfigError", "CheckpointError", "seed_everything"]

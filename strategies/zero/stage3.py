@@ -12,8 +12,9 @@ step, clipping and overflow handling.
 
 Set-up (the Trainer's order):
 
-* ``configure_model``: ``TrainModule.configure_model()`` runs inside ``PartitionedBuild``; a model
-  built there is never whole on any rank and equals an eager build with the same seed.
+* ``configure_model`` (``init_context``): ``TrainModule.configure_model()`` - or the Engine's
+  ``init_module()`` block - runs inside ``PartitionedBuild``; a model built there is never whole on
+  any rank and equals an eager build with the same seed.
 * ``setup_module``: plan the units; move each unit's values (from the partitioned build, or from
   rank 0's eagerly built parameters) into its shards, one unit at a time; install the hooks.
 * ``setup_optimizer``: the user's optimizer is re-targeted onto views of the units' fp32 masters
@@ -86,10 +87,13 @@ class ZeroStage3(ZeroStrategy):
         self._ckpt = Stage3Checkpoint(self)
 
     # ------------------------------------------------------------------ set-up
-    def configure_model(self, module: nn.Module) -> None:
+    @contextlib.contextmanager
+    def init_context(self) -> Iterator[None]:
+        """Parameters created inside are partitioned as they are registered (``PartitionedBuild``);
+        ``setup_module`` then moves them into their units without gathering any model whole."""
         build = PartitionedBuild(self.global_rank, self.world_size, self.group, self.queue)
         with build:
-            module.configure_model()
+            yield
         self._build = build if build.params else None
 
     def setup_module(self, module: nn.Module) -> None:
