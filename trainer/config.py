@@ -64,7 +64,7 @@ def _int_at_least(field: str, value: Any, least: int, allow_none: bool = False) 
 
 
 def _check_dir(field: str, path: Any) -> None:
-    from ..strategies.offload.config import directory_problem
+    from ..strategies.paths import directory_problem
 
     problem = directory_problem(path)
     if problem:
@@ -169,7 +169,7 @@ class DataConfig:
 
     def validate(self) -> None:
         if self.path is not None:
-            from ..strategies.offload.config import pseudo_filesystem
+            from ..strategies.paths import pseudo_filesystem
 
             valid = "an existing, readable, non-empty text file, or null for the Python standard library"
             if not isinstance(self.path, str) or not os.path.isfile(self.path):

@@ -159,7 +159,7 @@ def test_every_section_checks_its_ranges(override, expected):
 
 
 def test_nvme_path_must_be_writable_and_real(tmp_path):
-    from zerotrain.strategies.offload.config import directory_problem
+    from zerotrain.strategies.paths import directory_problem
 
     assert directory_problem(str(tmp_path / "new" / "dir")) is None  # creatable; nothing created
     assert not (tmp_path / "new").exists() and not list(tmp_path.iterdir())  # the write probe is gone
