@@ -3,10 +3,21 @@ pipeline parallelism on torch.distributed, and an Engine that runs
 the same strategies under a training loop you write yourself."""
 __version__ = "0.1.0"
 
-from .callbacks import (Callback, LearningRateMonitor, ModelCheckpoint, ProgressBar,  # noqa: E402
-                        TensorBoardLogger, ThroughputMonitor)
-from .trainer import CheckpointError, ConfigError, Engine, Trainer, TrainModule, seed_everything  # noqa: E402
+import sys as _sys
 
-__all__ = ["Trainer", "Engine", "TrainModule", "Callback", "ModelCheckpoint", "LearningRateMonitor",
-           "ThroughputMonitor", "ProgressBar", "TensorBoardLogger", "ConfigError", "CheckpointError",
-           "seed_everything"]
+from .callbacks import (Callback, CSVLogger, EarlyStopping, LearningRateMonitor, ModelCheckpoint,  # noqa: E402
+                        ModelSummary, ProgressBar, TensorBoardLogger, ThroughputMonitor, Timer, TQDMProgressBar)
+from .trainer import CheckpointError, ConfigError, Engine, Trainer, TrainModule, seed_everything  # noqa: E402
+from .callbacks import loggers  # noqa: E402
+from .trainer import core, utilities  # noqa: E402
+
+# Lightning's module paths, so that ported code only renames `lightning.pytorch` to `zerotrain`:
+# zerotrain.loggers / .utilities / .core are modules of the existing packages, registered under
+# those names (the repository's top-level folders stay as they are).
+for _name, _module in (("loggers", loggers), ("utilities", utilities), ("core", core)):
+    _sys.modules[f"{__name__}.{_name}"] = _module
+del _name, _module
+
+__all__ = ["Trainer", "Engine", "TrainModule", "Callback", "ModelCheckpoint", "EarlyStopping", "Timer",
+           "ModelSummary", "LearningRateMonitor", "ThroughputMonitor", "ProgressBar", "TQDMProgressBar",
+           "TensorBoardLogger", "CSVLogger", "ConfigError", "CheckpointError", "seed_everything"]

@@ -1,9 +1,13 @@
 """Callbacks observe the run; loggers receive its metrics."""
 from .base import Callback, Logger
 from .checkpoint import ModelCheckpoint
+from .early_stopping import EarlyStopping
+from .loggers import CSVLogger
 from .monitors import LearningRateMonitor, ThroughputMonitor
-from .progress import ProgressBar
+from .progress import ProgressBar, TQDMProgressBar
+from .summary import ModelSummary
 from .tensorboard import TensorBoardLogger
+from .timer import Timer
 
-__all__ = ["Callback", "Logger", "ModelCheckpoint", "LearningRateMonitor", "ThroughputMonitor",
-           "ProgressBar", "TensorBoardLogger"]
+__all__ = ["Callback", "Logger", "ModelCheckpoint", "EarlyStopping", "LearningRateMonitor", "ThroughputMonitor",
+           "ModelSummary", "ProgressBar", "TQDMProgressBar", "Timer", "TensorBoardLogger", "CSVLogger"]

@@ -1,6 +1,7 @@
 """Callback and Logger bases. Every hook is a no-op; callbacks override what they observe."""
 from __future__ import annotations
 
+import os
 from typing import Any
 
 
@@ -42,3 +43,15 @@ class Logger:
     def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
     def log_hyperparams(self, params: dict[str, Any]) -> None: ...
     def finalize(self) -> None: ...
+
+
+def version_dir(save_dir: str, name: str, version: "int | str | None") -> tuple[str, "int | str"]:
+    """Lightning's layout ``<save_dir>/<name>/version_<n>``: ``version=None`` takes the next free
+    number; a string is used as the directory name. Returns the directory and the version chosen,
+    which the logger keeps so that its directory does not move once files are written."""
+    root = os.path.join(save_dir, name)
+    if version is None:
+        existing = [d for d in os.listdir(root) if d.startswith("version_")] if os.path.isdir(root) else []
+        nums = [int(d.split("_")[1]) for d in existing if d.split("_")[1].isdigit()]
+        version = max(nums, default=-1) + 1
+    return os.path.join(root, version if isinstance(version, str) else f"version_{version}"), version

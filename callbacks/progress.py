@@ -46,3 +46,7 @@ class ProgressBar(Callback):
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+
+
+#: Lightning's name for its tqdm progress bar (``lightning.pytorch.callbacks.TQDMProgressBar``)
+TQDMProgressBar = ProgressBar

@@ -1,10 +1,9 @@
 """TensorBoard logging through torch.utils.tensorboard (real event files)."""
 from __future__ import annotations
 
-import os
 from typing import Any
 
-from .base import Logger
+from .base import Logger, version_dir
 
 
 class TensorBoardLogger(Logger):
@@ -15,13 +14,8 @@ class TensorBoardLogger(Logger):
 
     @property
     def log_dir(self) -> str:
-        root = os.path.join(self.save_dir, self.name)
-        if self._version is None:
-            existing = [d for d in os.listdir(root) if d.startswith("version_")] if os.path.isdir(root) else []
-            nums = [int(d.split("_")[1]) for d in existing if d.split("_")[1].isdigit()]
-            self._version = max(nums, default=-1) + 1
-        v = self._version if isinstance(self._version, str) else f"version_{self._version}"
-        return os.path.join(root, v)
+        path, self._version = version_dir(self.save_dir, self.name, self._version)
+        return path
 
     @property
     def writer(self):

@@ -6,10 +6,13 @@ available to both without further change."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from .base import PROCESS_GROUP_TIMEOUT_S, Strategy
+
+log = logging.getLogger("zerotrain")
 
 
 @dataclass(frozen=True)
@@ -31,6 +34,8 @@ class Preset:
 
 
 _REGISTRY: dict[str, Preset] = {}
+#: where the NVMe presets swap when no ``nvme_path`` is given
+DEFAULT_NVME_PATH = "/tmp/zerotrain_nvme"
 
 
 def register(name: str, build: Callable[..., Strategy], options: tuple[type, ...] = (), **values: Any) -> None:
@@ -74,4 +79,36 @@ def _load_builtin() -> None:
     offload = (ZeroConfig, BucketConfig, Stage3Config, OffloadPolicy)
     register("offload", Offload, offload, stage=2)
     register("offload_cpu", Offload, offload, stage=2, optimizer_device="cpu")
-    register("offload_nvme", Offload, offload, stage=2, optimizer_device="nvme", nvme_path="/tmp/zerotrain_nvme")
+    register("offload_nvme", Offload, offload, stage=2, optimizer_device="nvme", nvme_path=DEFAULT_NVME_PATH)
+    _register_lightning_aliases()
+
+
+def _register_lightning_aliases() -> None:
+    """Lightning's strategy strings, as presets of the equivalent zerotrain strategy (so the CLI
+    and ``Trainer(strategy=...)`` both accept them; LIGHTNING_NOTES.md lists each mapping)."""
+    from .ddp import DDP, DDPConfig
+    from .offload import Offload, OffloadPolicy
+    from .zero import BucketConfig, Stage3Config, ZeroConfig, ZeroStage1, ZeroStage2, ZeroStage3
+
+    offload = (ZeroConfig, BucketConfig, Stage3Config, OffloadPolicy)
+    register("ddp_find_unused_parameters_true", DDP, (DDPConfig,), find_unused_parameters=True)
+    register("ddp_spawn", _ddp_spawn, (DDPConfig,))
+    register("deepspeed_stage_1", ZeroStage1, (ZeroConfig, BucketConfig))
+    register("deepspeed_stage_2", ZeroStage2, (ZeroConfig, BucketConfig))
+    register("deepspeed_stage_3", ZeroStage3, (ZeroConfig, Stage3Config))
+    register("deepspeed_stage_2_offload", Offload, offload, stage=2, optimizer_device="cpu")
+    register("deepspeed_stage_3_offload", Offload, offload, stage=3, optimizer_device="cpu", param_device="cpu")
+    register("deepspeed_stage_3_offload_nvme", Offload, offload, stage=3, optimizer_device="nvme",
+             param_device="nvme", nvme_path=DEFAULT_NVME_PATH)
+
+
+def _ddp_spawn(**options: Any) -> Strategy:
+    """Lightning's ``ddp_spawn`` starts the workers with ``mp.spawn``; zerotrain's launcher re-runs
+    the script for each rank instead (as Lightning's ``ddp``). The training is the same DDP, but
+    code after ``fit`` runs on every rank, so say so once rather than differ silently."""
+    from .ddp import DDP
+
+    log.warning("strategy='ddp_spawn': runs as strategy='ddp' (zerotrain launches each rank by re-running "
+                "the script, not with mp.spawn): code after fit() runs on every rank, and fit() returns "
+                "in each worker rather than in one parent process")
+    return DDP(**options)

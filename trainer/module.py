@@ -62,6 +62,16 @@ class TrainModule(nn.Module):
     def global_step(self) -> int:
         return self._trainer.global_step if self._trainer is not None else 0
 
+    @property
+    def loggers(self) -> list:
+        """The Trainer's loggers (Lightning's ``self.loggers``); ``[]`` when not attached."""
+        return list(self._trainer.loggers) if self._trainer is not None else []
+
+    @property
+    def logger(self):
+        """The first of the Trainer's loggers, or None (Lightning's ``self.logger``)."""
+        return next(iter(self.loggers), None)
+
     def log(self, name: str, value: Any, prog_bar: bool = False, sync_dist: bool = False) -> None:
         """Record a scalar for loggers (and the progress bar). In validation, values are averaged
         over batches and ranks; in training, ``sync_dist=True`` averages over ranks (a collective:

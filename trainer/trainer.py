@@ -102,8 +102,9 @@ class Trainer:
         on_nonfinite: str = "raise",
         stall_timeout_s: float | None = DEFAULT_STALL_TIMEOUT_S,
     ) -> None:
+        accelerator = "cuda" if accelerator == "gpu" else accelerator  # Lightning's name for it
         if accelerator not in ("cpu", "cuda", "auto"):
-            raise ConfigError(f"Trainer: accelerator={accelerator!r}; valid choices: cpu, cuda, auto")
+            raise ConfigError(f"Trainer: accelerator={accelerator!r}; valid choices: cpu, cuda (or gpu), auto")
         if devices == "auto":
             devices = torch.cuda.device_count() if accelerator != "cpu" and torch.cuda.is_available() else 1
         _positive_int("devices", devices)

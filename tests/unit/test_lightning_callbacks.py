@@ -1,0 +1,228 @@
+"""Lightning's callbacks under their names: EarlyStopping stops at Lightning's step for the same
+logged sequence (pytorch-lightning 2.6 runs the same module in the same test), ModelCheckpoint's
+Lightning arguments, Timer, ModelSummary and TQDMProgressBar."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from zerotrain import Trainer, TrainModule
+from zerotrain.callbacks import (EarlyStopping, ModelCheckpoint, ModelSummary, ProgressBar, Timer,
+                                 TQDMProgressBar)
+
+
+@pytest.fixture(autouse=True)
+def _lightning_env(monkeypatch):
+    """pytorch-lightning sets this variable when its Trainer starts: restore the environment after."""
+    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK", "1"))
+
+
+class StoppingTrainer(Trainer):
+    """The Trainer with the one change EarlyStopping/Timer need from trainer/trainer.py (not yet
+    there): fit ends at the next step boundary once a callback sets ``should_stop``."""
+
+    should_stop = False
+
+    def _done(self) -> bool:
+        return self.should_stop or super()._done()
+
+
+def _data(n=4):
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(n, 2, generator=g), torch.randn(n, 1, generator=g))
+
+
+def make_module(base, seq):
+    """One module for both libraries: validation logs ``val_metric`` = the next value of ``seq``."""
+
+    class Seq(base):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Linear(2, 1)
+            self.calls = 0
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = torch.nn.functional.mse_loss(self.net(x), y)
+            self.log("train_metric", seq[min(self.calls, len(seq) - 1)])
+            return loss
+
+        def validation_step(self, batch, batch_idx):
+            self.log("val_metric", float(seq[min(self.calls, len(seq) - 1)]))
+            self.calls += 1
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+        def train_dataloader(self):
+            return DataLoader(_data(), batch_size=2)
+
+        def val_dataloader(self):
+            return DataLoader(_data(2), batch_size=2)
+
+    return Seq()
+
+
+def _ours(seq, **es):
+    cb = EarlyStopping(monitor="val_metric", check_on_train_epoch_end=False, **es)
+    module = make_module(TrainModule, seq)
+    trainer = StoppingTrainer(accelerator="cpu", devices=1, max_epochs=len(seq) + 2, logger=False,
+                              enable_checkpointing=False, enable_progress_bar=False, callbacks=[cb],
+                              stall_timeout_s=None)
+    trainer.fit(module)
+    return trainer.global_step, module.calls, cb.wait_count, cb.best_score
+
+
+def _lightning(seq, **es):
+    pl = pytest.importorskip("pytorch_lightning")
+    cb = pl.callbacks.EarlyStopping(monitor="val_metric", check_on_train_epoch_end=False, **es)
+    module = make_module(pl.LightningModule, seq)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=len(seq) + 2, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         num_sanity_val_steps=0, callbacks=[cb])
+    trainer.fit(module)
+    return trainer.global_step, module.calls, cb.wait_count, float(cb.best_score)
+
+
+SEQUENCES = {
+    "patience": ([1.0, 0.9, 0.95, 0.93, 0.92, 0.91, 0.5], dict(patience=3)),
+    "min_delta": ([1.0, 0.95, 0.9, 0.89, 0.88, 0.87, 0.86], dict(patience=2, min_delta=0.05)),
+    "max": ([0.1, 0.2, 0.2, 0.3, 0.25, 0.29, 0.28], dict(mode="max", patience=2)),
+    "threshold": ([1.0, 0.8, 0.6, 0.4, 0.2], dict(stopping_threshold=0.5)),
+    "divergence": ([1.0, 0.8, 3.0, 0.4], dict(divergence_threshold=2.0)),
+    "nan": ([1.0, 0.8, float("nan"), 0.4], dict()),
+    "never": ([1.0, 0.9, 0.8], dict(patience=1)),
+}
+
+
+@pytest.mark.parametrize("case", SEQUENCES)
+def test_early_stopping_stops_at_lightnings_step(case):
+    seq, es = SEQUENCES[case]
+    want = _lightning(seq, **es)
+    got = _ours(seq, **es)
+    assert got[:3] == want[:3], (got, want)  # global_step at the stop, validations run, wait_count
+    assert got[3] == pytest.approx(want[3])
+
+
+def test_early_stopping_default_check_point_follows_lightning():
+    trainer = Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, stall_timeout_s=None)
+    every_epoch, after_each_val = EarlyStopping("m"), EarlyStopping("m")
+    every_epoch.setup(trainer, None)
+    trainer.val_check_interval = 5
+    after_each_val.setup(trainer, None)
+    assert every_epoch._check_on_train_epoch_end and not after_each_val._check_on_train_epoch_end
+
+
+def test_early_stopping_strict_and_state():
+    cb = EarlyStopping("missing")
+    with pytest.raises(RuntimeError, match="monitor='missing' was never logged"):
+        cb._run_check(type("T", (), {"callback_metrics": {"x": 1.0}})())
+    cb = EarlyStopping("m", patience=2)
+    cb.evaluate(1.0), cb.evaluate(2.0)
+    again = EarlyStopping("m", patience=2)
+    again.load_state_dict(cb.state_dict())
+    assert (again.best_score, again.wait_count) == (1.0, 1)
+    with pytest.raises(ValueError, match="mode='median'"):
+        EarlyStopping("m", mode="median")
+
+
+class Tiny(TrainModule):
+    def __init__(self, n=8):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 1))
+        self.n = n
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        self.log("val_loss", 1.0 / (self.global_step + 1))
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def train_dataloader(self):
+        return DataLoader(_data(self.n), batch_size=2)
+
+
+def _fit(tmp_path, callbacks, **kw):
+    kw = {"max_steps": 8, **kw}
+    trainer = StoppingTrainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                              callbacks=callbacks, default_root_dir=str(tmp_path), stall_timeout_s=None, **kw)
+    trainer.fit(Tiny())
+    return trainer
+
+
+def test_model_checkpoint_filename_template_and_top_k(tmp_path):
+    cb = ModelCheckpoint(dirpath=str(tmp_path / "ck"), every_n_train_steps=2, monitor="val_loss",
+                         save_top_k=2, filename="{epoch}-{step}-{val_loss:.2f}", save_last=False)
+    _fit(tmp_path, [cb])
+    names = sorted(os.path.basename(p) for p in cb.best_k_models)
+    assert names == ["epoch=1-step=6-val_loss=0.17", "epoch=1-step=8-val_loss=0.12"], names
+    assert os.path.basename(cb.best_model_path) == "epoch=1-step=8-val_loss=0.12"
+    assert cb.best_model_score == pytest.approx(1 / 8)
+    assert os.path.basename(cb.kth_best_model_path) == "epoch=1-step=6-val_loss=0.17"
+    on_disk = sorted(d for d in os.listdir(tmp_path / "ck") if d.startswith("epoch="))
+    assert on_disk == names
+
+
+def test_model_checkpoint_every_n_epochs_and_lightning_default_trigger(tmp_path):
+    cb = ModelCheckpoint(dirpath=str(tmp_path / "ck"), every_n_epochs=2, save_last=False, save_top_k=-1,
+                         filename="{step}")
+    _fit(tmp_path, [cb], max_steps=-1, max_epochs=4)  # 4 batches of 2 per epoch
+    assert sorted(os.path.basename(p) for p in os.listdir(tmp_path / "ck") if p.startswith("step=")) == [
+        "step=16", "step=8"]
+    assert ModelCheckpoint(monitor="val_loss").every_n_epochs == 1  # Lightning's trigger when none is given
+    assert ModelCheckpoint().every_n_epochs is None  # no monitor: only save_last, as before
+
+
+def test_model_checkpoint_weights_only_is_one_safetensors_file(tmp_path):
+    from safetensors.torch import load_file
+
+    cb = ModelCheckpoint(dirpath=str(tmp_path / "ck"), every_n_train_steps=4, monitor="val_loss", save_top_k=1,
+                         save_weights_only=True, filename="{step}", save_last=False)
+    trainer = _fit(tmp_path, [cb])
+    assert sorted(os.listdir(tmp_path / "ck")) == ["step=8.safetensors"]  # the worse one pruned, no scratch
+    state = load_file(cb.best_model_path)
+    want = {k: v for k, v in trainer.module.state_dict().items()}
+    assert set(state) == set(want)
+    for k in want:
+        torch.testing.assert_close(state[k], want[k])
+
+
+def test_model_checkpoint_old_arguments_unchanged():
+    cb = ModelCheckpoint()
+    assert (cb.filename, cb.save_last, cb.every_n_train_steps, cb.every_n_epochs) == ("step={step:06d}", True,
+                                                                                      None, None)
+    assert cb.format_checkpoint_name({}, epoch=1, step=12) == "step=000012"
+
+
+def test_timer_stops_training_when_the_duration_passes(tmp_path):
+    timer = Timer(duration={"seconds": 0})
+    trainer = _fit(tmp_path, [timer], max_steps=50)
+    assert trainer.global_step == 1  # checked after every step: the first one spent the budget
+    assert timer.time_elapsed() > 0 and timer.time_remaining() < 0
+    assert Timer("00:01:30:00")._duration.total_seconds() == 5400
+    with pytest.raises(ValueError, match="duration='90 minutes'"):
+        Timer("90 minutes")
+    resumed = Timer()
+    resumed.load_state_dict({"time_elapsed": {"train": 12.5}})
+    assert resumed.time_elapsed() == 12.5
+
+
+def test_model_summary_counts_parameters_and_bytes_per_rank(tmp_path):
+    summary = ModelSummary(max_depth=2)
+    _fit(tmp_path, [summary], max_steps=1)
+    assert summary.rows == [("net", "Sequential", 13), ("net.0", "Linear", 9), ("net.1", "Linear", 4)]
+    assert summary.totals == {"trainable": 13, "frozen": 0, "total": 13}
+    assert summary.bytes_per_rank["params"] == 13 * 4
+    assert summary.bytes_per_rank["optimizer"] == 0  # plain SGD keeps no state
+    assert "13 total params" in summary.table()
+
+
+def test_tqdm_progress_bar_is_lightnings_name_for_ours():
+    assert TQDMProgressBar is ProgressBar
