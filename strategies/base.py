@@ -168,6 +168,9 @@ class Strategy:
     #: Trainer hooks (``trainer/hooks.py`` names) that this strategy's ``run_schedule`` never
     #: calls; the Trainer warns once when a callback overrides one. The base calls them all.
     skipped_hooks: tuple[str, ...] = ()
+    #: True where ``run_schedule`` drives every forward and backward itself (the pipeline): a loop
+    #: written by the user (the Engine) cannot drive such a strategy
+    runs_own_schedule = False
 
     def __init__(self, process_group_timeout_s: float = PROCESS_GROUP_TIMEOUT_S) -> None:
         if process_group_timeout_s <= 0:

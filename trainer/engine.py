@@ -91,7 +91,7 @@ class Engine:
         self.devices, self.num_nodes = _count("Engine", "devices", devices), _count("Engine", "num_nodes", num_nodes)
         self.accelerator, self.seed = accelerator, seed
         self.precision_plugin, self._strategy = plugins("Engine", strategy, precision, devices * num_nodes)
-        if type(self._strategy).run_schedule is not Strategy.run_schedule:
+        if self._strategy.runs_own_schedule:
             raise ConfigError(f"Engine: strategy={self._strategy.name!r} runs its own forward/backward "
                               "schedule, which a loop written by the user cannot drive; valid: a strategy "
                               "with one forward and one backward per batch (single, ddp, zero1, zero2, "

@@ -66,6 +66,7 @@ class TieGroup:
 class PipelineStrategy(Strategy):
     name = "pipeline"
     skipped_hooks = ("on_before_backward", "on_after_backward")
+    runs_own_schedule = True
 
     def __init__(self, config: PipelineConfig | None = None, *,
                  process_group_timeout_s: float = PROCESS_GROUP_TIMEOUT_S, **options: Any) -> None:
