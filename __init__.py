@@ -9,3 +9,7 @@ from .trainer import CheckpointError, ConfigError, Trainer, TrainModule, seed_ev
 __all__ = ["Trainer", "TrainModule", "Callback", "ModelCheckpoint", "LearningRateMonitor",
            "ThroughputMonitor", "ProgressBar", "TensorBoardLogger", "ConfigError", "CheckpointError",
            "seed_everything"]
+
+from .trainer import DataModule  # noqa: E402
+
+__all__ += ["DataModule"]

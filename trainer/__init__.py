@@ -1,6 +1,7 @@
 """The training loop and the user's module."""
+from .datamodule import DataModule
 from .errors import CheckpointError, ConfigError
 from .module import TrainModule
 from .trainer import Trainer, seed_everything
 
-__all__ = ["Trainer", "TrainModule", "ConfigError", "CheckpointError", "seed_everything"]
+__all__ = ["Trainer", "TrainModule", "DataModule", "ConfigError", "CheckpointError", "seed_everything"]
