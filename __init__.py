@@ -7,7 +7,7 @@ import sys as _sys
 
 from .callbacks import (Callback, CSVLogger, EarlyStopping, LearningRateMonitor, ModelCheckpoint,  # noqa: E402
                         ModelSummary, ProgressBar, TensorBoardLogger, ThroughputMonitor, Timer, TQDMProgressBar)
-from .trainer import CheckpointError, ConfigError, Engine, Trainer, TrainModule, seed_everything  # noqa: E402
+from .trainer import CheckpointError, ConfigError, DataModule, Engine, Trainer, TrainModule, seed_everything  # noqa: E402
 from .callbacks import loggers  # noqa: E402
 from .trainer import core, utilities  # noqa: E402
 
@@ -18,6 +18,6 @@ for _name, _module in (("loggers", loggers), ("utilities", utilities), ("core", 
     _sys.modules[f"{__name__}.{_name}"] = _module
 del _name, _module
 
-__all__ = ["Trainer", "Engine", "TrainModule", "Callback", "ModelCheckpoint", "EarlyStopping", "Timer",
+__all__ = ["Trainer", "Engine", "TrainModule", "DataModule", "Callback", "ModelCheckpoint", "EarlyStopping", "Timer",
            "ModelSummary", "LearningRateMonitor", "ThroughputMonitor", "ProgressBar", "TQDMProgressBar",
            "TensorBoardLogger", "CSVLogger", "ConfigError", "CheckpointError", "seed_everything"]

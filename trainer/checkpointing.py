@@ -63,26 +63,56 @@ def save_strategy(s: Any, optimizer: Any, path: str | os.PathLike, complete: Cal
         return checkpoint_io.save(path, checkpoint_io.comm_of(s), entries, local, meta, update_latest=update_latest)
 
 
-def resume_path(trainer: "Trainer", ckpt_path: str | None) -> str | None:
-    """``"latest"``, and any start after an elastic restart, mean the ModelCheckpoint
-    directory's newest checkpoint (nothing yet: start from ``ckpt_path``, or from scratch)."""
-    if ckpt_path != "latest" and elastic.restart_count() == 0:
-        return ckpt_path
-    from ..callbacks.checkpoint import ModelCheckpoint
+def resume_path(trainer: "Trainer", ckpt_path: str | None, fn: str = "fit") -> str | None:
+    """The checkpoint directory ``Trainer.<fn>(ckpt_path=...)`` means, or None for none:
 
-    dirs = [cb.dirpath for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint) and cb.dirpath]
+    * ``"latest"`` / ``"last"`` (Lightning's name; the ``latest`` pointer always names the newest
+      save): the ModelCheckpoint directory's newest checkpoint; none yet: start from scratch
+      (``fit``) or keep the current weights (the evaluation stages), as Lightning does;
+    * ``"best"``: the first ModelCheckpoint's ``best_model_path`` (without ``monitor``: its newest
+      save, as Lightning's); none: an error;
+    * any start of ``fit`` after an elastic restart: as ``"latest"``;
+    * anything else: the directory itself."""
+    if ckpt_path == "best":
+        return _best_path(trainer, fn)
+    if ckpt_path not in ("latest", "last") and not (fn == "fit" and elastic.restart_count() > 0):
+        return ckpt_path
+    dirs = [cb.dirpath for cb in _model_checkpoints(trainer) if cb.dirpath]
     for d in dirs:
         if checkpoint_io.read_latest(d):
-            log.info("resuming from the latest checkpoint in %s (restart %d)", d, elastic.restart_count())
+            log.info("Trainer.%s: the latest checkpoint in %s (restart %d)", fn, d, elastic.restart_count())
             return d
-    if ckpt_path == "latest" and not dirs:
-        raise ConfigError("Trainer.fit: ckpt_path='latest' means the newest checkpoint of the "
+    if ckpt_path in ("latest", "last") and not dirs:
+        raise ConfigError(f"Trainer.{fn}: ckpt_path={ckpt_path!r} means the newest checkpoint of the "
                           "ModelCheckpoint directory, but this Trainer has no ModelCheckpoint "
                           "(enable_checkpointing=False?): pass a checkpoint directory instead")
-    if ckpt_path == "latest":
-        log.info("ckpt_path='latest': no checkpoint yet, starting from the beginning")
+    if ckpt_path in ("latest", "last"):
+        say = log.info if fn == "fit" else log.warning  # evaluating unloaded weights deserves a warning
+        say("Trainer.%s: ckpt_path=%r: no checkpoint yet, %s", fn, ckpt_path,
+            "starting from the beginning" if fn == "fit" else "using the current weights")
         return None
     return ckpt_path
+
+
+def _model_checkpoints(trainer: "Trainer") -> list:
+    from ..callbacks.checkpoint import ModelCheckpoint
+
+    return [cb for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint)]
+
+
+def _best_path(trainer: "Trainer", fn: str) -> str:
+    """Lightning's ``ckpt_path="best"``: the first ModelCheckpoint's best checkpoint."""
+    callbacks = _model_checkpoints(trainer)
+    if not callbacks:
+        raise ConfigError(f"Trainer.{fn}: ckpt_path='best' needs a ModelCheckpoint; this Trainer has none "
+                          "(enable_checkpointing=False?); valid: a checkpoint directory, 'last' or 'latest'")
+    cb = callbacks[0]
+    best = cb.best_model_path or (cb.last_path if cb.monitor is None else None)
+    if best is None:
+        raise ConfigError(f"Trainer.{fn}: ckpt_path='best': ModelCheckpoint(dirpath={cb.dirpath!r}, "
+                          f"monitor={cb.monitor!r}) has saved no checkpoint yet in this process; valid: a "
+                          "checkpoint directory, 'last' or 'latest'")
+    return best
 
 
 def load(trainer: "Trainer", path: str) -> None:
@@ -103,9 +133,9 @@ def load(trainer: "Trainer", path: str) -> None:
     if s.global_rank < len(meta["rng"]):
         checkpoint_io.set_rng_state(meta["rng"][s.global_rank])
     else:  # a rank the saved job did not have: a fresh stream of its own
-        from .trainer import seed_everything
+        from .trainer import seed_rngs
 
-        seed_everything(trainer.seed + 1_000_003 * s.global_rank + trainer.state.global_step)
+        seed_rngs(trainer.data_seed + 1_000_003 * s.global_rank + trainer.state.global_step)
         log.warning("resume: rank %d has no saved RNG state (saved on %d ranks); re-seeded",
                     s.global_rank, meta["world_size"])
     s.barrier()

@@ -3,9 +3,6 @@
 ``LightningDataModule``'s."""
 from .module import TrainModule
 
-try:  # trainer/datamodule.py comes with the DataModule work (issue 12); absent before it lands
-    from .datamodule import DataModule
-except ImportError:  # pragma: no cover - only on a checkout without it
-    __all__ = ["TrainModule"]
-else:
-    __all__ = ["TrainModule", "DataModule"]
+from .datamodule import DataModule
+
+__all__ = ["TrainModule", "DataModule"]

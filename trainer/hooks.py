@@ -11,6 +11,7 @@ HOOKS = (
     "setup", "on_fit_start", "on_fit_end", "on_train_epoch_start", "on_train_epoch_end",
     "on_train_batch_start", "on_train_batch_end", "on_before_backward", "on_after_backward",
     "on_before_optimizer_step", "on_validation_epoch_start", "on_validation_epoch_end",
+    "on_test_epoch_start", "on_test_epoch_end", "on_predict_epoch_start", "on_predict_epoch_end",
     "on_save_checkpoint", "on_load_checkpoint", "on_exception", "teardown",
 )
 

@@ -6,13 +6,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from .datamodule import DataHooks
+
 if TYPE_CHECKING:
     from .trainer import Trainer
 
 
-class TrainModule(nn.Module):
+class TrainModule(nn.Module, DataHooks):
     """Subclass and implement ``training_step`` and ``configure_optimizers`` (and optionally the
-    data hooks, ``validation_step`` and ``configure_model``)."""
+    data hooks, ``validation_step`` / ``test_step`` / ``predict_step`` and ``configure_model``)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -25,6 +27,15 @@ class TrainModule(nn.Module):
     def validation_step(self, batch: Any, batch_idx: int) -> "torch.Tensor | dict[str, Any] | None":
         return None
 
+    def test_step(self, batch: Any, batch_idx: int) -> "torch.Tensor | dict[str, Any] | None":
+        """``Trainer.test`` runs it on every batch of the test loader(s) (with ``dataloader_idx``
+        when there are several); log metrics with ``self.log``. Not overridden: ``test`` refuses."""
+        return None
+
+    def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
+        """``Trainer.predict`` returns what it returns, batch by batch. As Lightning: the forward."""
+        return self(batch)
+
     def configure_optimizers(self) -> Any:
         """An optimizer, ``(optimizer, scheduler)``, or ``{"optimizer": ..., "lr_scheduler":
         {"scheduler": ..., "interval": "step" | "epoch"}}``."""
@@ -33,12 +44,6 @@ class TrainModule(nn.Module):
     def configure_model(self) -> None:
         """Build large layers here instead of ``__init__``: sharded strategies call it on the meta
         device and materialise it shard by shard."""
-
-    def train_dataloader(self) -> Any:
-        return None
-
-    def val_dataloader(self) -> Any:
-        return None
 
     def flops_per_sample(self) -> float | None:
         """Training FLOPs for one sample (forward + backward), for model-FLOPs utilisation."""

@@ -12,7 +12,7 @@ import logging
 import math
 import os
 import random
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, NamedTuple, Sequence
 
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
@@ -24,6 +24,7 @@ from . import checkpointing, elastic
 from .errors import ConfigError
 from .hooks import HookDispatcher
 from .launcher import LocalLauncher
+from .datamodule import DataModule
 from .module import TrainModule
 from .state import LoopState
 from .watchdog import ProgressWatchdog, make_watchdog
@@ -31,7 +32,22 @@ from .watchdog import ProgressWatchdog, make_watchdog
 log = logging.getLogger("zerotrain")
 
 
-def seed_everything(seed: int) -> None:
+#: where ``seed_everything`` records its seed, for the DistributedSampler (``Trainer.data_seed``);
+#: an environment variable so the ranks a launcher starts inherit it (Lightning's PL_GLOBAL_SEED)
+GLOBAL_SEED_ENV = "ZEROTRAIN_GLOBAL_SEED"
+
+
+def seed_everything(seed: int) -> int:
+    """Seed Python's, torch's (every device) and numpy's global RNGs, and record the seed as the
+    DistributedSampler's (as Lightning's ``seed_everything`` does, in the environment, so that
+    launched ranks inherit it). Returns the seed."""
+    os.environ[GLOBAL_SEED_ENV] = str(int(seed))
+    seed_rngs(seed)
+    return seed
+
+
+def seed_rngs(seed: int) -> None:
+    """Seed the global RNGs only (``Trainer(seed=...)``, whose sampler seed is its own)."""
     random.seed(seed)
     torch.manual_seed(seed)
     try:
@@ -89,19 +105,27 @@ class Trainer:
         val_check_interval: int | float | None = None,
         limit_train_batches: int | float | None = None,
         limit_val_batches: int | float | None = None,
+        limit_test_batches: int | float | None = None,
+        limit_predict_batches: int | float | None = None,
         log_every_n_steps: int = 10,
         callbacks: Sequence[Callback] | None = None,
         logger: bool | Logger | Sequence[Logger] | None = True,
         enable_checkpointing: bool = True,
         enable_progress_bar: bool = True,
         default_root_dir: str | None = None,
-        seed: int = 0,
+        seed: int | None = None,
         deterministic: bool = False,
         max_restarts: int = 0,
         collective_timeout_s: float | None = None,
         on_nonfinite: str = "raise",
         stall_timeout_s: float | None = DEFAULT_STALL_TIMEOUT_S,
+        use_distributed_sampler: bool = True,
     ) -> None:
+        """As Lightning's Trainer, plus zerotrain's own arguments. ``seed``: None (the default, as
+        Lightning, which has no such argument) leaves the global RNGs as the user seeded them;
+        an int seeds them with it on every rank at set-up. Either way every rank
+        starts from the same weights (strategies broadcast global rank 0's, and a model built in
+        ``configure_model`` is built from rank 0's RNG state on every rank)."""
         accelerator = "cuda" if accelerator == "gpu" else accelerator  # Lightning's name for it
         if accelerator not in ("cpu", "cuda", "auto"):
             raise ConfigError(f"Trainer: accelerator={accelerator!r}; valid choices: cpu, cuda (or gpu), auto")
@@ -126,6 +150,10 @@ class Trainer:
             _positive_int("val_check_interval", val_check_interval)
         _check_limit("limit_train_batches", limit_train_batches, allow_zero=False)
         _check_limit("limit_val_batches", limit_val_batches, allow_zero=True)
+        _check_limit("limit_test_batches", limit_test_batches, allow_zero=True)
+        _check_limit("limit_predict_batches", limit_predict_batches, allow_zero=True)
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ConfigError(f"Trainer: seed={seed!r}; valid: None (do not seed) or an int")
         if on_nonfinite not in NONFINITE_POLICIES:
             raise ConfigError(f"Trainer: on_nonfinite={on_nonfinite!r}; valid choices: "
                               f"{', '.join(NONFINITE_POLICIES)}")
@@ -147,6 +175,8 @@ class Trainer:
         self.gradient_clip_val = gradient_clip_val
         self.val_check_interval = val_check_interval
         self.limit_train_batches, self.limit_val_batches = limit_train_batches, limit_val_batches
+        self.limit_test_batches, self.limit_predict_batches = limit_test_batches, limit_predict_batches
+        self.use_distributed_sampler = bool(use_distributed_sampler)
         self.log_every_n_steps = log_every_n_steps
         self.default_root_dir = os.path.abspath(default_root_dir or os.getcwd())
         self.seed, self.deterministic = seed, deterministic
@@ -162,6 +192,7 @@ class Trainer:
         self.loggers = self._make_loggers(logger)
         self.hooks = HookDispatcher(self.callbacks)
         self.state = LoopState()
+        self.should_stop = False  # a callback ends fit at the next step boundary (EarlyStopping, Timer)
         self.module: TrainModule | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.lr_scheduler: Any = None
@@ -172,6 +203,9 @@ class Trainer:
         self._val_sums: dict[str, list] | None = None
         self._launcher: LocalLauncher | None = None
         self._ready = False
+        self.datamodule: DataModule | None = None
+        self._predicting = False
+        self._eval_suffix = ""  # "/dataloader_idx_<i>" while evaluating one of several loaders
         self.train_dataloader: DataLoader | None = None
         self.val_dataloader: DataLoader | None = None
         self.num_training_batches: float = math.inf
@@ -202,6 +236,18 @@ class Trainer:
         return self.state.epoch
 
     @property
+    def local_rank(self) -> int:
+        return self._strategy.local_rank
+
+    @property
+    def data_seed(self) -> int:
+        """The DistributedSampler's seed: ``Trainer(seed)``, else the last ``seed_everything``
+        seed (inherited by launched ranks), else 0 - Lightning's rule (PL_GLOBAL_SEED or 0)."""
+        if self.seed is not None:
+            return self.seed
+        return int(os.environ.get(GLOBAL_SEED_ENV, 0))
+
+    @property
     def log_dir(self) -> str:
         for lg in self.loggers:
             if lg.log_dir:
@@ -209,24 +255,33 @@ class Trainer:
         return self.default_root_dir
 
     # ------------------------------------------------------------------ public API
-    def fit(self, module: TrainModule, train_dataloaders: Iterable | None = None,
-            val_dataloaders: Iterable | None = None, ckpt_path: str | None = None) -> None:
-        """Train. ``ckpt_path``: a checkpoint directory to resume from, or ``"latest"`` (the newest
-        checkpoint of the ModelCheckpoint directory, if any). With ``max_restarts`` this process
-        supervises the workers and exits with the job's status (``trainer/elastic.py``); a
-        restarted worker resumes from ``latest``."""
+    def fit(self, model: TrainModule, train_dataloaders: Iterable | DataModule | None = None,
+            val_dataloaders: Iterable | None = None, datamodule: DataModule | None = None,
+            ckpt_path: str | None = None) -> None:
+        """Train, as Lightning's ``fit`` (``fit(model, dm)`` too). ``ckpt_path``: a checkpoint
+        directory to resume from, ``"latest"``/``"last"`` (the newest checkpoint of the
+        ModelCheckpoint directory, if any) or ``"best"`` (``checkpointing.resume_path``). With
+        ``max_restarts`` this process supervises the workers and exits with the job's status
+        (``trainer/elastic.py``); a restarted worker resumes from ``latest``."""
+        module = model
         if self.max_restarts and not self._ready:
             info = detect(self.devices, self.num_nodes)
             if info.source == "single":  # not yet inside a launched job: supervise one
                 raise SystemExit(elastic.ElasticLauncher(info, self.max_restarts).run())
+        train_dataloaders, datamodule = _split_datamodule("fit", train_dataloaders, datamodule,
+                                                          val_dataloaders)
+        #: set by a callback (EarlyStopping, Timer): fit ends at the next step boundary. Every
+        #: rank must set it together (those callbacks decide collectively)
+        self.should_stop = False
         try:
-            self._setup(module)
-            self.train_dataloader = self._prepare_loader(train_dataloaders or module.train_dataloader(), train=True)
+            self._setup(module, "fit", datamodule)
+            train = self._source("train_dataloader", train_dataloaders)
+            self.train_dataloader = self._prepare_loader(train, "fit")
             if self.train_dataloader is None:
-                raise ConfigError("Trainer.fit: no training data (pass train_dataloaders or implement "
-                                  "train_dataloader())")
-            val = val_dataloaders if val_dataloaders is not None else module.val_dataloader()
-            self.val_dataloader = self._prepare_loader(val, train=False)
+                raise ConfigError("Trainer.fit: no training data (pass train_dataloaders or a datamodule, or "
+                                  "implement train_dataloader())")
+            val = self._source("val_dataloader", val_dataloaders)
+            self.val_dataloader = self._prepare_loader(val, "validate")
             ckpt_path = checkpointing.resume_path(self, ckpt_path)
             if ckpt_path:
                 checkpointing.load(self, ckpt_path)
@@ -250,14 +305,32 @@ class Trainer:
                 self._watchdog.disarm()
                 self._watchdog = None
             self._teardown()
+            self._teardown_data("fit")
 
-    def validate(self, module: TrainModule, dataloaders: Iterable | None = None) -> list[dict[str, float]]:
-        self._setup(module)
-        loader = self._prepare_loader(dataloaders if dataloaders is not None else module.val_dataloader(),
-                                      train=False)
-        if loader is None:
-            raise ConfigError("Trainer.validate: no validation data")
-        return [self._run_validation(loader)]
+    def validate(self, model: TrainModule | None = None, dataloaders: Iterable | DataModule | None = None,
+                 ckpt_path: str | None = None, verbose: bool = True,
+                 datamodule: DataModule | None = None) -> list[dict[str, float]]:
+        """Run ``validation_step`` over the validation loader(s) on every rank together; returns one
+        dict of epoch-level metrics per loader, as Lightning. ``ckpt_path``: as ``test``."""
+        return self._run_stage("validate", model, dataloaders, datamodule, ckpt_path, verbose)
+
+    def test(self, model: TrainModule | None = None, dataloaders: Iterable | DataModule | None = None,
+             ckpt_path: str | None = None, verbose: bool = True,
+             datamodule: DataModule | None = None) -> list[dict[str, float]]:
+        """Run ``test_step`` over the test loader(s) on every rank together (a sharded model's
+        forward gathers collectively); returns one dict of epoch-level metrics per loader, as
+        Lightning. ``ckpt_path``: a checkpoint directory, ``"best"``, ``"last"``/``"latest"`` -
+        only the model's weights are loaded; None with no ``model`` means ``"best"``, as Lightning."""
+        return self._run_stage("test", model, dataloaders, datamodule, ckpt_path, verbose)
+
+    def predict(self, model: TrainModule | None = None, dataloaders: Iterable | DataModule | None = None,
+                datamodule: DataModule | None = None, return_predictions: bool | None = None,
+                ckpt_path: str | None = None) -> list[Any] | None:
+        """Run ``predict_step`` over the predict loader(s) on every rank together; returns this
+        rank's ``predict_step`` outputs in order (a list per loader when there are several), as
+        Lightning - or None with ``return_predictions=False``."""
+        out = self._run_stage("predict", model, dataloaders, datamodule, ckpt_path, False)
+        return out if return_predictions is not False else None
 
     def save_checkpoint(self, path: str, update_latest: bool = True) -> None:
         """Collective: every rank writes its shard of the checkpoint directory ``path`` in parallel;
@@ -269,12 +342,93 @@ class Trainer:
         """Collective: the complete unsharded fp32 model state on global rank 0, ``{}`` elsewhere."""
         return self._strategy.full_state_dict()
 
+    # ------------------------------------------------------------------ stages
+    def _run_stage(self, fn: str, model: TrainModule | None, dataloaders: Any, datamodule: DataModule | None,
+                   ckpt_path: str | None, verbose: bool) -> list[Any]:
+        """validate / test / predict: set up (once per Trainer), attach the data, load the
+        checkpoint's weights, and run the evaluation loop on every rank."""
+        dataloaders, datamodule = _split_datamodule(fn, dataloaders, datamodule)
+        if model is None:
+            if self.module is None:
+                raise ConfigError(f"Trainer.{fn}: model=None, and this Trainer has no model yet; pass the "
+                                  "TrainModule")
+            if ckpt_path is None:  # Lightning: the previous fit's best checkpoint, said out loud
+                log.warning("Trainer.%s(ckpt_path=None) without a model: the best checkpoint of the previous "
+                            "fit is used (pass ckpt_path='best' | 'last' | a directory to silence this)", fn)
+                ckpt_path = "best"
+        try:
+            self._setup(model if model is not None else self.module, fn, datamodule)
+            spec = _EVAL_STAGES[fn]
+            self._check_step_defined(spec)
+            loaders = _as_loader_list(self._source(spec.loader, dataloaders))
+            if not loaders:
+                raise ConfigError(f"Trainer.{fn}: no data (pass dataloaders or a datamodule, or implement "
+                                  f"{spec.loader}())")
+            loaders = [self._prepare_loader(loader, fn) for loader in loaders]
+            path = checkpointing.resume_path(self, ckpt_path, fn)
+            if path:
+                self._load_weights(path)
+            results = self._evaluate(spec, loaders)
+        finally:
+            self._teardown_data(fn)
+        if verbose and self.is_global_zero and fn != "predict":
+            _print_results(fn, results)
+        return results[0] if fn == "predict" and len(results) == 1 else results
+
+    def _check_step_defined(self, spec: "_EvalStage") -> None:
+        """Lightning refuses ``test`` without a ``test_step`` (and ``validate`` without a
+        ``validation_step``); so do we, unless the strategy runs its own schedule (pipeline)."""
+        if _own_schedule(self._strategy) or spec.step == "predict_step":
+            return
+        if getattr(type(self.module), spec.step) is getattr(TrainModule, spec.step):
+            raise ConfigError(f"Trainer.{spec.fn}: {type(self.module).__name__} does not implement "
+                              f"{spec.step}(batch, batch_idx)")
+
+    def _load_weights(self, path: str) -> None:
+        """Collective: an evaluation stage's checkpoint: the model's (and optimizer's) tensors
+        only, resharded to this strategy; the loop, callbacks and RNG stay as they are (Lightning
+        restores only the model outside ``fit``)."""
+        log.info("loading the weights of checkpoint %s", path)
+        checkpointing.load_strategy(self._strategy, self.optimizer, path)
+        self._strategy.barrier()
+
+    def _source(self, hook: str, given: Any) -> Any:
+        """Where a stage's data comes from, as Lightning's selector: the loaders passed in, else
+        the datamodule's hook if it overrides it, else the module's."""
+        if given is not None:
+            return given
+        dm = self.datamodule
+        if dm is not None and getattr(type(dm), hook) is not getattr(DataModule, hook):
+            return getattr(dm, hook)()
+        return getattr(self.module, hook)()
+
     # ------------------------------------------------------------------ set-up
-    def _setup(self, module: TrainModule) -> None:
+    def _setup(self, module: TrainModule, stage: str = "fit", datamodule: DataModule | None = None) -> None:
+        """Connect the processes, attach the data (``prepare_data``, ``setup(stage)``), then build
+        the model and optimizer under the strategy. A Trainer is set up once, for one module;
+        later stages only attach their data."""
         if self._ready:
+            if module is not self.module:
+                raise ConfigError(f"Trainer.{stage}: this Trainer is set up for {type(self.module).__name__} "
+                                  f"(one module per Trainer); got another {type(module).__name__}: use a new "
+                                  "Trainer, or model=None")
+            self._setup_data(stage, datamodule)
             return
         if not isinstance(module, TrainModule):
-            raise ConfigError(f"Trainer.fit: expected a TrainModule, got {type(module).__name__}")
+            raise ConfigError(f"Trainer.{stage}: expected a TrainModule, got {type(module).__name__}")
+        self._connect()
+        self._setup_data(stage, datamodule)
+        s = self._strategy
+        self.module = module
+        module._trainer = self
+        self.hooks("setup", self, module)
+        self._configure_model(module)
+        s.setup_module(module)
+        self._configure_optimizers(module)
+        s.setup_optimizer(self.optimizer)
+        self._ready = True
+
+    def _connect(self) -> None:
         info = detect(self.devices, self.num_nodes)
         if info.must_launch:
             self._launcher = LocalLauncher(info)
@@ -285,19 +439,56 @@ class Trainer:
         s.connect(info, device, self.precision_plugin)
         elastic.join_attempt_group(info, device, s.process_group_timeout_s)  # under torchelastic
         s.setup_environment()
-        seed_everything(self.seed)
+        if self.seed is not None:  # as Lightning: only a seed the user asked for
+            seed_rngs(self.seed)
         if self.deterministic:
             torch.use_deterministic_algorithms(True)
         if not s.is_global_zero:
             logging.getLogger("zerotrain").setLevel(logging.WARNING)
-        self.module = module
-        module._trainer = self
-        self.hooks("setup", self, module)
-        s.configure_model(module)
-        s.setup_module(module)
-        self._configure_optimizers(module)
-        s.setup_optimizer(self.optimizer)
-        self._ready = True
+
+    def _setup_data(self, stage: str, datamodule: DataModule | None) -> None:
+        """Attach the datamodule (a later stage without one keeps the previous, as Lightning) and
+        run its ``prepare_data`` once per node (or once, ``prepare_data_per_node=False``) while
+        the other ranks wait, then its ``setup(stage)`` on every rank."""
+        if datamodule is not None:
+            self.datamodule = datamodule
+        dm = self.datamodule
+        if dm is None:
+            return
+        dm.trainer = self
+        s = self._strategy
+        if (s.local_rank if dm.prepare_data_per_node else s.global_rank) == 0:
+            dm.prepare_data()
+        s.barrier()
+        dm.setup(stage)
+        self._dm_stage = stage
+
+    _dm_stage: str | None = None
+
+    def _teardown_data(self, stage: str) -> None:
+        if self.datamodule is not None and self._dm_stage == stage:
+            self._dm_stage = None
+            self.datamodule.teardown(stage)
+
+    def _configure_model(self, module: TrainModule) -> None:
+        """``configure_model`` from global rank 0's torch RNG state on every rank, so a model
+        built there (ZeRO-3 partitions it as it is built, and no rank holds it whole to
+        broadcast) is one model even when the user seeded ranks differently; the rank's own
+        stream is restored afterwards. Ranks whose states already agree are left untouched."""
+        s = self._strategy
+        if not s.distributed:
+            s.configure_model(module)
+            return
+        own = torch.get_rng_state()
+        first = s.broadcast(own)
+        if torch.equal(first, own):
+            s.configure_model(module)
+            return
+        torch.set_rng_state(first)
+        try:
+            s.configure_model(module)
+        finally:
+            torch.set_rng_state(own)
 
     def _configure_optimizers(self, module: TrainModule) -> None:
         cfg = module.configure_optimizers()
@@ -322,27 +513,57 @@ class Trainer:
             raise ConfigError(f"lr_scheduler interval={interval!r}; valid choices: step, epoch")
         self.optimizer, self.lr_scheduler, self.lr_scheduler_interval = opt, sched, interval
 
-    def _prepare_loader(self, loader: Any, train: bool) -> Any:
-        """Put a DistributedSampler under map-style data (keeping the loader's shuffle), so each
-        data-parallel rank sees its share, and the order is a pure function of (seed, epoch)."""
-        if loader is None or not isinstance(loader, DataLoader):
+    def _prepare_loader(self, loader: Any, stage: str) -> Any:
+        """Put a DistributedSampler under map-style data, so each data-parallel rank sees its
+        share and the order is a pure function of (``data_seed``, epoch) - Lightning's sampler,
+        shuffled when the loader shuffles, ``set_epoch(epoch)`` every training epoch. Kept as
+        given: not a DataLoader, an iterable dataset, a sampler of the user's own, or
+        ``use_distributed_sampler=False``. Where Lightning differs, a warning says so
+        (``_note_sampler_differences``)."""
+        if loader is None or not isinstance(loader, DataLoader) or not self.use_distributed_sampler:
             return loader
         if not isinstance(loader.sampler, (RandomSampler, SequentialSampler)) or not hasattr(loader.dataset, "__len__"):
             return loader  # the user's own sampler or an iterable dataset: keep it
         s = self._strategy
+        shuffle = isinstance(loader.sampler, RandomSampler)
+        self._note_sampler_differences(stage, shuffle, len(loader.dataset))
         sampler = DistributedSampler(loader.dataset, num_replicas=s.data_parallel_world_size,
-                                     rank=s.data_parallel_rank, shuffle=isinstance(loader.sampler, RandomSampler),
-                                     seed=self.seed, drop_last=False)
+                                     rank=s.data_parallel_rank, shuffle=shuffle, seed=self.data_seed,
+                                     drop_last=False)
         kwargs = dict(batch_size=loader.batch_size, sampler=sampler, num_workers=loader.num_workers,
                       collate_fn=loader.collate_fn, pin_memory=loader.pin_memory, drop_last=loader.drop_last,
                       timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
                       persistent_workers=loader.persistent_workers,
                       # its own generator: starting an epoch must not draw from the global RNG,
                       # or a resumed run's dropout would drift from the uninterrupted one
-                      generator=torch.Generator().manual_seed(self.seed))
+                      generator=torch.Generator().manual_seed(self.data_seed))
         if loader.num_workers > 0:
             kwargs["prefetch_factor"] = loader.prefetch_factor
         return DataLoader(loader.dataset, **kwargs)
+
+    def _note_sampler_differences(self, stage: str, shuffle: bool, n_samples: int) -> None:
+        """Say (global rank 0) where this sampler differs from the one Lightning would inject,
+        never silently: Lightning shuffles every distributed training sampler, keeps the loader's
+        own (unsharded) sampler on one process, and splits predict data without repeating samples."""
+        world = self._strategy.data_parallel_world_size
+        if not self.is_global_zero:
+            return
+        if stage == "fit" and not shuffle and world > 1:
+            log.warning("the training DataLoader does not shuffle: zerotrain keeps that order (each rank a "
+                        "strided share); Lightning would shuffle its DistributedSampler anyway (seed %d, "
+                        "set_epoch each epoch). Pass shuffle=True for Lightning's order", self.data_seed)
+        elif stage == "fit" and shuffle and world == 1:
+            log.info("one process: the shuffled training DataLoader's order comes from a DistributedSampler "
+                     "(seed %d, epoch), so a resumed run continues it exactly; Lightning keeps the loader's "
+                     "RandomSampler (global RNG) here", self.data_seed)
+        elif stage != "fit" and shuffle:
+            log.warning("the %s DataLoader shuffles: it is recommended that you turn shuffling off for "
+                        "evaluation (as Lightning warns)", stage)
+        if stage == "predict" and n_samples % world:
+            log.warning("predict: %d samples on %d ranks: the DistributedSampler repeats %d sample(s) so every "
+                        "rank runs the same number of forwards (sharded strategies gather collectively); "
+                        "Lightning's predict sampler does not repeat them", n_samples, world,
+                        world - n_samples % world)
 
     # ------------------------------------------------------------------ the loop
     def _fit_loop(self) -> None:
@@ -381,18 +602,25 @@ class Trainer:
                 batch_idx = None
             if self._done() and batch_idx is not None and batch_idx < n_batches:
                 break  # stopped mid-epoch by max_steps: the epoch is not over
-            st.epoch += 1
-            st.batches_in_epoch = 0
-            if self.lr_scheduler is not None and self.lr_scheduler_interval == "epoch":
-                self.lr_scheduler.step()
-            self._tick("on_train_epoch_end")
-            self.hooks("on_train_epoch_end", self, module)
-            if not val_every and self.val_dataloader is not None:
-                self._run_validation(self.val_dataloader)
+            self._end_epoch(validate=not val_every and self.val_dataloader is not None)
         if self.val_dataloader is not None and self._last_val_step != st.global_step:
             self._run_validation(self.val_dataloader)
 
     _last_val_step = -1
+
+    def _end_epoch(self, validate: bool) -> None:
+        """Lightning's order at the end of a training epoch: the epoch's validation, then
+        ``on_train_epoch_end`` (``current_epoch`` is still the epoch that is ending), then the
+        per-epoch LR scheduler step, and only then the epoch counter moves on."""
+        st = self.state
+        if validate:
+            self._run_validation(self.val_dataloader)
+        self._tick("on_train_epoch_end")
+        self.hooks("on_train_epoch_end", self, self.module)
+        if self.lr_scheduler is not None and self.lr_scheduler_interval == "epoch":
+            self.lr_scheduler.step()
+        st.epoch += 1
+        st.batches_in_epoch = 0
 
     def _train_micro_batch(self, batch: Any, batch_idx: int, last_micro: bool) -> bool:
         """One training batch: ``Strategy.run_schedule`` runs its forwards and backwards and calls
@@ -475,6 +703,8 @@ class Trainer:
 
     def _done(self) -> bool:
         st = self.state
+        if self.should_stop:
+            return True
         if self.max_steps != -1 and st.global_step >= self.max_steps:
             return True
         return self.max_epochs is not None and st.epoch >= self.max_epochs
@@ -500,25 +730,74 @@ class Trainer:
             return max(1, int(n_batches * v / self.accumulate_grad_batches))
         return int(v)
 
-    # ------------------------------------------------------------------ validation
-    @torch.no_grad()
+    # ------------------------------------------------------------------ evaluation
     def _run_validation(self, loader: Any) -> dict[str, float]:
-        s, module = self._strategy, self.module
-        limit = self._limit(loader, self.limit_val_batches)
+        """The validation inside ``fit``: one loader, its epoch-level metrics."""
+        return self._evaluate(_EVAL_STAGES["validate"], [loader])[0]
+
+    @torch.no_grad()
+    def _evaluate(self, spec: "_EvalStage", loaders: list) -> list[Any]:
+        """One evaluation epoch over ``loaders``, on every rank together (every rank runs every
+        forward: a sharded model gathers collectively). Returns per loader its epoch-level
+        metrics (validate, test) or its ``predict_step`` outputs (predict)."""
+        module = self.module
         was_training = module.training
         module.eval()
-        self._val_sums = {}
-        self.hooks("on_validation_epoch_start", self, module)
-        for batch_idx, batch in enumerate(loader):
-            if batch_idx >= limit:
-                break
-            self._val_logged = False
-            self._tick("validation_step")
-            out = s.validation_step(_to_device(batch, s.device), batch_idx)
-            loss = out["loss"] if isinstance(out, dict) else out
-            if torch.is_tensor(loss) and not self._val_logged:  # nothing logged: track the loss
-                self._log("val_loss", loss)
-        sums, self._val_sums = self._val_sums, None
+        self.hooks(f"on_{spec.hooks}_epoch_start", self, module)
+        results = [self._evaluate_loader(spec, loader, i, len(loaders)) for i, loader in enumerate(loaders)]
+        if spec.fn == "validate":
+            self._last_val_step = self.state.global_step
+        self._tick(f"on_{spec.hooks}_epoch_end")
+        self.hooks(f"on_{spec.hooks}_epoch_end", self, module)
+        if was_training:
+            module.train()
+        return results
+
+    def _evaluate_loader(self, spec: "_EvalStage", loader: Any, index: int, count: int) -> Any:
+        """One loader of an evaluation epoch. With several loaders the step gets
+        ``dataloader_idx`` and logged names end in ``/dataloader_idx_<i>``, as Lightning's."""
+        s = self._strategy
+        limit = self._limit(loader, getattr(self, spec.limit))
+        kwargs = {"dataloader_idx": index} if count > 1 else {}
+        self._eval_suffix = f"/dataloader_idx_{index}" if count > 1 else ""
+        self._predicting = spec.fn == "predict"
+        self._val_sums, predictions = {}, []
+        try:
+            for batch_idx, batch in enumerate(loader):
+                if batch_idx >= limit:
+                    break
+                self._val_logged = False
+                self._tick(spec.step)
+                out = self._eval_forward(spec, _to_device(batch, s.device), batch_idx, kwargs)
+                if self._predicting:
+                    predictions.append(out)
+                    continue
+                loss = out["loss"] if isinstance(out, dict) else out
+                if torch.is_tensor(loss) and not self._val_logged:  # nothing logged: track the loss
+                    self._log(spec.loss_name, loss)
+            sums = self._val_sums
+        finally:
+            self._val_sums, self._eval_suffix, self._predicting = None, "", False
+        return predictions if spec.fn == "predict" else self._epoch_metrics(sums)
+
+    def _eval_forward(self, spec: "_EvalStage", batch: Any, batch_idx: int, kwargs: dict[str, int]) -> Any:
+        """The module's step through the strategy's model (DDP, ZeRO-3's gathering hooks) under
+        the precision's forward context. A strategy that runs its own schedule (the pipeline)
+        evaluates its own way: its loss for validate and test; it cannot predict."""
+        s = self._strategy
+        if _own_schedule(s):
+            if spec.fn == "predict":
+                raise ConfigError(f"Trainer.predict: strategy={s!r} runs its own schedule and returns only "
+                                  "the loss; valid: predict under single, ddp or zero1/2/3")
+            return s.validation_step(batch, batch_idx)
+        if spec.fn == "validate" and not kwargs:
+            return s.validation_step(batch, batch_idx)
+        return s.run_forward(s.model, spec.step, batch, batch_idx, **kwargs)
+
+    def _epoch_metrics(self, sums: dict[str, list]) -> dict[str, float]:
+        """Each logged name's mean over this rank's batches, averaged over ranks (a collective:
+        every rank logs the same names), published to ``callback_metrics`` and the loggers."""
+        s = self._strategy
         names = sorted(sums)
         means = torch.tensor([sums[n][0] / max(sums[n][1], 1) for n in names], dtype=torch.float64)
         means = s.reduce(means, op="mean") if names else means  # averaged over ranks
@@ -526,19 +805,17 @@ class Trainer:
         self.callback_metrics.update(metrics)
         self.progress_bar_metrics.update(metrics)
         self._emit(metrics)
-        self._last_val_step = self.state.global_step
-        self._tick("on_validation_epoch_end")
-        self.hooks("on_validation_epoch_end", self, module)
-        if was_training:
-            module.train()
         return metrics
 
     # ------------------------------------------------------------------ logging
     def _log(self, name: str, value: Any, prog_bar: bool = False, sync_dist: bool = False) -> None:
+        if self._predicting:
+            raise ConfigError(f"self.log({name!r}) in predict_step: predict logs nothing (Lightning refuses "
+                              "it too); return the values instead")
         v = value.detach().float().mean() if torch.is_tensor(value) else torch.tensor(float(value))
         if self._val_sums is not None:
             self._val_logged = True
-            acc = self._val_sums.setdefault(name, [0.0, 0])
+            acc = self._val_sums.setdefault(name + self._eval_suffix, [0.0, 0])
             acc[0] += float(v)
             acc[1] += 1
             return
@@ -622,6 +899,61 @@ class _BatchHooks:
         t = self.trainer
         t._tick("on_after_backward")
         t.hooks("on_after_backward", t, t.module)
+
+
+class _EvalStage(NamedTuple):
+    fn: str  # the Trainer method
+    step: str  # the TrainModule method run on each batch
+    hooks: str  # on_<hooks>_epoch_start / _end
+    loader: str  # the TrainModule / DataModule method that gives the data
+    limit: str  # the Trainer attribute bounding the batches
+    loss_name: str | None  # logged when the step returns a loss and logs nothing
+
+
+_EVAL_STAGES = {
+    "validate": _EvalStage("validate", "validation_step", "validation", "val_dataloader", "limit_val_batches",
+                           "val_loss"),
+    "test": _EvalStage("test", "test_step", "test", "test_dataloader", "limit_test_batches", "test_loss"),
+    "predict": _EvalStage("predict", "predict_step", "predict", "predict_dataloader", "limit_predict_batches",
+                          None),
+}
+
+
+def _own_schedule(s: Strategy) -> bool:
+    """The strategy runs every forward of a batch itself (the pipeline): the module's step
+    methods never run as such."""
+    return type(s).run_schedule is not Strategy.run_schedule
+
+
+def _split_datamodule(fn: str, dataloaders: Any, datamodule: DataModule | None,
+                      *more_loaders: Any) -> tuple[Any, DataModule | None]:
+    """Lightning's ``fit(model, dm)`` / ``test(model, dm)``: a DataModule where the loaders go.
+    Loaders and a datamodule together are refused, as Lightning does."""
+    if isinstance(dataloaders, DataModule):
+        if datamodule is not None:
+            raise ConfigError(f"Trainer.{fn}: two datamodules given; valid: one, positionally or as datamodule=")
+        dataloaders, datamodule = None, dataloaders
+    if datamodule is not None and not isinstance(datamodule, DataModule):
+        raise ConfigError(f"Trainer.{fn}: datamodule={type(datamodule).__name__}; valid: a zerotrain.DataModule")
+    if datamodule is not None and (dataloaders is not None or any(d is not None for d in more_loaders)):
+        raise ConfigError(f"Trainer.{fn}: dataloaders and a datamodule were both given; valid: one of them")
+    return dataloaders, datamodule
+
+
+def _as_loader_list(loaders: Any) -> list:
+    """A list/tuple of DataLoaders is several loaders (Lightning); anything else is one."""
+    if loaders is None:
+        return []
+    if isinstance(loaders, (list, tuple)) and loaders and all(isinstance(d, DataLoader) for d in loaders):
+        return list(loaders)
+    return [loaders]
+
+
+def _print_results(fn: str, results: list[dict[str, float]]) -> None:
+    """Lightning's ``verbose`` summary of a validate / test run, one block per loader."""
+    for i, metrics in enumerate(results):
+        title = f"{fn} metrics" + (f" (dataloader {i})" if len(results) > 1 else "")
+        print(title + "".join(f"\n  {name}: {value:.6g}" for name, value in sorted(metrics.items())))
 
 
 def _to_device(batch: Any, device: torch.device) -> Any:

@@ -8,15 +8,6 @@ from zerotrain import Trainer, TrainModule
 from zerotrain.callbacks import EarlyStopping
 
 
-class StoppingTrainer(Trainer):
-    """With the change trainer/trainer.py still needs: fit ends once ``should_stop`` is set."""
-
-    should_stop = False
-
-    def _done(self) -> bool:
-        return self.should_stop or super()._done()
-
-
 class RankLocal(TrainModule):
     """Rank 1's metric stops improving after epoch 1; rank 0's improves every epoch."""
 
@@ -48,7 +39,7 @@ class CountEpochs(EarlyStopping):
 
 def _fit():
     cb = CountEpochs(monitor="train_metric", patience=1, check_on_train_epoch_end=True)
-    trainer = StoppingTrainer(strategy="ddp", devices=2, max_epochs=10, logger=False, enable_checkpointing=False,
+    trainer = Trainer(strategy="ddp", devices=2, max_epochs=10, logger=False, enable_checkpointing=False,
                               enable_progress_bar=False, callbacks=[cb])
     trainer.fit(RankLocal())
     return {"global_step": trainer.global_step, "should_stop": trainer.should_stop, "wait": cb.wait_count}

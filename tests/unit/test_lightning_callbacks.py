@@ -20,16 +20,6 @@ def _lightning_env(monkeypatch):
     monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK", "1"))
 
 
-class StoppingTrainer(Trainer):
-    """The Trainer with the one change EarlyStopping/Timer need from trainer/trainer.py (not yet
-    there): fit ends at the next step boundary once a callback sets ``should_stop``."""
-
-    should_stop = False
-
-    def _done(self) -> bool:
-        return self.should_stop or super()._done()
-
-
 def _data(n=4):
     g = torch.Generator().manual_seed(0)
     return TensorDataset(torch.randn(n, 2, generator=g), torch.randn(n, 1, generator=g))
@@ -69,7 +59,7 @@ def make_module(base, seq):
 def _ours(seq, **es):
     cb = EarlyStopping(monitor="val_metric", check_on_train_epoch_end=False, **es)
     module = make_module(TrainModule, seq)
-    trainer = StoppingTrainer(accelerator="cpu", devices=1, max_epochs=len(seq) + 2, logger=False,
+    trainer = Trainer(accelerator="cpu", devices=1, max_epochs=len(seq) + 2, logger=False,
                               enable_checkpointing=False, enable_progress_bar=False, callbacks=[cb],
                               stall_timeout_s=None)
     trainer.fit(module)
@@ -151,7 +141,7 @@ class Tiny(TrainModule):
 
 def _fit(tmp_path, callbacks, **kw):
     kw = {"max_steps": 8, **kw}
-    trainer = StoppingTrainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+    trainer = Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
                               callbacks=callbacks, default_root_dir=str(tmp_path), stall_timeout_s=None, **kw)
     trainer.fit(Tiny())
     return trainer

@@ -1,0 +1,222 @@
+"""Lightning's stages and DataModule on 2 real processes, under ddp, zero2 and zero3 (whose forward
+gathers parameters collectively, so every rank runs the evaluation loop together), and the
+training sample order per rank and epoch against pytorch-lightning 2.6's own ddp run."""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from harness import run_ranks
+from toy import build_net, make_data
+
+N, BS = 64, 4  # 64 samples / (4 x 2 ranks): no padding, every batch full
+QUIET = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False)
+
+
+def _indexed(n: int = N) -> TensorDataset:
+    x, y = make_data(n).tensors
+    return TensorDataset(torch.arange(n), x, y)
+
+
+def _stage_module(build_late: bool):
+    from zerotrain import TrainModule
+
+    class StageNet(TrainModule):
+        """The net built in ``__init__`` (eager) or in ``configure_model`` (partitioned under zero3),
+        after each rank seeded differently: every rank must still start from one model."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            if not build_late:
+                self.net = build_net()
+
+        def configure_model(self) -> None:
+            if build_late and not hasattr(self, "net"):
+                self.net = build_net()
+
+        def _loss(self, batch):
+            _, x, y = batch
+            return nn.functional.mse_loss(self.net(x), y)
+
+        def training_step(self, batch, batch_idx):
+            return self._loss(batch)
+
+        def validation_step(self, batch, batch_idx):
+            self.log("val_mse", self._loss(batch))
+
+        def test_step(self, batch, batch_idx):
+            self.log("test_mse", self._loss(batch))
+
+        def predict_step(self, batch, batch_idx, dataloader_idx=0):
+            return batch[0], self.net(batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    return StageNet()
+
+
+def _datamodule(marker: str):
+    from zerotrain import DataModule
+
+    class Data(DataModule):
+        def prepare_data(self):  # slow on purpose: the other rank must wait at the barrier
+            with open(marker, "a") as f:
+                f.write(f"{self.trainer.global_rank}\n")
+            time.sleep(0.5)
+            os.replace(marker, marker + ".done")
+
+        def setup(self, stage):
+            assert os.path.exists(marker + ".done"), "setup ran before prepare_data finished"
+            self.ds = _indexed()
+
+        def train_dataloader(self):
+            return DataLoader(self.ds, batch_size=BS)
+
+        def test_dataloader(self):
+            return DataLoader(self.ds, batch_size=BS)
+
+        def predict_dataloader(self):
+            return DataLoader(self.ds, batch_size=BS)
+
+    return Data()
+
+
+def _stages_case(strategy: str, build_late: bool, root: str):
+    from zerotrain import Trainer
+
+    rank = int(os.environ["RANK"])
+    torch.manual_seed(100 + rank)  # the user seeded each rank differently; the Trainer must not re-seed
+    module = _stage_module(build_late)
+    trainer = Trainer(strategy=strategy, devices=2, accelerator="cpu", max_steps=3, **QUIET,
+                      default_root_dir=root)
+    dm = _datamodule(os.path.join(root, "prepared"))
+    trainer.fit(module, datamodule=dm)
+    weights = trainer.full_state_dict()  # rank 0 only
+    test = trainer.test(module, verbose=False)  # the attached datamodule's loader
+    val = trainer.validate(module, DataLoader(_indexed(), batch_size=BS), verbose=False)
+    preds = trainer.predict(module)
+    return {"weights": weights, "test": test, "val": val,
+            "pred_index": torch.cat([p[0] for p in preds]), "pred": torch.cat([p[1] for p in preds])}
+
+
+def _reference() -> dict:
+    """Rank 0's model (seeded 100), 3 plain SGD steps on the global batches of 2 x 4 samples."""
+    torch.manual_seed(100)
+    net = build_net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    _, x, y = _indexed().tensors
+    for step in range(3):  # DistributedSampler(shuffle=False): rank r takes samples r, r + 2, ...
+        idx = torch.cat([torch.arange(r, N, 2)[step * BS:(step + 1) * BS] for r in range(2)])
+        loss = nn.functional.mse_loss(net(x[idx]), y[idx])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    with torch.no_grad():
+        mse = float(nn.functional.mse_loss(net(x), y))
+        return {"net": net, "mse": mse, "pred": net(x)}
+
+
+@pytest.mark.parametrize("strategy,build_late", [("ddp", False), ("zero2", False), ("zero3", True)])
+def test_stages_on_two_ranks(tmp_path, strategy, build_late):
+    out = run_ranks("test_stages:_stages_case", 2, tmp_path, timeout=180, strategy=strategy,
+                    build_late=build_late, root=str(tmp_path))
+    ref = _reference()
+    assert (tmp_path / "prepared.done").read_text() == "0\n"  # prepare_data: local rank 0 only, once
+    got = out[0]["weights"]
+    for name, want in ref["net"].state_dict().items():  # rank 0's initial weights, trained
+        torch.testing.assert_close(got[f"net.{name}"], want, rtol=1e-5, atol=1e-6)
+    for r in range(2):
+        assert [list(d) for d in out[r]["test"]] == [["test_mse"]]
+        assert out[r]["test"][0]["test_mse"] == pytest.approx(ref["mse"], rel=1e-5)
+        assert out[r]["val"][0]["val_mse"] == pytest.approx(ref["mse"], rel=1e-5)
+        index = out[r]["pred_index"]  # each rank predicts its own share, in order
+        assert torch.equal(index, torch.arange(r, N, 2))
+        torch.testing.assert_close(out[r]["pred"], ref["pred"][index], rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------- sample order vs Lightning
+EPOCHS = 3
+
+
+def _order_dataset() -> TensorDataset:
+    return TensorDataset(torch.arange(N).float().unsqueeze(1), torch.zeros(N, 1))
+
+
+def _zerotrain_order(root: str):
+    from zerotrain import Callback, Trainer, TrainModule, seed_everything
+
+    class Net(TrainModule):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(1, 1)
+            self.seen = []
+
+        def training_step(self, batch, batch_idx):
+            self.seen.append((self.trainer.current_epoch, batch[0].view(-1).long().tolist()))
+            return nn.functional.mse_loss(self.lin(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    class Epochs(Callback):
+        ended: list = []
+
+        def on_train_epoch_end(self, trainer, module):
+            self.ended.append(trainer.current_epoch)
+
+    seed_everything(42)  # the user's seed: the sampler's seed too, as Lightning's PL_GLOBAL_SEED
+    module, epochs = Net(), Epochs()
+    Trainer(strategy="ddp", devices=2, accelerator="cpu", max_epochs=EPOCHS, callbacks=[epochs], **QUIET,
+            default_root_dir=root).fit(module, DataLoader(_order_dataset(), batch_size=BS, shuffle=True))
+    return {"seen": module.seen, "ended": epochs.ended}
+
+
+def _lightning_order(root: str):
+    import pytorch_lightning as pl
+
+    class Net(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(1, 1)
+            self.seen = []
+
+        def training_step(self, batch, batch_idx):
+            self.seen.append((self.current_epoch, batch[0].view(-1).long().tolist()))
+            return nn.functional.mse_loss(self.lin(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    class Epochs(pl.Callback):
+        ended: list = []
+
+        def on_train_epoch_end(self, trainer, module):
+            self.ended.append(trainer.current_epoch)
+
+    pl.seed_everything(42)
+    module, epochs = Net(), Epochs()
+    pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=EPOCHS, logger=False,
+               enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+               callbacks=[epochs], default_root_dir=root).fit(
+        module, DataLoader(_order_dataset(), batch_size=BS, shuffle=True))
+    return {"seen": module.seen, "ended": epochs.ended}
+
+
+def test_training_sample_order_matches_lightning(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # importing Lightning sets it: undone after
+    pytest.importorskip("pytorch_lightning")
+    theirs = run_ranks("test_stages:_lightning_order", 2, tmp_path / "pl", timeout=240, root=str(tmp_path / "pl"))
+    ours = run_ranks("test_stages:_zerotrain_order", 2, tmp_path / "zt", timeout=180, root=str(tmp_path / "zt"))
+    for r in range(2):
+        assert len(ours[r]["seen"]) == EPOCHS * N // (2 * BS)
+        assert ours[r]["seen"] == theirs[r]["seen"], f"rank {r}: per-epoch sample order differs"
+        assert ours[r]["ended"] == theirs[r]["ended"] == list(range(EPOCHS))
+    assert ours[0]["seen"] != ours[1]["seen"]  # each rank its own share
+    first, second = ([i for e, b in ours[0]["seen"] if e == k for i in b] for k in (0, 1))
+    assert first != second  # reshuffled each epoch (set_epoch)

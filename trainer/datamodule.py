@@ -1,0 +1,59 @@
+"""DataModule: the data of a run in one object, as Lightning's ``LightningDataModule``.
+
+The Trainer calls, in each of ``fit`` / ``validate`` / ``test`` / ``predict``, once the processes
+are connected and before the model is configured:
+
+1. ``prepare_data()`` on local rank 0 of every node (``prepare_data_per_node = False``: on global
+   rank 0 only), while the other ranks wait at a barrier: download or tokenise here, once, and
+   assign no state (the other ranks never run it).
+2. ``setup(stage)`` on every rank, ``stage`` in ``"fit" | "validate" | "test" | "predict"``:
+   split datasets and assign them to ``self`` here.
+3. the ``*_dataloader()`` methods the stage needs; their loaders get the Trainer's
+   DistributedSampler exactly as the module's own loaders do.
+
+and ``teardown(stage)`` on every rank at the end of the stage.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .trainer import Trainer
+
+
+class DataHooks:
+    """The four loaders a stage asks for (TrainModule and DataModule both have them, as in
+    Lightning); None means "none here"."""
+
+    def train_dataloader(self) -> Any:
+        return None
+
+    def val_dataloader(self) -> Any:
+        return None
+
+    def test_dataloader(self) -> Any:
+        return None
+
+    def predict_dataloader(self) -> Any:
+        return None
+
+
+class DataModule(DataHooks):
+    """Subclass and override what the run needs; every method here is a no-op or returns None."""
+
+    #: run ``prepare_data`` on local rank 0 of every node (True) or on global rank 0 only (False,
+    #: for a file system all nodes share)
+    prepare_data_per_node: bool = True
+
+    def __init__(self) -> None:
+        self.trainer: Trainer | None = None
+
+    def prepare_data(self) -> None:
+        """Once per node (see the class attribute), before the other ranks go on: download,
+        tokenise, write to disk. Do not assign state here: the other ranks never run it."""
+
+    def setup(self, stage: str) -> None:
+        """On every rank, at the start of ``stage`` ("fit", "validate", "test" or "predict")."""
+
+    def teardown(self, stage: str) -> None:
+        """On every rank, at the end of ``stage``."""
