@@ -11,6 +11,7 @@ import contextlib
 import logging
 import math
 import os
+import warnings
 import random
 from typing import Any, Iterable, NamedTuple, Sequence
 
@@ -37,10 +38,20 @@ log = logging.getLogger("zerotrain")
 GLOBAL_SEED_ENV = "ZEROTRAIN_GLOBAL_SEED"
 
 
-def seed_everything(seed: int) -> int:
-    """Seed Python's, torch's (every device) and numpy's global RNGs, and record the seed as the
-    DistributedSampler's (as Lightning's ``seed_everything`` does, in the environment, so that
-    launched ranks inherit it). Returns the seed."""
+def seed_everything(seed: int | None = None, workers: bool = False) -> int:
+    """Lightning's ``seed_everything``: seed Python's, torch's (every device) and numpy's global
+    RNGs and record the seed as the DistributedSampler's, in the environment, so that launched ranks
+    inherit it. ``None`` takes the recorded seed (ours, else Lightning's ``PL_GLOBAL_SEED``), else 0
+    with a warning. ``workers=True`` is not applied (it warns): Lightning then seeds each data-loader
+    worker's numpy and ``random``; pass a ``worker_init_fn`` that does. Returns the seed."""
+    if workers:
+        warnings.warn("seed_everything(workers=True): zerotrain installs no worker_init_fn that seeds "
+                      "numpy/random in data-loader workers; pass your own worker_init_fn", stacklevel=2)
+    if seed is None:
+        env = os.environ.get(GLOBAL_SEED_ENV, os.environ.get("PL_GLOBAL_SEED"))
+        if env is None:
+            warnings.warn("seed_everything(): no seed given or recorded; seed set to 0", stacklevel=2)
+        seed = int(env) if env is not None else 0
     os.environ[GLOBAL_SEED_ENV] = str(int(seed))
     seed_rngs(seed)
     return seed

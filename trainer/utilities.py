@@ -8,7 +8,7 @@ import os
 import warnings
 from typing import Any, Callable, TypeVar
 
-from .trainer import seed_everything as _seed
+from .trainer import seed_everything  # Lightning's signature; one implementation
 
 log = logging.getLogger("zerotrain")
 F = TypeVar("F", bound=Callable[..., Any])
@@ -59,24 +59,6 @@ def rank_zero_debug(*args: Any, **kwargs: Any) -> None:
 @rank_zero_only
 def rank_zero_warn(message: str, category: type[Warning] = UserWarning, stacklevel: int = 4) -> None:
     warnings.warn(message, category, stacklevel=stacklevel)
-
-
-def seed_everything(seed: int | None = None, workers: bool = False) -> int:
-    """Lightning's signature: seeds ``random``, torch and numpy and returns the seed; ``None``
-    takes ``PL_GLOBAL_SEED`` from the environment, else 0. ``workers=True`` (Lightning seeds each
-    data-loader worker's numpy and ``random`` through a worker_init_fn) is not applied here: it
-    warns, and a loader that needs it passes its own ``worker_init_fn``."""
-    if workers:
-        rank_zero_warn("seed_everything(workers=True): zerotrain does not install a worker_init_fn that "
-                       "seeds numpy/random in data-loader workers; pass your own worker_init_fn")
-    if seed is None:
-        env = os.environ.get("PL_GLOBAL_SEED")
-        seed = int(env) if env is not None else 0
-        if env is None:
-            rank_zero_warn(f"No seed found, seed set to {seed}")
-    os.environ["PL_GLOBAL_SEED"] = str(seed)
-    _seed(seed)
-    return seed
 
 
 __all__ = ["rank_zero_only", "rank_zero_info", "rank_zero_debug", "rank_zero_warn", "seed_everything",
