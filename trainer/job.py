@@ -3,9 +3,9 @@
 ``join_job`` puts this process in the job the way ``Trainer.fit`` does (launch the other local
 ranks, or join torchrun / SLURM / our launcher, then connect the strategy and its process group);
 ``distributed_loader`` gives each data-parallel rank its share of a map-style ``DataLoader``;
-``plugins`` resolves the strategy and precision names. The Engine (``engine.py``) calls all three;
-``Trainer.__init__``, ``Trainer._setup`` and ``Trainer._prepare_loader`` hold the same steps inline
-and can call these instead.
+``plugins`` resolves the strategy and precision names. The Trainer and the Engine (``engine.py``)
+both call all three, so both launch, connect and shard data the same way (the Trainer adds
+Lightning's sampler warnings, ``use_distributed_sampler`` and its seeding around them).
 """
 from __future__ import annotations
 

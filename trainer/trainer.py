@@ -11,17 +11,17 @@ import contextlib
 import logging
 import math
 import os
-import warnings
 import random
+import warnings
 from typing import Any, Iterable, NamedTuple, Sequence
 
 import torch
-from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
+from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
 
 from ..callbacks.base import Callback, Logger
-from ..strategies import Strategy, precision_from_name, progress, strategy_from_name
-from ..strategies.environment import detect, pick_device, set_cpu_threads
-from . import checkpointing, elastic
+from ..strategies import Strategy, progress
+from ..strategies.environment import detect
+from . import checkpointing, elastic, job
 from .errors import ConfigError
 from .hooks import HookDispatcher
 from .launcher import LocalLauncher
@@ -171,13 +171,7 @@ class Trainer:
         if stall_timeout_s is not None and (isinstance(stall_timeout_s, bool) or not stall_timeout_s > 0):
             raise ConfigError(f"Trainer: stall_timeout_s={stall_timeout_s!r} must be > 0 (seconds), or None "
                               "to disable the progress watchdog")
-        if strategy == "auto":
-            strategy = "ddp" if devices * num_nodes > 1 else "single"
-        try:
-            self.precision_plugin = precision_from_name(precision)
-            self._strategy = strategy_from_name(strategy)
-        except ValueError as exc:
-            raise ConfigError(f"Trainer: {exc}") from None
+        self.precision_plugin, self._strategy = job.plugins("Trainer", strategy, precision, devices * num_nodes)
         self.accelerator, self.devices, self.num_nodes = accelerator, int(devices), num_nodes
         self.max_steps, self.max_epochs = max_steps, max_epochs
         if max_steps == -1 and max_epochs is None:
@@ -440,22 +434,12 @@ class Trainer:
         self._ready = True
 
     def _connect(self) -> None:
-        info = detect(self.devices, self.num_nodes)
-        if info.must_launch:
-            self._launcher = LocalLauncher(info)
-            info = self._launcher.launch()
-        set_cpu_threads(info)
-        device = pick_device(self.accelerator, info.local_rank)
-        s = self._strategy
-        s.connect(info, device, self.precision_plugin)
-        elastic.join_attempt_group(info, device, s.process_group_timeout_s)  # under torchelastic
-        s.setup_environment()
+        self._launcher = job.join_job(self._strategy, self.precision_plugin, self.accelerator, self.devices,
+                                      self.num_nodes)
         if self.seed is not None:  # as Lightning: only a seed the user asked for
             seed_rngs(self.seed)
         if self.deterministic:
             torch.use_deterministic_algorithms(True)
-        if not s.is_global_zero:
-            logging.getLogger("zerotrain").setLevel(logging.WARNING)
 
     def _setup_data(self, stage: str, datamodule: DataModule | None) -> None:
         """Attach the datamodule (a later stage without one keeps the previous, as Lightning) and
@@ -535,22 +519,8 @@ class Trainer:
             return loader
         if not isinstance(loader.sampler, (RandomSampler, SequentialSampler)) or not hasattr(loader.dataset, "__len__"):
             return loader  # the user's own sampler or an iterable dataset: keep it
-        s = self._strategy
-        shuffle = isinstance(loader.sampler, RandomSampler)
-        self._note_sampler_differences(stage, shuffle, len(loader.dataset))
-        sampler = DistributedSampler(loader.dataset, num_replicas=s.data_parallel_world_size,
-                                     rank=s.data_parallel_rank, shuffle=shuffle, seed=self.data_seed,
-                                     drop_last=False)
-        kwargs = dict(batch_size=loader.batch_size, sampler=sampler, num_workers=loader.num_workers,
-                      collate_fn=loader.collate_fn, pin_memory=loader.pin_memory, drop_last=loader.drop_last,
-                      timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
-                      persistent_workers=loader.persistent_workers,
-                      # its own generator: starting an epoch must not draw from the global RNG,
-                      # or a resumed run's dropout would drift from the uninterrupted one
-                      generator=torch.Generator().manual_seed(self.data_seed))
-        if loader.num_workers > 0:
-            kwargs["prefetch_factor"] = loader.prefetch_factor
-        return DataLoader(loader.dataset, **kwargs)
+        self._note_sampler_differences(stage, isinstance(loader.sampler, RandomSampler), len(loader.dataset))
+        return job.distributed_loader(loader, self._strategy, self.data_seed)
 
     def _note_sampler_differences(self, stage: str, shuffle: bool, n_samples: int) -> None:
         """Say (global rank 0) where this sampler differs from the one Lightning would inject,
