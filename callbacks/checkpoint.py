@@ -90,7 +90,7 @@ class ModelCheckpoint(Callback):
         latest = read_latest(self.dirpath) if self.dirpath else None
         return str(latest) if latest is not None else None
 
-    def setup(self, trainer, module) -> None:
+    def setup(self, trainer, module, stage: str | None = None) -> None:
         if self.dirpath is None:
             self.dirpath = os.path.join(trainer.default_root_dir, "checkpoints")
 

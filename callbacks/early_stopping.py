@@ -51,7 +51,7 @@ class EarlyStopping(Callback):
         return a < b if self.mode == "min" else a > b
 
     # ---- when to check
-    def setup(self, trainer, module) -> None:
+    def setup(self, trainer, module, stage: str | None = None) -> None:
         if self._check_on_train_epoch_end is None:
             interval = getattr(trainer, "val_check_interval", None)
             every_n = getattr(trainer, "check_val_every_n_epoch", 1)

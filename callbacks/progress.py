@@ -42,7 +42,7 @@ class ProgressBar(Callback):
         if self._bar is not None:
             self._bar.set_postfix({k: f"{v:.4g}" for k, v in trainer.progress_bar_metrics.items()})
 
-    def teardown(self, trainer, module) -> None:
+    def teardown(self, trainer, module, stage: str | None = None) -> None:
         if self._bar is not None:
             self._bar.close()
             self._bar = None

@@ -31,7 +31,7 @@ def save(trainer: "Trainer", path: str, update_latest: bool = True) -> None:
                     data={"batch_size": getattr(loader, "batch_size", None),
                           "world": trainer.strategy.data_parallel_world_size,
                           "accumulate_grad_batches": trainer.accumulate_grad_batches})
-        trainer.hooks("on_save_checkpoint", trainer, trainer.module, meta)
+        trainer.hooks.both("on_save_checkpoint", trainer, trainer.module, meta)  # callbacks, then the module
 
     save_strategy(trainer.strategy, trainer.optimizer, path, loop_meta, update_latest)
 
@@ -129,6 +129,7 @@ def load(trainer: "Trainer", path: str) -> None:
     if trainer.lr_scheduler is not None and meta.get("scheduler") is not None:
         trainer.lr_scheduler.load_state_dict(meta["scheduler"])
     trainer.hooks.load_state_dict(meta.get("callbacks", {}))
+    trainer.module.on_load_checkpoint(meta)  # Lightning's order: the module, then the callbacks
     trainer.hooks("on_load_checkpoint", trainer, trainer.module, meta)
     if s.global_rank < len(meta["rng"]):
         checkpoint_io.set_rng_state(meta["rng"][s.global_rank])

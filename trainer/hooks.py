@@ -1,30 +1,78 @@
-"""The one place that calls callback hooks, in the order the callbacks were given."""
+"""The one place that calls hooks: the callbacks', in the order the callbacks were given, then
+the module's - Lightning's order for every hook the two share."""
 from __future__ import annotations
 
+import inspect
+import logging
 from typing import TYPE_CHECKING, Any, Sequence
 
 if TYPE_CHECKING:
     from ..callbacks.base import Callback
 
+log = logging.getLogger(__name__)
 
+_STAGE_HOOKS = tuple(f"on_{s}_{when}" for s in ("validation", "test", "predict")
+                     for when in ("start", "end", "epoch_start", "epoch_end", "batch_start", "batch_end"))
+
+#: hooks called on callbacks as ``hook(trainer, module, *args)``
 HOOKS = (
-    "setup", "on_fit_start", "on_fit_end", "on_train_epoch_start", "on_train_epoch_end",
-    "on_train_batch_start", "on_train_batch_end", "on_before_backward", "on_after_backward",
-    "on_before_optimizer_step", "on_validation_epoch_start", "on_validation_epoch_end",
-    "on_test_epoch_start", "on_test_epoch_end", "on_predict_epoch_start", "on_predict_epoch_end",
+    "setup", "on_fit_start", "on_fit_end", "on_train_start", "on_train_end", "on_train_epoch_start",
+    "on_train_epoch_end", "on_train_batch_start", "on_train_batch_end", "on_before_backward",
+    "on_after_backward", "on_before_optimizer_step", "on_before_zero_grad", *_STAGE_HOOKS,
     "on_save_checkpoint", "on_load_checkpoint", "on_exception", "teardown",
 )
+
+#: hooks called on the module as ``hook(*args)`` (after the callbacks' where both have one)
+MODULE_HOOKS = tuple(h for h in HOOKS if h != "on_exception") + ("configure_callbacks",)
+
+
+#: Lightning module hooks zerotrain never calls, with why; a module overriding one is told once
+NOT_CALLED = {
+    **{f"on_{s}_model_{m}": "the Trainer switches the model to eval()/train() around an evaluation itself"
+       for s in ("validation", "test") for m in ("eval", "train")},
+    "on_predict_model_eval": "the Trainer switches the model to eval() around predict itself",
+}
+
+
+def warn_not_called(module: Any) -> None:
+    """Say once, when a module is set up, which of its overrides zerotrain will not call."""
+    found = [f"{type(module).__name__}.{h} ({why})" for h, why in NOT_CALLED.items() if hasattr(module, h)]
+    if found:
+        log.warning("zerotrain never calls these Lightning hooks, so these overrides will not run: %s",
+                    "; ".join(found))
 
 
 class HookDispatcher:
     def __init__(self, callbacks: Sequence["Callback"]) -> None:
         self.callbacks = list(callbacks)
+        self._legacy_warned: set[str] = set()
 
     def __call__(self, hook: str, trainer: Any, module: Any, *args: Any) -> None:
+        """The callbacks' ``hook`` only (a callback-only hook, or one the module gets elsewhere)."""
         if hook not in HOOKS:
             raise ValueError(f"unknown hook {hook!r}")
         for cb in self.callbacks:
-            getattr(cb, hook)(trainer, module, *args)
+            fn = getattr(cb, hook)
+            if hook in ("setup", "teardown") and not _takes_stage(fn):
+                self._warn_legacy(cb, hook)
+                fn(trainer, module)
+            else:
+                fn(trainer, module, *args)
+
+    def both(self, hook: str, trainer: Any, module: Any, *args: Any) -> Any:
+        """Lightning's order: every callback's ``hook``, then the module's; returns the module's
+        result (``on_train_batch_start`` returning -1 ends the epoch)."""
+        self(hook, trainer, module, *args)
+        return getattr(module, hook)(*args)
+
+    def _warn_legacy(self, cb: "Callback", hook: str) -> None:
+        """A callback written before ``setup``/``teardown`` took ``stage``: still called, without
+        it; said once per callback type and hook."""
+        key = f"{type(cb).__name__}.{hook}"
+        if key not in self._legacy_warned:
+            self._legacy_warned.add(key)
+            log.warning("%s(trainer, module) takes no stage: called without it; valid: %s(trainer, module, "
+                        "stage) as Lightning's", key, hook)
 
     def state_dict(self) -> dict[str, Any]:
         return {cb.state_key: cb.state_dict() for cb in self.callbacks}
@@ -33,3 +81,34 @@ class HookDispatcher:
         for cb in self.callbacks:
             if cb.state_key in state:
                 cb.load_state_dict(state[cb.state_key])
+
+
+def _takes_stage(fn: Any) -> bool:
+    """Whether a bound ``setup``/``teardown`` accepts a third argument (``stage``)."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return True
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return True
+    return len([p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]) >= 3
+
+
+def merge_callbacks(callbacks: list, extra: Any) -> list:
+    """Lightning's ``configure_callbacks``: the module's callbacks are added; a Trainer callback
+    whose type the module's callback is (a subclass of) is replaced, and checkpoint callbacks go
+    last, so they save what the others have updated."""
+    from ..callbacks.base import Callback
+    from ..callbacks.checkpoint import ModelCheckpoint
+
+    extra = list(extra) if isinstance(extra, (list, tuple)) else ([extra] if extra is not None else [])
+    if not extra:
+        return callbacks
+    replaced = {type(cb) for cb in callbacks if type(cb) is not Callback
+                and any(isinstance(new, type(cb)) for new in extra)}
+    if replaced:
+        log.info("the module's configure_callbacks replaces the Trainer's %s",
+                 ", ".join(sorted(t.__name__ for t in replaced)))
+    merged = [cb for cb in callbacks if type(cb) not in replaced] + extra
+    return ([cb for cb in merged if not isinstance(cb, ModelCheckpoint)]
+            + [cb for cb in merged if isinstance(cb, ModelCheckpoint)])

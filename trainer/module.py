@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from ..callbacks.base import stage_hooks
 from .datamodule import DataHooks
 
 if TYPE_CHECKING:
@@ -44,6 +45,52 @@ class TrainModule(nn.Module, DataHooks):
     def configure_model(self) -> None:
         """Build large layers here instead of ``__init__``: sharded strategies call it on the meta
         device and materialise it shard by shard."""
+
+    def configure_callbacks(self) -> "Any":
+        """Callbacks this module needs, added to the Trainer's when it is set up; one whose type
+        the Trainer already has (a subclass of) replaces that one, as Lightning's."""
+        return []
+
+    # ---- hooks (no-ops): the Trainer calls each after the callbacks' hook of the same name,
+    # in Lightning's order (``trainer/hooks.py``)
+    def setup(self, stage: str) -> None:
+        """At the start of every stage (``"fit" | "validate" | "test" | "predict"``), after the
+        datamodule's and the callbacks' ``setup``; before ``configure_model`` on the first."""
+
+    def teardown(self, stage: str) -> None: ...
+    def on_fit_start(self) -> None: ...
+    def on_fit_end(self) -> None: ...
+    def on_train_start(self) -> None: ...
+    def on_train_end(self) -> None: ...
+    def on_train_epoch_start(self) -> None: ...
+    def on_train_epoch_end(self) -> None: ...
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> "int | None":
+        """Return -1 to end the epoch here (the batch is not trained on), as Lightning."""
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None: ...
+    def on_before_backward(self, loss: torch.Tensor) -> None: ...
+    def on_after_backward(self) -> None: ...
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None: ...
+    def on_before_zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        """After the first training step of an accumulation, as Lightning; the strategies already
+        released the previous step's gradients right after it, so there are none to inspect."""
+
+    def on_validation_start(self) -> None: ...
+    def on_validation_end(self) -> None: ...
+    def on_validation_epoch_start(self) -> None: ...
+    def on_validation_epoch_end(self) -> None: ...
+    def on_validation_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None: ...
+    def on_validation_batch_end(self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None: ...
+    # on_test_* and on_predict_*: the validation hooks' no-ops under their names (``stage_hooks``)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Add this module's extra state to ``checkpoint`` (the checkpoint's metadata: small,
+        picklable values; tensors belong in the model's state). Called on global rank 0, which
+        writes the metadata."""
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Read back what ``on_save_checkpoint`` added, when ``fit`` resumes."""
 
     def flops_per_sample(self) -> float | None:
         """Training FLOPs for one sample (forward + backward), for model-FLOPs utilisation."""
@@ -89,3 +136,6 @@ class TrainModule(nn.Module, DataHooks):
             object.__setattr__(self, name, value)
         else:
             super().__setattr__(name, value)
+
+
+stage_hooks(TrainModule)

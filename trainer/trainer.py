@@ -23,7 +23,7 @@ from ..strategies import Strategy, progress
 from ..strategies.environment import detect
 from . import checkpointing, elastic, job
 from .errors import ConfigError
-from .hooks import HookDispatcher
+from .hooks import HookDispatcher, merge_callbacks, warn_not_called
 from .launcher import LocalLauncher
 from .datamodule import DataModule
 from .module import TrainModule
@@ -296,9 +296,9 @@ class Trainer:
             self._watchdog = make_watchdog(self._strategy, self.stall_timeout_s,
                                            key=f"zerotrain/progress/{elastic.restart_count()}/{self._fits}")
             progress.set_sink(self._watchdog.mark if self._watchdog is not None else None)
-            self.hooks("on_fit_start", self, module)
+            self.hooks.both("on_fit_start", self, module)
             self._fit_loop()
-            self.hooks("on_fit_end", self, module)
+            self.hooks.both("on_fit_end", self, module)
         except BaseException as exc:
             self.hooks("on_exception", self, module, exc)
             if self._launcher is not None:  # rank 0 failed: the ranks it started cannot finish
@@ -375,6 +375,7 @@ class Trainer:
                 self._load_weights(path)
             results = self._evaluate(spec, loaders)
         finally:
+            self._stage_teardown(fn)
             self._teardown_data(fn)
         if verbose and self.is_global_zero and fn != "predict":
             _print_results(fn, results)
@@ -418,6 +419,7 @@ class Trainer:
                                   f"(one module per Trainer); got another {type(module).__name__}: use a new "
                                   "Trainer, or model=None")
             self._setup_data(stage, datamodule)
+            self._stage_setup(stage)
             return
         if not isinstance(module, TrainModule):
             raise ConfigError(f"Trainer.{stage}: expected a TrainModule, got {type(module).__name__}")
@@ -426,12 +428,28 @@ class Trainer:
         s = self._strategy
         self.module = module
         module._trainer = self
-        self.hooks("setup", self, module)
+        self.hooks.callbacks = self.callbacks = merge_callbacks(self.callbacks, module.configure_callbacks())
+        if self.is_global_zero:
+            warn_not_called(module)
+        self._stage_setup(stage)
         self._configure_model(module)
         s.setup_module(module)
         self._configure_optimizers(module)
         s.setup_optimizer(self.optimizer)
         self._ready = True
+
+    _hooked_stage: str | None = None  # the stage whose setup hooks ran: its teardown hooks are due
+
+    def _stage_setup(self, stage: str) -> None:
+        """Lightning's ``setup(stage)`` on every stage: the callbacks', then the module's."""
+        self.hooks.both("setup", self, self.module, stage)
+        self._hooked_stage = stage
+
+    def _stage_teardown(self, stage: str) -> None:
+        """``teardown(stage)`` (callbacks', then the module's) for a stage whose setup hooks ran."""
+        if self._hooked_stage == stage:
+            self._hooked_stage = None
+            self.hooks.both("teardown", self, self.module, stage)
 
     def _connect(self) -> None:
         self._launcher = job.join_job(self._strategy, self.precision_plugin, self.accelerator, self.devices,
@@ -558,13 +576,14 @@ class Trainer:
         self.num_training_batches = n_batches
         val_every = self._val_every_steps(n_batches)
         module.train()
+        self.hooks.both("on_train_start", self, module)
         while not self._done():
             if hasattr(getattr(loader, "sampler", None), "set_epoch"):
                 loader.sampler.set_epoch(st.epoch)
             self._tick("on_train_epoch_start")
-            self.hooks("on_train_epoch_start", self, module)
+            self.hooks.both("on_train_epoch_start", self, module)
             skip = st.batches_in_epoch  # > 0 only when resuming mid-epoch
-            batch_idx = -1
+            batch_idx, cut = -1, False
             for batch_idx, batch in enumerate(loader):
                 if batch_idx >= n_batches or self._done():
                     break
@@ -572,6 +591,9 @@ class Trainer:
                     continue
                 last_micro = (batch_idx + 1) % self.accumulate_grad_batches == 0 or batch_idx + 1 == n_batches
                 stepped = self._train_micro_batch(batch, batch_idx, last_micro)
+                cut = stepped is None  # the module's on_train_batch_start returned -1
+                if cut:  # the epoch ends here, without its end-of-epoch validation (as Lightning)
+                    break
                 if stepped and val_every and self.val_dataloader is not None and st.global_step % val_every == 0:
                     self._run_validation(self.val_dataloader)
                 self._tick("fetching the next training batch")
@@ -583,9 +605,10 @@ class Trainer:
                 batch_idx = None
             if self._done() and batch_idx is not None and batch_idx < n_batches:
                 break  # stopped mid-epoch by max_steps: the epoch is not over
-            self._end_epoch(validate=not val_every and self.val_dataloader is not None)
+            self._end_epoch(validate=not val_every and self.val_dataloader is not None and not cut)
         if self.val_dataloader is not None and self._last_val_step != st.global_step:
             self._run_validation(self.val_dataloader)
+        self.hooks.both("on_train_end", self, module)
 
     _last_val_step = -1
 
@@ -597,23 +620,26 @@ class Trainer:
         if validate:
             self._run_validation(self.val_dataloader)
         self._tick("on_train_epoch_end")
-        self.hooks("on_train_epoch_end", self, self.module)
+        self.hooks.both("on_train_epoch_end", self, self.module)
         if self.lr_scheduler is not None and self.lr_scheduler_interval == "epoch":
             self.lr_scheduler.step()
         st.epoch += 1
         st.batches_in_epoch = 0
 
-    def _train_micro_batch(self, batch: Any, batch_idx: int, last_micro: bool) -> bool:
+    def _train_micro_batch(self, batch: Any, batch_idx: int, last_micro: bool) -> bool | None:
         """One training batch: ``Strategy.run_schedule`` runs its forwards and backwards and calls
         back the hooks it can honour (``_BatchHooks``): every strategy the loss check, the ordinary
         step also ``on_before_backward``/``on_after_backward``; a strategy running its own schedule
         (the pipeline) skips those two (its ``skipped_hooks``, warned about at fit start). Then the
         loss is logged as ``train_loss`` unless the step logged something, and on the last batch of
-        an accumulation the optimizer steps."""
+        an accumulation the optimizer steps. Returns whether it was the accumulation's last batch,
+        or None when the module's ``on_train_batch_start`` returned -1 (Lightning: the epoch ends
+        before this batch)."""
         st, s, module = self.state, self._strategy, self.module
         batch = _to_device(batch, s.device)
         self._tick("on_train_batch_start")
-        self.hooks("on_train_batch_start", self, module, batch, batch_idx)
+        if self.hooks.both("on_train_batch_start", self, module, batch, batch_idx) == -1:
+            return None
         batch_hooks = _BatchHooks(self, batch_idx)
         with (s.no_sync() if not last_micro else contextlib.nullcontext()):
             self._tick("training_step")
@@ -631,7 +657,7 @@ class Trainer:
         stepped = False
         if last_micro:
             self._tick("on_before_optimizer_step")
-            self.hooks("on_before_optimizer_step", self, module, self.optimizer)
+            self.hooks.both("on_before_optimizer_step", self, module, self.optimizer)
             self._tick("optimizer_step")
             # on_nonfinite="skip": a bad loss on any rank skips the step on every rank together
             if self.on_nonfinite == "skip" and s.any_rank(self._nonfinite_in_step):
@@ -649,7 +675,7 @@ class Trainer:
             if st.global_step % self.log_every_n_steps == 0:
                 self._emit(self._collect_step_metrics())
         self._tick("on_train_batch_end")
-        self.hooks("on_train_batch_end", self, module, out, batch, batch_idx)
+        self.hooks.both("on_train_batch_end", self, module, out, batch, batch_idx)
         return last_micro
 
     _nonfinite_in_step = False
@@ -659,8 +685,8 @@ class Trainer:
         """A strategy that runs its own schedule never calls some hooks (``Strategy.skipped_hooks``):
         say once (global rank 0, first fit) which callbacks override one, so nothing is silently off."""
         skipped = set(self._strategy.skipped_hooks)
-        found = [f"{type(cb).__name__}.{hook}" for cb in self.callbacks for hook in sorted(skipped)
-                 if getattr(type(cb), hook, None) is not getattr(Callback, hook, None)]
+        found = [f"{type(obj).__name__}.{hook}" for obj, base in _hook_owners(self.callbacks, self.module)
+                 for hook in sorted(skipped) if getattr(type(obj), hook, None) is not getattr(base, hook, None)]
         if found and self.is_global_zero:
             log.warning("strategy=%r: runs its own forward/backward schedule and never calls %s; these "
                         "overrides will not run: %s", self._strategy, ", ".join(sorted(skipped)), ", ".join(found))
@@ -724,12 +750,14 @@ class Trainer:
         module = self.module
         was_training = module.training
         module.eval()
-        self.hooks(f"on_{spec.hooks}_epoch_start", self, module)
+        self.hooks.both(f"on_{spec.hooks}_start", self, module)
+        self.hooks.both(f"on_{spec.hooks}_epoch_start", self, module)
         results = [self._evaluate_loader(spec, loader, i, len(loaders)) for i, loader in enumerate(loaders)]
         if spec.fn == "validate":
             self._last_val_step = self.state.global_step
         self._tick(f"on_{spec.hooks}_epoch_end")
-        self.hooks(f"on_{spec.hooks}_epoch_end", self, module)
+        self.hooks.both(f"on_{spec.hooks}_epoch_end", self, module)
+        self.hooks.both(f"on_{spec.hooks}_end", self, module)
         if was_training:
             module.train()
         return results
@@ -749,7 +777,12 @@ class Trainer:
                     break
                 self._val_logged = False
                 self._tick(spec.step)
-                out = self._eval_forward(spec, _to_device(batch, s.device), batch_idx, kwargs)
+                batch = _to_device(batch, s.device)
+                self.hooks.both(f"on_{spec.hooks}_batch_start", self, self.module, batch, batch_idx,
+                                *kwargs.values())
+                out = self._eval_forward(spec, batch, batch_idx, kwargs)
+                self.hooks.both(f"on_{spec.hooks}_batch_end", self, self.module, out, batch, batch_idx,
+                                *kwargs.values())
                 if self._predicting:
                     predictions.append(out)
                     continue
@@ -842,8 +875,7 @@ class Trainer:
 
     def _teardown(self) -> None:
         self._strategy.teardown()
-        if self.module is not None:
-            self.hooks("teardown", self, self.module)
+        self._stage_teardown("fit")
         if self.is_global_zero:
             for lg in self.loggers:
                 lg.finalize()
@@ -866,20 +898,29 @@ class _BatchHooks:
             raise ConfigError(f"training_step must return a loss tensor or a dict with 'loss'; "
                               f"got {type(out).__name__}")
         self.trainer._check_finite(loss, self.batch_idx)
+        if self.batch_idx % self.accumulation == 0:  # the first batch of an accumulation
+            self._before_zero_grad()
         self.loss = loss
         self.step_logged = self.trainer._train_logged  # by the step itself, not by the hooks after it
         return loss
 
+    def _before_zero_grad(self) -> None:
+        """Lightning's ``on_before_zero_grad``, at Lightning's place: after the first training step
+        of an accumulation, before its backward. The strategies release the previous step's gradients
+        right after that step, so here they are already gone: the hook marks a new accumulation."""
+        t = self.trainer
+        t.hooks.both("on_before_zero_grad", t, t.module, t.optimizer)
+
     def before_backward(self, loss: torch.Tensor) -> None:
         t = self.trainer
         t._tick("on_before_backward")
-        t.hooks("on_before_backward", t, t.module, loss)
+        t.hooks.both("on_before_backward", t, t.module, loss)
         t._tick("backward")
 
     def after_backward(self) -> None:
         t = self.trainer
         t._tick("on_after_backward")
-        t.hooks("on_after_backward", t, t.module)
+        t.hooks.both("on_after_backward", t, t.module)
 
 
 class _EvalStage(NamedTuple):
@@ -898,6 +939,11 @@ _EVAL_STAGES = {
     "predict": _EvalStage("predict", "predict_step", "predict", "predict_dataloader", "limit_predict_batches",
                           None),
 }
+
+
+def _hook_owners(callbacks: list, module: TrainModule | None) -> list[tuple[Any, type]]:
+    """Each object whose hooks the Trainer calls, with the base class whose no-ops it overrides."""
+    return [(cb, Callback) for cb in callbacks] + ([(module, TrainModule)] if module is not None else [])
 
 
 def _own_schedule(s: Strategy) -> bool:

@@ -137,3 +137,16 @@ def test_the_schedule_divides_by_accumulate_grad_batches_like_the_ordinary_backw
     mine = {k[len("pipe."):]: v for k, v in piped.state_dict().items()}
     for k, v in plain.net.state_dict().items():
         torch.testing.assert_close(mine[k], v, rtol=1e-5, atol=1e-6)
+
+
+class PipedWithBackwardHook(Piped):
+    def on_before_backward(self, loss):
+        raise AssertionError("a schedule-running strategy never calls on_before_backward")
+
+
+@pytest.mark.timeout(60)
+def test_a_module_hook_the_schedule_skips_is_warned_about(caplog):
+    with caplog.at_level(logging.WARNING, logger="zerotrain"):
+        _fit(PipedWithBackwardHook(), PipelineStrategy(stages=1, micro_batches=2))
+    warned = [r.getMessage() for r in caplog.records if "never calls" in r.getMessage()]
+    assert len(warned) == 1 and "PipedWithBackwardHook.on_before_backward" in warned[0]
