@@ -344,7 +344,7 @@ class MemoryCap(Callback):
         self.saved = resource.getrlimit(resource.RLIMIT_DATA)
         self.refused = False
 
-    def setup(self, trainer, module):
+    def setup(self, trainer, module, stage=None):
         # one-time costs before the cap: gloo's threads, torch's lazy imports (an optimizer's
         # first construction imports torch._dynamo), autograd, the data loader
         t = torch.ones(1)
