@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 from harness import run_ranks
 from toy import build_net, make_data
