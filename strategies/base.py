@@ -298,16 +298,20 @@ class Strategy:
         """Context for micro-batches that only accumulate gradients (no communication)."""
         return contextlib.nullcontext()
 
-    def optimizer_step(self, gradient_clip_val: float | None = None) -> bool:
-        """Gradients ready -> unscale and check overflow (every rank together) -> clip -> inner
-        step -> refresh the working parameters -> zero the gradients. On overflow the step is
-        skipped on every rank (the gradients are still zeroed). Returns whether it stepped."""
+    def optimizer_step(self, gradient_clip_val: float | None = None,
+                       gradient_clip_algorithm: str = "norm") -> bool:
+        """Gradients ready -> unscale and check overflow (every rank together) -> clip (by global
+        norm, or by value: ``gradient_clip_algorithm``) -> inner step -> refresh the working
+        parameters -> zero the gradients. On overflow the step is skipped on every rank (the
+        gradients are still zeroed). Returns whether it stepped."""
         self._gradients_ready()
         loss_scale = self.precision.loss_scale  # what backward scaled by (update() may change it)
         overflow = self.precision.unscale_and_check(self.step_gradients(), self.any_rank)
         self.precision.update(overflow)
         if not overflow:
-            if gradient_clip_val:
+            if gradient_clip_val and gradient_clip_algorithm == "value":
+                self.clip_grad_value_(gradient_clip_val, loss_scale)
+            elif gradient_clip_val:
                 self.clip_grad_norm_(gradient_clip_val)
             self._inner_step(loss_scale)
             self._refresh_params()
@@ -336,6 +340,18 @@ class Strategy:
         total = self._grad_norm()
         self._scale_grads(torch.clamp(max_norm / (total + 1e-6), max=1.0))
         return total
+
+    def clip_grad_value_(self, clip_value: float, loss_scale: float = 1.0) -> None:
+        """Clamp every element of the step gradients to ``[-clip_value, clip_value]``, as
+        ``torch.nn.utils.clip_grad_value_``. Element-wise, so a sharded rank clamping only its
+        partition clamps its share of the full gradient: no communication. ``loss_scale``: what
+        backward scaled by, for a stepper whose gradient copies still carry it (offload)."""
+        stepper = getattr(self, "stepper", None)
+        if stepper is not None and hasattr(stepper, "clamp"):
+            stepper.clamp(self.step_gradients(), float(clip_value), loss_scale)
+            return
+        for g in self.step_gradients():
+            g.detach().clamp_(-clip_value, clip_value)
 
     def _local_grad_sq_norm(self) -> torch.Tensor:
         """The squared L2 norm of this rank's step gradients, in fp32."""

@@ -13,10 +13,11 @@ import math
 import os
 import random
 import warnings
+from datetime import timedelta
 from typing import Any, Iterable, NamedTuple, Sequence
 
 import torch
-from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 
 from ..callbacks.base import Callback, Logger
 from ..strategies import Strategy, progress
@@ -100,6 +101,50 @@ def _positive_int(name: str, value: Any, allow_none: bool = False, minimum: int 
         raise ConfigError(f"Trainer: {name}={value!r} must be an integer >= {minimum}")
 
 
+#: Lightning's ``gradient_clip_algorithm`` choices (None: "norm")
+CLIP_ALGORITHMS = ("norm", "value")
+
+
+def _check_lightning_args(fast_dev_run: Any, num_sanity_val_steps: Any, check_val_every_n_epoch: Any,
+                          min_epochs: Any, min_steps: Any, overfit_batches: Any, clip_algorithm: Any) -> None:
+    """Lightning's debugging and stopping arguments, refused as Lightning refuses them."""
+    if not isinstance(fast_dev_run, (bool, int)) or fast_dev_run < 0:
+        raise ConfigError(f"Trainer: fast_dev_run={fast_dev_run!r}; valid: a bool or an int >= 0 (batches)")
+    if isinstance(num_sanity_val_steps, bool) or not isinstance(num_sanity_val_steps, int) or \
+            num_sanity_val_steps < -1:
+        raise ConfigError(f"Trainer: num_sanity_val_steps={num_sanity_val_steps!r}; valid: an int >= 0 "
+                          "(batches), or -1 (the whole validation loader)")
+    _positive_int("check_val_every_n_epoch", check_val_every_n_epoch, allow_none=True)
+    _positive_int("min_epochs", min_epochs, allow_none=True, minimum=0)
+    _positive_int("min_steps", min_steps, allow_none=True, minimum=0)
+    _check_limit("overfit_batches", overfit_batches, allow_zero=True)
+    if clip_algorithm is not None and clip_algorithm not in CLIP_ALGORITHMS:
+        raise ConfigError(f"Trainer: gradient_clip_algorithm={clip_algorithm!r}; valid choices: "
+                          f"{', '.join(CLIP_ALGORITHMS)} (None: norm)")
+
+
+def _lightning_callbacks(callbacks: list, max_time: Any, enable_model_summary: bool) -> list:
+    """The callbacks Lightning adds for its arguments: a ``Timer(max_time, interval="step")``
+    unless the user gave a Timer (then ``max_time`` is ignored, said out loud, as Lightning), and
+    a ``ModelSummary`` unless disabled or given."""
+    from ..callbacks.summary import ModelSummary
+    from ..callbacks.timer import Timer, parse_duration
+
+    if max_time is not None:
+        try:
+            duration = parse_duration(max_time)
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"Trainer: max_time={max_time!r}; valid: 'DD:HH:MM:SS', a datetime.timedelta or "
+                              "a dict of timedelta keywords") from exc
+        if any(isinstance(c, Timer) for c in callbacks):
+            log.info("Ignoring Trainer(max_time=%r): the callbacks already contain a Timer", max_time)
+        else:
+            callbacks.append(Timer(duration=duration, interval="step"))
+    if enable_model_summary and not any(isinstance(c, ModelSummary) for c in callbacks):
+        callbacks.append(ModelSummary())
+    return callbacks
+
+
 class Trainer:
     def __init__(
         self,
@@ -131,12 +176,24 @@ class Trainer:
         on_nonfinite: str = "raise",
         stall_timeout_s: float | None = DEFAULT_STALL_TIMEOUT_S,
         use_distributed_sampler: bool = True,
+        fast_dev_run: bool | int = False,
+        num_sanity_val_steps: int = 2,
+        check_val_every_n_epoch: int | None = 1,
+        min_epochs: int | None = None,
+        min_steps: int | None = None,
+        max_time: "str | timedelta | dict[str, int] | None" = None,
+        overfit_batches: int | float = 0.0,
+        gradient_clip_algorithm: str | None = None,
+        enable_model_summary: bool = True,
+        detect_anomaly: bool = False,
     ) -> None:
         """As Lightning's Trainer, plus zerotrain's own arguments. ``seed``: None (the default, as
         Lightning, which has no such argument) leaves the global RNGs as the user seeded them;
         an int seeds them with it on every rank at set-up. Either way every rank
         starts from the same weights (strategies broadcast global rank 0's, and a model built in
-        ``configure_model`` is built from rank 0's RNG state on every rank)."""
+        ``configure_model`` is built from rank 0's RNG state on every rank). The debugging and
+        stopping arguments (``fast_dev_run`` ... ``detect_anomaly``) are Lightning's, see
+        ``_debug_flags`` and ``_stop_conditions``."""
         accelerator = "cuda" if accelerator == "gpu" else accelerator  # Lightning's name for it
         if accelerator not in ("cpu", "cuda", "auto"):
             raise ConfigError(f"Trainer: accelerator={accelerator!r}; valid choices: cpu, cuda (or gpu), auto")
@@ -171,6 +228,8 @@ class Trainer:
         if stall_timeout_s is not None and (isinstance(stall_timeout_s, bool) or not stall_timeout_s > 0):
             raise ConfigError(f"Trainer: stall_timeout_s={stall_timeout_s!r} must be > 0 (seconds), or None "
                               "to disable the progress watchdog")
+        _check_lightning_args(fast_dev_run, num_sanity_val_steps, check_val_every_n_epoch, min_epochs, min_steps,
+                              overfit_batches, gradient_clip_algorithm)
         self.precision_plugin, self._strategy = job.plugins("Trainer", strategy, precision, devices * num_nodes)
         self.accelerator, self.devices, self.num_nodes = accelerator, int(devices), num_nodes
         self.max_steps, self.max_epochs = max_steps, max_epochs
@@ -193,7 +252,21 @@ class Trainer:
         self.collective_timeout_s = collective_timeout_s if collective_timeout_s is not None else (
             elastic.DEFAULT_RESTART_TIMEOUT_S if elastic.restarts_enabled(max_restarts) else None)
         self.enable_progress_bar = enable_progress_bar
-        self.callbacks = self._default_callbacks(list(callbacks or []), enable_checkpointing, enable_progress_bar)
+        self.gradient_clip_algorithm = gradient_clip_algorithm or "norm"
+        self.detect_anomaly = bool(detect_anomaly)
+        self.min_epochs, self.min_steps = min_epochs, min_steps
+        self.check_val_every_n_epoch = check_val_every_n_epoch
+        self.num_sanity_val_steps = math.inf if num_sanity_val_steps == -1 else num_sanity_val_steps
+        self.sanity_checking = False
+        self.overfit_batches = overfit_batches
+        self.fast_dev_run = fast_dev_run
+        callbacks = [callbacks] if isinstance(callbacks, Callback) else list(callbacks or [])
+        if fast_dev_run:
+            callbacks, enable_checkpointing, logger = self._debug_flags(int(fast_dev_run), callbacks), False, False
+        if overfit_batches:
+            self.limit_train_batches = self.limit_val_batches = overfit_batches
+        callbacks = _lightning_callbacks(callbacks, max_time, enable_model_summary)
+        self.callbacks = self._default_callbacks(callbacks, enable_checkpointing, enable_progress_bar)
         self.loggers = self._make_loggers(logger)
         self.hooks = HookDispatcher(self.callbacks)
         self.state = LoopState()
@@ -281,12 +354,12 @@ class Trainer:
         try:
             self._setup(module, "fit", datamodule)
             train = self._source("train_dataloader", train_dataloaders)
-            self.train_dataloader = self._prepare_loader(train, "fit")
+            self.train_dataloader = self._overfit(self._prepare_loader(train, "fit"))
             if self.train_dataloader is None:
                 raise ConfigError("Trainer.fit: no training data (pass train_dataloaders or a datamodule, or "
                                   "implement train_dataloader())")
             val = self._source("val_dataloader", val_dataloaders)
-            self.val_dataloader = self._prepare_loader(val, "validate")
+            self.val_dataloader = self._overfit(self._prepare_loader(val, "validate"))
             ckpt_path = checkpointing.resume_path(self, ckpt_path)
             if ckpt_path:
                 checkpointing.load(self, ckpt_path)
@@ -297,7 +370,9 @@ class Trainer:
                                            key=f"zerotrain/progress/{elastic.restart_count()}/{self._fits}")
             progress.set_sink(self._watchdog.mark if self._watchdog is not None else None)
             self.hooks.both("on_fit_start", self, module)
-            self._fit_loop()
+            with torch.autograd.set_detect_anomaly(self.detect_anomaly):
+                self._sanity_check()
+                self._fit_loop()
             self.hooks.both("on_fit_end", self, module)
         except BaseException as exc:
             self.hooks("on_exception", self, module, exc)
@@ -594,7 +669,7 @@ class Trainer:
                 cut = stepped is None  # the module's on_train_batch_start returned -1
                 if cut:  # the epoch ends here, without its end-of-epoch validation (as Lightning)
                     break
-                if stepped and val_every and self.val_dataloader is not None and st.global_step % val_every == 0:
+                if stepped and val_every and self._validates_this_epoch() and st.global_step % val_every == 0:
                     self._run_validation(self.val_dataloader)
                 self._tick("fetching the next training batch")
             else:
@@ -603,10 +678,11 @@ class Trainer:
                                       f"batch in epoch {st.epoch}: an epoch without a training step would "
                                       "never end the run")
                 batch_idx = None
-            if self._done() and batch_idx is not None and batch_idx < n_batches:
-                break  # stopped mid-epoch by max_steps: the epoch is not over
-            self._end_epoch(validate=not val_every and self.val_dataloader is not None and not cut)
-        if self.val_dataloader is not None and self._last_val_step != st.global_step:
+            if self._max_steps_reached() and batch_idx is not None and batch_idx < n_batches:
+                break  # stopped mid-epoch by max_steps: the epoch is not over (a should_stop ends it, as Lightning)
+            self._end_epoch(validate=not val_every and self._validates_this_epoch() and not cut)
+        if self.val_dataloader is not None and self._last_val_step != st.global_step and \
+                (self.check_val_every_n_epoch or 1) == 1:
             self._run_validation(self.val_dataloader)
         self.hooks.both("on_train_end", self, module)
 
@@ -663,7 +739,7 @@ class Trainer:
             if self.on_nonfinite == "skip" and s.any_rank(self._nonfinite_in_step):
                 s.skip_step()
             else:
-                stepped = s.optimizer_step(self.gradient_clip_val)
+                stepped = s.optimizer_step(self.gradient_clip_val, self.gradient_clip_algorithm)
             self._nonfinite_in_step = False
             elastic.lower_after_first_step(s, self.collective_timeout_s)
             if self._watchdog is not None:
@@ -710,11 +786,68 @@ class Trainer:
 
     def _done(self) -> bool:
         st = self.state
-        if self.should_stop:
+        if self.should_stop and self._can_stop_early():
             return True
-        if self.max_steps != -1 and st.global_step >= self.max_steps:
+        if self._max_steps_reached():
             return True
         return self.max_epochs is not None and st.epoch >= self.max_epochs
+
+    def _max_steps_reached(self) -> bool:
+        return self.max_steps != -1 and self.state.global_step >= self.max_steps
+
+    def _can_stop_early(self) -> bool:
+        """Lightning's ``min_epochs``/``min_steps``: a ``should_stop`` (EarlyStopping, Timer) is only
+        honoured once this many epochs have ended and steps were taken; until then training goes
+        on and the stop stays requested, so it ends at the first step boundary where both are met."""
+        st = self.state
+        met = st.epoch >= (self.min_epochs or 0) and st.global_step >= (self.min_steps or 0)
+        if not met and not self._said_min:
+            self._said_min = True
+            log.info("Trainer was signaled to stop but the required min_epochs=%r or min_steps=%r has not been "
+                     "met. Training will continue...", self.min_epochs, self.min_steps)
+        return met
+
+    _said_min = False
+
+    def _validates_this_epoch(self) -> bool:
+        """``check_val_every_n_epoch``: validation runs in every n-th epoch only (None: every epoch,
+        the validations placed by an int ``val_check_interval`` over global steps)."""
+        n = self.check_val_every_n_epoch
+        return self.val_dataloader is not None and (n is None or (self.state.epoch + 1) % n == 0)
+
+    def _sanity_check(self) -> None:
+        """Lightning's sanity check: ``num_sanity_val_steps`` validation batches before the first
+        training step (of every fit, resumed ones too), so a broken ``validation_step`` fails fast.
+        ``trainer.sanity_checking`` is set meanwhile; its metrics are neither logged nor kept."""
+        if self.val_dataloader is None or not self.num_sanity_val_steps or self.limit_val_batches == 0:
+            return
+        if getattr(type(self.module), "validation_step") is getattr(TrainModule, "validation_step") and \
+                not _own_schedule(self._strategy):
+            return
+        kept = dict(self.callback_metrics), dict(self.progress_bar_metrics), self._last_val_step
+        self.sanity_checking = True
+        try:
+            self._run_validation(self.val_dataloader)
+        finally:
+            self.sanity_checking = False
+            self.callback_metrics, self.progress_bar_metrics, self._last_val_step = kept
+
+    def _overfit(self, loader: Any) -> Any:
+        """``overfit_batches``: the same first batches every epoch, so the loader must not shuffle;
+        the injected DistributedSampler is made sequential (Lightning swaps in a sequential one)."""
+        if not self.overfit_batches or loader is None:
+            return loader
+        sampler = getattr(loader, "sampler", None)
+        if isinstance(sampler, DistributedSampler):
+            if sampler.shuffle:
+                log.warning("overfit_batches=%r: the DataLoader shuffles; shuffling is turned off so every "
+                            "epoch sees the same batches (as Lightning)", self.overfit_batches)
+            sampler.shuffle = False
+        elif isinstance(sampler, RandomSampler):
+            raise ConfigError(f"Trainer: overfit_batches={self.overfit_batches!r} with a shuffling DataLoader "
+                              "kept as given (use_distributed_sampler=False); valid: a DataLoader with "
+                              "shuffle=False")
+        return loader
 
     def _limit(self, loader: Any, limit: int | float | None) -> float:
         try:
@@ -735,6 +868,11 @@ class Trainer:
             if n_batches == math.inf:
                 raise ConfigError("val_check_interval as a fraction needs a loader with a length")
             return max(1, int(n_batches * v / self.accumulate_grad_batches))
+        if self.check_val_every_n_epoch is not None and n_batches != math.inf and n_batches % v and \
+                self.is_global_zero:
+            log.warning("val_check_interval=%d counts global steps across epochs; Lightning (with "
+                        "check_val_every_n_epoch=%d) counts the batches of each epoch, which differs when an "
+                        "epoch (%d batches) is not a multiple of it", v, self.check_val_every_n_epoch, n_batches)
         return int(v)
 
     # ------------------------------------------------------------------ evaluation
@@ -767,6 +905,8 @@ class Trainer:
         ``dataloader_idx`` and logged names end in ``/dataloader_idx_<i>``, as Lightning's."""
         s = self._strategy
         limit = self._limit(loader, getattr(self, spec.limit))
+        if self.sanity_checking:
+            limit = min(limit, self.num_sanity_val_steps)
         kwargs = {"dataloader_idx": index} if count > 1 else {}
         self._eval_suffix = f"/dataloader_idx_{index}" if count > 1 else ""
         self._predicting = spec.fn == "predict"
@@ -849,11 +989,27 @@ class Trainer:
         return metrics
 
     def _emit(self, metrics: dict[str, float]) -> None:
-        if self.is_global_zero and metrics:
+        if self.is_global_zero and metrics and not self.sanity_checking:
             for lg in self.loggers:
                 lg.log_metrics(metrics, self.state.global_step)
 
     # ------------------------------------------------------------------ construction helpers
+    def _debug_flags(self, n: int, callbacks: list) -> list:
+        """Lightning's ``fast_dev_run=n``: n training batches (max_steps=n, one epoch), n batches of
+        every evaluation loader (unless ``overfit_batches`` sets them), no sanity check, validation
+        after the epoch, and no logging or checkpointing (a ModelCheckpoint given is dropped, as
+        Lightning's saves nothing then). Returns the callbacks to keep."""
+        from ..callbacks.checkpoint import ModelCheckpoint
+
+        if not self.overfit_batches:
+            self.limit_train_batches = self.limit_val_batches = n
+        self.limit_test_batches = self.limit_predict_batches = n
+        self.max_steps, self.max_epochs = n, 1
+        self.num_sanity_val_steps, self.val_check_interval, self.check_val_every_n_epoch = 0, 1.0, 1
+        log.info("Running in fast_dev_run mode: will run the requested loop using %d batch(es). Logging and "
+                 "checkpointing is suppressed.", n)
+        return [c for c in callbacks if not isinstance(c, ModelCheckpoint)]
+
     def _default_callbacks(self, callbacks: list, checkpointing: bool, progress: bool) -> list:
         from ..callbacks.checkpoint import ModelCheckpoint
         from ..callbacks.progress import ProgressBar

@@ -185,6 +185,16 @@ class OffloadStepper:
         rewriting the gradients in place."""
         self._clip_coef *= float(coef)
 
+    def clamp(self, grads: list[torch.Tensor], value: float, loss_scale: float) -> None:
+        """Value clipping (``Strategy.clip_grad_value_``) on the host gradient copies the kernel
+        reads (the device partitions are not what it steps on, on the GPU path). They may still
+        carry the loss scale, so the bound is scaled by it: clamp(g * s, +-v * s) = s * clamp(g, +-v)."""
+        assert self.transfer is not None, "setup must run before a step"
+        bound = value * self.transfer.host_grad_scale(loss_scale)
+        self.transfer.grads_ready()  # the copies of the last reductions have landed
+        for g in self.transfer.host_grads:
+            g.clamp_(-bound, bound)
+
     def step(self, sharded: Any, loss_scale: float) -> None:
         """The host stepper, given one gradient multiplier: the clip coefficient, divided by the
         loss scale the host gradient copies still carry (the transfer says which: the GPU path

@@ -61,7 +61,7 @@ def _ours(seq, **es):
     module = make_module(TrainModule, seq)
     trainer = Trainer(accelerator="cpu", devices=1, max_epochs=len(seq) + 2, logger=False,
                               enable_checkpointing=False, enable_progress_bar=False, callbacks=[cb],
-                              stall_timeout_s=None)
+                              stall_timeout_s=None, num_sanity_val_steps=0, enable_model_summary=False)
     trainer.fit(module)
     return trainer.global_step, module.calls, cb.wait_count, cb.best_score
 

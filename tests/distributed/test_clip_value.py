@@ -1,0 +1,66 @@
+"""``Trainer(gradient_clip_algorithm="value")`` on 2 real processes: each rank clamps only the
+gradient it steps on (its partition under zero1/2/3 and offload, whose host copies are clamped),
+which equals clamping the full gradient because clamping is element-wise. The trained weights
+equal one process of plain PyTorch with ``clip_grad_value_`` over the global batches."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from harness import run_ranks
+from toy import build_net, make_data
+
+N, BS, STEPS, CLIP = 32, 4, 3, 0.002
+QUIET = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+
+
+def _module():
+    from zerotrain import TrainModule
+
+    class Net(TrainModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = build_net()
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters(), lr=0.01)
+
+    return Net()
+
+
+def _case(strategy: str):
+    from zerotrain import Trainer
+
+    module = _module()
+    trainer = Trainer(strategy=strategy, devices=2, accelerator="cpu", max_steps=STEPS, gradient_clip_val=CLIP,
+                      gradient_clip_algorithm="value", **QUIET)
+    trainer.fit(module, DataLoader(make_data(N), batch_size=BS))
+    return trainer.full_state_dict()
+
+
+def _reference() -> dict:
+    module = _module()
+    opt = module.configure_optimizers()
+    x, y = make_data(N).tensors
+    for step in range(STEPS):  # DistributedSampler(shuffle=False): rank r takes samples r, r + 2, ...
+        idx = torch.cat([torch.arange(r, N, 2)[step * BS:(step + 1) * BS] for r in range(2)])
+        opt.zero_grad()
+        module.training_step((x[idx], y[idx]), step).backward()
+        assert max(float(p.grad.abs().max()) for p in module.parameters()) > CLIP  # the clamp binds
+        torch.nn.utils.clip_grad_value_(module.parameters(), CLIP)
+        opt.step()
+    return module.state_dict()
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "zero3", "offload_cpu"])
+def test_value_clipping_on_two_ranks_equals_pytorch(tmp_path, strategy):
+    got = run_ranks("test_clip_value:_case", 2, tmp_path, timeout=180, strategy=strategy)[0]
+    for name, want in _reference().items():
+        torch.testing.assert_close(got[name], want, rtol=1e-5, atol=1e-6)
