@@ -11,7 +11,7 @@ from zerotrain.examples.gpt_module import GPTModule
 def _val_loss(precision, tmp_path):
     module = GPTModule(GPTConfig(block_size=64, n_layer=2, n_head=2, n_embd=64), lr=3e-3, warmup_steps=10,
                        max_steps=100, batch_size=8, max_bytes=400_000, val_fraction=0.1)
-    trainer = Trainer(devices=1, precision=precision, max_steps=100, limit_val_batches=16, logger=False,
+    trainer = Trainer(devices=1, precision=precision, max_steps=100, limit_val_batches=16, logger=False, seed=0,
                       enable_checkpointing=False, enable_progress_bar=False, default_root_dir=str(tmp_path))
     trainer.fit(module)
     return trainer.callback_metrics["val_loss"]

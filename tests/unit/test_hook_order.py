@@ -166,7 +166,8 @@ def _our_calls(tmp_path, edit=lambda module, calls: module, run=_run):
     module, cb = make_recording(TrainModule, Callback, calls)
     module = edit(module, calls)
     trainer = Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                      enable_progress_bar=False, max_epochs=2, limit_val_batches=1, callbacks=[cb],
+                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                      max_epochs=2, limit_val_batches=1, callbacks=[cb],
                       default_root_dir=str(tmp_path))
     run(trainer, module)
     return calls

@@ -65,7 +65,8 @@ class NotingMore(Noting):
 def _trainer(tmp_path, **kw):
     kw.setdefault("enable_checkpointing", False)
     return Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
-                   default_root_dir=str(tmp_path), max_epochs=1, **kw)
+                   enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=str(tmp_path),
+                   max_epochs=1, **kw)
 
 
 def test_configure_callbacks_adds_and_replaces_as_lightning(tmp_path):
