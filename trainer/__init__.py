@@ -3,6 +3,7 @@ from .engine import Engine
 from .datamodule import DataModule
 from .errors import CheckpointError, ConfigError
 from .module import TrainModule
-from .trainer import Trainer, seed_everything
+from .trainer import Trainer
+from .utilities import seed_everything
 
 __all__ = ["Trainer", "Engine", "TrainModule", "DataModule", "ConfigError", "CheckpointError", "seed_everything"]

@@ -134,7 +134,7 @@ def load(trainer: "Trainer", path: str) -> None:
     if s.global_rank < len(meta["rng"]):
         checkpoint_io.set_rng_state(meta["rng"][s.global_rank])
     else:  # a rank the saved job did not have: a fresh stream of its own
-        from .trainer import seed_rngs
+        from .utilities import seed_rngs
 
         seed_rngs(trainer.data_seed + 1_000_003 * s.global_rank + trainer.state.global_step)
         log.warning("resume: rank %d has no saved RNG state (saved on %d ranks); re-seeded",

@@ -11,8 +11,6 @@ import contextlib
 import logging
 import math
 import os
-import random
-import warnings
 from datetime import timedelta
 from typing import Any, Iterable, NamedTuple, Sequence
 
@@ -23,51 +21,17 @@ from ..callbacks.base import Callback, Logger
 from ..strategies import Strategy, progress
 from ..strategies.environment import detect
 from . import checkpointing, elastic, job
+from .arguments import check_limit, check_lightning_args, lightning_callbacks, positive_int
 from .errors import ConfigError
 from .hooks import HookDispatcher, merge_callbacks, warn_not_called
 from .launcher import LocalLauncher
 from .datamodule import DataModule
 from .module import TrainModule
 from .state import LoopState
+from .utilities import GLOBAL_SEED_ENV, seed_rngs
 from .watchdog import ProgressWatchdog, make_watchdog
 
 log = logging.getLogger("zerotrain")
-
-
-#: where ``seed_everything`` records its seed, for the DistributedSampler (``Trainer.data_seed``);
-#: an environment variable so the ranks a launcher starts inherit it (Lightning's PL_GLOBAL_SEED)
-GLOBAL_SEED_ENV = "ZEROTRAIN_GLOBAL_SEED"
-
-
-def seed_everything(seed: int | None = None, workers: bool = False) -> int:
-    """Lightning's ``seed_everything``: seed Python's, torch's (every device) and numpy's global
-    RNGs and record the seed as the DistributedSampler's, in the environment, so that launched ranks
-    inherit it. ``None`` takes the recorded seed (ours, else Lightning's ``PL_GLOBAL_SEED``), else 0
-    with a warning. ``workers=True`` is not applied (it warns): Lightning then seeds each data-loader
-    worker's numpy and ``random``; pass a ``worker_init_fn`` that does. Returns the seed."""
-    if workers:
-        warnings.warn("seed_everything(workers=True): zerotrain installs no worker_init_fn that seeds "
-                      "numpy/random in data-loader workers; pass your own worker_init_fn", stacklevel=2)
-    if seed is None:
-        env = os.environ.get(GLOBAL_SEED_ENV, os.environ.get("PL_GLOBAL_SEED"))
-        if env is None:
-            warnings.warn("seed_everything(): no seed given or recorded; seed set to 0", stacklevel=2)
-        seed = int(env) if env is not None else 0
-    os.environ[GLOBAL_SEED_ENV] = str(int(seed))
-    seed_rngs(seed)
-    return seed
-
-
-def seed_rngs(seed: int) -> None:
-    """Seed the global RNGs only (``Trainer(seed=...)``, whose sampler seed is its own)."""
-    random.seed(seed)
-    torch.manual_seed(seed)
-    try:
-        import numpy as np
-
-        np.random.seed(seed % 2**32)
-    except ImportError:
-        pass
 
 
 #: seconds a rank may make no progress while another waits for it (trainer/watchdog.py)
@@ -78,71 +42,6 @@ NONFINITE_POLICIES = ("raise", "skip", "warn")
 
 class NonFiniteLossError(FloatingPointError):
     """The training loss is inf or nan (``Trainer(on_nonfinite="raise")``, the default)."""
-
-
-def _check_limit(name: str, value: Any, allow_zero: bool) -> None:
-    """``limit_*_batches``: None, a count (int >= 0) or a fraction of the loader (float in [0, 1])."""
-    if value is None:
-        return
-    ok = (isinstance(value, int) and not isinstance(value, bool) and value >= 0) or (
-        isinstance(value, float) and 0.0 <= value <= 1.0)
-    if not ok:
-        raise ConfigError(f"Trainer: {name}={value!r}; valid: None, an int >= 0 (batches) or a float "
-                          "in [0.0, 1.0] (fraction of the loader)")
-    if not allow_zero and value == 0:
-        raise ConfigError(f"Trainer: {name}={value!r} leaves no batch to train on; valid: an int >= 1 "
-                          "or a float in (0.0, 1.0]")
-
-
-def _positive_int(name: str, value: Any, allow_none: bool = False, minimum: int = 1) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"Trainer: {name}={value!r} must be an integer >= {minimum}")
-
-
-#: Lightning's ``gradient_clip_algorithm`` choices (None: "norm")
-CLIP_ALGORITHMS = ("norm", "value")
-
-
-def _check_lightning_args(fast_dev_run: Any, num_sanity_val_steps: Any, check_val_every_n_epoch: Any,
-                          min_epochs: Any, min_steps: Any, overfit_batches: Any, clip_algorithm: Any) -> None:
-    """Lightning's debugging and stopping arguments, refused as Lightning refuses them."""
-    if not isinstance(fast_dev_run, (bool, int)) or fast_dev_run < 0:
-        raise ConfigError(f"Trainer: fast_dev_run={fast_dev_run!r}; valid: a bool or an int >= 0 (batches)")
-    if isinstance(num_sanity_val_steps, bool) or not isinstance(num_sanity_val_steps, int) or \
-            num_sanity_val_steps < -1:
-        raise ConfigError(f"Trainer: num_sanity_val_steps={num_sanity_val_steps!r}; valid: an int >= 0 "
-                          "(batches), or -1 (the whole validation loader)")
-    _positive_int("check_val_every_n_epoch", check_val_every_n_epoch, allow_none=True)
-    _positive_int("min_epochs", min_epochs, allow_none=True, minimum=0)
-    _positive_int("min_steps", min_steps, allow_none=True, minimum=0)
-    _check_limit("overfit_batches", overfit_batches, allow_zero=True)
-    if clip_algorithm is not None and clip_algorithm not in CLIP_ALGORITHMS:
-        raise ConfigError(f"Trainer: gradient_clip_algorithm={clip_algorithm!r}; valid choices: "
-                          f"{', '.join(CLIP_ALGORITHMS)} (None: norm)")
-
-
-def _lightning_callbacks(callbacks: list, max_time: Any, enable_model_summary: bool) -> list:
-    """The callbacks Lightning adds for its arguments: a ``Timer(max_time, interval="step")``
-    unless the user gave a Timer (then ``max_time`` is ignored, said out loud, as Lightning), and
-    a ``ModelSummary`` unless disabled or given."""
-    from ..callbacks.summary import ModelSummary
-    from ..callbacks.timer import Timer, parse_duration
-
-    if max_time is not None:
-        try:
-            duration = parse_duration(max_time)
-        except (ValueError, TypeError) as exc:
-            raise ConfigError(f"Trainer: max_time={max_time!r}; valid: 'DD:HH:MM:SS', a datetime.timedelta or "
-                              "a dict of timedelta keywords") from exc
-        if any(isinstance(c, Timer) for c in callbacks):
-            log.info("Ignoring Trainer(max_time=%r): the callbacks already contain a Timer", max_time)
-        else:
-            callbacks.append(Timer(duration=duration, interval="step"))
-    if enable_model_summary and not any(isinstance(c, ModelSummary) for c in callbacks):
-        callbacks.append(ModelSummary())
-    return callbacks
 
 
 class Trainer:
@@ -199,12 +98,12 @@ class Trainer:
             raise ConfigError(f"Trainer: accelerator={accelerator!r}; valid choices: cpu, cuda (or gpu), auto")
         if devices == "auto":
             devices = torch.cuda.device_count() if accelerator != "cpu" and torch.cuda.is_available() else 1
-        _positive_int("devices", devices)
-        _positive_int("num_nodes", num_nodes)
-        _positive_int("accumulate_grad_batches", accumulate_grad_batches)
-        _positive_int("log_every_n_steps", log_every_n_steps)
-        _positive_int("max_epochs", max_epochs, allow_none=True)
-        _positive_int("max_restarts", max_restarts, minimum=0)
+        positive_int("devices", devices)
+        positive_int("num_nodes", num_nodes)
+        positive_int("accumulate_grad_batches", accumulate_grad_batches)
+        positive_int("log_every_n_steps", log_every_n_steps)
+        positive_int("max_epochs", max_epochs, allow_none=True)
+        positive_int("max_restarts", max_restarts, minimum=0)
         if collective_timeout_s is not None and not collective_timeout_s > 0:
             raise ConfigError(f"Trainer: collective_timeout_s={collective_timeout_s!r} must be > 0 or None")
         if not isinstance(max_steps, int) or max_steps < -1 or max_steps == 0:
@@ -215,11 +114,11 @@ class Trainer:
             raise ConfigError(f"Trainer: val_check_interval={val_check_interval!r} as a float is a "
                               "fraction of an epoch in (0, 1]; give an int for a number of steps")
         if isinstance(val_check_interval, int) and not isinstance(val_check_interval, bool):
-            _positive_int("val_check_interval", val_check_interval)
-        _check_limit("limit_train_batches", limit_train_batches, allow_zero=False)
-        _check_limit("limit_val_batches", limit_val_batches, allow_zero=True)
-        _check_limit("limit_test_batches", limit_test_batches, allow_zero=True)
-        _check_limit("limit_predict_batches", limit_predict_batches, allow_zero=True)
+            positive_int("val_check_interval", val_check_interval)
+        check_limit("limit_train_batches", limit_train_batches, allow_zero=False)
+        check_limit("limit_val_batches", limit_val_batches, allow_zero=True)
+        check_limit("limit_test_batches", limit_test_batches, allow_zero=True)
+        check_limit("limit_predict_batches", limit_predict_batches, allow_zero=True)
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ConfigError(f"Trainer: seed={seed!r}; valid: None (do not seed) or an int")
         if on_nonfinite not in NONFINITE_POLICIES:
@@ -228,7 +127,7 @@ class Trainer:
         if stall_timeout_s is not None and (isinstance(stall_timeout_s, bool) or not stall_timeout_s > 0):
             raise ConfigError(f"Trainer: stall_timeout_s={stall_timeout_s!r} must be > 0 (seconds), or None "
                               "to disable the progress watchdog")
-        _check_lightning_args(fast_dev_run, num_sanity_val_steps, check_val_every_n_epoch, min_epochs, min_steps,
+        check_lightning_args(fast_dev_run, num_sanity_val_steps, check_val_every_n_epoch, min_epochs, min_steps,
                               overfit_batches, gradient_clip_algorithm)
         self.precision_plugin, self._strategy = job.plugins("Trainer", strategy, precision, devices * num_nodes)
         self.accelerator, self.devices, self.num_nodes = accelerator, int(devices), num_nodes
@@ -265,7 +164,7 @@ class Trainer:
             callbacks, enable_checkpointing, logger = self._debug_flags(int(fast_dev_run), callbacks), False, False
         if overfit_batches:
             self.limit_train_batches = self.limit_val_batches = overfit_batches
-        callbacks = _lightning_callbacks(callbacks, max_time, enable_model_summary)
+        callbacks = lightning_callbacks(callbacks, max_time, enable_model_summary)
         self.callbacks = self._default_callbacks(callbacks, enable_checkpointing, enable_progress_bar)
         self.loggers = self._make_loggers(logger)
         self.hooks = HookDispatcher(self.callbacks)

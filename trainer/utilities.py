@@ -5,10 +5,12 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import random
 import warnings
 from typing import Any, Callable, TypeVar
 
-from .trainer import seed_everything  # Lightning's signature; one implementation
+import torch
+
 
 log = logging.getLogger("zerotrain")
 F = TypeVar("F", bound=Callable[..., Any])
@@ -61,5 +63,41 @@ def rank_zero_warn(message: str, category: type[Warning] = UserWarning, stacklev
     warnings.warn(message, category, stacklevel=stacklevel)
 
 
-__all__ = ["rank_zero_only", "rank_zero_info", "rank_zero_debug", "rank_zero_warn", "seed_everything",
+#: where ``seed_everything`` records its seed, for the DistributedSampler (``Trainer.data_seed``);
+#: an environment variable so the ranks a launcher starts inherit it (Lightning's PL_GLOBAL_SEED)
+GLOBAL_SEED_ENV = "ZEROTRAIN_GLOBAL_SEED"
+
+
+def seed_everything(seed: int | None = None, workers: bool = False) -> int:
+    """Lightning's ``seed_everything``: seed Python's, torch's (every device) and numpy's global
+    RNGs and record the seed as the DistributedSampler's, in the environment, so that launched ranks
+    inherit it. ``None`` takes the recorded seed (ours, else Lightning's ``PL_GLOBAL_SEED``), else 0
+    with a warning. ``workers=True`` is not applied (it warns): Lightning then seeds each data-loader
+    worker's numpy and ``random``; pass a ``worker_init_fn`` that does. Returns the seed."""
+    if workers:
+        warnings.warn("seed_everything(workers=True): zerotrain installs no worker_init_fn that seeds "
+                      "numpy/random in data-loader workers; pass your own worker_init_fn", stacklevel=2)
+    if seed is None:
+        env = os.environ.get(GLOBAL_SEED_ENV, os.environ.get("PL_GLOBAL_SEED"))
+        if env is None:
+            warnings.warn("seed_everything(): no seed given or recorded; seed set to 0", stacklevel=2)
+        seed = int(env) if env is not None else 0
+    os.environ[GLOBAL_SEED_ENV] = str(int(seed))
+    seed_rngs(seed)
+    return seed
+
+
+def seed_rngs(seed: int) -> None:
+    """Seed the global RNGs only (``Trainer(seed=...)``, whose sampler seed is its own)."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+    except ImportError:
+        pass
+
+
+__all__ = ["GLOBAL_SEED_ENV", "seed_rngs", "rank_zero_only", "rank_zero_info", "rank_zero_debug", "rank_zero_warn", "seed_everything",
            "global_rank"]

@@ -1,0 +1,75 @@
+"""The Trainer's argument checks and the callbacks Lightning adds for its arguments (``max_time``:
+a Timer; ``enable_model_summary``: a ModelSummary). Each error reads ``Trainer: field=value ...``."""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from .errors import ConfigError
+
+log = logging.getLogger("zerotrain")
+
+
+def check_limit(name: str, value: Any, allow_zero: bool) -> None:
+    """``limit_*_batches``: None, a count (int >= 0) or a fraction of the loader (float in [0, 1])."""
+    if value is None:
+        return
+    ok = (isinstance(value, int) and not isinstance(value, bool) and value >= 0) or (
+        isinstance(value, float) and 0.0 <= value <= 1.0)
+    if not ok:
+        raise ConfigError(f"Trainer: {name}={value!r}; valid: None, an int >= 0 (batches) or a float "
+                          "in [0.0, 1.0] (fraction of the loader)")
+    if not allow_zero and value == 0:
+        raise ConfigError(f"Trainer: {name}={value!r} leaves no batch to train on; valid: an int >= 1 "
+                          "or a float in (0.0, 1.0]")
+
+
+def positive_int(name: str, value: Any, allow_none: bool = False, minimum: int = 1) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"Trainer: {name}={value!r} must be an integer >= {minimum}")
+
+
+#: Lightning's ``gradient_clip_algorithm`` choices (None: "norm")
+CLIP_ALGORITHMS = ("norm", "value")
+
+
+def check_lightning_args(fast_dev_run: Any, num_sanity_val_steps: Any, check_val_every_n_epoch: Any,
+                          min_epochs: Any, min_steps: Any, overfit_batches: Any, clip_algorithm: Any) -> None:
+    """Lightning's debugging and stopping arguments, refused as Lightning refuses them."""
+    if not isinstance(fast_dev_run, (bool, int)) or fast_dev_run < 0:
+        raise ConfigError(f"Trainer: fast_dev_run={fast_dev_run!r}; valid: a bool or an int >= 0 (batches)")
+    if isinstance(num_sanity_val_steps, bool) or not isinstance(num_sanity_val_steps, int) or \
+            num_sanity_val_steps < -1:
+        raise ConfigError(f"Trainer: num_sanity_val_steps={num_sanity_val_steps!r}; valid: an int >= 0 "
+                          "(batches), or -1 (the whole validation loader)")
+    positive_int("check_val_every_n_epoch", check_val_every_n_epoch, allow_none=True)
+    positive_int("min_epochs", min_epochs, allow_none=True, minimum=0)
+    positive_int("min_steps", min_steps, allow_none=True, minimum=0)
+    check_limit("overfit_batches", overfit_batches, allow_zero=True)
+    if clip_algorithm is not None and clip_algorithm not in CLIP_ALGORITHMS:
+        raise ConfigError(f"Trainer: gradient_clip_algorithm={clip_algorithm!r}; valid choices: "
+                          f"{', '.join(CLIP_ALGORITHMS)} (None: norm)")
+
+
+def lightning_callbacks(callbacks: list, max_time: Any, enable_model_summary: bool) -> list:
+    """The callbacks Lightning adds for its arguments: a ``Timer(max_time, interval="step")``
+    unless the user gave a Timer (then ``max_time`` is ignored, said out loud, as Lightning), and
+    a ``ModelSummary`` unless disabled or given."""
+    from ..callbacks.summary import ModelSummary
+    from ..callbacks.timer import Timer, parse_duration
+
+    if max_time is not None:
+        try:
+            duration = parse_duration(max_time)
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"Trainer: max_time={max_time!r}; valid: 'DD:HH:MM:SS', a datetime.timedelta or "
+                              "a dict of timedelta keywords") from exc
+        if any(isinstance(c, Timer) for c in callbacks):
+            log.info("Ignoring Trainer(max_time=%r): the callbacks already contain a Timer", max_time)
+        else:
+            callbacks.append(Timer(duration=duration, interval="step"))
+    if enable_model_summary and not any(isinstance(c, ModelSummary) for c in callbacks):
+        callbacks.append(ModelSummary())
+    return callbacks
