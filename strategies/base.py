@@ -346,10 +346,10 @@ class Strategy:
         ``torch.nn.utils.clip_grad_value_``. Element-wise, so a sharded rank clamping only its
         partition clamps its share of the full gradient: no communication. ``loss_scale``: what
         backward scaled by, for a stepper whose gradient copies still carry it (offload)."""
-        stepper = getattr(self, "stepper", None)
-        if stepper is not None and hasattr(stepper, "clamp"):
-            stepper.clamp(self.step_gradients(), float(clip_value), loss_scale)
-            return
+        self._clamp_grads(float(clip_value), loss_scale)
+
+    def _clamp_grads(self, clip_value: float, loss_scale: float) -> None:
+        """Clamp what the inner step will read (here: the step gradients, in place)."""
         for g in self.step_gradients():
             g.detach().clamp_(-clip_value, clip_value)
 

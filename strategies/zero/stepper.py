@@ -60,6 +60,11 @@ class ShardedStepper:
         for g in grads:
             g.detach().mul_(coef.to(g.dtype))
 
+    def clamp(self, grads: list[torch.Tensor], value: float, loss_scale: float) -> None:
+        """Value clipping: element-wise, so this rank's partitions clamp its share of the gradient."""
+        for g in grads:
+            g.detach().clamp_(-value, value)
+
     def step(self, sharded: ShardedOptimizer, loss_scale: float) -> None:
         sharded.step()
 

@@ -238,6 +238,9 @@ class ZeroStrategy(Strategy):
     def _scale_grads(self, coef: torch.Tensor) -> None:
         self.stepper.scale(self.step_gradients(), coef)
 
+    def _clamp_grads(self, clip_value: float, loss_scale: float) -> None:
+        self.stepper.clamp(self.step_gradients(), clip_value, loss_scale)
+
     def _grad_norm(self) -> torch.Tensor:
         """Collective: the global L2 norm from the partitions (one all-reduce of the squared
         sum), as ``torch.nn.utils.clip_grad_norm_`` over the full gradient would compute it."""
