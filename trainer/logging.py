@@ -421,8 +421,16 @@ class MetricsConnector:
         self.eval.reset()
         self.first_iter = self.current_fx = None
 
-    def start_training(self) -> None:
+    def start_training(self, n_batches: float) -> None:
+        """The fit loop starts; Lightning's warning when an epoch is shorter than the logging
+        interval (its step values would never reach the loggers)."""
         self.active = self.train
+        t = self.trainer
+        every = t.log_every_n_steps
+        if t.loggers and every and n_batches < every and t.is_global_zero:
+            log.warning("The number of training batches (%s) is smaller than the logging interval "
+                        "Trainer(log_every_n_steps=%d). Set a lower value for log_every_n_steps if you want to see "
+                        "logs for the training epoch.", n_batches, every)
 
     def stop(self) -> None:
         """A stage ended: the dicts keep their values; nothing is active."""
@@ -552,6 +560,53 @@ class MetricsConnector:
         for lg in t.loggers:
             lg.log_metrics(row, step)
             lg.save()
+
+
+class TrainerLogging:
+    """The Trainer's logging surface (its ``_logging`` connector is made in ``Trainer.__init__``):
+    Lightning's metric dicts and ``logger``, the entry point of ``TrainModule.log``, and
+    zerotrain's own loss logging."""
+
+    @property
+    def callback_metrics(self) -> dict[str, torch.Tensor]:
+        """Lightning's: what callbacks monitor (tensors; ``trainer/logging.py``)."""
+        return self._logging.callback_metrics
+
+    @property
+    def logged_metrics(self) -> dict[str, torch.Tensor]:
+        """Lightning's: the values sent (or due) to the loggers, by logged name."""
+        return self._logging.logged_metrics
+
+    @property
+    def progress_bar_metrics(self) -> dict[str, float]:
+        return self._logging.progress_bar_metrics
+
+    @property
+    def logger(self) -> Any:
+        """The first logger, or None (Lightning's ``trainer.logger``)."""
+        return self.loggers[0] if self.loggers else None
+
+    def _log(self, name: str, value: Any, **kwargs: Any) -> None:
+        """``TrainModule.log``: Lightning's semantics, in the running hook's name."""
+        self._train_logged = self._val_logged = True
+        self._logging.log(name, value, **kwargs)
+
+    def _log_loss(self, name: str, loss: torch.Tensor) -> None:
+        """zerotrain's own: a step that logs nothing has its loss logged as ``train_loss`` /
+        ``val_loss`` / ``test_loss`` (Lightning logs nothing then; said once, at the first)."""
+        if name not in self._said_loss and self.is_global_zero:
+            self._said_loss.add(name)
+            log.warning("the step logged nothing: zerotrain logs its returned loss as %r (per step in training, "
+                        "the epoch mean over ranks in evaluation); Lightning logs nothing. self.log a metric to "
+                        "turn this off", name)
+        self._log(name, loss.detach(), sync_dist=name != "train_loss")
+
+    def _emit(self, metrics: dict[str, float]) -> None:
+        """A callback's own row straight to the loggers (as Lightning's LearningRateMonitor writes
+        ``logger.log_metrics(..., step)``), at the logging step; not in ``logged_metrics``."""
+        if self.is_global_zero and metrics and not self.sanity_checking:
+            for lg in self.loggers:
+                lg.log_metrics(metrics, self._logging.logging_step)
 
 
 def _reduce_in_group(value: torch.Tensor, op: str, group: Any) -> torch.Tensor:

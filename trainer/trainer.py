@@ -26,7 +26,7 @@ from .arguments import check_limit, check_lightning_args, lightning_callbacks, p
 from .errors import ConfigError
 from .hooks import HookDispatcher, merge_callbacks, warn_not_called
 from .launcher import LocalLauncher
-from .logging import MetricsConnector, hook_scope
+from .logging import MetricsConnector, TrainerLogging, hook_scope
 from .datamodule import DataModule
 from .module import TrainModule
 from .state import LoopState
@@ -46,7 +46,7 @@ class NonFiniteLossError(FloatingPointError):
     """The training loss is inf or nan (``Trainer(on_nonfinite="raise")``, the default)."""
 
 
-class Trainer:
+class Trainer(TrainerLogging):
     def __init__(
         self,
         *,
@@ -222,25 +222,6 @@ class Trainer:
         if self.seed is not None:
             return self.seed
         return int(os.environ.get(GLOBAL_SEED_ENV, 0))
-
-    @property
-    def callback_metrics(self) -> dict[str, torch.Tensor]:
-        """Lightning's: what callbacks monitor (tensors; ``trainer/logging.py``)."""
-        return self._logging.callback_metrics
-
-    @property
-    def logged_metrics(self) -> dict[str, torch.Tensor]:
-        """Lightning's: the values sent (or due) to the loggers, by logged name."""
-        return self._logging.logged_metrics
-
-    @property
-    def progress_bar_metrics(self) -> dict[str, float]:
-        return self._logging.progress_bar_metrics
-
-    @property
-    def logger(self) -> Logger | None:
-        """The first logger, or None (Lightning's ``trainer.logger``)."""
-        return self.loggers[0] if self.loggers else None
 
     @property
     def log_dir(self) -> str:
@@ -573,7 +554,7 @@ class Trainer:
         self.num_training_batches = n_batches
         val_every = self._val_every_steps(n_batches)
         module.train()
-        self._logging.start_training()
+        self._logging.start_training(n_batches)
         self.hooks.both("on_train_start", self, module)
         while not self._done():
             if hasattr(getattr(loader, "sampler", None), "set_epoch"):
@@ -883,29 +864,6 @@ class Trainer:
         if spec.fn == "validate" and not kwargs:
             return s.validation_step(batch, batch_idx)
         return s.run_forward(s.model, spec.step, batch, batch_idx, **kwargs)
-
-    # ------------------------------------------------------------------ logging (trainer/logging.py)
-    def _log(self, name: str, value: Any, **kwargs: Any) -> None:
-        """``TrainModule.log``: Lightning's semantics, in the running hook's name."""
-        self._train_logged = self._val_logged = True
-        self._logging.log(name, value, **kwargs)
-
-    def _log_loss(self, name: str, loss: torch.Tensor) -> None:
-        """zerotrain's own: a step that logs nothing has its loss logged as ``train_loss`` /
-        ``val_loss`` / ``test_loss`` (Lightning logs nothing then; said once, at the first)."""
-        if name not in self._said_loss and self.is_global_zero:
-            self._said_loss.add(name)
-            log.warning("the step logged nothing: zerotrain logs its returned loss as %r (per step in training, "
-                        "the epoch mean over ranks in evaluation); Lightning logs nothing. self.log a metric to "
-                        "turn this off", name)
-        self._log(name, loss.detach(), sync_dist=name != "train_loss")
-
-    def _emit(self, metrics: dict[str, float]) -> None:
-        """A callback's own row straight to the loggers (as Lightning's LearningRateMonitor writes
-        ``logger.log_metrics(..., step)``), at the logging step; not in ``logged_metrics``."""
-        if self.is_global_zero and metrics and not self.sanity_checking:
-            for lg in self.loggers:
-                lg.log_metrics(metrics, self._logging.logging_step)
 
     # ------------------------------------------------------------------ construction helpers
     def _debug_flags(self, n: int, callbacks: list) -> list:

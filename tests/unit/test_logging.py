@@ -244,3 +244,44 @@ def test_int_values_and_ambiguous_batches_warn_as_lightning(caplog):
     text = caplog.text
     assert "needs to be floating" in text and "ambiguous collection" in text
     assert float(trainer.callback_metrics["n"]) == 3.0 and trainer.callback_metrics["n"].dtype == torch.float32
+
+
+def _two_loader_run(lib, tmp_path):
+    """validate over two loaders (names get ``/dataloader_idx_<i>``; a name logged with
+    ``add_dataloader_idx=False`` is shared), with a callback logging through ``pl_module.log``."""
+    if lib == "pl":
+        pl = pytest.importorskip("pytorch_lightning")
+        base, cb_base, trainer_cls = pl.LightningModule, pl.Callback, pl.Trainer
+        logger = pl.loggers.CSVLogger(str(tmp_path / lib))
+        extra = {}
+    else:
+        from zerotrain import Callback
+        base, cb_base, trainer_cls, logger, extra = TrainModule, Callback, Trainer, CSVLogger(str(tmp_path / lib)), \
+            {"stall_timeout_s": None}
+
+    class FromCallback(cb_base):
+        def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+            pl_module.log("cb_seen", float(batch_idx + 10 * dataloader_idx))
+
+    class Two(make_module(base, "loss").__class__):
+        def validation_step(self, batch, batch_idx, dataloader_idx=0):
+            loss = self._loss(batch)
+            self.log("val_loss", loss)
+            self.log(f"shared_{dataloader_idx}", loss, add_dataloader_idx=False, on_step=True)
+
+    trainer = trainer_cls(accelerator="cpu", devices=1, logger=logger, callbacks=[FromCallback()],
+                          **QUIET, **extra)
+    module = Two()
+    loaders = [DataLoader(_data(7, 1), batch_size=3), DataLoader(_data(4, 3), batch_size=2)]
+    returned = trainer.validate(module, dataloaders=loaders, verbose=False)
+    logger.save()
+    with open(os.path.join(logger.log_dir, "metrics.csv"), newline="") as f:
+        rows = list(csv.DictReader(f))
+    return returned, _numbers(trainer.callback_metrics), _numbers(trainer.logged_metrics), rows
+
+
+def test_several_loaders_and_callback_logging_match_lightning(tmp_path):
+    ours, theirs = _two_loader_run("zt", tmp_path), _two_loader_run("pl", tmp_path)
+    assert ours == theirs
+    returned = ours[0]
+    assert set(returned[0]) == {"val_loss/dataloader_idx_0", "cb_seen/dataloader_idx_0", "shared_0_epoch"}
