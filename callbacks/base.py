@@ -58,15 +58,104 @@ stage_hooks(Callback)
 
 
 class Logger:
-    """Receives metrics on global rank 0 only (the Trainer never calls it elsewhere)."""
+    """Lightning's ``Logger`` interface, for loggers of one's own. The Trainer calls
+    ``log_metrics`` (then ``save``) on global rank 0 only, so a logger written for Lightning
+    (its methods under ``@rank_zero_only``) behaves the same; ``finalize(status)`` at the end of
+    fit. ``experiment`` (the backend's object) is the concrete logger's, and ``rank_zero_experiment``
+    gives other ranks a do-nothing stand-in, as Lightning's."""
+
+    @property
+    def name(self) -> str | None:
+        return None
+
+    @property
+    def version(self) -> int | str | None:
+        return None
+
+    @property
+    def root_dir(self) -> str | None:
+        return None
 
     @property
     def log_dir(self) -> str | None:
         return None
 
-    def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
-    def log_hyperparams(self, params: dict[str, Any]) -> None: ...
-    def finalize(self) -> None: ...
+    @property
+    def save_dir(self) -> str | None:
+        return None
+
+    @property
+    def group_separator(self) -> str:
+        return "/"
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None: ...
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None: ...
+    def log_graph(self, model: Any, input_array: Any = None) -> None: ...
+    def save(self) -> None: ...
+
+    def finalize(self, status: str = "success") -> None:
+        """The run ended (``status``: "success" or "failed"): write what is buffered."""
+        self.save()
+
+    def after_save_checkpoint(self, checkpoint_callback: Any) -> None: ...
+
+
+class _DummyExperiment:
+    """Every attribute a no-op callable (and indexable), for ranks other than 0."""
+
+    def nop(self, *args: Any, **kwargs: Any) -> None: ...
+
+    def __getattr__(self, _: str) -> Any:
+        return self.nop
+
+    def __getitem__(self, idx: int) -> "_DummyExperiment":
+        return self
+
+    def __setitem__(self, *args: Any) -> None: ...
+
+
+def rank_zero_experiment(fn: Any) -> Any:
+    """Decorate a logger's ``experiment`` property body: the real object on global rank 0, a
+    do-nothing stand-in elsewhere (Lightning's ``rank_zero_experiment``)."""
+    import functools
+
+    from ..trainer.utilities import global_rank
+
+    @functools.wraps(fn)
+    def experiment(self: Any) -> Any:
+        return fn(self) if global_rank() == 0 else _DummyExperiment()
+
+    return experiment
+
+
+class VersionedLogger(Logger):
+    """A logger writing under Lightning's ``<save_dir>/<name>/version_<n>`` (``version_dir``): the
+    version is fixed the first time the directory is asked for."""
+
+    def __init__(self, save_dir: str, name: str, version: "int | str | None") -> None:
+        self._save_dir, self._name, self._version = save_dir, name, version
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def version(self) -> "int | str":
+        self.log_dir  # noqa: B018  (fixes the version)
+        return self._version
+
+    @property
+    def save_dir(self) -> str:
+        return self._save_dir
+
+    @property
+    def root_dir(self) -> str:
+        return os.path.join(self._save_dir, self._name)
+
+    @property
+    def log_dir(self) -> str:
+        path, self._version = version_dir(self._save_dir, self._name, self._version)
+        return path
 
 
 def version_dir(save_dir: str, name: str, version: "int | str | None") -> tuple[str, "int | str"]:

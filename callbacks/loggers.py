@@ -6,11 +6,11 @@ import csv
 import os
 from typing import Any
 
-from .base import Logger, version_dir
+from .base import Logger, VersionedLogger, rank_zero_experiment
 from .tensorboard import TensorBoardLogger
 
 
-class CSVLogger(Logger):
+class CSVLogger(VersionedLogger):
     """Metrics as rows of ``metrics.csv`` (one per ``log_metrics`` call, with its ``step``; the
     header is every name seen so far, sorted, so a file read back by ``csv.DictReader`` has one
     column per metric as Lightning's has) and hyperparameters as ``hparams.yaml``. Rows are
@@ -22,33 +22,32 @@ class CSVLogger(Logger):
                  prefix: str = "", flush_logs_every_n_steps: int = 100) -> None:
         if flush_logs_every_n_steps < 1:
             raise ValueError(f"CSVLogger: flush_logs_every_n_steps={flush_logs_every_n_steps!r} must be >= 1")
-        self.save_dir, self.name, self.prefix = save_dir, name, prefix
+        super().__init__(save_dir, name, version)
+        self.prefix = prefix
         self.flush_logs_every_n_steps = flush_logs_every_n_steps
-        self._version = version
         self._rows: list[dict[str, Any]] = []
         self._keys: list[str] = []
         self.hparams: dict[str, Any] = {}
 
     @property
-    def log_dir(self) -> str:
-        path, self._version = version_dir(self.save_dir, self.name, self._version)
-        return path
+    @rank_zero_experiment
+    def experiment(self) -> "CSVLogger":
+        """Lightning's is its CSV writer (``log_metrics``, ``log_hparams``, ``save``); here the
+        logger itself plays that part."""
+        return self
 
-    @property
-    def version(self) -> int | str:
-        self.log_dir  # noqa: B018  (fixes the version)
-        return self._version
-
-    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         row = {f"{self.prefix}-{k}" if self.prefix else k: _scalar(v) for k, v in metrics.items()}
-        row["step"] = step
+        row["step"] = step if step is not None else len(self._rows)
         self._rows.append(row)
         if len(self._rows) % self.flush_logs_every_n_steps == 0:
             self.save()
 
-    def log_hyperparams(self, params: dict[str, Any]) -> None:
-        self.hparams.update(params)
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        self.hparams.update(params if isinstance(params, dict) else vars(params))
         self._write_hparams()
+
+    log_hparams = log_hyperparams  # the name on Lightning's CSV writer (its ``experiment``)
 
     def save(self) -> None:
         """Append the buffered rows; a metric name not seen before rewrites the file with the
@@ -72,7 +71,7 @@ class CSVLogger(Logger):
                 writer.writeheader()
             writer.writerows(rows)
 
-    def finalize(self) -> None:
+    def finalize(self, status: str = "success") -> None:
         self.save()
         self._write_hparams()
 

@@ -30,6 +30,9 @@ class ProgressBar(Callback):
             return
         bar.update(trainer.global_step - bar.n)
         postfix = {k: f"{v:.4g}" for k, v in trainer.progress_bar_metrics.items()}
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if hasattr(loss, "detach") and "loss" not in postfix:  # the step's loss, shown (not a logged metric)
+            postfix["loss"] = f"{float(loss.detach()):.4g}"
         tps = module.tokens_per_sample()
         elapsed = time.perf_counter() - self._t0
         if tps and elapsed > 0 and getattr(trainer.train_dataloader, "batch_size", None):

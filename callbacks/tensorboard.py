@@ -3,19 +3,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import Logger, version_dir
+from .base import VersionedLogger, rank_zero_experiment
 
 
-class TensorBoardLogger(Logger):
+class TensorBoardLogger(VersionedLogger):
     def __init__(self, save_dir: str, name: str = "", version: int | str | None = None) -> None:
-        self.save_dir, self.name = save_dir, name
-        self._version = version
+        super().__init__(save_dir, name, version)
         self._writer = None
 
     @property
-    def log_dir(self) -> str:
-        path, self._version = version_dir(self.save_dir, self.name, self._version)
-        return path
+    @rank_zero_experiment
+    def experiment(self):
+        """The SummaryWriter (Lightning's ``experiment``); a do-nothing stand-in off rank 0."""
+        return self.writer
 
     @property
     def writer(self):
@@ -24,15 +24,24 @@ class TensorBoardLogger(Logger):
             self._writer = SummaryWriter(log_dir=self.log_dir)
         return self._writer
 
-    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         for name, value in metrics.items():
-            self.writer.add_scalar(name, value, global_step=step)
+            value = value.item() if hasattr(value, "item") else value
+            if isinstance(value, dict):
+                self.writer.add_scalars(name, value, global_step=step)
+            else:
+                self.writer.add_scalar(name, value, global_step=step)
 
-    def log_hyperparams(self, params: dict[str, Any]) -> None:
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        params = params if isinstance(params, dict) else vars(params)
         text = "\n".join(f"    {k}: {v}" for k, v in sorted(params.items()))
         self.writer.add_text("hparams", text)
 
-    def finalize(self) -> None:
+    def save(self) -> None:
+        if self._writer is not None:
+            self._writer.flush()
+
+    def finalize(self, status: str = "success") -> None:
         if self._writer is not None:
             self._writer.flush()
             self._writer.close()

@@ -106,7 +106,7 @@ class GPTModule(TrainModule):
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
         _, loss = self.model(x, y)
-        self.log("val_loss", loss.detach(), prog_bar=True)
+        self.log("val_loss", loss.detach(), prog_bar=True, sync_dist=True)  # the mean over every rank's batches
         return loss
 
     # ---- optimization

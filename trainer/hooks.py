@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any, Sequence
 if TYPE_CHECKING:
     from ..callbacks.base import Callback
 
+from .logging import hook_scope
+
 log = logging.getLogger(__name__)
 
 _STAGE_HOOKS = tuple(f"on_{s}_{when}" for s in ("validation", "test", "predict")
@@ -53,17 +55,19 @@ class HookDispatcher:
             raise ValueError(f"unknown hook {hook!r}")
         for cb in self.callbacks:
             fn = getattr(cb, hook)
-            if hook in ("setup", "teardown") and not _takes_stage(fn):
-                self._warn_legacy(cb, hook)
-                fn(trainer, module)
-            else:
-                fn(trainer, module, *args)
+            with hook_scope(trainer, hook):  # a callback's pl_module.log logs under the hook's name
+                if hook in ("setup", "teardown") and not _takes_stage(fn):
+                    self._warn_legacy(cb, hook)
+                    fn(trainer, module)
+                else:
+                    fn(trainer, module, *args)
 
     def both(self, hook: str, trainer: Any, module: Any, *args: Any) -> Any:
         """Lightning's order: every callback's ``hook``, then the module's; returns the module's
         result (``on_train_batch_start`` returning -1 ends the epoch)."""
         self(hook, trainer, module, *args)
-        return getattr(module, hook)(*args)
+        with hook_scope(trainer, hook):
+            return getattr(module, hook)(*args)
 
     def _warn_legacy(self, cb: "Callback", hook: str) -> None:
         """A callback written before ``setup``/``teardown`` took ``stage``: still called, without

@@ -124,12 +124,35 @@ class TrainModule(nn.Module, DataHooks):
         """The first of the Trainer's loggers, or None (Lightning's ``self.logger``)."""
         return next(iter(self.loggers), None)
 
-    def log(self, name: str, value: Any, prog_bar: bool = False, sync_dist: bool = False) -> None:
-        """Record a scalar for loggers (and the progress bar). In validation, values are averaged
-        over batches and ranks; in training, ``sync_dist=True`` averages over ranks (a collective:
-        every rank must log the same names)."""
-        if self._trainer is not None:
-            self._trainer._log(name, value, prog_bar=prog_bar, sync_dist=sync_dist)
+    def log(self, name: str, value: Any, prog_bar: bool = False, logger: bool | None = None,
+            on_step: bool | None = None, on_epoch: bool | None = None, reduce_fx: Any = "mean",
+            enable_graph: bool = False, sync_dist: bool = False, sync_dist_group: Any = None,
+            add_dataloader_idx: bool = True, batch_size: int | None = None, metric_attribute: str | None = None,
+            rank_zero_only: bool = False) -> None:
+        """Lightning's ``self.log``: a number or one-element tensor, per step and/or per epoch
+        (the defaults depend on the hook, as Lightning's table), the epoch value reduced by
+        ``reduce_fx`` (a mean weighted by ``batch_size``, inferred from the batch when not
+        given); ``sync_dist`` reduces over ranks (a collective: every rank logs the same names).
+        ``trainer/logging.py`` holds the rules. Not attached to a Trainer: ignored, as Lightning
+        (which warns)."""
+        if self._trainer is None:
+            return
+        self._trainer._log(name, value, prog_bar=prog_bar, logger=logger, on_step=on_step, on_epoch=on_epoch,
+                           reduce_fx=reduce_fx, enable_graph=enable_graph, sync_dist=sync_dist,
+                           sync_dist_group=sync_dist_group, add_dataloader_idx=add_dataloader_idx,
+                           batch_size=batch_size, metric_attribute=metric_attribute, rank_zero_only=rank_zero_only)
+
+    def log_dict(self, dictionary: "dict[str, Any]", prog_bar: bool = False, logger: bool | None = None,
+                 on_step: bool | None = None, on_epoch: bool | None = None, reduce_fx: Any = "mean",
+                 enable_graph: bool = False, sync_dist: bool = False, sync_dist_group: Any = None,
+                 add_dataloader_idx: bool = True, batch_size: int | None = None,
+                 rank_zero_only: bool = False) -> None:
+        """``self.log`` for each item, with the same options (Lightning's ``log_dict``)."""
+        for name, value in dictionary.items():
+            self.log(name, value, prog_bar=prog_bar, logger=logger, on_step=on_step, on_epoch=on_epoch,
+                     reduce_fx=reduce_fx, enable_graph=enable_graph, sync_dist=sync_dist,
+                     sync_dist_group=sync_dist_group, add_dataloader_idx=add_dataloader_idx,
+                     batch_size=batch_size, rank_zero_only=rank_zero_only)
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name == "_trainer":  # never register the Trainer as a submodule or pickle it into state

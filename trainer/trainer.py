@@ -11,6 +11,7 @@ import contextlib
 import logging
 import math
 import os
+import sys
 from datetime import timedelta
 from typing import Any, Iterable, NamedTuple, Sequence
 
@@ -25,6 +26,7 @@ from .arguments import check_limit, check_lightning_args, lightning_callbacks, p
 from .errors import ConfigError
 from .hooks import HookDispatcher, merge_callbacks, warn_not_called
 from .launcher import LocalLauncher
+from .logging import MetricsConnector, TrainerLogging, hook_scope
 from .datamodule import DataModule
 from .module import TrainModule
 from .state import LoopState
@@ -44,7 +46,7 @@ class NonFiniteLossError(FloatingPointError):
     """The training loss is inf or nan (``Trainer(on_nonfinite="raise")``, the default)."""
 
 
-class Trainer:
+class Trainer(TrainerLogging):
     def __init__(
         self,
         *,
@@ -101,7 +103,7 @@ class Trainer:
         positive_int("devices", devices)
         positive_int("num_nodes", num_nodes)
         positive_int("accumulate_grad_batches", accumulate_grad_batches)
-        positive_int("log_every_n_steps", log_every_n_steps)
+        positive_int("log_every_n_steps", log_every_n_steps, minimum=0)  # 0: never, as Lightning
         positive_int("max_epochs", max_epochs, allow_none=True)
         positive_int("max_restarts", max_restarts, minimum=0)
         if collective_timeout_s is not None and not collective_timeout_s > 0:
@@ -174,15 +176,12 @@ class Trainer:
         self.optimizer: torch.optim.Optimizer | None = None
         self.lr_scheduler: Any = None
         self.lr_scheduler_interval = "step"
-        self.callback_metrics: dict[str, float] = {}
-        self.progress_bar_metrics: dict[str, float] = {}
-        self._step_metrics: dict[str, torch.Tensor] = {}
-        self._val_sums: dict[str, list] | None = None
+        self._logging = MetricsConnector(self)  # self.log, the metric dicts, the loggers' rows
         self._launcher: LocalLauncher | None = None
         self._ready = False
         self.datamodule: DataModule | None = None
         self._predicting = False
-        self._eval_suffix = ""  # "/dataloader_idx_<i>" while evaluating one of several loaders
+        self._said_loss: set[str] = set()  # the zerotrain-only loss names already announced
         self.train_dataloader: DataLoader | None = None
         self.val_dataloader: DataLoader | None = None
         self.num_training_batches: float = math.inf
@@ -262,6 +261,8 @@ class Trainer:
             ckpt_path = checkpointing.resume_path(self, ckpt_path)
             if ckpt_path:
                 checkpointing.load(self, ckpt_path)
+                self._logging.logging_step = self.state.global_step  # Lightning restores its own counter
+            self._logging.reset_metrics()
             self._fits += 1
             if self._fits == 1:
                 self._warn_skipped_hooks()
@@ -283,6 +284,7 @@ class Trainer:
                 progress.set_sink(None)
                 self._watchdog.disarm()
                 self._watchdog = None
+            self._logging.stop()
             self._teardown()
             self._teardown_data("fit")
 
@@ -347,8 +349,10 @@ class Trainer:
             path = checkpointing.resume_path(self, ckpt_path, fn)
             if path:
                 self._load_weights(path)
+            self._logging.reset_metrics()
             results = self._evaluate(spec, loaders)
         finally:
+            self._logging.stop()
             self._stage_teardown(fn)
             self._teardown_data(fn)
         if verbose and self.is_global_zero and fn != "predict":
@@ -550,6 +554,7 @@ class Trainer:
         self.num_training_batches = n_batches
         val_every = self._val_every_steps(n_batches)
         module.train()
+        self._logging.start_training(n_batches)
         self.hooks.both("on_train_start", self, module)
         while not self._done():
             if hasattr(getattr(loader, "sampler", None), "set_epoch"):
@@ -570,6 +575,7 @@ class Trainer:
                     break
                 if stepped and val_every and self._validates_this_epoch() and st.global_step % val_every == 0:
                     self._run_validation(self.val_dataloader)
+                self._logging.batch_done(stepped)
                 self._tick("fetching the next training batch")
             else:
                 if batch_idx == -1:  # a loader without a length that yielded nothing
@@ -595,9 +601,12 @@ class Trainer:
         if validate:
             self._run_validation(self.val_dataloader)
         self._tick("on_train_epoch_end")
+        self._logging.epoch_end_reached()
         self.hooks.both("on_train_epoch_end", self, self.module)
+        self._logging.on_epoch_end()
         if self.lr_scheduler is not None and self.lr_scheduler_interval == "epoch":
             self.lr_scheduler.step()
+        self._logging.update_train_epoch_metrics()
         st.epoch += 1
         st.batches_in_epoch = 0
 
@@ -613,20 +622,20 @@ class Trainer:
         st, s, module = self.state, self._strategy, self.module
         batch = _to_device(batch, s.device)
         self._tick("on_train_batch_start")
+        self._logging.on_batch_start(batch)
         if self.hooks.both("on_train_batch_start", self, module, batch, batch_idx) == -1:
             return None
         batch_hooks = _BatchHooks(self, batch_idx)
-        with (s.no_sync() if not last_micro else contextlib.nullcontext()):
+        with (s.no_sync() if not last_micro else contextlib.nullcontext()), hook_scope(self, "training_step"):
             self._tick("training_step")
             self._train_logged = False
             out = s.run_schedule(batch, batch_idx, batch_hooks)
-        loss = batch_hooks.loss
-        if loss is None:
-            raise RuntimeError(f"strategy={s!r}: run_schedule returned without calling hooks.loss_of; "
-                               "valid: every run_schedule checks its loss through hooks.loss_of once")
-        if not batch_hooks.step_logged:  # the step logged nothing: track its loss (as val_loss in validation)
-            self._log("train_loss", loss)
-        self.progress_bar_metrics["loss"] = float(loss.detach())
+            loss = batch_hooks.loss
+            if loss is None:
+                raise RuntimeError(f"strategy={s!r}: run_schedule returned without calling hooks.loss_of; "
+                                   "valid: every run_schedule checks its loss through hooks.loss_of once")
+            if not batch_hooks.step_logged:  # the step logged nothing: track its loss (as val_loss in validation)
+                self._log_loss("train_loss", loss)
         st.batches_in_epoch += 1
         st.total_batches += 1
         stepped = False
@@ -647,10 +656,10 @@ class Trainer:
                 self.lr_scheduler.step()
             st.skipped_steps += not stepped
             st.global_step += 1
-            if st.global_step % self.log_every_n_steps == 0:
-                self._emit(self._collect_step_metrics())
         self._tick("on_train_batch_end")
         self.hooks.both("on_train_batch_end", self, module, out, batch, batch_idx)
+        self._logging.on_batch_end()
+        self._logging.update_train_step_metrics(accumulating=not last_micro)
         return last_micro
 
     _nonfinite_in_step = False
@@ -723,13 +732,15 @@ class Trainer:
         if getattr(type(self.module), "validation_step") is getattr(TrainModule, "validation_step") and \
                 not _own_schedule(self._strategy):
             return
-        kept = dict(self.callback_metrics), dict(self.progress_bar_metrics), self._last_val_step
+        kept = self._last_val_step
+        self._logging.reset_metrics()
         self.sanity_checking = True
         try:
             self._run_validation(self.val_dataloader)
         finally:
             self.sanity_checking = False
-            self.callback_metrics, self.progress_bar_metrics, self._last_val_step = kept
+            self._logging.reset_metrics()
+            self._last_val_step = kept
 
     def _overfit(self, loader: Any) -> Any:
         """``overfit_batches``: the same first batches every epoch, so the loader must not shuffle;
@@ -783,23 +794,28 @@ class Trainer:
     def _evaluate(self, spec: "_EvalStage", loaders: list) -> list[Any]:
         """One evaluation epoch over ``loaders``, on every rank together (every rank runs every
         forward: a sharded model gathers collectively). Returns per loader its epoch-level
-        metrics (validate, test) or its ``predict_step`` outputs (predict)."""
+        logged metrics (validate, test: Lightning's return value) or its ``predict_step`` outputs."""
         module = self.module
         was_training = module.training
         module.eval()
-        self.hooks.both(f"on_{spec.hooks}_start", self, module)
-        self.hooks.both(f"on_{spec.hooks}_epoch_start", self, module)
-        results = [self._evaluate_loader(spec, loader, i, len(loaders)) for i, loader in enumerate(loaders)]
-        if spec.fn == "validate":
-            self._last_val_step = self.state.global_step
-        self._tick(f"on_{spec.hooks}_epoch_end")
-        self.hooks.both(f"on_{spec.hooks}_epoch_end", self, module)
-        self.hooks.both(f"on_{spec.hooks}_end", self, module)
+        with self._logging.evaluation() as outputs:
+            self.hooks.both(f"on_{spec.hooks}_start", self, module)
+            self.hooks.both(f"on_{spec.hooks}_epoch_start", self, module)
+            results = [self._evaluate_loader(spec, loader, i, len(loaders), outputs)
+                       for i, loader in enumerate(loaders)]
+            if spec.fn == "validate":
+                self._last_val_step = self.state.global_step
+            self._tick(f"on_{spec.hooks}_epoch_end")
+            self._logging.eval_epoch_end_reached()
+            self.hooks.both(f"on_{spec.hooks}_epoch_end", self, module)
+            self._logging.on_epoch_end()
+            metrics = self._logging.eval_epoch_end(outputs)
+            self.hooks.both(f"on_{spec.hooks}_end", self, module)
         if was_training:
             module.train()
-        return results
+        return results if spec.fn == "predict" else metrics
 
-    def _evaluate_loader(self, spec: "_EvalStage", loader: Any, index: int, count: int) -> Any:
+    def _evaluate_loader(self, spec: "_EvalStage", loader: Any, index: int, count: int, outputs: list) -> Any:
         """One loader of an evaluation epoch. With several loaders the step gets
         ``dataloader_idx`` and logged names end in ``/dataloader_idx_<i>``, as Lightning's."""
         s = self._strategy
@@ -807,9 +823,8 @@ class Trainer:
         if self.sanity_checking:
             limit = min(limit, self.num_sanity_val_steps)
         kwargs = {"dataloader_idx": index} if count > 1 else {}
-        self._eval_suffix = f"/dataloader_idx_{index}" if count > 1 else ""
         self._predicting = spec.fn == "predict"
-        self._val_sums, predictions = {}, []
+        predictions = []
         try:
             for batch_idx, batch in enumerate(loader):
                 if batch_idx >= limit:
@@ -817,21 +832,24 @@ class Trainer:
                 self._val_logged = False
                 self._tick(spec.step)
                 batch = _to_device(batch, s.device)
+                self._logging.on_batch_start(batch, index if count > 1 else None)
                 self.hooks.both(f"on_{spec.hooks}_batch_start", self, self.module, batch, batch_idx,
                                 *kwargs.values())
-                out = self._eval_forward(spec, batch, batch_idx, kwargs)
+                with hook_scope(self, spec.step):
+                    out = self._eval_forward(spec, batch, batch_idx, kwargs)
+                    loss = out["loss"] if isinstance(out, dict) else out
+                    if not self._predicting and torch.is_tensor(loss) and not self._val_logged:
+                        self._log_loss(spec.loss_name, loss)  # nothing logged: track the loss
                 self.hooks.both(f"on_{spec.hooks}_batch_end", self, self.module, out, batch, batch_idx,
                                 *kwargs.values())
+                self._logging.on_batch_end()
+                self._logging.update_eval_step_metrics(index)
                 if self._predicting:
                     predictions.append(out)
-                    continue
-                loss = out["loss"] if isinstance(out, dict) else out
-                if torch.is_tensor(loss) and not self._val_logged:  # nothing logged: track the loss
-                    self._log(spec.loss_name, loss)
-            sums = self._val_sums
         finally:
-            self._val_sums, self._eval_suffix, self._predicting = None, "", False
-        return predictions if spec.fn == "predict" else self._epoch_metrics(sums)
+            self._predicting = False
+        self._logging.store_loader_outputs(outputs)
+        return predictions
 
     def _eval_forward(self, spec: "_EvalStage", batch: Any, batch_idx: int, kwargs: dict[str, int]) -> Any:
         """The module's step through the strategy's model (DDP, ZeRO-3's gathering hooks) under
@@ -846,51 +864,6 @@ class Trainer:
         if spec.fn == "validate" and not kwargs:
             return s.validation_step(batch, batch_idx)
         return s.run_forward(s.model, spec.step, batch, batch_idx, **kwargs)
-
-    def _epoch_metrics(self, sums: dict[str, list]) -> dict[str, float]:
-        """Each logged name's mean over this rank's batches, averaged over ranks (a collective:
-        every rank logs the same names), published to ``callback_metrics`` and the loggers."""
-        s = self._strategy
-        names = sorted(sums)
-        means = torch.tensor([sums[n][0] / max(sums[n][1], 1) for n in names], dtype=torch.float64)
-        means = s.reduce(means, op="mean") if names else means  # averaged over ranks
-        metrics = {n: float(v) for n, v in zip(names, means.tolist())}
-        self.callback_metrics.update(metrics)
-        self.progress_bar_metrics.update(metrics)
-        self._emit(metrics)
-        return metrics
-
-    # ------------------------------------------------------------------ logging
-    def _log(self, name: str, value: Any, prog_bar: bool = False, sync_dist: bool = False) -> None:
-        if self._predicting:
-            raise ConfigError(f"self.log({name!r}) in predict_step: predict logs nothing (Lightning refuses "
-                              "it too); return the values instead")
-        v = value.detach().float().mean() if torch.is_tensor(value) else torch.tensor(float(value))
-        if self._val_sums is not None:
-            self._val_logged = True
-            acc = self._val_sums.setdefault(name + self._eval_suffix, [0.0, 0])
-            acc[0] += float(v)
-            acc[1] += 1
-            return
-        self._train_logged = True
-        if sync_dist:
-            v = self._strategy.reduce(v, op="mean")
-        self._step_metrics[name] = v
-        self.callback_metrics[name] = float(v)
-        if prog_bar:
-            self.progress_bar_metrics[name] = float(v)
-
-    def _collect_step_metrics(self) -> dict[str, float]:
-        metrics = {k: float(v) for k, v in self._step_metrics.items()}
-        if self.lr_scheduler is not None or self.optimizer is not None:
-            metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
-        metrics["epoch"] = float(self.state.epoch)
-        return metrics
-
-    def _emit(self, metrics: dict[str, float]) -> None:
-        if self.is_global_zero and metrics and not self.sanity_checking:
-            for lg in self.loggers:
-                lg.log_metrics(metrics, self.state.global_step)
 
     # ------------------------------------------------------------------ construction helpers
     def _debug_flags(self, n: int, callbacks: list) -> list:
@@ -933,7 +906,7 @@ class Trainer:
         self._stage_teardown("fit")
         if self.is_global_zero:
             for lg in self.loggers:
-                lg.finalize()
+                lg.finalize("failed" if sys.exc_info()[0] is not None else "success")
 
 
 class _BatchHooks:

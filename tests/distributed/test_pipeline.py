@@ -249,8 +249,9 @@ def _run_trainer_case(case: dict) -> dict:
     ref_state = ref.state_dict()
     mine = {k[len("pipe."):]: v for k, v in model.state_dict().items()}
     rel = max(float((v - ref_state[k]).norm() / ref_state[k].norm()) for k, v in mine.items())
+    loss = trainer.callback_metrics.get("train_loss")  # a tensor, as Lightning's: compared as a number
     return {"rank": dist.get_rank(), "rel": rel, "losses": [], "ref_losses": [], "steps": trainer.global_step,
-            "train_loss": trainer.callback_metrics.get("train_loss"), "ties": [t.key for t in model.pipe.ties]}
+            "train_loss": None if loss is None else float(loss), "ties": [t.key for t in model.pipe.ties]}
 
 
 def run_cases(cases: list) -> list:

@@ -46,11 +46,12 @@ def _stage_module(build_late: bool):
         def training_step(self, batch, batch_idx):
             return self._loss(batch)
 
+        # sync_dist: the mean over both ranks' batches (without it each rank keeps its own, as Lightning)
         def validation_step(self, batch, batch_idx):
-            self.log("val_mse", self._loss(batch))
+            self.log("val_mse", self._loss(batch), sync_dist=True)
 
         def test_step(self, batch, batch_idx):
-            self.log("test_mse", self._loss(batch))
+            self.log("test_mse", self._loss(batch), sync_dist=True)
 
         def predict_step(self, batch, batch_idx, dataloader_idx=0):
             return batch[0], self.net(batch[1])

@@ -1,0 +1,92 @@
+"""Lightning code ports by the rename alone. Each example here is one file written as Lightning's
+demos are, importing ``pytorch_lightning``; ``port`` makes the zerotrain copy by the README's
+rule only (module path to ``zerotrain``, ``LightningModule`` to ``TrainModule``,
+``LightningDataModule`` to ``DataModule``). Both run under ``torchrun --nproc_per_node 2``
+(``driver.py``): pytorch-lightning 2.6 once with ddp, zerotrain once per strategy (ddp, zero2,
+zero3), and every number must be the same: the metrics a callback sees after every training
+batch, the CSV rows, what validate/test return, the final parameters. Exact, in fp32: the data
+order and the RNG streams are the same on both sides.
+
+Adding an example: write ``<name>.py`` with a ``main(**trainer_kwargs)`` returning (trainer,
+model, results) and add it to ``EXAMPLES``."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+#: (example file, zerotrain strategies it runs under); each also runs once under Lightning's ddp
+EXAMPLES = [
+    pytest.param("boring.py", ("ddp", "zero2", "zero3"), id="boring"),
+]
+
+#: the porting rule, as the README states it: (pattern, replacement), applied in order
+RENAMES = [
+    (r"\blightning\.pytorch\b", "zerotrain"),
+    (r"\bpytorch_lightning\b", "zerotrain"),
+    (r"\bLightningDataModule\b", "DataModule"),
+    (r"\bLightningModule\b", "TrainModule"),
+]
+
+
+def port(source: str) -> str:
+    """The zerotrain version of a Lightning file: the rename, and nothing else."""
+    for pattern, new in RENAMES:
+        source = re.sub(pattern, new, source)
+    return source
+
+
+def _run(example: str, lib: str, strategy: str, out: str) -> list[dict]:
+    """One side on 2 processes; returns each rank's record."""
+    os.makedirs(out, exist_ok=True)
+    scale = float(os.environ.get("ZEROTRAIN_TEST_TIMEOUT_SCALE", "1"))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           os.path.join(HERE, "driver.py"), example, lib, strategy, out]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=out, env=env, capture_output=True, text=True, timeout=240 * scale)
+    assert proc.returncode == 0, f"{lib} {strategy} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    records = []
+    for rank in range(2):
+        with open(os.path.join(out, f"rank{rank}.json")) as f:
+            records.append(json.load(f))
+    return records
+
+
+def _compare(ours: list[dict], theirs: list[dict], label: str) -> None:
+    for rank, (mine, ref) in enumerate(zip(ours, theirs)):
+        for key in ("global_step", "batches", "results", "callback", "logged"):
+            assert mine[key] == ref[key], f"{label} rank {rank}: {key} differs"
+    assert ours[0]["rows"] == theirs[0]["rows"], f"{label}: the CSV rows differ"
+    assert ours[0]["params"].keys() == theirs[0]["params"].keys(), label
+    for name, values in theirs[0]["params"].items():
+        assert ours[0]["params"][name] == values, f"{label}: final {name} differs"
+
+
+def test_port_renames_only_the_module_path_and_classes():
+    src = ("import pytorch_lightning as pl\nfrom lightning.pytorch import LightningModule, LightningDataModule\n"
+           "class M(LightningModule): pass  # a LightningModuleX stays\n")
+    assert port(src) == ("import zerotrain as pl\nfrom zerotrain import TrainModule, DataModule\n"
+                         "class M(TrainModule): pass  # a LightningModuleX stays\n")
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("example, strategies", EXAMPLES)
+def test_example_gives_lightnings_numbers_under_every_strategy(example, strategies, tmp_path,
+                                                              monkeypatch):
+    # importing pytorch-lightning sets this variable: restore the environment after
+    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK", "1"))
+    pytest.importorskip("pytorch_lightning")
+    source = os.path.join(HERE, example)
+    ported = tmp_path / ("zt_" + example)
+    with open(source) as f:
+        ported.write_text(port(f.read()))
+    theirs = _run(source, "pl", "ddp", str(tmp_path / "pl"))
+    assert theirs[0]["batches"] and theirs[0]["rows"], "the Lightning run recorded nothing"
+    for strategy in strategies:
+        ours = _run(str(ported), "zerotrain", strategy, str(tmp_path / strategy))
+        _compare(ours, theirs, f"{example} under zerotrain {strategy}")
