@@ -13,7 +13,9 @@ This package never imports DeepSpeed.
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
+import pkgutil
 from typing import Any, Callable, Mapping
 
 import torch
@@ -29,9 +31,17 @@ from .engine import DeepSpeedEngine
 
 log = logging.getLogger("zerotrain")
 
-#: the submodules, for ``zerotrain/__init__.py`` to register under ``zerotrain.deepspeed.<name>``
-SUBMODULES = {"accelerator": accelerator, "comm": comm, "lr_schedules": lr_schedules, "moe": moe,
-              "moe.utils": moe.utils, "zero": zero}
+
+
+def _submodules() -> dict[str, Any]:
+    """Every module of this package by its dotted name below it ("comm", "moe.utils", ...), for
+    ``zerotrain/__init__.py`` to register under ``zerotrain.deepspeed.<name>``: all of them, so that
+    no path imports a second copy of one."""
+    return {info.name[len(__name__) + 1:]: importlib.import_module(info.name)
+            for info in pkgutil.walk_packages(__path__, f"{__name__}.")}
+
+
+SUBMODULES = _submodules()
 
 
 def _config_source(args: Any, config: Any, config_params: Any) -> Any:
@@ -75,9 +85,10 @@ def _scheduler(cfg: DeepSpeedConfig, client: Any, optimizer: torch.optim.Optimiz
     return client
 
 
-def _broadcast_weights(model: nn.Module) -> None:
+def _broadcast_weights(model: nn.Module, device: torch.device) -> None:
     """Rank 0's initial weights everywhere, as DeepSpeed broadcasts them at initialize (a model
-    built under zero.Init is partitioned already: nothing to broadcast)."""
+    built under zero.Init is partitioned already: nothing to broadcast). Through ``device``: NCCL
+    sends only what is on the GPU."""
     from ...strategies.zero.unit import is_placeholder
 
     if not dist.is_initialized() or dist.get_world_size() == 1:
@@ -85,7 +96,10 @@ def _broadcast_weights(model: nn.Module) -> None:
     with torch.no_grad():
         for p in model.parameters():
             if not is_placeholder(p):
-                dist.broadcast(p.data, 0)
+                t = p.data.to(device)
+                dist.broadcast(t, 0)
+                if t is not p.data:
+                    p.data.copy_(t)
 
 
 def _dataloader(cfg: DeepSpeedConfig, engine: Any, dataset: Any, collate_fn: Callable | None) -> DataLoader:
@@ -122,8 +136,9 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     if engine.global_rank == 0:
         report_ignored(cfg)
         if optimizer is not None and cfg.optimizer is not None:
-            log.warning("initialize: the config's \"optimizer\" is not used: an optimizer was passed (DeepSpeed's rule)")
-    _broadcast_weights(model)
+            log.warning("initialize: the config's \"optimizer\" is not used: an optimizer was passed "
+                        "(DeepSpeed's rule)")
+    _broadcast_weights(model, engine.device)
     opt = _optimizer(cfg, optimizer, model, model_parameters)
     wrapped_model, wrapped_opt = engine.setup(model, opt)
     zero.register(engine)

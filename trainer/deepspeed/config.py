@@ -62,7 +62,8 @@ def _fail(key: str, value: Any, problem: str, valid: str) -> ConfigError:
 
 def _whole(key: str, value: Any, least: int) -> int:
     """An integer >= ``least``; integral floats (``5e8``, as JSON configs write sizes) too."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value != int(value):
+    number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not number or value != int(value):
         raise _fail(key, value, "not a whole number", f"an integer >= {least}")
     if value < least:
         raise _fail(key, value, "too small", f"an integer >= {least}")
@@ -338,7 +339,8 @@ def _zero(raw: Mapping[str, Any], reader: _Reader, world_size: int) -> dict[str,
     options: dict[str, Any] = {}
     if "overlap_comm" in zero and stage:
         options["overlap_comm"] = _flag("zero_optimization.overlap_comm", zero["overlap_comm"])
-    stage_keys = {1: ("reduce_bucket_size", "allgather_bucket_size"), 2: ("reduce_bucket_size", "allgather_bucket_size"),
+    buckets = ("reduce_bucket_size", "allgather_bucket_size")
+    stage_keys = {1: buckets, 2: buckets,
                   3: ("stage3_prefetch_bucket_size", "stage3_max_live_parameters",
                       "stage3_param_persistence_threshold")}.get(stage, ())
     least = {"stage3_prefetch_bucket_size": 0, "stage3_param_persistence_threshold": 0}

@@ -292,7 +292,8 @@ class DeepSpeedEngine(nn.Module):
         """Collective: load ``load_dir/tag`` (default: the tag ``latest`` names; none: a warning and
         ``(None, None)``, as DeepSpeed) written by this engine, the zerotrain Engine or the Trainer,
         on any world size. Returns ``(checkpoint directory, client_state)``."""
-        refused = {"load_module_strict": (load_module_strict, True), "load_optimizer_states": (load_optimizer_states, True),
+        refused = {"load_module_strict": (load_module_strict, True),
+                   "load_optimizer_states": (load_optimizer_states, True),
                    "load_module_only": (load_module_only, False), "custom_load_fn": (custom_load_fn, None)}
         for name, (value, valid) in refused.items():
             if value != valid:

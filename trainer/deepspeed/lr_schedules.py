@@ -61,7 +61,9 @@ class _Warmup:
         raise NotImplementedError
 
     def step(self, last_batch_iteration: int | None = None) -> None:
-        self.last_batch_iteration = self.last_batch_iteration + 1 if last_batch_iteration is None else last_batch_iteration
+        if last_batch_iteration is None:
+            last_batch_iteration = self.last_batch_iteration + 1
+        self.last_batch_iteration = last_batch_iteration
         self._apply()
 
     def get_last_lr(self) -> list[float]:
