@@ -189,6 +189,20 @@ class Engine:
         self._strategy.backward(loss)
         self._grads_dirty = True
 
+    def begin_external_backward(self) -> float:
+        """For an autograd pass the caller started itself (``zerotrain.deepspeed`` accepts a plain
+        ``loss.backward()`` as DeepSpeed does): the strategy's part before autograd, now. Returns
+        the loss scale the caller multiplies the gradients entering the model by (the precision's
+        loss scaling); call ``end_external_backward`` when autograd has finished."""
+        self._require_setup("backward")
+        self._strategy._before_backward()
+        return self._strategy.precision.loss_scale
+
+    def end_external_backward(self) -> None:
+        """The strategy's part after autograd (gradient reductions) for ``begin_external_backward``."""
+        self._strategy._after_backward()
+        self._grads_dirty = True
+
     @contextlib.contextmanager
     def no_backward_sync(self, model: Any, enabled: bool = True) -> Iterator[None]:
         """Around the forward and backward of a micro-batch that only accumulates gradients

@@ -3,10 +3,12 @@ runs it with DeepSpeed 0.19.8 itself and again with only the three deepspeed imp
 to zerotrain.deepspeed (nothing else in this file may name either library).
 
     python deepspeed_script.py --deepspeed_config ds.json --out result --ckpt ckpt_dir [--zero_init]
+        [--plain_backward]
 
 It trains a small MLP for STEPS optimizer steps on the DeepSpeed dataloader (a pass of the data is
 shorter than that, so the loader is iterated again), saves a checkpoint, trains two more steps,
-loads the checkpoint and trains the same two steps again, then reads the full weights through
+loads the checkpoint and trains the same two steps again (the first STEPS with a plain
+``loss.backward()`` under --plain_backward, as DeepSpeed 0.19 allows), then reads the full weights through
 zero.GatheredParameters; with --zero_init the model is built under zero.Init and, after the
 training, rank 0 changes one bias through GatheredParameters(modifier_rank=0) and one more step
 runs. Every rank saves what it saw to ``<out>.<rank>.pt``.
@@ -45,8 +47,9 @@ def dataset() -> TensorDataset:
     return TensorDataset(x, torch.sin(x[:, :4] * 3) + 0.1 * torch.randn(SAMPLES, 4, generator=g))
 
 
-def train(engine, loader, steps: int) -> dict:
-    """``steps`` optimizer steps from a fresh pass of the loader (and further passes as needed)."""
+def train(engine, loader, steps: int, plain_backward: bool = False) -> dict:
+    """``steps`` optimizer steps from a fresh pass of the loader (and further passes as needed);
+    ``plain_backward``: ``loss.backward()`` instead of ``engine.backward(loss)``."""
     losses, lrs, firsts = [], [], []
     target = engine.global_steps + steps
     while engine.global_steps < target:
@@ -54,7 +57,10 @@ def train(engine, loader, steps: int) -> dict:
             firsts.append(float(x[0, 0]))
             x, y = x.to(engine.device), y.to(engine.device)
             loss = F.mse_loss(engine(x), y)
-            engine.backward(loss)
+            if plain_backward:
+                loss.backward()
+            else:
+                engine.backward(loss)
             boundary = engine.is_gradient_accumulation_boundary()
             engine.step()
             losses.append(loss.item())
@@ -77,6 +83,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--ckpt", required=True)
     parser.add_argument("--zero_init", action="store_true")
+    parser.add_argument("--plain_backward", action="store_true")
     parser = deepspeed.add_config_arguments(parser)
     args = parser.parse_args()
 
@@ -92,7 +99,7 @@ def main() -> None:
     engine, optimizer, loader, scheduler = deepspeed.initialize(
         args=args, model=model, model_parameters=model.parameters(), training_data=dataset())
 
-    out = {"first": train(engine, loader, STEPS)}
+    out = {"first": train(engine, loader, STEPS, args.plain_backward)}
     engine.save_checkpoint(args.ckpt, client_state={"note": "saved", "at": engine.global_steps})
     out["after_save"] = train(engine, loader, 2)
     out["weights_after_save"] = full_weights(engine)

@@ -1,6 +1,7 @@
 """A DeepSpeed script (deepspeed_script.py: ``deepspeed.initialize`` with a JSON config,
-``engine.backward``/``engine.step`` with accumulation and clipping, a warm-up LR schedule,
-``save_checkpoint``/``load_checkpoint``, ``zero.Init`` and ``GatheredParameters``) runs on 2
+``engine.backward`` (or a plain ``loss.backward()``) and ``engine.step`` with accumulation and
+clipping, a warm-up LR schedule, ``save_checkpoint``/``load_checkpoint``, ``zero.Init`` and
+``GatheredParameters``) runs on 2
 processes with DeepSpeed 0.19.8 itself (``DS_ACCELERATOR=cpu``, gloo) and again with only its three
 deepspeed import lines renamed to zerotrain.deepspeed, under ZeRO stages 1, 2, 3 and CPU offload.
 
@@ -69,6 +70,10 @@ CONFIGS = {
 }
 
 
+#: ZeRO-3 builds the model under zero.Init; ZeRO-2 trains its first steps with a plain loss.backward()
+FLAGS = {"stage3": ["--zero_init"], "stage2": ["--plain_backward"]}
+
+
 def zerotrain_script() -> str:
     text = SCRIPT.read_text()
     for pattern, replacement in RENAMES:
@@ -84,10 +89,9 @@ def test_only_the_import_lines_differ():
     assert all("import" in a and "deepspeed" in a for a, _ in changed)
 
 
-def _run_script(script: str, config: str, out: str, ckpt: str, zero_init: bool) -> dict:
+def _run_script(script: str, config: str, out: str, ckpt: str, flags: list[str]) -> dict:
     """One rank: run ``script`` as its own ``__main__`` and return what it saved."""
-    sys.argv = [script, "--deepspeed_config", config, "--out", out, "--ckpt", ckpt]
-    sys.argv += ["--zero_init"] if zero_init else []
+    sys.argv = [script, "--deepspeed_config", config, "--out", out, "--ckpt", ckpt, *flags]
     runpy.run_path(script, run_name="__main__")
     import torch.distributed as dist
     result = torch.load(f"{out}.{dist.get_rank()}.pt", weights_only=False)
@@ -104,8 +108,8 @@ def _both(tmp_path: Path, name: str) -> tuple[list[dict], list[dict], Path]:
     for side, script in scripts.items():
         out[side] = run_ranks("test_deepspeed_compat:_run_script", 2, tmp_path / side,
                               timeout=400 if side == "ds" else 200, env={"DS_ACCELERATOR": "cpu"},
-                              script=str(script), config=str(config), out=str(tmp_path / side / "result"), ckpt=str(tmp_path / side / "ckpt"),
-                              zero_init=name == "stage3")
+                              script=str(script), config=str(config), out=str(tmp_path / side / "result"),
+                              ckpt=str(tmp_path / side / "ckpt"), flags=FLAGS.get(name, []))
     return out["ds"], out["zt"], tmp_path / "zt" / "ckpt"
 
 

@@ -11,10 +11,10 @@ what the zerotrain Engine is asked to do:
   Engine's optimizer wrapper), then the LR scheduler unless an fp16 overflow skipped the step,
   and counts ``global_steps``/``global_samples``/``skipped_steps``; every call counts a micro-step.
 
-A plain ``loss.backward()`` (DeepSpeed 0.19 accepts it, dividing by the accumulation count in
-hooks on the model's outputs) is refused with a clear error at the backward itself: it would run
-autograd outside the strategy's backward, whose loss scaling and gradient bookkeeping a ZeRO
-stage needs.
+A plain ``loss.backward()`` on what the engine's forward returned works as in DeepSpeed 0.19:
+hooks on the forward's outputs divide the gradients entering the model by the accumulation count
+(and apply the fp16 loss scale) and run the strategy's parts before and after autograd
+(``Engine.begin_external_backward``/``end_external_backward``).
 
 Checkpoints are zerotrain's sharded format (``Engine.save``/``Engine.load``: readable by the
 Trainer and the Engine, on any world size), under ``save_dir/tag`` with DeepSpeed's ``latest``
@@ -123,6 +123,7 @@ class DeepSpeedEngine(nn.Module):
         self._boundary: bool | None = None  # set_gradient_accumulation_boundary's override
         self._deferring: contextlib.ExitStack | None = None  # the no_backward_sync of this micro-batch
         self._in_backward = False
+        self._external_scale: float | None = None  # set while a plain loss.backward() runs
         self._step_applied = False
         self._monitor = _Monitor(cfg, engine.global_rank)
 
@@ -192,7 +193,7 @@ class DeepSpeedEngine(nn.Module):
             out = self._model(*args, **kwargs)
         for t in _tensors(out):
             if t.requires_grad:
-                t.register_hook(self._check_backward)
+                t.register_hook(self._output_grad)
         return out
 
     def _defer_if_accumulating(self) -> None:
@@ -208,13 +209,23 @@ class DeepSpeedEngine(nn.Module):
             stack, self._deferring = self._deferring, None
             stack.close()
 
-    def _check_backward(self, grad: torch.Tensor) -> torch.Tensor:
-        if not self._in_backward:
-            raise RuntimeError(
-                "zerotrain.deepspeed: loss.backward() was called on the engine's output directly; valid: "
-                "engine.backward(loss) (zerotrain runs the backward through its strategy: loss scaling, "
-                "gradient partitioning and the division by gradient_accumulation_steps happen there)")
-        return grad
+    def _output_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        """The hook on each output of a forward. Under ``engine.backward`` the strategy scaled the
+        loss already. Under a plain ``loss.backward()`` (DeepSpeed 0.19 accepts it): the first
+        output gradient starts the strategy's backward, every output gradient is divided by
+        ``gradient_accumulation_steps`` (and multiplied by the fp16 loss scale), which is what
+        dividing the loss would do, and the strategy's part after autograd runs when autograd ends."""
+        if self._in_backward:
+            return grad
+        if self._external_scale is None:
+            self._external_scale = self._zt.begin_external_backward() / self.gradient_accumulation_steps()
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_external_backward)
+        return grad * self._external_scale
+
+    def _end_external_backward(self) -> None:
+        self._external_scale = None
+        self._zt.end_external_backward()
+        self._end_deferral()
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """The strategy's backward of ``loss / gradient_accumulation_steps`` (``scale_wrt_gas``);
