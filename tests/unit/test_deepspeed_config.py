@@ -390,3 +390,54 @@ def test_monitoring_writes_tensorboard_events_and_prints_progress(tmp_path, capl
     assert list((tmp_path / "job").glob("events.out.tfevents.*"))
     messages = [r.getMessage() for r in caplog.records]
     assert sum(m.startswith("step=") for m in messages) == 2 and sum(m.startswith("time (ms)") for m in messages) == 2
+
+
+def test_deprecated_cpu_offload_flags_mean_cpu_offload():
+    c = cfg(zero_optimization={"stage": 3, "cpu_offload": True, "cpu_offload_param": True})
+    assert c.strategy == "offload" and (c.strategy_options["optimizer_device"], c.strategy_options["param_device"]) \
+        == ("cpu", "cpu")
+    assert cfg(zero_optimization={"stage": 2, "cpu_offload": False}).strategy == "zero2"
+
+
+# ---------------------------------------------------------------------------- zero.Init, GatheredParameters
+ZERO3 = {**LOOP_CONFIG, "zero_optimization": {"stage": 3}}
+
+
+def test_zero_init_builds_the_model_the_engine_trains_and_gathered_parameters_write_back():
+    from zerotrain.strategies.zero.unit import is_placeholder
+
+    torch.manual_seed(0)
+    with deepspeed.zero.Init(config_dict_or_path=ZERO3):
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    assert all(is_placeholder(p) for p in model.parameters())  # partitioned as built
+    with pytest.raises(ConfigError, match="GatheredParameters: these parameters were built under zero.Init and are "
+                                          "not set up yet"):
+        deepspeed.zero.GatheredParameters(model[0].bias).__enter__()
+    engine, *_ = deepspeed.initialize(model=model, config=ZERO3)
+    want = _net().state_dict()  # the same seed, built eagerly
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+        for name, p in engine.module.named_parameters():
+            torch.testing.assert_close(p.detach(), want[name])
+    with deepspeed.zero.GatheredParameters(engine.module[0].bias, modifier_rank=0):
+        with torch.no_grad():
+            engine.module[0].bias.fill_(3.0)
+    assert is_placeholder(engine.module[0].bias)  # partitioned again after the block
+    assert torch.equal(engine.zerotrain_engine.strategy.full_state_dict()["0.bias"], torch.full((8,), 3.0))
+
+
+@pytest.mark.parametrize("config, match", [
+    ({**BASE, "zero_optimization": {"stage": 2}}, "zero.Init: zero_optimization.stage=2: Init partitions parameters, "
+                                                  "which only stage 3 trains; valid: 3"),
+])
+def test_zero_init_needs_stage_3(config, match):
+    with pytest.raises(ConfigError, match=match):
+        with deepspeed.zero.Init(config_dict_or_path=config):
+            pass
+
+
+def test_initialize_after_zero_init_needs_the_same_zero3_options():
+    with deepspeed.zero.Init(config_dict_or_path=ZERO3):
+        model = _net()
+    other = {**LOOP_CONFIG, "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 10}}
+    with pytest.raises(ConfigError, match="the model was built under zero.Init with other ZeRO-3 options"):
+        deepspeed.initialize(model=model, config=other)

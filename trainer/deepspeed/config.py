@@ -319,9 +319,20 @@ def _offload(zero: Mapping[str, Any], which: str, reader: _Reader) -> dict[str, 
     return out
 
 
+def _legacy_offload(zero: dict[str, Any]) -> dict[str, Any]:
+    """DeepSpeed's deprecated ``cpu_offload`` / ``cpu_offload_param`` flags, read as it reads them:
+    true means ``offload_optimizer`` / ``offload_param`` on the CPU (when that section is absent)."""
+    for old, new in (("cpu_offload", "offload_optimizer"), ("cpu_offload_param", "offload_param")):
+        if old in zero:
+            if _flag(f"zero_optimization.{old}", zero.pop(old)) and new not in zero:
+                zero[new] = {"device": "cpu"}
+    zero.pop("cpu_offload_use_pin_memory", None)  # deprecated and without effect in DeepSpeed too
+    return zero
+
+
 def _zero(raw: Mapping[str, Any], reader: _Reader, world_size: int) -> dict[str, Any]:
     """``zero_optimization`` -> a strategy name and its options."""
-    zero = _section("zero_optimization", raw.get("zero_optimization") or {})
+    zero = _legacy_offload(_section("zero_optimization", raw.get("zero_optimization") or {}))
     stage = zero.get("stage", 0)
     if isinstance(stage, bool) or stage not in ZERO_STAGES:
         raise _fail("zero_optimization.stage", stage, "not a ZeRO stage", ", ".join(map(str, ZERO_STAGES)))
