@@ -17,8 +17,8 @@ from .trainer import core, deepspeed, utilities  # noqa: E402
 for _name, _module in (("loggers", loggers), ("utilities", utilities), ("core", core)):
     _sys.modules[f"{__name__}.{_name}"] = _module
 # DeepSpeed's module paths, so that a DeepSpeed script only renames its imports
-# (``import zerotrain.deepspeed as deepspeed``): trainer/deepspeed/ and each submodule a script imports,
-# registered eagerly so that either path gives the same module object.
+# (``import zerotrain.deepspeed as deepspeed``): trainer/deepspeed/ and every module in it, registered
+# eagerly so that either path gives the same module object.
 _sys.modules[f"{__name__}.deepspeed"] = deepspeed
 for _name, _module in deepspeed.SUBMODULES.items():
     _sys.modules[f"{__name__}.deepspeed.{_name}"] = _module

@@ -441,3 +441,16 @@ def test_initialize_after_zero_init_needs_the_same_zero3_options():
     other = {**LOOP_CONFIG, "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 10}}
     with pytest.raises(ConfigError, match="the model was built under zero.Init with other ZeRO-3 options"):
         deepspeed.initialize(model=model, config=other)
+
+
+def test_checkpoint_tags_latest_and_client_state(tmp_path):
+    model = _net()
+    engine, *_ = deepspeed.initialize(model=model, config={**LOOP_CONFIG, "zero_optimization": {"stage": 2}})
+    assert engine.load_checkpoint(tmp_path) == (None, None)  # no `latest` yet: nothing loaded, as DeepSpeed
+    engine.save_checkpoint(tmp_path, tag="a", client_state={"epoch": 3})
+    engine.save_checkpoint(tmp_path, tag="b", client_state={"epoch": 4}, save_latest=False)
+    assert (tmp_path / "latest").read_text().strip() == "a"
+    assert engine.load_checkpoint(tmp_path) == (str(tmp_path / "a"), {"epoch": 3})
+    assert engine.load_checkpoint(tmp_path, tag="b") == (str(tmp_path / "b"), {"epoch": 4})
+    with pytest.raises(ConfigError, match="load_checkpoint: load_optimizer_states=False; valid: True"):
+        engine.load_checkpoint(tmp_path, load_optimizer_states=False)
