@@ -9,13 +9,19 @@ from .callbacks import (Callback, CSVLogger, EarlyStopping, LearningRateMonitor,
                         ModelSummary, ProgressBar, TensorBoardLogger, ThroughputMonitor, Timer, TQDMProgressBar)
 from .trainer import CheckpointError, ConfigError, DataModule, Engine, Trainer, TrainModule, seed_everything  # noqa: E402
 from .callbacks import loggers  # noqa: E402
-from .trainer import core, utilities  # noqa: E402
+from .trainer import core, deepspeed, utilities  # noqa: E402
 
 # Lightning's module paths, so that ported code only renames `lightning.pytorch` to `zerotrain`:
 # zerotrain.loggers / .utilities / .core are modules of the existing packages, registered under
 # those names (the repository's top-level folders stay as they are).
 for _name, _module in (("loggers", loggers), ("utilities", utilities), ("core", core)):
     _sys.modules[f"{__name__}.{_name}"] = _module
+# DeepSpeed's module paths, so that a DeepSpeed script only renames its imports
+# (``import zerotrain.deepspeed as deepspeed``): trainer/deepspeed/ and every module in it, registered
+# eagerly so that either path gives the same module object.
+_sys.modules[f"{__name__}.deepspeed"] = deepspeed
+for _name, _module in deepspeed.SUBMODULES.items():
+    _sys.modules[f"{__name__}.deepspeed.{_name}"] = _module
 del _name, _module
 
 __all__ = ["Trainer", "Engine", "TrainModule", "DataModule", "Callback", "ModelCheckpoint", "EarlyStopping", "Timer",

@@ -189,6 +189,20 @@ class Engine:
         self._strategy.backward(loss)
         self._grads_dirty = True
 
+    def begin_external_backward(self) -> float:
+        """For an autograd pass the caller started itself (``zerotrain.deepspeed`` accepts a plain
+        ``loss.backward()`` as DeepSpeed does): the strategy's part before autograd, now. Returns
+        the loss scale the caller multiplies the gradients entering the model by (the precision's
+        loss scaling); call ``end_external_backward`` when autograd has finished."""
+        self._require_setup("backward")
+        self._strategy._before_backward()
+        return self._strategy.precision.loss_scale
+
+    def end_external_backward(self) -> None:
+        """The strategy's part after autograd (gradient reductions) for ``begin_external_backward``."""
+        self._strategy._after_backward()
+        self._grads_dirty = True
+
     @contextlib.contextmanager
     def no_backward_sync(self, model: Any, enabled: bool = True) -> Iterator[None]:
         """Around the forward and backward of a micro-batch that only accumulates gradients
@@ -243,12 +257,12 @@ class Engine:
             print(*args, **kwargs)
 
     # ------------------------------------------------------------------ checkpoints
-    def save(self, path: str, state: dict[str, Any]) -> None:
+    def save(self, path: str, state: dict[str, Any], update_latest: bool = True) -> None:
         """Collective: write the checkpoint directory ``path`` in the Trainer's sharded format
-        (every rank its shard; ``latest`` beside it names it). ``state`` holds the model and
-        optimizer from ``setup`` (under any keys) and anything else: objects with ``state_dict()``
-        (an LR scheduler: the Trainer resumes it too) and plain values (numbers, strings,
-        tensors, lists and dicts of them)."""
+        (every rank its shard; ``latest`` beside it names it, unless ``update_latest`` is False).
+        ``state`` holds the model and optimizer from ``setup`` (under any keys) and anything else:
+        objects with ``state_dict()`` (an LR scheduler: the Trainer resumes it too) and plain
+        values (numbers, strings, tensors, lists and dicts of them)."""
         self._require_setup("save")
         user = {k: self._saved_value(k, v) for k, v in state.items() if not self._is_setup_object(v)}
         scheds = [v for v in state.values() if isinstance(v, torch.optim.lr_scheduler.LRScheduler)]
@@ -260,7 +274,7 @@ class Engine:
                         data={"batch_size": loader.batch_size if loader is not None else None,
                               "world": self._strategy.data_parallel_world_size})
 
-        checkpointing.save_strategy(self._strategy, self._optimizer.optimizer, path, engine_meta)
+        checkpointing.save_strategy(self._strategy, self._optimizer.optimizer, path, engine_meta, update_latest)
 
     def load(self, path: str, state: dict[str, Any]) -> dict[str, Any]:
         """Collective: load a checkpoint written by the Engine or the Trainer, with any strategy on
