@@ -32,8 +32,8 @@ import torch
 from harness import run_ranks
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
-                                reason="deepspeed is not installed (it is zerotrain's `bench` extra: "
-                                       "pip install -e '.[bench]'); these tests compare against it")
+                                reason="deepspeed is not installed (it is in zerotrain's `dev` extra: "
+                                       "pip install -e '.[dev]'); these tests compare against it")
 
 SCRIPT = Path(__file__).with_name("deepspeed_script.py")
 #: the only lines the zerotrain run changes (the import changes the README tells users to make)
