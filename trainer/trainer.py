@@ -27,6 +27,7 @@ from .hooks import HookDispatcher, merge_callbacks, warn_not_called
 from .launcher import LocalLauncher
 from .datamodule import DataModule
 from .module import TrainModule
+from .optimization import Optimization
 from .state import LoopState
 from .utilities import GLOBAL_SEED_ENV, seed_rngs
 from .watchdog import ProgressWatchdog, make_watchdog
@@ -478,27 +479,18 @@ class Trainer:
             torch.set_rng_state(own)
 
     def _configure_optimizers(self, module: TrainModule) -> None:
-        cfg = module.configure_optimizers()
-        sched, interval = None, "step"
-        if isinstance(cfg, dict):
-            opt = cfg.get("optimizer")
-            sched_cfg = cfg.get("lr_scheduler")
-            if isinstance(sched_cfg, dict):
-                sched, interval = sched_cfg.get("scheduler"), sched_cfg.get("interval", "step")
-            else:
-                sched = sched_cfg
-        elif isinstance(cfg, (tuple, list)):
-            opt, sched = (cfg[0], cfg[1] if len(cfg) > 1 else None)
-            if isinstance(opt, (list, tuple)):
-                opt, sched = opt[0], (sched[0] if isinstance(sched, (list, tuple)) and sched else sched)
-        else:
-            opt = cfg
-        if not isinstance(opt, torch.optim.Optimizer):
-            raise ConfigError(f"configure_optimizers() must return an optimizer, (optimizer, scheduler) "
-                              f"or a dict with 'optimizer'; got {type(cfg).__name__}")
-        if interval not in ("step", "epoch"):
-            raise ConfigError(f"lr_scheduler interval={interval!r}; valid choices: step, epoch")
-        self.optimizer, self.lr_scheduler, self.lr_scheduler_interval = opt, sched, interval
+        """``configure_optimizers`` read as Lightning reads it (``trainer/optimization.py``); the
+        strategy gets one optimizer, or an ``OptimizerSet`` of several (manual optimization)."""
+        self._optim = Optimization(self, module)
+        self.optimizer, self.lr_scheduler = self._optim.held, self._optim.scheduler
+        self.lr_scheduler_interval = self._optim.schedulers[0].interval if self._optim.schedulers else "step"
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """The optimizers ``configure_optimizers`` returned (Lightning's ``trainer.optimizers``)."""
+        return list(self._optim.optimizers) if self._optim is not None else []
+
+    _optim: Optimization | None = None
 
     def _prepare_loader(self, loader: Any, stage: str) -> Any:
         """Put a DistributedSampler under map-style data, so each data-parallel rank sees its
@@ -596,8 +588,7 @@ class Trainer:
             self._run_validation(self.val_dataloader)
         self._tick("on_train_epoch_end")
         self.hooks.both("on_train_epoch_end", self, self.module)
-        if self.lr_scheduler is not None and self.lr_scheduler_interval == "epoch":
-            self.lr_scheduler.step()
+        self._optim.step_schedulers("epoch")
         st.epoch += 1
         st.batches_in_epoch = 0
 
@@ -615,6 +606,8 @@ class Trainer:
         self._tick("on_train_batch_start")
         if self.hooks.both("on_train_batch_start", self, module, batch, batch_idx) == -1:
             return None
+        if self._optim.manual:
+            return self._optim.run_manual_batch(batch, batch_idx)
         batch_hooks = _BatchHooks(self, batch_idx)
         with (s.no_sync() if not last_micro else contextlib.nullcontext()):
             self._tick("training_step")
@@ -643,8 +636,8 @@ class Trainer:
             elastic.lower_after_first_step(s, self.collective_timeout_s)
             if self._watchdog is not None:
                 self._watchdog.arm()
-            if stepped and self.lr_scheduler is not None and self.lr_scheduler_interval == "step":
-                self.lr_scheduler.step()
+            if stepped:
+                self._optim.step_schedulers("step")
             st.skipped_steps += not stepped
             st.global_step += 1
             if st.global_step % self.log_every_n_steps == 0:
