@@ -177,6 +177,11 @@ class Optimization:
         for c, s in zip(self.schedulers, saved):
             c.scheduler.load_state_dict(s)
 
+    def trained_steps(self, state: Any) -> int:
+        """What ``val_check_interval`` counts: optimizer steps, or in manual optimization batches
+        (Lightning's count there; a batch may step several optimizers, or none)."""
+        return state.total_batches if self.manual else state.global_step
+
     # ------------------------------------------------------------------ manual optimization
     def require_manual(self, what: str) -> None:
         if not self.manual:
@@ -207,7 +212,7 @@ class Optimization:
             t.progress_bar_metrics["loss"] = float(loss.detach())
         t.state.batches_in_epoch += 1
         t.state.total_batches += 1
-        if t.state.global_step and t.state.global_step % t.log_every_n_steps == 0:
+        if t.state.total_batches % t.log_every_n_steps == 0:  # Lightning counts batches here
             t._emit(t._collect_step_metrics())
         t._tick("on_train_batch_end")
         t.hooks.both("on_train_batch_end", t, t.module, out, batch, batch_idx)

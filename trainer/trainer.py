@@ -560,7 +560,8 @@ class Trainer:
                 cut = stepped is None  # the module's on_train_batch_start returned -1
                 if cut:  # the epoch ends here, without its end-of-epoch validation (as Lightning)
                     break
-                if stepped and val_every and self._validates_this_epoch() and st.global_step % val_every == 0:
+                if stepped and val_every and self._validates_this_epoch() and \
+                        self._optim.trained_steps(st) % val_every == 0:
                     self._run_validation(self.val_dataloader)
                 self._tick("fetching the next training batch")
             else:

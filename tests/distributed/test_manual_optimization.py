@@ -229,9 +229,16 @@ def test_single_process(tmp_path):
     _check([_fit("single", 1, str(tmp_path))])
 
 
+def _group(name: str, names: list[str]) -> list[str]:
+    """DDP runs in a spawn of its own (once, a rank aborted in a later run of the same process
+    after a DDP run: keep DDP's reducer out of the other runs' processes)."""
+    return ["ddp"] if name == "ddp" else [n for n in names if n != "ddp"]
+
+
 @pytest.mark.parametrize("name", STRATEGIES)
 def test_two_processes_equal_plain_pytorch(name, tmp_path_factory):
-    runs = _spawn(tmp_path_factory, 2, [dict(name=n) for n in STRATEGIES])[STRATEGIES.index(name)]
+    names = _group(name, STRATEGIES)
+    runs = _spawn(tmp_path_factory, 2, [dict(name=n) for n in names])[names.index(name)]
     assert all(r["step"] == 2 * EPOCHS for r in runs), "each optimizer step counts one global_step"
     _check(runs)
 
@@ -258,7 +265,7 @@ ENGINE_STRATEGIES = ["ddp", "zero1", "zero2", "zero3", "offload"]
 @pytest.mark.parametrize("name", ENGINE_STRATEGIES)
 def test_engine_two_optimizers_equal_plain_pytorch(name, tmp_path_factory):
     """``engine.setup(model, opt1, opt2)``: each wrapper's step() steps and zeroes its own optimizer."""
-    runs = _spawn(tmp_path_factory, 2, [dict(name=n, engine=True) for n in ENGINE_STRATEGIES])
-    runs = runs[ENGINE_STRATEGIES.index(name)]
+    names = _group(name, ENGINE_STRATEGIES)
+    runs = _spawn(tmp_path_factory, 2, [dict(name=n, engine=True) for n in names])[names.index(name)]
     assert all(r["step"] == 2 * EPOCHS for r in runs)
     _check(runs)

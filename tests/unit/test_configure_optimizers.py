@@ -239,3 +239,37 @@ def test_manual_backward_calls_the_backward_hooks_per_call():
 
     _zt_trainer(max_steps=2).fit(Hooked())
     assert calls == ["before", "after", "Adam", "before", "after", "SGD"]
+
+
+def test_pipeline_refuses_manual_optimization_at_set_up():
+    from types import SimpleNamespace
+
+    from zerotrain.strategies import strategy_from_name
+    from zerotrain.trainer.optimization import Optimization
+
+    trainer = SimpleNamespace(gradient_clip_val=None, accumulate_grad_batches=1,
+                              strategy=strategy_from_name("pipeline"))
+    with pytest.raises(ConfigError, match="strategy='pipeline'.*automatic_optimization = False"):
+        Optimization(trainer, make_gan(TrainModule))
+
+
+def test_val_check_interval_counts_batches_in_manual_optimization_as_lightning():
+    """Two optimizer steps per batch; validation every 2 batches, as Lightning counts them."""
+    def with_validation(base):
+        module = make_gan(base)
+        seen = []
+
+        def validation_step(batch, batch_idx):
+            if batch_idx == 0:
+                seen.append(module.trainer.global_step)
+
+        module.validation_step, module.val_dataloader, module.seen = validation_step, module.train_dataloader, seen
+        return module
+
+    pl = _pl()
+    theirs, ours = with_validation(pl.LightningModule), with_validation(TrainModule)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _pl_trainer(max_epochs=1, val_check_interval=2, limit_val_batches=1).fit(theirs)
+    _zt_trainer(max_epochs=1, val_check_interval=2, limit_val_batches=1).fit(ours)
+    assert ours.seen == theirs.seen == [4, 8]
