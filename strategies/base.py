@@ -44,8 +44,8 @@ precision's ``pre_backward``/``backward``/``post_backward``, and steps through `
                                 -> precision.backward -> precision.post_backward -> _after_backward
     optimizer_step              _gradients_ready -> step_gradients -> precision.unscale_and_check
                                 -> precision.update -> [no overflow: clip_grad_norm_ (_grad_norm,
-                                _scale_grads) -> _inner_step -> _refresh_params] -> zero_grad
-                                -> _after_step
+                                _scale_grads) -> _inner_step -> _refresh_params] -> _end_step
+                                -> zero_grad -> _after_step   (``which=k``: optimizer k's groups only)
     skip_step                   _gradients_ready -> zero_grad
 
 ZeRO supplies the gradient buffers around backward, its fp32 gradient partitions, the
@@ -64,6 +64,7 @@ from torch import nn
 
 from . import progress
 from .environment import ProcessInfo, init_process_group
+from .optimizers import group_indices, selecting
 from .precision import Precision
 
 
@@ -181,7 +182,10 @@ class Strategy:
         self.precision = Precision()
         self.module: nn.Module | None = None  # the user's TrainModule, unwrapped
         self.model: nn.Module | None = None  # what the step runs through (may wrap self.module)
+        #: the user's optimizer, or an ``OptimizerSet`` of several (``strategies/optimizers.py``)
         self.optimizer: torch.optim.Optimizer | None = None
+        #: inside ``optimizer_step(which=k)``: optimizer k's param-group indices (None: every group)
+        self._step_groups: list[int] | None = None
 
     # ------------------------------------------------------------------ environment
     def connect(self, info: ProcessInfo, device: torch.device, precision: Precision) -> None:
@@ -299,25 +303,66 @@ class Strategy:
         return contextlib.nullcontext()
 
     def optimizer_step(self, gradient_clip_val: float | None = None,
-                       gradient_clip_algorithm: str = "norm") -> bool:
+                       gradient_clip_algorithm: str = "norm", which: int | None = None,
+                       zero_grad: bool = True) -> bool:
         """Gradients ready -> unscale and check overflow (every rank together) -> clip (by global
         norm, or by value: ``gradient_clip_algorithm``) -> inner step -> refresh the working
         parameters -> zero the gradients. On overflow the step is skipped on every rank (the
-        gradients are still zeroed). Returns whether it stepped."""
-        self._gradients_ready()
-        loss_scale = self.precision.loss_scale  # what backward scaled by (update() may change it)
-        overflow = self.precision.unscale_and_check(self.step_gradients(), self.any_rank)
-        self.precision.update(overflow)
-        if not overflow:
-            if gradient_clip_val and gradient_clip_algorithm == "value":
-                self.clip_grad_value_(gradient_clip_val, loss_scale)
-            elif gradient_clip_val:
-                self.clip_grad_norm_(gradient_clip_val)
-            self._inner_step(loss_scale)
-            self._refresh_params()
-        self.zero_grad()
-        self._after_step(stepped=not overflow)
+        gradients are still zeroed). Returns whether it stepped.
+
+        ``which``: step optimizer ``which`` of an ``OptimizerSet`` only - every piece (unscale,
+        overflow, clip, inner step, zeroing) sees that optimizer's param groups only, as a plain
+        PyTorch ``opt.step()`` touches only its parameters. ``zero_grad=False`` (manual
+        optimization) keeps the gradients: the user zeroes them, and until then they accumulate."""
+        with self._selecting(which):
+            self._gradients_ready()
+            loss_scale = self.precision.loss_scale  # what backward scaled by (update() may change it)
+            overflow = self.precision.unscale_and_check(self.step_gradients(), self.any_rank)
+            self.precision.update(overflow)
+            if not overflow:
+                if gradient_clip_val and gradient_clip_algorithm == "value":
+                    self.clip_grad_value_(gradient_clip_val, loss_scale)
+                elif gradient_clip_val:
+                    self.clip_grad_norm_(gradient_clip_val)
+                self._inner_step(loss_scale)
+                self._refresh_params()
+            self._end_step()
+            if zero_grad:
+                self.zero_grad(which)
+            self._after_step(stepped=not overflow)
         return not overflow
+
+    @contextlib.contextmanager
+    def _selecting(self, which: int | None) -> Iterator[None]:
+        """Restrict the step's pieces to optimizer ``which``'s param groups (None: all)."""
+        prev, self._step_groups = self._step_groups, group_indices(self.optimizer, which)
+        try:
+            with selecting(self.optimizer, which):
+                yield
+        finally:
+            self._step_groups = prev
+
+    def _selected_params(self) -> set[int] | None:
+        """``id``s of the parameters in the selected param groups (None: no selection)."""
+        if self._step_groups is None:
+            return None
+        groups = self.optimizer.param_groups
+        return {id(p) for g in self._step_groups for p in groups[g]["params"]}
+
+    def _end_step(self) -> None:
+        """After the inner step, taken or not, before any zeroing: forget what belonged to this
+        step only (a stepper's gradient copies, a folded clip coefficient)."""
+
+    def manual_backward(self, loss: torch.Tensor) -> None:
+        """A backward the user calls in a training step (Lightning's manual optimization): as
+        ``backward``, after ``_before_manual_backward`` (DDP: re-arm its reducer for this loss, as
+        several backwards may follow one forward). Always synchronising: the gradients of every
+        backward accumulate until the user zeroes them."""
+        self._before_manual_backward(loss)
+        self.backward(loss)
+
+    def _before_manual_backward(self, loss: torch.Tensor) -> None:
+        """Before a user-called backward."""
 
     def skip_step(self) -> None:
         """Collective: drop this step's gradients without stepping (every rank together; the
@@ -330,9 +375,11 @@ class Strategy:
         or run the reductions the backward did not)."""
 
     def step_gradients(self) -> list[torch.Tensor]:
-        """The gradient tensors this rank's optimizer steps on, after reduction."""
+        """The gradient tensors this rank's optimizer steps on, after reduction (those of the
+        selected optimizer inside ``optimizer_step(which=k)``)."""
         assert self.module is not None
-        return [p.grad for p in self.module.parameters() if p.grad is not None]
+        mine = self._selected_params()
+        return [p.grad for p in self.module.parameters() if p.grad is not None and (mine is None or id(p) in mine)]
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip the step gradients to a global L2 norm of ``max_norm``; returns the norm before
@@ -380,9 +427,12 @@ class Strategy:
         """After the inner step: bring the working parameters up to date (ZeRO: all-gather the
         updated partitions). Replicated strategies step the working parameters themselves."""
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, which: int | None = None) -> None:
+        """Release the gradients of every parameter, or of optimizer ``which``'s only (the others
+        keep accumulating, as in a plain PyTorch loop)."""
         assert self.optimizer is not None
-        self.optimizer.zero_grad(set_to_none=True)
+        with selecting(self.optimizer, which):
+            self.optimizer.zero_grad(set_to_none=True)
 
     def _after_step(self, stepped: bool) -> None:
         """After every optimizer step, taken or skipped for overflow."""

@@ -8,7 +8,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch.nn.parallel import DistributedDataParallel
+from torch.nn.parallel.distributed import _find_tensors
 
 from .base import PROCESS_GROUP_TIMEOUT_S, StepWrapper, Strategy
 from .options import check_bool, config_from
@@ -57,3 +59,18 @@ class DDP(Strategy):
         if isinstance(self.model, DistributedDataParallel):
             return self.model.no_sync()
         return contextlib.nullcontext()
+
+    def _before_manual_backward(self, loss: torch.Tensor) -> None:
+        """DDP arms its reducer for one backward at the end of each forward. Manual optimization
+        runs several backwards after one training-step forward, so each is armed here for its own
+        loss (the graph it searches for unused parameters, with ``find_unused_parameters``);
+        gradients a backward leaves accumulate and are averaged with the next, which is exact as
+        they are equal on every rank."""
+        model = self.model
+        if not isinstance(model, DistributedDataParallel) or not model.require_backward_grad_sync:
+            return
+        if not torch.is_grad_enabled():
+            return
+        model.require_forward_param_sync = True
+        unused = list(_find_tensors(loss)) if model.find_unused_parameters and not model.static_graph else []
+        model.reducer.prepare_for_backward(unused)

@@ -27,7 +27,7 @@ def save(trainer: "Trainer", path: str, update_latest: bool = True) -> None:
 
     def loop_meta(meta: dict[str, Any]) -> None:  # rank 0: the Trainer's part, then the hook
         meta.update(loop=trainer.state.state_dict(), callbacks=trainer.hooks.state_dict(),
-                    scheduler=trainer.lr_scheduler.state_dict() if trainer.lr_scheduler is not None else None,
+                    scheduler=trainer._optim.scheduler_state(),
                     data={"batch_size": getattr(loader, "batch_size", None),
                           "world": trainer.strategy.data_parallel_world_size,
                           "accumulate_grad_batches": trainer.accumulate_grad_batches})
@@ -126,8 +126,7 @@ def load(trainer: "Trainer", path: str) -> None:
     if note:
         log.warning("resume: %s", note)
     trainer.state.load_state_dict(loop)
-    if trainer.lr_scheduler is not None and meta.get("scheduler") is not None:
-        trainer.lr_scheduler.load_state_dict(meta["scheduler"])
+    trainer._optim.load_scheduler_state(meta.get("scheduler"))
     trainer.hooks.load_state_dict(meta.get("callbacks", {}))
     trainer.module.on_load_checkpoint(meta)  # Lightning's order: the module, then the callbacks
     trainer.hooks("on_load_checkpoint", trainer, trainer.module, meta)

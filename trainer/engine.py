@@ -30,9 +30,9 @@ happens inside that sequence, after the gradients are unscaled and checked, wher
 format, written and read by the same functions (``checkpointing.save_strategy`` /
 ``load_strategy``) with the Trainer's loop counters, so a checkpoint of either resumes in the other.
 
-Limits, each from the Strategy interface: one model and one optimizer per Engine (a strategy
-holds one of each, and a ZeRO stage lays out the optimizer over every trainable parameter: use
-param groups for different hyperparameters); the pipeline strategy is refused (it runs its own
+Limits, each from the Strategy interface: one model per Engine; several optimizers are held by
+the strategy as one ``OptimizerSet`` (every trainable parameter in exactly one of them), each
+wrapper's ``step()`` stepping and zeroing its own parameters only; the pipeline strategy is refused (it runs its own
 forward/backward schedule, which a user's loop cannot express). Every rank must build the model
 from the same seed, as under the Trainer (ZeRO-1/2 take each rank's own values for its partition).
 
@@ -56,6 +56,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..strategies import Strategy, progress
+from ..strategies.optimizers import OptimizerSet
 from . import checkpoint_io, checkpointing, reshard
 from .errors import ConfigError
 from .job import distributed_loader, join_job, plugins
@@ -104,7 +105,7 @@ class Engine:
         self._model: EngineModule | None = None
         self._optimizer: EngineOptimizer | None = None
         self._train_loader: EngineLoader | None = None
-        self._grads_dirty = False  # a backward ran since the last step or zero_grad
+        self._optimizers: list[EngineOptimizer] = []  # one wrapper per optimizer given to setup
 
     # ------------------------------------------------------------------ the job
     def launch(self) -> None:
@@ -149,19 +150,22 @@ class Engine:
                               "nn.Module")
         if not isinstance(model, nn.Module):
             raise ConfigError(f"Engine.setup: model={type(model).__name__}; valid: an nn.Module")
-        if len(optimizers) != 1 or not isinstance(optimizers[0], torch.optim.Optimizer):
+        if not optimizers or not all(isinstance(o, torch.optim.Optimizer) for o in optimizers):
             raise ConfigError(
                 f"Engine.setup: {len(optimizers)} optimizers given ({', '.join(type(o).__name__ for o in optimizers)}); "
-                f"valid: exactly one torch.optim.Optimizer: strategy={self._strategy.name!r} steps one optimizer "
-                "over all trainable parameters (give it param groups for different hyperparameters)")
+                "valid: one or more torch.optim.Optimizer, built on the model's parameters")
         s = self._strategy
+        held = optimizers[0] if len(optimizers) == 1 else OptimizerSet(optimizers)
         try:
             s.setup_module(model)
-            s.setup_optimizer(optimizers[0])
+            s.setup_optimizer(held)
         except ValueError as exc:  # the strategy's checks (parameters outside the optimizer, ...)
             raise ConfigError(f"Engine.setup: {exc}") from None
-        self._model, self._optimizer = EngineModule(s, model), EngineOptimizer(self, optimizers[0])
-        return self._model, self._optimizer
+        self._model = EngineModule(s, model)
+        self._optimizers = [EngineOptimizer(self, o, k if len(optimizers) > 1 else None)
+                            for k, o in enumerate(optimizers)]
+        self._optimizer = self._optimizers[0]
+        return (self._model, *self._optimizers)
 
     def setup_dataloaders(self, *loaders: Any, move_to_device: bool = True) -> Any:
         """Each loader over a DistributedSampler (the Trainer's, same shuffle and ``seed``), its
@@ -186,8 +190,11 @@ class Engine:
         """``loss.backward()`` as the strategy does it (loss scaling, gradient buffers and
         reductions). Divide the loss by the accumulation count yourself, as in plain PyTorch."""
         self._require_setup("backward")
-        self._strategy.backward(loss)
-        self._grads_dirty = True
+        s = self._strategy
+        # several optimizers: a forward may be followed by several backwards (DDP re-arms per loss)
+        s.backward(loss) if len(self._optimizers) == 1 else s.manual_backward(loss)
+        for o in self._optimizers:
+            o.dirty = True
 
     def begin_external_backward(self) -> float:
         """For an autograd pass the caller started itself (``zerotrain.deepspeed`` accepts a plain
@@ -201,7 +208,8 @@ class Engine:
     def end_external_backward(self) -> None:
         """The strategy's part after autograd (gradient reductions) for ``begin_external_backward``."""
         self._strategy._after_backward()
-        self._grads_dirty = True
+        for o in self._optimizers:
+            o.dirty = True
 
     @contextlib.contextmanager
     def no_backward_sync(self, model: Any, enabled: bool = True) -> Iterator[None]:
@@ -217,9 +225,9 @@ class Engine:
         step clips, after it unscaled the gradients and checked them for overflow (the strategy's
         sequence): so this returns nothing, and is called once per step, before ``step()``."""
         self._check_model(model, "clip_gradients")
-        if optimizer is not self._optimizer:
-            raise ConfigError("Engine.clip_gradients: optimizer is not the one engine.setup returned; valid: "
-                              "the optimizer wrapper from engine.setup(model, optimizer)")
+        if not any(optimizer is o for o in self._optimizers):
+            raise ConfigError("Engine.clip_gradients: optimizer is not one engine.setup returned; valid: "
+                              "an optimizer wrapper from engine.setup(model, optimizer, ...)")
         if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
             raise ConfigError(f"Engine.clip_gradients: max_norm={max_norm!r}; valid: a number > 0")
         optimizer.clip_at = float(max_norm)
@@ -274,7 +282,7 @@ class Engine:
                         data={"batch_size": loader.batch_size if loader is not None else None,
                               "world": self._strategy.data_parallel_world_size})
 
-        checkpointing.save_strategy(self._strategy, self._optimizer.optimizer, path, engine_meta, update_latest)
+        checkpointing.save_strategy(self._strategy, self._strategy.optimizer, path, engine_meta, update_latest)
 
     def load(self, path: str, state: dict[str, Any]) -> dict[str, Any]:
         """Collective: load a checkpoint written by the Engine or the Trainer, with any strategy on
@@ -285,7 +293,7 @@ class Engine:
         saved entries ``state`` did not ask for."""
         self._require_setup("load")
         s = self._strategy
-        meta = checkpointing.load_strategy(s, self._optimizer.optimizer, path)
+        meta = checkpointing.load_strategy(s, s.optimizer, path)
         loop, note = reshard.resume_position(meta.get("loop", {}), meta.get("data"),
                                              getattr(self._train_loader, "batch_size", None),
                                              s.data_parallel_world_size)
@@ -320,7 +328,7 @@ class Engine:
                         self.global_rank, len(rng))
 
     def _is_setup_object(self, obj: Any) -> bool:
-        return obj is self._model or obj is self._optimizer
+        return obj is self._model or any(obj is o for o in self._optimizers)
 
     def _saved_value(self, key: str, value: Any) -> Any:
         if isinstance(value, (EngineModule, EngineOptimizer, nn.Module, torch.optim.Optimizer)):
@@ -380,20 +388,22 @@ class EngineOptimizer:
     ``clip_gradients`` asked for, the inner step of the user's optimizer, parameter refresh, zeroed
     gradients); returns whether it stepped (False: an fp16 overflow skipped it). ``param_groups``
     and every other attribute are the user's optimizer's, so setting ``lr`` and LR schedulers built
-    on it work as in plain PyTorch."""
+    on it work as in plain PyTorch. One of several (``which``): its step and zeroing touch its own
+    parameters only; the others' gradients keep accumulating."""
 
-    def __init__(self, engine: Engine, optimizer: torch.optim.Optimizer) -> None:
-        self.engine, self.optimizer = engine, optimizer
+    def __init__(self, engine: Engine, optimizer: torch.optim.Optimizer, which: int | None = None) -> None:
+        self.engine, self.optimizer, self.which = engine, optimizer, which
         self.clip_at: float | None = None  # set by Engine.clip_gradients for the next step
+        self.dirty = False  # a backward ran since this optimizer's gradients were last zeroed
 
     def step(self, closure: Any = None) -> bool:
         if closure is not None:
             raise ConfigError("EngineOptimizer.step: closure given; valid: step() without a closure (the "
                               "strategy runs the forward and backward through the engine, not the optimizer)")
         e = self.engine
-        stepped = e.strategy.optimizer_step(self.clip_at)
+        stepped = e.strategy.optimizer_step(self.clip_at, which=self.which)
         self.clip_at = None
-        e._grads_dirty = False
+        self.dirty = False
         e.progress.global_step += 1
         e.progress.skipped_steps += not stepped
         return stepped
@@ -401,9 +411,9 @@ class EngineOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The strategy's gradients dropped (it decides how they are kept; ``set_to_none`` is
         accepted for plain PyTorch's signature). A no-op right after ``step()``, which zeroes."""
-        if self.engine._grads_dirty:
-            self.engine.strategy.zero_grad()
-            self.engine._grads_dirty = False
+        if self.dirty:
+            self.engine.strategy.zero_grad(self.which)
+            self.dirty = False
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.optimizer, name)

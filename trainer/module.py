@@ -38,8 +38,11 @@ class TrainModule(nn.Module, DataHooks):
         return self(batch)
 
     def configure_optimizers(self) -> Any:
-        """An optimizer, ``(optimizer, scheduler)``, or ``{"optimizer": ..., "lr_scheduler":
-        {"scheduler": ..., "interval": "step" | "epoch"}}``."""
+        """As Lightning: an optimizer, a list of them, ``([optimizers], [schedulers])``, a dict
+        ``{"optimizer": ..., "lr_scheduler": {"scheduler": ..., "interval": "step" | "epoch"}}``
+        (default interval: epoch) or a list of such dicts; or zerotrain's ``(optimizer,
+        scheduler)``, stepped per step. Several optimizers need ``automatic_optimization = False``
+        (``trainer/optimization.py``)."""
         raise NotImplementedError(f"{type(self).__name__} must implement configure_optimizers()")
 
     def configure_model(self) -> None:
@@ -123,6 +126,44 @@ class TrainModule(nn.Module, DataHooks):
     def logger(self):
         """The first of the Trainer's loggers, or None (Lightning's ``self.logger``)."""
         return next(iter(self.loggers), None)
+
+    # ---- manual optimization (Lightning's API; the logic is trainer/optimization.py)
+    #: False: ``training_step`` backwards and steps itself (``manual_backward``, ``optimizers()``)
+    automatic_optimization = True
+
+    def optimizers(self, use_pl_optimizer: bool = True) -> Any:
+        """The optimizer wrappers (one, or a list for several); ``use_pl_optimizer=False``: the
+        optimizers themselves."""
+        optim = self.trainer._optim
+        opts = optim.wrappers if use_pl_optimizer else optim.optimizers
+        return opts[0] if len(opts) == 1 else list(opts)
+
+    def lr_schedulers(self) -> Any:
+        """The LR schedulers (None, one, or a list for several), to step yourself in manual mode."""
+        scheds = [c.scheduler for c in self.trainer._optim.schedulers]
+        return None if not scheds else scheds[0] if len(scheds) == 1 else scheds
+
+    def manual_backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()`` as the strategy does it (loss scaling, gradient reduction), with
+        the ``on_before_backward``/``on_after_backward`` hooks."""
+        self.trainer._optim.manual_backward(loss)
+
+    def toggle_optimizer(self, optimizer: Any) -> None:
+        """Only ``optimizer``'s parameters require grad until ``untoggle_optimizer``."""
+        self.trainer._optim.toggle(optimizer)
+
+    def untoggle_optimizer(self, optimizer: Any) -> None:
+        self.trainer._optim.untoggle(optimizer)
+
+    def toggled_optimizer(self, optimizer: Any) -> Any:
+        """``toggle_optimizer``/``untoggle_optimizer`` as a context manager."""
+        return self.trainer._optim.toggled(optimizer)
+
+    def clip_gradients(self, optimizer: Any, gradient_clip_val: float | None = None,
+                       gradient_clip_algorithm: str | None = None) -> None:
+        """Clip ``optimizer``'s gradients (by ``"norm"`` or ``"value"``) at its next ``step()``,
+        over the strategy's gradients (partitions where sharded)."""
+        self.trainer._optim.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def log(self, name: str, value: Any, prog_bar: bool = False, logger: bool | None = None,
             on_step: bool | None = None, on_epoch: bool | None = None, reduce_fx: Any = "mean",

@@ -29,6 +29,7 @@ from .launcher import LocalLauncher
 from .logging import MetricsConnector, TrainerLogging, hook_scope
 from .datamodule import DataModule
 from .module import TrainModule
+from .optimization import Optimization
 from .state import LoopState
 from .utilities import GLOBAL_SEED_ENV, seed_rngs
 from .watchdog import ProgressWatchdog, make_watchdog
@@ -482,27 +483,18 @@ class Trainer(TrainerLogging):
             torch.set_rng_state(own)
 
     def _configure_optimizers(self, module: TrainModule) -> None:
-        cfg = module.configure_optimizers()
-        sched, interval = None, "step"
-        if isinstance(cfg, dict):
-            opt = cfg.get("optimizer")
-            sched_cfg = cfg.get("lr_scheduler")
-            if isinstance(sched_cfg, dict):
-                sched, interval = sched_cfg.get("scheduler"), sched_cfg.get("interval", "step")
-            else:
-                sched = sched_cfg
-        elif isinstance(cfg, (tuple, list)):
-            opt, sched = (cfg[0], cfg[1] if len(cfg) > 1 else None)
-            if isinstance(opt, (list, tuple)):
-                opt, sched = opt[0], (sched[0] if isinstance(sched, (list, tuple)) and sched else sched)
-        else:
-            opt = cfg
-        if not isinstance(opt, torch.optim.Optimizer):
-            raise ConfigError(f"configure_optimizers() must return an optimizer, (optimizer, scheduler) "
-                              f"or a dict with 'optimizer'; got {type(cfg).__name__}")
-        if interval not in ("step", "epoch"):
-            raise ConfigError(f"lr_scheduler interval={interval!r}; valid choices: step, epoch")
-        self.optimizer, self.lr_scheduler, self.lr_scheduler_interval = opt, sched, interval
+        """``configure_optimizers`` read as Lightning reads it (``trainer/optimization.py``); the
+        strategy gets one optimizer, or an ``OptimizerSet`` of several (manual optimization)."""
+        self._optim = Optimization(self, module)
+        self.optimizer, self.lr_scheduler = self._optim.held, self._optim.scheduler
+        self.lr_scheduler_interval = self._optim.schedulers[0].interval if self._optim.schedulers else "step"
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """The optimizers ``configure_optimizers`` returned (Lightning's ``trainer.optimizers``)."""
+        return list(self._optim.optimizers) if self._optim is not None else []
+
+    _optim: Optimization | None = None
 
     def _prepare_loader(self, loader: Any, stage: str) -> Any:
         """Put a DistributedSampler under map-style data, so each data-parallel rank sees its
@@ -573,7 +565,8 @@ class Trainer(TrainerLogging):
                 cut = stepped is None  # the module's on_train_batch_start returned -1
                 if cut:  # the epoch ends here, without its end-of-epoch validation (as Lightning)
                     break
-                if stepped and val_every and self._validates_this_epoch() and st.global_step % val_every == 0:
+                if stepped and val_every and self._validates_this_epoch() and \
+                        self._optim.trained_steps(st) % val_every == 0:
                     self._run_validation(self.val_dataloader)
                 self._logging.batch_done(stepped)
                 self._tick("fetching the next training batch")
@@ -604,8 +597,7 @@ class Trainer(TrainerLogging):
         self._logging.epoch_end_reached()
         self.hooks.both("on_train_epoch_end", self, self.module)
         self._logging.on_epoch_end()
-        if self.lr_scheduler is not None and self.lr_scheduler_interval == "epoch":
-            self.lr_scheduler.step()
+        self._optim.step_schedulers("epoch")
         self._logging.update_train_epoch_metrics()
         st.epoch += 1
         st.batches_in_epoch = 0
@@ -625,6 +617,8 @@ class Trainer(TrainerLogging):
         self._logging.on_batch_start(batch)
         if self.hooks.both("on_train_batch_start", self, module, batch, batch_idx) == -1:
             return None
+        if self._optim.manual:
+            return self._optim.run_manual_batch(batch, batch_idx)
         batch_hooks = _BatchHooks(self, batch_idx)
         with (s.no_sync() if not last_micro else contextlib.nullcontext()), hook_scope(self, "training_step"):
             self._tick("training_step")
@@ -652,8 +646,8 @@ class Trainer(TrainerLogging):
             elastic.lower_after_first_step(s, self.collective_timeout_s)
             if self._watchdog is not None:
                 self._watchdog.arm()
-            if stepped and self.lr_scheduler is not None and self.lr_scheduler_interval == "step":
-                self.lr_scheduler.step()
+            if stepped:
+                self._optim.step_schedulers("step")
             st.skipped_steps += not stepped
             st.global_step += 1
         self._tick("on_train_batch_end")

@@ -187,12 +187,13 @@ class OffloadStepper:
 
     def clamp(self, grads: list[torch.Tensor], value: float, loss_scale: float) -> None:
         """Value clipping (``Strategy.clip_grad_value_``) on the host gradient copies the kernel
-        reads (the device partitions are not what it steps on, on the GPU path). They may still
-        carry the loss scale, so the bound is scaled by it: clamp(g * s, +-v * s) = s * clamp(g, +-v)."""
+        reads (the device partitions are not what it steps on, on the GPU path), of the slots
+        whose partitions are ``grads`` (the optimizer stepping). They may still carry the loss
+        scale, so the bound is scaled by it: clamp(g * s, +-v * s) = s * clamp(g, +-v)."""
         assert self.transfer is not None, "setup must run before a step"
         bound = value * self.transfer.host_grad_scale(loss_scale)
         self.transfer.grads_ready()  # the copies of the last reductions have landed
-        for g in self.transfer.host_grads:
+        for g in self.transfer.host_grads_of(grads):
             g.clamp_(-bound, bound)
 
     def step(self, sharded: Any, loss_scale: float) -> None:
@@ -202,6 +203,7 @@ class OffloadStepper:
         sharded.step(grad_scale=self._clip_coef / self.transfer.host_grad_scale(loss_scale))
 
     def zero(self, sharded: Any) -> None:
+        """End of a step (and zeroing): the folded clip coefficient was this step's only."""
         self._clip_coef = 1.0
 
     def before_refresh(self, sharded: Any) -> None:

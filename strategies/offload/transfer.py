@@ -42,6 +42,17 @@ class _HostBuffers:
     def slot_grad(self, slot: int) -> torch.Tensor:
         return self.host_grads[slot]
 
+    def host_grads_of(self, grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The host copies of the slots whose stage-side gradient is among ``grads`` (one
+        optimizer's, when several step separately)."""
+        wanted = {(g.data_ptr(), g.numel()) for g in grads}
+        return [h for h, src in zip(self.host_grads, self.sources())
+                if (src.data_ptr(), src.numel()) in wanted]
+
+    def sources(self) -> list[torch.Tensor]:
+        """The stage-side gradient of each slot."""
+        raise NotImplementedError
+
     def param_out(self, sg: SubGroup, master: torch.Tensor) -> torch.Tensor | None:
         """Where the kernel writes the low-precision working copy (None: fp32, see after_step)."""
         out = self.host_out[sg.slot]
@@ -75,6 +86,9 @@ class HostWorking(_HostBuffers):
         w = self.working[slot]
         if w.data_ptr() != master.data_ptr():
             w.copy_(master)
+
+    def sources(self) -> list[torch.Tensor]:
+        return self.host_grads
 
     def buffers(self) -> list[torch.Tensor]:
         return []
@@ -117,6 +131,9 @@ class DeviceWorking(_HostBuffers):
 
     def load_working(self, slot: int, master: torch.Tensor) -> None:
         self.working[slot].copy_(master.to(self.working[slot].device))
+
+    def sources(self) -> list[torch.Tensor]:
+        return self.device_grads
 
     def buffers(self) -> list[torch.Tensor]:
         return [*self.host_grads, *self.staging]

@@ -129,6 +129,19 @@ class PipelineStrategy(Strategy):
         return self.grid or PipelineGrid(self.world_size, self.stages_option or self.world_size)
 
     # ------------------------------------------------------------------ model
+    def setup_optimizer(self, optimizer: Any) -> None:
+        """One optimizer only: the schedule steps every stage's parameters together at the end of
+        a batch, so several optimizers stepped at different moments have nothing to map onto."""
+        from ...trainer.errors import ConfigError
+        from ..optimizers import OptimizerSet
+
+        if isinstance(optimizer, OptimizerSet):
+            raise ConfigError(f"strategy='pipeline': {len(optimizer.optimizers)} optimizers given "
+                              f"({optimizer!r}); valid: one optimizer (the pipeline schedule runs every "
+                              "forward and backward of a batch itself and steps once)")
+        super().setup_optimizer(optimizer)
+
+    # ------------------------------------------------------------------ model
     def configure_model(self, module: nn.Module) -> None:
         module.configure_model()
         pipe = find_pipeline_module(module)

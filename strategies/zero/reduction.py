@@ -162,9 +162,11 @@ class BucketedReduction:
     #: the gradient buffers this reduction keeps between steps (set by the stage's subclass)
     kept: list[torch.Tensor]
 
-    def zero(self) -> None:
-        for buf in self.kept:
-            buf.zero_()
+    def zero(self, slots: list[int] | None = None) -> None:
+        """Zero the kept buffers (group ``slots`` only: one optimizer's, the others accumulate on)."""
+        for i, buf in enumerate(self.kept):
+            if slots is None or i in slots:
+                buf.zero_()
 
     def persistent(self) -> list[torch.Tensor]:
         return list(self.kept)

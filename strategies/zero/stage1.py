@@ -41,14 +41,34 @@ class ReplicatedGradients(BucketedReduction):
         self.buffers = self.kept = [torch.zeros_like(fg.flat) for fg in self.flat_groups]
         self.views = [[fg.view(i, buf) for i in range(len(fg.params))]
                       for fg, buf in zip(self.flat_groups, self.buffers)]
+        #: groups reduced in place since they were last zeroed (several synchronising backwards
+        #: between steps: manual optimization)
+        self.reduced = [False] * len(self.flat_groups)
         self.before_backward()
 
     def before_backward(self) -> None:
         """Make every ``p.grad`` a view of the flat buffer again (someone may have set it to None
-        or replaced it; a replacement's values are kept)."""
-        for fg, views in zip(self.flat_groups, self.views):
+        or replaced it; a replacement's values are kept), and turn a buffer reduced in place back
+        into something the next backward may accumulate into."""
+        for g, (fg, views) in enumerate(zip(self.flat_groups, self.views)):
+            if self.reduced[g]:
+                self._restore_sum(g)
             for p, v in zip(fg.params, views):
                 self._bind(p, v)
+
+    def _restore_sum(self, g: int) -> None:
+        """After an in-place reduction this rank's slice holds the average and the rest partial
+        sums. Before more gradients accumulate (a second synchronising backward before the group
+        is zeroed): keep this rank's slice as the sum over ranks (average times world) and zero
+        the rest, so that the next reduction sums (previous sum + every rank's new gradients)
+        exactly once; the slice is then averaged again. Reduction is linear, so this equals one
+        reduction of everything accumulated, as DDP gives."""
+        buf = self.buffers[g]
+        lo, hi = self.flat_groups[g].layout.partition_range(self.rank)
+        buf[:lo].zero_()
+        buf[hi:].zero_()
+        buf[lo:hi].mul_(self.world)
+        self.reduced[g] = False
 
     @staticmethod
     def _bind(p: nn.Parameter, v: torch.Tensor) -> None:
@@ -85,6 +105,13 @@ class ReplicatedGradients(BucketedReduction):
     def after_backward(self, sync: bool) -> None:
         if sync:
             self.flush()
+            self.reduced = [True] * len(self.flat_groups)
+
+    def zero(self, slots: list[int] | None = None) -> None:
+        super().zero(slots)
+        for g in range(len(self.flat_groups)):
+            if slots is None or g in slots:
+                self.reduced[g] = False
 
     def reduce(self) -> None:
         """Collective: average the whole gradient over ranks; this rank keeps its partition."""

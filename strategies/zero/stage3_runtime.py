@@ -287,7 +287,13 @@ class Stage3Runtime:
     def partitions(self) -> list[torch.Tensor]:
         return list(self.grad_views)
 
-    def zero(self) -> None:
+    def zero(self, slots: list[int] | None = None) -> None:
+        """Zero every unit's gradient partition, or only the optimizer runs ``slots`` (indices
+        of ``grad_views``: one optimizer's; the others accumulate on)."""
+        if slots is not None:
+            for i in slots:
+                self.grad_views[i].zero_()
+            return
         for u in self.units:
             u.grad.zero_()
 

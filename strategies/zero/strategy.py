@@ -32,6 +32,7 @@ from torch import nn
 
 from ..base import PROCESS_GROUP_TIMEOUT_S, ParamShard, ShardReader, Strategy, split_optimizer_state
 from ..memory import count_bytes
+from ..optimizers import group_indices
 from .comm import all_reduce_sum, backend, broadcast_from
 from .config import ZeroSpec
 from .estimate import estimate_model_states, format_bytes
@@ -57,7 +58,9 @@ class GradientShards(Protocol):
         """This rank's reduced gradient slice of each group (any float dtype), valid after a
         synchronising backward."""
 
-    def zero(self) -> None: ...
+    def zero(self, slots: list[int] | None = None) -> None:
+        """Zero the gradient buffers (of the ``partitions()`` indices ``slots`` only, when given:
+        one optimizer's, the others keep accumulating)."""
 
     def persistent(self) -> list[torch.Tensor]:
         """Gradient buffers kept between steps (for the memory report)."""
@@ -167,6 +170,8 @@ class ZeroStrategy(Strategy):
 
         self.sharded = self.stepper.setup(sharded, lambda: (self.grads.partitions(), working), self.device,
                                           self.global_rank, masters_external, on_reduced, lambda: self._sync)
+        #: the param group of each master slot (``partitions()`` index), for one optimizer's step
+        self._slot_groups = [gi for gi, g in enumerate(self.optimizer.param_groups) for _ in g["params"]]
         self.stepper.log_setup(self.sharded, self.stage) if self.is_global_zero else None
         self._log_memory("at setup (optimizer state is allocated by the first step)")
 
@@ -229,8 +234,18 @@ class ZeroStrategy(Strategy):
         self.queue.wait(Work.PARAMS)
 
     def step_gradients(self) -> list[torch.Tensor]:
-        """This rank's gradient slice of each group, as the stepper steps on it."""
-        return self.stepper.gradients(self.grads.partitions(), self.sharded)
+        """This rank's gradient slice of each group, as the stepper steps on it (of the selected
+        optimizer's groups inside ``optimizer_step(which=k)``)."""
+        grads = self.stepper.gradients(self.grads.partitions(), self.sharded)
+        slots = self._slots(self._step_groups)
+        return grads if slots is None else [grads[i] for i in slots]
+
+    def _slots(self, groups: list[int] | None) -> list[int] | None:
+        """The master slots (``partitions()`` indices) of param groups ``groups``."""
+        if groups is None:
+            return None
+        wanted = set(groups)
+        return [i for i, g in enumerate(self._slot_groups) if g in wanted]
 
     def _local_grad_sq_norm(self) -> torch.Tensor:
         return self.stepper.local_sq_norm(self.step_gradients(), self.device)
@@ -251,9 +266,13 @@ class ZeroStrategy(Strategy):
     def _inner_step(self, loss_scale: float) -> None:
         self.stepper.step(self.sharded, loss_scale)
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, which: int | None = None) -> None:
+        """Zero the gradient partitions (optimizer ``which``'s only: the others accumulate on)."""
         self.stepper.zero(self.sharded)
-        self.grads.zero()
+        self.grads.zero(self._slots(group_indices(self.optimizer, which)))
+
+    def _end_step(self) -> None:
+        self.stepper.zero(self.sharded)
 
     def _after_step(self, stepped: bool) -> None:
         if stepped and not self._logged_after_step:
@@ -266,8 +285,9 @@ class ZeroStrategy(Strategy):
         self.queue.wait(Work.PARAMS)
         self.stepper.before_refresh(self.sharded)
         updated = self.stepper.updated(self.sharded, self._working_partitions())
+        stepped = set(range(len(self.flat_groups)) if self._step_groups is None else self._step_groups)
         if not self.buckets.overlap_param_gather:
-            for fg, values in zip(self.flat_groups, updated):
+            for fg, values in (x for g, x in enumerate(zip(self.flat_groups, updated)) if g in stepped):
                 fg.gather_from(values, self.global_rank, self.buckets.allgather_bucket_size,
                                self.queue, self.group)
             return
@@ -284,7 +304,7 @@ class ZeroStrategy(Strategy):
             self._gather_plan = sorted(plan, key=lambda c: c[:2])
             self._param_hooks = ParamGatherHooks(self.queue, self.module,
                                                  [p for fg in self.flat_groups for p in fg.params])
-        for _, g, s, e, single, writes in self._gather_plan:
+        for _, g, s, e, single, writes in (c for c in self._gather_plan if c[1] in stepped):
             item = self.flat_groups[g].launch_gather(updated[g], s, e, single, self.group)
             self.queue.push(item._replace(writes=writes), Work.PARAMS)
 

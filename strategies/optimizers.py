@@ -1,0 +1,172 @@
+"""Several user optimizers seen by a strategy as one: :class:`OptimizerSet`.
+
+Why a composite rather than a list in every strategy: a strategy lays out, partitions, clips,
+steps and checkpoints *param groups*; it never needs to know which optimizer a group came from,
+except to step or zero one optimizer alone. So the set exposes the concatenation of its
+optimizers' param groups (the same dict objects: when ZeRO or offload re-target
+``group["params"]`` onto fp32 master slices, each user optimizer steps those slices), one merged
+``state`` and one ``state_dict()`` in torch's layout over the concatenated groups (parameter
+indices numbered across all of them). The per-parameter checkpoint format, ``split_optimizer_state``
+and the ZeRO layouts therefore stay what they are for one optimizer, and a checkpoint of a
+several-optimizer run resumes exactly.
+
+One optimizer out of several: ``group_indices(k)`` says which concatenated groups are optimizer
+``k``'s, and inside ``selecting(k)`` a ``step()`` steps optimizer ``k`` only (the strategy restricts
+gradients, unscale, overflow check, clipping and ``zero_grad`` to those groups itself). A plain
+PyTorch loop has the same semantics: ``opt.step()`` touches only its parameters.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator, MutableMapping, Sequence
+
+import torch
+
+
+class _MergedState(MutableMapping):
+    """The optimizers' ``state`` dicts read as one (keys are distinct tensors)."""
+
+    def __init__(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        self._optimizers = optimizers
+
+    def _owner(self, key: Any) -> dict:
+        for opt in self._optimizers:
+            if key in opt.state:
+                return opt.state
+        raise KeyError(key)
+
+    def __getitem__(self, key: Any) -> Any:
+        return self._owner(key)[key]
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        raise TypeError("OptimizerSet.state is read-only: each optimizer keeps its own state")
+
+    def __delitem__(self, key: Any) -> None:
+        del self._owner(key)[key]
+
+    def __iter__(self) -> Iterator[Any]:
+        for opt in self._optimizers:
+            yield from opt.state
+
+    def __len__(self) -> int:
+        return sum(len(opt.state) for opt in self._optimizers)
+
+    def clear(self) -> None:
+        for opt in self._optimizers:
+            opt.state.clear()
+
+
+class OptimizerSet:
+    """Several torch optimizers, seen by a strategy as one (see the module docstring)."""
+
+    def __init__(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        optimizers = list(optimizers)
+        if len(optimizers) < 2:
+            raise ValueError(f"OptimizerSet of {len(optimizers)} optimizers: give the optimizer itself")
+        seen: dict[int, int] = {}
+        for k, opt in enumerate(optimizers):
+            if not isinstance(opt, torch.optim.Optimizer):
+                raise TypeError(f"optimizer {k} is a {type(opt).__name__}, not a torch.optim.Optimizer")
+            for p in (p for g in opt.param_groups for p in g["params"]):
+                if id(p) in seen and seen[id(p)] != k:
+                    raise ValueError(f"a parameter of shape {tuple(p.shape)} is in optimizers {seen[id(p)]} "
+                                     f"and {k}: give each parameter to one optimizer")
+                seen[id(p)] = k
+        self.optimizers = optimizers
+        self._active: list[int] | None = None  # None: every optimizer
+
+    # ------------------------------------------------------------------ torch's optimizer surface
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return [g for opt in self.optimizers for g in opt.param_groups]
+
+    @property
+    def state(self) -> _MergedState:
+        return _MergedState(self.optimizers)
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.optimizers[0].defaults
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Step the selected optimizers (all outside ``selecting``)."""
+        out = None
+        for k in self._selected():
+            out = self.optimizers[k].step(closure) if closure is not None else self.optimizers[k].step()
+        return out
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for k in self._selected():
+            self.optimizers[k].zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's layout over the concatenated groups: parameter indices numbered across all."""
+        state, groups, offset = {}, [], 0
+        for opt in self.optimizers:
+            sd = opt.state_dict()
+            state.update({offset + i: v for i, v in sd["state"].items()})
+            for g in sd["param_groups"]:
+                groups.append({**g, "params": [offset + i for i in g["params"]]})
+            offset += sum(len(g["params"]) for g in sd["param_groups"])
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """The inverse of :meth:`state_dict`: each optimizer takes its groups and its parameters'
+        state, renumbered from 0 as torch expects."""
+        groups = list(state_dict["param_groups"])
+        if len(groups) != len(self.param_groups):
+            raise ValueError(f"optimizer state has {len(groups)} param groups; this OptimizerSet has "
+                             f"{len(self.param_groups)}")
+        start = 0
+        for opt in self.optimizers:
+            mine, start = groups[start:start + len(opt.param_groups)], start + len(opt.param_groups)
+            ids = [i for g in mine for i in g["params"]]
+            renumber = {old: new for new, old in enumerate(ids)}
+            opt.load_state_dict({
+                "state": {renumber[i]: v for i, v in state_dict["state"].items() if i in renumber},
+                "param_groups": [{**g, "params": [renumber[i] for i in g["params"]]} for g in mine]})
+
+    # ------------------------------------------------------------------ one optimizer of several
+    def group_indices(self, which: int) -> list[int]:
+        """The concatenated param-group indices that belong to optimizer ``which``."""
+        if not 0 <= which < len(self.optimizers):
+            raise IndexError(f"optimizer which={which}; valid: 0..{len(self.optimizers) - 1}")
+        start = sum(len(o.param_groups) for o in self.optimizers[:which])
+        return list(range(start, start + len(self.optimizers[which].param_groups)))
+
+    @contextlib.contextmanager
+    def selecting(self, which: int | None) -> Iterator[None]:
+        """Inside, ``step()``/``zero_grad()`` act on optimizer ``which`` only (None: all)."""
+        if which is not None:
+            self.group_indices(which)  # validates
+        prev, self._active = self._active, None if which is None else [which]
+        try:
+            yield
+        finally:
+            self._active = prev
+
+    def _selected(self) -> list[int]:
+        return list(range(len(self.optimizers))) if self._active is None else list(self._active)
+
+    def __repr__(self) -> str:
+        return f"OptimizerSet({', '.join(type(o).__name__ for o in self.optimizers)})"
+
+
+def group_indices(optimizer: Any, which: int | None) -> list[int] | None:
+    """The param groups of optimizer ``which`` in what a strategy holds (an :class:`OptimizerSet`
+    or one optimizer, which is optimizer 0); None for every group."""
+    if which is None:
+        return None
+    if isinstance(optimizer, OptimizerSet):
+        return optimizer.group_indices(which)
+    if which != 0:
+        raise IndexError(f"optimizer which={which}; this strategy holds one optimizer (valid: 0)")
+    return list(range(len(optimizer.param_groups)))
+
+
+def selecting(optimizer: Any, which: int | None) -> contextlib.AbstractContextManager:
+    """``optimizer.selecting(which)`` for a set; nothing to select in one optimizer."""
+    if isinstance(optimizer, OptimizerSet):
+        return optimizer.selecting(which)
+    group_indices(optimizer, which)
+    return contextlib.nullcontext()

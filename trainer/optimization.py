@@ -1,0 +1,295 @@
+"""The Trainer's optimizers and LR schedulers, and Lightning's manual optimization.
+
+``configure_optimizers`` may return what Lightning 2.x accepts - an optimizer, a list of them,
+``([optimizers], [schedulers])``, a dict ``{"optimizer", "lr_scheduler", "monitor"}`` or a list of
+such dicts - and zerotrain's own ``(optimizer, scheduler)`` (its scheduler stepped per step, as
+before). Lightning's forms take Lightning's defaults: a scheduler steps per epoch unless its dict
+says ``"interval": "step"``; other keys of an optimizer dict (``frequency``, dropped in Lightning
+2.0) are ignored with Lightning's warning.
+
+Several optimizers need manual optimization, as in Lightning 2.x (which raises otherwise). The
+strategy then holds them as one :class:`~zerotrain.strategies.optimizers.OptimizerSet`, laid out
+and partitioned like one optimizer, and each :class:`ManualOptimizer` (what ``self.optimizers()``
+returns) steps and zeroes only its own param groups through ``Strategy.optimizer_step(which=k)``.
+In manual optimization, as in Lightning: the Trainer runs ``training_step`` and nothing else; the
+user calls ``self.manual_backward(loss)`` (the strategy's backward with loss scaling, between
+``on_before_backward``/``on_after_backward``), ``opt.step()`` (``on_before_optimizer_step``, then
+the strategy's step of that optimizer, clipped as ``self.clip_gradients`` asked; each step counts
+one ``global_step``), ``opt.zero_grad()`` and steps the LR schedulers; ``Trainer(gradient_clip_val=)``
+and ``accumulate_grad_batches`` are refused.
+"""
+from __future__ import annotations
+
+import contextlib
+import warnings
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+import torch
+
+from ..strategies.optimizers import OptimizerSet
+from .errors import ConfigError
+
+if TYPE_CHECKING:
+    from .trainer import Trainer
+
+#: Lightning's error for several optimizers under automatic optimization (its wording)
+MULTIPLE_AUTOMATIC = ("Training with multiple optimizers is only supported with manual optimization. Set "
+                      "`self.automatic_optimization = False`, then access your optimizers in `training_step` "
+                      "with `opt1, opt2, ... = self.optimizers()`.")
+
+
+@dataclass
+class SchedulerConfig:
+    """One LR scheduler and when the Trainer steps it (automatic optimization only)."""
+
+    scheduler: Any
+    interval: str = "epoch"
+
+
+def parse_optimizers(cfg: Any) -> tuple[list[torch.optim.Optimizer], list[SchedulerConfig]]:
+    """``configure_optimizers()``'s output as (optimizers, scheduler configs); see the module
+    docstring for the accepted forms."""
+    if isinstance(cfg, torch.optim.Optimizer):
+        return [cfg], []
+    if isinstance(cfg, dict):
+        return _from_dicts([cfg])
+    if isinstance(cfg, (list, tuple)) and cfg:
+        if all(isinstance(o, torch.optim.Optimizer) for o in cfg):
+            return list(cfg), []
+        if all(isinstance(d, dict) for d in cfg):
+            return _from_dicts(list(cfg))
+        first, rest = cfg[0], list(cfg[1:])
+        if isinstance(first, (list, tuple)) and len(rest) == 1 and _all_optimizers(first):
+            scheds = rest[0] if isinstance(rest[0], (list, tuple)) else [rest[0]]
+            return list(first), [_scheduler(s, "epoch") for s in scheds]
+        if isinstance(first, torch.optim.Optimizer) and len(rest) == 1 and rest[0] is not None:
+            return [first], [_scheduler(rest[0], "step")]  # zerotrain's (optimizer, scheduler)
+        if isinstance(first, torch.optim.Optimizer) and rest == [None]:
+            return [first], []
+    raise ConfigError(f"configure_optimizers() returned {type(cfg).__name__}; valid: an optimizer, a list of "
+                      "optimizers, ([optimizers], [schedulers]), (optimizer, scheduler), a dict with 'optimizer' "
+                      "(and 'lr_scheduler', 'monitor') or a list of such dicts")
+
+
+def _all_optimizers(items: Any) -> bool:
+    return bool(items) and all(isinstance(o, torch.optim.Optimizer) for o in items)
+
+
+def _from_dicts(dicts: list[dict]) -> tuple[list[torch.optim.Optimizer], list[SchedulerConfig]]:
+    opts, scheds = [], []
+    for d in dicts:
+        extra = set(d) - {"optimizer", "lr_scheduler", "monitor"}
+        if extra:  # Lightning 2.x's warning: "frequency" and the like are not supported any more
+            warnings.warn(f"Found unsupported keys in the optimizer configuration: {extra}", RuntimeWarning,
+                          stacklevel=3)
+        if not isinstance(d.get("optimizer"), torch.optim.Optimizer):
+            raise ConfigError(f"configure_optimizers(): optimizer={type(d.get('optimizer')).__name__} in "
+                              f"{sorted(d)}; valid: a torch.optim.Optimizer under 'optimizer'")
+        opts.append(d["optimizer"])
+        if d.get("lr_scheduler") is not None:
+            scheds.append(_scheduler(d["lr_scheduler"], "epoch"))
+    return opts, scheds
+
+
+def _scheduler(entry: Any, default_interval: str) -> SchedulerConfig:
+    """One scheduler, or Lightning's scheduler dict (``scheduler``, ``interval``)."""
+    if not isinstance(entry, dict):
+        return SchedulerConfig(entry, default_interval)
+    if entry.get("scheduler") is None:
+        raise ConfigError(f"lr_scheduler={sorted(entry)}: no 'scheduler'; valid: a dict with 'scheduler' "
+                          "(and 'interval')")
+    if entry.get("frequency", 1) != 1:
+        raise ConfigError(f"lr_scheduler frequency={entry['frequency']!r}: not supported; valid: 1 (step the "
+                          "scheduler yourself, or use interval='step' | 'epoch')")
+    interval = entry.get("interval", default_interval)
+    if interval not in ("step", "epoch"):
+        raise ConfigError(f"lr_scheduler interval={interval!r}; valid choices: step, epoch")
+    return SchedulerConfig(entry["scheduler"], interval)
+
+
+class Optimization:
+    """What the Trainer knows about the module's optimizers: built once at set-up."""
+
+    def __init__(self, trainer: "Trainer", module: Any) -> None:
+        self.trainer = trainer
+        self.manual = not getattr(module, "automatic_optimization", True)
+        self.optimizers, self.schedulers = parse_optimizers(module.configure_optimizers())
+        if len(self.optimizers) > 1 and not self.manual:
+            raise ConfigError(MULTIPLE_AUTOMATIC)
+        known = {id(o) for o in self.optimizers}
+        for c in self.schedulers:
+            if id(getattr(c.scheduler, "optimizer", None)) not in known:
+                raise ConfigError("Some schedulers are attached with an optimizer that wasn't returned from "
+                                  "`configure_optimizers`.")
+        #: each optimizer's module parameters, before a strategy re-targets its groups
+        self.params = [[p for g in o.param_groups for p in g["params"]] for o in self.optimizers]
+        #: what the strategy holds
+        self.held = self.optimizers[0] if len(self.optimizers) == 1 else OptimizerSet(self.optimizers)
+        self.wrappers = [ManualOptimizer(trainer, o, k if len(self.optimizers) > 1 else None)
+                         for k, o in enumerate(self.optimizers)]
+        self._toggled: dict[int, tuple[torch.nn.Parameter, bool]] | None = None
+        if self.manual:
+            self._check_manual(trainer)
+
+    @staticmethod
+    def _check_manual(trainer: "Trainer") -> None:
+        """Lightning's refusals for manual optimization, and the strategies that cannot run it."""
+        if trainer.gradient_clip_val:
+            raise ConfigError("Automatic gradient clipping is not supported for manual optimization. Remove "
+                              f"`Trainer(gradient_clip_val={trainer.gradient_clip_val})` or switch to automatic "
+                              "optimization.")
+        if trainer.accumulate_grad_batches != 1:
+            raise ConfigError("Automatic gradient accumulation is not supported for manual optimization. Remove "
+                              f"`Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches})` or switch to "
+                              "automatic optimization.")
+        if trainer.strategy.runs_own_schedule:
+            raise ConfigError(f"strategy={trainer.strategy.name!r} runs every forward and backward of a batch "
+                              "itself; valid with automatic_optimization = False: single, ddp, zero1/2/3, "
+                              "offload")
+
+    # ------------------------------------------------------------------ schedulers
+    @property
+    def scheduler(self) -> Any:
+        """The first scheduler (the Trainer's ``lr_scheduler``), or None."""
+        return self.schedulers[0].scheduler if self.schedulers else None
+
+    def step_schedulers(self, interval: str) -> None:
+        """Automatic optimization: step the schedulers of this interval (manual: the user does)."""
+        if self.manual:
+            return
+        for c in self.schedulers:
+            if c.interval == interval:
+                c.scheduler.step()
+
+    def scheduler_state(self) -> Any:
+        """For the checkpoint: one scheduler's state as before, a list for several, or None."""
+        states = [c.scheduler.state_dict() for c in self.schedulers]
+        return states[0] if len(states) == 1 else (states or None)
+
+    def load_scheduler_state(self, saved: Any) -> None:
+        if saved is None or not self.schedulers:
+            return
+        saved = saved if isinstance(saved, list) else [saved]
+        if len(saved) != len(self.schedulers):
+            raise ConfigError(f"checkpoint has {len(saved)} LR schedulers; this run configures "
+                              f"{len(self.schedulers)}")
+        for c, s in zip(self.schedulers, saved):
+            c.scheduler.load_state_dict(s)
+
+    def trained_steps(self, state: Any) -> int:
+        """What ``val_check_interval`` counts: optimizer steps, or in manual optimization batches
+        (Lightning's count there; a batch may step several optimizers, or none)."""
+        return state.total_batches if self.manual else state.global_step
+
+    # ------------------------------------------------------------------ manual optimization
+    def require_manual(self, what: str) -> None:
+        if not self.manual:
+            raise ConfigError(f"to use {what}, please disable automatic optimization: set "
+                              "model.automatic_optimization = False")
+
+    def index_of(self, optimizer: Any) -> int:
+        """Which optimizer ``optimizer`` (a user optimizer or its wrapper) is."""
+        target = optimizer.optimizer if isinstance(optimizer, ManualOptimizer) else optimizer
+        for k, o in enumerate(self.optimizers):
+            if o is target:
+                return k
+        raise ConfigError(f"optimizer={type(target).__name__}: not one configure_optimizers() returned; "
+                          "valid: one of self.optimizers()")
+
+    def run_manual_batch(self, batch: Any, batch_idx: int) -> bool:
+        """Manual optimization's batch, after ``on_train_batch_start``: the training step only (it
+        backwards and steps itself); a loss it returns is logged as ``train_loss`` when it logged
+        nothing. Each optimizer step counted one ``global_step``."""
+        t = self.trainer
+        t._tick("training_step")
+        t._train_logged = False
+        out = t.strategy.training_step(batch, batch_idx)
+        loss = out.get("loss") if isinstance(out, dict) else out
+        if torch.is_tensor(loss):
+            if not t._train_logged:
+                t._log("train_loss", loss)
+            t.progress_bar_metrics["loss"] = float(loss.detach())
+        t.state.batches_in_epoch += 1
+        t.state.total_batches += 1
+        if t.state.total_batches % t.log_every_n_steps == 0:  # Lightning counts batches here
+            t._emit(t._collect_step_metrics())
+        t._tick("on_train_batch_end")
+        t.hooks.both("on_train_batch_end", t, t.module, out, batch, batch_idx)
+        return True
+
+    def manual_backward(self, loss: torch.Tensor) -> None:
+        """The strategy's backward (loss scaling included) between the Trainer's backward hooks."""
+        self.require_manual("manual_backward")
+        t = self.trainer
+        t.hooks.both("on_before_backward", t, t.module, loss)
+        t.strategy.manual_backward(loss)
+        t.hooks.both("on_after_backward", t, t.module)
+
+    def toggle(self, optimizer: Any) -> None:
+        """Lightning's ``toggle_optimizer``: only this optimizer's parameters require grad (each
+        keeps its own previous setting); ``untoggle`` restores them all."""
+        k = self.index_of(optimizer)
+        state = {}
+        for params in self.params:
+            for p in params:
+                if id(p) not in state:
+                    state[id(p)] = (p, p.requires_grad)
+                    p.requires_grad_(False)
+        for p in self.params[k]:
+            p.requires_grad_(state[id(p)][1])
+        self._toggled = state
+
+    def untoggle(self, optimizer: Any) -> None:
+        self.index_of(optimizer)
+        for p, flag in (self._toggled or {}).values():
+            p.requires_grad_(flag)
+        self._toggled = None
+
+    @contextlib.contextmanager
+    def toggled(self, optimizer: Any) -> Iterator[None]:
+        self.toggle(optimizer)
+        try:
+            yield
+        finally:
+            self.untoggle(optimizer)
+
+    def clip_gradients(self, optimizer: Any, value: float | None, algorithm: str | None) -> None:
+        """Lightning's ``clip_gradients`` in manual optimization: the bound is applied over the
+        strategy's gradients (partitions where sharded) when this optimizer steps next."""
+        t = self.trainer
+        value = t.gradient_clip_val or 0.0 if value is None else value
+        algorithm = (algorithm or "norm").lower()
+        if algorithm not in ("norm", "value"):
+            raise ConfigError(f"gradient_clip_algorithm={algorithm!r}; valid choices: norm, value")
+        wrapper = self.wrappers[self.index_of(optimizer)]
+        wrapper.clip = (float(value), algorithm) if value else None
+
+
+class ManualOptimizer:
+    """Lightning's ``LightningOptimizer`` for zerotrain: ``self.optimizers()`` returns these.
+    ``step()`` is the strategy's step of this optimizer alone; ``zero_grad()`` releases its
+    parameters' gradients only; every other attribute is the user's optimizer's."""
+
+    def __init__(self, trainer: "Trainer", optimizer: torch.optim.Optimizer, which: int | None) -> None:
+        self._trainer, self.optimizer, self.which = trainer, optimizer, which
+        self.clip: tuple[float, str] | None = None  # set by clip_gradients for the next step
+
+    def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
+        t, s = self._trainer, self._trainer.strategy
+        out = closure() if closure is not None else None
+        t.hooks.both("on_before_optimizer_step", t, t.module, self.optimizer)
+        value, algorithm = self.clip or (None, "norm")
+        s.optimizer_step(value, algorithm, which=self.which, zero_grad=False)
+        self.clip = None
+        t.state.global_step += 1
+        return out
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._trainer.strategy.zero_grad(self.which)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.optimizer, name)
+
+    def __repr__(self) -> str:
+        return f"ManualOptimizer({self.optimizer!r})"
