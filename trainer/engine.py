@@ -155,8 +155,8 @@ class Engine:
                 f"Engine.setup: {len(optimizers)} optimizers given ({', '.join(type(o).__name__ for o in optimizers)}); "
                 "valid: one or more torch.optim.Optimizer, built on the model's parameters")
         s = self._strategy
-        held = optimizers[0] if len(optimizers) == 1 else OptimizerSet(optimizers)
         try:
+            held = optimizers[0] if len(optimizers) == 1 else OptimizerSet(optimizers)
             s.setup_module(model)
             s.setup_optimizer(held)
         except ValueError as exc:  # the strategy's checks (parameters outside the optimizer, ...)

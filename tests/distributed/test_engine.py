@@ -311,14 +311,16 @@ def test_misuse_is_a_clear_error():
     engine = Engine(strategy="single", devices=1, accelerator="cpu")
     model = TinyGPT()
     a, b = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(ConfigError, match="Engine.setup: 2 optimizers given.*valid: exactly one"):
+    with pytest.raises(ConfigError, match=r"Engine.setup: a parameter of shape \(.*\) is in optimizers 0 and 1"):
         engine.setup(model, a, b)
+    with pytest.raises(ConfigError, match="Engine.setup: 1 optimizers given.*valid: one or more torch.optim.Optimizer"):
+        engine.setup(model, "sgd")
     with pytest.raises(ConfigError, match="Engine.backward: called before engine.setup"):
         engine.backward(torch.zeros(()))
     wrapped, opt = engine.setup(model, a)
     with pytest.raises(ConfigError, match="Engine.setup: called twice"):
         engine.setup(model, a)
-    with pytest.raises(ConfigError, match="clip_gradients: optimizer is not the one"):
+    with pytest.raises(ConfigError, match="clip_gradients: optimizer is not one engine.setup returned"):
         engine.clip_gradients(wrapped, a, max_norm=1.0)
     with pytest.raises(ConfigError, match="max_norm=0"):
         engine.clip_gradients(wrapped, opt, max_norm=0)
