@@ -580,8 +580,9 @@ class Trainer:
                     break
                 if stepped and val_every and self._validates_this_epoch() and st.global_step % val_every == 0:
                     self._run_validation(self.val_dataloader)
-                if stepped:
-                    self._signals.at_step_boundary()  # a SIGTERM: every rank saves and exits here
+                if stepped:  # a SIGTERM on any rank: every rank saves and exits here (trainer/signals.py)
+                    self._tick("agreeing on stop signals")
+                    self._signals.at_step_boundary()
                 self._tick("fetching the next training batch")
             else:
                 if batch_idx == -1:  # a loader without a length that yielded nothing
