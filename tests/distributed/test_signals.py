@@ -97,8 +97,9 @@ SCRIPT = textwrap.dedent('''
 
     class Slow(ToyModule):
         def training_step(self, batch, batch_idx):
-            if {slow} and self.global_rank == 0 and self.trainer.global_step == 3:
-                open({marker!r}, "w").close()  # the test sends SIGTERM to this process now
+            if {slow} and self.trainer.global_step == 3 and not os.path.exists({marker!r} + str(self.global_rank)):
+                with open({marker!r} + str(self.global_rank), "w") as f:  # the test signals rank 0 now
+                    f.write(str(os.getpid()))
             if {slow}:
                 time.sleep(0.3)
             return super().training_step(batch, batch_idx)
@@ -114,7 +115,7 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 
-def _launch(tmp_path, name, slow, ckpt, ckpt_path=None, signal_on_marker=False):
+def _launch(tmp_path, name, slow, ckpt, ckpt_path=None, signal_on_marker=False, sig=signal.SIGTERM):
     marker, result = tmp_path / f"{name}.marker", tmp_path / f"{name}.pt"
     script = tmp_path / f"{name}.py"
     script.write_text(SCRIPT.format(tests=os.path.dirname(__file__), slow=slow, marker=str(marker),
@@ -125,8 +126,8 @@ def _launch(tmp_path, name, slow, ckpt, ckpt_path=None, signal_on_marker=False):
     sent = None
     deadline = time.monotonic() + 120 * timeout_scale()
     while signal_on_marker and sent is None and proc.poll() is None and time.monotonic() < deadline:
-        if marker.exists():
-            proc.send_signal(signal.SIGTERM)
+        if (tmp_path / f"{name}.marker0").exists() and (tmp_path / f"{name}.marker1").exists():
+            proc.send_signal(sig)
             sent = time.monotonic()
         time.sleep(0.05)
     out, err = proc.communicate(timeout=180 * timeout_scale())
@@ -151,3 +152,28 @@ def test_sigterm_to_the_launcher_stops_the_job_cleanly_and_resumes(tmp_path):
     a, b = torch.load(resumed, weights_only=True), torch.load(full, weights_only=True)
     for k, v in b.items():
         assert torch.equal(a[k], v), k
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie nobody reaped yet has ended)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return not any(line.startswith("State:") and "Z" in line.split()[1] for line in f)
+    except FileNotFoundError:
+        return False
+
+
+def test_sigkill_of_the_launcher_still_ends_its_ranks_at_once(tmp_path):
+    """The ranks our launcher starts get SIGTERM when it dies (parent-death signal): that one is not
+    a request to checkpoint, the rank ends at once, as before signals were handled."""
+    code, _, err, _, _ = _launch(tmp_path, "killed", True, tmp_path / "ck", signal_on_marker=True,
+                                 sig=signal.SIGKILL)
+    assert code == -signal.SIGKILL
+    child = int((tmp_path / "killed.marker1").read_text())
+    deadline = time.monotonic() + 10 * timeout_scale()
+    while time.monotonic() < deadline and _alive(child):
+        time.sleep(0.1)
+    if _alive(child):
+        os.kill(child, signal.SIGKILL)
+        raise AssertionError(f"rank 1 (pid {child}) outlived its launcher: {err[-2000:]}")
+    assert read_latest(tmp_path / "ck") is None  # nothing was saved
