@@ -14,7 +14,9 @@ Accepted, whatever strategy and world size wrote them:
 Lightning's order: the class is built from the saved hyperparameters updated with the
 overrides, ``configure_model`` runs if the class overrides it, ``on_load_checkpoint(checkpoint)``
 gets the metadata with the full ``state_dict`` in it (the hook may edit it), and that state dict
-is loaded with ``strict``.
+is loaded with ``strict``. A pipeline checkpoint holds every stage's layers under their original
+names; a pipeline module holds only its own stage's, so such a checkpoint loads into a plain
+class of the same layers (its ``on_load_checkpoint`` may rename the keys).
 """
 from __future__ import annotations
 

@@ -162,3 +162,62 @@ def test_print_only_on_rank_zero(strategy, tmp_path_factory):
     text = {p.name: p.read_text() for p in logs}
     assert any("PRINTED-BY-RANK-0" in t for n, t in text.items() if n == "rank_0.log")
     assert not any("PRINTED-BY-RANK-1" in t for t in text.values())
+
+
+# ---------------------------------------------------------------------------- a pipeline checkpoint
+
+def _mlp(hidden: int) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(), nn.Linear(hidden, 2))
+
+
+class PipeRegressor(TrainModule):
+    def __init__(self, hidden: int = 9):
+        super().__init__()
+        from zerotrain.strategies.pipeline import PipelineModule
+
+        self.save_hyperparameters()
+        self.pipe = PipelineModule.from_sequential(_mlp(hidden), 2, loss_fn=nn.functional.mse_loss)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+class PlainRegressor(TrainModule):
+    """The same layers in one process: a pipeline module holds only its stage's layers, so its
+    checkpoint loads into a plain class, whose on_load_checkpoint maps the names."""
+
+    def __init__(self, hidden: int = 9):
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = _mlp(hidden)
+
+    def on_load_checkpoint(self, checkpoint):
+        state = checkpoint["state_dict"]
+        for key in list(state):
+            state["net." + key[len("pipe."):]] = state.pop(key)
+
+
+def _fit_pipeline(root: str) -> dict:
+    from zerotrain.strategies import PipelineStrategy
+
+    module = PipeRegressor(hidden=7)
+    trainer = Trainer(strategy=PipelineStrategy(stages=2, micro_batches=2), devices=2, max_steps=3, logger=False,
+                      enable_progress_bar=False, enable_model_summary=False,
+                      callbacks=[ModelCheckpoint(dirpath=os.path.join(root, "ck"), save_last=True)])
+    trainer.fit(module, DataLoader(_data(), batch_size=4))
+    return {"full": trainer.full_state_dict()}
+
+
+def test_load_from_a_pipeline_checkpoint_into_a_plain_module(tmp_path):
+    from harness import run_ranks
+
+    out = run_ranks("test_module_conveniences:_fit_pipeline", 2, tmp_path, timeout=180, root=str(tmp_path))
+    full = out[0]["full"]
+    loaded = PlainRegressor.load_from_checkpoint(str(tmp_path / "ck"))
+    assert loaded.hparams.hidden == 7
+    state = loaded.state_dict()
+    assert sorted(state) == sorted("net." + k[len("pipe."):] for k in full)
+    for k, v in full.items():
+        assert torch.equal(state["net." + k[len("pipe."):]], v), k
+    assert not torch.equal(state["net.0.weight"], _mlp(7)[0].weight)  # trained
