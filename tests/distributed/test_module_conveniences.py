@@ -1,5 +1,5 @@
-"""On 2 processes: load_from_checkpoint of a ddp / zero2 / zero3 checkpoint in one process gives the
-trained weights and predictions; self.all_gather has the shape and values of Lightning's own
+"""On 2 processes: load_from_checkpoint of a ddp / zero2 / zero3 / offload / pipeline checkpoint, in
+one process, gives the trained weights and predictions; self.all_gather has the shape and values of Lightning's own
 gather (run in the same process group); self.print writes on rank 0 only."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from harness import run_ranks_once
 from zerotrain import ModelCheckpoint, Trainer, TrainModule
 from zerotrain.trainer.consolidate import consolidate
 
-STRATEGIES = ("ddp", "zero2", "zero3")
+STRATEGIES = ("ddp", "zero2", "zero3", "offload_cpu")
 _CACHE: dict = {}
 
 
