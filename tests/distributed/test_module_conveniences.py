@@ -1,6 +1,6 @@
 """On 2 processes: load_from_checkpoint of a ddp / zero2 / zero3 / offload / pipeline checkpoint, in
-one process, gives the trained weights and predictions; self.all_gather has the shape and values of Lightning's own
-gather (run in the same process group); self.print writes on rank 0 only."""
+one process, gives the trained weights and predictions; self.all_gather has the shape and values
+of Lightning's own gather (run in the same process group); self.print writes on rank 0 only."""
 from __future__ import annotations
 
 import os
