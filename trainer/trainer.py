@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Sequ
 from ..callbacks.base import Callback, Logger
 from ..strategies import Strategy, progress
 from ..strategies.environment import detect
-from . import checkpointing, elastic, job
+from . import checkpointing, elastic, hparams, job, signals
 from .arguments import check_limit, check_lightning_args, lightning_callbacks, positive_int
 from .errors import ConfigError
 from .hooks import HookDispatcher, merge_callbacks, warn_not_called
@@ -148,6 +148,7 @@ class Trainer(TrainerLogging):
         self.seed, self.deterministic = seed, deterministic
         self.on_nonfinite, self.stall_timeout_s = on_nonfinite, stall_timeout_s
         self._watchdog: ProgressWatchdog | None = None
+        self._signals: signals.SignalCheckpoint | None = None  # during fit (trainer/signals.py)
         self._fits = 0  # fit() calls in this process: keys the watchdog's store entries
         # restarts (trainer/elastic.py): the process-group timeout after the first step
         self.max_restarts = max_restarts
@@ -271,16 +272,22 @@ class Trainer(TrainerLogging):
                                            key=f"zerotrain/progress/{elastic.restart_count()}/{self._fits}")
             progress.set_sink(self._watchdog.mark if self._watchdog is not None else None)
             self.hooks.both("on_fit_start", self, module)
+            hparams.log_hyperparams(self)
+            self._signals = signals.SignalCheckpoint(self)
+            self._signals.install()
             with torch.autograd.set_detect_anomaly(self.detect_anomaly):
                 self._sanity_check()
                 self._fit_loop()
             self.hooks.both("on_fit_end", self, module)
         except BaseException as exc:
             self.hooks("on_exception", self, module, exc)
-            if self._launcher is not None:  # rank 0 failed: the ranks it started cannot finish
+            # rank 0 failed: the ranks it started cannot finish (after a signal they exit by themselves)
+            if self._launcher is not None and not isinstance(exc, signals.SIGTERMException):
                 self._launcher.kill()
             raise
         finally:
+            if self._signals is not None:
+                self._signals.restore()
             if self._watchdog is not None:
                 progress.set_sink(None)
                 self._watchdog.disarm()
@@ -288,6 +295,8 @@ class Trainer(TrainerLogging):
             self._logging.stop()
             self._teardown()
             self._teardown_data("fit")
+        done, self._signals = self._signals, None
+        done.finished()  # a signal after the last step still ends the process
 
     def validate(self, model: TrainModule | None = None, dataloaders: Iterable | DataModule | None = None,
                  ckpt_path: str | None = None, verbose: bool = True,
@@ -340,6 +349,7 @@ class Trainer(TrainerLogging):
                 ckpt_path = "best"
         try:
             self._setup(model if model is not None else self.module, fn, datamodule)
+            hparams.log_hyperparams(self)
             spec = _EVAL_STAGES[fn]
             self._check_step_defined(spec)
             loaders = _as_loader_list(self._source(spec.loader, dataloaders))
@@ -569,6 +579,9 @@ class Trainer(TrainerLogging):
                         self._optim.trained_steps(st) % val_every == 0:
                     self._run_validation(self.val_dataloader)
                 self._logging.batch_done(stepped)
+                if stepped:  # a SIGTERM on any rank: every rank saves and exits here (trainer/signals.py)
+                    self._tick("agreeing on stop signals")
+                    self._signals.at_step_boundary()
                 self._tick("fetching the next training batch")
             else:
                 if batch_idx == -1:  # a loader without a length that yielded nothing
