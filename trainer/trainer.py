@@ -561,11 +561,12 @@ class Trainer(TrainerLogging):
         while not self._done():
             if hasattr(getattr(loader, "sampler", None), "set_epoch"):
                 loader.sampler.set_epoch(st.epoch)
+            skip = st.batches_in_epoch  # > 0 only when resuming mid-epoch
+            batches = job.epoch_iterator(loader, resuming=skip > 0)  # before the epoch's hooks, as Lightning
             self._tick("on_train_epoch_start")
             self.hooks.both("on_train_epoch_start", self, module)
-            skip = st.batches_in_epoch  # > 0 only when resuming mid-epoch
             batch_idx, cut = -1, False
-            for batch_idx, batch in enumerate(loader):
+            for batch_idx, batch in enumerate(batches):
                 if batch_idx >= n_batches or self._done():
                     break
                 if batch_idx < skip:
@@ -630,23 +631,15 @@ class Trainer(TrainerLogging):
         self._logging.on_batch_start(batch)
         if self.hooks.both("on_train_batch_start", self, module, batch, batch_idx) == -1:
             return None
-        if self._optim.manual:
-            return self._optim.run_manual_batch(batch, batch_idx)
-        batch_hooks = _BatchHooks(self, batch_idx)
-        with (s.no_sync() if not last_micro else contextlib.nullcontext()), hook_scope(self, "training_step"):
-            self._tick("training_step")
-            self._train_logged = False
-            out = s.run_schedule(batch, batch_idx, batch_hooks)
-            loss = batch_hooks.loss
-            if loss is None:
-                raise RuntimeError(f"strategy={s!r}: run_schedule returned without calling hooks.loss_of; "
-                                   "valid: every run_schedule checks its loss through hooks.loss_of once")
-            if not batch_hooks.step_logged:  # the step logged nothing: track its loss (as val_loss in validation)
-                self._log_loss("train_loss", loss)
+        manual = self._optim.manual  # the step backwards and steps itself (trainer/optimization.py)
+        if manual:
+            with hook_scope(self, "training_step"):
+                out = self._optim.run_manual_step(batch, batch_idx)
+        else:
+            out = self._automatic_step(batch, batch_idx, last_micro)
         st.batches_in_epoch += 1
         st.total_batches += 1
-        stepped = False
-        if last_micro:
+        if last_micro and not manual:
             self._tick("on_before_optimizer_step")
             self.hooks.both("on_before_optimizer_step", self, module, self.optimizer)
             self._tick("optimizer_step")
@@ -668,6 +661,22 @@ class Trainer(TrainerLogging):
         self._logging.on_batch_end()
         self._logging.update_train_step_metrics(accumulating=not last_micro)
         return last_micro
+
+    def _automatic_step(self, batch: Any, batch_idx: int, last_micro: bool) -> Any:
+        """The batch's forwards and backwards through ``Strategy.run_schedule`` (see above)."""
+        s = self._strategy
+        batch_hooks = _BatchHooks(self, batch_idx)
+        with (s.no_sync() if not last_micro else contextlib.nullcontext()), hook_scope(self, "training_step"):
+            self._tick("training_step")
+            self._train_logged = False
+            out = s.run_schedule(batch, batch_idx, batch_hooks)
+            loss = batch_hooks.loss
+            if loss is None:
+                raise RuntimeError(f"strategy={s!r}: run_schedule returned without calling hooks.loss_of; "
+                                   "valid: every run_schedule checks its loss through hooks.loss_of once")
+            if not batch_hooks.step_logged:  # the step logged nothing: track its loss (as val_loss in validation)
+                self._log_loss("train_loss", loss)
+        return out
 
     _nonfinite_in_step = False
     _train_logged = False
