@@ -180,8 +180,8 @@ def one_f_one_b(stage: int, num_stages: int, micro_batches: int) -> list[Instruc
     return b.out
 
 
-def interleaved_slots(stage: int, num_stages: int, micro_batches: int,
-                      virtual_stages: int) -> list[list[tuple[str, int, int]]]:
+def interleaved_slots(stage: int, num_stages: int, micro_batches: int, virtual_stages: int,
+                      train: bool = True) -> list[list[tuple[str, int, int]]]:
     """The compute order of interleaved 1F1B on one stage, as *slots* of ``("F" | "B", chunk,
     mb)``: a warm-up slot is one forward, a steady slot one forward then one backward, a
     cool-down slot one backward.
@@ -191,7 +191,8 @@ def interleaved_slots(stage: int, num_stages: int, micro_batches: int,
     after ``num_stages`` forwards, just when the ring returns it). Backwards follow the same order
     with the chunks reversed. Warm-up runs ``2 * (num_stages - stage - 1) + (virtual_stages - 1) *
     num_stages`` forwards (Megatron-LM's count: the ring's depth ahead of this stage, twice for
-    the forward and the returning gradient), capped at every forward of the step.
+    the forward and the returning gradient), capped at every forward of the step. Without
+    ``train`` every slot is one forward.
     """
     _check(stage, num_stages, micro_batches, virtual_stages)
     p, v = num_stages, virtual_stages
@@ -205,12 +206,13 @@ def interleaved_slots(stage: int, num_stages: int, micro_batches: int,
         _, chunk, mb = fwd(k)
         return "B", v - 1 - chunk, mb
 
-    warmup = min(total, 2 * (p - stage - 1) + (v - 1) * p)
+    warmup = min(total, 2 * (p - stage - 1) + (v - 1) * p) if train else total
     return ([[fwd(k)] for k in range(warmup)] + [[fwd(warmup + i), bwd(i)] for i in range(total - warmup)]
-            + [[bwd(k)] for k in range(total - warmup, total)])
+            + [[bwd(k)] for k in range(total - warmup, total) if train])
 
 
-def interleaved_1f1b(stage: int, num_stages: int, micro_batches: int, virtual_stages: int = 1) -> list[Instruction]:
+def interleaved_1f1b(stage: int, num_stages: int, micro_batches: int, virtual_stages: int = 1,
+                     train: bool = True) -> list[Instruction]:
     """1F1B over ``virtual_stages`` model chunks per stage (the interleaved schedule of
     Megatron-LM): chunk ``c`` of stage ``s`` is stage ``c * num_stages + s`` of a pipeline
     ``num_stages * virtual_stages`` deep whose activations go round the ring of stages
@@ -222,12 +224,13 @@ def interleaved_1f1b(stage: int, num_stages: int, micro_batches: int, virtual_st
     previous stage (gradients) in the same exchange as it receives from its next one, so the
     ring never waits on itself (sending right after computing and receiving right before, as
     ``one_f_one_b`` does, deadlocks the ring: the simulator shows it). The stage count must divide
-    ``micro_batches`` (``check_interleaved``); ``virtual_stages=1`` is ``one_f_one_b``."""
+    ``micro_batches`` (``check_interleaved``); ``virtual_stages=1`` is ``one_f_one_b`` (and
+    ``inference`` without ``train``: forwards only, for validation)."""
     check_interleaved(num_stages, micro_batches, virtual_stages)
     if virtual_stages == 1:
-        return one_f_one_b(stage, num_stages, micro_batches)
+        return (one_f_one_b if train else inference)(stage, num_stages, micro_batches)
     b = _Builder(stage, num_stages, micro_batches, virtual_stages)
-    slots = interleaved_slots(stage, num_stages, micro_batches, virtual_stages)
+    slots = interleaved_slots(stage, num_stages, micro_batches, virtual_stages, train)
     _receive_for(b, slots[0])
     for i, slot in enumerate(slots):
         for kind, chunk, mb in slot:

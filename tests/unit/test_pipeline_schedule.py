@@ -102,6 +102,13 @@ def test_interleaved_1f1b_is_deadlock_free_and_cuts_the_bubble_by_v(stages, micr
             assert len({type(op) for op in ex}) == len(ex)
 
 
+@pytest.mark.parametrize("stages,micro,virtual", INTERLEAVED)
+def test_interleaved_inference_is_deadlock_free(stages, micro, virtual):
+    lists = [interleaved_1f1b(s, stages, micro, virtual, train=False) for s in range(stages)]
+    assert simulate(lists, train=False, virtual_stages=virtual) == [0] * stages
+    assert all(not isinstance(i, (Backward, RecvGrad, SendGrad)) for lst in lists for i in lst)
+
+
 @pytest.mark.parametrize("stages,micro", GRID)
 def test_one_virtual_stage_is_1f1b_with_the_same_bubble(stages, micro):
     assert interleaved_1f1b(0, stages, micro, 1) == one_f_one_b(0, stages, micro)
