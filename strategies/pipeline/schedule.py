@@ -26,8 +26,9 @@ the ideal step time (``bubble_ratio``), ``v`` times smaller. ``simulate.py`` run
 together to prove them deadlock-free and measure bubble and live activations.
 
 Every stage after the first starts with ``RecvActivation(0)`` and nothing else, so it waits there
-from the start; the executor may therefore precede a stage's first send and receive of activations
-with a blocking shape header without changing the analysis.
+from the start. The executor precedes the first exchange of each stage boundary with its shape
+header, posted as an exchange of its own between the same two ends (``PipeComm.exchange_headers``),
+which leaves the analysis unchanged.
 """
 from __future__ import annotations
 

@@ -10,7 +10,8 @@ The Trainer's calls map onto a pipeline like this:
   broadcast tied weights from their lowest owning stage and every stage from replica 0.
 * ``run_schedule``: split the batch ``(inputs, targets)`` into ``micro_batches`` along dim 0 and run
   the whole 1F1B/GPipe schedule (every forward and backward, each backward's loss divided by
-  ``hooks.accumulation``). Returns the mean loss, averaged over replicas, identical on every rank,
+  ``hooks.accumulation``; with ``virtual_stages`` > 1 interleaved 1F1B over this stage's chunks,
+  the stages of a replica joined in a ring). Returns the mean loss, averaged over replicas, identical on every rank,
   after checking it through ``hooks.loss_of``; the Trainer logs it as ``train_loss``. There is no
   single loss before the backwards nor one moment after them, so ``on_before_backward`` and
   ``on_after_backward`` are never called (``skipped_hooks``; the Trainer warns about callbacks
@@ -47,7 +48,7 @@ from .collectives import all_reduce_grads, broadcast_tensors, sum_over_world
 from .config import PipelineConfig
 from .module import PipelineModule, Tie, find_pipeline_module
 from .p2p import PipeComm
-from .schedule import inference, schedule_from_name
+from .schedule import inference, interleaved_1f1b, schedule_from_name
 from .stage import StageExecutor, StepStats
 from .topology import PipelineGrid
 from .zero1 import StageZero1
@@ -160,6 +161,8 @@ class PipelineStrategy(Strategy):
         if pipe.num_stages != self.num_stages:
             raise ValueError(f"pipeline: the PipelineModule has num_stages={pipe.num_stages} but the strategy "
                              f"runs {self.num_stages} stages (world_size={self.world_size}); make them equal")
+        if self.virtual_stages > 1:
+            self._cut_chunks(pipe)
         pipe.build(self.stage)
         inside = {id(p) for p in pipe.parameters()}
         stray = [n for n, p in module.named_parameters() if id(p) not in inside]
@@ -167,6 +170,19 @@ class PipelineStrategy(Strategy):
             raise ValueError(f"pipeline: parameters outside the PipelineModule would sit on every stage and "
                              f"never get a gradient: {stray[:5]}; make them part of a layer")
         self.pipe = pipe
+
+    def _cut_chunks(self, pipe: PipelineModule) -> None:
+        """Interleaved 1F1B: the layers in stages x virtual_stages chunks."""
+        from ...trainer.errors import ConfigError
+
+        if pipe.virtual_stages == self.virtual_stages:  # cut by the user (explicit chunk boundaries)
+            return
+        try:
+            pipe.set_virtual_stages(self.virtual_stages)
+        except ValueError as err:
+            raise ConfigError(f"pipeline: virtual_stages={self.virtual_stages} with stages={self.num_stages} "
+                              f"needs {self.num_stages * self.virtual_stages} chunks of the "
+                              f"{pipe.num_layers}-layer PipelineModule: {err}") from None
 
     def setup_module(self, module: nn.Module) -> None:
         if self.pipe is None:
@@ -191,7 +207,9 @@ class PipelineStrategy(Strategy):
                 state = list(module.parameters()) + list(module.buffers())
                 broadcast_tensors(state, src=grid.rank_of(self.stage, 0), group=self._dp_group)
         comm = None
-        if grid.stages > 1:
+        if grid.stages > 1 and self.virtual_stages > 1:  # the chunks go round the ring of stages
+            comm = PipeComm(grid.ring_prev_rank(self.global_rank), grid.ring_next_rank(self.global_rank), self.device)
+        elif grid.stages > 1:
             comm = PipeComm(grid.prev_rank(self.global_rank), grid.next_rank(self.global_rank), self.device)
         self.executor = StageExecutor(self.pipe, grid.stages, comm, self.precision, self.device,
                                       self.run_forward, self.activation_checkpointing)
@@ -221,18 +239,19 @@ class PipelineStrategy(Strategy):
                              "(and drop_last=True)")
         return [c.to(self.device) for c in value.chunk(m)]
 
+    def _instructions(self, train: bool) -> list:
+        """This stage's instruction list for one batch (training or validation)."""
+        p, m = self._grid().stages, self.micro_batches
+        if self.virtual_stages > 1:
+            return interleaved_1f1b(self.stage, p, m, self.virtual_stages, train)
+        return (self._schedule if train else inference)(self.stage, p, m)
+
     def _run(self, batch: Any, train: bool, accumulation: int = 1) -> torch.Tensor:
         assert self.executor is not None, "pipeline: setup_module() has not run yet"
         micro_inputs, micro_targets = self.split_batch(batch)
-        grid = self._grid()
-        if train:
-            instructions = self._schedule(self.stage, grid.stages, self.micro_batches)
-            loss = self.executor.run(instructions, micro_inputs, micro_targets, train=True,
+        with torch.set_grad_enabled(train):
+            loss = self.executor.run(self._instructions(train), micro_inputs, micro_targets, train=train,
                                      grad_scale=1.0 / accumulation)
-        else:
-            with torch.no_grad():
-                instructions = inference(self.stage, grid.stages, self.micro_batches)
-                loss = self.executor.run(instructions, micro_inputs, micro_targets, train=False)
         return self._mean_over_replicas(loss)
 
     def _mean_over_replicas(self, loss: torch.Tensor) -> torch.Tensor:
@@ -310,9 +329,7 @@ class PipelineStrategy(Strategy):
         return self._zero.reduce() if self._zero is not None else super().step_gradients()
 
     def _inner_step(self, loss_scale: float) -> None:
-        if self._zero is None:
-            return super()._inner_step(loss_scale)
-        self._zero.step()
+        (self._zero or self.optimizer).step()
 
     def _refresh_params(self) -> None:
         if self._zero is not None:
@@ -374,5 +391,7 @@ class PipelineStrategy(Strategy):
 
     def __repr__(self) -> str:
         grid = f"{self.grid.stages}x{self.grid.replicas}" if self.grid else "unset"
+        extra = f", virtual_stages={self.virtual_stages}" if self.virtual_stages > 1 else ""
+        extra += f", zero_stage={self.zero_stage}" if self.zero_stage else ""
         return (f"PipelineStrategy(stages x replicas={grid}, schedule={self.schedule_name!r}, "
-                f"micro_batches={self.micro_batches})")
+                f"micro_batches={self.micro_batches}{extra})")

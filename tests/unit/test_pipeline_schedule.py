@@ -265,6 +265,25 @@ def test_layer_specs_are_built_only_on_their_stage_and_keep_sequential_names():
     assert out.shape == (2, 11)
 
 
+def test_virtual_stages_cut_chunks_and_keep_sequential_names():
+    pipe = PipelineModule(_lm_layers(), num_stages=2, partition_method=[0, 2, 5])
+    with pytest.raises(ValueError, match="cuts 2 stages, not 4 chunks"):  # explicit: give the chunks' cuts
+        pipe.set_virtual_stages(2)
+    with pytest.raises(ValueError, match="boundaries"):
+        pipe.set_virtual_stages(2, [0, 1, 2, 5])
+    pipe.set_virtual_stages(2, [0, 1, 2, 4, 5])
+    assert pipe.chunk_layers(0) == [range(0, 1), range(2, 4)] and pipe.chunk_layers(1) == [range(1, 2), range(4, 5)]
+    assert pipe.owner_stages_of_key("3.weight") == [0] and pipe.tie_owner_stages(pipe.ties[0]) == [0, 1]
+    pipe.build(1)
+    assert sorted(pipe.state_dict()) == ["1.bias", "1.weight", "4.weight"]
+    h = torch.randn(2, 6)
+    torch.testing.assert_close(pipe.forward_chunk(1, pipe.forward_chunk(0, h)), pipe(h))
+    with pytest.raises(RuntimeError, match="before build"):
+        pipe.set_virtual_stages(1)
+    with pytest.raises(ValueError, match="every stage needs"):  # 5 layers, 6 chunks
+        PipelineModule(_lm_layers(), num_stages=2).set_virtual_stages(3)
+
+
 def test_tied_module_on_one_stage_is_one_module():
     pipe = PipelineModule(_lm_layers(), num_stages=1)
     pipe.build(0)
