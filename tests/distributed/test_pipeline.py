@@ -49,6 +49,14 @@ def _lm_layers():
             TiedLayerSpec("embed", nn.Embedding, VOCAB, DIM, forward_fn=_lm_head)]
 
 
+def _deep_reference() -> nn.Sequential:
+    """An LM deep enough for 4 stages x 2 chunks, its head sharing the embedding's weight."""
+    hidden = [m for _ in range(4) for m in (nn.Linear(DIM, DIM), nn.GELU())]
+    ref = nn.Sequential(nn.Embedding(VOCAB, DIM), *hidden, nn.Linear(DIM, VOCAB, bias=False))
+    ref[-1].weight = ref[0].weight
+    return ref
+
+
 def _mlp_reference() -> nn.Sequential:
     return nn.Sequential(nn.Linear(DIM, 16), nn.GELU(), nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 16), nn.GELU(),
                          nn.Linear(16, 4))
@@ -79,7 +87,7 @@ def _tuple_reference() -> nn.Sequential:
 
 def _batch(kind: str, step: int, replica: int, rows: int):
     g = torch.Generator().manual_seed(1000 * step + replica)
-    if kind == "lm":
+    if kind in ("lm", "deep"):
         return torch.randint(0, VOCAB, (rows, SEQ), generator=g), torch.randint(0, VOCAB, (rows, SEQ), generator=g)
     return torch.randn(rows, DIM, generator=g), torch.randn(rows, 4, generator=g)
 
@@ -112,8 +120,8 @@ def _run_case(case: dict, ck_name: str) -> dict:
     kind, stages, m, rows = case["model"], case["stages"], case["micro_batches"], case["rows"]
     world = int(os.environ["WORLD_SIZE"])
     torch.manual_seed(0)
-    ref = {"lm": _lm_reference, "mlp": _mlp_reference, "tuple": _tuple_reference}[kind]()
-    loss_fn = _lm_loss if kind == "lm" else F.mse_loss
+    ref = {"lm": _lm_reference, "mlp": _mlp_reference, "tuple": _tuple_reference, "deep": _deep_reference}[kind]()
+    loss_fn = _lm_loss if kind in ("lm", "deep") else F.mse_loss
 
     class Model(TrainModule):
         def __init__(self):
@@ -125,7 +133,8 @@ def _run_case(case: dict, ck_name: str) -> dict:
                                                            partition_method=case.get("partition", "parameters"))
 
     strategy = PipelineStrategy(stages=stages, schedule=case["schedule"], micro_batches=m,
-                                activation_checkpointing=case.get("ckpt", False), process_group_timeout_s=60)
+                                activation_checkpointing=case.get("ckpt", False), process_group_timeout_s=60,
+                                zero_stage=case.get("zero", 0), virtual_stages=case.get("virtual", 1))
     strategy.connect(detect(devices=world), torch.device("cpu"), precision_from_name(case.get("precision", "32")))
     strategy.setup_environment()
     model = Model()
@@ -171,6 +180,10 @@ def _run_case(case: dict, ck_name: str) -> dict:
            "ref_losses": ref_losses, "peak": strategy.live_activation_peak, "clipped": clipped,
            "keys": sorted(mine), "writes_shard": strategy.writes_shard()}
     shards, numel = strategy.param_shards(), {n: p.numel() for n, p in model.named_parameters()}
+    out["shard_ranges"] = {n: (sh.start, sh.end) for n, sh in shards.items()}
+    out["stage_numel"] = sum(numel.values())
+    out["state_numel"] = sum(v.numel() for st in strategy.optimizer.state.values() for k, v in st.items()
+                             if k == "exp_avg")
     out["shard_names"] = sorted(shards)
     out["shards_whole"] = all((sh.start, sh.end) == (0, numel[n]) for n, sh in shards.items())
     out["shard_kinds"] = sorted({k for sh in shards.values() for k in sh.tensors})
@@ -285,11 +298,17 @@ def test_two_stages_match_a_plain_loop(tmp_path):
         # smoke: reduced-precision activations cross the boundary; fp16 scales the loss
         dict(model="lm", stages=2, schedule="1f1b", micro_batches=4, rows=8, optimizer="adamw", precision="bf16-mixed"),
         dict(model="lm", stages=2, schedule="gpipe", micro_batches=4, rows=8, optimizer="adamw", precision="16-mixed"),
+        # interleaved 1F1B: 2 stages x 2 chunks round the ring, the tie between chunks 0 and 3
+        dict(model="lm", stages=2, schedule="1f1b", micro_batches=4, rows=8, optimizer="adamw", clip=0.5, virtual=2,
+             validate=True),
     ]
     out = run_ranks("test_pipeline:run_cases", 2, tmp_path, timeout=100, cases=cases)
-    mlp, lm, lm_gpipe, tup, bf16, fp16 = [[ranks[i] for ranks in out] for i in range(len(cases))]
-    for results in (mlp, lm, lm_gpipe, tup):
+    mlp, lm, lm_gpipe, tup, bf16, fp16, inter = [[ranks[i] for ranks in out] for i in range(len(cases))]
+    for results in (mlp, lm, lm_gpipe, tup, inter):
         _check_equivalent(results)
+    assert inter[0]["clipped"] > 0 and [r["peak"] for r in inter] == [5, 3]  # chunk activations (simulator's)
+    assert all(r["restored"] for r in inter) and inter[0]["full_rel"] <= 1e-5
+    assert abs(inter[0]["val"] - inter[0]["ref_val"]) <= 1e-5 * inter[0]["ref_val"]
     for results in (bf16, fp16):  # same training, to reduced-precision accuracy
         for a, b in zip(results[0]["losses"], results[0]["ref_losses"]):
             assert abs(a - b) <= 0.03 * b, (a, b)
@@ -337,3 +356,45 @@ def test_four_stages_two_by_two_and_the_trainer_match_a_plain_loop(tmp_path):
     assert all(r["restored"] for results in (four, grid) for r in results)
     assert grid[0]["full_keys"] == ["pipe." + k for k in _REF_KEYS["lm"]]
     assert len({r["val"] for r in grid}) == 1 and abs(grid[0]["val"] - grid[0]["ref_val"]) <= 1e-5 * grid[0]["ref_val"]
+
+
+def test_zero1_two_stages_by_two_replicas_match_a_plain_loop(tmp_path):
+    """Pipeline x ZeRO-1: each stage's masters and Adam state split over its two replicas, the
+    global norm over every stage and replica, the tied embedding/head across the stages."""
+    cases = [
+        dict(model="lm", stages=2, schedule="1f1b", micro_batches=4, rows=8, optimizer="adamw", clip=0.5, zero=1,
+             validate=True),
+        # smoke: bf16 working parameters with fp32 masters; fp16 scales the loss and unscales slices
+        dict(model="lm", stages=2, schedule="1f1b", micro_batches=4, rows=8, optimizer="adamw", clip=0.5, zero=1,
+             precision="bf16-mixed"),
+        dict(model="lm", stages=2, schedule="1f1b", micro_batches=4, rows=8, optimizer="adamw", clip=0.5, zero=1,
+             precision="16-mixed"),
+        # interleaved on 4 stages x 2 chunks, and interleaved with ZeRO-1 on 2 stages x 2 replicas
+        dict(model="deep", stages=4, schedule="1f1b", micro_batches=4, rows=8, optimizer="adamw", clip=0.5, virtual=2),
+        dict(model="lm", stages=2, schedule="1f1b", micro_batches=4, rows=8, optimizer="adamw", clip=0.5, zero=1,
+             virtual=2),
+    ]
+    out = run_ranks("test_pipeline:run_cases", 4, tmp_path, timeout=110, cases=cases)
+    zero, bf16, fp16, inter4, inter_zero = [[ranks[i] for ranks in out] for i in range(len(cases))]
+    for results in (zero, inter4, inter_zero):
+        _check_equivalent(results)
+    assert [r["peak"] for r in inter4] == [8, 8, 7, 5] and inter4[0]["clipped"] > 0
+    assert all(r["restored"] for r in inter4 + inter_zero)
+    assert zero[0]["clipped"] > 0
+    for results in (bf16, fp16):  # same training, to reduced-precision accuracy
+        for r in results:
+            for a, b in zip(r["losses"], r["ref_losses"]):
+                assert abs(a - b) <= 0.03 * b, (a, b)
+    # each replica holds half of its stage's optimizer state (padded to an even split)
+    for r in zero:
+        assert r["state_numel"] == (r["stage_numel"] + 1) // 2, r
+    # every rank writes its partition's pieces; the two replicas' ranges tile each parameter
+    assert all(r["writes_shard"] for r in zero)
+    for stage in (0, 1):
+        a, b = zero[stage]["shard_ranges"], zero[stage + 2]["shard_ranges"]
+        for name in set(a) | set(b):
+            pieces = sorted(x for x in (a.get(name), b.get(name)) if x)
+            assert pieces[0][0] == 0 and all(p[1] == q[0] for p, q in zip(pieces, pieces[1:])), (name, pieces)
+    assert all(r["restored"] for results in (zero, bf16, fp16) for r in results)
+    assert zero[0]["full_rel"] <= 1e-5
+    assert len({r["val"] for r in zero}) == 1 and abs(zero[0]["val"] - zero[0]["ref_val"]) <= 1e-5 * zero[0]["ref_val"]
