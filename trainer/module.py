@@ -169,6 +169,22 @@ class TrainModule(HyperparametersMixin, nn.Module, DataHooks):
         """``toggle_optimizer``/``untoggle_optimizer`` as a context manager."""
         return self.trainer._optim.toggled(optimizer)
 
+    def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: float | None = None,
+                                    gradient_clip_algorithm: str | None = None) -> None:
+        """Automatic optimization, before each step (after ``on_before_optimizer_step``), with the
+        Trainer's ``gradient_clip_val``/``gradient_clip_algorithm``: override to clip your own way
+        through ``self.clip_gradients``. The default clips with the Trainer's values."""
+        self.clip_gradients(optimizer, gradient_clip_val=gradient_clip_val,
+                            gradient_clip_algorithm=gradient_clip_algorithm)
+
+    def lr_scheduler_step(self, scheduler: Any, metric: Any) -> None:
+        """How the Trainer steps each scheduler (automatic optimization): ``step()``, or
+        ``step(metric)`` for one that monitors a metric (ReduceLROnPlateau)."""
+        if metric is None:
+            scheduler.step()
+        else:
+            scheduler.step(metric)
+
     def clip_gradients(self, optimizer: Any, gradient_clip_val: float | None = None,
                        gradient_clip_algorithm: str | None = None) -> None:
         """Clip ``optimizer``'s gradients (by ``"norm"`` or ``"value"``) at its next ``step()``,

@@ -29,6 +29,7 @@ import torch
 
 from ..strategies.optimizers import OptimizerSet
 from .errors import ConfigError
+from .logging import hook_scope
 
 if TYPE_CHECKING:
     from .trainer import Trainer
@@ -45,6 +46,16 @@ class SchedulerConfig:
 
     scheduler: Any
     interval: str = "epoch"
+    #: step every ``frequency`` intervals (Lightning's key)
+    frequency: int = 1
+    #: ReduceLROnPlateau: the ``callback_metrics`` name it steps on, and whether a missing one is
+    #: an error (``strict``) or a skipped step with a warning
+    monitor: str | None = None
+    strict: bool = True
+
+    @property
+    def reduce_on_plateau(self) -> bool:
+        return isinstance(self.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
 
 
 def parse_optimizers(cfg: Any) -> tuple[list[torch.optim.Optimizer], list[SchedulerConfig]]:
@@ -88,24 +99,31 @@ def _from_dicts(dicts: list[dict]) -> tuple[list[torch.optim.Optimizer], list[Sc
                               f"{sorted(d)}; valid: a torch.optim.Optimizer under 'optimizer'")
         opts.append(d["optimizer"])
         if d.get("lr_scheduler") is not None:
-            scheds.append(_scheduler(d["lr_scheduler"], "epoch"))
+            scheds.append(_scheduler(d["lr_scheduler"], "epoch", d.get("monitor")))
     return opts, scheds
 
 
-def _scheduler(entry: Any, default_interval: str) -> SchedulerConfig:
-    """One scheduler, or Lightning's scheduler dict (``scheduler``, ``interval``)."""
+def _scheduler(entry: Any, default_interval: str, monitor: str | None = None) -> SchedulerConfig:
+    """One scheduler, or Lightning's scheduler dict (``scheduler``, ``interval``, ``frequency``,
+    ``monitor``, ``strict``); ``monitor``: the optimizer dict's, which the scheduler dict's overrides."""
     if not isinstance(entry, dict):
-        return SchedulerConfig(entry, default_interval)
+        entry = {"scheduler": entry}
     if entry.get("scheduler") is None:
         raise ConfigError(f"lr_scheduler={sorted(entry)}: no 'scheduler'; valid: a dict with 'scheduler' "
-                          "(and 'interval')")
-    if entry.get("frequency", 1) != 1:
-        raise ConfigError(f"lr_scheduler frequency={entry['frequency']!r}: not supported; valid: 1 (step the "
-                          "scheduler yourself, or use interval='step' | 'epoch')")
+                          "(and 'interval', 'frequency', 'monitor', 'strict')")
+    frequency = entry.get("frequency", 1)
+    if not isinstance(frequency, int) or isinstance(frequency, bool) or frequency < 1:
+        raise ConfigError(f"lr_scheduler frequency={frequency!r}; valid: an integer >= 1")
     interval = entry.get("interval", default_interval)
     if interval not in ("step", "epoch"):
         raise ConfigError(f"lr_scheduler interval={interval!r}; valid choices: step, epoch")
-    return SchedulerConfig(entry["scheduler"], interval)
+    config = SchedulerConfig(entry["scheduler"], interval, frequency, entry.get("monitor", monitor),
+                             bool(entry.get("strict", True)))
+    if config.reduce_on_plateau and config.monitor is None:  # Lightning's message
+        raise ConfigError("`configure_optimizers` must include a monitor when a `ReduceLROnPlateau` scheduler is "
+                          'used. For example: {"optimizer": optimizer, "lr_scheduler": scheduler, "monitor": '
+                          '"metric_to_track"}')
+    return config
 
 
 class Optimization:
@@ -154,13 +172,41 @@ class Optimization:
         """The first scheduler (the Trainer's ``lr_scheduler``), or None."""
         return self.schedulers[0].scheduler if self.schedulers else None
 
-    def step_schedulers(self, interval: str) -> None:
-        """Automatic optimization: step the schedulers of this interval (manual: the user does)."""
+    def step_schedulers(self, interval: str, plateau: bool, index: int) -> None:
+        """Automatic optimization (manual: the user steps them): each scheduler of this interval,
+        plateau kind and ``frequency`` (``index``: the epoch's batch index for "step", the epoch
+        for "epoch", counted from 0 as Lightning counts them), through the module's
+        ``lr_scheduler_step(scheduler, metric)``; a ReduceLROnPlateau gets its monitored metric."""
         if self.manual:
             return
+        t = self.trainer
         for c in self.schedulers:
-            if c.interval == interval:
-                c.scheduler.step()
+            if c.interval != interval or c.reduce_on_plateau != plateau or (index + 1) % c.frequency:
+                continue
+            metric = None
+            if c.reduce_on_plateau:
+                metric = t.callback_metrics.get(c.monitor)
+                if metric is None:
+                    where = (f"ReduceLROnPlateau conditioned on metric {c.monitor} which is not available")
+                    if c.strict:
+                        raise ConfigError(f"{where}. Available metrics are: {list(t.callback_metrics)}. Condition "
+                                          "can be set using `monitor` key in lr scheduler dict")
+                    warnings.warn(f"{where} but strict is set to `False`. Skipping learning rate update.",
+                                  RuntimeWarning, stacklevel=2)
+                    continue
+            with hook_scope(t, "lr_scheduler_step"):
+                t.module.lr_scheduler_step(c.scheduler, metric)
+
+    def clip_for_step(self) -> tuple[float | None, str]:
+        """Automatic optimization, before the step: Lightning's ``configure_gradient_clipping(optimizer,
+        gradient_clip_val, gradient_clip_algorithm)`` (the default calls ``clip_gradients`` with the
+        Trainer's values); returns the (value, algorithm) the step applies."""
+        t, wrapper = self.trainer, self.wrappers[0]
+        wrapper.clip = None
+        with hook_scope(t, "configure_gradient_clipping"):
+            t.module.configure_gradient_clipping(self.optimizers[0], t.gradient_clip_val, t._clip_algorithm_given)
+        clip, wrapper.clip = wrapper.clip, None
+        return clip or (None, "norm")
 
     def scheduler_state(self) -> Any:
         """For the checkpoint: one scheduler's state as before, a list for several, or None."""
@@ -250,8 +296,18 @@ class Optimization:
         """Lightning's ``clip_gradients`` in manual optimization: the bound is applied over the
         strategy's gradients (partitions where sharded) when this optimizer steps next."""
         t = self.trainer
-        value = t.gradient_clip_val or 0.0 if value is None else value
-        algorithm = (algorithm or "norm").lower()
+        if value is None:
+            value = t.gradient_clip_val or 0.0
+        elif t.gradient_clip_val is not None and t.gradient_clip_val != value:  # Lightning's refusal
+            raise ConfigError(f"You have set `Trainer(gradient_clip_val={t.gradient_clip_val!r})` and have passed "
+                              f"`clip_gradients(gradient_clip_val={value!r})`. Please use only one of them.")
+        given = t._clip_algorithm_given
+        if algorithm is None:
+            algorithm = given or "norm"
+        elif given is not None and given.lower() != algorithm.lower():
+            raise ConfigError(f"You have set `Trainer(gradient_clip_algorithm={given!r})` and have passed "
+                              f"`clip_gradients(gradient_clip_algorithm={algorithm!r}) Please use only one of them.")
+        algorithm = algorithm.lower()
         if algorithm not in ("norm", "value"):
             raise ConfigError(f"gradient_clip_algorithm={algorithm!r}; valid choices: norm, value")
         wrapper = self.wrappers[self.index_of(optimizer)]

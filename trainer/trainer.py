@@ -156,6 +156,7 @@ class Trainer(TrainerLogging):
             elastic.DEFAULT_RESTART_TIMEOUT_S if elastic.restarts_enabled(max_restarts) else None)
         self.enable_progress_bar = enable_progress_bar
         self.gradient_clip_algorithm = gradient_clip_algorithm or "norm"
+        self._clip_algorithm_given = gradient_clip_algorithm  # None: not set (Lightning's None)
         self.detect_anomaly = bool(detect_anomaly)
         self.min_epochs, self.min_steps = min_epochs, min_steps
         self.check_val_every_n_epoch = check_val_every_n_epoch
@@ -579,6 +580,8 @@ class Trainer(TrainerLogging):
                 if stepped and val_every and self._validates_this_epoch() and \
                         self._optim.trained_steps(st) % val_every == 0:
                     self._run_validation(self.val_dataloader)
+                if stepped:  # ReduceLROnPlateau on steps: after the metrics of this step's validation
+                    self._optim.step_schedulers("step", plateau=True, index=batch_idx)
                 self._logging.batch_done(stepped)
                 if stepped:  # a SIGTERM on any rank: every rank saves and exits here (trainer/signals.py)
                     self._tick("agreeing on stop signals")
@@ -603,7 +606,8 @@ class Trainer(TrainerLogging):
     def _end_epoch(self, validate: bool) -> None:
         """Lightning's order at the end of a training epoch: the epoch's validation, then
         ``on_train_epoch_end`` (``current_epoch`` is still the epoch that is ending), then the
-        per-epoch LR scheduler step, and only then the epoch counter moves on."""
+        ReduceLROnPlateau schedulers of epochs, and only then the epoch counter moves on. (The
+        other per-epoch schedulers stepped after the epoch's last batch, as Lightning 2.6 does.)"""
         st = self.state
         if validate:
             self._run_validation(self.val_dataloader)
@@ -611,10 +615,16 @@ class Trainer(TrainerLogging):
         self._logging.epoch_end_reached()
         self.hooks.both("on_train_epoch_end", self, self.module)
         self._logging.on_epoch_end()
-        self._optim.step_schedulers("epoch")
+        if self._epoch_complete():  # ReduceLROnPlateau on epochs: after the epoch's metrics
+            self._optim.step_schedulers("epoch", plateau=True, index=st.epoch)
         self._logging.update_train_epoch_metrics()
         st.epoch += 1
         st.batches_in_epoch = 0
+
+    def _epoch_complete(self) -> bool:
+        """Every batch of this epoch's ``num_training_batches`` was trained (Lightning's 'ready
+        batches reached'): not an epoch cut short by ``on_train_batch_start``, ``max_steps`` or a stop."""
+        return self.state.batches_in_epoch >= self.num_training_batches
 
     def _train_micro_batch(self, batch: Any, batch_idx: int, last_micro: bool) -> bool | None:
         """One training batch: ``Strategy.run_schedule`` runs its forwards and backwards and calls
@@ -644,18 +654,21 @@ class Trainer(TrainerLogging):
             self.hooks.both("on_before_optimizer_step", self, module, self.optimizer)
             self._tick("optimizer_step")
             # on_nonfinite="skip": a bad loss on any rank skips the step on every rank together
+            stepped = False
             if self.on_nonfinite == "skip" and s.any_rank(self._nonfinite_in_step):
                 s.skip_step()
             else:
-                stepped = s.optimizer_step(self.gradient_clip_val, self.gradient_clip_algorithm)
+                stepped = s.optimizer_step(*self._optim.clip_for_step())
             self._nonfinite_in_step = False
             elastic.lower_after_first_step(s, self.collective_timeout_s)
             if self._watchdog is not None:
                 self._watchdog.arm()
-            if stepped:
-                self._optim.step_schedulers("step")
             st.skipped_steps += not stepped
             st.global_step += 1
+            if stepped:  # after the step is counted, as Lightning
+                self._optim.step_schedulers("step", plateau=False, index=batch_idx)
+        if self._epoch_complete():  # Lightning 2.6: the epoch's schedulers step here, before its validation
+            self._optim.step_schedulers("epoch", plateau=False, index=st.epoch)
         self._tick("on_train_batch_end")
         self.hooks.both("on_train_batch_end", self, module, out, batch, batch_idx)
         self._logging.on_batch_end()

@@ -1,0 +1,145 @@
+"""Automatic optimization's LR schedulers and clipping hook, beside pytorch-lightning 2.6 on one
+process: when each kind of scheduler steps (per step with ``frequency``, per epoch before the
+epoch's validation, ReduceLROnPlateau on a monitored metric after it), ``lr_scheduler_step`` and
+``configure_gradient_clipping`` overrides, and the learning rate every hook sees."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from zerotrain import Trainer, TrainModule
+from zerotrain.trainer.errors import ConfigError
+
+
+@pytest.fixture(autouse=True)
+def _lightning_env(monkeypatch, tmp_path):
+    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    monkeypatch.chdir(tmp_path)
+
+
+def _data(n=24):
+    g = torch.Generator().manual_seed(3)
+    return TensorDataset(torch.randn(n, 5, generator=g), torch.randn(n, 2, generator=g))
+
+
+def make(base, schedulers, clip_hook=False, step_hook=False):
+    """One class body for a LightningModule and a TrainModule (the port is the rename). Records
+    the LR seen in each batch, validation and epoch-end hook, and each clip/step hook call."""
+
+    class M(base):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = nn.Linear(5, 2)
+            self.seen = []
+
+        def _lr(self):
+            return round(self.trainer.optimizers[0].param_groups[0]["lr"], 10)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = nn.functional.mse_loss(self.net(x), y)
+            self.log("train_metric", loss.detach(), on_step=False, on_epoch=True)
+            return loss
+
+        def on_train_batch_end(self, outputs, batch, batch_idx):
+            self.seen.append(("batch", self.trainer.global_step, self._lr()))
+
+        def validation_step(self, batch, batch_idx):
+            x, y = batch
+            self.log("val_metric", 1.0 + 0.0 * nn.functional.mse_loss(self.net(x), y))
+
+        def on_validation_epoch_start(self):
+            self.seen.append(("val", self.trainer.global_step, self._lr()))
+
+        def on_train_epoch_end(self):
+            self.seen.append(("epoch_end", self.current_epoch, self._lr()))
+
+        def configure_optimizers(self):
+            opt = torch.optim.SGD(self.parameters(), lr=0.1)
+            return {"optimizer": opt, **schedulers(opt)}
+
+        if clip_hook:
+            def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+                self.seen.append(("clip", self.trainer.global_step, gradient_clip_val, gradient_clip_algorithm))
+                if self.trainer.global_step % 2 == 0:  # clip every other step, by value
+                    self.clip_gradients(optimizer, gradient_clip_val=0.01, gradient_clip_algorithm="value")
+
+        if step_hook:
+            def lr_scheduler_step(self, scheduler, metric):
+                self.seen.append(("sched", self.trainer.global_step, metric is not None))
+                scheduler.step() if metric is None else scheduler.step(metric)
+
+        def train_dataloader(self):
+            return DataLoader(_data(), batch_size=4)
+
+        def val_dataloader(self):
+            return DataLoader(_data(8), batch_size=4)
+
+    return M()
+
+
+def _both(schedulers, clip_hook=False, step_hook=False, **kw):
+    pl = pytest.importorskip("pytorch_lightning")
+    common = dict(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                  enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, max_epochs=3)
+    common.update(kw)
+    ours, theirs = make(TrainModule, schedulers, clip_hook, step_hook), make(pl.LightningModule, schedulers,
+                                                                                 clip_hook, step_hook)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pl.Trainer(**common).fit(theirs)
+    Trainer(**common).fit(ours)
+    assert ours.seen == theirs.seen
+    for (k, v), (k2, v2) in zip(ours.state_dict().items(), theirs.state_dict().items()):
+        assert k == k2
+        torch.testing.assert_close(v, v2, rtol=1e-6, atol=1e-7)
+    return ours.seen
+
+
+def test_epoch_scheduler_steps_after_the_last_batch_before_validation_as_lightning():
+    seen = _both(lambda opt: {"lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)})
+    # the epoch's validation and on_train_epoch_end already see the next epoch's learning rate
+    assert ("val", 6, 0.05) in seen and ("epoch_end", 0, 0.05) in seen
+
+
+def test_step_scheduler_with_frequency_as_lightning():
+    seen = _both(lambda opt: {"lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5),
+                                               "interval": "step", "frequency": 4}}, val_check_interval=3)
+    assert [lr for kind, _, lr in seen if kind == "batch"][:5] == [0.1, 0.1, 0.1, 0.05, 0.05]
+
+
+def test_reduce_on_plateau_steps_on_the_monitored_metric_as_lightning():
+    for monitor in ("val_metric", "train_metric"):
+        _both(lambda opt: {"lr_scheduler": torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0, factor=0.5),
+                           "monitor": monitor})
+
+
+def test_reduce_on_plateau_needs_its_metric_and_a_monitor():
+    with pytest.raises(ConfigError, match="ReduceLROnPlateau conditioned on metric nope which is not available"):
+        Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                max_epochs=1, num_sanity_val_steps=0).fit(
+            make(TrainModule, lambda opt: {"lr_scheduler": torch.optim.lr_scheduler.ReduceLROnPlateau(opt),
+                                           "monitor": "nope"}))
+    with pytest.raises(ConfigError, match="must include a monitor when a `ReduceLROnPlateau`"):
+        Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                max_epochs=1).fit(
+            make(TrainModule, lambda opt: {"lr_scheduler": torch.optim.lr_scheduler.ReduceLROnPlateau(opt)}))
+
+
+def test_lr_scheduler_step_and_configure_gradient_clipping_overrides_are_called_as_lightning():
+    seen = _both(lambda opt: {"lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.9),
+                                               "interval": "step"}},
+                 clip_hook=True, step_hook=True, max_epochs=1)
+    assert ("clip", 0, None, None) in seen and ("sched", 1, False) in seen
+
+
+def test_clip_gradients_refuses_a_value_other_than_the_trainers_as_lightning():
+    with pytest.raises(ConfigError, match=r"You have set `Trainer\(gradient_clip_val=0.5\)` and have passed"):
+        Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                max_epochs=1, num_sanity_val_steps=0, gradient_clip_val=0.5).fit(
+            make(TrainModule, lambda opt: {}, clip_hook=True))
