@@ -7,7 +7,10 @@ with it, so the number of micro-batches whose activations are alive follows the 
 instructions form one exchange (``schedule.steps``), posted together and waited on together.
 
 The last stage computes ``loss_fn(outputs, targets) / micro_batches`` in its forward, so that the
-summed micro-batch gradients are those of the mean loss, exactly as without pipelining.
+summed micro-batch gradients are those of the mean loss, exactly as without pipelining. Parts of
+unequal size (an evaluation batch whose rows ``micro_batches`` does not divide; the strategy
+refuses such a training batch) are weighted by their share of the rows instead, and each part's
+activation layout is named by its own shapes (``input_key``).
 
 Forward and backward go through the strategy's and the precision plugin's one copy of each:
 every micro-batch forward runs through ``run_forward`` (the strategy's, which enters the
@@ -43,7 +46,7 @@ class StepStats:
 
 @dataclass
 class _Buffers:
-    key: Hashable
+    keys: list[Hashable]  # each micro-batch's layout name
     micro_inputs: Sequence[Any]
     micro_targets: Sequence[Any]
     train: bool
@@ -60,6 +63,19 @@ def input_key(micro_input: Any, train: bool) -> Hashable:
     """What every stage of a replica can compute alone to name a layout: mode + input shapes."""
     items = micro_input if isinstance(micro_input, (tuple, list)) else (micro_input,)
     return (train, tuple((tuple(t.shape), t.dtype) if torch.is_tensor(t) else repr(t) for t in items))
+
+
+def _rows_of(target: Any) -> int:
+    return _rows_of(target[0]) if isinstance(target, (tuple, list)) else int(target.shape[0])
+
+
+def _share_of_loss(loss: torch.Tensor, target: Any, micro_targets: Sequence[Any]) -> torch.Tensor:
+    """One micro-batch's part of the batch's mean loss: ``loss / m`` for equal parts (bit for bit
+    what it always was), else ``loss`` x its share of the rows."""
+    rows = [_rows_of(t) for t in micro_targets]
+    if len(set(rows)) == 1:
+        return loss / len(rows)
+    return loss * (_rows_of(target) / sum(rows))
 
 
 class StageExecutor:
@@ -83,7 +99,7 @@ class StageExecutor:
         if self.last and self.pipe.loss_fn is None:
             raise ValueError("pipeline: the PipelineModule has no loss_fn; pass loss_fn=... so the last "
                              "stage can compute the loss")
-        b = _Buffers(input_key(micro_inputs[0], train), micro_inputs, micro_targets, train, grad_scale)
+        b = _Buffers([input_key(x, train) for x in micro_inputs], micro_inputs, micro_targets, train, grad_scale)
         self.stats = StepStats()
         start = time.perf_counter()
         for step in steps(instructions):
@@ -137,7 +153,7 @@ class StageExecutor:
         else:
             out = self.pipe(x)
         if self.last:
-            out = self.pipe.loss_fn(out, target) / len(b.micro_inputs)
+            out = _share_of_loss(self.pipe.loss_fn(out, target), target, b.micro_targets)
         return out
 
     def _backward(self, mb: int, b: _Buffers) -> None:
@@ -147,7 +163,7 @@ class StageExecutor:
             self.precision.backward(loss, self.pipe)
             self.precision.post_backward(loss)
         else:
-            meta = self.comm.sent[b.key]
+            meta = self.comm.sent[b.keys[mb]]
             tensors = meta.flatten(out)
             grads = b.grads.pop(mb)
             if grads:
@@ -159,32 +175,32 @@ class StageExecutor:
         comm = self.comm
         for ins in exchange:  # layouts first: only the first exchange of a key sends one
             if isinstance(ins, SendActivation):
-                comm.ensure_header_sent(b.key, ActivationMeta.of(b.outputs[ins.mb]))
+                comm.ensure_header_sent(b.keys[ins.mb], ActivationMeta.of(b.outputs[ins.mb]))
             elif isinstance(ins, RecvActivation):
-                comm.ensure_header_received(b.key)
+                comm.ensure_header_received(b.keys[ins.mb])
         sends, recvs, landed = [], [], []
         for ins in exchange:
             if isinstance(ins, SendActivation):
                 out = b.outputs[ins.mb] if b.train else b.outputs.pop(ins.mb)
-                sends.append((comm.sent[b.key].flatten(out), comm.next_rank))
+                sends.append((comm.sent[b.keys[ins.mb]].flatten(out), comm.next_rank))
             elif isinstance(ins, RecvActivation):
-                bufs = comm.received[b.key].empty(self.device)
+                bufs = comm.received[b.keys[ins.mb]].empty(self.device)
                 recvs.append((bufs, comm.prev_rank))
                 landed.append((ins, bufs))
             elif isinstance(ins, SendGrad):
-                meta = comm.received[b.key]
+                meta = comm.received[b.keys[ins.mb]]
                 leaves = meta.flatten(b.inputs.pop(ins.mb))
                 grads = [leaves[i].grad if leaves[i].grad is not None else torch.zeros_like(leaves[i])
                          for i in meta.grad_positions]
                 sends.append((grads, comm.prev_rank))
             elif isinstance(ins, RecvGrad):
-                bufs = comm.sent[b.key].empty_grads(self.device)
+                bufs = comm.sent[b.keys[ins.mb]].empty_grads(self.device)
                 recvs.append((bufs, comm.next_rank))
                 landed.append((ins, bufs))
         comm.wait(comm.post(sends, recvs))
         for ins, bufs in landed:
             if isinstance(ins, RecvActivation):
-                meta = comm.received[b.key]
+                meta = comm.received[b.keys[ins.mb]]
                 if b.train:
                     for t, m in zip(bufs, meta.tensors):
                         t.requires_grad_(m.requires_grad)

@@ -4,8 +4,9 @@ The Trainer's calls map onto a pipeline like this:
 
 * ``setup_environment``: join the world, lay out the grid (``PipelineGrid``: replica ``r`` is ranks
   ``r*stages .. r*stages+stages-1``) and make one data-parallel group per stage.
-* ``configure_model``: the TrainModule builds itself; then its first ``PipelineModule`` builds only
-  this rank's stage.
+* ``configure_model``: the TrainModule builds itself; then its first ``PipelineModule`` (or, if it
+  holds none, the one its ``to_pipeline(num_stages)`` returns: the demo GPT cuts itself so) builds
+  only this rank's stage.
 * ``setup_module``: make the tie groups (one per tie and replica, among the stages owning a copy),
   broadcast tied weights from their lowest owning stage and every stage from replica 0.
 * ``run_schedule``: split the batch ``(inputs, targets)`` into ``micro_batches`` along dim 0 and run
@@ -27,6 +28,13 @@ The optimizer holds this stage's parameters only: ``parameters_for_optimizer()``
 TrainModule's own ``self.parameters()`` are the same set after ``configure_model``, so a
 ``configure_optimizers`` written for one process works unchanged. ZeRO-1 partitioning of the
 optimizer state over the data-parallel group is not built.
+
+Checkpoints and ``full_state_dict`` name every tensor as the non-pipelined model does
+(``PipelineModule.plain_key``: ``model.3.attn...`` is ``model.blocks.1.attn...``), and a tied
+parameter is saved once, by its lowest owning stage, under its first name (``canonical_key``).
+So a pipeline checkpoint is the per-parameter layout every strategy writes: it resumes under
+another number of stages or replicas, or as zero/ddp/single, and consolidates; and theirs resume
+here.
 """
 from __future__ import annotations
 
@@ -38,7 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..base import PROCESS_GROUP_TIMEOUT_S, BatchHooks, Strategy
+from ..base import PROCESS_GROUP_TIMEOUT_S, BatchHooks, ParamShard, ShardReader, Strategy
 from ..options import config_from
 from .collectives import all_reduce_grads, broadcast_tensors, sum_over_world
 from .config import PipelineConfig
@@ -47,6 +55,29 @@ from .p2p import PipeComm
 from .schedule import inference, schedule_from_name
 from .stage import StageExecutor, StepStats
 from .topology import PipelineGrid
+
+
+def _rows(value: Any, what: str) -> int:
+    """Rows (dim 0) of a tensor, or of the tensors of a tuple, which must agree."""
+    if isinstance(value, (tuple, list)):
+        rows = {_rows(v, what) for v in value}
+        if len(rows) != 1:
+            raise ValueError(f"pipeline: the tensors of {what} have different row counts {sorted(rows)}; "
+                             "valid: tensors split along one batch dimension")
+        return rows.pop()
+    if not torch.is_tensor(value) or value.dim() == 0:
+        raise TypeError(f"pipeline: {what} must be tensors with a batch dimension or tuples of them, got "
+                        f"{type(value).__name__}")
+    return value.shape[0]
+
+
+def _read_parameter(reader: ShardReader, key: str, p: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Copy the saved ``key`` into ``p``; returns its optimizer state (per-element and 0-dim)."""
+    n = p.numel()
+    p.copy_(reader.read(key, "param", 0, n).view(p.shape))
+    loaded = {kind: reader.read(key, kind, 0, n).view(p.shape) for kind in reader.kinds(key) if kind != "param"}
+    loaded.update(reader.scalars(key))
+    return loaded
 
 
 _NO_SEPARATE_STEP = ("pipeline: {call}() is not a step of its own here: the schedule interleaves every "
@@ -83,6 +114,7 @@ class PipelineStrategy(Strategy):
         self._dp_group: Any = None
         self._tie_groups: list[TieGroup] = []
         self._groups: list[Any] = []  # every subgroup this rank belongs to, destroyed in teardown
+        self._pipe_prefix = ""  # the PipelineModule's path inside the TrainModule, with its dot
         #: most micro-batches whose activations this stage held at once, over all training steps
         self.live_activation_peak = 0
         #: the last training step's timings and peak on this stage
@@ -144,7 +176,7 @@ class PipelineStrategy(Strategy):
     # ------------------------------------------------------------------ model
     def configure_model(self, module: nn.Module) -> None:
         module.configure_model()
-        pipe = find_pipeline_module(module)
+        pipe = find_pipeline_module(module, self.num_stages)
         if pipe.num_stages != self.num_stages:
             raise ValueError(f"pipeline: the PipelineModule has num_stages={pipe.num_stages} but the strategy "
                              f"runs {self.num_stages} stages (world_size={self.world_size}); make them equal")
@@ -155,6 +187,8 @@ class PipelineStrategy(Strategy):
             raise ValueError(f"pipeline: parameters outside the PipelineModule would sit on every stage and "
                              f"never get a gradient: {stray[:5]}; make them part of a layer")
         self.pipe = pipe
+        name = next(n for n, m in module.named_modules() if m is pipe)
+        self._pipe_prefix = name + "." if name else ""
 
     def setup_module(self, module: nn.Module) -> None:
         if self.pipe is None:
@@ -188,38 +222,47 @@ class PipelineStrategy(Strategy):
         self.barrier()
 
     # ------------------------------------------------------------------ the step
-    def split_batch(self, batch: Any) -> tuple[list[Any], list[Any]]:
-        """``(inputs, targets)`` -> per-micro-batch lists, split along dim 0 into equal parts."""
+    def split_batch(self, batch: Any, train: bool = True) -> tuple[list[Any], list[Any]]:
+        """``(inputs, targets)`` -> per-micro-batch lists, split along dim 0 into ``micro_batches``
+        parts. A training batch must divide evenly (ConfigError otherwise: the sizes come from the
+        configuration, and every micro-batch of a step should weigh the same); an evaluation
+        batch need not (a loader's last batch is often short): its first parts get one row more
+        (``tensor_split``), fewer parts when it has fewer rows, and each part's loss is weighted
+        by its share of the rows, so the result is still the batch's mean loss."""
+        from ...trainer.errors import ConfigError
+
         if not isinstance(batch, (tuple, list)) or len(batch) != 2:
             raise ValueError(f"pipeline: a batch must be (inputs, targets), got {type(batch).__name__}"
                              + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else ""))
         inputs, targets = batch
-        return self._split(inputs, "inputs"), self._split(targets, "targets")
+        rows, m = _rows(inputs, "inputs"), self.micro_batches
+        if _rows(targets, "targets") != rows:
+            raise ValueError(f"pipeline: inputs have {rows} rows but targets {_rows(targets, 'targets')}; "
+                             "valid: one target row per input row")
+        if train and rows % m:
+            raise ConfigError(f"pipeline: a training batch of {rows} rows cannot be split into micro_batches={m} "
+                              f"equal parts; valid: a batch size (per data-parallel replica) divisible by {m}, "
+                              "with drop_last=True")
+        parts = max(1, min(m, rows))
+        return self._split(inputs, parts), self._split(targets, parts)
 
-    def _split(self, value: Any, what: str) -> list[Any]:
-        m = self.micro_batches
+    def _split(self, value: Any, parts: int) -> list[Any]:
         if isinstance(value, (tuple, list)):
-            parts = [self._split(v, what) for v in value]
-            return [tuple(p[i] for p in parts) for i in range(m)]
-        if not torch.is_tensor(value):
-            raise TypeError(f"pipeline: {what} must be tensors or tuples of tensors, got {type(value).__name__}")
-        if value.shape[0] % m:
-            raise ValueError(f"pipeline: a batch of {value.shape[0]} rows cannot be split into "
-                             f"micro_batches={m} equal parts; use a batch size divisible by {m} "
-                             "(and drop_last=True)")
-        return [c.to(self.device) for c in value.chunk(m)]
+            pieces = [self._split(v, parts) for v in value]
+            return [tuple(p[i] for p in pieces) for i in range(parts)]
+        return [c.to(self.device) for c in value.tensor_split(parts)]
 
     def _run(self, batch: Any, train: bool, accumulation: int = 1) -> torch.Tensor:
         assert self.executor is not None, "pipeline: setup_module() has not run yet"
-        micro_inputs, micro_targets = self.split_batch(batch)
+        micro_inputs, micro_targets = self.split_batch(batch, train)
         grid = self._grid()
         if train:
-            instructions = self._schedule(self.stage, grid.stages, self.micro_batches)
+            instructions = self._schedule(self.stage, grid.stages, len(micro_inputs))
             loss = self.executor.run(instructions, micro_inputs, micro_targets, train=True,
                                      grad_scale=1.0 / accumulation)
         else:
             with torch.no_grad():
-                instructions = inference(self.stage, grid.stages, self.micro_batches)
+                instructions = inference(self.stage, grid.stages, len(micro_inputs))
                 loss = self.executor.run(instructions, micro_inputs, micro_targets, train=False)
         return self._mean_over_replicas(loss)
 
@@ -286,9 +329,9 @@ class PipelineStrategy(Strategy):
         return self.replica == 0
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Collective: every stage's layers, under their original names, on global rank 0."""
+        """Collective: every stage's layers, under the non-pipelined model's names, on global rank 0."""
         assert self.module is not None
-        mine = {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
+        mine = {self._plain(k): v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
         if not self.distributed:
             return mine
         parts = [None] * self.world_size if self.is_global_zero else None
@@ -299,6 +342,65 @@ class PipelineStrategy(Strategy):
         for part in parts:
             full.update(part or {})
         return full
+
+    # checkpoint names: this stage's module keys <-> the non-pipelined model's (module docstring)
+    def _in_pipe(self, key: str) -> str | None:
+        """``key`` relative to the PipelineModule, or None for one of the TrainModule's own."""
+        prefix = self._pipe_prefix
+        return key[len(prefix):] if self.pipe is not None and key.startswith(prefix) else None
+
+    def _plain(self, key: str) -> str:
+        inner = self._in_pipe(key)
+        return key if inner is None else self._pipe_prefix + self.pipe.plain_key(inner)
+
+    def _canonical(self, name: str) -> str:
+        inner = self._in_pipe(name)
+        return name if inner is None else self._pipe_prefix + self.pipe.canonical_key(inner)
+
+    def _saves(self, name: str) -> bool:
+        inner = self._in_pipe(name)
+        return inner is None or self.pipe.saves_key(inner)
+
+    def checkpoint_model_info(self) -> dict[str, Any]:
+        """The base's description in plain names: tied parameters under their first name, their
+        other names (on any stage) as aliases of it."""
+        info = super().checkpoint_model_info()
+        trainable = self._trainable_names()
+        aliases = {self._plain(n): self._canonical(n)
+                   for n, p in self.module.named_parameters(remove_duplicate=False)
+                   if id(p) in trainable and self._plain(n) != self._canonical(n)}
+        return {"params": {self._canonical(n): v for n, v in info["params"].items()}, "aliases": aliases,
+                "extras": {self._plain(k): v for k, v in info["extras"].items()},
+                "keys": [self._plain(k) for k in info["keys"]]}
+
+    def optimizer_group_names(self) -> list[list[str]]:
+        return [[self._canonical(n) for n in group] for group in super().optimizer_group_names()]
+
+    def param_shards(self) -> dict[str, ParamShard]:
+        """The base's whole-parameter shards in plain names; a tied parameter only from its lowest
+        owning stage (the other owners' copies and optimizer state are equal to it)."""
+        return {self._canonical(n): sh for n, sh in super().param_shards().items() if self._saves(n)}
+
+    def extra_state(self) -> dict[str, torch.Tensor]:
+        return {self._plain(k): v for k, v in super().extra_state().items()}
+
+    def load_param_shards(self, reader: ShardReader) -> None:
+        """Collective: this stage's parameters (a tied one from its single saved copy), optimizer
+        state and buffers, each read under its plain name."""
+        assert self.module is not None and self.optimizer is not None
+        order = [p for g in self.optimizer.param_groups for p in g["params"]]
+        slot = {id(p): i for i, p in enumerate(order)}
+        trainable, state = self._trainable_names(), {}
+        with torch.no_grad():
+            for name, p in self.module.named_parameters():
+                if trainable.get(id(p)) == name:
+                    loaded = _read_parameter(reader, self._canonical(name), p)
+                    if loaded and id(p) in slot:
+                        state[slot[id(p)]] = loaded
+            extras = super().checkpoint_model_info()["extras"]  # this stage's own keys
+            self.module.load_state_dict({k: reader.extra(self._plain(k)) for k in extras}, strict=False)
+        groups = reader.param_groups(self.optimizer.state_dict()["param_groups"])
+        self.optimizer.load_state_dict({"state": state, "param_groups": groups})
 
     def teardown(self) -> None:
         # The stage, tie and data-parallel groups stay: evaluation and full_state_dict() after
