@@ -135,11 +135,10 @@ class GPTModule(TrainModule):
         params = [p for _, p in self.named_parameters() if p.requires_grad]
         decay = [p for p in params if p.dim() >= 2]
         no_decay = [p for p in params if p.dim() < 2]
-        groups = [
-            {"params": ps, "weight_decay": wd}
-            for ps, wd in ((decay, self.weight_decay), (no_decay, 0.0))
-            if ps
-        ]
+        # Both groups always, even empty: a pipeline stage may hold no vectors (wte and wpe alone),
+        # and every stage's optimizer and LR schedule must have the plain model's two groups for
+        # checkpoints to move between layouts (the schedule's state is rank 0's).
+        groups = [{"params": decay, "weight_decay": self.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
         fusable = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
         optimizer = None
         if fusable:
