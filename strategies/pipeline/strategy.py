@@ -58,13 +58,9 @@ from .topology import PipelineGrid
 
 
 def _rows(value: Any, what: str) -> int:
-    """Rows (dim 0) of a tensor, or of the tensors of a tuple, which must agree."""
-    if isinstance(value, (tuple, list)):
-        rows = {_rows(v, what) for v in value}
-        if len(rows) != 1:
-            raise ValueError(f"pipeline: the tensors of {what} have different row counts {sorted(rows)}; "
-                             "valid: tensors split along one batch dimension")
-        return rows.pop()
+    """Rows (dim 0) of a tensor, or of the first tensor of a tuple."""
+    if isinstance(value, (tuple, list)) and value:
+        return _rows(value[0], what)
     if not torch.is_tensor(value) or value.dim() == 0:
         raise TypeError(f"pipeline: {what} must be tensors with a batch dimension or tuples of them, got "
                         f"{type(value).__name__}")
@@ -229,27 +225,24 @@ class PipelineStrategy(Strategy):
         batch need not (a loader's last batch is often short): its first parts get one row more
         (``tensor_split``), fewer parts when it has fewer rows, and each part's loss is weighted
         by its share of the rows, so the result is still the batch's mean loss."""
-        from ...trainer.errors import ConfigError
-
         if not isinstance(batch, (tuple, list)) or len(batch) != 2:
             raise ValueError(f"pipeline: a batch must be (inputs, targets), got {type(batch).__name__}"
                              + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else ""))
         inputs, targets = batch
-        rows, m = _rows(inputs, "inputs"), self.micro_batches
-        if _rows(targets, "targets") != rows:
-            raise ValueError(f"pipeline: inputs have {rows} rows but targets {_rows(targets, 'targets')}; "
-                             "valid: one target row per input row")
-        if train and rows % m:
-            raise ConfigError(f"pipeline: a training batch of {rows} rows cannot be split into micro_batches={m} "
-                              f"equal parts; valid: a batch size (per data-parallel replica) divisible by {m}, "
-                              "with drop_last=True")
-        parts = max(1, min(m, rows))
-        return self._split(inputs, parts), self._split(targets, parts)
+        parts = self.micro_batches if train else max(1, min(self.micro_batches, _rows(inputs, "inputs")))
+        return self._split(inputs, "inputs", parts, train), self._split(targets, "targets", parts, train)
 
-    def _split(self, value: Any, parts: int) -> list[Any]:
+    def _split(self, value: Any, what: str, parts: int, train: bool) -> list[Any]:
+        from ...trainer.errors import ConfigError
+
         if isinstance(value, (tuple, list)):
-            pieces = [self._split(v, parts) for v in value]
+            pieces = [self._split(v, what, parts, train) for v in value]
             return [tuple(p[i] for p in pieces) for i in range(parts)]
+        rows = _rows(value, what)
+        if train and rows % parts:
+            raise ConfigError(f"pipeline: a training batch of {rows} rows cannot be split into "
+                              f"micro_batches={parts} equal parts; valid: a batch size (per data-parallel "
+                              f"replica) divisible by {parts}, with drop_last=True")
         return [c.to(self.device) for c in value.tensor_split(parts)]
 
     def _run(self, batch: Any, train: bool, accumulation: int = 1) -> torch.Tensor:

@@ -8,11 +8,13 @@ takes every R-th of them: the same 8).
 * 2 stages, 4 stages (with activation checkpointing) and 2 stages x 2 replicas: every logged loss
   and every final parameter within 1e-5 (relative) of the plain loop; the final checkpoint,
   consolidated by ``zerotrain-consolidate``, loads into the plain GPT with ``strict=True``;
-* resharding: the 2-stage run's step-2 checkpoint resumes as 4 stages, as zero2 on 2 ranks and as
-  single, and a zero2 run's as 2 stages; each run's steps 3-4 equal the uninterrupted plain loop.
+* resharding: the 2-stage run's step-2 checkpoint resumes as 4 stages, as zero2 on 2 ranks, as
+  single and as ddp on 2, and a zero2 run's as 2 stages; each run's steps 3-4 equal the
+  uninterrupted plain loop.
 
 The 4-process runs take longest on 2 cores: the 4-stage run stays in the default suite, the 2 x 2
-grid and the resume into 4 stages are ``slow``.
+grid and the resume into 4 stages are ``slow``, and so is the resume as ddp (single loads the
+same replicated way).
 """
 from __future__ import annotations
 
@@ -195,7 +197,8 @@ def test_two_stages_by_two_replicas_match_a_plain_loop(tmp_path_factory):
 @pytest.mark.parametrize("name,devices,replicas,overrides", [
     ("zero2", 2, 2, ["strategy=zero2"]),
     ("single", 1, 1, ["strategy=single"]),
-], ids=["zero2-on-2", "single"])
+    pytest.param("ddp", 2, 2, ["strategy=ddp"], marks=pytest.mark.slow),
+], ids=["zero2-on-2", "single", "ddp-on-2"])
 def test_two_stage_checkpoint_resumes_elsewhere(tmp_path_factory, name, devices, replicas, overrides):
     source = _two_stages(tmp_path_factory)
     run_dir = _cli(_root(tmp_path_factory), f"pipe2-to-{name}", devices, replicas, *overrides,
