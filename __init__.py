@@ -8,6 +8,8 @@ import sys as _sys
 from .callbacks import (Callback, CSVLogger, EarlyStopping, LearningRateMonitor, ModelCheckpoint,  # noqa: E402
                         ModelSummary, ProgressBar, TensorBoardLogger, ThroughputMonitor, Timer, TQDMProgressBar)
 from .trainer import CheckpointError, ConfigError, DataModule, Engine, Trainer, TrainModule, seed_everything  # noqa: E402
+from .strategies import (DDP, DDPStrategy, Offload, PipelineStrategy, SingleDevice, SingleDeviceStrategy,  # noqa: E402
+                         Strategy, ZeroStage1, ZeroStage2, ZeroStage3)
 from .callbacks import loggers  # noqa: E402
 from .trainer import core, deepspeed, utilities  # noqa: E402
 
@@ -26,4 +28,7 @@ del _name, _module
 
 __all__ = ["Trainer", "Engine", "TrainModule", "DataModule", "Callback", "ModelCheckpoint", "EarlyStopping", "Timer",
            "ModelSummary", "LearningRateMonitor", "ThroughputMonitor", "ProgressBar", "TQDMProgressBar",
-           "TensorBoardLogger", "CSVLogger", "ConfigError", "CheckpointError", "seed_everything"]
+           "TensorBoardLogger", "CSVLogger", "ConfigError", "CheckpointError", "seed_everything",
+           # the strategies (zerotrain.strategies has them all)
+           "Strategy", "SingleDevice", "SingleDeviceStrategy", "DDP", "DDPStrategy", "ZeroStage1", "ZeroStage2",
+           "ZeroStage3", "Offload", "PipelineStrategy"]

@@ -1,10 +1,36 @@
-"""Strategies: how model and optimizer are wrapped, partitioned and communicated."""
+"""Strategies: how model and optimizer are wrapped, partitioned and communicated.
+
+Every strategy a preset name builds is importable from here (``README.md`` in this folder has the
+table), so ``Trainer(strategy=ZeroStage3(...))`` needs no deeper import:
+
+=======================  ====================================================================
+``SingleDevice``         one process (``"single"``); Lightning's name ``SingleDeviceStrategy``
+``DDP``                  replicated data parallel (``"ddp"``); Lightning's name ``DDPStrategy``
+``ZeroStage1/2/3``       ZeRO stages 1-3 (``"zero1"``, ``"zero2"``, ``"zero3"``), built from a
+                         ``ZeroSpec`` (``ZeroConfig``, ``BucketConfig``, ``Stage3Config``)
+``Offload``              ZeRO 2/3 with the optimizer in host RAM or on NVMe (``"offload"``,
+                         ``"offload_cpu"``, ``"offload_nvme"``; options: ``OffloadPolicy``)
+``PipelineStrategy``     pipeline parallelism (``"pipeline"``; ``PipelineConfig``,
+                         ``PipelineModule``, ``LayerSpec``)
+=======================  ====================================================================
+
+``strategy_from_name(name, **options)`` builds a preset by name, as ``Trainer(strategy=name)``.
+"""
 from .base import Strategy
-from .ddp import DDP
+from .ddp import DDP, DDPConfig
 from .environment import ProcessInfo
 from .precision import Precision, precision_from_name
 from .registry import available, register, strategy_from_name
 from .single_device import SingleDevice
+from .zero import BucketConfig, Stage3Config, ZeroConfig, ZeroSpec, ZeroStage1, ZeroStage2, ZeroStage3  # noqa: I001
+from .offload import Offload, OffloadPolicy
+from .pipeline import LayerSpec, PipelineConfig, PipelineModule, PipelineStrategy
 
-__all__ = ["Strategy", "DDP", "SingleDevice", "ProcessInfo", "Precision", "precision_from_name",
-           "available", "register", "strategy_from_name"]
+#: Lightning's class names for the same strategies
+DDPStrategy = DDP
+SingleDeviceStrategy = SingleDevice
+
+__all__ = ["Strategy", "DDP", "DDPConfig", "DDPStrategy", "SingleDevice", "SingleDeviceStrategy", "ZeroStage1",
+           "ZeroStage2", "ZeroStage3", "ZeroSpec", "ZeroConfig", "BucketConfig", "Stage3Config", "Offload",
+           "OffloadPolicy", "PipelineStrategy", "PipelineConfig", "PipelineModule", "LayerSpec", "ProcessInfo",
+           "Precision", "precision_from_name", "available", "register", "strategy_from_name"]

@@ -408,8 +408,13 @@ class Strategy:
         return torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum()
 
     def _grad_norm(self) -> torch.Tensor:
-        """The global L2 norm of the step gradients. Replicated strategies: this rank's."""
-        return self._local_grad_sq_norm().sqrt()
+        """The global L2 norm of the step gradients. Replicated strategies: this rank's, computed
+        as ``torch.nn.utils.clip_grad_norm_`` computes it (the norm of the per-tensor norms), so
+        clipping rounds exactly as a plain PyTorch loop (and Lightning) does."""
+        grads = [g.detach() if g.dtype == torch.float32 else g.detach().float() for g in self.step_gradients()]
+        if not grads:
+            return torch.zeros((), device=self.device)
+        return torch.nn.utils.get_total_norm(grads, norm_type=2.0)
 
     def _scale_grads(self, coef: torch.Tensor) -> None:
         """Multiply the step gradients by the clip coefficient ``coef`` (at most 1)."""

@@ -54,6 +54,35 @@ class DDP(Strategy):
             StepWrapper(self.module), device_ids=ids, bucket_cap_mb=self.config.bucket_cap_mb,
             find_unused_parameters=self.config.find_unused_parameters,
             gradient_as_bucket_view=self.config.gradient_as_bucket_view, static_graph=self.config.static_graph)
+        self._armed = False  # the last forward armed DDP's reducer and no backward has used that yet
+        self._inner_backward = False  # a manual backward ran inside the running forward
+        self._sync_after: bool | None = None  # require_backward_grad_sync to restore after the forward
+        self.model.register_forward_pre_hook(self._forward_starts)
+        self.model.module.register_forward_hook(self._inner_forward_done)
+        self.model.register_forward_hook(self._forward_done)
+
+    # Manual optimization runs its backwards inside the training step, i.e. inside DDP's forward,
+    # whose end would then arm the reducer for a backward that never comes (the next forward's
+    # bucket rebuild fails on it). As Lightning does: a forward that ran a backward inside does
+    # not arm the reducer (require_backward_grad_sync off around DDP's end of forward), and each
+    # manual backward arms it for itself (``_before_manual_backward``).
+    def _forward_starts(self, module: Any, args: Any) -> None:
+        self._armed = self._inner_backward = False
+
+    def _inner_forward_done(self, module: Any, args: Any, output: Any) -> None:
+        if self._inner_backward:
+            self._sync_after, self.model.require_backward_grad_sync = self.model.require_backward_grad_sync, False
+
+    def _forward_done(self, module: Any, args: Any, output: Any) -> None:
+        if self._sync_after is not None:
+            self.model.require_backward_grad_sync, self._sync_after = self._sync_after, None
+        else:  # DDP's forward armed its reducer for one backward (gradients enabled and syncing)
+            self._armed = torch.is_grad_enabled() and self.model.require_backward_grad_sync
+
+    def _forward_armed(self) -> bool:
+        """Whether the last forward's arming is still unused (and now taken by this backward)."""
+        armed, self._armed = self._armed, False
+        return armed
 
     def no_sync(self):
         if isinstance(self.model, DistributedDataParallel):
@@ -71,6 +100,10 @@ class DDP(Strategy):
             return
         if not torch.is_grad_enabled():
             return
+        self._inner_backward = True
+        searches = model.find_unused_parameters and not model.static_graph
+        if self._forward_armed() and not searches:
+            return  # the forward armed the reducer for every parameter, as this backward needs
         model.require_forward_param_sync = True
-        unused = list(_find_tensors(loss)) if model.find_unused_parameters and not model.static_graph else []
-        model.reducer.prepare_for_backward(unused)
+        model.reducer._rebuild_buckets()  # due after the first iteration; never while armed
+        model.reducer.prepare_for_backward(list(_find_tensors(loss)) if searches else [])

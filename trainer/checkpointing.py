@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from .. import __version__
-from . import checkpoint_io, elastic, reshard
+from . import checkpoint_io, elastic, hparams, reshard
 from .errors import CheckpointError, ConfigError
 
 if TYPE_CHECKING:
@@ -30,7 +30,8 @@ def save(trainer: "Trainer", path: str, update_latest: bool = True) -> None:
                     scheduler=trainer._optim.scheduler_state(),
                     data={"batch_size": getattr(loader, "batch_size", None),
                           "world": trainer.strategy.data_parallel_world_size,
-                          "accumulate_grad_batches": trainer.accumulate_grad_batches})
+                          "accumulate_grad_batches": trainer.accumulate_grad_batches},
+                    **hparams.checkpoint_entries(trainer.module, trainer.datamodule))
         trainer.hooks.both("on_save_checkpoint", trainer, trainer.module, meta)  # callbacks, then the module
 
     save_strategy(trainer.strategy, trainer.optimizer, path, loop_meta, update_latest)

@@ -30,6 +30,7 @@ import torch
 
 from . import checkpoint_io
 from .errors import CheckpointError
+from .hparams import hparams_metadata
 from .reshard import CheckpointReader
 from .tensor_files import Entry, dtype_from_name, write_safetensors, write_torch
 
@@ -99,7 +100,8 @@ def consolidate(ckpt: str | os.PathLike, out: str | os.PathLike, *, bf16: bool =
             entries = plan(meta, reader, bf16=bf16, shared_aliases=fmt == "torch")
             if fmt == "safetensors":
                 write_safetensors(tmp, entries, {"format": "pt", "source": str(root),
-                                                 "step": str(meta.get("loop", {}).get("global_step"))})
+                                                 "step": str(meta.get("loop", {}).get("global_step")),
+                                                 **hparams_metadata(meta)})
             else:
                 write_torch(tmp, entries)
         os.replace(tmp, out)

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from .hparams import HyperparametersMixin
+
 if TYPE_CHECKING:
     from .trainer import Trainer
 
@@ -38,8 +40,10 @@ class DataHooks:
         return None
 
 
-class DataModule(DataHooks):
-    """Subclass and override what the run needs; every method here is a no-op or returns None."""
+class DataModule(HyperparametersMixin, DataHooks):
+    """Subclass and override what the run needs; every method here is a no-op or returns None.
+    ``save_hyperparameters()`` in ``__init__`` as Lightning's (trainer/hparams.py): they are
+    logged with the module's and stored in checkpoints as ``datamodule_hyper_parameters``."""
 
     #: run ``prepare_data`` on local rank 0 of every node (True) or on global rank 0 only (False,
     #: for a file system all nodes share)

@@ -59,7 +59,7 @@ from ..strategies import Strategy, progress
 from ..strategies.optimizers import OptimizerSet
 from . import checkpoint_io, checkpointing, reshard
 from .errors import ConfigError
-from .job import distributed_loader, join_job, plugins
+from .job import distributed_loader, epoch_iterator, join_job, plugins
 from .launcher import LocalLauncher
 from .state import LoopState
 from .trainer import _to_device
@@ -452,7 +452,7 @@ class EngineLoader:
         except TypeError:
             total = None
         self._in_pass = True
-        for i, batch in enumerate(self.loader):
+        for i, batch in enumerate(epoch_iterator(self.loader, resuming=skip > 0)):
             if i < skip:
                 continue
             pos.batches_in_epoch += 1

@@ -10,7 +10,7 @@ Lightning's sampler warnings, ``use_distributed_sampler`` and its seeding around
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
@@ -20,6 +20,7 @@ from ..strategies.environment import detect, pick_device, set_cpu_threads
 from . import elastic
 from .errors import ConfigError
 from .launcher import LocalLauncher
+from .utilities import reset_seed
 
 
 def plugins(owner: str, strategy: str | Strategy, precision: str | int, world_size: int
@@ -50,6 +51,8 @@ def join_job(strategy: Strategy, precision: Precision, accelerator: str, devices
     strategy.connect(info, device, precision)
     elastic.join_attempt_group(info, device, strategy.process_group_timeout_s)  # under torchelastic
     strategy.setup_environment()
+    if info.world_size > 1:  # as Lightning's (and Fabric's) distributed strategies at set-up
+        reset_seed()
     if not strategy.is_global_zero:
         logging.getLogger("zerotrain").setLevel(logging.WARNING)
     return launcher
@@ -71,6 +74,22 @@ def distributed_loader(loader: Any, strategy: Strategy, seed: int) -> Any:
         "persistent_workers")}
     if loader.num_workers > 0:
         options["prefetch_factor"] = loader.prefetch_factor
-    # its own generator: starting an epoch must not draw from the global RNG, or a resumed run's
-    # dropout would drift from the uninterrupted one
-    return DataLoader(loader.dataset, sampler=sampler, generator=torch.Generator().manual_seed(seed), **options)
+    # the user's generator (None: the global RNG), as Lightning re-creates the loader: each pass's
+    # iterator draws its worker base seed from it, so the global RNG stream after a pass (dropout,
+    # noise drawn in training_step) is Lightning's; ``epoch_iterator`` keeps a resumed pass exact
+    return DataLoader(loader.dataset, sampler=sampler, generator=loader.generator, **options)
+
+
+def epoch_iterator(loader: Any, resuming: bool) -> Iterator[Any]:
+    """``iter(loader)`` for one pass. Starting a pass draws one number from the loader's generator
+    (the global RNG when it has none: torch's DataLoader seeds its workers with it). A pass resumed
+    mid-epoch was started before the checkpoint, whose RNG state already holds that draw: it is
+    drawn again here and the global RNG put back, so the resumed run continues the uninterrupted
+    one's stream exactly."""
+    if not resuming:
+        return iter(loader)
+    state = torch.get_rng_state()
+    try:
+        return iter(loader)
+    finally:
+        torch.set_rng_state(state)

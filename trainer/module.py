@@ -1,19 +1,29 @@
 """TrainModule: the user's model, its step, its optimizers and its data, in one nn.Module."""
 from __future__ import annotations
 
+import itertools
+import os
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from ..callbacks.base import stage_hooks
+from . import conveniences
 from .datamodule import DataHooks
+from .hparams import HyperparametersMixin
 
 if TYPE_CHECKING:
     from .trainer import Trainer
 
 
-class TrainModule(nn.Module, DataHooks):
+def _from_trainer(name: str, doc: str) -> property:
+    """A Trainer attribute read through the module, 0 when it is not attached (as Lightning)."""
+    return property(lambda self: getattr(self._trainer, name) if self._trainer is not None else 0,
+                    doc=f"The Trainer's ``{name}``: {doc}; 0 when not attached.")
+
+
+class TrainModule(HyperparametersMixin, nn.Module, DataHooks):
     """Subclass and implement ``training_step`` and ``configure_optimizers`` (and optionally the
     data hooks, ``validation_step`` / ``test_step`` / ``predict_step`` and ``configure_model``)."""
 
@@ -194,6 +204,60 @@ class TrainModule(nn.Module, DataHooks):
                      reduce_fx=reduce_fx, enable_graph=enable_graph, sync_dist=sync_dist,
                      sync_dist_group=sync_dist_group, add_dataloader_idx=add_dataloader_idx,
                      batch_size=batch_size, rank_zero_only=rank_zero_only)
+
+    # ---- Lightning's module conveniences (hyperparameters: HyperparametersMixin, trainer/hparams.py)
+    @classmethod
+    def load_from_checkpoint(cls, checkpoint_path: "str | os.PathLike", map_location: Any = None,
+                             strict: bool = True, **overrides: Any) -> "TrainModule":
+        """This class rebuilt from a checkpoint's saved hyperparameters (updated with
+        ``overrides``) and its weights loaded, in this process, for inference: from a sharded
+        checkpoint of any strategy and world size, or a consolidated / weights-only file
+        (``trainer/from_checkpoint.py``). ``map_location``: the device to move it to."""
+        from .from_checkpoint import load_from_checkpoint
+
+        return load_from_checkpoint(cls, checkpoint_path, map_location=map_location, strict=strict, **overrides)
+
+    @property
+    def device(self) -> torch.device:
+        """The Trainer's device for this rank; unattached: where the first parameter is (CPU)."""
+        if self._trainer is not None:
+            return self._trainer.strategy.device
+        first = next(itertools.chain(self.parameters(), self.buffers()), None)
+        return first.device if first is not None else torch.device("cpu")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the first floating-point parameter or buffer (the default dtype if none)."""
+        return next((t.dtype for t in itertools.chain(self.parameters(), self.buffers()) if t.is_floating_point()),
+                    torch.get_default_dtype())
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device.type == "cuda"
+
+    current_epoch = _from_trainer("current_epoch", "the epoch the loop is in (the one ending, in on_train_epoch_end)")
+    local_rank = _from_trainer("local_rank", "this process's rank on its node")
+
+    @property
+    def example_input_array(self) -> Any:
+        """An example input (Lightning uses it for summaries and graphs); zerotrain only keeps it."""
+        return self.__dict__.get("_example_input_array")
+
+    @example_input_array.setter
+    def example_input_array(self, example: Any) -> None:
+        self.__dict__["_example_input_array"] = example
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on global rank 0 only, as Lightning (beside the progress bar if one is drawn)."""
+        conveniences.rank_zero_print(self._trainer, *args, **kwargs)
+
+    def all_gather(self, data: Any, group: Any = None, sync_grads: bool = False) -> Any:
+        """Collective: a tensor, number or (nested) collection of them from every rank, each
+        tensor stacked with a new leading dimension of the world size (of ``group``); one
+        process: unchanged (numbers as tensors), as Lightning. ``sync_grads``: differentiable."""
+        distributed = self._trainer.strategy.distributed if self._trainer is not None else \
+            torch.distributed.is_available() and torch.distributed.is_initialized()
+        return conveniences.all_gather(data, self.device, distributed, group=group, sync_grads=sync_grads)
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name == "_trainer":  # never register the Trainer as a submodule or pickle it into state

@@ -197,26 +197,18 @@ class Optimization:
         raise ConfigError(f"optimizer={type(target).__name__}: not one configure_optimizers() returned; "
                           "valid: one of self.optimizers()")
 
-    def run_manual_batch(self, batch: Any, batch_idx: int) -> bool:
-        """Manual optimization's batch, after ``on_train_batch_start``: the training step only (it
-        backwards and steps itself); a loss it returns is logged as ``train_loss`` when it logged
-        nothing. Each optimizer step counted one ``global_step``."""
+    def run_manual_step(self, batch: Any, batch_idx: int) -> Any:
+        """Manual optimization's training step, inside the Trainer's ``training_step`` logging
+        scope: the step only (it backwards and steps itself, each optimizer step counting one
+        ``global_step``); a loss it returns is logged as ``train_loss`` when it logged nothing."""
         t = self.trainer
         t._tick("training_step")
         t._train_logged = False
         out = t.strategy.training_step(batch, batch_idx)
         loss = out.get("loss") if isinstance(out, dict) else out
-        if torch.is_tensor(loss):
-            if not t._train_logged:
-                t._log("train_loss", loss)
-            t.progress_bar_metrics["loss"] = float(loss.detach())
-        t.state.batches_in_epoch += 1
-        t.state.total_batches += 1
-        if t.state.total_batches % t.log_every_n_steps == 0:  # Lightning counts batches here
-            t._emit(t._collect_step_metrics())
-        t._tick("on_train_batch_end")
-        t.hooks.both("on_train_batch_end", t, t.module, out, batch, batch_idx)
-        return True
+        if torch.is_tensor(loss) and not t._train_logged:
+            t._log_loss("train_loss", loss)
+        return out
 
     def manual_backward(self, loss: torch.Tensor) -> None:
         """The strategy's backward (loss scaling included) between the Trainer's backward hooks."""

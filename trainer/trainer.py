@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Sequ
 from ..callbacks.base import Callback, Logger
 from ..strategies import Strategy, progress
 from ..strategies.environment import detect
-from . import checkpointing, elastic, job
+from . import checkpointing, elastic, hparams, job, signals
 from .arguments import check_limit, check_lightning_args, lightning_callbacks, positive_int
 from .errors import ConfigError
 from .hooks import HookDispatcher, merge_callbacks, warn_not_called
@@ -148,6 +148,7 @@ class Trainer(TrainerLogging):
         self.seed, self.deterministic = seed, deterministic
         self.on_nonfinite, self.stall_timeout_s = on_nonfinite, stall_timeout_s
         self._watchdog: ProgressWatchdog | None = None
+        self._signals: signals.SignalCheckpoint | None = None  # during fit (trainer/signals.py)
         self._fits = 0  # fit() calls in this process: keys the watchdog's store entries
         # restarts (trainer/elastic.py): the process-group timeout after the first step
         self.max_restarts = max_restarts
@@ -271,16 +272,22 @@ class Trainer(TrainerLogging):
                                            key=f"zerotrain/progress/{elastic.restart_count()}/{self._fits}")
             progress.set_sink(self._watchdog.mark if self._watchdog is not None else None)
             self.hooks.both("on_fit_start", self, module)
+            hparams.log_hyperparams(self)
+            self._signals = signals.SignalCheckpoint(self)
+            self._signals.install()
             with torch.autograd.set_detect_anomaly(self.detect_anomaly):
                 self._sanity_check()
                 self._fit_loop()
             self.hooks.both("on_fit_end", self, module)
         except BaseException as exc:
             self.hooks("on_exception", self, module, exc)
-            if self._launcher is not None:  # rank 0 failed: the ranks it started cannot finish
+            # rank 0 failed: the ranks it started cannot finish (after a signal they exit by themselves)
+            if self._launcher is not None and not isinstance(exc, signals.SIGTERMException):
                 self._launcher.kill()
             raise
         finally:
+            if self._signals is not None:
+                self._signals.restore()
             if self._watchdog is not None:
                 progress.set_sink(None)
                 self._watchdog.disarm()
@@ -288,6 +295,8 @@ class Trainer(TrainerLogging):
             self._logging.stop()
             self._teardown()
             self._teardown_data("fit")
+        done, self._signals = self._signals, None
+        done.finished()  # a signal after the last step still ends the process
 
     def validate(self, model: TrainModule | None = None, dataloaders: Iterable | DataModule | None = None,
                  ckpt_path: str | None = None, verbose: bool = True,
@@ -340,6 +349,7 @@ class Trainer(TrainerLogging):
                 ckpt_path = "best"
         try:
             self._setup(model if model is not None else self.module, fn, datamodule)
+            hparams.log_hyperparams(self)
             spec = _EVAL_STAGES[fn]
             self._check_step_defined(spec)
             loaders = _as_loader_list(self._source(spec.loader, dataloaders))
@@ -551,11 +561,12 @@ class Trainer(TrainerLogging):
         while not self._done():
             if hasattr(getattr(loader, "sampler", None), "set_epoch"):
                 loader.sampler.set_epoch(st.epoch)
+            skip = st.batches_in_epoch  # > 0 only when resuming mid-epoch
+            batches = job.epoch_iterator(loader, resuming=skip > 0)  # before the epoch's hooks, as Lightning
             self._tick("on_train_epoch_start")
             self.hooks.both("on_train_epoch_start", self, module)
-            skip = st.batches_in_epoch  # > 0 only when resuming mid-epoch
             batch_idx, cut = -1, False
-            for batch_idx, batch in enumerate(loader):
+            for batch_idx, batch in enumerate(batches):
                 if batch_idx >= n_batches or self._done():
                     break
                 if batch_idx < skip:
@@ -569,6 +580,9 @@ class Trainer(TrainerLogging):
                         self._optim.trained_steps(st) % val_every == 0:
                     self._run_validation(self.val_dataloader)
                 self._logging.batch_done(stepped)
+                if stepped:  # a SIGTERM on any rank: every rank saves and exits here (trainer/signals.py)
+                    self._tick("agreeing on stop signals")
+                    self._signals.at_step_boundary()
                 self._tick("fetching the next training batch")
             else:
                 if batch_idx == -1:  # a loader without a length that yielded nothing
@@ -617,23 +631,15 @@ class Trainer(TrainerLogging):
         self._logging.on_batch_start(batch)
         if self.hooks.both("on_train_batch_start", self, module, batch, batch_idx) == -1:
             return None
-        if self._optim.manual:
-            return self._optim.run_manual_batch(batch, batch_idx)
-        batch_hooks = _BatchHooks(self, batch_idx)
-        with (s.no_sync() if not last_micro else contextlib.nullcontext()), hook_scope(self, "training_step"):
-            self._tick("training_step")
-            self._train_logged = False
-            out = s.run_schedule(batch, batch_idx, batch_hooks)
-            loss = batch_hooks.loss
-            if loss is None:
-                raise RuntimeError(f"strategy={s!r}: run_schedule returned without calling hooks.loss_of; "
-                                   "valid: every run_schedule checks its loss through hooks.loss_of once")
-            if not batch_hooks.step_logged:  # the step logged nothing: track its loss (as val_loss in validation)
-                self._log_loss("train_loss", loss)
+        manual = self._optim.manual  # the step backwards and steps itself (trainer/optimization.py)
+        if manual:
+            with hook_scope(self, "training_step"):
+                out = self._optim.run_manual_step(batch, batch_idx)
+        else:
+            out = self._automatic_step(batch, batch_idx, last_micro)
         st.batches_in_epoch += 1
         st.total_batches += 1
-        stepped = False
-        if last_micro:
+        if last_micro and not manual:
             self._tick("on_before_optimizer_step")
             self.hooks.both("on_before_optimizer_step", self, module, self.optimizer)
             self._tick("optimizer_step")
@@ -655,6 +661,22 @@ class Trainer(TrainerLogging):
         self._logging.on_batch_end()
         self._logging.update_train_step_metrics(accumulating=not last_micro)
         return last_micro
+
+    def _automatic_step(self, batch: Any, batch_idx: int, last_micro: bool) -> Any:
+        """The batch's forwards and backwards through ``Strategy.run_schedule`` (see above)."""
+        s = self._strategy
+        batch_hooks = _BatchHooks(self, batch_idx)
+        with (s.no_sync() if not last_micro else contextlib.nullcontext()), hook_scope(self, "training_step"):
+            self._tick("training_step")
+            self._train_logged = False
+            out = s.run_schedule(batch, batch_idx, batch_hooks)
+            loss = batch_hooks.loss
+            if loss is None:
+                raise RuntimeError(f"strategy={s!r}: run_schedule returned without calling hooks.loss_of; "
+                                   "valid: every run_schedule checks its loss through hooks.loss_of once")
+            if not batch_hooks.step_logged:  # the step logged nothing: track its loss (as val_loss in validation)
+                self._log_loss("train_loss", loss)
+        return out
 
     _nonfinite_in_step = False
     _train_logged = False

@@ -87,6 +87,15 @@ def seed_everything(seed: int | None = None, workers: bool = False) -> int:
     return seed
 
 
+def reset_seed() -> None:
+    """Lightning's ``reset_seed``: a distributed run re-seeds each rank's global RNGs, as it joins
+    the job, from the seed ``seed_everything`` recorded (nothing when none was), so every rank
+    starts ``fit`` from the same RNG state whatever the script did between seeding and ``fit``."""
+    seed = os.environ.get(GLOBAL_SEED_ENV)
+    if seed is not None:
+        seed_rngs(int(seed))
+
+
 def seed_rngs(seed: int) -> None:
     """Seed the global RNGs only (``Trainer(seed=...)``, whose sampler seed is its own)."""
     random.seed(seed)
@@ -99,5 +108,5 @@ def seed_rngs(seed: int) -> None:
         pass
 
 
-__all__ = ["GLOBAL_SEED_ENV", "seed_rngs", "rank_zero_only", "rank_zero_info", "rank_zero_debug", "rank_zero_warn", "seed_everything",
+__all__ = ["GLOBAL_SEED_ENV", "reset_seed", "seed_rngs", "rank_zero_only", "rank_zero_info", "rank_zero_debug", "rank_zero_warn", "seed_everything",
            "global_rank"]

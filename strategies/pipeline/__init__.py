@@ -2,9 +2,11 @@
 through them on a 1F1B or GPipe schedule, optionally times data-parallel replicas.
 
 ``module.py`` (PipelineModule, LayerSpec, TiedLayerSpec), ``partition.py`` (pure stage cuts),
-``schedule.py`` (pure instruction lists), ``topology.py`` (pure rank grid), ``p2p.py`` (headers and
-batched sends/receives), ``stage.py`` (runs one stage's instructions), ``collectives.py`` (gradient
-and weight reductions), ``strategy.py`` (the Strategy the Trainer talks to).
+``schedule.py`` (pure instruction lists: GPipe, 1F1B, interleaved 1F1B), ``simulate.py`` (all
+stages' lists run together: deadlock freedom, bubble, live activations), ``topology.py`` (pure rank
+grid), ``p2p.py`` (headers and batched sends/receives), ``stage.py`` (runs one stage's
+instructions), ``collectives.py`` (gradient and weight reductions), ``zero1.py`` (ZeRO-1 over a
+stage's replicas), ``strategy.py`` (the Strategy the Trainer talks to).
 """
 from .config import PipelineConfig
 from .module import LayerSpec, PipelineModule, Tie, TiedLayerSpec

@@ -5,7 +5,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..options import check_bool, check_choice, whole_number
-from .schedule import SCHEDULES
+from ...trainer.errors import ConfigError
+from .schedule import SCHEDULES, check_interleaved
 
 
 @dataclass(frozen=True)
@@ -19,6 +20,13 @@ class PipelineConfig:
     micro_batches: int = 4
     #: recompute each stage's forward in its backward
     activation_checkpointing: bool = False
+    #: model chunks per stage (interleaved 1F1B: layers cut into stages x virtual_stages chunks,
+    #: stage s holding chunks s, s + stages, ...; the bubble shrinks by this factor). 1: plain 1F1B.
+    #: Needs schedule="1f1b" and micro_batches a multiple of stages.
+    virtual_stages: int = 1
+    #: 1: partition each stage's optimizer state (fp32 masters + optimizer state) over the
+    #: stage's data-parallel replicas (ZeRO-1); 0: every replica holds it whole
+    zero_stage: int = 0
 
     def __post_init__(self) -> None:
         if self.stages is not None:
@@ -26,3 +34,19 @@ class PipelineConfig:
         check_choice("pipeline", "schedule", self.schedule, SCHEDULES)
         object.__setattr__(self, "micro_batches", whole_number("pipeline", "micro_batches", self.micro_batches, 1))
         check_bool("pipeline", "activation_checkpointing", self.activation_checkpointing)
+        object.__setattr__(self, "virtual_stages", whole_number("pipeline", "virtual_stages", self.virtual_stages, 1))
+        if isinstance(self.zero_stage, bool) or self.zero_stage not in (0, 1):
+            raise ValueError(f"pipeline: zero_stage={self.zero_stage!r}; valid choices: 0, 1 (ZeRO-1 over each "
+                             "stage's replicas)")
+        if self.virtual_stages > 1 and self.schedule != "1f1b":
+            raise ConfigError(f"pipeline: virtual_stages={self.virtual_stages} with schedule={self.schedule!r}: "
+                              "only 1F1B interleaves chunks; valid: schedule='1f1b', or virtual_stages=1")
+        if self.stages is not None:
+            self.check_grid(self.stages)
+
+    def check_grid(self, stages: int) -> None:
+        """What the interleaved schedule needs of the stage count (known here or at set-up)."""
+        try:
+            check_interleaved(stages, self.micro_batches, self.virtual_stages)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None

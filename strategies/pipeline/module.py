@@ -123,11 +123,16 @@ class PipelineModule(nn.Module):
         weights = ([count_parameters(s) for s in specs] if partition_method == "parameters"
                    else [1] * len(specs))
         self.bounds = partition(weights, self.num_stages, partition_method)
+        #: model chunks per stage (``set_virtual_stages``); layer cuts of the stages x chunks
+        self.virtual_stages = 1
+        self.chunk_bounds = self.bounds
+        object.__setattr__(self, "_partition_args", (weights, partition_method))
         self.ties = tuple(sorted(_spec_ties(specs) + list(ties), key=lambda t: t.key))
         object.__setattr__(self, "loss_fn", loss_fn)  # a plain attribute: never part of state
         object.__setattr__(self, "_specs", specs)  # not registered: only owned layers become children
         self.stage: int | None = None
         self._forward_fns: list[Callable[[Any], Any]] = []
+        self._chunk_fns: list[list[Callable[[Any], Any]]] = []  # the same, per chunk
 
     @classmethod
     def from_sequential(cls, sequential: nn.Sequential, num_stages: int,
@@ -150,11 +155,35 @@ class PipelineModule(nn.Module):
                    layer_names=names)
 
     # ------------------------------------------------------------------ layout (pure)
-    def stage_of_layer(self, index: int) -> int:
-        return stage_of_layer(self.bounds, index)
+    def set_virtual_stages(self, virtual_stages: int, partition_method: "str | Sequence[int] | None" = None) -> None:
+        """Cut the layers into ``num_stages * virtual_stages`` chunks instead (before ``build``):
+        stage ``s`` holds chunks ``s, s + num_stages, ...`` (interleaved 1F1B). ``partition_method``
+        defaults to the module's; an explicit list at construction cuts stages, not chunks, so give
+        the chunks' boundaries here. Names stay the Sequential's."""
+        if self.is_built:
+            raise RuntimeError(f"PipelineModule is built for stage {self.stage}: set virtual stages before build()")
+        weights, method = self._partition_args
+        chunks = self.num_stages * int(virtual_stages)
+        if partition_method is None and not isinstance(method, str) and virtual_stages > 1:
+            raise ValueError(f"partition_method={list(method)!r} cuts {self.num_stages} stages, not {chunks} chunks "
+                             f"(virtual_stages={virtual_stages}); valid: partition_method='parameters' or "
+                             f"'uniform', or the chunk boundaries in set_virtual_stages({virtual_stages}, [...])")
+        method = method if partition_method is None else partition_method
+        self.chunk_bounds = partition(weights, chunks, method) if virtual_stages > 1 else self.bounds
+        self.virtual_stages = int(virtual_stages)
 
-    def layer_range(self, stage: int) -> range:
-        return range(self.bounds[stage], self.bounds[stage + 1])
+    def stage_of_layer(self, index: int) -> int:
+        return stage_of_layer(self.chunk_bounds, index) % self.num_stages
+
+    def chunk_layers(self, stage: int) -> list[range]:
+        """The layers of each of ``stage``'s chunks, chunk 0 first (one range without virtual stages)."""
+        p, b = self.num_stages, self.chunk_bounds
+        return [range(b[c * p + stage], b[c * p + stage + 1]) for c in range(self.virtual_stages)]
+
+    def layer_range(self, stage: int) -> "range | list[int]":
+        """The layers ``stage`` holds (a range without virtual stages)."""
+        chunks = self.chunk_layers(stage)
+        return chunks[0] if len(chunks) == 1 else [i for r in chunks for i in r]
 
     def tie_owner_stages(self, tie: Tie) -> list[int]:
         return sorted({self.stage_of_layer(i) for i in tie.layers})
@@ -189,10 +218,11 @@ class PipelineModule(nn.Module):
         return self.plain_key(f"{index}.{name}")
 
     def saves_key(self, key: str) -> bool:
-        """Whether this stage writes the parameter ``key`` to a checkpoint: a tied one only where
-        its first member lives (the lowest owning stage), so it is saved once."""
+        """Whether this stage writes the parameter ``key`` to a checkpoint: a tied one only on its
+        lowest owning stage (the one its broadcast starts from), so it is saved once. With
+        virtual stages that reads the chunk cut: the first member's chunk may sit on a higher stage."""
         tie = self._tie_of(key)
-        return tie is None or self.stage_of_layer(min(tie.members)[0]) == self.stage
+        return tie is None or self.tie_owner_stages(tie)[0] == self.stage
 
     def _tie_of(self, key: str) -> Tie | None:
         head, _, rest = key.partition(".")
@@ -214,19 +244,22 @@ class PipelineModule(nn.Module):
         if not 0 <= stage < self.num_stages:
             raise ValueError(f"stage={stage} outside 0..{self.num_stages - 1}")
         shared: dict[str, nn.Module] = {}
-        for i in self.layer_range(stage):
-            layer = self._specs[i]
-            if isinstance(layer, TiedLayerSpec):
-                module = shared.get(layer.key) or layer.build()
-                shared[layer.key] = module
-                fn = functools.partial(layer.forward_fn, module) if layer.forward_fn else module
-            elif isinstance(layer, LayerSpec):
-                module = fn = layer.build()
-            else:
-                module = fn = layer
-            if isinstance(module, nn.Module):
-                self.add_module(str(i), module)
-            self._forward_fns.append(fn)
+        for layers in self.chunk_layers(stage):
+            self._chunk_fns.append([])
+            for i in layers:
+                layer = self._specs[i]
+                if isinstance(layer, TiedLayerSpec):
+                    module = shared.get(layer.key) or layer.build()
+                    shared[layer.key] = module
+                    fn = functools.partial(layer.forward_fn, module) if layer.forward_fn else module
+                elif isinstance(layer, LayerSpec):
+                    module = fn = layer.build()
+                else:
+                    module = fn = layer
+                if isinstance(module, nn.Module):
+                    self.add_module(str(i), module)
+                self._forward_fns.append(fn)
+                self._chunk_fns[-1].append(fn)
         self.stage = stage
         self._check_ties()
         object.__setattr__(self, "_specs", None)  # release the layers other stages own
@@ -276,13 +309,21 @@ class PipelineModule(nn.Module):
             x = fn(x)
         return x
 
+    def forward_chunk(self, chunk: int, x: Any) -> Any:
+        """The layers of one of this stage's chunks (``set_virtual_stages``)."""
+        self._require_built()
+        for fn in self._chunk_fns[chunk]:
+            x = fn(x)
+        return x
+
     def _require_built(self) -> None:
         if not self.is_built:
             raise RuntimeError("PipelineModule is not built: train it with strategy='pipeline' or call "
                                ".build(stage) first")
 
     def extra_repr(self) -> str:
-        return f"stage={self.stage}, num_stages={self.num_stages}, bounds={self.bounds}"
+        chunks = f", virtual_stages={self.virtual_stages}, chunk_bounds={self.chunk_bounds}" if self.virtual_stages > 1 else ""
+        return f"stage={self.stage}, num_stages={self.num_stages}, bounds={self.bounds}{chunks}"
 
 
 def _check_layer_names(names: Sequence[str] | None, num_layers: int) -> tuple[str, ...]:

@@ -10,7 +10,9 @@ layout is the sender's own cached header.
 
 One exchange posts all of its sends and receives with ``batch_isend_irecv`` and waits for all of
 them before the executor moves on (``Exchange`` is the in-flight value: its handles and the
-tensors that must stay alive until they complete).
+tensors that must stay alive until they complete). The headers an exchange needs are posted the
+same way just before it (sizes, then contents), never as lone blocking calls: with virtual stages
+the stages form a ring, and blocking header sends all round it would wait on each other.
 """
 from __future__ import annotations
 
@@ -23,6 +25,9 @@ import torch.distributed as dist
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
            torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
 _HEADER_TAG = 7_000  # headers never share a tag with data (tags 0..n-1: position in the tuple)
+#: gradients travel under tags GRAD_TAG + position: with two stages in a ring (interleaved 1F1B) the
+#: previous and the next stage are the same rank, and one exchange may carry both kinds to it
+GRAD_TAG = 1_000
 
 
 @dataclass(frozen=True)
@@ -101,45 +106,47 @@ class PipeComm:
         self.sent: dict[Hashable, ActivationMeta] = {}  # layouts this stage sent forward
         self.received: dict[Hashable, ActivationMeta] = {}  # layouts it received
 
-    # ---- headers (blocking; at most once per key and direction)
-    def ensure_header_sent(self, key: Hashable, meta: ActivationMeta) -> None:
-        known = self.sent.get(key)
-        if known is not None:
-            if known != meta:
-                raise RuntimeError(
-                    f"pipeline: the activation sent to rank {self.next_rank} changed layout for the same "
-                    f"micro-batch input shapes ({known} -> {meta}); stage outputs must depend only on "
-                    "the input shapes")
+    # ---- headers (at most once per key and direction, batched like the data)
+    def exchange_headers(self, sends: list[tuple[Hashable, ActivationMeta]], recvs: list[Hashable]) -> None:
+        """Send the layouts of ``sends`` not sent before to the next stage and receive those of
+        ``recvs`` not known yet from the previous one, all posted together (both ends of a
+        boundary meet its first message in the same exchange, so they agree on which is new)."""
+        out = [(key, meta) for key, meta in sends if not self._known_sent(key, meta)]
+        keys = [key for key in recvs if key not in self.received]
+        if not out and not keys:
             return
-        header = meta.encode().to(self.device)
-        dist.send(torch.tensor([header.numel()], dtype=torch.int64, device=self.device), self.next_rank,
-                  tag=_HEADER_TAG)
-        dist.send(header, self.next_rank, tag=_HEADER_TAG + 1)
-        self.sent[key] = meta
+        encoded = [meta.encode().to(self.device) for _, meta in out]
+        sizes = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in keys]
+        self.wait(self.post([([torch.tensor([e.numel()], dtype=torch.int64, device=self.device)], self.next_rank,
+                               _HEADER_TAG) for e in encoded], [([t], self.prev_rank, _HEADER_TAG) for t in sizes]))
+        headers = [torch.zeros(int(t.item()), dtype=torch.int64, device=self.device) for t in sizes]
+        self.wait(self.post([([e], self.next_rank, _HEADER_TAG + 1) for e in encoded],
+                            [([h], self.prev_rank, _HEADER_TAG + 1) for h in headers]))
+        self.sent.update(out)
+        self.received.update((key, ActivationMeta.decode(h.cpu())) for key, h in zip(keys, headers))
 
-    def ensure_header_received(self, key: Hashable) -> ActivationMeta:
-        if key not in self.received:
-            size = torch.zeros(1, dtype=torch.int64, device=self.device)
-            dist.recv(size, self.prev_rank, tag=_HEADER_TAG)
-            header = torch.zeros(int(size.item()), dtype=torch.int64, device=self.device)
-            dist.recv(header, self.prev_rank, tag=_HEADER_TAG + 1)
-            self.received[key] = ActivationMeta.decode(header.cpu())
-        return self.received[key]
+    def _known_sent(self, key: Hashable, meta: ActivationMeta) -> bool:
+        known = self.sent.get(key)
+        if known is not None and known != meta:
+            raise RuntimeError(
+                f"pipeline: the activation sent to rank {self.next_rank} changed layout for the same "
+                f"micro-batch input shapes ({known} -> {meta}); stage outputs must depend only on "
+                "the input shapes")
+        return known is not None
 
     # ---- data
-    def post(self, sends: list[tuple[list[torch.Tensor], int]],
-             recvs: list[tuple[list[torch.Tensor], int]]) -> Exchange:
-        """Post ``(tensors, peer)`` sends and receives as one batch; tensor ``i`` of a message
-        uses tag ``i``."""
+    def post(self, sends: list[tuple], recvs: list[tuple]) -> Exchange:
+        """Post ``(tensors, peer[, tag])`` sends and receives as one batch; tensor ``i`` of a
+        message uses tag ``tag + i`` (``tag`` 0 unless given)."""
         ops, keep = [], []
-        for tensors, peer in sends:
+        for tensors, peer, *tag in sends:
             for i, t in enumerate(tensors):
                 t = t.detach().contiguous()
                 keep.append(t)
-                ops.append(dist.P2POp(dist.isend, t, peer, tag=i))
-        for tensors, peer in recvs:
+                ops.append(dist.P2POp(dist.isend, t, peer, tag=(tag[0] if tag else 0) + i))
+        for tensors, peer, *tag in recvs:
             for i, t in enumerate(tensors):
-                ops.append(dist.P2POp(dist.irecv, t, peer, tag=i))
+                ops.append(dist.P2POp(dist.irecv, t, peer, tag=(tag[0] if tag else 0) + i))
         works = dist.batch_isend_irecv(ops) if ops else []
         return Exchange(works, keep)
 

@@ -12,6 +12,12 @@ unequal size (an evaluation batch whose rows ``micro_batches`` does not divide; 
 refuses such a training batch) are weighted by their share of the rows instead, and each part's
 activation layout is named by its own shapes (``input_key``).
 
+With virtual stages (interleaved 1F1B) the stage holds several chunks: buffers are keyed by
+``(chunk, micro-batch)``, each forward runs its chunk's layers (``PipelineModule.forward_chunk``),
+the ends are chunk 0 of stage 0 and the last chunk of the last stage, and each stage boundary of
+the deeper pipeline (virtual stage ``v`` -> ``v + 1``) has its own cached layout per micro-batch
+input shapes (``_sent_key``: unequal evaluation parts cross a boundary in two layouts).
+
 Forward and backward go through the strategy's and the precision plugin's one copy of each:
 every micro-batch forward runs through ``run_forward`` (the strategy's, which enters the
 precision's forward context); the last stage's backward is the plugin's ``pre_backward`` (loss
@@ -20,6 +26,7 @@ output gradients (already scaled) is the plugin's ``backward`` alone.
 """
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Sequence
@@ -29,7 +36,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..precision import Precision
 from .module import PipelineModule
-from .p2p import ActivationMeta, PipeComm
+from .p2p import GRAD_TAG, ActivationMeta, PipeComm
 from .schedule import (Backward, Forward, Instruction, LoadMicroBatch, RecvActivation, RecvGrad,
                        SendActivation, SendGrad, steps)
 
@@ -86,6 +93,7 @@ class StageExecutor:
         forward context."""
         self.pipe, self.num_stages, self.comm = pipe, num_stages, comm
         self.stage = pipe.stage
+        self.virtual_stages = pipe.virtual_stages
         self.first, self.last = self.stage == 0, self.stage == num_stages - 1
         self.precision, self.device, self.run_forward = precision, device, run_forward
         self.activation_checkpointing = activation_checkpointing
@@ -96,7 +104,7 @@ class StageExecutor:
         """Execute ``instructions``; returns the summed (already 1/m-scaled) micro-batch losses on
         the last stage and 0 elsewhere. Gradients are those of ``grad_scale`` x that loss (the
         Trainer's 1/accumulate_grad_batches)."""
-        if self.last and self.pipe.loss_fn is None:
+        if self.is_last(self.virtual_stages - 1) and self.pipe.loss_fn is None:
             raise ValueError("pipeline: the PipelineModule has no loss_fn; pass loss_fn=... so the last "
                              "stage can compute the loss")
         b = _Buffers([input_key(x, train) for x in micro_inputs], micro_inputs, micro_targets, train, grad_scale)
@@ -117,55 +125,75 @@ class StageExecutor:
             return torch.zeros((), device=self.device)
         return b.loss_sum
 
+    # ------------------------------------------------------------------ chunks
+    def is_first(self, chunk: int) -> bool:
+        """Whether ``chunk`` of this stage is the pipeline's first (it loads the inputs)."""
+        return self.first and chunk == 0
+
+    def is_last(self, chunk: int) -> bool:
+        """Whether ``chunk`` of this stage is the pipeline's last (targets and loss)."""
+        return self.last and chunk == self.virtual_stages - 1
+
+    def _sent_key(self, b: _Buffers, chunk: int, mb: int) -> Hashable:
+        """The cached layout of what ``chunk`` sends on for micro-batch ``mb``: its boundary in the
+        deeper pipeline and that micro-batch's input shapes (unequal evaluation parts differ)."""
+        return b.keys[mb], chunk * self.num_stages + self.stage
+
+    def _received_key(self, b: _Buffers, chunk: int, mb: int) -> Hashable:
+        return b.keys[mb], chunk * self.num_stages + self.stage - 1
+
     # ------------------------------------------------------------------ compute
     def _compute(self, ins: Instruction, b: _Buffers) -> None:
+        slot = (ins.chunk, ins.mb)
         if isinstance(ins, LoadMicroBatch):
-            if self.first:
-                b.inputs[ins.mb] = b.micro_inputs[ins.mb]
-            if self.last:
-                b.targets[ins.mb] = b.micro_targets[ins.mb]
+            if self.is_first(ins.chunk):
+                b.inputs[slot] = b.micro_inputs[ins.mb]
+            if self.is_last(ins.chunk):
+                b.targets[slot] = b.micro_targets[ins.mb]
         elif isinstance(ins, Forward):
-            self._forward(ins.mb, b)
+            self._forward(slot, b)
         elif isinstance(ins, Backward):
-            self._backward(ins.mb, b)
+            self._backward(slot, b)
         else:
             raise TypeError(f"not a compute instruction: {ins!r}")
 
-    def _forward(self, mb: int, b: _Buffers) -> None:
-        x = b.inputs[mb] if b.train and not self.first else b.inputs.pop(mb)
-        target = b.targets.pop(mb) if self.last else None
+    def _forward(self, slot: tuple[int, int], b: _Buffers) -> None:
+        chunk, last = slot[0], self.is_last(slot[0])
+        x = b.inputs[slot] if b.train and not self.is_first(chunk) else b.inputs.pop(slot)
+        target = b.targets.pop(slot) if last else None
         with torch.set_grad_enabled(b.train):
-            out = self.run_forward(self._stage_forward, x, target, b)
-        if self.last:
+            out = self.run_forward(self._stage_forward, x, target, b, chunk)
+        if last:
             loss = out.detach().float()
             b.loss_sum = loss if b.loss_sum is None else b.loss_sum + loss
             if not b.train:
                 return
-        b.outputs[mb] = out
+        b.outputs[slot] = out
         if b.train:
             b.live += 1
             self.stats.peak_live = max(self.stats.peak_live, b.live)
 
-    def _stage_forward(self, x: Any, target: Any, b: _Buffers) -> Any:
-        """This stage's layers on one micro-batch; on the last stage, its share of the loss."""
+    def _stage_forward(self, x: Any, target: Any, b: _Buffers, chunk: int = 0) -> Any:
+        """This stage's layers (of one chunk) on one micro-batch; on the last, its share of the loss."""
+        layers = self.pipe if self.virtual_stages == 1 else functools.partial(self.pipe.forward_chunk, chunk)
         if b.train and self.activation_checkpointing:
-            out = checkpoint(self.pipe, x, use_reentrant=False)
+            out = checkpoint(layers, x, use_reentrant=False)
         else:
-            out = self.pipe(x)
-        if self.last:
+            out = layers(x)
+        if self.is_last(chunk):
             out = _share_of_loss(self.pipe.loss_fn(out, target), target, b.micro_targets)
         return out
 
-    def _backward(self, mb: int, b: _Buffers) -> None:
-        out = b.outputs.pop(mb)
-        if self.last:
+    def _backward(self, slot: tuple[int, int], b: _Buffers) -> None:
+        out = b.outputs.pop(slot)
+        if self.is_last(slot[0]):
             loss = self.precision.pre_backward(out * b.grad_scale if b.grad_scale != 1.0 else out)
             self.precision.backward(loss, self.pipe)
             self.precision.post_backward(loss)
         else:
-            meta = self.comm.sent[b.keys[mb]]
+            meta = self.comm.sent[self._sent_key(b, *slot)]
             tensors = meta.flatten(out)
-            grads = b.grads.pop(mb)
+            grads = b.grads.pop(slot)
             if grads:
                 self.precision.backward([tensors[i] for i in meta.grad_positions], self.pipe, grads)
         b.live -= 1
@@ -173,37 +201,39 @@ class StageExecutor:
     # ------------------------------------------------------------------ communication
     def _exchange(self, exchange: list[Instruction], b: _Buffers) -> None:
         comm = self.comm
-        for ins in exchange:  # layouts first: only the first exchange of a key sends one
-            if isinstance(ins, SendActivation):
-                comm.ensure_header_sent(b.keys[ins.mb], ActivationMeta.of(b.outputs[ins.mb]))
-            elif isinstance(ins, RecvActivation):
-                comm.ensure_header_received(b.keys[ins.mb])
+        # layouts first, posted together (only the first exchange of a boundary and shape has any)
+        comm.exchange_headers(
+            [(self._sent_key(b, i.chunk, i.mb), ActivationMeta.of(b.outputs[(i.chunk, i.mb)]))
+             for i in exchange if isinstance(i, SendActivation)],
+            [self._received_key(b, i.chunk, i.mb) for i in exchange if isinstance(i, RecvActivation)])
         sends, recvs, landed = [], [], []
         for ins in exchange:
+            slot = (ins.chunk, ins.mb)
             if isinstance(ins, SendActivation):
-                out = b.outputs[ins.mb] if b.train else b.outputs.pop(ins.mb)
-                sends.append((comm.sent[b.keys[ins.mb]].flatten(out), comm.next_rank))
+                out = b.outputs[slot] if b.train else b.outputs.pop(slot)
+                sends.append((comm.sent[self._sent_key(b, *slot)].flatten(out), comm.next_rank))
             elif isinstance(ins, RecvActivation):
-                bufs = comm.received[b.keys[ins.mb]].empty(self.device)
+                bufs = comm.received[self._received_key(b, *slot)].empty(self.device)
                 recvs.append((bufs, comm.prev_rank))
                 landed.append((ins, bufs))
             elif isinstance(ins, SendGrad):
-                meta = comm.received[b.keys[ins.mb]]
-                leaves = meta.flatten(b.inputs.pop(ins.mb))
+                meta = comm.received[self._received_key(b, *slot)]
+                leaves = meta.flatten(b.inputs.pop(slot))
                 grads = [leaves[i].grad if leaves[i].grad is not None else torch.zeros_like(leaves[i])
                          for i in meta.grad_positions]
-                sends.append((grads, comm.prev_rank))
+                sends.append((grads, comm.prev_rank, GRAD_TAG))
             elif isinstance(ins, RecvGrad):
-                bufs = comm.sent[b.keys[ins.mb]].empty_grads(self.device)
-                recvs.append((bufs, comm.next_rank))
+                bufs = comm.sent[self._sent_key(b, *slot)].empty_grads(self.device)
+                recvs.append((bufs, comm.next_rank, GRAD_TAG))
                 landed.append((ins, bufs))
         comm.wait(comm.post(sends, recvs))
         for ins, bufs in landed:
+            slot = (ins.chunk, ins.mb)
             if isinstance(ins, RecvActivation):
-                meta = comm.received[b.keys[ins.mb]]
+                meta = comm.received[self._received_key(b, *slot)]
                 if b.train:
                     for t, m in zip(bufs, meta.tensors):
                         t.requires_grad_(m.requires_grad)
-                b.inputs[ins.mb] = meta.unflatten(bufs)
+                b.inputs[slot] = meta.unflatten(bufs)
             else:
-                b.grads[ins.mb] = bufs
+                b.grads[slot] = bufs

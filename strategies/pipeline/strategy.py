@@ -11,7 +11,8 @@ The Trainer's calls map onto a pipeline like this:
   broadcast tied weights from their lowest owning stage and every stage from replica 0.
 * ``run_schedule``: split the batch ``(inputs, targets)`` into ``micro_batches`` along dim 0 and run
   the whole 1F1B/GPipe schedule (every forward and backward, each backward's loss divided by
-  ``hooks.accumulation``). Returns the mean loss, averaged over replicas, identical on every rank,
+  ``hooks.accumulation``; with ``virtual_stages`` > 1 interleaved 1F1B over this stage's chunks,
+  the stages of a replica joined in a ring). Returns the mean loss, averaged over replicas, identical on every rank,
   after checking it through ``hooks.loss_of``; the Trainer logs it as ``train_loss``. There is no
   single loss before the backwards nor one moment after them, so ``on_before_backward`` and
   ``on_after_backward`` are never called (``skipped_hooks``; the Trainer warns about callbacks
@@ -26,15 +27,18 @@ The Trainer's calls map onto a pipeline like this:
 
 The optimizer holds this stage's parameters only: ``parameters_for_optimizer()`` and the
 TrainModule's own ``self.parameters()`` are the same set after ``configure_model``, so a
-``configure_optimizers`` written for one process works unchanged. ZeRO-1 partitioning of the
-optimizer state over the data-parallel group is not built.
+``configure_optimizers`` written for one process works unchanged. With ``zero_stage=1`` its state
+(and the fp32 masters) is partitioned over the stage's data-parallel group (``zero1.StageZero1``):
+the data-parallel reduction becomes one all-reduce whose partition each replica keeps, the norm
+sums the partitions, and the step is followed by an all-gather of the updated slices.
 
 Checkpoints and ``full_state_dict`` name every tensor as the non-pipelined model does
 (``PipelineModule.plain_key``: ``model.3.attn...`` is ``model.blocks.1.attn...``), and a tied
-parameter is saved once, by its lowest owning stage, under its first name (``canonical_key``).
-So a pipeline checkpoint is the per-parameter layout every strategy writes: it resumes under
-another number of stages or replicas, or as zero/ddp/single, and consolidates; and theirs resume
-here.
+parameter is saved once, by its lowest owning stage (with virtual stages: of the chunks holding
+it), under its first name (``canonical_key``); under ZeRO-1 every replica of that stage writes its
+partition's pieces. So a pipeline checkpoint is the per-parameter layout every strategy writes: it
+resumes under another number of stages, replicas or chunks, with or without ZeRO-1, or as
+zero/ddp/single, and consolidates; and theirs resume here.
 """
 from __future__ import annotations
 
@@ -47,14 +51,16 @@ import torch.distributed as dist
 from torch import nn
 
 from ..base import PROCESS_GROUP_TIMEOUT_S, BatchHooks, ParamShard, ShardReader, Strategy
+from ..memory import replicated_tensors
 from ..options import config_from
 from .collectives import all_reduce_grads, broadcast_tensors, sum_over_world
 from .config import PipelineConfig
 from .module import PipelineModule, Tie, find_pipeline_module
 from .p2p import PipeComm
-from .schedule import inference, schedule_from_name
+from .schedule import inference, interleaved_1f1b, schedule_from_name
 from .stage import StageExecutor, StepStats
 from .topology import PipelineGrid
+from .zero1 import StageZero1
 
 
 def _rows(value: Any, what: str) -> int:
@@ -104,6 +110,9 @@ class PipelineStrategy(Strategy):
         self.stages_option = config.stages
         self.micro_batches = config.micro_batches
         self.activation_checkpointing = config.activation_checkpointing
+        self.virtual_stages = config.virtual_stages
+        self.zero_stage = config.zero_stage
+        self._zero: StageZero1 | None = None  # zero_stage=1: the partitioned optimizer state
         self.grid: PipelineGrid | None = None
         self.pipe: PipelineModule | None = None
         self.executor: StageExecutor | None = None
@@ -119,10 +128,12 @@ class PipelineStrategy(Strategy):
     # ------------------------------------------------------------------ topology
     def setup_environment(self) -> None:
         self.grid = PipelineGrid(self.world_size, self.stages_option or self.world_size)  # validates first
+        self.config.check_grid(self.grid.stages)
         super().setup_environment()
         for stage in range(self.grid.stages):  # every rank creates every group, in the same order
             ranks = self.grid.data_parallel_ranks(stage)
-            group = self._new_group(ranks) if len(ranks) > 1 else None
+            # ZeRO-1 partitions over the group even when it is this rank alone (never the world)
+            group = self._new_group(ranks) if len(ranks) > 1 or (self.zero_stage and self.distributed) else None
             if stage == self.stage:
                 self._dp_group = group
 
@@ -168,6 +179,9 @@ class PipelineStrategy(Strategy):
                               f"({optimizer!r}); valid: one optimizer (the pipeline schedule runs every "
                               "forward and backward of a batch itself and steps once)")
         super().setup_optimizer(optimizer)
+        if self.zero_stage:
+            self._zero = StageZero1(optimizer, self.module, self.precision.param_dtype, self.replica,
+                                    self._grid().replicas, self._dp_group, self._uncounted())
 
     # ------------------------------------------------------------------ model
     def configure_model(self, module: nn.Module) -> None:
@@ -176,6 +190,8 @@ class PipelineStrategy(Strategy):
         if pipe.num_stages != self.num_stages:
             raise ValueError(f"pipeline: the PipelineModule has num_stages={pipe.num_stages} but the strategy "
                              f"runs {self.num_stages} stages (world_size={self.world_size}); make them equal")
+        if self.virtual_stages > 1:
+            self._cut_chunks(pipe)
         pipe.build(self.stage)
         inside = {id(p) for p in pipe.parameters()}
         stray = [n for n, p in module.named_parameters() if id(p) not in inside]
@@ -185,6 +201,19 @@ class PipelineStrategy(Strategy):
         self.pipe = pipe
         name = next(n for n, m in module.named_modules() if m is pipe)
         self._pipe_prefix = name + "." if name else ""
+
+    def _cut_chunks(self, pipe: PipelineModule) -> None:
+        """Interleaved 1F1B: the layers in stages x virtual_stages chunks."""
+        from ...trainer.errors import ConfigError
+
+        if pipe.virtual_stages == self.virtual_stages:  # cut by the user (explicit chunk boundaries)
+            return
+        try:
+            pipe.set_virtual_stages(self.virtual_stages)
+        except ValueError as err:
+            raise ConfigError(f"pipeline: virtual_stages={self.virtual_stages} with stages={self.num_stages} "
+                              f"needs {self.num_stages * self.virtual_stages} chunks of the "
+                              f"{pipe.num_layers}-layer PipelineModule: {err}") from None
 
     def setup_module(self, module: nn.Module) -> None:
         if self.pipe is None:
@@ -209,7 +238,9 @@ class PipelineStrategy(Strategy):
                 state = list(module.parameters()) + list(module.buffers())
                 broadcast_tensors(state, src=grid.rank_of(self.stage, 0), group=self._dp_group)
         comm = None
-        if grid.stages > 1:
+        if grid.stages > 1 and self.virtual_stages > 1:  # the chunks go round the ring of stages
+            comm = PipeComm(grid.ring_prev_rank(self.global_rank), grid.ring_next_rank(self.global_rank), self.device)
+        elif grid.stages > 1:
             comm = PipeComm(grid.prev_rank(self.global_rank), grid.next_rank(self.global_rank), self.device)
         self.executor = StageExecutor(self.pipe, grid.stages, comm, self.precision, self.device,
                                       self.run_forward, self.activation_checkpointing)
@@ -229,8 +260,25 @@ class PipelineStrategy(Strategy):
             raise ValueError(f"pipeline: a batch must be (inputs, targets), got {type(batch).__name__}"
                              + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else ""))
         inputs, targets = batch
-        parts = self.micro_batches if train else max(1, min(self.micro_batches, _rows(inputs, "inputs")))
+        parts = self.micro_batches if train else self._evaluation_parts(_rows(inputs, "inputs"))
         return self._split(inputs, "inputs", parts, train), self._split(targets, "targets", parts, train)
+
+    def _evaluation_parts(self, rows: int) -> int:
+        """How many parts an evaluation batch of ``rows`` rows is split into: ``micro_batches``, or
+        fewer when it has fewer rows; interleaved (virtual stages) a multiple of the stages, which
+        the interleaved order cycles through (``check_interleaved``)."""
+        from ...trainer.errors import ConfigError
+
+        parts = max(1, min(self.micro_batches, rows))
+        if self.virtual_stages == 1:
+            return parts
+        p = self._grid().stages
+        if rows < p:
+            raise ConfigError(f"pipeline: an evaluation batch of {rows} rows with virtual_stages="
+                              f"{self.virtual_stages} on stages={p}: the interleaved schedule needs at least "
+                              f"one row per stage; valid: evaluation batches of >= {p} rows (drop_last=True), "
+                              "or virtual_stages=1")
+        return parts - parts % p
 
     def _split(self, value: Any, what: str, parts: int, train: bool) -> list[Any]:
         from ...trainer.errors import ConfigError
@@ -245,18 +293,20 @@ class PipelineStrategy(Strategy):
                               f"replica) divisible by {parts}, with drop_last=True")
         return [c.to(self.device) for c in value.tensor_split(parts)]
 
+    def _instructions(self, train: bool, micro_batches: int) -> list:
+        """This stage's instruction list for one batch (training or validation) of
+        ``micro_batches`` parts (a short evaluation batch has fewer than configured)."""
+        p, m = self._grid().stages, micro_batches
+        if self.virtual_stages > 1:
+            return interleaved_1f1b(self.stage, p, m, self.virtual_stages, train)
+        return (self._schedule if train else inference)(self.stage, p, m)
+
     def _run(self, batch: Any, train: bool, accumulation: int = 1) -> torch.Tensor:
         assert self.executor is not None, "pipeline: setup_module() has not run yet"
         micro_inputs, micro_targets = self.split_batch(batch, train)
-        grid = self._grid()
-        if train:
-            instructions = self._schedule(self.stage, grid.stages, len(micro_inputs))
-            loss = self.executor.run(instructions, micro_inputs, micro_targets, train=True,
-                                     grad_scale=1.0 / accumulation)
-        else:
-            with torch.no_grad():
-                instructions = inference(self.stage, grid.stages, len(micro_inputs))
-                loss = self.executor.run(instructions, micro_inputs, micro_targets, train=False)
+        with torch.set_grad_enabled(train):
+            loss = self.executor.run(self._instructions(train, len(micro_inputs)), micro_inputs, micro_targets,
+                                     train=train, grad_scale=1.0 / accumulation)
         return self._mean_over_replicas(loss)
 
     def _mean_over_replicas(self, loss: torch.Tensor) -> torch.Tensor:
@@ -294,32 +344,66 @@ class PipelineStrategy(Strategy):
         self.reduce_gradients()
 
     def reduce_gradients(self) -> None:
-        """Tied gradients within their tie groups, then all gradients across replicas."""
+        """Tied gradients within their tie groups, then all gradients across replicas (ZeRO-1:
+        into this replica's partition)."""
         if not self.distributed:
+            if self._zero is not None:
+                self._zero.reduce()
             return
         for tg in self._tie_groups:
             all_reduce_grads(list(tg.params), tg.group)
-        if self._dp_group is not None:
+        if self._zero is not None:
+            self._zero.reduce()
+        elif self._dp_group is not None:
             all_reduce_grads(list(self.module.parameters()), self._dp_group,
                              divide_by=self._grid().replicas)
 
+    def _uncounted(self) -> set[int]:
+        """``id``s of the tied weights whose gradient the global norm counts on another stage
+        (a tied weight counts only on its lowest owning stage)."""
+        return {id(p) for tg in self._tie_groups if tg.ranks[0] != self.global_rank for p in tg.params}
+
     def _counted_here(self) -> list[torch.Tensor]:
-        """Gradients for the global norm: a tied weight counts only on its lowest owning stage."""
-        skip = {id(p) for tg in self._tie_groups if tg.ranks[0] != self.global_rank for p in tg.params}
+        """Gradients for the global norm."""
+        skip = self._uncounted()
         return [p.grad for p in self.module.parameters() if p.grad is not None and id(p) not in skip]
 
     def _grad_norm(self) -> torch.Tensor:
-        """Collective: the global L2 norm over all stages; replicas hold equal gradients after
-        the reduction, so only replica 0 contributes to the one world all-reduce."""
-        grads = self._counted_here()
+        """Collective: the global L2 norm over all stages. Replicas hold equal gradients after
+        the reduction, so only replica 0 contributes to the one world all-reduce; under ZeRO-1
+        each replica holds a different partition, so all contribute."""
         local = torch.zeros((), device=self.device, dtype=torch.float32)
-        if grads and self.replica == 0:
+        if self._zero is not None:
+            local = self._zero.local_sq_norm(self.device)
+        elif self.replica == 0 and (grads := self._counted_here()):
             local = torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum()
         return (sum_over_world(local) if self.distributed else local).sqrt()
 
+    # ZeRO-1: the step works on this replica's partition of the fp32 masters
+    def step_gradients(self) -> list[torch.Tensor]:
+        return self._zero.reduce() if self._zero is not None else super().step_gradients()
+
+    def _inner_step(self, loss_scale: float) -> None:
+        (self._zero or self.optimizer).step()
+
+    def _refresh_params(self) -> None:
+        if self._zero is not None:
+            self._zero.refresh()
+
+    def zero_grad(self, which: int | None = None) -> None:
+        if self._zero is None:
+            return super().zero_grad(which)
+        self._zero.zero_grad()
+
+    def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
+        out = replicated_tensors(self)
+        if self._zero is not None:
+            out.update(self._zero.memory_tensors())
+        return out
+
     # ------------------------------------------------------------------ checkpoints
     def writes_shard(self) -> bool:
-        return self.replica == 0
+        return self.replica == 0 or self._zero is not None
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: every stage's layers, under the non-pipelined model's names, on global rank 0."""
@@ -369,29 +453,50 @@ class PipelineStrategy(Strategy):
     def optimizer_group_names(self) -> list[list[str]]:
         return [[self._canonical(n) for n in group] for group in super().optimizer_group_names()]
 
+    def _checkpoint_names(self) -> dict[int, str]:
+        """``id(parameter) -> the plain name it is checkpointed under`` (``_canonical``)."""
+        return {i: self._canonical(n) for i, n in self._trainable_names().items()}
+
     def param_shards(self) -> dict[str, ParamShard]:
-        """The base's whole-parameter shards in plain names; a tied parameter only from its lowest
-        owning stage (the other owners' copies and optimizer state are equal to it)."""
-        return {self._canonical(n): sh for n, sh in super().param_shards().items() if self._saves(n)}
+        """This stage's shards in plain names: whole parameters (replica 0), or under ZeRO-1 each
+        replica's partition pieces; a tied parameter only from its lowest owning stage (the other
+        owners' copies, masters and optimizer state are equal to it)."""
+        if self._zero is None:
+            shards = super().param_shards()
+        else:
+            shards = self._zero.param_shards(self._trainable_names())
+        return {self._canonical(n): sh for n, sh in shards.items() if self._saves(n)}
 
     def extra_state(self) -> dict[str, torch.Tensor]:
-        return {self._plain(k): v for k, v in super().extra_state().items()}
+        """The buffers (and frozen parameters) in plain names, from replica 0 only (under ZeRO-1
+        every replica writes its partitions, the extras once)."""
+        assert self.module is not None
+        if self.replica != 0:
+            return {}
+        extras = super().checkpoint_model_info()["extras"]  # this stage's own keys
+        return {self._plain(k): v.detach() for k, v in self.module.state_dict().items() if k in extras}
 
     def load_param_shards(self, reader: ShardReader) -> None:
-        """Collective: this stage's parameters (a tied one from its single saved copy), optimizer
-        state and buffers, each read under its plain name."""
+        """Collective: this stage's buffers, parameters (a tied one from its single saved copy)
+        and optimizer state, each read under its plain name; under ZeRO-1 this replica's partition
+        of the masters and state, then the working parameters gathered from every replica."""
         assert self.module is not None and self.optimizer is not None
+        names = self._checkpoint_names()
+        with torch.no_grad():
+            extras = super().checkpoint_model_info()["extras"]
+            self.module.load_state_dict({k: reader.extra(self._plain(k)) for k in extras}, strict=False)
+        if self._zero is not None:
+            self._zero.load_param_shards(names, reader)
+            return
         order = [p for g in self.optimizer.param_groups for p in g["params"]]
         slot = {id(p): i for i, p in enumerate(order)}
-        trainable, state = self._trainable_names(), {}
+        state = {}
         with torch.no_grad():
-            for name, p in self.module.named_parameters():
-                if trainable.get(id(p)) == name:
-                    loaded = _read_parameter(reader, self._canonical(name), p)
+            for p in self.module.parameters():
+                if id(p) in names:
+                    loaded = _read_parameter(reader, names[id(p)], p)
                     if loaded and id(p) in slot:
                         state[slot[id(p)]] = loaded
-            extras = super().checkpoint_model_info()["extras"]  # this stage's own keys
-            self.module.load_state_dict({k: reader.extra(self._plain(k)) for k in extras}, strict=False)
         groups = reader.param_groups(self.optimizer.state_dict()["param_groups"])
         self.optimizer.load_state_dict({"state": state, "param_groups": groups})
 
@@ -402,5 +507,7 @@ class PipelineStrategy(Strategy):
 
     def __repr__(self) -> str:
         grid = f"{self.grid.stages}x{self.grid.replicas}" if self.grid else "unset"
+        extra = f", virtual_stages={self.virtual_stages}" if self.virtual_stages > 1 else ""
+        extra += f", zero_stage={self.zero_stage}" if self.zero_stage else ""
         return (f"PipelineStrategy(stages x replicas={grid}, schedule={self.schedule_name!r}, "
-                f"micro_batches={self.micro_batches})")
+                f"micro_batches={self.micro_batches}{extra})")

@@ -59,3 +59,13 @@ class PipelineGrid:
     def next_rank(self, rank: int) -> int | None:
         s = self.stage_of(rank)
         return None if s == self.stages - 1 else rank + 1
+
+    def ring_prev_rank(self, rank: int) -> int:
+        """The previous stage round the ring of one replica (interleaved 1F1B: stage 0's
+        later chunks take their inputs from the last stage)."""
+        s = self.stage_of(rank)
+        return self.rank_of((s - 1) % self.stages, self.replica_of(rank))
+
+    def ring_next_rank(self, rank: int) -> int:
+        s = self.stage_of(rank)
+        return self.rank_of((s + 1) % self.stages, self.replica_of(rank))

@@ -122,7 +122,8 @@ def _nothing() -> None:
 def flatten_group(params: Sequence[nn.Parameter], layout: GroupLayout, dtype: torch.dtype, rank: int,
                   queue: InFlightQueue, group: object = None) -> tuple[FlatParamGroup, torch.Tensor]:
     """Collective: move ``params`` into a new flat buffer of ``dtype`` holding rank 0's values
-    (broadcast, as DDP does at start) and return it with this rank's fp32 master slice.
+    (broadcast, as DDP does at start; ``group``'s rank 0 for a subgroup) and return it with this
+    rank's fp32 master slice (``rank``: this process's rank in ``group``).
 
     In fp32 the master slice is a view of the working buffer (no second copy of the owned
     elements); otherwise it is an fp32 copy taken before the cast, so masters start exact."""
@@ -131,7 +132,7 @@ def flatten_group(params: Sequence[nn.Parameter], layout: GroupLayout, dtype: to
     for p, span in zip(params, layout.spans):
         full[span.offset:span.end].copy_(p.detach().reshape(-1))
     if full.numel():
-        queue.complete(broadcast_from(full, 0, group), full, label="broadcast params")
+        queue.complete(broadcast_from(full, _global_rank(group, 0), group), full, label="broadcast params")
     lo, hi = layout.partition_range(rank)
     if dtype == torch.float32:
         flat, master = full, full[lo:hi]

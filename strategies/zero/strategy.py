@@ -30,7 +30,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from ..base import PROCESS_GROUP_TIMEOUT_S, ParamShard, ShardReader, Strategy, split_optimizer_state
+from ..base import PROCESS_GROUP_TIMEOUT_S, ParamShard, ShardReader, Strategy
 from ..memory import count_bytes
 from ..optimizers import group_indices
 from .comm import all_reduce_sum, backend, broadcast_from
@@ -41,6 +41,7 @@ from .hooks import ParamGatherHooks
 from .inflight import InFlight, InFlightQueue, Work
 from .layout import build_layout
 from .sharded_optimizer import ShardedOptimizer
+from .shards import load_partitions, partition_shards
 from .stepper import ShardedStepper
 
 log = logging.getLogger("zerotrain")
@@ -358,19 +359,7 @@ class ZeroStrategy(Strategy):
         the optimizer state of that partition (padding excluded)."""
         assert self.sharded is not None
         self.queue.wait(Work.PARAMS)
-        saved = self.sharded.state_dict()
-        state = saved["optimizer"]["state"]
-        names = self._trainable_names()
-        out = {}
-        for g, fg in enumerate(self.flat_groups):
-            master = saved["master"][g].reshape(-1)
-            per, scalars = split_optimizer_state(f"param group {g}", master, state.get(g, {}))
-            for pc in fg.layout.pieces(self.global_rank):
-                cut = slice(pc.partition_start, pc.partition_start + pc.numel)
-                out[names[id(fg.params[pc.index])]] = ParamShard(
-                    pc.param_start, pc.param_start + pc.numel,
-                    {"param": master[cut], **{k: v[cut] for k, v in per.items()}}, scalars)
-        return out
+        return partition_shards(self.flat_groups, self.sharded, self.global_rank, self._trainable_names())
 
     def extra_state(self) -> dict[str, torch.Tensor]:
         self.queue.wait(Work.PARAMS)
@@ -385,30 +374,8 @@ class ZeroStrategy(Strategy):
         parameters."""
         assert self.sharded is not None and self.module is not None
         self.queue.wait(Work.PARAMS)
-        names = self._trainable_names()
-        masters, state = [], {}
-        for g, fg in enumerate(self.flat_groups):
-            lo, hi = fg.layout.partition_range(self.global_rank)
-            group = [names[id(p)] for p in fg.params]
-            kinds = sorted({k for n in group for k in reader.kinds(n)} - {"param"})
-            master = torch.zeros(hi - lo, dtype=torch.float32)
-            per = {k: torch.zeros(hi - lo, dtype=torch.float32) for k in kinds}
-            mine = fg.layout.pieces(self.global_rank)
-            for pc in mine:
-                n, cut = group[pc.index], slice(pc.partition_start, pc.partition_start + pc.numel)
-                reader.read(n, "param", pc.param_start, pc.param_start + pc.numel, out=master[cut])
-                for k in kinds:
-                    if k in reader.kinds(n):  # else zeros: that parameter had no such state yet
-                        reader.read(n, k, pc.param_start, pc.param_start + pc.numel, out=per[k][cut])
-            # a group steps as one tensor: its scalars (Adam's step) come from its first parameter
-            first = [group[pc.index] for pc in mine] + [n for n in group if n in reader.names()]
-            scalars = reader.scalars(first[0]) if first else {}
-            if per or scalars:
-                state[g] = {**per, **scalars}
-            masters.append(master)
-        current = self.optimizer.state_dict()["param_groups"]
-        self.sharded.load_state_dict({"master": masters, "optimizer": {
-            "state": state, "param_groups": reader.param_groups(current)}})
+        load_partitions(self.flat_groups, self.sharded, self.optimizer, self.global_rank,
+                        self._trainable_names(), reader)
         self._finish_shard_load(reader)
 
     # ------------------------------------------------------------------ memory and end

@@ -49,6 +49,14 @@ def _lm_layers():
             TiedLayerSpec("embed", nn.Embedding, VOCAB, DIM, forward_fn=_lm_head)]
 
 
+def _deep_reference() -> nn.Sequential:
+    """An LM deep enough for 4 stages x 2 chunks, its head sharing the embedding's weight."""
+    hidden = [m for _ in range(4) for m in (nn.Linear(DIM, DIM), nn.GELU())]
+    ref = nn.Sequential(nn.Embedding(VOCAB, DIM), *hidden, nn.Linear(DIM, VOCAB, bias=False))
+    ref[-1].weight = ref[0].weight
+    return ref
+
+
 def _mlp_reference() -> nn.Sequential:
     return nn.Sequential(nn.Linear(DIM, 16), nn.GELU(), nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 16), nn.GELU(),
                          nn.Linear(16, 4))
@@ -79,7 +87,7 @@ def _tuple_reference() -> nn.Sequential:
 
 def _batch(kind: str, step: int, replica: int, rows: int):
     g = torch.Generator().manual_seed(1000 * step + replica)
-    if kind == "lm":
+    if kind in ("lm", "deep"):
         return torch.randint(0, VOCAB, (rows, SEQ), generator=g), torch.randint(0, VOCAB, (rows, SEQ), generator=g)
     return torch.randn(rows, DIM, generator=g), torch.randn(rows, 4, generator=g)
 
@@ -112,8 +120,8 @@ def _run_case(case: dict, ck_name: str) -> dict:
     kind, stages, m, rows = case["model"], case["stages"], case["micro_batches"], case["rows"]
     world = int(os.environ["WORLD_SIZE"])
     torch.manual_seed(0)
-    ref = {"lm": _lm_reference, "mlp": _mlp_reference, "tuple": _tuple_reference}[kind]()
-    loss_fn = _lm_loss if kind == "lm" else F.mse_loss
+    ref = {"lm": _lm_reference, "mlp": _mlp_reference, "tuple": _tuple_reference, "deep": _deep_reference}[kind]()
+    loss_fn = _lm_loss if kind in ("lm", "deep") else F.mse_loss
 
     class Model(TrainModule):
         def __init__(self):
@@ -125,7 +133,8 @@ def _run_case(case: dict, ck_name: str) -> dict:
                                                            partition_method=case.get("partition", "parameters"))
 
     strategy = PipelineStrategy(stages=stages, schedule=case["schedule"], micro_batches=m,
-                                activation_checkpointing=case.get("ckpt", False), process_group_timeout_s=60)
+                                activation_checkpointing=case.get("ckpt", False), process_group_timeout_s=60,
+                                zero_stage=case.get("zero", 0), virtual_stages=case.get("virtual", 1))
     strategy.connect(detect(devices=world), torch.device("cpu"), precision_from_name(case.get("precision", "32")))
     strategy.setup_environment()
     model = Model()
@@ -171,6 +180,10 @@ def _run_case(case: dict, ck_name: str) -> dict:
            "ref_losses": ref_losses, "peak": strategy.live_activation_peak, "clipped": clipped,
            "keys": sorted(mine), "writes_shard": strategy.writes_shard()}
     shards, numel = strategy.param_shards(), {n: p.numel() for n, p in model.named_parameters()}
+    out["shard_ranges"] = {n: (sh.start, sh.end) for n, sh in shards.items()}
+    out["stage_numel"] = sum(numel.values())
+    out["state_numel"] = sum(v.numel() for st in strategy.optimizer.state.values() for k, v in st.items()
+                             if k == "exp_avg")
     out["shard_names"] = sorted(shards)
     out["shards_whole"] = all((sh.start, sh.end) == (0, numel[n]) for n, sh in shards.items())
     out["shard_kinds"] = sorted({k for sh in shards.values() for k in sh.tensors})
@@ -196,6 +209,8 @@ def _run_case(case: dict, ck_name: str) -> dict:
     params = {k: v.detach().clone() for k, v in model.state_dict().items()}
     opt_state = copy.deepcopy(strategy.optimizer.state_dict()["state"])
     ck = save_checkpoint(strategy, Path.cwd() / ck_name)  # the spawn's shared tmp_path
+    if case.get("consolidate") and dist.get_rank() == 0:
+        out.update(_consolidated(ck, ref_state, ck_name))
     with torch.no_grad():
         for p in model.parameters():
             p.add_(1.0)
@@ -205,6 +220,18 @@ def _run_case(case: dict, ck_name: str) -> dict:
                        and _same(strategy.optimizer.state_dict()["state"], opt_state))
     strategy.teardown()
     return out
+
+
+def _consolidated(ck: Path, ref_state: dict, ck_name: str) -> dict:
+    """The checkpoint as one plain state dict (``zerotrain-consolidate``): the plain model's keys,
+    the tied head under both its names, its values the reference's. That is what any strategy
+    reshards from, so it shows a checkpoint written under ZeRO-1 or virtual stages is the
+    strategy-neutral layout."""
+    from zerotrain.trainer.consolidate import consolidate
+
+    full = torch.load(consolidate(ck, Path.cwd() / f"{ck_name}.pt"), weights_only=True)
+    rel = max(float((full["pipe." + k] - v).norm() / v.norm()) for k, v in ref_state.items())
+    return {"consolidated_keys": sorted(full), "consolidated_rel": rel}
 
 
 def _run_trainer_case(case: dict) -> dict:
@@ -291,11 +318,24 @@ def test_two_stages_match_a_plain_loop(tmp_path):
         # smoke: reduced-precision activations cross the boundary; fp16 scales the loss
         dict(model="lm", stages=2, schedule="1f1b", micro_batches=4, rows=8, optimizer="adamw", precision="bf16-mixed"),
         dict(model="lm", stages=2, schedule="gpipe", micro_batches=4, rows=8, optimizer="adamw", precision="16-mixed"),
+        # interleaved 1F1B: 2 stages x 2 chunks round the ring, the tie between chunks 0 and 3
+        dict(model="lm", stages=2, schedule="1f1b", micro_batches=4, rows=8, optimizer="adamw", clip=0.5, virtual=2,
+             validate=True, consolidate=True),
     ]
     out = run_ranks("test_pipeline:run_cases", 2, tmp_path, timeout=100, cases=cases)
-    mlp, lm, lm_gpipe, tup, bf16, fp16 = [[ranks[i] for ranks in out] for i in range(len(cases))]
-    for results in (mlp, lm, lm_gpipe, tup):
+    mlp, lm, lm_gpipe, tup, bf16, fp16, inter = [[ranks[i] for ranks in out] for i in range(len(cases))]
+    for results in (mlp, lm, lm_gpipe, tup, inter):
         _check_equivalent(results)
+    assert inter[0]["clipped"] > 0 and [r["peak"] for r in inter] == [5, 3]  # chunk activations (simulator's)
+    assert all(r["restored"] for r in inter) and inter[0]["full_rel"] <= 1e-5
+    assert abs(inter[0]["val"] - inter[0]["ref_val"]) <= 1e-5 * inter[0]["ref_val"]
+    # a short evaluation batch (5 rows in 4 unequal parts) round the ring of chunks
+    assert inter[0]["val_short"] == inter[1]["val_short"]
+    assert abs(inter[0]["val_short"] - inter[0]["ref_val_short"]) <= 1e-5 * inter[0]["ref_val_short"]
+    # the tie between chunks 0 and 3 saved once, by stage 0; the checkpoint consolidates to the plain model
+    assert "pipe.0.weight" in inter[0]["shard_names"] and "pipe.0.weight" not in inter[1]["shard_names"]
+    assert inter[0]["consolidated_keys"] == ["pipe." + k for k in _REF_KEYS["lm"]]
+    assert inter[0]["consolidated_rel"] <= 1e-5
     for results in (bf16, fp16):  # same training, to reduced-precision accuracy
         for a, b in zip(results[0]["losses"], results[0]["ref_losses"]):
             assert abs(a - b) <= 0.03 * b, (a, b)
@@ -349,3 +389,54 @@ def test_four_stages_two_by_two_and_the_trainer_match_a_plain_loop(tmp_path):
     assert len({r["val"] for r in grid}) == 1 and abs(grid[0]["val"] - grid[0]["ref_val"]) <= 1e-5 * grid[0]["ref_val"]
     assert len({r["val_short"] for r in grid}) == 1
     assert abs(grid[0]["val_short"] - grid[0]["ref_val_short"]) <= 1e-5 * grid[0]["ref_val_short"]
+
+
+def test_zero1_two_stages_by_two_replicas_match_a_plain_loop(tmp_path):
+    """Pipeline x ZeRO-1: each stage's masters and Adam state split over its two replicas, the
+    global norm over every stage and replica, the tied embedding/head across the stages."""
+    cases = [
+        dict(model="lm", stages=2, schedule="1f1b", micro_batches=4, rows=8, optimizer="adamw", clip=0.5, zero=1,
+             validate=True, consolidate=True),
+        # smoke: bf16 working parameters with fp32 masters; fp16 scales the loss and unscales slices
+        dict(model="lm", stages=2, schedule="1f1b", micro_batches=4, rows=8, optimizer="adamw", clip=0.5, zero=1,
+             precision="bf16-mixed"),
+        dict(model="lm", stages=2, schedule="1f1b", micro_batches=4, rows=8, optimizer="adamw", clip=0.5, zero=1,
+             precision="16-mixed"),
+        # interleaved on 4 stages x 2 chunks, and interleaved with ZeRO-1 on 2 stages x 2 replicas
+        dict(model="deep", stages=4, schedule="1f1b", micro_batches=4, rows=8, optimizer="adamw", clip=0.5, virtual=2),
+        dict(model="lm", stages=2, schedule="1f1b", micro_batches=4, rows=8, optimizer="adamw", clip=0.5, zero=1,
+             virtual=2),
+    ]
+    out = run_ranks("test_pipeline:run_cases", 4, tmp_path, timeout=110, cases=cases)
+    zero, bf16, fp16, inter4, inter_zero = [[ranks[i] for ranks in out] for i in range(len(cases))]
+    for results in (zero, inter4, inter_zero):
+        _check_equivalent(results)
+    assert [r["peak"] for r in inter4] == [8, 8, 7, 5] and inter4[0]["clipped"] > 0
+    assert all(r["restored"] for r in inter4 + inter_zero)
+    assert zero[0]["clipped"] > 0
+    for results in (bf16, fp16):  # same training, to reduced-precision accuracy
+        for r in results:
+            for a, b in zip(r["losses"], r["ref_losses"]):
+                assert abs(a - b) <= 0.03 * b, (a, b)
+    # each replica holds half of its stage's optimizer state (padded to an even split)
+    for r in zero:
+        assert r["state_numel"] == (r["stage_numel"] + 1) // 2, r
+    # every rank writes its partition's pieces; the two replicas' ranges tile each parameter
+    assert all(r["writes_shard"] for r in zero)
+    for stage in (0, 1):
+        a, b = zero[stage]["shard_ranges"], zero[stage + 2]["shard_ranges"]
+        for name in set(a) | set(b):
+            pieces = sorted(x for x in (a.get(name), b.get(name)) if x)
+            assert pieces[0][0] == 0 and all(p[1] == q[0] for p, q in zip(pieces, pieces[1:])), (name, pieces)
+    assert all(r["restored"] for results in (zero, bf16, fp16) for r in results)
+    assert zero[0]["full_rel"] <= 1e-5
+    assert len({r["val"] for r in zero}) == 1 and abs(zero[0]["val"] - zero[0]["ref_val"]) <= 1e-5 * zero[0]["ref_val"]
+    assert len({r["val_short"] for r in zero}) == 1
+    assert abs(zero[0]["val_short"] - zero[0]["ref_val_short"]) <= 1e-5 * zero[0]["ref_val_short"]
+    # the tied head saved once, as the embedding (0.weight), by stage 0's two replicas; the
+    # partitioned checkpoint consolidates to the plain model's names and values
+    assert all("pipe.6.weight" not in r["shard_names"] for r in zero)
+    assert not any("pipe.0.weight" in zero[r]["shard_names"] for r in (1, 3))
+    assert any("pipe.0.weight" in zero[r]["shard_names"] for r in (0, 2))
+    assert zero[0]["consolidated_keys"] == ["pipe." + k for k in _REF_KEYS["lm"]]
+    assert zero[0]["consolidated_rel"] <= 1e-5

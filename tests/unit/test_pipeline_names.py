@@ -2,12 +2,14 @@
 per-parameter checkpoint layout of every strategy.
 
 * ``PipelineModule`` names: ``plain_key`` (a layer's path in the plain model), ``canonical_key``
-  (a tied parameter's first name), ``saves_key`` (only the lowest owning stage writes a tie);
+  (a tied parameter's first name), ``saves_key`` (only the lowest owning stage writes a tie, with
+  virtual stages by the chunk cut);
   ``from_sequential`` keeps an OrderedDict Sequential's names;
 * the demo GPT's ``pipeline_layers`` compute its forward exactly, and ``GPTModule.to_pipeline``
   (the hook the strategy calls) gives a one-stage pipeline whose checkpoint names are the GPT's;
 * an evaluation batch that ``micro_batches`` does not divide is split unevenly with row-weighted
-  losses (the batch's mean), a training batch is refused naming its rows and ``micro_batches``.
+  losses (the batch's mean), a training batch is refused naming its rows and ``micro_batches``;
+  with virtual stages the parts come in whole groups of stages.
 """
 from __future__ import annotations
 
@@ -59,6 +61,27 @@ def test_layer_names_map_keys_and_a_tie_is_saved_once_under_its_first_name():
     assert not pipe.saves_key(f"{last}.weight") and pipe.saves_key(f"{last - 1}.weight")
     with pytest.raises(KeyError, match="does not name a layer"):
         pipe.plain_key("9.weight")
+
+
+def test_with_virtual_stages_a_tie_is_saved_by_its_lowest_owning_stage_of_the_chunk_cut():
+    """2 stages x 2 chunks of one layer each: chunk 1 of stage 1 (layer 1) and chunk 2 on stage 0
+    (layer 2) share a weight; its first member lives on stage 1 but stage 0 owns it too, so
+    stage 0 (where the broadcast starts) writes it, under the first member's name."""
+    def cut(stage: int) -> PipelineModule:
+        torch.manual_seed(0)
+        layers = [nn.Linear(3, 3) for _ in range(4)]
+        layers[2].weight = layers[1].weight
+        pipe = PipelineModule.from_modules([(f"l{i}", m) for i, m in enumerate(layers)], 2,
+                                           partition_method="uniform")
+        pipe.set_virtual_stages(2)
+        pipe.build(stage)
+        return pipe
+
+    first, second = cut(0), cut(1)
+    assert [first.stage_of_layer(i) for i in range(4)] == [0, 1, 0, 1]
+    assert first.canonical_key("2.weight") == "l1.weight" == second.canonical_key("1.weight")
+    assert first.saves_key("2.weight") and first.saves_key("0.weight")
+    assert not second.saves_key("1.weight") and second.saves_key("1.bias")
 
 
 def test_from_sequential_keeps_the_sequential_names():
@@ -131,3 +154,17 @@ def test_an_uneven_evaluation_batch_is_the_mean_and_an_uneven_training_batch_is_
     with pytest.raises(ConfigError, match=r"a training batch of 6 rows cannot be split into micro_batches=4 .*"
                                           r"divisible by 4"):
         strategy.run_schedule((x.repeat(6, 1)[:6], y.repeat(6, 1)[:6]), 0, _Hooks())
+
+
+def test_an_interleaved_evaluation_batch_is_cut_into_whole_groups_of_stages():
+    """Virtual stages: the interleaved order cycles through the micro-batches a group of stages
+    at a time, so a short evaluation batch gets a multiple of the stages, all its rows kept, and
+    one with fewer rows than stages is refused."""
+    strategy = PipelineStrategy(stages=2, micro_batches=4, virtual_stages=2)
+    strategy.connect(ProcessInfo(world_size=2, local_world_size=2), torch.device("cpu"), Precision())
+    for rows, sizes in ((9, [3, 2, 2, 2]), (5, [2, 1, 1, 1]), (3, [2, 1]), (2, [1, 1])):
+        x, y = torch.zeros(rows, 3), torch.zeros(rows, 1)
+        inputs, targets = strategy.split_batch((x, y), train=False)
+        assert [len(t) for t in inputs] == sizes == [len(t) for t in targets]
+    with pytest.raises(ConfigError, match=r"an evaluation batch of 1 rows with virtual_stages=2 on stages=2"):
+        strategy.split_batch((torch.zeros(1, 3), torch.zeros(1, 1)), train=False)

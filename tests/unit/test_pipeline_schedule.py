@@ -15,8 +15,11 @@ from zerotrain.strategies.pipeline.p2p import ActivationMeta
 from zerotrain.strategies.pipeline.partition import (partition, partition_balanced, partition_uniform,
                                                      validate_boundaries)
 from zerotrain.strategies.pipeline.schedule import (Backward, Forward, LoadMicroBatch, RecvActivation, RecvGrad,
-                                                    SendActivation, SendGrad, bubble_fraction, gpipe, inference,
-                                                    live_activation_peak, one_f_one_b, steps)
+                                                    SendActivation, SendGrad, bubble_fraction, bubble_ratio, gpipe,
+                                                    inference, interleaved_1f1b, interleaved_slots,
+                                                    live_activation_peak, one_f_one_b, peak_live_formula, steps)
+from zerotrain.strategies.pipeline.simulate import Deadlock, ScheduleError, simulate_schedule
+from zerotrain.strategies.pipeline.simulate import simulate as run_lists
 from zerotrain.strategies.precision import Precision
 from zerotrain.trainer.module import TrainModule
 
@@ -24,91 +27,10 @@ GRID = list(itertools.product(range(1, 5), range(1, 9)))  # (stages, micro-batch
 
 
 # ---------------------------------------------------------------------------- the simulator
-class Deadlock(AssertionError):
-    pass
-
-
-#: a send's type -> (direction to its peer, the receive that matches it)
-_SENDS = {SendActivation: (+1, RecvActivation), SendGrad: (-1, RecvGrad)}
-
-
-def simulate(lists: list[list], train: bool = True) -> list[int]:
-    """Run every stage's list together with blocking semantics: an exchange (consecutive
-    communication instructions) completes only when each of its operations has met the matching
-    operation in the peer's current exchange; a receive must match the sender's micro-batch
-    (point-to-point traffic between two ranks is first-in first-out). Checks data dependencies
-    and returns each stage's peak number of live micro-batch activations."""
-    p = len(lists)
-    progs = [steps(lst) for lst in lists]
-    pc, matched = [0] * p, [set() for _ in range(p)]
-    loaded, fwd, bwd = [set() for _ in range(p)], [set() for _ in range(p)], [set() for _ in range(p)]
-    got_act, got_grad = [set() for _ in range(p)], [set() for _ in range(p)]
-    live, peak = [0] * p, [0] * p
-
-    def current(s):
-        return progs[s][pc[s]] if pc[s] < len(progs[s]) else None
-
-    while any(pc[s] < len(progs[s]) for s in range(p)):
-        progress = False
-        for s in range(p):
-            while (ins := current(s)) is not None and not isinstance(ins, list):
-                mb = ins.mb
-                if isinstance(ins, LoadMicroBatch):
-                    assert s in (0, p - 1), f"stage {s} loads data"
-                    loaded[s].add(mb)
-                elif isinstance(ins, Forward):
-                    assert mb not in fwd[s], f"stage {s} forwards {mb} twice"
-                    if s == 0 or s == p - 1:
-                        assert mb in loaded[s], f"stage {s} forwards {mb} before loading it"
-                    if s > 0:
-                        assert mb in got_act[s], f"stage {s} forwards {mb} before receiving it"
-                    fwd[s].add(mb)
-                    if train:
-                        live[s] += 1
-                        peak[s] = max(peak[s], live[s])
-                elif isinstance(ins, Backward):
-                    assert mb in fwd[s] and mb not in bwd[s], f"stage {s}: bad backward {mb}"
-                    if s < p - 1:
-                        assert mb in got_grad[s], f"stage {s} backward {mb} before its gradient"
-                    bwd[s].add(mb)
-                    live[s] -= 1
-                pc[s] += 1
-                progress = True
-        for s in range(p):
-            ex = current(s)
-            if not isinstance(ex, list):
-                continue
-            for j, op in enumerate(ex):
-                if j in matched[s] or type(op) not in _SENDS:
-                    continue
-                delta, recv_type = _SENDS[type(op)]
-                peer = s + delta
-                assert 0 <= peer < p, f"stage {s} sends {op} to no one"
-                assert op.mb in (fwd[s] if delta > 0 else bwd[s]), f"stage {s} sends {op} before computing it"
-                pex = current(peer)
-                if not isinstance(pex, list):
-                    continue
-                for k, rop in enumerate(pex):
-                    if k not in matched[peer] and type(rop) is recv_type:
-                        assert rop.mb == op.mb, f"order mismatch: stage {s} {op} meets stage {peer} {rop}"
-                        matched[s].add(j)
-                        matched[peer].add(k)
-                        (got_act if delta > 0 else got_grad)[peer].add(op.mb)
-                        progress = True
-                        break
-        for s in range(p):
-            ex = current(s)
-            if isinstance(ex, list) and len(matched[s]) == len(ex):
-                pc[s] += 1
-                matched[s] = set()
-                progress = True
-        if not progress:
-            raise Deadlock("no stage can move: " + "; ".join(f"stage {s} at {current(s)}" for s in range(p)))
-    m = max(max(x.mb for x in lst) for lst in lists) + 1
-    for s in range(p):
-        assert fwd[s] == set(range(m)), f"stage {s} forwarded {sorted(fwd[s])}"
-        assert bwd[s] == (set(range(m)) if train else set()), f"stage {s} backwarded {sorted(bwd[s])}"
-    return peak
+def simulate(lists: list[list], train: bool = True, virtual_stages: int = 1) -> list[int]:
+    """Every stage's list together under blocking exchanges (``simulate.py``): each stage's peak
+    number of live (chunk) activations."""
+    return run_lists(lists, virtual_stages, train=train).peak_live
 
 
 @pytest.mark.parametrize("stages,micro", GRID)
@@ -145,7 +67,7 @@ def test_simulator_catches_a_deadlock_and_a_misordered_receive():
     swapped = [gpipe(0, 2, 2), gpipe(1, 2, 2)]
     swapped[1] = [RecvActivation(1) if i == RecvActivation(0) else RecvActivation(0) if i == RecvActivation(1)
                   else i for i in swapped[1]]
-    with pytest.raises(AssertionError, match="order mismatch"):
+    with pytest.raises(ScheduleError, match="order mismatch"):
         simulate(swapped)
 
 
@@ -157,6 +79,108 @@ def test_steady_1f1b_pairs_send_with_receive():
 def test_bubble_fraction():
     assert bubble_fraction(1, 8) == 0 and bubble_fraction(2, 4) == pytest.approx(1 / 5)
     assert bubble_fraction(4, 16) == pytest.approx(3 / 19)
+
+
+INTERLEAVED = [(p, m, v) for p in (2, 3, 4) for m in (p, 2 * p, 3 * p, 16) for v in (2, 3, 4) if m % p == 0]
+
+
+@pytest.mark.parametrize("stages,micro,virtual", INTERLEAVED)
+def test_interleaved_1f1b_is_deadlock_free_and_cuts_the_bubble_by_v(stages, micro, virtual):
+    """Every chunk of every micro-batch goes forward and back through the ring with no stage
+    stuck, the simulated bubble is the formula's, and the live chunk activations are bounded by
+    the warm-up depth."""
+    got = simulate_schedule(interleaved_1f1b, stages, micro, virtual)
+    assert got.bubble == pytest.approx(bubble_ratio(stages, micro, virtual))
+    assert got.idle_fraction == pytest.approx(bubble_fraction(stages, micro, virtual))
+    assert got.peak_live == [peak_live_formula(s, stages, micro, virtual) for s in range(stages)]
+    for s in range(stages):
+        lst = interleaved_1f1b(s, stages, micro, virtual)
+        assert live_activation_peak(lst) == got.peak_live[s]
+        assert sorted({i.chunk for i in lst}) == list(range(virtual))
+        # an exchange talks to each neighbour at most once per direction and kind
+        for ex in (x for x in steps(lst) if isinstance(x, list)):
+            assert len({type(op) for op in ex}) == len(ex)
+
+
+@pytest.mark.parametrize("stages,micro,virtual", INTERLEAVED)
+def test_interleaved_inference_is_deadlock_free(stages, micro, virtual):
+    lists = [interleaved_1f1b(s, stages, micro, virtual, train=False) for s in range(stages)]
+    assert simulate(lists, train=False, virtual_stages=virtual) == [0] * stages
+    assert all(not isinstance(i, (Backward, RecvGrad, SendGrad)) for lst in lists for i in lst)
+
+
+@pytest.mark.parametrize("stages,micro", GRID)
+def test_one_virtual_stage_is_1f1b_with_the_same_bubble(stages, micro):
+    assert interleaved_1f1b(0, stages, micro, 1) == one_f_one_b(0, stages, micro)
+    got = simulate_schedule(one_f_one_b, stages, micro)
+    assert got.bubble == pytest.approx(bubble_ratio(stages, micro))
+    assert got.idle_fraction == pytest.approx(bubble_fraction(stages, micro))
+    assert got.peak_live == [peak_live_formula(s, stages, micro) for s in range(stages)]
+
+
+def test_interleaved_order_cycles_chunks_per_group_of_stages():
+    slots = interleaved_slots(1, 2, 4, 2)
+    assert slots[0] == [("F", 0, 0)] and slots[2] == [("F", 1, 0), ("B", 1, 0)]
+    assert [s[0] for s in slots][:4] == [("F", 0, 0), ("F", 0, 1), ("F", 1, 0), ("F", 1, 1)]
+    assert [x for s in slots for x in s if x[0] == "B"][:4] == [("B", 1, 0), ("B", 1, 1), ("B", 0, 0), ("B", 0, 1)]
+
+
+def test_receiving_just_in_time_deadlocks_the_ring():
+    """Why the interleaved schedule pairs each send with the next slot's receives: built like
+    ``one_f_one_b`` (receive right before, send right after each compute), every stage sends a
+    gradient to its previous stage while that one is sending its own."""
+    def lazy(stage, p, m, v):
+        out = []
+        for slot in interleaved_slots(stage, p, m, v):
+            for kind, chunk, mb in slot:
+                first, last = stage == 0 and chunk == 0, stage == p - 1 and chunk == v - 1
+                if kind == "F":
+                    out += ([] if first else [RecvActivation(mb, chunk)]) + (
+                        [LoadMicroBatch(mb, chunk)] if first or last else []) + [Forward(mb, chunk)] + (
+                        [] if last else [SendActivation(mb, chunk)])
+                else:
+                    out += ([] if last else [RecvGrad(mb, chunk)]) + [Backward(mb, chunk)] + (
+                        [] if first else [SendGrad(mb, chunk)])
+        return out
+    with pytest.raises(Deadlock, match="SendGrad"):
+        simulate_schedule(lazy, 2, 4, 2)
+
+
+#: what bench/schedule_table.py prints (and bench/RESULTS.md "Pipeline schedules" holds):
+#: (p, m, v) -> (bubble over the ideal step, peak live chunk activations per stage)
+TABLE = {
+    (2, 4, 1): (1 / 4, [2, 1]), (2, 4, 2): (1 / 8, [5, 3]),
+    (2, 8, 1): (1 / 8, [2, 1]), (2, 8, 2): (1 / 16, [5, 3]),
+    (4, 4, 1): (3 / 4, [4, 3, 2, 1]), (4, 4, 2): (3 / 8, [8, 8, 7, 5]),
+    (4, 8, 1): (3 / 8, [4, 3, 2, 1]), (4, 8, 2): (3 / 16, [11, 9, 7, 5]),
+}
+
+
+@pytest.mark.parametrize("key", sorted(TABLE))
+def test_schedule_table(key):
+    from zerotrain.bench.schedule_table import row
+
+    p, m, v = key
+    bubble, peak = TABLE[key]
+    got = row(p, m, v)
+    assert got["bubble"] == pytest.approx(bubble) == pytest.approx(got["bubble_formula"])
+    assert got["peak_live"] == peak == got["peak_formula"]
+    assert got["idle_fraction"] == pytest.approx(bubble_fraction(p, m, v))
+
+
+def test_interleaving_requirements_are_config_errors():
+    from zerotrain.strategies.pipeline import PipelineConfig
+    from zerotrain.trainer.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="micro_batches=6 with virtual_stages=2.*multiple of stages=4"):
+        PipelineConfig(stages=4, micro_batches=6, virtual_stages=2)
+    with pytest.raises(ConfigError, match="schedule='gpipe'"):
+        PipelineConfig(schedule="gpipe", virtual_stages=2)
+    with pytest.raises(ConfigError, match="at least 2 stages"):
+        PipelineConfig(stages=1, virtual_stages=2)
+    with pytest.raises(ValueError, match="zero_stage=2; valid choices: 0, 1"):
+        PipelineConfig(zero_stage=2)
+    assert PipelineConfig(micro_batches=6, virtual_stages=2).virtual_stages == 2  # stages known at set-up
 
 
 # ---------------------------------------------------------------------------- partitions and grid
@@ -239,6 +263,25 @@ def test_layer_specs_are_built_only_on_their_stage_and_keep_sequential_names():
     assert sorted(pipe.stage_state_dict(full)) == ["3.bias", "3.weight", "4.weight"]
     out = pipe(torch.randn(2, 6))
     assert out.shape == (2, 11)
+
+
+def test_virtual_stages_cut_chunks_and_keep_sequential_names():
+    pipe = PipelineModule(_lm_layers(), num_stages=2, partition_method=[0, 2, 5])
+    with pytest.raises(ValueError, match="cuts 2 stages, not 4 chunks"):  # explicit: give the chunks' cuts
+        pipe.set_virtual_stages(2)
+    with pytest.raises(ValueError, match="boundaries"):
+        pipe.set_virtual_stages(2, [0, 1, 2, 5])
+    pipe.set_virtual_stages(2, [0, 1, 2, 4, 5])
+    assert pipe.chunk_layers(0) == [range(0, 1), range(2, 4)] and pipe.chunk_layers(1) == [range(1, 2), range(4, 5)]
+    assert pipe.owner_stages_of_key("3.weight") == [0] and pipe.tie_owner_stages(pipe.ties[0]) == [0, 1]
+    pipe.build(1)
+    assert sorted(pipe.state_dict()) == ["1.bias", "1.weight", "4.weight"]
+    h = torch.randn(2, 6)
+    torch.testing.assert_close(pipe.forward_chunk(1, pipe.forward_chunk(0, h)), pipe(h))
+    with pytest.raises(RuntimeError, match="before build"):
+        pipe.set_virtual_stages(1)
+    with pytest.raises(ValueError, match="every stage needs"):  # 5 layers, 6 chunks
+        PipelineModule(_lm_layers(), num_stages=2).set_virtual_stages(3)
 
 
 def test_tied_module_on_one_stage_is_one_module():

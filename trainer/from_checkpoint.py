@@ -1,0 +1,140 @@
+"""``TrainModule.load_from_checkpoint``: a trained module back in one process, for inference.
+
+Accepted, whatever strategy and world size wrote them:
+
+* a sharded checkpoint directory (or a ModelCheckpoint directory: its ``latest``): the shard
+  files are verified, then every key of the module's state dict is assembled from the ranges the
+  files hold (``consolidate.plan`` over a ``CheckpointReader``), in this process, without a
+  process group;
+* a consolidated file (``zerotrain-consolidate``, a ModelCheckpoint ``save_weights_only`` file):
+  ``.safetensors`` (its header carries the hyperparameters when they are JSON values), or a
+  ``torch.save`` state dict (``.pt``/``.pth``/``.bin``, read with ``weights_only=True``; a
+  Lightning ``.ckpt``-style dict with ``state_dict`` and ``hyper_parameters`` too).
+
+Lightning's order: the class is built from the saved hyperparameters updated with the
+overrides, ``configure_model`` runs if the class overrides it, ``on_load_checkpoint(checkpoint)``
+gets the metadata with the full ``state_dict`` in it (the hook may edit it), and that state dict
+is loaded with ``strict``. A pipeline checkpoint holds every stage's layers under their original
+names; a pipeline module holds only its own stage's, so such a checkpoint loads into a plain
+class of the same layers (its ``on_load_checkpoint`` may rename the keys).
+"""
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import checkpoint_io
+from .consolidate import plan
+from .errors import CheckpointError, ConfigError
+from .hparams import HPARAMS_KEY, HPARAMS_NAME_KEY, SAFETENSORS_HPARAMS, AttributeDict
+from .reshard import CheckpointReader
+from .tensor_files import SafetensorsFile
+
+log = logging.getLogger("zerotrain")
+
+_TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
+
+
+def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """The checkpoint at ``path`` as Lightning's dict: its metadata (``hyper_parameters``,
+    ``hparams_name``, the loop...) with the full model state under ``state_dict`` (fp32, CPU)."""
+    p = Path(path)
+    if p.is_file() and p.suffix == ".safetensors":
+        return _read_safetensors(p)
+    if p.is_file() and p.suffix in _TORCH_SUFFIXES:
+        return _read_torch_file(p)
+    if p.is_file() and p.name != checkpoint_io.LATEST:
+        raise ConfigError(f"load_from_checkpoint: checkpoint_path={str(p)!r}; valid: a checkpoint directory, a "
+                          f"ModelCheckpoint directory, or a .safetensors / {' / '.join(_TORCH_SUFFIXES)} file")
+    root, meta = checkpoint_io.load_meta(p)
+    checkpoint_io.verify(root, meta)
+    with CheckpointReader(root, meta) as reader:
+        state = {e.key: e.produce().reshape(e.shape) for e in plan(meta, reader)}
+    return {**meta, "state_dict": state}
+
+
+def _read_safetensors(path: Path) -> dict[str, Any]:
+    with SafetensorsFile(path) as f:
+        state = {k: f.read(k) for k in f.keys()}
+        raw = f.metadata.get(SAFETENSORS_HPARAMS)
+    out: dict[str, Any] = {"state_dict": state}
+    if raw:
+        try:
+            saved = json.loads(raw)
+            out.update({HPARAMS_KEY: dict(saved["hparams"]), HPARAMS_NAME_KEY: saved.get("name")})
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"checkpoint file {str(path)!r}: its {SAFETENSORS_HPARAMS} metadata is not "
+                                  f"what zerotrain writes: {exc}") from None
+    return out
+
+
+def _read_torch_file(path: Path) -> dict[str, Any]:
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - pickled code, truncation, another format
+        raise CheckpointError(f"cannot read checkpoint file {str(path)!r} with weights_only=True (a checkpoint "
+                              f"never runs code here): {exc}") from exc
+    if isinstance(obj, dict) and isinstance(obj.get("state_dict"), dict):
+        return dict(obj)  # Lightning's layout: state_dict, hyper_parameters, ...
+    if isinstance(obj, dict) and all(isinstance(k, str) and torch.is_tensor(v) for k, v in obj.items()):
+        return {"state_dict": obj}
+    raise CheckpointError(f"checkpoint file {str(path)!r} holds a {type(obj).__name__}; valid: a state dict "
+                          "(name -> tensor), or a dict with a 'state_dict'")
+
+
+def init_kwargs(cls: type, hparams: dict[str, Any], hparams_name: str | None,
+                overrides: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments ``cls(...)`` gets, by Lightning's rule: the saved hyperparameters
+    updated with the overrides, passed whole under their argument name when they were one config
+    object (``save_hyperparameters(config)``), else spread; filtered to the ``__init__``
+    signature unless it takes ``**kwargs``."""
+    params = list(inspect.signature(cls.__init__).parameters.values())[1:]
+    names = [p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    loaded: dict[str, Any] = {**hparams, **overrides}
+    if hparams_name and hparams_name != "kwargs" and hparams_name in names:
+        loaded = {hparams_name: AttributeDict(loaded)}
+    kwargs = {**loaded, **overrides}
+    if not any(p.kind == p.VAR_KEYWORD for p in params):
+        kwargs = {k: v for k, v in kwargs.items() if k in names}
+    return kwargs
+
+
+def _device(map_location: Any) -> torch.device | None:
+    if map_location is None:
+        return None
+    if isinstance(map_location, (str, torch.device)):
+        return torch.device(map_location)
+    raise ConfigError(f"load_from_checkpoint: map_location={map_location!r}; valid: None (CPU), a device or "
+                      "a device name")
+
+
+def load_from_checkpoint(cls: type, checkpoint_path: str | os.PathLike, map_location: Any = None,
+                         strict: bool = True, **overrides: Any) -> Any:
+    """``TrainModule.load_from_checkpoint`` (see the module docstring)."""
+    from .module import TrainModule
+
+    device = _device(map_location)
+    checkpoint = read_checkpoint(checkpoint_path)
+    hparams = dict(checkpoint.get(HPARAMS_KEY) or {})
+    checkpoint[HPARAMS_KEY] = {**hparams, **overrides}
+    try:
+        module = cls(**init_kwargs(cls, hparams, checkpoint.get(HPARAMS_NAME_KEY), overrides))
+    except TypeError as exc:
+        raise ConfigError(f"{cls.__name__}.load_from_checkpoint({str(checkpoint_path)!r}): building the module "
+                          f"from the saved hyperparameters {sorted(hparams)} failed: {exc}; pass the missing "
+                          "arguments as keyword overrides") from exc
+    if type(module).configure_model is not TrainModule.configure_model:
+        module.configure_model()
+    module.on_load_checkpoint(checkpoint)
+    keys = module.load_state_dict(checkpoint["state_dict"], strict=strict)
+    if not strict and keys.missing_keys:
+        log.warning("Found keys that are in the model state dict but not in the checkpoint: %s", keys.missing_keys)
+    if not strict and keys.unexpected_keys:
+        log.warning("Found keys that are not in the model state dict but in the checkpoint: %s", keys.unexpected_keys)
+    return module.to(device) if device is not None else module

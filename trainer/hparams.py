@@ -1,0 +1,314 @@
+"""Hyperparameters, as Lightning's ``save_hyperparameters`` / ``self.hparams``.
+
+``save_hyperparameters()`` collects the arguments the module's ``__init__`` (and those of the
+TrainModule / DataModule subclasses above it) was called with, as Lightning does, into
+``self.hparams`` (an :class:`AttributeDict`, mutable) and a frozen copy ``self.hparams_initial``.
+
+The Trainer then
+
+* logs ``hparams_initial`` once per stage to every logger's ``log_hyperparams`` on global rank 0
+  (:func:`log_hyperparams`, after ``on_fit_start`` as Lightning; the datamodule's are merged in);
+* stores ``hparams`` in every checkpoint's metadata (:func:`checkpoint_entries`), which
+  ``TrainModule.load_from_checkpoint`` uses to rebuild the module. That metadata is read with
+  ``torch.load(weights_only=True)`` (a checkpoint never runs code), so only plain values can be
+  stored: numbers, strings, None, lists / tuples / dicts of them, tensors, dtypes. A value that
+  would not load back that way (an ``nn.Module``, a dataclass, a class) is left out of the
+  checkpoint with one warning naming the hyperparameter; pass it to ``load_from_checkpoint`` as
+  an override instead.
+"""
+from __future__ import annotations
+
+import copy
+import inspect
+import io
+import json
+import logging
+import types
+from argparse import Namespace
+from collections.abc import MutableMapping
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+log = logging.getLogger("zerotrain")
+
+#: the metadata keys (Lightning's checkpoint keys, under the same names)
+HPARAMS_KEY = "hyper_parameters"
+HPARAMS_NAME_KEY = "hparams_name"
+DATAMODULE_HPARAMS_KEY = "datamodule_hyper_parameters"
+
+_PRIMITIVES = (bool, int, float, str)
+
+
+class AttributeDict(dict):
+    """A dict whose keys are also attributes (``hparams.lr``), as Lightning's."""
+
+    def __getattr__(self, key: str) -> Any:
+        try:
+            return self[key]
+        except KeyError as exc:
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute '{key}'") from exc
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        self[key] = value
+
+    def __delattr__(self, key: str) -> None:
+        if key not in self:
+            raise KeyError(key)
+        del self[key]
+
+    def __repr__(self) -> str:
+        if not self:
+            return ""
+        width = max(len(str(k)) for k in self) + 3
+        return "\n".join(f"{_quoted(k):{width}} {self[k]}" for k in sorted(self.keys()))
+
+
+def _quoted(key: Any) -> str:
+    return '"' + str(key) + '":'
+
+
+class HyperparametersMixin:
+    """``save_hyperparameters``, ``hparams`` and ``hparams_initial`` for TrainModule and
+    DataModule. No ``__init__``: the attributes appear on first use, so ``nn.Module``'s
+    constructor order is untouched."""
+
+    #: log the hyperparameters to the loggers (``save_hyperparameters(logger=...)``)
+    _log_hyperparams = False
+
+    def save_hyperparameters(self, *args: Any, ignore: "Sequence[str] | str | None" = None,
+                             frame: types.FrameType | None = None, logger: bool = True) -> None:
+        """Save the ``__init__`` arguments as ``self.hparams``: all of them (``*args`` empty),
+        the names given as strings, or the one dict / Namespace given; ``ignore``: names left
+        out; ``frame``: the ``__init__`` frame to read (default: the caller's); ``logger``:
+        whether the Trainer logs them."""
+        self._log_hyperparams = logger
+        if len(args) == 1 and not isinstance(args[0], str) and not args[0]:
+            return  # an empty container: nothing to save, as Lightning
+        if frame is None:
+            frame = inspect.currentframe().f_back
+        if not isinstance(frame, types.FrameType):
+            raise AttributeError("save_hyperparameters: no frame to read the __init__ arguments from")
+        ignored = _ignored(ignore)
+        init_args = {k: v for k, v in _collect_init_args(frame, (HyperparametersMixin,)).items() if k not in ignored}
+        strings = [a for a in args if isinstance(a, str)]
+        objects = [a for a in args if not isinstance(a, str)]
+        if not args:
+            hp, self._hparams_name = init_args, ("kwargs" if init_args else None)
+        elif len(objects) == 1:
+            hp = objects[0]
+            self._hparams_name = next((k for k, v in init_args.items() if v is hp or _equal(v, hp)), None)
+        else:
+            hp, self._hparams_name = {name: init_args[name] for name in strings}, "kwargs"
+        self._set_hparams(hp)
+        for name in ignored:
+            self.hparams.pop(name, None)
+        for name, value in self.hparams.items():
+            if isinstance(value, nn.Module):
+                log.warning("hparam %r is an nn.Module, and its weights are already saved in the checkpoint; "
+                            "save_hyperparameters(ignore=[%r]) is recommended (as Lightning warns)", name, name)
+        self._hparams_initial = copy.deepcopy(self._hparams)
+
+    def _set_hparams(self, hp: Any) -> None:
+        if isinstance(hp, Namespace):
+            hp = vars(hp)
+        if isinstance(hp, _PRIMITIVES):
+            raise ValueError(f"save_hyperparameters: {hp!r}: primitives {_PRIMITIVES} are not allowed; valid: "
+                             "argument names, or one dict / Namespace")
+        if not isinstance(hp, MutableMapping):
+            raise ValueError(f"save_hyperparameters: unsupported config type {type(hp).__name__}; valid: "
+                             "argument names, or one dict / Namespace")
+        if isinstance(hp, dict) and not isinstance(hp, AttributeDict):
+            hp = AttributeDict(hp)
+        if isinstance(self.hparams, dict) and isinstance(hp, dict):
+            self.hparams.update(hp)
+        else:
+            self._hparams = hp
+
+    @property
+    def hparams(self) -> "AttributeDict | MutableMapping":
+        """The saved hyperparameters; mutable (``hparams_initial`` keeps the originals)."""
+        if "_hparams" not in self.__dict__:
+            self._hparams = AttributeDict()
+        return self.__dict__["_hparams"]
+
+    @property
+    def hparams_initial(self) -> AttributeDict:
+        """A copy of the hyperparameters as ``save_hyperparameters`` saved them."""
+        initial = self.__dict__.get("_hparams_initial")
+        return copy.deepcopy(initial) if initial is not None else AttributeDict()
+
+
+def _ignored(ignore: "Sequence[str] | str | None") -> set[str]:
+    if ignore is None:
+        return set()
+    if isinstance(ignore, str):
+        return {ignore}
+    return {name for name in ignore if isinstance(name, str)}
+
+
+def _equal(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - tensors and other values without a plain truth value
+        return False
+
+
+def _init_args_of(frame: types.FrameType) -> tuple[Any, dict[str, Any]]:
+    """The object an ``__init__`` frame constructs and the arguments of its signature (``**kwargs``
+    spread out, ``self`` / ``*args`` / ``**kwargs`` themselves left out), or (None, {})."""
+    local_vars = frame.f_locals
+    if "__class__" not in local_vars or frame.f_code.co_name != "__init__":
+        return None, {}
+    params = list(inspect.signature(local_vars["__class__"].__init__).parameters.values())
+    self_name = params[0].name
+    var_names = {p.name for p in params if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    args = {p.name: local_vars[p.name] for p in params if p.name in local_vars}
+    for p in params:
+        if p.kind == p.VAR_KEYWORD:
+            args.update(args.get(p.name, {}))
+    drop = {self_name, "__class__", "frame", "frame_args"} | var_names
+    return local_vars.get(self_name), {k: v for k, v in args.items() if k not in drop}
+
+
+def _collect_init_args(frame: types.FrameType, classes: tuple[type, ...]) -> dict[str, Any]:
+    """Walk out from ``frame`` through the chain of ``__init__`` frames constructing one object
+    of ``classes`` (a subclass's ``__init__`` calls its parent's): the outermost (most derived)
+    class's arguments win, as Lightning's ``collect_init_args``."""
+    levels: list[dict[str, Any]] = []
+    inside = False
+    while isinstance(frame, types.FrameType) and isinstance(frame.f_back, types.FrameType):
+        obj, args = _init_args_of(frame)
+        if "__class__" in frame.f_locals and frame.f_code.co_name == "__init__" and isinstance(obj, classes):
+            levels.append(args)
+            inside = True
+        elif inside:
+            break
+        frame = frame.f_back
+    out: dict[str, Any] = {}
+    for args in levels:
+        out.update(args)
+    return out
+
+
+# ---------------------------------------------------------------------------- checkpoints
+
+def plain(value: Any) -> Any:
+    """``value`` with AttributeDicts and Namespaces as plain dicts (what a weights-only load
+    rebuilds), containers walked."""
+    if isinstance(value, Namespace):
+        value = vars(value)
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [plain(v) for v in value]
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(plain(v) for v in value)
+    return value
+
+
+def _loads_safely(value: Any) -> bool:
+    """Does ``value`` come back from ``torch.save`` + ``torch.load(weights_only=True)``?"""
+    buf = io.BytesIO()
+    try:
+        torch.save(value, buf)
+        buf.seek(0)
+        torch.load(buf, weights_only=True)
+    except Exception:  # noqa: BLE001 - any failure means: not storable in the metadata
+        return False
+    return True
+
+
+_warned: set[tuple[str, str]] = set()
+
+
+def storable(hparams: MutableMapping, owner: str) -> dict[str, Any]:
+    """The hyperparameters a checkpoint's metadata can hold: each one that loads back with
+    ``weights_only=True``; the others are left out with one warning each, naming them."""
+    out = {}
+    for name, value in hparams.items():
+        value = plain(value)
+        if _loads_safely({name: value}):
+            out[name] = value
+        elif (owner, str(name)) not in _warned:
+            _warned.add((owner, str(name)))
+            log.warning("%s hparam %r (%s) is not stored in the checkpoint: its metadata is loaded with "
+                        "weights_only=True and holds plain values only (numbers, strings, None, lists/tuples/"
+                        "dicts of them, tensors); pass it to load_from_checkpoint(..., %s=...) instead, or "
+                        "save_hyperparameters(ignore=[%r])", owner, name, type(value).__name__, name, name)
+    return out
+
+
+def checkpoint_entries(module: Any, datamodule: Any) -> dict[str, Any]:
+    """What a save adds to the metadata: the module's hyperparameters and how they were given
+    (``hparams_name``: ``"kwargs"``, or the ``__init__`` argument that was the config object),
+    and the datamodule's, as Lightning's checkpoint keys."""
+    out: dict[str, Any] = {}
+    if module is not None and module.hparams:
+        out[HPARAMS_KEY] = storable(module.hparams, type(module).__name__)
+        out[HPARAMS_NAME_KEY] = getattr(module, "_hparams_name", None)
+    if datamodule is not None and isinstance(datamodule, HyperparametersMixin) and datamodule.hparams:
+        out[DATAMODULE_HPARAMS_KEY] = storable(datamodule.hparams, type(datamodule).__name__)
+    return out
+
+
+#: the safetensors metadata key a consolidated file keeps the hyperparameters under (JSON)
+SAFETENSORS_HPARAMS = "zerotrain.hyper_parameters"
+
+
+def hparams_metadata(meta: dict[str, Any]) -> dict[str, str]:
+    """For a consolidated safetensors file: the checkpoint's hyperparameters as one JSON string
+    (and how they were given), or nothing when they are not all JSON values."""
+    hparams = meta.get(HPARAMS_KEY)
+    if not hparams:
+        return {}
+    try:
+        return {SAFETENSORS_HPARAMS: json.dumps({"hparams": hparams, "name": meta.get(HPARAMS_NAME_KEY)})}
+    except (TypeError, ValueError):
+        return {}
+
+
+# ---------------------------------------------------------------------------- loggers
+
+def merged_for_logging(module: Any, datamodule: Any) -> dict[str, Any] | None:
+    """Lightning's rule: the module's initial hparams and the datamodule's, each only if it asked
+    to be logged; a key in both with different values is an error."""
+    from_module = module is not None and module._log_hyperparams
+    from_dm = isinstance(datamodule, HyperparametersMixin) and datamodule._log_hyperparams
+    if from_module and from_dm:
+        ours, theirs = module.hparams_initial, datamodule.hparams_initial
+        clash = sorted(str(k) for k in ours.keys() & theirs.keys() if not _same(ours[k], theirs[k]))
+        if clash:
+            raise RuntimeError(f"Error while merging hparams: the keys {clash} are present in both the "
+                               "TrainModule's and DataModule's hparams but have different values.")
+        return {**ours, **theirs}
+    if from_module:
+        return dict(module.hparams_initial)
+    if from_dm:
+        return dict(datamodule.hparams_initial)
+    return None
+
+
+def _same(a: Any, b: Any) -> bool:
+    if type(a) is not type(b):
+        return False
+    if torch.is_tensor(a):
+        return a is b
+    return _equal(a, b)
+
+
+def log_hyperparams(trainer: Any) -> None:
+    """Global rank 0: hand the hyperparameters to every logger (``log_hyperparams``), then let
+    each write them out (``save``), once per stage as Lightning does."""
+    if not trainer.loggers:
+        return
+    hparams = merged_for_logging(trainer.module, trainer.datamodule)  # a clash raises on every rank
+    if not trainer.is_global_zero:
+        return
+    for lg in trainer.loggers:
+        if hparams is not None:
+            lg.log_hyperparams(hparams)
+        save = getattr(lg, "save", None)
+        if callable(save):
+            save()
