@@ -8,6 +8,11 @@ Two things matter for the sharded strategies:
 
 * ``GPT.blocks`` is an ``nn.ModuleList`` of :class:`Block`; each Block is the unit that ZeRO-3 /
   FSDP-style strategies gather and free together.
+* :meth:`GPT.pipeline_layers` lists the same modules as a sequence of layers (``wte``, the
+  positions, each block, ``ln_f``, ``lm_head``), each with its name here, for the pipeline
+  strategy: ``PipelineModule.from_modules`` cuts them into stages, ties ``lm_head`` to ``wte``
+  across the first and last stage (they share one Parameter) and checkpoints them under these
+  names, so a pipeline checkpoint is this model's.
 * :meth:`GPT.init_weights` re-initialises every parameter and buffer in place, in a fixed order,
   so a model built on the meta device and materialised with ``to_empty(device=...)`` gets real
   weights, identical to an eager build when the global RNG is seeded the same way right before
@@ -101,6 +106,28 @@ class Block(nn.Module):
         return x
 
 
+class AddPositions(nn.Module):
+    """The pipeline's second layer: ``drop(x + wpe(arange(T)))`` on the token embeddings ``x``,
+    with ``wpe``'s Parameter registered as ``weight`` so that its checkpoint name is ``wpe.weight``."""
+
+    def __init__(self, wpe: nn.Embedding, drop: nn.Dropout) -> None:
+        super().__init__()
+        self.weight = wpe.weight
+        self.drop = drop
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        T = x.size(1)
+        if T > self.weight.size(0):
+            raise ValueError(f"sequence length {T} exceeds GPTConfig.block_size={self.weight.size(0)}; "
+                             f"crop the input or build the model with a larger block_size")
+        return self.drop(x + F.embedding(torch.arange(T, device=x.device), self.weight))
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The mean cross-entropy :meth:`GPT.forward` computes, from logits (B, T, V) and targets (B, T)."""
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
 class GPT(nn.Module):
     """A GPT-style causal LM. ``forward(idx, targets=None)`` returns ``(logits, loss)``."""
 
@@ -191,8 +218,16 @@ class GPT(nn.Module):
         logits = self.lm_head(self.ln_f(x))
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+            loss = lm_loss(logits, targets)
         return logits, loss
+
+    def pipeline_layers(self) -> list[tuple[str, nn.Module]]:
+        """This model as a sequence of ``(name, layer)``, the name being the layer's path here:
+        applied in order to ``idx`` they compute :meth:`forward`'s logits with these very modules
+        (``lm_head`` still shares ``wte``'s Parameter), for ``PipelineModule.from_modules``."""
+        return [("wte", self.wte), ("wpe", AddPositions(self.wpe, self.drop)),
+                *((f"blocks.{i}", block) for i, block in enumerate(self.blocks)),
+                ("ln_f", self.ln_f), ("lm_head", self.lm_head)]
 
     # ---- accounting
     def num_params(self, non_embedding: bool = False) -> int:

@@ -11,7 +11,6 @@ import dataclasses
 
 from hydra.core.config_store import ConfigStore
 
-from ..strategies import registry
 from ..trainer.config import Config, world_size
 from ..trainer.errors import ConfigError
 from .gpt import GPTConfig
@@ -45,19 +44,43 @@ def _bad(field: str, value, problem: str, valid: str) -> ConfigError:
     return ConfigError(f"{field}={value!r}: {problem}; valid: {valid}")
 
 
+def pipeline_layers(model: GPTConfig) -> int:
+    """Layers of the GPT as a pipeline (:meth:`GPT.pipeline_layers`): wte, positions, the blocks,
+    ln_f, lm_head."""
+    return model.n_layer + 4
+
+
+def validate_pipeline(cfg: Config, world: int) -> int:
+    """The pipeline's shape against the world, the GPT and the batch, before any rank starts;
+    returns the data-parallel replicas (each of which reads its own share of the data)."""
+    stages, m = cfg.strategy.stages or world, cfg.strategy.micro_batches
+    if world % stages:
+        raise _bad("strategy.stages", stages, f"does not divide the {world} processes (trainer.devices x "
+                   "trainer.num_nodes): the world is stages x data-parallel replicas",
+                   f"a divisor of {world}: " + ", ".join(str(d) for d in range(1, world + 1) if world % d == 0))
+    layers = pipeline_layers(cfg.model)
+    if stages > layers:
+        raise _bad("strategy.stages", stages, f"exceeds the {layers} layers of the GPT as a pipeline "
+                   f"(wte, positions, model.n_layer={cfg.model.n_layer} blocks, ln_f, lm_head): every stage "
+                   "needs one", f"1 .. {layers}, or a deeper model")
+    if cfg.data.batch_size % m:
+        raise _bad("data.batch_size", cfg.data.batch_size, f"is each replica's batch and must split into "
+                   f"strategy.micro_batches={m} equal micro-batches", f"a multiple of {m}")
+    return world // stages
+
+
 def validate(cfg: Config) -> None:
-    """What only the demo knows: its GPT is no PipelineModule, reads bytes, and must get at least one
-    full batch per rank (the loader drops a partial one, so no step would ever run) and, with
-    validation on, one held-out sequence. Run after ``cfg.validate()``, which checked each field."""
+    """What only the demo knows: its GPT reads bytes, a pipeline's shape fits the world, the GPT
+    and the batch, and each data-parallel rank gets at least one full batch (the loader drops a
+    partial one, so no step would ever run) and, with validation on, one held-out sequence. Run
+    after ``cfg.validate()``, which checked each field."""
     model, data, world = cfg.model, cfg.data, world_size(cfg.trainer)
-    strategy = getattr(cfg.strategy, "name", None)
-    if strategy == "pipeline":
-        raise _bad("strategy", strategy, "needs a model made of a PipelineModule; the CLI's GPT is not one",
-                   ", ".join(n for n in registry.available() if n != "pipeline"))
     if model.vocab_size < 256:
         raise _bad("model.vocab_size", model.vocab_size, "must be >= 256: the data are bytes", "256 or more")
     if world < 1:
         return  # the Trainer names the bad trainer.devices / trainer.num_nodes
+    if getattr(cfg.strategy, "name", None) == "pipeline":
+        world = validate_pipeline(cfg, world)  # the data are split over the replicas only
     chunk, size = model.block_size + 1, data.size()
     n_val = int(size * data.val_fraction)
     per_rank = -(-((size - n_val) // chunk) // world)  # the sampler pads the ranks to equal shares

@@ -8,9 +8,10 @@ import math
 import torch
 from torch.utils.data import DataLoader
 
+from ..strategies.pipeline import PipelineModule
 from ..trainer.module import TrainModule
 from .data import ByteDataset, decode, encode, load_text, split_train_val
-from .gpt import GPT, GPTConfig
+from .gpt import GPT, GPTConfig, lm_loss
 
 
 def warmup_cosine(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
@@ -29,7 +30,8 @@ class GPTModule(TrainModule):
     """A :class:`GPT` with its optimizer, schedule and data.
 
     The model is built in :meth:`configure_model`, not here, so a sharded strategy can build it
-    on the meta device. The text is read on the first data hook call and kept on the instance.
+    on the meta device. The pipeline strategy then calls :meth:`to_pipeline`, which replaces it by
+    its layers cut into stages. The text is read on the first data hook call and kept on the instance.
     ``val_fraction=0`` turns validation off (``val_dataloader()`` returns None).
     """
 
@@ -88,6 +90,21 @@ class GPTModule(TrainModule):
         if self.model is None:
             self.model = GPT(self.config)
 
+    def to_pipeline(self, num_stages: int) -> PipelineModule:
+        """The pipeline strategy's hook: ``self.model`` becomes a PipelineModule of the built GPT's
+        layers (:meth:`GPT.pipeline_layers`; the LM head tied to ``wte`` across the first and last
+        stage) with the GPT's loss; the strategy keeps this rank's stage and drops the rest.
+
+        Why here and not in the library: the pipeline cannot know how a model is a sequence of
+        layers, and the library never imports ``examples/``; the TrainModule that owns the model
+        does. Built from the model ``configure_model`` made, so its initial weights are the GPT's
+        under the same seed whatever the number of stages (and those of every other strategy),
+        at the cost of holding the whole model once while set-up runs."""
+        model = self._require_model()
+        if not isinstance(model, PipelineModule):
+            self.model = PipelineModule.from_modules(model.pipeline_layers(), num_stages, loss_fn=lm_loss)
+        return self.model
+
     def _require_model(self) -> GPT:
         if self.model is None:
             raise RuntimeError(
@@ -118,11 +135,10 @@ class GPTModule(TrainModule):
         params = [p for _, p in self.named_parameters() if p.requires_grad]
         decay = [p for p in params if p.dim() >= 2]
         no_decay = [p for p in params if p.dim() < 2]
-        groups = [
-            {"params": ps, "weight_decay": wd}
-            for ps, wd in ((decay, self.weight_decay), (no_decay, 0.0))
-            if ps
-        ]
+        # Both groups always, even empty: a pipeline stage may hold no vectors (wte and wpe alone),
+        # and every stage's optimizer and LR schedule must have the plain model's two groups for
+        # checkpoints to move between layouts (the schedule's state is rank 0's).
+        groups = [{"params": decay, "weight_decay": self.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
         fusable = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
         optimizer = None
         if fusable:
@@ -189,10 +205,32 @@ class GPTModule(TrainModule):
         self, prompt: str, max_new_tokens: int = 200, temperature: float = 0.8, top_k: int | None = 40
     ) -> str:
         """``prompt`` followed by ``max_new_tokens`` sampled bytes, decoded as text. Runs the model
-        in eval mode and restores its previous mode."""
+        in eval mode and restores its previous mode. Pipelined, it is a collective: the stages'
+        weights are gathered into one GPT on global rank 0, which samples, and every rank
+        returns its text."""
         model = self._require_model()
         if not prompt:
             raise ValueError("sample needs a non-empty prompt (the model has no start token)")
+        if isinstance(model, PipelineModule):
+            whole = self._gathered_gpt()
+            text = None if whole is None else self._sample_with(whole, prompt, max_new_tokens, temperature, top_k)
+            return self.trainer.strategy.broadcast(text)
+        return self._sample_with(model, prompt, max_new_tokens, temperature, top_k)
+
+    def _gathered_gpt(self) -> GPT | None:
+        """Collective: the pipelined model as one GPT on global rank 0 (None elsewhere), from the
+        full state dict, which the pipeline names as the GPT does."""
+        state = self.trainer.full_state_dict()
+        if not state:
+            return None
+        with torch.device("meta"):
+            gpt = GPT(self.config)
+        gpt.load_state_dict({k.removeprefix("model."): v for k, v in state.items()}, assign=True)
+        gpt.tie_weights()
+        return gpt.to(next(self.parameters()).device)
+
+    def _sample_with(self, model: GPT, prompt: str, max_new_tokens: int, temperature: float,
+                     top_k: int | None) -> str:
         device = next(model.parameters()).device
         idx = encode(prompt).unsqueeze(0).to(device)
         was_training = model.training

@@ -13,6 +13,13 @@ TrainModule attribute ``pipe`` both are ``pipe.3.weight``). ``stage_state_dict``
 dict down to a stage; ``owner_stages_of_key`` maps a key to the stages that hold it. A tied module
 appears under every index that uses it, like a shared module in a Sequential.
 
+**Plain names.** A pipeline cut from a model that is not a plain ``nn.Sequential`` (the demo GPT:
+``wte``, ``blocks.0`` ...) gives ``layer_names``, each layer's path in that model; ``plain_key``
+maps ``3.attn.c_attn.weight`` to ``blocks.1.attn.c_attn.weight`` and ``canonical_key`` a tied
+parameter's key to its first member's plain key (the name the plain model's ``named_parameters``
+yields). Checkpoints are written under those names, so they are the layout every other strategy
+writes for the plain model, whatever the number of stages.
+
 **Ties.** A ``Tie`` names parameters, as ``(layer index, parameter name)``, that are one weight.
 Stages holding a member keep a copy each; the strategy broadcasts it from the lowest owning stage
 at set-up and all-reduces its gradient among the owners after the backward. Ties come from
@@ -101,7 +108,9 @@ class PipelineModule(nn.Module):
     def __init__(self, layers: Iterable[Any], num_stages: int,
                  partition_method: "str | Sequence[int]" = "parameters",
                  loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-                 ties: Sequence[Tie] = ()) -> None:
+                 ties: Sequence[Tie] = (), layer_names: Sequence[str] | None = None) -> None:
+        """``layer_names``: each layer's module path in the non-pipelined model (default: its
+        index, as ``nn.Sequential`` names it); checkpoints use the names they give."""
         super().__init__()
         specs = list(layers)
         for i, layer in enumerate(specs):
@@ -110,6 +119,7 @@ class PipelineModule(nn.Module):
                                 "LayerSpec/TiedLayerSpec or a parameter-free callable")
         self.num_stages = int(num_stages)
         self.num_layers = len(specs)
+        self.layer_names = _check_layer_names(layer_names, len(specs))
         weights = ([count_parameters(s) for s in specs] if partition_method == "parameters"
                    else [1] * len(specs))
         self.bounds = partition(weights, self.num_stages, partition_method)
@@ -128,9 +138,21 @@ class PipelineModule(nn.Module):
     def from_sequential(cls, sequential: nn.Sequential, num_stages: int,
                         loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
                         partition_method: "str | Sequence[int]" = "parameters") -> "PipelineModule":
-        """Pipeline an existing ``nn.Sequential``; parameters shared between its layers become ties."""
-        layers = list(sequential)
-        return cls(layers, num_stages, partition_method, loss_fn, ties=_shared_parameter_ties(layers))
+        """Pipeline an existing ``nn.Sequential``; parameters shared between its layers become ties,
+        and its children's names (``0``, ``1`` ... or an OrderedDict's) are the checkpoint's."""
+        return cls.from_modules(list(sequential.named_children()), num_stages, loss_fn, partition_method)
+
+    @classmethod
+    def from_modules(cls, named_layers: Sequence[tuple[str, Any]], num_stages: int,
+                     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+                     partition_method: "str | Sequence[int]" = "parameters") -> "PipelineModule":
+        """Pipeline a model given as its layers in order, each with its module path in that model
+        (``("blocks.0", block)``): the checkpoint keeps the model's names, and parameters shared
+        between layers (a tied LM head) become ties whose checkpoint name is the first one's."""
+        names = [n for n, _ in named_layers]
+        layers = [layer for _, layer in named_layers]
+        return cls(layers, num_stages, partition_method, loss_fn, ties=_shared_parameter_ties(layers),
+                   layer_names=names)
 
     # ------------------------------------------------------------------ layout (pure)
     def set_virtual_stages(self, virtual_stages: int, partition_method: "str | Sequence[int] | None" = None) -> None:
@@ -177,6 +199,36 @@ class PipelineModule(nn.Module):
             if index in tie.layers:
                 stages.update(self.tie_owner_stages(tie))
         return sorted(stages)
+
+    def plain_key(self, key: str) -> str:
+        """A key of this module (``3.attn.c_attn.weight``) as the non-pipelined model names it."""
+        head, _, rest = key.partition(".")
+        if not head.isdigit() or int(head) >= self.num_layers:
+            raise KeyError(f"{key!r} does not name a layer of this {self.num_layers}-layer pipeline")
+        name = self.layer_names[int(head)]
+        return f"{name}.{rest}" if rest else name
+
+    def canonical_key(self, key: str) -> str:
+        """The plain key a parameter is checkpointed under: a tied parameter's is its first
+        member's (the lowest layer), the name the plain model yields first."""
+        tie = self._tie_of(key)
+        if tie is None:
+            return self.plain_key(key)
+        index, name = min(tie.members)
+        return self.plain_key(f"{index}.{name}")
+
+    def saves_key(self, key: str) -> bool:
+        """Whether this stage writes the parameter ``key`` to a checkpoint: a tied one only on its
+        lowest owning stage (the one its broadcast starts from), so it is saved once. With
+        virtual stages that reads the chunk cut: the first member's chunk may sit on a higher stage."""
+        tie = self._tie_of(key)
+        return tie is None or self.tie_owner_stages(tie)[0] == self.stage
+
+    def _tie_of(self, key: str) -> Tie | None:
+        head, _, rest = key.partition(".")
+        if not head.isdigit():
+            return None
+        return next((t for t in self.ties if (int(head), rest) in t.members), None)
 
     # ------------------------------------------------------------------ this stage
     @property
@@ -274,6 +326,16 @@ class PipelineModule(nn.Module):
         return f"stage={self.stage}, num_stages={self.num_stages}, bounds={self.bounds}{chunks}"
 
 
+def _check_layer_names(names: Sequence[str] | None, num_layers: int) -> tuple[str, ...]:
+    if names is None:
+        return tuple(str(i) for i in range(num_layers))
+    names = tuple(str(n) for n in names)
+    if len(names) != num_layers or len(set(names)) != num_layers or not all(names):
+        raise ValueError(f"PipelineModule: layer_names={list(names)!r}; valid: {num_layers} distinct non-empty "
+                         "module paths, one per layer")
+    return names
+
+
 def _spec_ties(specs: list[Any]) -> list[Tie]:
     by_key: dict[str, list[tuple[int, str]]] = {}
     first: dict[str, TiedLayerSpec] = {}
@@ -297,9 +359,20 @@ def _shared_parameter_ties(layers: list[Any]) -> list[Tie]:
             if len({i for i, _ in m}) > 1]
 
 
-def find_pipeline_module(module: nn.Module) -> PipelineModule:
+def find_pipeline_module(module: nn.Module, num_stages: int | None = None) -> PipelineModule:
+    """The first PipelineModule inside ``module``; without one, what ``module.to_pipeline(num_stages)``
+    returns (a TrainModule whose model is not a PipelineModule cuts itself: the demo GPT), which
+    must be inside ``module`` by then."""
     for m in module.modules():
         if isinstance(m, PipelineModule):
             return m
+    to_pipeline = getattr(module, "to_pipeline", None)
+    if callable(to_pipeline) and num_stages is not None:
+        pipe = to_pipeline(num_stages)
+        if not isinstance(pipe, PipelineModule) or not any(m is pipe for m in module.modules()):
+            raise TypeError(f"strategy='pipeline': {type(module).__name__}.to_pipeline({num_stages}) returned "
+                            f"{type(pipe).__name__}; valid: a PipelineModule it holds as an attribute")
+        return pipe
     raise ValueError(f"strategy='pipeline' needs a PipelineModule inside {type(module).__name__} (as an "
-                     "attribute, built in __init__ or configure_model); none was found")
+                     "attribute, built in __init__ or configure_model) or a to_pipeline(num_stages) method "
+                     "returning one; none was found")

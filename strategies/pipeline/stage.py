@@ -7,12 +7,16 @@ with it, so the number of micro-batches whose activations are alive follows the 
 instructions form one exchange (``schedule.steps``), posted together and waited on together.
 
 The last stage computes ``loss_fn(outputs, targets) / micro_batches`` in its forward, so that the
-summed micro-batch gradients are those of the mean loss, exactly as without pipelining.
+summed micro-batch gradients are those of the mean loss, exactly as without pipelining. Parts of
+unequal size (an evaluation batch whose rows ``micro_batches`` does not divide; the strategy
+refuses such a training batch) are weighted by their share of the rows instead, and each part's
+activation layout is named by its own shapes (``input_key``).
 
 With virtual stages (interleaved 1F1B) the stage holds several chunks: buffers are keyed by
 ``(chunk, micro-batch)``, each forward runs its chunk's layers (``PipelineModule.forward_chunk``),
 the ends are chunk 0 of stage 0 and the last chunk of the last stage, and each stage boundary of
-the deeper pipeline (virtual stage ``v`` -> ``v + 1``) has its own cached layout.
+the deeper pipeline (virtual stage ``v`` -> ``v + 1``) has its own cached layout per micro-batch
+input shapes (``_sent_key``: unequal evaluation parts cross a boundary in two layouts).
 
 Forward and backward go through the strategy's and the precision plugin's one copy of each:
 every micro-batch forward runs through ``run_forward`` (the strategy's, which enters the
@@ -49,7 +53,7 @@ class StepStats:
 
 @dataclass
 class _Buffers:
-    key: Hashable
+    keys: list[Hashable]  # each micro-batch's layout name
     micro_inputs: Sequence[Any]
     micro_targets: Sequence[Any]
     train: bool
@@ -66,6 +70,19 @@ def input_key(micro_input: Any, train: bool) -> Hashable:
     """What every stage of a replica can compute alone to name a layout: mode + input shapes."""
     items = micro_input if isinstance(micro_input, (tuple, list)) else (micro_input,)
     return (train, tuple((tuple(t.shape), t.dtype) if torch.is_tensor(t) else repr(t) for t in items))
+
+
+def _rows_of(target: Any) -> int:
+    return _rows_of(target[0]) if isinstance(target, (tuple, list)) else int(target.shape[0])
+
+
+def _share_of_loss(loss: torch.Tensor, target: Any, micro_targets: Sequence[Any]) -> torch.Tensor:
+    """One micro-batch's part of the batch's mean loss: ``loss / m`` for equal parts (bit for bit
+    what it always was), else ``loss`` x its share of the rows."""
+    rows = [_rows_of(t) for t in micro_targets]
+    if len(set(rows)) == 1:
+        return loss / len(rows)
+    return loss * (_rows_of(target) / sum(rows))
 
 
 class StageExecutor:
@@ -90,7 +107,7 @@ class StageExecutor:
         if self.is_last(self.virtual_stages - 1) and self.pipe.loss_fn is None:
             raise ValueError("pipeline: the PipelineModule has no loss_fn; pass loss_fn=... so the last "
                              "stage can compute the loss")
-        b = _Buffers(input_key(micro_inputs[0], train), micro_inputs, micro_targets, train, grad_scale)
+        b = _Buffers([input_key(x, train) for x in micro_inputs], micro_inputs, micro_targets, train, grad_scale)
         self.stats = StepStats()
         start = time.perf_counter()
         for step in steps(instructions):
@@ -117,12 +134,13 @@ class StageExecutor:
         """Whether ``chunk`` of this stage is the pipeline's last (targets and loss)."""
         return self.last and chunk == self.virtual_stages - 1
 
-    def _sent_key(self, b: _Buffers, chunk: int) -> Hashable:
-        """The cached layout of what ``chunk`` sends on: its boundary in the deeper pipeline."""
-        return b.key, chunk * self.num_stages + self.stage
+    def _sent_key(self, b: _Buffers, chunk: int, mb: int) -> Hashable:
+        """The cached layout of what ``chunk`` sends on for micro-batch ``mb``: its boundary in the
+        deeper pipeline and that micro-batch's input shapes (unequal evaluation parts differ)."""
+        return b.keys[mb], chunk * self.num_stages + self.stage
 
-    def _received_key(self, b: _Buffers, chunk: int) -> Hashable:
-        return b.key, chunk * self.num_stages + self.stage - 1
+    def _received_key(self, b: _Buffers, chunk: int, mb: int) -> Hashable:
+        return b.keys[mb], chunk * self.num_stages + self.stage - 1
 
     # ------------------------------------------------------------------ compute
     def _compute(self, ins: Instruction, b: _Buffers) -> None:
@@ -163,7 +181,7 @@ class StageExecutor:
         else:
             out = layers(x)
         if self.is_last(chunk):
-            out = self.pipe.loss_fn(out, target) / len(b.micro_inputs)
+            out = _share_of_loss(self.pipe.loss_fn(out, target), target, b.micro_targets)
         return out
 
     def _backward(self, slot: tuple[int, int], b: _Buffers) -> None:
@@ -173,7 +191,7 @@ class StageExecutor:
             self.precision.backward(loss, self.pipe)
             self.precision.post_backward(loss)
         else:
-            meta = self.comm.sent[self._sent_key(b, slot[0])]
+            meta = self.comm.sent[self._sent_key(b, *slot)]
             tensors = meta.flatten(out)
             grads = b.grads.pop(slot)
             if grads:
@@ -183,36 +201,36 @@ class StageExecutor:
     # ------------------------------------------------------------------ communication
     def _exchange(self, exchange: list[Instruction], b: _Buffers) -> None:
         comm = self.comm
-        # layouts first, posted together (only the first exchange of a boundary has any)
+        # layouts first, posted together (only the first exchange of a boundary and shape has any)
         comm.exchange_headers(
-            [(self._sent_key(b, i.chunk), ActivationMeta.of(b.outputs[(i.chunk, i.mb)]))
+            [(self._sent_key(b, i.chunk, i.mb), ActivationMeta.of(b.outputs[(i.chunk, i.mb)]))
              for i in exchange if isinstance(i, SendActivation)],
-            [self._received_key(b, i.chunk) for i in exchange if isinstance(i, RecvActivation)])
+            [self._received_key(b, i.chunk, i.mb) for i in exchange if isinstance(i, RecvActivation)])
         sends, recvs, landed = [], [], []
         for ins in exchange:
             slot = (ins.chunk, ins.mb)
             if isinstance(ins, SendActivation):
                 out = b.outputs[slot] if b.train else b.outputs.pop(slot)
-                sends.append((comm.sent[self._sent_key(b, ins.chunk)].flatten(out), comm.next_rank))
+                sends.append((comm.sent[self._sent_key(b, *slot)].flatten(out), comm.next_rank))
             elif isinstance(ins, RecvActivation):
-                bufs = comm.received[self._received_key(b, ins.chunk)].empty(self.device)
+                bufs = comm.received[self._received_key(b, *slot)].empty(self.device)
                 recvs.append((bufs, comm.prev_rank))
                 landed.append((ins, bufs))
             elif isinstance(ins, SendGrad):
-                meta = comm.received[self._received_key(b, ins.chunk)]
+                meta = comm.received[self._received_key(b, *slot)]
                 leaves = meta.flatten(b.inputs.pop(slot))
                 grads = [leaves[i].grad if leaves[i].grad is not None else torch.zeros_like(leaves[i])
                          for i in meta.grad_positions]
                 sends.append((grads, comm.prev_rank, GRAD_TAG))
             elif isinstance(ins, RecvGrad):
-                bufs = comm.sent[self._sent_key(b, ins.chunk)].empty_grads(self.device)
+                bufs = comm.sent[self._sent_key(b, *slot)].empty_grads(self.device)
                 recvs.append((bufs, comm.next_rank, GRAD_TAG))
                 landed.append((ins, bufs))
         comm.wait(comm.post(sends, recvs))
         for ins, bufs in landed:
             slot = (ins.chunk, ins.mb)
             if isinstance(ins, RecvActivation):
-                meta = comm.received[self._received_key(b, ins.chunk)]
+                meta = comm.received[self._received_key(b, *slot)]
                 if b.train:
                     for t, m in zip(bufs, meta.tensors):
                         t.requires_grad_(m.requires_grad)

@@ -4,8 +4,9 @@ The Trainer's calls map onto a pipeline like this:
 
 * ``setup_environment``: join the world, lay out the grid (``PipelineGrid``: replica ``r`` is ranks
   ``r*stages .. r*stages+stages-1``) and make one data-parallel group per stage.
-* ``configure_model``: the TrainModule builds itself; then its first ``PipelineModule`` builds only
-  this rank's stage.
+* ``configure_model``: the TrainModule builds itself; then its first ``PipelineModule`` (or, if it
+  holds none, the one its ``to_pipeline(num_stages)`` returns: the demo GPT cuts itself so) builds
+  only this rank's stage.
 * ``setup_module``: make the tie groups (one per tie and replica, among the stages owning a copy),
   broadcast tied weights from their lowest owning stage and every stage from replica 0.
 * ``run_schedule``: split the batch ``(inputs, targets)`` into ``micro_batches`` along dim 0 and run
@@ -30,6 +31,14 @@ TrainModule's own ``self.parameters()`` are the same set after ``configure_model
 (and the fp32 masters) is partitioned over the stage's data-parallel group (``zero1.StageZero1``):
 the data-parallel reduction becomes one all-reduce whose partition each replica keeps, the norm
 sums the partitions, and the step is followed by an all-gather of the updated slices.
+
+Checkpoints and ``full_state_dict`` name every tensor as the non-pipelined model does
+(``PipelineModule.plain_key``: ``model.3.attn...`` is ``model.blocks.1.attn...``), and a tied
+parameter is saved once, by its lowest owning stage (with virtual stages: of the chunks holding
+it), under its first name (``canonical_key``); under ZeRO-1 every replica of that stage writes its
+partition's pieces. So a pipeline checkpoint is the per-parameter layout every strategy writes: it
+resumes under another number of stages, replicas or chunks, with or without ZeRO-1, or as
+zero/ddp/single, and consolidates; and theirs resume here.
 """
 from __future__ import annotations
 
@@ -52,6 +61,25 @@ from .schedule import inference, interleaved_1f1b, schedule_from_name
 from .stage import StageExecutor, StepStats
 from .topology import PipelineGrid
 from .zero1 import StageZero1
+
+
+def _rows(value: Any, what: str) -> int:
+    """Rows (dim 0) of a tensor, or of the first tensor of a tuple."""
+    if isinstance(value, (tuple, list)) and value:
+        return _rows(value[0], what)
+    if not torch.is_tensor(value) or value.dim() == 0:
+        raise TypeError(f"pipeline: {what} must be tensors with a batch dimension or tuples of them, got "
+                        f"{type(value).__name__}")
+    return value.shape[0]
+
+
+def _read_parameter(reader: ShardReader, key: str, p: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Copy the saved ``key`` into ``p``; returns its optimizer state (per-element and 0-dim)."""
+    n = p.numel()
+    p.copy_(reader.read(key, "param", 0, n).view(p.shape))
+    loaded = {kind: reader.read(key, kind, 0, n).view(p.shape) for kind in reader.kinds(key) if kind != "param"}
+    loaded.update(reader.scalars(key))
+    return loaded
 
 
 _NO_SEPARATE_STEP = ("pipeline: {call}() is not a step of its own here: the schedule interleaves every "
@@ -91,6 +119,7 @@ class PipelineStrategy(Strategy):
         self._dp_group: Any = None
         self._tie_groups: list[TieGroup] = []
         self._groups: list[Any] = []  # every subgroup this rank belongs to, destroyed in teardown
+        self._pipe_prefix = ""  # the PipelineModule's path inside the TrainModule, with its dot
         #: most micro-batches whose activations this stage held at once, over all training steps
         self.live_activation_peak = 0
         #: the last training step's timings and peak on this stage
@@ -157,7 +186,7 @@ class PipelineStrategy(Strategy):
     # ------------------------------------------------------------------ model
     def configure_model(self, module: nn.Module) -> None:
         module.configure_model()
-        pipe = find_pipeline_module(module)
+        pipe = find_pipeline_module(module, self.num_stages)
         if pipe.num_stages != self.num_stages:
             raise ValueError(f"pipeline: the PipelineModule has num_stages={pipe.num_stages} but the strategy "
                              f"runs {self.num_stages} stages (world_size={self.world_size}); make them equal")
@@ -170,6 +199,8 @@ class PipelineStrategy(Strategy):
             raise ValueError(f"pipeline: parameters outside the PipelineModule would sit on every stage and "
                              f"never get a gradient: {stray[:5]}; make them part of a layer")
         self.pipe = pipe
+        name = next(n for n, m in module.named_modules() if m is pipe)
+        self._pipe_prefix = name + "." if name else ""
 
     def _cut_chunks(self, pipe: PipelineModule) -> None:
         """Interleaved 1F1B: the layers in stages x virtual_stages chunks."""
@@ -218,40 +249,64 @@ class PipelineStrategy(Strategy):
         self.barrier()
 
     # ------------------------------------------------------------------ the step
-    def split_batch(self, batch: Any) -> tuple[list[Any], list[Any]]:
-        """``(inputs, targets)`` -> per-micro-batch lists, split along dim 0 into equal parts."""
+    def split_batch(self, batch: Any, train: bool = True) -> tuple[list[Any], list[Any]]:
+        """``(inputs, targets)`` -> per-micro-batch lists, split along dim 0 into ``micro_batches``
+        parts. A training batch must divide evenly (ConfigError otherwise: the sizes come from the
+        configuration, and every micro-batch of a step should weigh the same); an evaluation
+        batch need not (a loader's last batch is often short): its first parts get one row more
+        (``tensor_split``), fewer parts when it has fewer rows, and each part's loss is weighted
+        by its share of the rows, so the result is still the batch's mean loss."""
         if not isinstance(batch, (tuple, list)) or len(batch) != 2:
             raise ValueError(f"pipeline: a batch must be (inputs, targets), got {type(batch).__name__}"
                              + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else ""))
         inputs, targets = batch
-        return self._split(inputs, "inputs"), self._split(targets, "targets")
+        parts = self.micro_batches if train else self._evaluation_parts(_rows(inputs, "inputs"))
+        return self._split(inputs, "inputs", parts, train), self._split(targets, "targets", parts, train)
 
-    def _split(self, value: Any, what: str) -> list[Any]:
-        m = self.micro_batches
+    def _evaluation_parts(self, rows: int) -> int:
+        """How many parts an evaluation batch of ``rows`` rows is split into: ``micro_batches``, or
+        fewer when it has fewer rows; interleaved (virtual stages) a multiple of the stages, which
+        the interleaved order cycles through (``check_interleaved``)."""
+        from ...trainer.errors import ConfigError
+
+        parts = max(1, min(self.micro_batches, rows))
+        if self.virtual_stages == 1:
+            return parts
+        p = self._grid().stages
+        if rows < p:
+            raise ConfigError(f"pipeline: an evaluation batch of {rows} rows with virtual_stages="
+                              f"{self.virtual_stages} on stages={p}: the interleaved schedule needs at least "
+                              f"one row per stage; valid: evaluation batches of >= {p} rows (drop_last=True), "
+                              "or virtual_stages=1")
+        return parts - parts % p
+
+    def _split(self, value: Any, what: str, parts: int, train: bool) -> list[Any]:
+        from ...trainer.errors import ConfigError
+
         if isinstance(value, (tuple, list)):
-            parts = [self._split(v, what) for v in value]
-            return [tuple(p[i] for p in parts) for i in range(m)]
-        if not torch.is_tensor(value):
-            raise TypeError(f"pipeline: {what} must be tensors or tuples of tensors, got {type(value).__name__}")
-        if value.shape[0] % m:
-            raise ValueError(f"pipeline: a batch of {value.shape[0]} rows cannot be split into "
-                             f"micro_batches={m} equal parts; use a batch size divisible by {m} "
-                             "(and drop_last=True)")
-        return [c.to(self.device) for c in value.chunk(m)]
+            pieces = [self._split(v, what, parts, train) for v in value]
+            return [tuple(p[i] for p in pieces) for i in range(parts)]
+        rows = _rows(value, what)
+        if train and rows % parts:
+            raise ConfigError(f"pipeline: a training batch of {rows} rows cannot be split into "
+                              f"micro_batches={parts} equal parts; valid: a batch size (per data-parallel "
+                              f"replica) divisible by {parts}, with drop_last=True")
+        return [c.to(self.device) for c in value.tensor_split(parts)]
 
-    def _instructions(self, train: bool) -> list:
-        """This stage's instruction list for one batch (training or validation)."""
-        p, m = self._grid().stages, self.micro_batches
+    def _instructions(self, train: bool, micro_batches: int) -> list:
+        """This stage's instruction list for one batch (training or validation) of
+        ``micro_batches`` parts (a short evaluation batch has fewer than configured)."""
+        p, m = self._grid().stages, micro_batches
         if self.virtual_stages > 1:
             return interleaved_1f1b(self.stage, p, m, self.virtual_stages, train)
         return (self._schedule if train else inference)(self.stage, p, m)
 
     def _run(self, batch: Any, train: bool, accumulation: int = 1) -> torch.Tensor:
         assert self.executor is not None, "pipeline: setup_module() has not run yet"
-        micro_inputs, micro_targets = self.split_batch(batch)
+        micro_inputs, micro_targets = self.split_batch(batch, train)
         with torch.set_grad_enabled(train):
-            loss = self.executor.run(self._instructions(train), micro_inputs, micro_targets, train=train,
-                                     grad_scale=1.0 / accumulation)
+            loss = self.executor.run(self._instructions(train, len(micro_inputs)), micro_inputs, micro_targets,
+                                     train=train, grad_scale=1.0 / accumulation)
         return self._mean_over_replicas(loss)
 
     def _mean_over_replicas(self, loss: torch.Tensor) -> torch.Tensor:
@@ -346,33 +401,14 @@ class PipelineStrategy(Strategy):
             out.update(self._zero.memory_tensors())
         return out
 
-    # ZeRO-1 checkpoints: every replica saves its partition's pieces, per parameter
-    def param_shards(self) -> dict[str, ParamShard]:
-        if self._zero is None:
-            return super().param_shards()
-        return self._zero.param_shards(self._trainable_names())
-
-    def load_param_shards(self, reader: ShardReader) -> None:
-        if self._zero is None:
-            return super().load_param_shards(reader)
-        with torch.no_grad():
-            extras = self.checkpoint_model_info()["extras"]
-            self.module.load_state_dict({k: reader.extra(k) for k in extras}, strict=False)
-        self._zero.load_param_shards(self._trainable_names(), reader)
-
-    def extra_state(self) -> dict[str, torch.Tensor]:
-        if self._zero is not None and self.replica != 0:
-            return {}  # every replica writes its partitions; the extras once
-        return super().extra_state()
-
     # ------------------------------------------------------------------ checkpoints
     def writes_shard(self) -> bool:
         return self.replica == 0 or self._zero is not None
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Collective: every stage's layers, under their original names, on global rank 0."""
+        """Collective: every stage's layers, under the non-pipelined model's names, on global rank 0."""
         assert self.module is not None
-        mine = {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
+        mine = {self._plain(k): v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
         if not self.distributed:
             return mine
         parts = [None] * self.world_size if self.is_global_zero else None
@@ -383,6 +419,86 @@ class PipelineStrategy(Strategy):
         for part in parts:
             full.update(part or {})
         return full
+
+    # checkpoint names: this stage's module keys <-> the non-pipelined model's (module docstring)
+    def _in_pipe(self, key: str) -> str | None:
+        """``key`` relative to the PipelineModule, or None for one of the TrainModule's own."""
+        prefix = self._pipe_prefix
+        return key[len(prefix):] if self.pipe is not None and key.startswith(prefix) else None
+
+    def _plain(self, key: str) -> str:
+        inner = self._in_pipe(key)
+        return key if inner is None else self._pipe_prefix + self.pipe.plain_key(inner)
+
+    def _canonical(self, name: str) -> str:
+        inner = self._in_pipe(name)
+        return name if inner is None else self._pipe_prefix + self.pipe.canonical_key(inner)
+
+    def _saves(self, name: str) -> bool:
+        inner = self._in_pipe(name)
+        return inner is None or self.pipe.saves_key(inner)
+
+    def checkpoint_model_info(self) -> dict[str, Any]:
+        """The base's description in plain names: tied parameters under their first name, their
+        other names (on any stage) as aliases of it."""
+        info = super().checkpoint_model_info()
+        trainable = self._trainable_names()
+        aliases = {self._plain(n): self._canonical(n)
+                   for n, p in self.module.named_parameters(remove_duplicate=False)
+                   if id(p) in trainable and self._plain(n) != self._canonical(n)}
+        return {"params": {self._canonical(n): v for n, v in info["params"].items()}, "aliases": aliases,
+                "extras": {self._plain(k): v for k, v in info["extras"].items()},
+                "keys": [self._plain(k) for k in info["keys"]]}
+
+    def optimizer_group_names(self) -> list[list[str]]:
+        return [[self._canonical(n) for n in group] for group in super().optimizer_group_names()]
+
+    def _checkpoint_names(self) -> dict[int, str]:
+        """``id(parameter) -> the plain name it is checkpointed under`` (``_canonical``)."""
+        return {i: self._canonical(n) for i, n in self._trainable_names().items()}
+
+    def param_shards(self) -> dict[str, ParamShard]:
+        """This stage's shards in plain names: whole parameters (replica 0), or under ZeRO-1 each
+        replica's partition pieces; a tied parameter only from its lowest owning stage (the other
+        owners' copies, masters and optimizer state are equal to it)."""
+        if self._zero is None:
+            shards = super().param_shards()
+        else:
+            shards = self._zero.param_shards(self._trainable_names())
+        return {self._canonical(n): sh for n, sh in shards.items() if self._saves(n)}
+
+    def extra_state(self) -> dict[str, torch.Tensor]:
+        """The buffers (and frozen parameters) in plain names, from replica 0 only (under ZeRO-1
+        every replica writes its partitions, the extras once)."""
+        assert self.module is not None
+        if self.replica != 0:
+            return {}
+        extras = super().checkpoint_model_info()["extras"]  # this stage's own keys
+        return {self._plain(k): v.detach() for k, v in self.module.state_dict().items() if k in extras}
+
+    def load_param_shards(self, reader: ShardReader) -> None:
+        """Collective: this stage's buffers, parameters (a tied one from its single saved copy)
+        and optimizer state, each read under its plain name; under ZeRO-1 this replica's partition
+        of the masters and state, then the working parameters gathered from every replica."""
+        assert self.module is not None and self.optimizer is not None
+        names = self._checkpoint_names()
+        with torch.no_grad():
+            extras = super().checkpoint_model_info()["extras"]
+            self.module.load_state_dict({k: reader.extra(self._plain(k)) for k in extras}, strict=False)
+        if self._zero is not None:
+            self._zero.load_param_shards(names, reader)
+            return
+        order = [p for g in self.optimizer.param_groups for p in g["params"]]
+        slot = {id(p): i for i, p in enumerate(order)}
+        state = {}
+        with torch.no_grad():
+            for p in self.module.parameters():
+                if id(p) in names:
+                    loaded = _read_parameter(reader, names[id(p)], p)
+                    if loaded and id(p) in slot:
+                        state[slot[id(p)]] = loaded
+        groups = reader.param_groups(self.optimizer.state_dict()["param_groups"])
+        self.optimizer.load_state_dict({"state": state, "param_groups": groups})
 
     def teardown(self) -> None:
         # The stage, tie and data-parallel groups stay: evaluation and full_state_dict() after

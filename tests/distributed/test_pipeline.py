@@ -198,11 +198,19 @@ def _run_case(case: dict, ck_name: str) -> dict:
         xs, ys = zip(*[_batch(kind, 99, r, rows) for r in range(replicas)])
         with torch.no_grad():
             out["ref_val"] = float(loss_fn(ref(torch.cat(xs)), torch.cat(ys)))
+        # a short last batch: micro_batches does not divide its rows, so its parts differ in size
+        x, y = _batch(kind, 98, replica, rows - 3)
+        out["val_short"] = float(strategy.validation_step((x, y), 0))
+        xs, ys = zip(*[_batch(kind, 98, r, rows - 3) for r in range(replicas)])
+        with torch.no_grad():
+            out["ref_val_short"] = float(loss_fn(ref(torch.cat(xs)), torch.cat(ys)))
     # a checkpoint round trip through the Trainer's format: every rank (replicas > 0 too, which
     # write nothing) gets its stage's weights and optimizer state back from the files
     params = {k: v.detach().clone() for k, v in model.state_dict().items()}
     opt_state = copy.deepcopy(strategy.optimizer.state_dict()["state"])
     ck = save_checkpoint(strategy, Path.cwd() / ck_name)  # the spawn's shared tmp_path
+    if case.get("consolidate") and dist.get_rank() == 0:
+        out.update(_consolidated(ck, ref_state, ck_name))
     with torch.no_grad():
         for p in model.parameters():
             p.add_(1.0)
@@ -212,6 +220,18 @@ def _run_case(case: dict, ck_name: str) -> dict:
                        and _same(strategy.optimizer.state_dict()["state"], opt_state))
     strategy.teardown()
     return out
+
+
+def _consolidated(ck: Path, ref_state: dict, ck_name: str) -> dict:
+    """The checkpoint as one plain state dict (``zerotrain-consolidate``): the plain model's keys,
+    the tied head under both its names, its values the reference's. That is what any strategy
+    reshards from, so it shows a checkpoint written under ZeRO-1 or virtual stages is the
+    strategy-neutral layout."""
+    from zerotrain.trainer.consolidate import consolidate
+
+    full = torch.load(consolidate(ck, Path.cwd() / f"{ck_name}.pt"), weights_only=True)
+    rel = max(float((full["pipe." + k] - v).norm() / v.norm()) for k, v in ref_state.items())
+    return {"consolidated_keys": sorted(full), "consolidated_rel": rel}
 
 
 def _run_trainer_case(case: dict) -> dict:
@@ -300,7 +320,7 @@ def test_two_stages_match_a_plain_loop(tmp_path):
         dict(model="lm", stages=2, schedule="gpipe", micro_batches=4, rows=8, optimizer="adamw", precision="16-mixed"),
         # interleaved 1F1B: 2 stages x 2 chunks round the ring, the tie between chunks 0 and 3
         dict(model="lm", stages=2, schedule="1f1b", micro_batches=4, rows=8, optimizer="adamw", clip=0.5, virtual=2,
-             validate=True),
+             validate=True, consolidate=True),
     ]
     out = run_ranks("test_pipeline:run_cases", 2, tmp_path, timeout=100, cases=cases)
     mlp, lm, lm_gpipe, tup, bf16, fp16, inter = [[ranks[i] for ranks in out] for i in range(len(cases))]
@@ -309,6 +329,13 @@ def test_two_stages_match_a_plain_loop(tmp_path):
     assert inter[0]["clipped"] > 0 and [r["peak"] for r in inter] == [5, 3]  # chunk activations (simulator's)
     assert all(r["restored"] for r in inter) and inter[0]["full_rel"] <= 1e-5
     assert abs(inter[0]["val"] - inter[0]["ref_val"]) <= 1e-5 * inter[0]["ref_val"]
+    # a short evaluation batch (5 rows in 4 unequal parts) round the ring of chunks
+    assert inter[0]["val_short"] == inter[1]["val_short"]
+    assert abs(inter[0]["val_short"] - inter[0]["ref_val_short"]) <= 1e-5 * inter[0]["ref_val_short"]
+    # the tie between chunks 0 and 3 saved once, by stage 0; the checkpoint consolidates to the plain model
+    assert "pipe.0.weight" in inter[0]["shard_names"] and "pipe.0.weight" not in inter[1]["shard_names"]
+    assert inter[0]["consolidated_keys"] == ["pipe." + k for k in _REF_KEYS["lm"]]
+    assert inter[0]["consolidated_rel"] <= 1e-5
     for results in (bf16, fp16):  # same training, to reduced-precision accuracy
         for a, b in zip(results[0]["losses"], results[0]["ref_losses"]):
             assert abs(a - b) <= 0.03 * b, (a, b)
@@ -318,15 +345,18 @@ def test_two_stages_match_a_plain_loop(tmp_path):
     assert set(lm[0]["keys"]) | set(lm[1]["keys"]) == set(_REF_KEYS["lm"])
     assert "0.weight" in lm[0]["keys"] and "6.weight" in lm[1]["keys"]
     # checkpoints: each stage's layers under their original names, whole, with their optimizer
-    # state, written by both ranks; a round trip restores every case on every rank
+    # state, written by both ranks, the tied head (6.weight, the embedding's Parameter in the plain
+    # Sequential) once, by stage 0, as 0.weight; a round trip restores every case on every rank
     for r in lm:
-        assert r["shard_names"] == ["pipe." + k for k in r["keys"]] and r["shards_whole"]
+        assert r["shard_names"] == ["pipe." + k for k in r["keys"] if k != "6.weight"] and r["shards_whole"]
         assert r["shard_kinds"] == ["exp_avg", "exp_avg_sq", "param"] and r["shards_have_optimizer_state"]
         assert r["writes_shard"]
     assert all(r["restored"] for results in (mlp, lm, lm_gpipe, tup, bf16, fp16) for r in results)
     assert lm[0]["full_keys"] == ["pipe." + k for k in _REF_KEYS["lm"]] and lm[0]["full_rel"] <= 1e-5
     assert mlp[0]["full_keys"] == ["pipe." + k for k in _REF_KEYS["mlp"]]
     assert lm[0]["val"] == lm[1]["val"] and abs(lm[0]["val"] - lm[0]["ref_val"]) <= 1e-5 * lm[0]["ref_val"]
+    assert lm[0]["val_short"] == lm[1]["val_short"]
+    assert abs(lm[0]["val_short"] - lm[0]["ref_val_short"]) <= 1e-5 * lm[0]["ref_val_short"]
     # live activations: 1F1B holds at most (stages - stage) micro-batches, GPipe all of them
     assert [r["peak"] for r in lm] == [2, 1] and [r["peak"] for r in lm_gpipe] == [4, 4]
 
@@ -352,10 +382,13 @@ def test_four_stages_two_by_two_and_the_trainer_match_a_plain_loop(tmp_path):
     assert [(r["stage"], r["replica"]) for r in grid] == [(0, 0), (1, 0), (0, 1), (1, 1)]
     assert [r["writes_shard"] for r in grid] == [True, True, False, False]
     assert [bool(r["shard_names"]) for r in grid] == [True, True, False, False]
-    assert all(grid[r]["shard_names"] == ["pipe." + k for k in grid[r + 2]["keys"]] for r in (0, 1))
+    assert all(grid[r]["shard_names"] == ["pipe." + k for k in grid[r + 2]["keys"] if k != "6.weight"]
+               for r in (0, 1))  # the tied head is saved once, as the embedding (0.weight), by stage 0
     assert all(r["restored"] for results in (four, grid) for r in results)
     assert grid[0]["full_keys"] == ["pipe." + k for k in _REF_KEYS["lm"]]
     assert len({r["val"] for r in grid}) == 1 and abs(grid[0]["val"] - grid[0]["ref_val"]) <= 1e-5 * grid[0]["ref_val"]
+    assert len({r["val_short"] for r in grid}) == 1
+    assert abs(grid[0]["val_short"] - grid[0]["ref_val_short"]) <= 1e-5 * grid[0]["ref_val_short"]
 
 
 def test_zero1_two_stages_by_two_replicas_match_a_plain_loop(tmp_path):
@@ -363,7 +396,7 @@ def test_zero1_two_stages_by_two_replicas_match_a_plain_loop(tmp_path):
     global norm over every stage and replica, the tied embedding/head across the stages."""
     cases = [
         dict(model="lm", stages=2, schedule="1f1b", micro_batches=4, rows=8, optimizer="adamw", clip=0.5, zero=1,
-             validate=True),
+             validate=True, consolidate=True),
         # smoke: bf16 working parameters with fp32 masters; fp16 scales the loss and unscales slices
         dict(model="lm", stages=2, schedule="1f1b", micro_batches=4, rows=8, optimizer="adamw", clip=0.5, zero=1,
              precision="bf16-mixed"),
@@ -398,3 +431,12 @@ def test_zero1_two_stages_by_two_replicas_match_a_plain_loop(tmp_path):
     assert all(r["restored"] for results in (zero, bf16, fp16) for r in results)
     assert zero[0]["full_rel"] <= 1e-5
     assert len({r["val"] for r in zero}) == 1 and abs(zero[0]["val"] - zero[0]["ref_val"]) <= 1e-5 * zero[0]["ref_val"]
+    assert len({r["val_short"] for r in zero}) == 1
+    assert abs(zero[0]["val_short"] - zero[0]["ref_val_short"]) <= 1e-5 * zero[0]["ref_val_short"]
+    # the tied head saved once, as the embedding (0.weight), by stage 0's two replicas; the
+    # partitioned checkpoint consolidates to the plain model's names and values
+    assert all("pipe.6.weight" not in r["shard_names"] for r in zero)
+    assert not any("pipe.0.weight" in zero[r]["shard_names"] for r in (1, 3))
+    assert any("pipe.0.weight" in zero[r]["shard_names"] for r in (0, 2))
+    assert zero[0]["consolidated_keys"] == ["pipe." + k for k in _REF_KEYS["lm"]]
+    assert zero[0]["consolidated_rel"] <= 1e-5

@@ -136,7 +136,10 @@ FIELDS = [
     ("sample_prompt=''", "sample_prompt='': must not be empty"),
     ("ckpt_path=/no/such/checkpoint", "ckpt_path='/no/such/checkpoint': is not a directory"),
     ("strategy=single", "strategy='single': runs one process"),
-    ("strategy=pipeline", "strategy='pipeline': needs a model made of a PipelineModule"),
+    ("strategy=pipeline strategy.stages=3", "strategy.stages=3: does not divide the 2 processes"),
+    ("strategy=pipeline trainer.devices=8 strategy.stages=8 model=gpt_tiny", "strategy.stages=8: exceeds the 6 layers"),
+    ("strategy=pipeline data.batch_size=6", "data.batch_size=6: is each replica's batch and must split into "
+                                            "strategy.micro_batches=4"),
     ("strategy=zero3 strategy.prefetch_bucket_size=-1", "strategy.prefetch_bucket_size=-1"),
     ("strategy=zero2 strategy.reduce_bucket_size=0", "strategy.reduce_bucket_size=0"),
     ("strategy=offload_nvme strategy.nvme_path=/dev/zerotrain", "strategy.nvme_path='/dev/zerotrain': is under /dev"),

@@ -1,0 +1,222 @@
+"""The demo GPT as a pipeline through ``zerotrain-train`` (each run a subprocess of
+``python -m zerotrain.train``, rank 0 launching the others), fp32, against a plain single-process
+loop over the same global batch of 8 sequences: the GPT ``configure_model`` builds under the
+Trainer's seed, AdamW with the demo's warmup + cosine schedule, clipping at 1.0, batch ``k`` being
+sequences ``8k .. 8k+7`` of the DistributedSampler's epoch-0 permutation (with R replicas each
+takes every R-th of them: the same 8).
+
+* 2 stages, 4 stages (with activation checkpointing) and 2 stages x 2 replicas: every logged loss
+  and every final parameter within 1e-5 (relative) of the plain loop; the final checkpoint,
+  consolidated by ``zerotrain-consolidate``, loads into the plain GPT with ``strict=True``;
+* resharding: the 2-stage run's step-2 checkpoint resumes as 4 stages, as zero2 on 2 ranks, as
+  single and as ddp on 2, and a zero2 run's as 2 stages; each run's steps 3-4 equal the
+  uninterrupted plain loop.
+
+The 4-process runs take longest on 2 cores: the 4-stage run stays in the default suite, the 2 x 2
+grid and the resume into 4 stages are ``slow``, and so is the resume as ddp (single loads the
+same replicated way).
+"""
+from __future__ import annotations
+
+import glob
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+STEPS, GLOBAL_BATCH, SAVE_EVERY = 4, 8, 2
+COMMON = ["model=gpt_tiny", "precision=32", "data.max_bytes=60000", "data.val_fraction=0", "trainer.seed=0",
+          f"trainer.max_steps={STEPS}", "trainer.log_every_n_steps=1", "trainer.enable_progress_bar=false",
+          f"callbacks.checkpoint_every_n_steps={SAVE_EVERY}", "callbacks.lr_monitor=false",
+          "callbacks.throughput=false", "sample_tokens=0"]
+TIMEOUT_SCALE = float(os.environ.get("ZEROTRAIN_TEST_TIMEOUT_SCALE", "1"))
+
+_RUNS: dict = {}
+
+
+def _cli(root: Path, name: str, devices: int, replicas: int, *overrides: str, timeout: float = 150) -> Path:
+    """One ``zerotrain-train`` run in ``root/name`` (cached by name: runs feed each other);
+    each data-parallel replica reads GLOBAL_BATCH / replicas sequences a step."""
+    if name in _RUNS:
+        return _RUNS[name]
+    run_dir = root / name
+    args = [sys.executable, "-m", "zerotrain.train", *COMMON, f"trainer.devices={devices}",
+            f"data.batch_size={GLOBAL_BATCH // replicas}", *overrides, f"hydra.run.dir={run_dir}"]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout * TIMEOUT_SCALE, cwd=root)
+    assert proc.returncode == 0, f"{name}: {' '.join(args[3:])}\n{proc.stdout[-2000:]}\n{proc.stderr[-5000:]}"
+    (run_dir / "stdout.txt").write_text(proc.stdout)
+    _RUNS[name] = run_dir
+    return run_dir
+
+
+def _root(tmp_path_factory) -> Path:
+    if "root" not in _RUNS:
+        _RUNS["root"] = tmp_path_factory.mktemp("pipeline-cli")
+    return _RUNS["root"]
+
+
+def _checkpoint(run_dir: Path, step: int) -> str:
+    return f"ckpt_path='{run_dir / 'checkpoints' / f'step={step:06d}'}'"
+
+
+# ---------------------------------------------------------------------------- the plain loop
+def _reference() -> dict:
+    """The plain single-process loop (cached): losses of steps 1..STEPS, the loss of rank 0's half
+    of each batch (what a 2-rank data-parallel run logs: its rank 0's loss, as Lightning) and the
+    final parameters."""
+    if "reference" in _RUNS:
+        return _RUNS["reference"]
+    from hydra import compose, initialize_config_module
+    from omegaconf import OmegaConf
+    from torch.utils.data import DistributedSampler
+
+    from zerotrain.examples import gpt_cli
+    from zerotrain.train import normalize_overrides, validate
+    from zerotrain.trainer.utilities import seed_rngs
+
+    overrides = normalize_overrides([o for o in COMMON if not o.startswith("callbacks.")]
+                                    + [f"data.batch_size={GLOBAL_BATCH}", "trainer.devices=1"])
+    with initialize_config_module(config_module="zerotrain.conf", version_base="1.3"):
+        cfg = OmegaConf.to_object(compose(config_name="config", overrides=overrides))
+    validate(cfg)
+    module = gpt_cli.build_module(cfg)
+    seed_rngs(cfg.trainer.seed)
+    module.configure_model()
+    model, configured = module.model, module.configure_optimizers()
+    opt, sched = configured["optimizer"], configured["lr_scheduler"]["scheduler"]
+    data = module.train_dataloader().dataset
+    order = list(DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=cfg.trainer.seed))
+    losses, halves = [], []
+    for step in range(STEPS):
+        x, y = map(torch.stack, zip(*[data[i] for i in order[step * GLOBAL_BATCH:(step + 1) * GLOBAL_BATCH]]))
+        with torch.no_grad():
+            halves.append(float(model(x[0::2], y[0::2])[1]))  # rank 0 of 2 takes every other sequence
+        _, loss = model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.gradient_clip_val)
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        losses.append(float(loss.detach()))
+    _RUNS["reference"] = {"losses": {1: losses, 2: halves}, "params": {"model." + k: v.detach().clone()
+                                                       for k, v in model.state_dict().items()}}
+    return _RUNS["reference"]
+
+
+# ---------------------------------------------------------------------------- reading a run
+def _logged_losses(run_dir: Path) -> dict[int, float]:
+    """``train_loss`` from TensorBoard by the step it led to (1-based; logged at the 0-based
+    index of its batch, as Lightning does)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = {}
+    for file in sorted(glob.glob(str(run_dir / "tensorboard" / "**" / "events*"), recursive=True)):
+        acc = EventAccumulator(file)
+        acc.Reload()
+        if "train_loss" in acc.Tags()["scalars"]:
+            out.update({e.step + 1: e.value for e in acc.Scalars("train_loss")})
+    return out
+
+
+def _final_params(run_dir: Path) -> dict[str, torch.Tensor]:
+    """The step-STEPS checkpoint through ``zerotrain-consolidate`` (the installed command's module)."""
+    out = run_dir / "consolidated.pt"
+    if not out.exists():
+        ckpt = run_dir / "checkpoints" / f"step={STEPS:06d}"
+        proc = subprocess.run([sys.executable, "-m", "zerotrain.trainer.consolidate", str(ckpt), str(out)],
+                              capture_output=True, text=True, timeout=60 * TIMEOUT_SCALE)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return torch.load(out, weights_only=True)
+
+
+def _check_continues_exactly(run_dir: Path, first_step: int = 1, logs_rank0_of: int = 1, tol: float = 1e-5) -> None:
+    """Every loss logged from ``first_step`` on and every final parameter equal the plain loop's.
+    ``logs_rank0_of=2``: a data-parallel run on 2 ranks, which logs its rank 0's loss (the
+    pipeline logs the mean over its replicas: the whole batch's)."""
+    ref = _reference()
+    got = _logged_losses(run_dir)
+    want = {step: ref["losses"][logs_rank0_of][step - 1] for step in range(first_step, STEPS + 1)}
+    assert sorted(got) == sorted(want), (sorted(got), first_step)
+    for step, value in want.items():
+        assert abs(got[step] - value) <= tol * abs(value), f"step {step}: loss {got[step]} vs plain {value}"
+    params = _final_params(run_dir)
+    assert sorted(params) == sorted(ref["params"])  # the plain GPTModule's state dict, tied head included
+    for key, value in ref["params"].items():
+        rel = float((params[key] - value).norm() / value.norm())
+        assert rel <= tol, f"{key}: relative error {rel:.2e} against the plain loop"
+
+
+def _plain_gpt_loads(params: dict[str, torch.Tensor]) -> None:
+    from zerotrain.examples.gpt import GPT, GPTConfig
+    from zerotrain.examples.gpt_cli import SIZES
+
+    gpt = GPT(GPTConfig(**SIZES["gpt_tiny"]))
+    gpt.load_state_dict({k.removeprefix("model."): v for k, v in params.items()}, strict=True)
+
+
+# ---------------------------------------------------------------------------- runs
+def _two_stages(tmp_path_factory) -> Path:
+    return _cli(_root(tmp_path_factory), "pipe2", 2, 1, "strategy=pipeline", "strategy.stages=2",
+                "sample_tokens=8")
+
+
+def _zero2(tmp_path_factory) -> Path:
+    return _cli(_root(tmp_path_factory), "zero2", 2, 2, "strategy=zero2")
+
+
+def test_two_stages_from_the_cli_match_a_plain_loop(tmp_path_factory):
+    run_dir = _two_stages(tmp_path_factory)
+    _check_continues_exactly(run_dir)
+    stdout = (run_dir / "stdout.txt").read_text()
+    assert stdout.count("----- sample -----") == 1 and "done: 4 steps" in stdout, stdout[-2000:]
+    meta = torch.load(run_dir / "checkpoints" / "step=000004" / "meta.pt", weights_only=True)
+    # the per-parameter layout of the plain GPT: the tied head saved once, by stage 0, as wte
+    assert meta["strategy"] == "pipeline" and meta["world_size"] == 2
+    assert meta["aliases"] == {"model.lm_head.weight": "model.wte.weight"}
+    assert [r[0] for r in meta["params"]["model.wte.weight"]["ranges"]] == [0]
+    assert [r[0] for r in meta["params"]["model.ln_f.weight"]["ranges"]] == [1]
+    _plain_gpt_loads(_final_params(run_dir))
+
+
+def test_four_stages_with_activation_checkpointing_match_a_plain_loop(tmp_path_factory):
+    run_dir = _cli(_root(tmp_path_factory), "pipe4", 4, 1, "strategy=pipeline", "strategy.stages=4",
+                   "strategy.activation_checkpointing=true", timeout=240)
+    _check_continues_exactly(run_dir)
+
+
+@pytest.mark.slow
+def test_two_stages_by_two_replicas_match_a_plain_loop(tmp_path_factory):
+    run_dir = _cli(_root(tmp_path_factory), "pipe2x2", 4, 2, "strategy=pipeline", "strategy.stages=2",
+                   "strategy.micro_batches=2", timeout=240)
+    _check_continues_exactly(run_dir)
+
+
+@pytest.mark.parametrize("name,devices,replicas,overrides", [
+    ("zero2", 2, 2, ["strategy=zero2"]),
+    ("single", 1, 1, ["strategy=single"]),
+    pytest.param("ddp", 2, 2, ["strategy=ddp"], marks=pytest.mark.slow),
+], ids=["zero2-on-2", "single", "ddp-on-2"])
+def test_two_stage_checkpoint_resumes_elsewhere(tmp_path_factory, name, devices, replicas, overrides):
+    source = _two_stages(tmp_path_factory)
+    run_dir = _cli(_root(tmp_path_factory), f"pipe2-to-{name}", devices, replicas, *overrides,
+                   _checkpoint(source, SAVE_EVERY))
+    _check_continues_exactly(run_dir, first_step=SAVE_EVERY + 1, logs_rank0_of=replicas)
+
+
+@pytest.mark.slow
+def test_two_stage_checkpoint_resumes_as_four_stages(tmp_path_factory):
+    source = _two_stages(tmp_path_factory)
+    run_dir = _cli(_root(tmp_path_factory), "pipe2-to-pipe4", 4, 1, "strategy=pipeline", "strategy.stages=4",
+                   _checkpoint(source, SAVE_EVERY), timeout=240)
+    _check_continues_exactly(run_dir, first_step=SAVE_EVERY + 1)
+
+
+def test_zero2_checkpoint_resumes_as_two_stages(tmp_path_factory):
+    source = _zero2(tmp_path_factory)
+    _check_continues_exactly(source, logs_rank0_of=2)  # zero2 itself is the plain loop
+    run_dir = _cli(_root(tmp_path_factory), "zero2-to-pipe2", 2, 1, "strategy=pipeline", "strategy.stages=2",
+                   _checkpoint(source, SAVE_EVERY))
+    _check_continues_exactly(run_dir, first_step=SAVE_EVERY + 1)
