@@ -19,6 +19,9 @@ class PipelineConfig:
     micro_batches: int = 4
     #: recompute each stage's forward in its backward
     activation_checkpointing: bool = False
+    #: log every collective and point-to-point transfer and summarise them at the end of fit
+    #: (``callbacks.CommsLogger``)
+    comms_logger: bool = False
 
     def __post_init__(self) -> None:
         if self.stages is not None:
@@ -26,3 +29,4 @@ class PipelineConfig:
         check_choice("pipeline", "schedule", self.schedule, SCHEDULES)
         object.__setattr__(self, "micro_batches", whole_number("pipeline", "micro_batches", self.micro_batches, 1))
         check_bool("pipeline", "activation_checkpointing", self.activation_checkpointing)
+        check_bool("pipeline", "comms_logger", self.comms_logger)
