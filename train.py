@@ -73,7 +73,8 @@ def validate(cfg: Config) -> None:
 
 def build(cfg: Config):
     """Turn a composed config into (trainer, module). Raises ConfigError on bad values; starts nothing."""
-    from .callbacks import LearningRateMonitor, ModelCheckpoint, TensorBoardLogger, ThroughputMonitor
+    from .callbacks import (FlopsProfiler, LearningRateMonitor, ModelCheckpoint, ResourceMonitor, TensorBoardLogger,
+                            ThroughputMonitor)
     from .trainer import Trainer
 
     validate(cfg)
@@ -87,6 +88,10 @@ def build(cfg: Config):
         callbacks.append(LearningRateMonitor())
     if cfg.callbacks.throughput:
         callbacks.append(ThroughputMonitor())
+    if cfg.callbacks.resources:
+        callbacks.append(ResourceMonitor())
+    if cfg.callbacks.flops_profile_step is not None:
+        callbacks.append(FlopsProfiler(profile_step=cfg.callbacks.flops_profile_step))
     logger = TensorBoardLogger(f"{root}/tensorboard", version="") if cfg.callbacks.tensorboard else False
     tkw = {k: getattr(cfg.trainer, k) for k in cfg.trainer.__dataclass_fields__ if k != "default_root_dir"}
     try:

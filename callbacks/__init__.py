@@ -1,13 +1,17 @@
 """Callbacks observe the run; loggers receive its metrics."""
 from .base import Callback, Logger
 from .checkpoint import ModelCheckpoint
+from .comms import CommsLogger
 from .early_stopping import EarlyStopping
+from .flops import FlopsProfiler
 from .loggers import CSVLogger
 from .monitors import LearningRateMonitor, ThroughputMonitor
 from .progress import ProgressBar, TQDMProgressBar
+from .resources import ResourceMonitor
 from .summary import ModelSummary
 from .tensorboard import TensorBoardLogger
 from .timer import Timer
 
 __all__ = ["Callback", "Logger", "ModelCheckpoint", "EarlyStopping", "LearningRateMonitor", "ThroughputMonitor",
-           "ModelSummary", "ProgressBar", "TQDMProgressBar", "Timer", "TensorBoardLogger", "CSVLogger"]
+           "ModelSummary", "ProgressBar", "TQDMProgressBar", "Timer", "TensorBoardLogger", "CSVLogger",
+           "ResourceMonitor", "CommsLogger", "FlopsProfiler"]

@@ -62,7 +62,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import progress
+from . import instrument, progress
 from .environment import ProcessInfo, init_process_group
 from .optimizers import group_indices, selecting
 from .precision import Precision
@@ -325,6 +325,7 @@ class Strategy:
                 elif gradient_clip_val:
                     self.clip_grad_norm_(gradient_clip_val)
                 self._inner_step(loss_scale)
+                instrument.phase("refresh")  # the step-time breakdown's parameter refresh
                 self._refresh_params()
             self._end_step()
             if zero_grad:

@@ -250,11 +250,17 @@ class CallbacksConfig:
     lr_monitor: bool = True
     throughput: bool = True
     tensorboard: bool = True
+    #: the ResourceMonitor: per-step time breakdown (data, forward, backward, comm wait, ...) and
+    #: memory, to the loggers and as a table at the end of fit
+    resources: bool = True
+    #: the FlopsProfiler at this global step (per-module FLOPs and latency, MFU); null: off
+    flops_profile_step: Optional[int] = None
 
     def validate(self) -> None:
         # dirpath (<trainer.default_root_dir or the Hydra run dir>/checkpoints) is checked with the
         # root directory in Config.validate
         _int_at_least("callbacks.checkpoint_every_n_steps", self.checkpoint_every_n_steps, 1, allow_none=True)
+        _int_at_least("callbacks.flops_profile_step", self.flops_profile_step, 0, allow_none=True)
 
 
 @dataclass

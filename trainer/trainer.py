@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 
 from ..callbacks.base import Callback, Logger
-from ..strategies import Strategy, progress
+from ..strategies import Strategy, instrument, progress
 from ..strategies.environment import detect
 from . import checkpointing, elastic, hparams, job, signals
 from .arguments import check_limit, check_lightning_args, lightning_callbacks, positive_int
@@ -328,7 +328,8 @@ class Trainer(TrainerLogging):
         """Collective: every rank writes its shard of the checkpoint directory ``path`` in parallel;
         rank 0 then publishes it atomically and points ``latest`` (beside it) at it
         (``trainer/checkpointing.py``; ``trainer/checkpoint_io.py`` describes the format)."""
-        checkpointing.save(self, path, update_latest)
+        with instrument.section("checkpoint"):
+            checkpointing.save(self, path, update_latest)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: the complete unsharded fp32 model state on global rank 0, ``{}`` elsewhere."""
@@ -705,6 +706,7 @@ class Trainer(TrainerLogging):
                         "overrides will not run: %s", self._strategy, ", ".join(sorted(skipped)), ", ".join(found))
 
     def _tick(self, phase: str) -> None:
+        instrument.phase(phase)  # the ResourceMonitor's step-time breakdown (no-op without one)
         if self._watchdog is not None:
             self._watchdog.tick(phase, self.state.global_step)
 
@@ -913,6 +915,7 @@ class Trainer(TrainerLogging):
 
     def _default_callbacks(self, callbacks: list, checkpointing: bool, progress: bool) -> list:
         from ..callbacks.checkpoint import ModelCheckpoint
+        from ..callbacks.comms import comms_logger_for
         from ..callbacks.progress import ProgressBar
 
         if checkpointing and not any(isinstance(c, ModelCheckpoint) for c in callbacks):
@@ -920,7 +923,7 @@ class Trainer(TrainerLogging):
                                              save_last=True))
         if progress and not any(isinstance(c, ProgressBar) for c in callbacks):
             callbacks.append(ProgressBar())
-        return callbacks
+        return comms_logger_for(self._strategy, callbacks)  # strategy option comms_logger=True
 
     def _make_loggers(self, logger: Any) -> list[Logger]:
         if logger is False or logger is None:

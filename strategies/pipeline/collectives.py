@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .. import instrument
+
 
 def all_reduce_grads(params: Sequence[nn.Parameter], group: dist.ProcessGroup | None,
                      divide_by: int = 1) -> None:
@@ -21,7 +23,8 @@ def all_reduce_grads(params: Sequence[nn.Parameter], group: dist.ProcessGroup | 
         return
     device = params[0].device
     has = torch.tensor([float(p.grad is not None) for p in params], device=device)
-    dist.all_reduce(has, group=group)
+    with instrument.blocking("all_reduce", has, group):
+        dist.all_reduce(has, group=group)
     by_dtype: dict[torch.dtype, list[int]] = {}
     for i, p in enumerate(params):
         if has[i] > 0:
@@ -29,7 +32,8 @@ def all_reduce_grads(params: Sequence[nn.Parameter], group: dist.ProcessGroup | 
     for dtype, idx in by_dtype.items():
         flat = torch.cat([(params[i].grad if params[i].grad is not None
                            else torch.zeros_like(params[i])).reshape(-1) for i in idx])
-        dist.all_reduce(flat, group=group)
+        with instrument.blocking("all_reduce", flat, group):
+            dist.all_reduce(flat, group=group)
         if divide_by != 1:
             flat.div_(divide_by)
         offset = 0

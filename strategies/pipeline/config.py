@@ -27,6 +27,9 @@ class PipelineConfig:
     #: 1: partition each stage's optimizer state (fp32 masters + optimizer state) over the
     #: stage's data-parallel replicas (ZeRO-1); 0: every replica holds it whole
     zero_stage: int = 0
+    #: log every collective and point-to-point transfer and summarise them at the end of fit
+    #: (``callbacks.CommsLogger``)
+    comms_logger: bool = False
 
     def __post_init__(self) -> None:
         if self.stages is not None:
@@ -43,6 +46,7 @@ class PipelineConfig:
                               "only 1F1B interleaves chunks; valid: schedule='1f1b', or virtual_stages=1")
         if self.stages is not None:
             self.check_grid(self.stages)
+        check_bool("pipeline", "comms_logger", self.comms_logger)
 
     def check_grid(self, stages: int) -> None:
         """What the interleaved schedule needs of the stage count (known here or at set-up)."""

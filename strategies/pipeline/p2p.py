@@ -22,6 +22,8 @@ from typing import Any, Hashable, NamedTuple, Sequence
 import torch
 import torch.distributed as dist
 
+from .. import instrument
+
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
            torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
 _HEADER_TAG = 7_000  # headers never share a tag with data (tags 0..n-1: position in the tuple)
@@ -148,9 +150,12 @@ class PipeComm:
             for i, t in enumerate(tensors):
                 ops.append(dist.P2POp(dist.irecv, t, peer, tag=(tag[0] if tag else 0) + i))
         works = dist.batch_isend_irecv(ops) if ops else []
+        instrument.point_to_point(sends, recvs)
         return Exchange(works, keep)
 
     @staticmethod
     def wait(exchange: Exchange) -> None:
+        started = instrument.wait_begin()
         for w in exchange.works:
             w.wait()
+        instrument.wait_end(started)

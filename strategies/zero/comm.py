@@ -6,6 +6,7 @@ handle with ``wait()``; the caller files it in the in-flight layer (``inflight.p
 code that waits on it. On one process (no process group) each is completed at once with
 single-process semantics, so callers never branch on the world size. All reductions are SUM:
 ``ReduceOp.AVG`` is unreliable on gloo (pytorch/pytorch#162338); callers divide by the world size.
+Each launch is reported to ``strategies/instrument.py`` (a no-op unless a monitor listens).
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typing import Protocol, Sequence
 import torch
 import torch.distributed as dist
 
-from .. import progress
+from .. import instrument, progress
 
 SUM = dist.ReduceOp.SUM if dist.is_available() else None
 
@@ -51,7 +52,7 @@ def all_reduce_sum(buf: torch.Tensor, group: object = None) -> Handle:
     if world_size(group) == 1:
         return Done()
     progress.mark("all_reduce", group)
-    return dist.all_reduce(buf, op=SUM, group=group, async_op=True)
+    return instrument.issued("all_reduce", dist.all_reduce(buf, op=SUM, group=group, async_op=True), group, buf)
 
 
 def reduce_scatter_sum(out: torch.Tensor, inp: torch.Tensor, group: object = None) -> Handle:
@@ -60,7 +61,8 @@ def reduce_scatter_sum(out: torch.Tensor, inp: torch.Tensor, group: object = Non
         out.copy_(inp)
         return Done()
     progress.mark("reduce_scatter", group)
-    return _reduce_scatter_single(out, inp, op=SUM, group=group, async_op=True)
+    work = _reduce_scatter_single(out, inp, op=SUM, group=group, async_op=True)
+    return instrument.issued("reduce_scatter", work, group, inp)
 
 
 def reduce_to_owner(buf: torch.Tensor, owner: int, group: object = None) -> Handle:
@@ -68,7 +70,7 @@ def reduce_to_owner(buf: torch.Tensor, owner: int, group: object = None) -> Hand
     if world_size(group) == 1:
         return Done()
     progress.mark("reduce", group)
-    return dist.reduce(buf, dst=owner, op=SUM, group=group, async_op=True)
+    return instrument.issued("reduce", dist.reduce(buf, dst=owner, op=SUM, group=group, async_op=True), group, buf)
 
 
 def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: object = None) -> Handle:
@@ -77,14 +79,14 @@ def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: object = None) 
         out.copy_(inp)
         return Done()
     progress.mark("all_gather", group)
-    return _all_gather_single(out, inp, group=group, async_op=True)
+    return instrument.issued("all_gather", _all_gather_single(out, inp, group=group, async_op=True), group, out)
 
 
 def broadcast_from(buf: torch.Tensor, src: int = 0, group: object = None) -> Handle:
     if world_size(group) == 1:
         return Done()
     progress.mark("broadcast", group)
-    return dist.broadcast(buf, src=src, group=group, async_op=True)
+    return instrument.issued("broadcast", dist.broadcast(buf, src=src, group=group, async_op=True), group, buf)
 
 
 def gather_to(inp: torch.Tensor, outs: Sequence[torch.Tensor] | None, dst: int = 0,
@@ -94,8 +96,9 @@ def gather_to(inp: torch.Tensor, outs: Sequence[torch.Tensor] | None, dst: int =
         outs[0].copy_(inp)
         return Done()
     progress.mark("gather", group)
-    return dist.gather(inp, gather_list=list(outs) if outs is not None else None, dst=dst,
-                       group=group, async_op=True)
+    work = dist.gather(inp, gather_list=list(outs) if outs is not None else None, dst=dst, group=group,
+                       async_op=True)
+    return instrument.issued("gather", work, group, inp, ranks=world_size(group))
 
 
 class BufferPool:

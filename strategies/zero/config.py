@@ -36,11 +36,15 @@ class ZeroConfig:
     reduce_mode: str = "auto"
     #: each rank's partition is a multiple of this many elements
     partition_alignment: int = 1
+    #: log every collective (op, bytes, time, bus bandwidth) and summarise it, with the bytes
+    #: per step beside the ZeRO formula, at the end of fit (``callbacks.CommsLogger``)
+    comms_logger: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "partition_alignment",
                            whole_number("ZeRO", "partition_alignment", self.partition_alignment, 1))
         check_bool("ZeRO", "overlap_comm", self.overlap_comm)
+        check_bool("ZeRO", "comms_logger", self.comms_logger)
         check_choice("ZeRO", "reduce_dtype", self.reduce_dtype, REDUCE_DTYPES)
         check_choice("ZeRO", "reduce_mode", self.reduce_mode, REDUCE_MODES)
 

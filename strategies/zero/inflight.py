@@ -32,6 +32,7 @@ from typing import Callable, Hashable, Iterable, NamedTuple
 
 import torch
 
+from .. import instrument
 from .comm import Handle
 
 
@@ -120,8 +121,10 @@ class InFlightQueue:
     @staticmethod
     def _land(pending: deque[InFlight]) -> None:
         item = pending.popleft()
+        started = instrument.wait_begin()  # time blocked here is the step's comm wait
         for h in item.handles:
             h.wait()
+        instrument.wait_end(started)
         item.on_done()
 
 

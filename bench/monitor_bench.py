@@ -1,0 +1,122 @@
+"""Where a step's time goes, by strategy: the ResourceMonitor's breakdown of the benchmark GPT
+(``--model gpt_21m``: 4 layers, d=512, seq 256, micro-batch 4/rank) under ddp, zero2, zero3 and
+zero3 with prefetch off, on ``--nproc`` processes over gloo.
+
+The case to look at is zero3 with and without prefetch: with prefetch the all-gather of the next
+unit runs while the current one computes, so the comm-wait share of the step is small and the
+communication shows up as ``comm_overlapped``; with ``prefetch_bucket_size=0`` every unit's gather
+is waited for in full before its forward and backward, and comm wait becomes a large share.
+
+    python -m zerotrain.bench.monitor_bench --model gpt_21m --steps 12 --warmup 2 --repeats 2
+
+Each (case, repeat) is its own job (the Trainer launches its ranks), run interleaved: every case
+once, then every case again; a case's figure is the median over repeats. Timings need a quiet
+machine: on a shared one the shares still separate the cases, the absolute times do not.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+CASES = {
+    "ddp": ("ddp", {}),
+    "zero2": ("zero2", {}),
+    "zero3": ("zero3", {}),
+    "zero3_no_prefetch": ("zero3", {"prefetch_bucket_size": 0}),
+}
+SHOWN = ("step", "data", "forward", "backward", "comm_wait", "optimizer", "refresh", "other", "comm_overlapped")
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One job: fit the model under the case's strategy; global rank 0 writes the summary."""
+    from zerotrain import Trainer
+    from zerotrain.bench.common import MODELS
+    from zerotrain.callbacks import ResourceMonitor
+    from zerotrain.examples.gpt_module import GPTModule
+    from zerotrain.strategies import strategy_from_name
+
+    spec = MODELS[args.model]
+    name, options = CASES[args.case]
+    module = GPTModule(spec.config(), batch_size=spec.micro_batch, max_steps=args.steps, warmup_steps=1,
+                       val_fraction=0, max_bytes=2_000_000)
+    monitor = ResourceMonitor(warmup_steps=args.warmup, print_summary=True)
+    trainer = Trainer(strategy=strategy_from_name(name, **options), devices=args.nproc, accelerator="cpu",
+                      max_steps=args.steps, callbacks=[monitor], logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, seed=0)
+    trainer.fit(module)
+    if trainer.is_global_zero:
+        rows = monitor.summary["rows"]
+        with open(args.result, "w") as f:
+            json.dump({k: {"mean": rows[k]["mean"], "share": rows[k]["share"]} for k in SHOWN}, f)
+
+
+def run_case(args: argparse.Namespace, case: str, result: str) -> dict:
+    cmd = [sys.executable, "-m", "zerotrain.bench.monitor_bench", "--worker", "--case", case, "--model", args.model,
+           "--steps", str(args.steps), "--warmup", str(args.warmup), "--nproc", str(args.nproc), "--result", result]
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    subprocess.run(cmd, check=True, env=env, timeout=args.timeout)
+    with open(result) as f:
+        return json.load(f)
+
+
+def render(args: argparse.Namespace, results: dict[str, list[dict]]) -> str:
+    head = "| case | " + " | ".join(f"{k} ms (share)" if k != "step" else "step ms" for k in SHOWN) + " |"
+    lines = [f"`python -m zerotrain.bench.monitor_bench --model {args.model} --steps {args.steps} --warmup "
+             f"{args.warmup} --repeats {args.repeats} --nproc {args.nproc}` (median over repeats, mean over ranks; "
+             "comm_overlapped is not part of the step's sum)", "", head, "|" + "---|" * (len(SHOWN) + 1)]
+    for case, runs in results.items():
+        cells = []
+        for k in SHOWN:
+            ms = statistics.median(r[k]["mean"] for r in runs) * 1e3
+            share = statistics.median(r[k]["share"] for r in runs)
+            cells.append(f"{ms:.1f}" if k == "step" else f"{ms:.1f} ({share:.0%})")
+        lines.append(f"| {case} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def driver(args: argparse.Namespace) -> None:
+    cases = args.cases.split(",")
+    unknown = [c for c in cases if c not in CASES]
+    if unknown:
+        raise SystemExit(f"--cases={args.cases!r}: {unknown} unknown; valid: {', '.join(CASES)}")
+    results: dict[str, list[dict]] = {c: [] for c in cases}
+    with tempfile.TemporaryDirectory() as tmp:
+        for rep in range(args.repeats):  # interleaved: every case once, then again
+            for case in cases:
+                results[case].append(run_case(args, case, os.path.join(tmp, f"{case}_{rep}.json")))
+    table = render(args, results)
+    print(table)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write("\n" + table + "\n")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="gpt_21m", choices=("tiny", "gpt_21m", "gpt_118m"))
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--warmup", type=int, default=2, help="first steps left out of the means")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--cases", default=",".join(CASES))
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1, help="threads per rank (OMP_NUM_THREADS)")
+    p.add_argument("--timeout", type=float, default=1800)
+    p.add_argument("--out", help="append the table to this Markdown file")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--case", help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    worker(args) if args.worker else driver(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,229 @@
+"""CommsLogger: every collective the strategies issue (op, message bytes, group size, latency,
+algorithm and bus bandwidth), summarised by op and size at the end of ``fit``, with the bytes per
+training step beside what the strategy's formula predicts.
+
+Two ways to turn it on, the same logger either way: the strategy option ``comms_logger=True``
+(``ZeroStage2(comms_logger=True)``, ``DDP(comms_logger=True)``, on the command line
+``strategy.comms_logger=true``: the Trainer then adds a ``CommsLogger()`` unless one is given), or
+the callback itself, ``Trainer(callbacks=[CommsLogger()])``, for any strategy.
+
+Sizes follow nccl-tests and DeepSpeed's comms logger: the message is the whole buffer (an
+all-gather's output, a reduce-scatter's input); algorithm bandwidth = bytes / time; bus bandwidth
+= algbw x 2(n-1)/n for all-reduce, x (n-1)/n for all-gather and reduce-scatter, x 1 otherwise.
+The time of an async collective is from its launch to its completion (the backend's completion
+callback), so a collective queued behind others in flight counts its wait in the queue: bandwidths
+are lower bounds. On CUDA the completion is when the host learns of it.
+
+What each strategy moves per optimizer step (Psi: trainable elements; ``expected_step_bytes``):
+
+* ddp: all_reduce Psi x gradient bytes (the reducer's buckets; ``no_sync`` micro-batches none);
+* zero1 / zero2: the gradient buckets, Psi x reduce bytes, as all_reduce (gloo) or as reduce to
+  each owner (``reduce_mode=reduce_scatter``), once per step in zero1, every micro-batch in zero2;
+  then the parameter refresh: the padded layout (Psi rounded up to the world size) x working
+  bytes, as one broadcast per rank on gloo, else all_gather;
+* zero3, per micro-batch: all_gather of the root unit once and of every other sharded unit in
+  forward and, when ``reshard_after_forward``, again in backward (padded sizes, working bytes);
+  every unit's gradient reduced once (all_reduce on gloo, reduce_scatter on NCCL, reduce bytes);
+  after the step one all_gather per persistent unit;
+* every ZeRO stage: one 4-byte all_reduce of the squared gradient norm when clipping by norm.
+
+In the ZeRO paper's units an all-reduce of S bytes moves 2S(n-1)/n per rank (reduce-scatter plus
+all-gather), so zero1/2 on gloo move 2Psi + Psi ("2Psi reduce + Psi gather"), and ddp 2Psi.
+The per-step table shows both the message bytes and these bus bytes.
+"""
+from __future__ import annotations
+
+import logging
+from collections import Counter, defaultdict
+from typing import Any
+
+from ..strategies import instrument
+from .base import Callback
+
+log = logging.getLogger("zerotrain")
+
+#: bus bandwidth / algorithm bandwidth, by op (n: group size)
+_BUS = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
+        "reduce_scatter": lambda n: (n - 1) / n}
+
+
+def bus_factor(op: str, n: int) -> float:
+    return _BUS[op](n) if op in _BUS and n > 1 else 1.0
+
+
+class CommsLogger(Callback):
+    """Records every collective of ``fit`` (see the module docstring). ``verbose`` logs each one
+    as it is issued. After ``fit``: ``summary`` (by op and size), ``step_bytes`` (op -> bytes
+    of each training step) and ``expected`` (the formula's op -> bytes per step)."""
+
+    def __init__(self, verbose: bool = False) -> None:
+        self.verbose = verbose
+        self.events: list[instrument.Collective] = []
+        self.summary: list[dict[str, Any]] = []
+        self.step_bytes: dict[int, dict[str, int]] = {}
+        self.expected: dict[str, int] = {}
+        self._step: Any = "setup"
+        self._kind = "setup"
+        self._outer: list[str] = []
+
+    def setup(self, trainer, module, stage: str) -> None:
+        if stage == "fit":
+            instrument.add_sink(self)
+
+    def collective(self, event: instrument.Collective) -> None:
+        event.step, event.kind = self._step, self._kind
+        self.events.append(event)
+        if self.verbose:
+            log.info("comm %s: %d bytes over %d ranks (step %s, %s)", event.op, event.nbytes, event.group_size,
+                     event.step, event.kind)
+
+    def on_train_start(self, trainer, module) -> None:
+        self._step, self._kind = trainer.global_step, "train"
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        self._step = trainer.global_step  # what follows belongs to the next step
+
+    def on_validation_start(self, trainer, module) -> None:
+        self._outer.append(self._kind)
+        self._kind = "eval"
+
+    def on_validation_end(self, trainer, module) -> None:
+        self._kind = self._outer.pop() if self._outer else "train"
+
+    def on_train_end(self, trainer, module) -> None:
+        self._kind = "end"
+
+    def teardown(self, trainer, module, stage: str) -> None:
+        if stage != "fit":
+            return
+        instrument.remove_sink(self)
+        self.summary = summarise(self.events)
+        self.step_bytes = bytes_per_step(self.events)
+        self.expected = expected_step_bytes(trainer.strategy, trainer)
+        if trainer.is_global_zero:
+            print(format_report(self.summary, self.step_bytes, self.expected))
+
+
+def comms_logger_for(strategy: Any, callbacks: list) -> list:
+    """``callbacks`` plus a ``CommsLogger()`` when the strategy's options ask for one
+    (``comms_logger=True``) and none is there already."""
+    wanted = getattr(getattr(strategy, "config", None), "comms_logger", False)
+    if wanted and not any(isinstance(c, CommsLogger) for c in callbacks):
+        callbacks.append(CommsLogger())
+    return callbacks
+
+
+# ---------------------------------------------------------------------- summaries
+def summarise(events: list[instrument.Collective]) -> list[dict[str, Any]]:
+    """One row per (op, message bytes, group size): count, latency and bandwidths (mean over the
+    events whose completion was observed)."""
+    rows: dict[tuple[str, int, int], list[instrument.Collective]] = defaultdict(list)
+    for e in events:
+        rows[(e.op, e.nbytes, e.group_size)].append(e)
+    out = []
+    for (op, size, n), evs in sorted(rows.items()):
+        timed = [e.seconds for e in evs if e.seconds]
+        mean = sum(timed) / len(timed) if timed else None
+        algbw = size / mean if mean else None
+        out.append({"op": op, "bytes": size, "group_size": n, "count": len(evs),
+                    "total_bytes": size * len(evs), "mean_latency_s": mean, "algbw": algbw,
+                    "busbw": algbw * bus_factor(op, n) if algbw else None})
+    return out
+
+
+def bytes_per_step(events: list[instrument.Collective]) -> dict[int, dict[str, int]]:
+    """Training step -> op -> message bytes (training events only: not set-up, not validation)."""
+    out: dict[int, Counter] = defaultdict(Counter)
+    for e in events:
+        if e.kind == "train":
+            out[e.step][e.op] += e.nbytes
+    return {s: dict(c) for s, c in out.items()}
+
+
+def bus_bytes(by_op: dict[str, int], n: int) -> float:
+    """What the ops move per rank on the bus (the ZeRO paper's volume)."""
+    return sum(b * bus_factor(op, n) for op, b in by_op.items())
+
+
+def format_report(summary: list[dict[str, Any]], step_bytes: dict[int, dict[str, int]],
+                  expected: dict[str, int]) -> str:
+    lines = ["CommsLogger: collectives by op and message size",
+             f"{'op':<15}{'bytes':>14}{'ranks':>6}{'count':>8}{'avg ms':>10}{'algbw GB/s':>12}{'busbw GB/s':>12}"]
+    for r in summary:
+        ms = f"{r['mean_latency_s'] * 1e3:.3f}" if r["mean_latency_s"] else "-"
+        alg = f"{r['algbw'] / 1e9:.3f}" if r["algbw"] else "-"
+        bus = f"{r['busbw'] / 1e9:.3f}" if r["busbw"] else "-"
+        lines.append(f"{r['op']:<15}{r['bytes']:>14}{r['group_size']:>6}{r['count']:>8}{ms:>10}{alg:>12}{bus:>12}")
+    n = max((r["group_size"] for r in summary), default=1)
+    distinct = Counter(tuple(sorted(v.items())) for v in step_bytes.values())
+    lines.append("bytes per training step (message bytes by op; bus bytes per rank):")
+    for ops, count in distinct.most_common():
+        lines.append(f"  measured ({count} step(s)): {dict(ops)}; bus {bus_bytes(dict(ops), n):.0f}")
+    lines.append(f"  formula: {expected}; bus {bus_bytes(expected, n):.0f}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------- the formulas
+def expected_step_bytes(strategy: Any, trainer: Any = None) -> dict[str, int]:
+    """Op -> message bytes one optimizer step moves under ``strategy`` (see the module docstring);
+    ``trainer`` gives the accumulation and clipping ({} for a strategy without a formula: single,
+    pipeline, or one process)."""
+    if not getattr(strategy, "distributed", False):
+        return {}
+    accumulation = getattr(trainer, "accumulate_grad_batches", 1)
+    clips = bool(getattr(trainer, "gradient_clip_val", None)) and \
+        getattr(trainer, "gradient_clip_algorithm", "norm") == "norm"
+    stage = getattr(strategy, "stage", None)
+    if getattr(strategy, "name", "") == "ddp" or type(strategy).__name__ == "DDP":
+        return _ddp_bytes(strategy)
+    if stage in (1, 2):
+        out = _zero12_bytes(strategy, accumulation if stage == 2 else 1)
+    elif stage == 3:
+        out = _zero3_bytes(strategy, accumulation)
+    else:
+        return {}
+    if clips:
+        out["all_reduce"] = out.get("all_reduce", 0) + 4
+    return out
+
+
+def _ddp_bytes(strategy: Any) -> dict[str, int]:
+    grads = sum(p.numel() * p.element_size() for p in strategy.module.parameters() if p.requires_grad)
+    return {"all_reduce": grads}
+
+
+def _add(out: dict[str, int], op: str, nbytes: int) -> None:
+    if nbytes:
+        out[op] = out.get(op, 0) + nbytes
+
+
+def _zero12_bytes(strategy: Any, reductions: int) -> dict[str, int]:
+    out: dict[str, int] = {}
+    reduce_bytes = strategy.config.torch_reduce_dtype.itemsize
+    reduce_op = "all_reduce" if strategy.reduce_mode == "all_reduce" else "reduce"
+    gather_op = "broadcast" if instrument_backend(strategy) == "gloo" else "all_gather"
+    for fg in strategy.flat_groups:
+        _add(out, reduce_op, reductions * fg.layout.numel * reduce_bytes)
+        _add(out, gather_op, fg.layout.padded_numel * fg.flat.element_size())
+    return out
+
+
+def _zero3_bytes(strategy: Any, micro_batches: int) -> dict[str, int]:
+    out: dict[str, int] = {}
+    reduce_bytes = strategy.config.torch_reduce_dtype.itemsize
+    reduce_op = "all_reduce" if strategy.reduce_mode == "all_reduce" else "reduce_scatter"
+    twice = 2 if strategy.stage3.reshard_after_forward else 1
+    for u in strategy.units:
+        working = u.numel * u.full.element_size()
+        if u.persistent:
+            _add(out, "all_gather", working)  # the refresh after the step
+        else:
+            _add(out, "all_gather", micro_batches * working * (1 if u is strategy.units[0] else twice))
+        _add(out, reduce_op, micro_batches * u.numel * reduce_bytes)
+    return out
+
+
+def instrument_backend(strategy: Any) -> str:
+    import torch.distributed as dist
+
+    return str(dist.get_backend(getattr(strategy, "group", None))) if dist.is_initialized() else "none"

@@ -1,0 +1,184 @@
+"""Instrumentation points: where the loop, the step and every collective the strategies issue tell
+an attached monitor what they are doing (``callbacks/resources.py``: ``ResourceMonitor``;
+``callbacks/comms.py``: ``CommsLogger``).
+
+Nothing is attached by default. Then every hook below is one read of a module global and a
+return, so an unmonitored run pays nothing measurable; and no hook ever reads or writes a
+tensor's values (a monitor sees times and sizes only), so attaching one never changes numbers.
+
+Two kinds of listener:
+
+* a *timer* (at most one): told which phase of the step runs (``phase``: the Trainer's progress
+  ticks, the step's parameter refresh, ``section`` for checkpoint I/O) and how long the caller sat
+  blocked waiting for communication (``wait_begin``/``wait_end`` around each ``handle.wait()`` in
+  ``zero/inflight.py``, ``blocking`` around a synchronous collective, ``blocked_for`` where a
+  library waits out of our sight: DDP's reducer);
+* *sinks* (any number): told of every collective when it is issued (``issued``, ``blocking``),
+  as a :class:`Collective` whose ``t_done`` is filled in when the collective completes.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any, Iterator, Protocol
+
+import torch
+import torch.distributed as dist
+
+#: the one timer (None: no monitor attached)
+_timer: "Timer | None" = None
+#: the collective listeners
+_sinks: tuple["Sink", ...] = ()
+
+
+class Timer(Protocol):
+    def phase(self, name: str) -> None: ...
+    def enter(self, name: str) -> str:
+        """Switch to phase ``name``; returns the phase left (to ``enter`` it again)."""
+    def blocked(self, seconds: float) -> None:
+        """The caller just spent ``seconds`` blocked on communication, inside the current phase."""
+
+
+class Sink(Protocol):
+    def collective(self, event: "Collective") -> None: ...
+
+
+class Collective:
+    """One collective: ``op``, the message size in bytes (``nbytes``: the whole buffer - an
+    all-gather's output, a reduce-scatter's input - as nccl-tests and DeepSpeed count it),
+    ``group_size`` ranks, and when it was issued and completed (``perf_counter`` seconds;
+    ``t_done`` None until then, or when the backend offers no completion callback)."""
+
+    __slots__ = ("op", "nbytes", "group_size", "t_issue", "t_done", "blocking", "step", "kind")
+
+    def __init__(self, op: str, nbytes: int, group_size: int, blocking: bool = False) -> None:
+        self.op, self.nbytes, self.group_size, self.blocking = op, nbytes, group_size, blocking
+        self.t_issue, self.t_done = time.perf_counter(), None
+        self.step: Any = None  # set by a sink (which training step it belongs to)
+        self.kind = ""
+
+    @property
+    def seconds(self) -> float | None:
+        return None if self.t_done is None else self.t_done - self.t_issue
+
+    def finish(self, _: Any = None) -> None:
+        self.t_done = time.perf_counter()
+
+
+# ---------------------------------------------------------------------- attaching
+def attach_timer(timer: Timer | None) -> None:
+    """Set (or clear, None) the one timer; the ResourceMonitor does this while a fit runs."""
+    global _timer
+    _timer = timer
+
+
+def add_sink(sink: Sink) -> None:
+    global _sinks
+    if sink not in _sinks:
+        _sinks = _sinks + (sink,)
+
+
+def remove_sink(sink: Sink) -> None:
+    global _sinks
+    _sinks = tuple(s for s in _sinks if s is not sink)
+
+
+def active() -> bool:
+    """Whether anything listens: strategies add optional machinery (DDP's comm hook) only then."""
+    return _timer is not None or bool(_sinks)
+
+
+# ---------------------------------------------------------------------- the timer's hooks
+def phase(name: str) -> None:
+    """The loop (or the step) moves on to ``name``."""
+    if _timer is not None:
+        _timer.phase(name)
+
+
+@contextlib.contextmanager
+def section(name: str) -> Iterator[None]:
+    """Time the body as phase ``name``, then return to the phase it interrupted."""
+    timer = _timer
+    if timer is None:
+        yield
+        return
+    prev = timer.enter(name)
+    try:
+        yield
+    finally:
+        timer.enter(prev)
+
+
+def wait_begin() -> float | None:
+    """Call before blocking on a collective's handle; pass the result to ``wait_end``."""
+    return time.perf_counter() if _timer is not None else None
+
+
+def wait_end(started: float | None) -> None:
+    if started is not None and _timer is not None:
+        _timer.blocked(time.perf_counter() - started)
+
+
+def blocked_for(seconds: float) -> None:
+    """A wait measured (or estimated) by the caller, e.g. inside a library's own code."""
+    if _timer is not None and seconds > 0:
+        _timer.blocked(seconds)
+
+
+# ---------------------------------------------------------------------- collectives
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def group_size(group: object = None) -> int:
+    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+
+
+def issued(op: str, work: Any, group: object, message: torch.Tensor, ranks: int = 1) -> Any:
+    """Collective ``op`` over ``group`` was launched as ``work`` (an async handle); its message
+    is ``message`` (times ``ranks``: a gather's per-rank input). Returns ``work`` unchanged. Sinks
+    learn its completion time from the handle's future."""
+    if not _sinks:
+        return work
+    event = Collective(op, nbytes(message) * ranks, group_size(group))
+    try:
+        work.get_future().then(event.finish)
+    except (AttributeError, RuntimeError):  # a backend/op without futures: the latency stays unknown
+        pass
+    _tell(event)
+    return work
+
+
+@contextlib.contextmanager
+def blocking(op: str, message: torch.Tensor, group: object = None) -> Iterator[None]:
+    """A synchronous collective (or point-to-point transfer) in the body: logged, and its whole
+    duration counted as time blocked on communication."""
+    if _timer is None and not _sinks:
+        yield
+        return
+    event = Collective(op, nbytes(message), group_size(group) if op not in ("send", "recv") else 2, blocking=True)
+    _tell(event)
+    try:
+        yield
+    finally:
+        event.finish()
+        if _timer is not None:
+            _timer.blocked(event.t_done - event.t_issue)
+
+
+def point_to_point(sends: list[tuple[list[torch.Tensor], int]], recvs: list[tuple[list[torch.Tensor], int]]) -> None:
+    """Posted ``(tensors, peer)`` sends and receives (the pipeline's), each tensor one transfer;
+    their wait is timed where it happens (``wait_begin``/``wait_end``)."""
+    if not _sinks:
+        return
+    for op, messages in (("send", sends), ("recv", recvs)):
+        for tensors, _ in messages:
+            for t in tensors:
+                event = Collective(op, nbytes(t), 2)
+                event.t_done = event.t_issue  # the latency of a posted transfer is not observed
+                _tell(event)
+
+
+def _tell(event: Collective) -> None:
+    for sink in _sinks:
+        sink.collective(event)
