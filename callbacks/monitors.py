@@ -7,7 +7,9 @@ from .base import Callback
 
 
 class LearningRateMonitor(Callback):
-    """Logs ``lr-<group>`` for every param group after each optimizer step."""
+    """Logs each optimizer's learning rate after each optimizer step (or epoch), under
+    Lightning's names: ``lr-<OptimizerClass>``, ``-1``, ``-2``... for further optimizers of the
+    same class, ``/<group name>`` or ``/pg<i>`` per param group when there are several."""
 
     def __init__(self, logging_interval: str = "step") -> None:
         if logging_interval not in ("step", "epoch"):
@@ -15,8 +17,15 @@ class LearningRateMonitor(Callback):
         self.logging_interval = logging_interval
 
     def _emit(self, trainer) -> None:
-        groups = trainer.optimizer.param_groups
-        metrics = {f"lr-{i}" if len(groups) > 1 else "lr": float(g["lr"]) for i, g in enumerate(groups)}
+        metrics, seen = {}, {}
+        for opt in trainer.optimizers:
+            cls = type(opt).__name__
+            seen[cls] = seen.get(cls, 0) + 1
+            name = f"lr-{cls}" + (f"-{seen[cls] - 1}" if seen[cls] > 1 else "")
+            groups = opt.param_groups
+            for i, g in enumerate(groups):
+                label = g.get("name", f"pg{i + 1}") if len(groups) > 1 else g.get("name")
+                metrics[f"{name}/{label}" if label else name] = float(g["lr"])
         trainer._emit(metrics)
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:

@@ -143,3 +143,49 @@ def test_clip_gradients_refuses_a_value_other_than_the_trainers_as_lightning():
         Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                 max_epochs=1, num_sanity_val_steps=0, gradient_clip_val=0.5).fit(
             make(TrainModule, lambda opt: {}, clip_hook=True))
+
+
+def test_learning_rate_monitor_names_its_metrics_as_lightning(tmp_path):
+    """Two optimizers of one class (one with named param groups) and one of another: the metric
+    names Lightning's LearningRateMonitor writes (their values and steps are zerotrain's)."""
+    pl = pytest.importorskip("pytorch_lightning")
+
+    def make_module(base):
+        class Three(base):
+            def __init__(self):
+                super().__init__()
+                self.automatic_optimization = False
+                self.a, self.b, self.c = nn.Linear(5, 2), nn.Linear(5, 2), nn.Linear(5, 2)
+
+            def training_step(self, batch, batch_idx):
+                x, y = batch
+                for opt, net in zip(self.optimizers(), (self.a, self.b, self.c)):
+                    self.manual_backward(nn.functional.mse_loss(net(x), y))
+                    opt.step()
+                    opt.zero_grad()
+
+            def configure_optimizers(self):
+                return [torch.optim.SGD(self.a.parameters(), lr=0.1),
+                        torch.optim.SGD([{"params": [self.b.weight], "name": "w"},
+                                         {"params": [self.b.bias], "name": "b"}], lr=0.2),
+                        torch.optim.Adam([{"params": [self.c.weight]}, {"params": [self.c.bias]}], lr=0.3)]
+
+            def train_dataloader(self):
+                return DataLoader(_data(), batch_size=4)
+        return Three()
+
+    names = {}
+    for lib, trainer_cls, monitor, logger_cls, base in (
+            ("pl", pl.Trainer, pl.callbacks.LearningRateMonitor, pl.loggers.CSVLogger, pl.LightningModule),
+            ("zt", Trainer, __import__("zerotrain").LearningRateMonitor, __import__("zerotrain").CSVLogger,
+             TrainModule)):
+        logger = logger_cls(str(tmp_path / lib))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer_cls(accelerator="cpu", devices=1, max_epochs=1, logger=logger, callbacks=[monitor()],
+                        log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False).fit(make_module(base))
+        logger.save()
+        with open(f"{logger.log_dir}/metrics.csv") as f:
+            names[lib] = {n for n in f.readline().strip().split(",") if n.startswith("lr-")}
+    assert names["zt"] == names["pl"] == {"lr-SGD", "lr-SGD-1/w", "lr-SGD-1/b", "lr-Adam/pg1", "lr-Adam/pg2"}
