@@ -166,7 +166,10 @@ def test_converted_loop_equals_plain_loop_on_two_ranks(tmp_path, strategy):
     _check_equal(out, 2)
 
 
-@pytest.mark.parametrize("strategy", ["zero3", pytest.param("zero2", marks=pytest.mark.slow)])
+#: on 4 processes, zero3 in the default run; the others as `slow` (4 ranks on 2 cores; each was
+#: run for the issue: python -m pytest -m slow tests/distributed/test_engine.py -k four_ranks)
+@pytest.mark.parametrize("strategy", ["zero3", *(pytest.param(s, marks=pytest.mark.slow)
+                                                 for s in ("ddp", "zero1", "zero2", "offload"))])
 def test_converted_loop_equals_plain_loop_on_four_ranks(tmp_path, strategy):
     out = run_ranks("test_engine:_engine_case", 4, tmp_path, timeout=300, strategy=strategy, world=4)
     _check_equal(out, 4)
