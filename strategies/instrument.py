@@ -166,13 +166,13 @@ def blocking(op: str, message: torch.Tensor, group: object = None) -> Iterator[N
             _timer.blocked(event.t_done - event.t_issue)
 
 
-def point_to_point(sends: list[tuple[list[torch.Tensor], int]], recvs: list[tuple[list[torch.Tensor], int]]) -> None:
-    """Posted ``(tensors, peer)`` sends and receives (the pipeline's), each tensor one transfer;
-    their wait is timed where it happens (``wait_begin``/``wait_end``)."""
+def point_to_point(sends: list[tuple], recvs: list[tuple]) -> None:
+    """Posted ``(tensors, peer[, tag])`` sends and receives (the pipeline's), each tensor one
+    transfer; their wait is timed where it happens (``wait_begin``/``wait_end``)."""
     if not _sinks:
         return
     for op, messages in (("send", sends), ("recv", recvs)):
-        for tensors, _ in messages:
+        for tensors, *_ in messages:
             for t in tensors:
                 event = Collective(op, nbytes(t), 2)
                 event.t_done = event.t_issue  # the latency of a posted transfer is not observed
