@@ -47,6 +47,7 @@ def test_raising_rank_fails_fast_with_traceback(tmp_path):
     assert time.monotonic() - t0 < 30
 
 
+@pytest.mark.slow  # ~13 s; the progress-watchdog tests (test_failures.py) end hung ranks by default
 def test_hung_rank_fails_within_its_timeout(tmp_path):
     t0 = time.monotonic()
     with pytest.raises(RankFailed, match="_hang_on_rank_0"):

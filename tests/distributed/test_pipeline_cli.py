@@ -196,7 +196,7 @@ def test_two_stages_by_two_replicas_match_a_plain_loop(tmp_path_factory):
 
 @pytest.mark.parametrize("name,devices,replicas,overrides", [
     ("zero2", 2, 2, ["strategy=zero2"]),
-    ("single", 1, 1, ["strategy=single"]),
+    pytest.param("single", 1, 1, ["strategy=single"], marks=pytest.mark.slow),
     pytest.param("ddp", 2, 2, ["strategy=ddp"], marks=pytest.mark.slow),
 ], ids=["zero2-on-2", "single", "ddp-on-2"])
 def test_two_stage_checkpoint_resumes_elsewhere(tmp_path_factory, name, devices, replicas, overrides):

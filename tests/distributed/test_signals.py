@@ -135,6 +135,7 @@ def _launch(tmp_path, name, slow, ckpt, ckpt_path=None, signal_on_marker=False, 
     return proc.returncode, out, err, elapsed, result
 
 
+@pytest.mark.slow  # ~20 s: the rank-level SIGTERM tests above run by default
 def test_sigterm_to_the_launcher_stops_the_job_cleanly_and_resumes(tmp_path):
     code, out, err, elapsed, _ = _launch(tmp_path, "stopped", True, tmp_path / "ck", signal_on_marker=True)
     assert elapsed is not None, err[-3000:]

@@ -318,7 +318,11 @@ def spawned(world: int, tmp_path_factory) -> list[dict]:
     return run_ranks_once(_SPAWNED, world, "test_zero12:_worker", world, tmp_path_factory, timeout=150, features=world == 2)
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
+#: 4 processes as `slow`: 2 and 3 run by default (the suite's time on 2 cores)
+WORLDS = [2, 3, pytest.param(4, marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("world", WORLDS)
 def test_matches_single_process_pytorch(world, tmp_path_factory):
     results = [r["equivalence"] for r in spawned(world, tmp_path_factory)]
     assert len(results[0]) == 8
@@ -333,7 +337,7 @@ def test_matches_single_process_pytorch(world, tmp_path_factory):
             torch.testing.assert_close(case["norms"], case["ref_norms"], rtol=1e-5, atol=0)
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("world", WORLDS)
 def test_memory_matches_zero_formula(world, tmp_path_factory):
     for rank, res in enumerate(spawned(world, tmp_path_factory)):
         for stage in (1, 2):

@@ -456,7 +456,8 @@ def spawned(world: int, tmp_path_factory) -> list[dict]:
     return run_ranks_once(_SPAWNED, world, "test_zero3:_worker", world, tmp_path_factory, timeout=240, env=ENV.get(world), cases=CASES[world])
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
+#: 4 processes as `slow`: 2 and 3 run by default (the suite's time on 2 cores)
+@pytest.mark.parametrize("world", [2, 3, pytest.param(4, marks=pytest.mark.slow)])
 def test_matches_single_process_pytorch(world, tmp_path_factory):
     ranks = [r["equivalence"] for r in spawned(world, tmp_path_factory)]
     got = ranks[0]
