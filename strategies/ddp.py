@@ -15,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.nn.parallel.distributed import _find_tensors
 
 from . import instrument
+from .environment import release_at_exit
 from .base import PROCESS_GROUP_TIMEOUT_S, StepWrapper, Strategy
 from .options import check_bool, config_from
 
@@ -67,6 +68,14 @@ class DDP(Strategy):
         self.model.module.register_forward_hook(self._inner_forward_done)
         self.model.register_forward_hook(self._forward_done)
         self._buckets = _BucketWatch.attach(self.model) if instrument.active() else None
+        release_at_exit(self)
+
+    def release_at_exit(self) -> None:
+        """Interpreter exit: drop the DistributedDataParallel wrapper (its reducer holds the process
+        group) so that the group's destruction joins gloo's threads (``environment.release_at_exit``)."""
+        if isinstance(self.model, DistributedDataParallel):
+            self.model = self.model.module
+        self._buckets = None
 
     # Manual optimization runs its backwards inside the training step, i.e. inside DDP's forward,
     # whose end would then arm the reducer for a backward that never comes (the next forward's

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import gc
 import os
 import re
 import socket
+import weakref
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -129,9 +132,27 @@ def init_default_group(**kwargs) -> None:
     atexit.register(_destroy_at_exit)
 
 
+#: objects holding a reference to the default group (DDP's reducer does) that must let go of it
+#: before the group is destroyed at exit: each has ``release_at_exit()``
+_holders: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def release_at_exit(holder: Any) -> None:
+    """Register ``holder`` (with a ``release_at_exit()`` method) to drop its references to the
+    process group at interpreter exit, before the group is destroyed. ``destroy_process_group()``
+    joins gloo's worker threads only when it drops the group's last reference; a DistributedDataParallel
+    still alive (a Trainer kept in a global) holds one through its reducer, and the threads then run
+    into finalization, where the process aborts (SIGABRT) after a successful run."""
+    _holders.add(holder)
+
+
 def _destroy_at_exit() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    if not dist.is_initialized():
+        return
+    for holder in list(_holders):
+        holder.release_at_exit()
+    gc.collect()  # what the holders let go of sits in reference cycles (hooks bound to them)
+    dist.destroy_process_group()
 
 
 def pick_device(accelerator: str, local_rank: int) -> torch.device:

@@ -3,18 +3,24 @@
 CI once saw rank 0 abort after a successful zero1 run ("terminate called without an active
 exception", SIGABRT): the first optimizer imports torch._dynamo, which (when the group already
 exists) pins the default group, so destroy_process_group() left gloo's worker threads running into
-finalization. The library now imports dynamo before making the group and destroys it at exit.
+finalization. The library now imports dynamo before making the group and destroys it at exit. DDP's reducer holds
+the group too, so a Trainer alive at exit kept the threads running (a DDP rank aborted the same way):
+the DDP strategy lets go of its wrapper at exit, before the group is destroyed.
 """
 import atexit
 import os
 import sys
 
+import pytest
 from harness import run_ranks
 
 
 def _gloo_workers() -> int:
     return sum(open(f"/proc/self/task/{t}/comm").read().strip() == "pt_gloo_runloop"
                for t in os.listdir("/proc/self/task"))
+
+
+_KEPT = []
 
 
 def _fit_then_exit_handlers(strategy):
@@ -28,16 +34,16 @@ def _fit_then_exit_handlers(strategy):
                       enable_progress_bar=False)
     trainer.fit(ToyModule(n=8 * 2 * 4))
     during = _gloo_workers()
-    del trainer
+    _KEPT.append(trainer)  # a user's script keeps its Trainer in a global until exit
     atexit._run_exitfuncs()  # what interpreter exit runs before finalization
     return {"during": during, "after": _gloo_workers(), "initialized": dist.is_initialized()}
 
 
-def test_exit_handlers_join_gloo_workers_after_fit(tmp_path):
+@pytest.mark.parametrize("strategy", ["zero1", "ddp", "zero3"])
+def test_exit_handlers_join_gloo_workers_after_fit(tmp_path, strategy):
     if not os.path.isdir("/proc/self/task"):
-        import pytest
         pytest.skip("needs /proc to count threads")
-    for r in run_ranks("test_shutdown:_fit_then_exit_handlers", 2, tmp_path, timeout=120, strategy="zero1"):
+    for r in run_ranks("test_shutdown:_fit_then_exit_handlers", 2, tmp_path, timeout=120, strategy=strategy):
         assert r["during"] > 0  # the threads the check is about existed
         assert not r["initialized"]
         assert r["after"] == 0
