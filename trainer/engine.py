@@ -62,7 +62,7 @@ from .errors import ConfigError
 from .job import distributed_loader, epoch_iterator, join_job, plugins
 from .launcher import LocalLauncher
 from .state import LoopState
-from .trainer import _to_device
+from .evaluation import to_device as _to_device
 
 log = logging.getLogger("zerotrain")
 
