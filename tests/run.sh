@@ -5,4 +5,5 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 ZEROTRAIN_EXTRAS=dev,hf bash .ci/install.sh
-exec "${PYTHON:-python3}" -m pytest -q "$@"
+# --durations: the slowest tests are named at the end, so a suite grown past its 15 minutes shows why
+exec "${PYTHON:-python3}" -m pytest -q --durations=25 "$@"
