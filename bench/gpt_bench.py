@@ -9,6 +9,7 @@ zerotrain's pipeline beside them.
     # untied head, fp32, a global batch of 8 sequences (~10-12 min on 2 quiet cores)
     python -m zerotrain.bench.gpt_bench --model gpt_118m_untied \
         --systems ddp,zt_zero2,zt_zero3,zt_pipe_m4,zt_pipe_m8 --steps 3 --warmup 1 --repeats 2 --out bench/RESULTS.md
+    # (append ,zt_pipe_bal_m8 to --systems for the compute-balanced cut: ~2 min more)
     # its quick check (tiny dims, seconds per run): every system's loss at every step agrees
     python -m zerotrain.bench.gpt_bench --model tiny_untied \
         --systems ddp,zt_zero2,zt_zero3,zt_pipe_m4,zt_pipe_m8 --steps 2 --warmup 1 --repeats 1
@@ -25,7 +26,9 @@ Systems (``--systems``, a comma list; all by default):
   zt_pipe_m4, zt_pipe_m8   (only when named) zerotrain's pipeline through the same Trainer: 2
                stages x nproc/2 replicas, 1F1B, each replica's batch (2 x micro-batch rows: the
                same global batch) in m = 4 / 8 micro-batches; the module cuts the same GPT into
-               stages (``GPT.pipeline_layers``); zt_pipe_v2_m8: interleaved, 2 chunks per stage
+               stages (``GPT.pipeline_layers``); zt_pipe_v2_m8: interleaved, 2 chunks per stage;
+               zt_pipe_bal_m8: the stage boundary placed by estimated compute inside a block
+               (``compute_balanced_layers``: a bench-side layer list, not the CLI's cut)
 
 How it measures. The driver (this file, no ``--worker``) runs every system as its own ``torchrun
 --standalone --nproc_per_node 2`` job of this file's worker entry, with ``OMP_NUM_THREADS=1``
@@ -67,7 +70,7 @@ import tempfile
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -77,8 +80,20 @@ from zerotrain.bench.common import (MODELS, OPTIM, WEIGHT_DECAY, ModelSpec, Reco
 DEFAULT_SYSTEMS = ["ddp", "fsdp2_zero2", "fsdp2", "ds_zero1", "ds_zero2", "ds_zero3",
                    "zt_ddp", "zt_zero1", "zt_zero2", "zt_zero3"]
 ZT_STRATEGY = {"zt_ddp": "ddp", "zt_zero1": "zero1", "zt_zero2": "zero2", "zt_zero3": "zero3"}
-#: the pipeline systems: 2 stages, 1F1B, as (micro-batches per replica batch, virtual stages)
-PIPE_SYSTEMS = {"zt_pipe_m4": (4, 1), "zt_pipe_m8": (8, 1), "zt_pipe_v2_m8": (8, 2)}
+
+
+class PipeSystem(NamedTuple):
+    """A pipeline system: 2 stages, 1F1B; ``m`` micro-batches per replica batch, ``v`` chunks per
+    stage (interleaved when > 1), ``balanced``: the stage boundary placed by estimated compute
+    inside a block (``compute_balanced_layers``) instead of by parameters between blocks."""
+
+    m: int
+    v: int = 1
+    balanced: bool = False
+
+
+PIPE_SYSTEMS = {"zt_pipe_m4": PipeSystem(4), "zt_pipe_m8": PipeSystem(8), "zt_pipe_v2_m8": PipeSystem(8, v=2),
+                "zt_pipe_bal_m8": PipeSystem(8, balanced=True)}
 PIPE_STAGES = 2
 ALL_SYSTEMS = DEFAULT_SYSTEMS + list(PIPE_SYSTEMS)
 BUCKET = 20_000_000  # elements; DeepSpeed's 5e8 default is GPU-sized (MACHINE_FACTS.md)
@@ -194,7 +209,7 @@ def run_deepspeed(args: argparse.Namespace, spec: ModelSpec, batches: list, rec:
 
 
 def run_zerotrain(args: argparse.Namespace, spec: ModelSpec, batches: list, rec: Record, *,
-                  strategy: Any) -> None:
+                  strategy: Any, balanced_cut: bool = False) -> None:
     """The Trainer under ``strategy`` (a name or a Strategy). Under the pipeline the module cuts
     its GPT into stages itself (``to_pipeline``), and every step's schedule timings are kept."""
     from zerotrain import Callback, Trainer, TrainModule
@@ -214,7 +229,10 @@ def run_zerotrain(args: argparse.Namespace, spec: ModelSpec, batches: list, rec:
             from zerotrain.examples.gpt import lm_loss
             from zerotrain.strategies.pipeline import PipelineModule
 
-            if not isinstance(self.model, PipelineModule):
+            if balanced_cut and not isinstance(self.model, PipelineModule):
+                layers, bounds = compute_balanced_layers(self.model, num_stages)
+                self.model = PipelineModule.from_modules(layers, num_stages, loss_fn=lm_loss, partition_method=bounds)
+            elif not isinstance(self.model, PipelineModule):
                 self.model = PipelineModule.from_modules(self.model.pipeline_layers(), num_stages, loss_fn=lm_loss)
             return self.model
 
@@ -246,13 +264,49 @@ def run_zerotrain(args: argparse.Namespace, spec: ModelSpec, batches: list, rec:
 
 
 def run_pipeline(args: argparse.Namespace, spec: ModelSpec, batches: list, rec: Record, *,
-                 micro_batches: int, virtual_stages: int) -> None:
-    """zerotrain's pipeline: PIPE_STAGES stages, 1F1B (interleaved over ``virtual_stages`` chunks
-    per stage when > 1), each replica's batch in ``micro_batches``."""
+                 system: PipeSystem) -> None:
+    """zerotrain's pipeline: PIPE_STAGES stages, 1F1B (interleaved over ``system.v`` chunks per
+    stage when > 1), each replica's batch in ``system.m`` micro-batches."""
     from zerotrain.strategies.pipeline import PipelineStrategy
 
-    run_zerotrain(args, spec, batches, rec, strategy=PipelineStrategy(
-        stages=PIPE_STAGES, schedule="1f1b", micro_batches=micro_batches, virtual_stages=virtual_stages))
+    strategy = PipelineStrategy(stages=PIPE_STAGES, schedule="1f1b", micro_batches=system.m, virtual_stages=system.v)
+    run_zerotrain(args, spec, batches, rec, strategy=strategy, balanced_cut=system.balanced)
+
+
+class Residual(torch.nn.Module):
+    """``x + sub(ln(x))``: one half of a GPT ``Block`` (attention or MLP) holding the block's own
+    modules, so that a stage boundary can fall inside a block with the same weights and the same
+    operations in the same order."""
+
+    def __init__(self, ln: torch.nn.Module, sub: torch.nn.Module) -> None:
+        super().__init__()
+        self.ln, self.sub = ln, sub
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.sub(self.ln(x))
+
+
+def compute_balanced_layers(model: torch.nn.Module,
+                            stages: int) -> tuple[list[tuple[str, torch.nn.Module]], list[int]]:
+    """``GPT.pipeline_layers`` with every block as its two ``Residual`` halves, and the stage
+    bounds that balance each layer's forward multiply-adds per token (the backward costs about
+    twice each, so the same proportions): attention 4d^2 + T d, MLP 8d^2, the LM head and loss
+    d V + V, the rest d. Why: cut by parameters between blocks, the last stage also runs the head
+    and the loss (~20% of a stage for the 118M model at vocab 8192), and sets the pace."""
+    from zerotrain.strategies.pipeline.partition import partition_balanced
+
+    c = model.config
+    d, t, vocab = c.n_embd, c.block_size, c.vocab_size
+    layers, cost = [], []
+    for name, layer in model.pipeline_layers():
+        if name.startswith("blocks."):
+            layers += [(f"{name}.attn_half", Residual(layer.ln_1, layer.attn)),
+                       (f"{name}.mlp_half", Residual(layer.ln_2, layer.mlp))]
+            cost += [4 * d * d + t * d, 8 * d * d]
+        else:
+            layers.append((name, layer))
+            cost.append(d * vocab + vocab if name == "lm_head" else d)
+    return layers, partition_balanced(cost, stages)
 
 
 def rank_batches(args: argparse.Namespace, spec: ModelSpec, rank: int, world: int) -> list:
@@ -276,8 +330,7 @@ def _worker_runner(system: str) -> Callable:
     if system in ZT_STRATEGY:
         return functools.partial(run_zerotrain, strategy=ZT_STRATEGY[system])
     if system in PIPE_SYSTEMS:
-        m, v = PIPE_SYSTEMS[system]
-        return functools.partial(run_pipeline, micro_batches=m, virtual_stages=v)
+        return functools.partial(run_pipeline, system=PIPE_SYSTEMS[system])
     raise SystemExit(f"--worker {system!r}: valid choices: {', '.join(ALL_SYSTEMS)}")
 
 
@@ -341,7 +394,8 @@ def stage_breakdown(records: list[dict], warmup: int) -> list[dict[str, float]]:
                          "wall_s": statistics.median(s["wall_s"] for s in sched),
                          "outside_s": statistics.median(t - s["wall_s"] for s, t in zip(sched, times)),
                          "bubble": statistics.median(1.0 - s["compute_s"] / s["wall_s"] for s in sched)})
-    stages = [[row for rank, row in enumerate(per_rank) if rank % PIPE_STAGES == stage] for stage in range(PIPE_STAGES)]
+    stages = [[row for rank, row in enumerate(per_rank) if rank % PIPE_STAGES == stage]
+              for stage in range(PIPE_STAGES)]
     return [{k: statistics.fmean(row[k] for row in rows) for k in rows[0]} for rows in stages if rows]
 
 
@@ -385,7 +439,7 @@ def zerotrain_skip(args: argparse.Namespace, system: str) -> str | None:
         return f"zerotrain strategy {name!r} is not registered yet"
     if system not in PIPE_SYSTEMS:
         return None
-    rows, m = MODELS[args.model].micro_batch * PIPE_STAGES, PIPE_SYSTEMS[system][0]
+    rows, m = MODELS[args.model].micro_batch * PIPE_STAGES, PIPE_SYSTEMS[system].m
     if args.nproc % PIPE_STAGES:
         return f"--nproc={args.nproc} is not a multiple of the pipeline's {PIPE_STAGES} stages"
     if rows % m:
@@ -522,9 +576,10 @@ def render_pipeline(results: dict[str, list[RunSummary]]) -> str:
     lines = [f"\n| system | m | v | bubble measured | bubble theory (p-1)/(vm+p-1) | {head} |",
              "|---|---|---|---|---|" + "---|" * p]
     for s, runs in rows:
-        m, v = PIPE_SYSTEMS[s]
+        m, v, _ = PIPE_SYSTEMS[s]
         bubble = statistics.median(statistics.fmean(st["bubble"] for st in r.stages) for r in runs)
-        split = " | ".join(f"{st['compute_s']:.3f} / {st['comm_s']:.3f} / {st['outside_s']:.3f}" for st in runs[0].stages)
+        split = " | ".join(f"{st['compute_s']:.3f} / {st['comm_s']:.3f} / {st['outside_s']:.3f}"
+                           for st in runs[0].stages)
         lines.append(f"| {s} | {m} | {v} | {bubble:.3f} | {(p - 1) / (v * m + p - 1):.3f} | {split} |")
     return ("\n".join(lines) + "\n\n- bubble measured: the share of a stage's schedule (its forwards, backwards "
             "and activation exchanges) spent outside forward/backward compute, the mean over the stages; "
