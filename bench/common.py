@@ -30,6 +30,9 @@ class ModelSpec:
     block_size: int
     vocab_size: int
     micro_batch: int
+    #: False: the LM head has its own matrix (``UntiedGPT``), so a 2-stage pipeline has no tied
+    #: weight to all-reduce between its first and last stage
+    tied: bool = True
 
     def config(self) -> GPTConfig:
         return GPTConfig(vocab_size=self.vocab_size, block_size=self.block_size, n_layer=self.n_layer,
@@ -38,16 +41,23 @@ class ModelSpec:
     def num_params(self) -> int:
         """Parameters, the tied embedding/head counted once (built on the meta device: free)."""
         with torch.device("meta"):
-            return sum(p.numel() for p in GPT(self.config()).parameters())
+            return sum(p.numel() for p in gpt_class(self.tied)(self.config()).parameters())
 
 
 # The 21M and 118M sizes are MACHINE_FACTS.md's peer benchmarks. Their parameter counts (21.1M,
 # 117.7M) need a 16384-token vocabulary (tied head): with byte tokens (256) the same shapes have
 # 12.8M / 101M parameters. Byte data still fits (ids < 256); the head's matmul has the peers' size.
+# gpt_118m_untied has the same 117.7M parameters as an 8192-token vocabulary with an untied head
+# (wte and lm_head 8.4M each): the pipeline benchmark's model, whose two stages then share no
+# weight, with 4 sequences per rank (a global batch of 8 on 2 ranks).
 MODELS: dict[str, ModelSpec] = {
     "tiny": ModelSpec(n_layer=2, n_head=2, n_embd=64, block_size=64, vocab_size=256, micro_batch=2),
+    "tiny_untied": ModelSpec(n_layer=2, n_head=2, n_embd=64, block_size=64, vocab_size=256, micro_batch=4,
+                             tied=False),
     "gpt_21m": ModelSpec(n_layer=4, n_head=8, n_embd=512, block_size=256, vocab_size=16384, micro_batch=4),
     "gpt_118m": ModelSpec(n_layer=8, n_head=16, n_embd=1024, block_size=256, vocab_size=16384, micro_batch=1),
+    "gpt_118m_untied": ModelSpec(n_layer=8, n_head=16, n_embd=1024, block_size=256, vocab_size=8192, micro_batch=4,
+                                 tied=False),
 }
 
 # AdamW for every system: decay on matrices only, constant learning rate (no scheduler, so
@@ -56,14 +66,26 @@ OPTIM = dict(lr=6e-4, betas=(0.9, 0.95), eps=1e-8)
 WEIGHT_DECAY = 0.1
 
 
-def build_gpt(config: GPTConfig, seed: int) -> GPT:
-    """The benchmark GPT with weights that depend on ``seed`` only.
+class UntiedGPT(GPT):
+    """The demo GPT with an LM head of its own (initialised like every Linear, N(0, 0.02)) instead
+    of ``wte``'s matrix: ``tie_weights`` leaves the two apart."""
+
+    def tie_weights(self) -> None:
+        pass
+
+
+def gpt_class(tied: bool) -> type[GPT]:
+    return GPT if tied else UntiedGPT
+
+
+def build_gpt(config: GPTConfig, seed: int, tied: bool = True) -> GPT:
+    """The benchmark GPT (``tied=False``: ``UntiedGPT``) with weights that depend on ``seed`` only.
 
     ``init_weights()`` is re-run right after seeding, so the weights are the same whatever RNG
     the constructor consumed before (eager build) or did not (a meta build materialised later).
     """
     torch.manual_seed(seed)
-    model = GPT(config)
+    model = gpt_class(tied)(config)
     torch.manual_seed(seed)
     model.init_weights()
     return model
@@ -145,6 +167,8 @@ class Record:
     rss_peak: int = 0
     step_times: list[float] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
+    #: pipeline only: each step's schedule on this stage (``compute_s``, ``comm_s``, ``wall_s``)
+    schedule: list[dict] = field(default_factory=list)
     _last: float = 0.0
 
     def baseline(self) -> None:

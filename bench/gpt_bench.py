@@ -1,8 +1,18 @@
-"""ZeRO side by side: one GPT, one data stream, ten ways to train it data-parallel on CPU.
+"""ZeRO side by side: one GPT, one data stream, ten ways to train it data-parallel on CPU, and
+zerotrain's pipeline beside them.
 
     python -m zerotrain.bench.gpt_bench --prepare                      # build DeepSpeed's op once
     python -m zerotrain.bench.gpt_bench --model tiny --steps 3 --warmup 1 --repeats 1   # smoke
     python -m zerotrain.bench.gpt_bench --model gpt_21m --out bench/RESULTS.md          # a real run
+
+    # the pipeline (2 stages, 1F1B, m = 4 and 8) against DDP, zero2 and zero3: the 118M GPT with an
+    # untied head, fp32, a global batch of 8 sequences (~10-12 min on 2 quiet cores)
+    python -m zerotrain.bench.gpt_bench --model gpt_118m_untied \
+        --systems ddp,zt_zero2,zt_zero3,zt_pipe_m4,zt_pipe_m8 --steps 3 --warmup 1 --repeats 2 --out bench/RESULTS.md
+    # (append ,zt_pipe_bal_m8 to --systems for the compute-balanced cut: ~2 min more)
+    # its quick check (tiny dims, seconds per run): every system's loss at every step agrees
+    python -m zerotrain.bench.gpt_bench --model tiny_untied \
+        --systems ddp,zt_zero2,zt_zero3,zt_pipe_m4,zt_pipe_m8 --steps 2 --warmup 1 --repeats 1
 
 Systems (``--systems``, a comma list; all by default):
 
@@ -13,6 +23,12 @@ Systems (``--systems``, a comma list; all by default):
                2e7-element buckets, ``stage3_max_reuse_distance: 0``
   zt_ddp, zt_zero1/2/3   zerotrain's Trainer with strategy ddp / zero1 / zero2 / zero3, as users
                run it (logger, checkpointing and progress bar off); zero3 only once registered
+  zt_pipe_m4, zt_pipe_m8   (only when named) zerotrain's pipeline through the same Trainer: 2
+               stages x nproc/2 replicas, 1F1B, each replica's batch (2 x micro-batch rows: the
+               same global batch) in m = 4 / 8 micro-batches; the module cuts the same GPT into
+               stages (``GPT.pipeline_layers``); zt_pipe_v2_m8: interleaved, 2 chunks per stage;
+               zt_pipe_bal_m8: the stage boundary placed by estimated compute inside a block
+               (``compute_balanced_layers``: a bench-side layer list, not the CLI's cut)
 
 How it measures. The driver (this file, no ``--worker``) runs every system as its own ``torchrun
 --standalone --nproc_per_node 2`` job of this file's worker entry, with ``OMP_NUM_THREADS=1``
@@ -22,16 +38,22 @@ figure per system is the median over repeats. Within a run, each rank times ever
 end of the previous optimizer step to the end of its own (for the Trainer: a callback's
 ``on_train_batch_end``), drops ``--warmup`` steps and takes the median; the run's figure is the
 slowest rank's. Peak RSS is ``getrusage(RUSAGE_SELF).ru_maxrss``, which includes the imports;
-"dRSS" is the peak minus the peak before the process group and the model existed.
+"dRSS" is the peak minus the peak before the process group and the model existed. The data-parallel
+systems run each rank's micro-batch as one forward/backward (no accumulation). For the pipeline
+the strategy times each step's schedule per stage (``last_step_stats``): the bubble is the share
+of a stage's schedule outside its forward/backward compute (waiting on or moving activations),
+the median over timed steps, the mean over stages, beside the theory (p-1)/(v*m+p-1).
 
 Correctness. Every system builds the same weights (``common.build_gpt``), each rank sees the same
 micro-batches in every system (``common.make_batches``), and all step the same AdamW with a
 constant learning rate. The loss of a step is the mean over ranks of the ranks' micro-batch
-losses; in fp32 every system's curve must match DDP's to rounding ("max |dloss|").
+losses (the pipeline's: the global batch's mean loss, on every rank); in fp32 every system's
+curve must match DDP's to rounding ("max |dloss|"; the last table lists every step's loss).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import functools
 import importlib.metadata
@@ -48,16 +70,32 @@ import tempfile
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 
 from zerotrain.bench.common import (MODELS, OPTIM, WEIGHT_DECAY, ModelSpec, Record, build_gpt, make_adamw,
                                     make_batches, param_groups)
 
-ALL_SYSTEMS = ["ddp", "fsdp2_zero2", "fsdp2", "ds_zero1", "ds_zero2", "ds_zero3",
-               "zt_ddp", "zt_zero1", "zt_zero2", "zt_zero3"]
+DEFAULT_SYSTEMS = ["ddp", "fsdp2_zero2", "fsdp2", "ds_zero1", "ds_zero2", "ds_zero3",
+                   "zt_ddp", "zt_zero1", "zt_zero2", "zt_zero3"]
 ZT_STRATEGY = {"zt_ddp": "ddp", "zt_zero1": "zero1", "zt_zero2": "zero2", "zt_zero3": "zero3"}
+
+
+class PipeSystem(NamedTuple):
+    """A pipeline system: 2 stages, 1F1B; ``m`` micro-batches per replica batch, ``v`` chunks per
+    stage (interleaved when > 1), ``balanced``: the stage boundary placed by estimated compute
+    inside a block (``compute_balanced_layers``) instead of by parameters between blocks."""
+
+    m: int
+    v: int = 1
+    balanced: bool = False
+
+
+PIPE_SYSTEMS = {"zt_pipe_m4": PipeSystem(4), "zt_pipe_m8": PipeSystem(8), "zt_pipe_v2_m8": PipeSystem(8, v=2),
+                "zt_pipe_bal_m8": PipeSystem(8, balanced=True)}
+PIPE_STAGES = 2
+ALL_SYSTEMS = DEFAULT_SYSTEMS + list(PIPE_SYSTEMS)
 BUCKET = 20_000_000  # elements; DeepSpeed's 5e8 default is GPU-sized (MACHINE_FACTS.md)
 PG_TIMEOUT_S = 600
 
@@ -99,7 +137,7 @@ def run_ddp(args: argparse.Namespace, spec: ModelSpec, batches: list, rec: Recor
 
     rec.baseline()
     _init_torch_pg()
-    model = DistributedDataParallel(build_gpt(spec.config(), args.seed), bucket_cap_mb=25,
+    model = DistributedDataParallel(build_gpt(spec.config(), args.seed, spec.tied), bucket_cap_mb=25,
                                     gradient_as_bucket_view=True)
     opt, rec.optimizer = make_adamw(model)
     _loop(_torch_step(model, opt, autocast=args.precision == "bf16-mixed"), batches, rec)
@@ -111,7 +149,7 @@ def run_fsdp2(args: argparse.Namespace, spec: ModelSpec, batches: list, rec: Rec
 
     rec.baseline()
     _init_torch_pg()
-    model = build_gpt(spec.config(), args.seed)
+    model = build_gpt(spec.config(), args.seed, spec.tied)
     # bf16-mixed as torchtitan sets it: bf16 compute copies, fp32 gradient reduction and master.
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
           if args.precision == "bf16-mixed" else MixedPrecisionPolicy())
@@ -154,7 +192,7 @@ def run_deepspeed(args: argparse.Namespace, spec: ModelSpec, batches: list, rec:
     rec.baseline()
     deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
     world = torch.distributed.get_world_size()
-    model = build_gpt(spec.config(), args.seed)
+    model = build_gpt(spec.config(), args.seed, spec.tied)
     engine, opt, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model),
                                              config=deepspeed_config(spec, stage, args.precision, world))
     inner = getattr(opt, "optimizer", opt)
@@ -171,7 +209,9 @@ def run_deepspeed(args: argparse.Namespace, spec: ModelSpec, batches: list, rec:
 
 
 def run_zerotrain(args: argparse.Namespace, spec: ModelSpec, batches: list, rec: Record, *,
-                  strategy: str) -> None:
+                  strategy: Any, balanced_cut: bool = False) -> None:
+    """The Trainer under ``strategy`` (a name or a Strategy). Under the pipeline the module cuts
+    its GPT into stages itself (``to_pipeline``), and every step's schedule timings are kept."""
     from zerotrain import Callback, Trainer, TrainModule
 
     class BenchModule(TrainModule):
@@ -181,7 +221,20 @@ def run_zerotrain(args: argparse.Namespace, spec: ModelSpec, batches: list, rec:
 
         def configure_model(self) -> None:
             if self.model is None:
-                self.model = build_gpt(spec.config(), args.seed)
+                self.model = build_gpt(spec.config(), args.seed, spec.tied)
+
+        def to_pipeline(self, num_stages: int):
+            """The pipeline's hook: the built GPT's layers (``GPT.pipeline_layers``, as the demo
+            GPTModule cuts it), so every stage starts from the weights every other system has."""
+            from zerotrain.examples.gpt import lm_loss
+            from zerotrain.strategies.pipeline import PipelineModule
+
+            if balanced_cut and not isinstance(self.model, PipelineModule):
+                layers, bounds = compute_balanced_layers(self.model, num_stages)
+                self.model = PipelineModule.from_modules(layers, num_stages, loss_fn=lm_loss, partition_method=bounds)
+            elif not isinstance(self.model, PipelineModule):
+                self.model = PipelineModule.from_modules(self.model.pipeline_layers(), num_stages, loss_fn=lm_loss)
+            return self.model
 
         def training_step(self, batch, batch_idx):
             x, y = batch
@@ -198,6 +251,9 @@ def run_zerotrain(args: argparse.Namespace, spec: ModelSpec, batches: list, rec:
 
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
             rec.step_end(outputs)  # after the optimizer step
+            stats = getattr(trainer.strategy, "last_step_stats", None)  # the pipeline's schedule
+            if stats is not None:
+                rec.schedule.append({"compute_s": stats.compute_s, "comm_s": stats.comm_s, "wall_s": stats.wall_s})
 
     rec.baseline()
     trainer = Trainer(accelerator="cpu", devices=int(os.environ["LOCAL_WORLD_SIZE"]), strategy=strategy,
@@ -205,6 +261,63 @@ def run_zerotrain(args: argparse.Namespace, spec: ModelSpec, batches: list, rec:
                       enable_checkpointing=False, enable_progress_bar=False, callbacks=[StepTimer()],
                       log_every_n_steps=10**9, seed=args.seed, default_root_dir=args.result_dir)
     trainer.fit(BenchModule(), train_dataloaders=batches)  # a list of this rank's batches: no sampler
+
+
+def run_pipeline(args: argparse.Namespace, spec: ModelSpec, batches: list, rec: Record, *,
+                 system: PipeSystem) -> None:
+    """zerotrain's pipeline: PIPE_STAGES stages, 1F1B (interleaved over ``system.v`` chunks per
+    stage when > 1), each replica's batch in ``system.m`` micro-batches."""
+    from zerotrain.strategies.pipeline import PipelineStrategy
+
+    strategy = PipelineStrategy(stages=PIPE_STAGES, schedule="1f1b", micro_batches=system.m, virtual_stages=system.v)
+    run_zerotrain(args, spec, batches, rec, strategy=strategy, balanced_cut=system.balanced)
+
+
+class Residual(torch.nn.Module):
+    """``x + sub(ln(x))``: one half of a GPT ``Block`` (attention or MLP) holding the block's own
+    modules, so that a stage boundary can fall inside a block with the same weights and the same
+    operations in the same order."""
+
+    def __init__(self, ln: torch.nn.Module, sub: torch.nn.Module) -> None:
+        super().__init__()
+        self.ln, self.sub = ln, sub
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.sub(self.ln(x))
+
+
+def compute_balanced_layers(model: torch.nn.Module,
+                            stages: int) -> tuple[list[tuple[str, torch.nn.Module]], list[int]]:
+    """``GPT.pipeline_layers`` with every block as its two ``Residual`` halves, and the stage
+    bounds that balance each layer's forward multiply-adds per token (the backward costs about
+    twice each, so the same proportions): attention 4d^2 + T d, MLP 8d^2, the LM head and loss
+    d V + V, the rest d. Why: cut by parameters between blocks, the last stage also runs the head
+    and the loss (~20% of a stage for the 118M model at vocab 8192), and sets the pace."""
+    from zerotrain.strategies.pipeline.partition import partition_balanced
+
+    c = model.config
+    d, t, vocab = c.n_embd, c.block_size, c.vocab_size
+    layers, cost = [], []
+    for name, layer in model.pipeline_layers():
+        if name.startswith("blocks."):
+            layers += [(f"{name}.attn_half", Residual(layer.ln_1, layer.attn)),
+                       (f"{name}.mlp_half", Residual(layer.ln_2, layer.mlp))]
+            cost += [4 * d * d + t * d, 8 * d * d]
+        else:
+            layers.append((name, layer))
+            cost.append(d * vocab + vocab if name == "lm_head" else d)
+    return layers, partition_balanced(cost, stages)
+
+
+def rank_batches(args: argparse.Namespace, spec: ModelSpec, rank: int, world: int) -> list:
+    """This rank's batch of every step. Data-parallel: its ``micro_batch`` rows of the global
+    batch. Pipeline: its replica's ``PIPE_STAGES * micro_batch`` rows (every stage of a replica
+    gets them: the first its inputs, the last its targets). The global batch is the same."""
+    steps = args.warmup + args.steps
+    if args.worker in PIPE_SYSTEMS:
+        spec = dataclasses.replace(spec, micro_batch=spec.micro_batch * PIPE_STAGES)
+        rank, world = rank // PIPE_STAGES, world // PIPE_STAGES  # replica r: ranks r*stages ...
+    return make_batches(spec, args.data, args.seed, steps, rank, world)
 
 
 def _worker_runner(system: str) -> Callable:
@@ -216,6 +329,8 @@ def _worker_runner(system: str) -> Callable:
         return functools.partial(run_deepspeed, stage=int(system[-1]))
     if system in ZT_STRATEGY:
         return functools.partial(run_zerotrain, strategy=ZT_STRATEGY[system])
+    if system in PIPE_SYSTEMS:
+        return functools.partial(run_pipeline, system=PIPE_SYSTEMS[system])
     raise SystemExit(f"--worker {system!r}: valid choices: {', '.join(ALL_SYSTEMS)}")
 
 
@@ -228,7 +343,7 @@ def worker_main(args: argparse.Namespace) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     spec = MODELS[args.model]
-    batches = make_batches(spec, args.data, args.seed, args.warmup + args.steps, rank, world)
+    batches = rank_batches(args, spec, rank, world)
     rec = Record(system=args.worker, rank=rank, world=world)
     _worker_runner(args.worker)(args, spec, batches, rec)
     rec.write(args.result_dir)
@@ -250,6 +365,8 @@ class RunSummary:
     optimizer: str
     threads: int
     exit_note: str = ""
+    #: pipeline only: per stage, the medians of ``stage_breakdown``
+    stages: list[dict[str, float]] = dataclasses.field(default_factory=list)
 
 
 def summarise_run(records: list[dict], warmup: int) -> RunSummary:
@@ -258,7 +375,28 @@ def summarise_run(records: list[dict], warmup: int) -> RunSummary:
     losses = [statistics.fmean(r["losses"][i] for r in records) for i in range(n)]
     return RunSummary(step_s=max(medians), rss_peak=max(r["rss_peak"] for r in records),
                       rss_delta=max(r["rss_peak"] - r["rss_base"] for r in records), losses=losses,
-                      optimizer=records[0]["optimizer"], threads=max(r["threads"] for r in records))
+                      optimizer=records[0]["optimizer"], threads=max(r["threads"] for r in records),
+                      stages=stage_breakdown(records, warmup))
+
+
+def stage_breakdown(records: list[dict], warmup: int) -> list[dict[str, float]]:
+    """Pipeline runs: per stage (the mean over its replicas' ranks) the median over the timed steps
+    of its forward/backward compute, its time in exchanges (waiting on or moving activations and
+    gradients), the schedule's wall time, the rest of the step (gradient reduction, optimizer,
+    Trainer) and the bubble: the share of the schedule outside compute. Empty for other systems."""
+    per_rank = []
+    for r in records:
+        sched, times = r.get("schedule", [])[warmup:], r["step_times"][warmup:]
+        if not sched:
+            return []
+        per_rank.append({"compute_s": statistics.median(s["compute_s"] for s in sched),
+                         "comm_s": statistics.median(s["comm_s"] for s in sched),
+                         "wall_s": statistics.median(s["wall_s"] for s in sched),
+                         "outside_s": statistics.median(t - s["wall_s"] for s, t in zip(sched, times)),
+                         "bubble": statistics.median(1.0 - s["compute_s"] / s["wall_s"] for s in sched)})
+    stages = [[row for rank, row in enumerate(per_rank) if rank % PIPE_STAGES == stage]
+              for stage in range(PIPE_STAGES)]
+    return [{k: statistics.fmean(row[k] for row in rows) for k in rows[0]} for rows in stages if rows]
 
 
 def max_abs_diff(a: list[float], b: list[float]) -> float:
@@ -292,11 +430,21 @@ def prepare_deepspeed(args: argparse.Namespace) -> str | None:
     return None
 
 
-def zerotrain_skip(system: str) -> str | None:
+def zerotrain_skip(args: argparse.Namespace, system: str) -> str | None:
+    """Why a zerotrain system cannot run here, or None."""
     from zerotrain.strategies import available
 
-    name = ZT_STRATEGY[system]
-    return None if name in available() else f"zerotrain strategy {name!r} is not registered yet"
+    name = ZT_STRATEGY.get(system, "pipeline")
+    if name not in available():
+        return f"zerotrain strategy {name!r} is not registered yet"
+    if system not in PIPE_SYSTEMS:
+        return None
+    rows, m = MODELS[args.model].micro_batch * PIPE_STAGES, PIPE_SYSTEMS[system].m
+    if args.nproc % PIPE_STAGES:
+        return f"--nproc={args.nproc} is not a multiple of the pipeline's {PIPE_STAGES} stages"
+    if rows % m:
+        return f"a replica's batch of {rows} rows does not split into m={m} equal micro-batches"
+    return None
 
 
 def worker_flags(args: argparse.Namespace, system: str, result_dir: str) -> list[str]:
@@ -413,7 +561,54 @@ def render(args: argparse.Namespace, results: dict[str, list[RunSummary]], skipp
             notes.append(f"{s}: ran with {first.threads} threads per rank, not {args.threads}")
     opts = sorted({f"{s}: {runs[0].optimizer}" for s, runs in results.items() if runs})
     notes.append("optimizer per system: " + "; ".join(opts))
-    return "\n".join(lines) + "\n\n" + "\n".join(f"- {n}" for n in notes) + "\n"
+    return ("\n".join(lines) + "\n\n" + "\n".join(f"- {n}" for n in notes) + "\n"
+            + render_pipeline(results) + render_losses(results, base_name))
+
+
+def render_pipeline(results: dict[str, list[RunSummary]]) -> str:
+    """The pipeline systems' bubble (median over repeats) beside (p-1)/(m+p-1), and where each
+    stage's step went (the first repeat's medians, seconds)."""
+    rows = [(s, runs) for s, runs in results.items() if runs and runs[0].stages]
+    if not rows:
+        return ""
+    p = PIPE_STAGES
+    head = " | ".join(f"stage {i}: compute / exchanges / rest of step (s)" for i in range(p))
+    lines = [f"\n| system | m | v | bubble measured | bubble theory (p-1)/(vm+p-1) | {head} |",
+             "|---|---|---|---|---|" + "---|" * p]
+    for s, runs in rows:
+        m, v, _ = PIPE_SYSTEMS[s]
+        bubble = statistics.median(statistics.fmean(st["bubble"] for st in r.stages) for r in runs)
+        split = " | ".join(f"{st['compute_s']:.3f} / {st['comm_s']:.3f} / {st['outside_s']:.3f}"
+                           for st in runs[0].stages)
+        lines.append(f"| {s} | {m} | {v} | {bubble:.3f} | {(p - 1) / (v * m + p - 1):.3f} | {split} |")
+    return ("\n".join(lines) + "\n\n- bubble measured: the share of a stage's schedule (its forwards, backwards "
+            "and activation exchanges) spent outside forward/backward compute, the mean over the stages; "
+            "'rest of step': the step outside the schedule (gradient reduction, optimizer step, Trainer)\n")
+
+
+def render_losses(results: dict[str, list[RunSummary]], base_name: str | None) -> str:
+    """Every system's loss at every step (warm-up included; the first repeat), beside the baseline's."""
+    runs = {s: r[0].losses for s, r in results.items() if r}
+    if not runs:
+        return ""
+    names = list(runs)
+    lines = ["\n| step | " + " | ".join(names) + f" | max abs dloss vs {base_name} |",
+             "|---|" + "---|" * (len(names) + 1)]
+    for i in range(max(len(v) for v in runs.values())):
+        got = [v[i] if i < len(v) else float("nan") for v in runs.values()]
+        base = runs[base_name][i] if base_name and i < len(runs[base_name]) else float("nan")
+        lines.append(f"| {i} | " + " | ".join(f"{x:.6f}" for x in got)
+                     + f" | {max(abs(x - base) for x in got):.2e} |")
+    return "\n".join(lines) + "\n"
+
+
+def pipeline_note(args: argparse.Namespace, systems: list[str]) -> str:
+    """How the pipeline systems cut the same global batch, for the header."""
+    if not any(s in PIPE_SYSTEMS for s in systems):
+        return ""
+    rows = MODELS[args.model].micro_batch * PIPE_STAGES
+    return (f" (pipeline: {PIPE_STAGES} stages x {args.nproc // PIPE_STAGES} replica(s), 1F1B, each replica's "
+            f"batch of {rows} rows in m micro-batches of {rows}/m; v: chunks per stage, interleaved when > 1)")
 
 
 def driver_main(args: argparse.Namespace) -> None:
@@ -431,7 +626,7 @@ def driver_main(args: argparse.Namespace) -> None:
         if args.prepare:
             return
     for s in systems:
-        if s in ZT_STRATEGY and (why := zerotrain_skip(s)):
+        if (s in ZT_STRATEGY or s in PIPE_SYSTEMS) and (why := zerotrain_skip(args, s)):
             skipped[s] = why
     for s, why in skipped.items():
         print(f"skipping {s}: {why}", flush=True)
@@ -463,7 +658,8 @@ def driver_main(args: argparse.Namespace) -> None:
               f"CPU: {info['cpu']} ({info['cores']} cores); torch {info['torch']}, deepspeed {info['deepspeed']}; "
               f"{args.nproc} ranks x {args.threads} thread(s), gloo. Model: {spec.num_params() / 1e6:.1f}M params, "
               f"{spec.n_layer} layers, d={spec.n_embd}, seq {spec.block_size}, vocab {spec.vocab_size}, "
-              f"micro-batch {spec.micro_batch}/rank; data {args.data}; {args.warmup} warm-up + {args.steps} "
+              f"micro-batch {spec.micro_batch}/rank{pipeline_note(args, to_run)}; data {args.data}; "
+              f"{args.warmup} warm-up + {args.steps} "
               f"timed steps; median over {args.repeats} interleaved repeat(s)."
               f"{info['bf16_note'] if args.precision == 'bf16-mixed' else ''}\n\n")
     print("\n" + header + table, flush=True)
@@ -484,7 +680,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=20, help="timed steps per run")
     p.add_argument("--warmup", type=int, default=3, help="steps run before the timed ones, not timed")
     p.add_argument("--repeats", type=int, default=3, help="interleaved runs of every system")
-    p.add_argument("--systems", default=",".join(ALL_SYSTEMS), help="comma list, in run order")
+    p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
+                   help=f"comma list, in run order (default: all but {', '.join(PIPE_SYSTEMS)})")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--nproc", type=int, default=2, help="ranks (torchrun --nproc_per_node)")
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS per rank")

@@ -5,16 +5,18 @@ Trainer's seed, AdamW with the demo's warmup + cosine schedule, clipping at 1.0,
 sequences ``8k .. 8k+7`` of the DistributedSampler's epoch-0 permutation (with R replicas each
 takes every R-th of them: the same 8).
 
-* 2 stages, 4 stages (with activation checkpointing) and 2 stages x 2 replicas: every logged loss
-  and every final parameter within 1e-5 (relative) of the plain loop; the final checkpoint,
-  consolidated by ``zerotrain-consolidate``, loads into the plain GPT with ``strict=True``;
+* 2 stages, 4 stages (with activation checkpointing), 2 stages x 2 replicas, 2 stages with ZeRO-1
+  (``strategy.zero_stage=1``; on 2 x 2, the optimizer state partitioned over the replicas) and
+  interleaved 1F1B (``strategy.virtual_stages=2``): every logged loss and every final parameter
+  within 1e-5 (relative) of the plain loop; the final checkpoint, consolidated by
+  ``zerotrain-consolidate``, loads into the plain GPT with ``strict=True``;
 * resharding: the 2-stage run's step-2 checkpoint resumes as 4 stages, as zero2 on 2 ranks, as
   single and as ddp on 2, and a zero2 run's as 2 stages; each run's steps 3-4 equal the
   uninterrupted plain loop.
 
 The 4-process runs take longest on 2 cores: the 4-stage run stays in the default suite, the 2 x 2
-grid and the resume into 4 stages are ``slow``, and so is the resume as ddp (single loads the
-same replicated way).
+grids (plain and ZeRO-1; ZeRO-1 runs by default on 2 stages x 1 replica) and the resume into 4
+stages are ``slow``, and so is the resume as ddp (single loads the same replicated way).
 """
 from __future__ import annotations
 
@@ -191,6 +193,33 @@ def test_four_stages_with_activation_checkpointing_match_a_plain_loop(tmp_path_f
 def test_two_stages_by_two_replicas_match_a_plain_loop(tmp_path_factory):
     run_dir = _cli(_root(tmp_path_factory), "pipe2x2", 4, 2, "strategy=pipeline", "strategy.stages=2",
                    "strategy.micro_batches=2", timeout=240)
+    _check_continues_exactly(run_dir)
+
+
+def test_two_stages_with_zero1_match_a_plain_loop(tmp_path_factory):
+    """ZeRO-1 over each stage's data-parallel group of one: the flat buffers, fp32 masters and the
+    global norm over partitions (the tied wte/lm_head counted once, on stage 0) in the CLI path."""
+    run_dir = _cli(_root(tmp_path_factory), "pipe2-zero1", 2, 1, "strategy=pipeline", "strategy.stages=2",
+                   "strategy.zero_stage=1")
+    _check_continues_exactly(run_dir)
+
+
+@pytest.mark.slow
+def test_two_stages_by_two_replicas_with_zero1_match_a_plain_loop(tmp_path_factory):
+    """ZeRO-1 partitioning each stage's optimizer state over its 2 replicas."""
+    run_dir = _cli(_root(tmp_path_factory), "pipe2x2-zero1", 4, 2, "strategy=pipeline", "strategy.stages=2",
+                   "strategy.micro_batches=2", "strategy.zero_stage=1", timeout=240)
+    _check_continues_exactly(run_dir)
+    meta = torch.load(run_dir / "checkpoints" / f"step={STEPS:06d}" / "meta.pt", weights_only=True)
+    writers = {r[0] for entry in meta["params"].values() for r in entry["ranges"]}
+    assert writers == {0, 1, 2, 3}, writers  # replica 1 (ranks 2, 3) saved its own partitions
+
+
+def test_interleaved_two_stages_match_a_plain_loop(tmp_path_factory):
+    """Interleaved 1F1B: 2 chunks per stage, the stages in a ring (the tied head on stage 1's
+    second chunk, wte on stage 0's first)."""
+    run_dir = _cli(_root(tmp_path_factory), "pipe2-v2", 2, 1, "strategy=pipeline", "strategy.stages=2",
+                   "strategy.virtual_stages=2")
     _check_continues_exactly(run_dir)
 
 
