@@ -84,7 +84,7 @@ def build(cfg: Config):
     if cfg.trainer.enable_checkpointing:
         callbacks.append(ModelCheckpoint(dirpath=f"{root}/checkpoints", save_last=cfg.callbacks.save_last,
                                          every_n_train_steps=cfg.callbacks.checkpoint_every_n_steps))
-    if cfg.callbacks.lr_monitor:
+    if cfg.callbacks.lr_monitor and cfg.callbacks.tensorboard:  # it needs a logger, as Lightning's
         callbacks.append(LearningRateMonitor())
     if cfg.callbacks.throughput:
         callbacks.append(ThroughputMonitor())

@@ -7,34 +7,75 @@ from .base import Callback
 
 
 class LearningRateMonitor(Callback):
-    """Logs each optimizer's learning rate after each optimizer step (or epoch), under
-    Lightning's names: ``lr-<OptimizerClass>``, ``-1``, ``-2``... for further optimizers of the
-    same class, ``/<group name>`` or ``/pg<i>`` per param group when there are several."""
+    """Lightning's LearningRateMonitor: each optimizer's learning rate (and optionally momentum and
+    weight decay) sent to the loggers before the optimizer step of every logging step (or at
+    each epoch's start), with Lightning's names: ``lr-<OptimizerClass>``, ``-1``, ``-2``... for
+    further optimizers of the same class, the scheduler dict's ``name`` where given,
+    ``/<group name>`` or ``/pg<i>`` per param group when there are several. Optimizers with a
+    scheduler are named first, then the others, as Lightning does.
 
-    def __init__(self, logging_interval: str = "step") -> None:
-        if logging_interval not in ("step", "epoch"):
-            raise ValueError(f"LearningRateMonitor: logging_interval={logging_interval!r}; valid: step, epoch")
+    ``logging_interval=None`` (Lightning's default) logs a scheduler's optimizer at its scheduler's
+    interval and an optimizer without a scheduler at every logging step; ``"step"`` / ``"epoch"``
+    log every optimizer at that interval. The values also go to ``trainer.callback_metrics``, and
+    ``self.lrs`` keeps every value logged, by name."""
+
+    def __init__(self, logging_interval: str | None = None, log_momentum: bool = False,
+                 log_weight_decay: bool = False) -> None:
+        if logging_interval not in (None, "step", "epoch"):
+            raise ValueError(f"LearningRateMonitor: logging_interval={logging_interval!r}; valid: None, step, epoch")
         self.logging_interval = logging_interval
+        self.log_momentum, self.log_weight_decay = log_momentum, log_weight_decay
+        self.lrs: dict[str, list[float]] = {}
 
-    def _emit(self, trainer) -> None:
-        metrics, seen = {}, {}
-        for opt in trainer.optimizers:
-            cls = type(opt).__name__
-            seen[cls] = seen.get(cls, 0) + 1
-            name = f"lr-{cls}" + (f"-{seen[cls] - 1}" if seen[cls] > 1 else "")
+    def on_train_start(self, trainer, module) -> None:
+        if not trainer.loggers:
+            raise ValueError("LearningRateMonitor: the Trainer has no logger (logger=False); valid: a Trainer "
+                             "with a logger")
+        self.lrs = {name: [] for _, names, _ in self._named(trainer) for name in names}
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+        if self.logging_interval != "epoch" and trainer._logging.step_row_due():
+            self._emit(trainer, "step" if self.logging_interval is None else "any")
+
+    def on_train_epoch_start(self, trainer, module) -> None:
+        if self.logging_interval != "step":
+            self._emit(trainer, "epoch" if self.logging_interval is None else "any")
+
+    @staticmethod
+    def _named(trainer) -> list[tuple[object, list[str], str | None]]:
+        """(optimizer, a name per param group, its scheduler's interval or None), schedulers'
+        optimizers first. An optimizer class's n-th occurrence is suffixed ``-(n-1)``; a
+        scheduler named by its dict keeps its name and is not counted."""
+        out, counts, seen = [], {}, []
+        configs = [(c.scheduler.optimizer, c.name, c.interval) for c in trainer.lr_scheduler_configs]
+        rest = [(o, None, None) for o in trainer.optimizers if not any(o is c[0] for c in configs)]
+        for opt, given, interval in configs + rest:
+            seen.append(opt)
+            cls = type(opt)
+            if given is None:
+                counts[cls] = counts.get(cls, 0) + 1
+            name = given or f"lr-{cls.__name__}"
+            if counts.get(cls, 0) > 1:
+                name += f"-{counts[cls] - 1}"
             groups = opt.param_groups
-            for i, g in enumerate(groups):
-                label = g.get("name", f"pg{i + 1}") if len(groups) > 1 else g.get("name")
-                metrics[f"{name}/{label}" if label else name] = float(g["lr"])
-        trainer._emit(metrics)
+            labels = [g.get("name", f"pg{i + 1}") if len(groups) > 1 else g.get("name") for i, g in enumerate(groups)]
+            out.append((opt, [f"{name}/{label}" if label else name for label in labels], interval))
+        return out
 
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
-        if self.logging_interval == "step" and trainer.global_step % trainer.log_every_n_steps == 0:
-            self._emit(trainer)
-
-    def on_train_epoch_end(self, trainer, module) -> None:
-        if self.logging_interval == "epoch":
-            self._emit(trainer)
+    def _emit(self, trainer, interval: str) -> None:
+        metrics = {}
+        for opt, names, sched_interval in self._named(trainer):
+            if sched_interval is not None and interval not in (sched_interval, "any"):
+                continue
+            betas = "betas" in opt.defaults
+            for g, name in zip(opt.param_groups, names):
+                metrics[name] = float(g["lr"])
+                self.lrs.setdefault(name, []).append(metrics[name])
+                if self.log_momentum:
+                    metrics[f"{name}-momentum"] = float(g["betas"][0] if betas else g.get("momentum", 0))
+                if self.log_weight_decay:
+                    metrics[f"{name}-weight_decay"] = float(g["weight_decay"])
+        trainer._emit(metrics, callback=True)
 
 
 class ThroughputMonitor(Callback):

@@ -247,6 +247,7 @@ class TrainerConfig:
 class CallbacksConfig:
     checkpoint_every_n_steps: Optional[int] = None
     save_last: bool = True
+    #: the LearningRateMonitor, writing to the TensorBoard logger (nothing to write to without it)
     lr_monitor: bool = True
     throughput: bool = True
     tensorboard: bool = True

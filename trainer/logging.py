@@ -459,11 +459,14 @@ class MetricsConnector:
     def update_train_step_metrics(self, accumulating: bool) -> None:
         """After a batch's ``on_train_batch_end``: the step values to the loggers every
         ``log_every_n_steps`` optimizer steps (or when stopping), at ``logging_step``."""
-        t = self.trainer
-        if accumulating or not t.log_every_n_steps:
-            return
-        if (self.logging_step + 1) % t.log_every_n_steps == 0 or t.should_stop:
+        if not accumulating and self.step_row_due():
             self.log_metrics(self._current()["log"])
+
+    def step_row_due(self) -> bool:
+        """Whether the optimizer step now running (or about to) is a logging step: every
+        ``log_every_n_steps``-th, or the last when stopping (Lightning's ``should_update_logs``)."""
+        t = self.trainer
+        return bool(t.log_every_n_steps) and ((self.logging_step + 1) % t.log_every_n_steps == 0 or t.should_stop)
 
     def batch_done(self, stepped: bool) -> None:
         """The end of a training batch that stepped the optimizer (or every batch, in manual
@@ -601,9 +604,12 @@ class TrainerLogging:
                         "turn this off", name)
         self._log(name, loss.detach(), sync_dist=name != "train_loss")
 
-    def _emit(self, metrics: dict[str, float]) -> None:
+    def _emit(self, metrics: dict[str, float], callback: bool = False) -> None:
         """A callback's own row straight to the loggers (as Lightning's LearningRateMonitor writes
-        ``logger.log_metrics(..., step)``), at the logging step; not in ``logged_metrics``."""
+        ``logger.log_metrics(..., step)``), at the logging step; not in ``logged_metrics``;
+        ``callback``: also into ``callback_metrics`` (as the LearningRateMonitor's values are)."""
+        if callback:
+            self._logging.callback_metrics.update({k: torch.tensor(v) for k, v in metrics.items()})
         if self.is_global_zero and metrics and not self.sanity_checking:
             for lg in self.loggers:
                 lg.log_metrics(metrics, self._logging.logging_step)

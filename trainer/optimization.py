@@ -52,6 +52,8 @@ class SchedulerConfig:
     #: an error (``strict``) or a skipped step with a warning
     monitor: str | None = None
     strict: bool = True
+    #: Lightning's ``name``: what the LearningRateMonitor calls this scheduler's optimizer
+    name: str | None = None
 
     @property
     def reduce_on_plateau(self) -> bool:
@@ -110,7 +112,7 @@ def _scheduler(entry: Any, default_interval: str, monitor: str | None = None) ->
         entry = {"scheduler": entry}
     if entry.get("scheduler") is None:
         raise ConfigError(f"lr_scheduler={sorted(entry)}: no 'scheduler'; valid: a dict with 'scheduler' "
-                          "(and 'interval', 'frequency', 'monitor', 'strict')")
+                          "(and 'interval', 'frequency', 'monitor', 'strict', 'name')")
     frequency = entry.get("frequency", 1)
     if not isinstance(frequency, int) or isinstance(frequency, bool) or frequency < 1:
         raise ConfigError(f"lr_scheduler frequency={frequency!r}; valid: an integer >= 1")
@@ -118,7 +120,7 @@ def _scheduler(entry: Any, default_interval: str, monitor: str | None = None) ->
     if interval not in ("step", "epoch"):
         raise ConfigError(f"lr_scheduler interval={interval!r}; valid choices: step, epoch")
     config = SchedulerConfig(entry["scheduler"], interval, frequency, entry.get("monitor", monitor),
-                             bool(entry.get("strict", True)))
+                             bool(entry.get("strict", True)), entry.get("name"))
     if config.reduce_on_plateau and config.monitor is None:  # Lightning's message
         raise ConfigError("`configure_optimizers` must include a monitor when a `ReduceLROnPlateau` scheduler is "
                           'used. For example: {"optimizer": optimizer, "lr_scheduler": scheduler, "monitor": '

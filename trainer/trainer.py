@@ -13,7 +13,7 @@ import math
 import os
 import sys
 from datetime import timedelta
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
@@ -189,6 +189,7 @@ class Trainer(TrainerEvaluation, TrainerLogging):
         self.train_dataloader: DataLoader | None = None
         self.val_dataloader: DataLoader | None = None
         self.num_training_batches: float = math.inf
+        self.is_last_batch = False  # Lightning's: the running training batch is the epoch's last
 
     # ------------------------------------------------------------------ properties
     @property
@@ -428,6 +429,12 @@ class Trainer(TrainerEvaluation, TrainerLogging):
         """The optimizers ``configure_optimizers`` returned (Lightning's ``trainer.optimizers``)."""
         return list(self._optim.optimizers) if self._optim is not None else []
 
+    @property
+    def lr_scheduler_configs(self) -> list:
+        """Each scheduler with its interval, frequency, monitor and name (Lightning's
+        ``trainer.lr_scheduler_configs``; ``trainer/optimization.py`` ``SchedulerConfig``)."""
+        return list(self._optim.schedulers) if self._optim is not None else []
+
     _optim: Optimization | None = None
 
     def _prepare_loader(self, loader: Any, stage: str) -> Any:
@@ -490,7 +497,7 @@ class Trainer(TrainerEvaluation, TrainerLogging):
             self._tick("on_train_epoch_start")
             self.hooks.both("on_train_epoch_start", self, module)
             batch_idx, cut = -1, False
-            for batch_idx, batch in enumerate(batches):
+            for batch_idx, (batch, self.is_last_batch) in enumerate(_with_last(batches, n_batches)):
                 if batch_idx >= n_batches or self._done():
                     break
                 if batch_idx < skip:
@@ -809,6 +816,24 @@ class _BatchHooks:
 def _hook_owners(callbacks: list, module: TrainModule | None) -> list[tuple[Any, type]]:
     """Each object whose hooks the Trainer calls, with the base class whose no-ops it overrides."""
     return [(cb, Callback) for cb in callbacks] + ([(module, TrainModule)] if module is not None else [])
+
+
+def _with_last(batches: Iterable, n_batches: float) -> Iterator[tuple[Any, bool]]:
+    """Each batch with whether it is the epoch's last: by count where the epoch's length is known,
+    else by fetching one batch ahead (as Lightning's prefetching fetcher does)."""
+    if n_batches != math.inf:
+        for i, batch in enumerate(batches):
+            yield batch, i + 1 == n_batches
+        return
+    it = iter(batches)
+    try:
+        ahead = next(it)
+    except StopIteration:
+        return
+    for batch in it:
+        yield ahead, False
+        ahead = batch
+    yield ahead, True
 
 
 def _len_or_none(loader: Any) -> int | None:

@@ -189,3 +189,68 @@ def test_learning_rate_monitor_names_its_metrics_as_lightning(tmp_path):
         with open(f"{logger.log_dir}/metrics.csv") as f:
             names[lib] = {n for n in f.readline().strip().split(",") if n.startswith("lr-")}
     assert names["zt"] == names["pl"] == {"lr-SGD", "lr-SGD-1/w", "lr-SGD-1/b", "lr-Adam/pg1", "lr-Adam/pg2"}
+
+
+@pytest.mark.parametrize("interval, every", [(None, 1), ("step", 2), ("epoch", 1)])
+def test_learning_rate_monitor_logs_lightnings_rows(tmp_path, interval, every):
+    """A per-step scheduler on one optimizer (named in its dict) and an epoch scheduler and a bare
+    optimizer of the same class: every lr/momentum/weight-decay value the LearningRateMonitor
+    sends to the logger, at its step, equals Lightning's (logged before each step's optimizer
+    step, at the logging steps; per-epoch values at each epoch's start)."""
+    pl = pytest.importorskip("pytorch_lightning")
+
+    def make_module(base):
+        class Two(base):
+            def __init__(self):
+                super().__init__()
+                self.automatic_optimization = False
+                torch.manual_seed(0)
+                self.a, self.b, self.c = nn.Linear(5, 2), nn.Linear(5, 2), nn.Linear(5, 2)
+
+            def training_step(self, batch, batch_idx):
+                x, y = batch
+                opts, scheds = self.optimizers(), self.lr_schedulers()
+                for opt, net in zip(opts, (self.a, self.b, self.c)):
+                    self.manual_backward(nn.functional.mse_loss(net(x), y))
+                    opt.step()
+                    opt.zero_grad()
+                scheds[0].step()
+                if self.trainer.is_last_batch:
+                    scheds[1].step()
+
+            def configure_optimizers(self):
+                a = torch.optim.SGD(self.a.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+                b = torch.optim.Adam(self.b.parameters(), lr=0.2)
+                c = torch.optim.SGD(self.c.parameters(), lr=0.3)
+                return ([a, b, c],
+                        [{"scheduler": torch.optim.lr_scheduler.StepLR(a, 1, gamma=0.5), "interval": "step",
+                          "name": "warm"},
+                         torch.optim.lr_scheduler.StepLR(b, 1, gamma=0.1)])
+
+            def train_dataloader(self):
+                return DataLoader(_data(), batch_size=4)
+        return Two()
+
+    rows = {}
+    for lib, trainer_cls, monitor, logger_cls, base in (
+            ("pl", pl.Trainer, pl.callbacks.LearningRateMonitor, pl.loggers.CSVLogger, pl.LightningModule),
+            ("zt", Trainer, __import__("zerotrain").LearningRateMonitor, __import__("zerotrain").CSVLogger,
+             TrainModule)):
+        logger = logger_cls(str(tmp_path / lib))
+        mon = monitor(logging_interval=interval, log_momentum=True, log_weight_decay=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer = trainer_cls(accelerator="cpu", devices=1, max_epochs=2, logger=logger, callbacks=[mon],
+                                  log_every_n_steps=every, enable_checkpointing=False, enable_progress_bar=False,
+                                  enable_model_summary=False)
+            trainer.fit(make_module(base))
+        logger.save()
+        import csv
+        with open(f"{logger.log_dir}/metrics.csv", newline="") as f:
+            rows[lib] = [{k: float(v) for k, v in r.items() if v != "" and k.startswith(("lr-", "warm", "step"))}
+                         for r in csv.DictReader(f)]
+        rows[lib] = [r for r in rows[lib] if len(r) > 1]
+        rows[lib + "_lrs"] = mon.lrs
+        rows[lib + "_cb"] = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(("lr-", "warm"))}
+    assert rows["zt"] and rows["zt"] == rows["pl"]
+    assert rows["zt_lrs"] == rows["pl_lrs"] and rows["zt_cb"] == rows["pl_cb"]

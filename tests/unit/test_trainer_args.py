@@ -258,3 +258,41 @@ def test_detect_anomaly_names_the_backward_that_made_a_nan():
 def test_bad_values_are_refused(kw, field):
     with pytest.raises(ConfigError, match=field):
         Trainer(accelerator="cpu", **kw)
+
+
+@pytest.mark.parametrize("sized", [True, False])
+def test_is_last_batch_as_lightning(sized):
+    """``trainer.is_last_batch`` in the training step: by length for a sized loader, one batch ahead
+    for an iterable without one, and ``limit_train_batches`` counts; the same under Lightning."""
+    pl = pytest.importorskip("pytorch_lightning")
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            g = torch.Generator().manual_seed(0)
+            return iter([(torch.randn(2, 4, generator=g), torch.randn(2, 1, generator=g)) for _ in range(5)])
+
+    def make(base):
+        class M(base):
+            def __init__(self):
+                super().__init__()
+                self.net, self.seen = torch.nn.Linear(4, 1), []
+
+            def training_step(self, batch, batch_idx):
+                self.seen.append(self.trainer.is_last_batch)
+                x, y = batch
+                return torch.nn.functional.mse_loss(self.net(x), y)
+
+            def configure_optimizers(self):
+                return torch.optim.SGD(self.parameters(), lr=0.1)
+
+            def train_dataloader(self):
+                return DataLoader(_data(10), batch_size=2) if sized else DataLoader(Stream(), batch_size=None)
+        return M()
+
+    seen = {}
+    for lib, cls, base in (("pl", pl.Trainer, pl.LightningModule), ("zt", Trainer, TrainModule)):
+        m = make(base)
+        cls(accelerator="cpu", devices=1, max_epochs=2, limit_train_batches=4 if sized else None, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False).fit(m)
+        seen[lib] = m.seen
+    assert seen["zt"] == seen["pl"] == ([False] * 3 + [True] if sized else [False] * 4 + [True]) * 2
