@@ -175,20 +175,32 @@ def test_learning_rate_monitor_names_its_metrics_as_lightning(tmp_path):
         return Three()
 
     names = {}
-    for lib, trainer_cls, monitor, logger_cls, base in (
-            ("pl", pl.Trainer, pl.callbacks.LearningRateMonitor, pl.loggers.CSVLogger, pl.LightningModule),
-            ("zt", Trainer, __import__("zerotrain").LearningRateMonitor, __import__("zerotrain").CSVLogger,
-             TrainModule)):
-        logger = logger_cls(str(tmp_path / lib))
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            trainer_cls(accelerator="cpu", devices=1, max_epochs=1, logger=logger, callbacks=[monitor()],
-                        log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False).fit(make_module(base))
-        logger.save()
+    for lib, (logger, _, _) in _fit_with_lr_monitor(pl, tmp_path, make_module, {}, max_epochs=1,
+                                                    log_every_n_steps=1).items():
         with open(f"{logger.log_dir}/metrics.csv") as f:
             names[lib] = {n for n in f.readline().strip().split(",") if n.startswith("lr-")}
     assert names["zt"] == names["pl"] == {"lr-SGD", "lr-SGD-1/w", "lr-SGD-1/b", "lr-Adam/pg1", "lr-Adam/pg2"}
+
+
+def _fit_with_lr_monitor(pl, tmp_path, make_module, monitor_kwargs: dict, **trainer_kwargs) -> dict:
+    """The module fitted under Lightning ("pl") and zerotrain ("zt"), each with its own
+    LearningRateMonitor and CSVLogger: per library (logger, monitor, trainer)."""
+    import zerotrain
+
+    out = {}
+    for lib, trainer_cls, monitor_cls, logger_cls, base in (
+            ("pl", pl.Trainer, pl.callbacks.LearningRateMonitor, pl.loggers.CSVLogger, pl.LightningModule),
+            ("zt", Trainer, zerotrain.LearningRateMonitor, zerotrain.CSVLogger, TrainModule)):
+        logger, monitor = logger_cls(str(tmp_path / lib)), monitor_cls(**monitor_kwargs)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer = trainer_cls(accelerator="cpu", devices=1, logger=logger, callbacks=[monitor],
+                                  enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                                  **trainer_kwargs)
+            trainer.fit(make_module(base))
+        logger.save()
+        out[lib] = (logger, monitor, trainer)
+    return out
 
 
 @pytest.mark.parametrize("interval, every", [(None, 1), ("step", 2), ("epoch", 1)])
@@ -231,21 +243,13 @@ def test_learning_rate_monitor_logs_lightnings_rows(tmp_path, interval, every):
                 return DataLoader(_data(), batch_size=4)
         return Two()
 
+    import csv
+
     rows = {}
-    for lib, trainer_cls, monitor, logger_cls, base in (
-            ("pl", pl.Trainer, pl.callbacks.LearningRateMonitor, pl.loggers.CSVLogger, pl.LightningModule),
-            ("zt", Trainer, __import__("zerotrain").LearningRateMonitor, __import__("zerotrain").CSVLogger,
-             TrainModule)):
-        logger = logger_cls(str(tmp_path / lib))
-        mon = monitor(logging_interval=interval, log_momentum=True, log_weight_decay=True)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            trainer = trainer_cls(accelerator="cpu", devices=1, max_epochs=2, logger=logger, callbacks=[mon],
-                                  log_every_n_steps=every, enable_checkpointing=False, enable_progress_bar=False,
-                                  enable_model_summary=False)
-            trainer.fit(make_module(base))
-        logger.save()
-        import csv
+    runs = _fit_with_lr_monitor(pl, tmp_path, make_module, dict(logging_interval=interval, log_momentum=True,
+                                                                log_weight_decay=True),
+                                max_epochs=2, log_every_n_steps=every)
+    for lib, (logger, mon, trainer) in runs.items():
         with open(f"{logger.log_dir}/metrics.csv", newline="") as f:
             rows[lib] = [{k: float(v) for k, v in r.items() if v != "" and k.startswith(("lr-", "warm", "step"))}
                          for r in csv.DictReader(f)]
