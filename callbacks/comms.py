@@ -42,6 +42,9 @@ from .base import Callback
 
 log = logging.getLogger("zerotrain")
 
+#: the suffix of the loop's own collectives in the summary (``instrument.Collective.control``)
+CONTROL = " (control)"
+
 #: bus bandwidth / algorithm bandwidth, by op (n: group size)
 _BUS = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
         "reduce_scatter": lambda n: (n - 1) / n}
@@ -119,7 +122,7 @@ def summarise(events: list[instrument.Collective]) -> list[dict[str, Any]]:
     events whose completion was observed)."""
     rows: dict[tuple[str, int, int], list[instrument.Collective]] = defaultdict(list)
     for e in events:
-        rows[(e.op, e.nbytes, e.group_size)].append(e)
+        rows[(e.op + (CONTROL if e.control else ""), e.nbytes, e.group_size)].append(e)
     out = []
     for (op, size, n), evs in sorted(rows.items()):
         timed = [e.seconds for e in evs if e.seconds]
@@ -127,15 +130,16 @@ def summarise(events: list[instrument.Collective]) -> list[dict[str, Any]]:
         algbw = size / mean if mean else None
         out.append({"op": op, "bytes": size, "group_size": n, "count": len(evs),
                     "total_bytes": size * len(evs), "mean_latency_s": mean, "algbw": algbw,
-                    "busbw": algbw * bus_factor(op, n) if algbw else None})
+                    "busbw": algbw * bus_factor(op.removesuffix(CONTROL), n) if algbw else None})
     return out
 
 
 def bytes_per_step(events: list[instrument.Collective]) -> dict[int, dict[str, int]]:
-    """Training step -> op -> message bytes (training events only: not set-up, not validation)."""
+    """Training step -> op -> message bytes (training events only: not set-up, not validation,
+    not the loop's control collectives, which no ZeRO formula counts)."""
     out: dict[int, Counter] = defaultdict(Counter)
     for e in events:
-        if e.kind == "train":
+        if e.kind == "train" and not e.control:
             out[e.step][e.op] += e.nbytes
     return {s: dict(c) for s, c in out.items()}
 

@@ -456,7 +456,8 @@ class Strategy:
         t = t.detach().clone().to(self.device)
         if self.distributed:
             progress.mark("all_reduce (Strategy.reduce)")
-            dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+            with instrument.blocking("all_reduce", t, control=True):
+                dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
             if op == "mean":
                 t = t / self.world_size
         return t
@@ -469,14 +470,16 @@ class Strategy:
     def barrier(self) -> None:
         if self.distributed:
             progress.mark("barrier")
-            dist.barrier()
+            with instrument.blocking("barrier", None, control=True):
+                dist.barrier()
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if not self.distributed:
             return obj
         box = [obj]
         progress.mark("broadcast")
-        dist.broadcast_object_list(box, src=src)
+        with instrument.blocking("broadcast_object", None, control=True):
+            dist.broadcast_object_list(box, src=src)
         return box[0]
 
     # ------------------------------------------------------------------ checkpoints

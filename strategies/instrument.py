@@ -47,12 +47,15 @@ class Collective:
     """One collective: ``op``, the message size in bytes (``nbytes``: the whole buffer - an
     all-gather's output, a reduce-scatter's input - as nccl-tests and DeepSpeed count it),
     ``group_size`` ranks, and when it was issued and completed (``perf_counter`` seconds;
-    ``t_done`` None until then, or when the backend offers no completion callback)."""
+    ``t_done`` None until then, or when the backend offers no completion callback). ``control``:
+    the loop's own agreement (``Strategy.reduce``/``any_rank``/``barrier``/``broadcast``: metrics,
+    stop flags), not the model's traffic that the ZeRO formulas count."""
 
-    __slots__ = ("op", "nbytes", "group_size", "t_issue", "t_done", "blocking", "step", "kind")
+    __slots__ = ("op", "nbytes", "group_size", "t_issue", "t_done", "blocking", "step", "kind", "control")
 
-    def __init__(self, op: str, nbytes: int, group_size: int, blocking: bool = False) -> None:
+    def __init__(self, op: str, nbytes: int, group_size: int, blocking: bool = False, control: bool = False) -> None:
         self.op, self.nbytes, self.group_size, self.blocking = op, nbytes, group_size, blocking
+        self.control = control
         self.t_issue, self.t_done = time.perf_counter(), None
         self.step: Any = None  # set by a sink (which training step it belongs to)
         self.kind = ""
@@ -150,13 +153,16 @@ def issued(op: str, work: Any, group: object, message: torch.Tensor, ranks: int 
 
 
 @contextlib.contextmanager
-def blocking(op: str, message: torch.Tensor, group: object = None) -> Iterator[None]:
+def blocking(op: str, message: torch.Tensor | None, group: object = None, control: bool = False) -> Iterator[None]:
     """A synchronous collective (or point-to-point transfer) in the body: logged, and its whole
-    duration counted as time blocked on communication."""
+    duration counted as time blocked on communication. ``message`` None: a barrier, or an object
+    whose pickled size is not seen (0 bytes); ``control``: see :class:`Collective`."""
     if _timer is None and not _sinks:
         yield
         return
-    event = Collective(op, nbytes(message), group_size(group) if op not in ("send", "recv") else 2, blocking=True)
+    size = nbytes(message) if message is not None else 0
+    event = Collective(op, size, group_size(group) if op not in ("send", "recv") else 2, blocking=True,
+                       control=control)
     _tell(event)
     try:
         yield

@@ -69,6 +69,7 @@ def _fit(strategy: str, corpus: str, monitored: bool = True, accumulate: int = 1
         return {"weights": weights}
     return {"weights": weights, "steps": monitor.steps, "stamps": stamps.times,
             "step_bytes": {int(k): v for k, v in comms.step_bytes.items()}, "expected": comms.expected,
+            "control": {r["op"] for r in comms.summary if r["op"].endswith(" (control)")},
             "table": {k: v["share"] for k, v in monitor.summary["rows"].items()}}
 
 
@@ -95,6 +96,9 @@ def _check_bytes(out: dict) -> None:
     assert sorted(out["step_bytes"]) == list(range(len(out["steps"])))
     for step, by_op in out["step_bytes"].items():
         assert by_op == out["expected"], (step, by_op, out["expected"])
+    # the loop's own collectives (the per-step stop-signal agreement) are logged
+    # too, apart from the model's traffic the formula counts
+    assert "all_reduce (control)" in out["control"], out["control"]
 
 
 CASES = {"ddp": {}, "zero1": {}, "zero2": {}, "zero3": {}}
