@@ -108,3 +108,33 @@ def build_module(cfg: Config) -> GPTModule:
                          val_fraction=cfg.data.val_fraction, num_workers=cfg.data.num_workers)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+
+
+# ---------------------------------------------------------------------- memory, for zerotrain-tune
+def num_params(model: GPTConfig) -> int:
+    """The GPT's parameter count, exact: built on the meta device (no memory), the tied head once."""
+    import torch
+
+    from .gpt import GPT
+
+    with torch.device("meta"):
+        gpt = GPT(model)
+    return sum(p.numel() for p in gpt.parameters())  # parameters() yields a shared Parameter once
+
+
+#: floats autograd keeps per token and block: LayerNorm inputs (2d), the qkv projection's input (d)
+#: and output (3d, which attention saves), attention's output (d), the output projection's input
+#: (d), the MLP's input (d), its 4d hidden before and after GELU (8d), the residual (d)
+_SAVED_PER_BLOCK = 18
+
+
+def activation_bytes(model: GPTConfig, micro_batch: int, checkpointing: bool, precision: str) -> int:
+    """Activation memory of one micro-batch's forward and backward. Checkpointed blocks keep only
+    their input and recompute one block at a time. Embeddings, the final LayerNorm and the logits
+    with their log-softmax and gradient (3 x vocab per token) come on top. Under autocast most
+    saved tensors are 2 bytes; this counts 2 for every precision but ``32``."""
+    tokens, d = micro_batch * model.block_size, model.n_embd
+    block = _SAVED_PER_BLOCK * d + model.n_head  # + attention's log-sum-exp per head
+    blocks = (model.n_layer * d + block) if checkpointing else model.n_layer * block
+    per_token = blocks + 3 * d + 3 * model.vocab_size
+    return tokens * per_token * (4 if precision == "32" else 2)
