@@ -213,7 +213,10 @@ class Plan:
         overrides = train.normalize_overrides(a.overrides)
         self.base = checked_config(overrides)
         self.kept_overrides = [o for o in overrides if not is_searched(o)]
-        self.world = self.base.trainer.devices * self.base.trainer.num_nodes
+        if self.base.trainer.num_nodes != 1:
+            raise T.TuneError(f"trainer.num_nodes={self.base.trainer.num_nodes!r}: zerotrain-tune runs its trials "
+                              "on this machine; valid: 1 (tune on one node, then train with the winner on more)")
+        self.world = self.base.trainer.devices
         self.per_rank = self.base.data.batch_size * self.base.trainer.accumulate_grad_batches
         self.tokens_per_step = self.per_rank * self.world * self.base.model.block_size
         micro = T.micro_batch_choices(self.per_rank, a.micro_batches)
@@ -251,7 +254,7 @@ class Plan:
                 f"{self.per_rank * self.world} = {self.per_rank}/rank x {self.world} ranks), {pruned} pruned; "
                 f"cap {self.cap / T.GiB:.3f} GiB per rank ({self.cap_source}), margin {a.margin:.0%}; "
                 f"estimate = base {m.base_bytes / T.GiB:.3f} GiB + model states ({m.num_params:,} params, "
-                f"{m.precision}) + activations + buffers")
+                f"{m.precision}) + activations + buffers + step transients")
 
 
 def _runner(plan: Plan, out: str):

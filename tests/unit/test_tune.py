@@ -217,6 +217,7 @@ def test_chart_with_one_point_or_none():
     (["--name", "a/b"], "--name='a/b': must be a plain file name"),
     (["trainer.devices=two"], "trainer.devices"),
     (["strategy.nonsense=1"], "nonsense"),
+    (["trainer.num_nodes=2"], "trainer.num_nodes=2: zerotrain-tune runs its trials on this machine"),
 ])
 def test_bad_input_stops_before_any_process(tmp_path, capsys, argv, expected):
     from zerotrain import tune
