@@ -211,7 +211,7 @@ class Plan:
     def __init__(self, a: argparse.Namespace) -> None:
         self.args = a
         overrides = train.normalize_overrides(a.overrides)
-        self.base = checked_config(overrides)
+        self.base = checked_config(overrides)  # the whole command line, strategy options included
         self.kept_overrides = [o for o in overrides if not is_searched(o)]
         if self.base.trainer.num_nodes != 1:
             raise T.TuneError(f"trainer.num_nodes={self.base.trainer.num_nodes!r}: zerotrain-tune runs its trials "
@@ -221,22 +221,37 @@ class Plan:
         self.tokens_per_step = self.per_rank * self.world * self.base.model.block_size
         micro = T.micro_batch_choices(self.per_rank, a.micro_batches)
         self.space = T.search_space(a.strategies, self.per_rank, micro, a.bucket_scales, not a.no_checkpointing)
-        share = machine_memory() / self.base.trainer.devices
-        self.cap = min(share, a.max_rss_gb * T.GiB) if a.max_rss_gb is not None else share
-        self.cap_source = ("--max-rss-gb" if a.max_rss_gb is not None and a.max_rss_gb * T.GiB <= share
-                           else f"machine memory / {self.base.trainer.devices} ranks per node")
+        self.cap, self.cap_source = self._cap()
+        self.memory = self._memory()
+        self.results = self._prune()
+        self.default = self._default()
+
+    def _cap(self) -> tuple[float, str]:
+        """``--max-rss-gb``, never more than the machine's memory shared by the local ranks."""
+        devices, gb = self.base.trainer.devices, self.args.max_rss_gb
+        share = machine_memory() / devices
+        if gb is not None and gb * T.GiB <= share:
+            return gb * T.GiB, "--max-rss-gb"
+        return share, f"machine memory / {devices} ranks per node"
+
+    def _memory(self) -> T.MemoryModel:
+        """The demo GPT's numbers for the estimate (``examples/gpt_cli.py``)."""
+        a, model, precision = self.args, self.base.model, self.base.precision.name
         base = a.base_rss_gb * T.GiB if a.base_rss_gb is not None else _own_rss() + RUNTIME_ALLOWANCE
-        model, precision = self.base.model, self.base.precision.name
-        self.memory = T.MemoryModel(app.num_params(model), self.world, precision, int(base),
-                                    lambda m, ck: app.activation_bytes(model, m, ck, precision))
-        kept, pruned = T.prune(self.space, self.memory, self.cap, a.margin)
-        self.results = [T.Result(c, T.estimate(c, self.memory)) for c in self.space]
-        for r in self.results:
+        return T.MemoryModel(app.num_params(model), self.world, precision, int(base),
+                             lambda m, ck: app.activation_bytes(model, m, ck, precision))
+
+    def _prune(self) -> list[T.Result]:
+        """Every configuration with its estimate; the pruned ones say why. The kept ones are
+        checked as zerotrain-train checks its config, now rather than in a subprocess."""
+        kept, pruned = T.prune(self.space, self.memory, self.cap, self.args.margin)
+        results = [T.Result(c, T.estimate(c, self.memory)) for c in self.space]
+        for r in results:
             if r.candidate in pruned:
                 r.status, r.why = "pruned", pruned[r.candidate]
-        for c in kept:  # each must be a config zerotrain-train takes: checked now, not in a subprocess
+        for c in kept:
             checked_config(self.kept_overrides + c.overrides())
-        self.default = self._default()
+        return results
 
     def _default(self) -> Optional[T.Candidate]:
         """The command line's own configuration, when the space holds it."""

@@ -88,7 +88,9 @@ def section(sweep: dict, tune: dict, capped: dict, cap: float, trained: bool, el
     best, pick, default = _best(sweep["results"]), rows[tune["winner"]], rows.get(sweep["default"])
     margin = sweep["margin"]
     pruned = [r for r in sweep["results"] if _need(r, margin) > cap]
-    false = [r for r in pruned if r["peak_rss"] and max(r["peak_rss"]) <= cap]
+    fits = [r for r in pruned if r["peak_rss"] and max(r["peak_rss"]) <= cap]
+    false = [r for r in fits if _need(r, 0) > cap]  # the estimate itself was wrong
+    band = [r for r in fits if _need(r, 0) <= cap]  # the estimate was right; the margin pruned it
     under = [r for r in sweep["results"] if r["peak_rss"] and max(r["peak_rss"]) <= cap]
     lines = [f"### zerotrain-tune against an exhaustive sweep, {time.strftime('%Y-%m-%d %H:%M')}", "",
              f"`python -m zerotrain.bench.tune_sweep` ({elapsed / 60:.1f} min). Overrides: "
@@ -104,18 +106,20 @@ def section(sweep: dict, tune: dict, capped: dict, cap: float, trained: bool, el
                   f"{pick['median_step_s'] / default['median_step_s'] - 1:+.1%} (negative: the pick is faster)."]
     lines += ["", f"Cap excluding ddp, from the estimator: {cap / 2**30:.3f} GiB per rank (margin {margin:.0%}). "
               f"Pruned by the estimate: {len(pruned)} ({', '.join(r['label'] for r in pruned)}). "
-              f"Pruned although the sweep measured them under the cap: {len(false)}"
-              + (f" ({', '.join(r['label'] for r in false)})" if false else "") + ". "
+              f"Pruned although the sweep measured them under the cap: {len(false)} by the estimate itself"
+              + (f" ({', '.join(r['label'] for r in false)})" if false else "")
+              + f", {len(band)} only by the margin (estimate under the cap, estimate + margin over it)"
+              + (f" ({', '.join(r['label'] for r in band)})" if band else "") + ". "
               f"Measured under the cap in the sweep: {len(under)}; fastest of them: "
               + (_best(under)["label"] if under else "none") + ".",
               f"zerotrain-tune under that cap (small space) picked {capped['winner']}; "
               f"zerotrain-train with `+tuned=capped` {'ran' if trained else 'did not run'}.", "",
-              "| configuration | sweep step (s) | sweep peak RSS/rank (GiB) | estimate + margin (GiB) |",
-              "|---|---|---|---|"]
+              "| configuration | sweep step (s) | sweep peak RSS/rank (GiB) | estimate (GiB) | + margin |",
+              "|---|---|---|---|---|"]
     for r in sorted(sweep["results"], key=lambda r: r["median_step_s"] or 1e9):
         step = f"{r['median_step_s']:.3f}" if r["median_step_s"] is not None else r["status"]
         lines.append(f"| {r['label']} | {step} | " + ("/".join(f"{b / 2**30:.3f}" for b in r["peak_rss"]) or "-")
-                     + f" | {_need(r, margin) / 2**30:.3f} |")
+                     + f" | {_need(r, 0) / 2**30:.3f} | {_need(r, margin) / 2**30:.3f} |")
     return "\n".join(lines)
 
 
