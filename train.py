@@ -89,7 +89,7 @@ def build(cfg: Config):
     if cfg.callbacks.throughput:
         callbacks.append(ThroughputMonitor())
     if cfg.callbacks.resources:
-        callbacks.append(ResourceMonitor())
+        callbacks.append(ResourceMonitor(json_path=cfg.callbacks.resources_json))
     if cfg.callbacks.flops_profile_step is not None:
         callbacks.append(FlopsProfiler(profile_step=cfg.callbacks.flops_profile_step))
     logger = TensorBoardLogger(f"{root}/tensorboard", version="") if cfg.callbacks.tensorboard else False

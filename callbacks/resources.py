@@ -24,7 +24,8 @@ reserved and peak bytes.
 Each step goes to the loggers every ``log_every_n_steps`` (``time/forward``... in seconds,
 ``memory/rss_peak_gb``...: global rank 0's values, as every callback metric); at the end of
 ``fit`` every rank's means are gathered and a table printed: per part the mean over ranks, the
-max over ranks and the share of the step. The timing hooks (``strategies/instrument.py``) cost a
+max over ranks and the share of the step; with ``json_path`` global rank 0 also writes every rank's
+per-step records there (what ``zerotrain-tune`` reads: no table to parse). The timing hooks (``strategies/instrument.py``) cost a
 global read when no monitor is attached, and never touch a tensor's values.
 """
 from __future__ import annotations
@@ -82,14 +83,17 @@ class StepTimer:
 class ResourceMonitor(Callback):
     """See the module docstring. ``log_every_n_steps``: None follows the Trainer's;
     ``warmup_steps``: first steps left out of the end-of-fit means (when more were run);
-    ``print_summary``: print the table on global rank 0. After ``fit``: ``steps`` (this rank's
-    records) and ``summary`` (every rank's means and the table's numbers)."""
+    ``print_summary``: print the table on global rank 0; ``json_path``: global rank 0 writes
+    ``{"ranks": [[record, ...] per rank]}`` there at the end of ``fit`` (every step, warm-up
+    included: the reader decides what to leave out). After ``fit``: ``steps`` (this rank's records)
+    and ``summary`` (every rank's means and the table's numbers)."""
 
     def __init__(self, log_every_n_steps: int | None = None, warmup_steps: int = 1,
-                 print_summary: bool = True) -> None:
+                 print_summary: bool = True, json_path: str | None = None) -> None:
         if warmup_steps < 0:
             raise ValueError(f"ResourceMonitor: warmup_steps={warmup_steps!r} must be >= 0")
         self.log_every_n_steps, self.warmup_steps, self.print_summary = log_every_n_steps, warmup_steps, print_summary
+        self.json_path = json_path
         self.steps: list[dict[str, float]] = []
         self.summary: dict[str, Any] = {}
         self._timer: StepTimer | None = None
@@ -169,6 +173,21 @@ class ResourceMonitor(Callback):
         self.summary = _table_numbers(ranks)
         if self.print_summary and trainer.is_global_zero and self.summary:
             print(format_table(self.summary))
+        if self.json_path:
+            every = _gather(trainer.strategy, self.steps)  # collective: every rank has the same json_path
+            if trainer.is_global_zero:
+                _write_json(self.json_path, every)
+
+
+def _write_json(path: str, ranks: list[list[dict[str, float]]]) -> None:
+    """Write-then-rename, so a reader never sees half a file."""
+    import json
+    import os
+
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump({"ranks": ranks}, f)
+    os.replace(path + ".tmp", path)
 
 
 def _memory(device: torch.device) -> dict[str, float]:
@@ -203,8 +222,8 @@ def _means(steps: list[dict[str, float]], warmup: int) -> dict[str, float]:
     return out
 
 
-def _gather(strategy: Any, mine: dict[str, float]) -> list[dict[str, float]]:
-    """Every rank's means (collective when distributed: every rank calls it at ``on_train_end``)."""
+def _gather(strategy: Any, mine: Any) -> list[Any]:
+    """Every rank's means (or records) (collective when distributed: every rank calls it at ``on_train_end``)."""
     if not strategy.distributed:
         return [mine]
     import torch.distributed as dist

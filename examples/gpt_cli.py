@@ -108,3 +108,35 @@ def build_module(cfg: Config) -> GPTModule:
                          val_fraction=cfg.data.val_fraction, num_workers=cfg.data.num_workers)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+
+
+# ---------------------------------------------------------------------- memory, for zerotrain-tune
+def num_params(model: GPTConfig) -> int:
+    """The GPT's parameter count, exact: built on the meta device (no memory), the tied head once."""
+    import torch
+
+    from .gpt import GPT
+
+    with torch.device("meta"):
+        gpt = GPT(model)
+    return sum(p.numel() for p in gpt.parameters())  # parameters() yields a shared Parameter once
+
+
+#: floats a block holds per token at the peak of its backward: what autograd saved (the LayerNorm
+#: inputs 2d, qkv 3d, attention's output d, the projections' inputs 2d, the MLP's hidden 4d before and
+#: after GELU) plus the gradients being formed and the allocator's slack. 20 and the logits' 3.5 x
+#: vocab (logits, log-softmax, their gradient) are fitted to peak RSS measured on one core (21M
+#: shapes, vocab 256 and 16384, micro-batches 2-16: within about 15%)
+_PEAK_PER_BLOCK, _PEAK_PER_VOCAB = 20, 3.5
+
+
+def activation_bytes(model: GPTConfig, micro_batch: int, checkpointing: bool, precision: str) -> int:
+    """Activation memory of one micro-batch's forward and backward. Checkpointed blocks keep only
+    their input and recompute one block at a time. Embeddings, the final LayerNorm and the logits
+    come on top. Under autocast most saved tensors are 2 bytes; this counts 2 for every precision
+    but ``32``."""
+    tokens, d = micro_batch * model.block_size, model.n_embd
+    block = _PEAK_PER_BLOCK * d + model.n_head  # + attention's log-sum-exp per head
+    blocks = (model.n_layer * d + block) if checkpointing else model.n_layer * block
+    per_token = blocks + 3 * d + _PEAK_PER_VOCAB * model.vocab_size
+    return int(tokens * per_token * (4 if precision == "32" else 2))

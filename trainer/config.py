@@ -254,6 +254,9 @@ class CallbacksConfig:
     #: the ResourceMonitor: per-step time breakdown (data, forward, backward, comm wait, ...) and
     #: memory, to the loggers and as a table at the end of fit
     resources: bool = True
+    #: with the ResourceMonitor on, global rank 0 writes every rank's per-step records (time parts,
+    #: peak RSS) to this JSON file at the end of fit (zerotrain-tune reads its short runs' here)
+    resources_json: Optional[str] = None
     #: the FlopsProfiler at this global step (per-module FLOPs and latency, MFU); null: off
     flops_profile_step: Optional[int] = None
 

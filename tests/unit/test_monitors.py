@@ -127,6 +127,21 @@ def test_resource_monitor_rows_reach_the_loggers_and_the_summary(tmp_path):
     assert monitor.summary["memory"]["rss_peak"] > 0
 
 
+def test_resource_monitor_writes_every_step_as_json(tmp_path):
+    """``json_path`` (the CLI's ``callbacks.resources_json``, what zerotrain-tune reads): every
+    step, warm-up included, per rank."""
+    import json
+
+    path = tmp_path / "sub" / "resources.json"
+    monitor = ResourceMonitor(print_summary=False, json_path=str(path))
+    trainer = Trainer(max_steps=3, callbacks=[monitor], logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(_module(tmp_path, SIZES["gpt_tiny"], 2, 3))
+    ranks = json.loads(path.read_text())["ranks"]
+    assert len(ranks) == 1 and len(ranks[0]) == 3 and ranks[0] == monitor.steps
+    assert {"step", "rss_peak", *PARTS} <= set(ranks[0][0]) and not (tmp_path / "sub" / "resources.json.tmp").exists()
+
+
 def test_flops_of_the_demo_gpt_are_6n_tokens_plus_attention(tmp_path):
     """gpt_small, the demo's model: FLOPs of one training step (forward and backward) of
     ``batch_size`` full-context samples against ``GPT.flops_per_token`` x tokens."""
