@@ -107,6 +107,30 @@ class CommsLogger(Callback):
             print(format_report(self.summary, self.step_bytes, self.expected))
 
 
+class StepRecorder:
+    """The CommsLogger's record for a loop that is not the Trainer's (``zerotrain.deepspeed``'s
+    engine): a sink filing every collective under ``step``, which the owner moves on after each
+    optimizer step."""
+
+    def __init__(self, verbose: bool = False) -> None:
+        self.verbose, self.step = verbose, 0
+        self.events: list[instrument.Collective] = []
+
+    def collective(self, event: instrument.Collective) -> None:
+        event.step, event.kind = self.step, "train"
+        self.events.append(event)
+        if self.verbose:
+            log.info("comm %s: %d bytes over %d ranks (step %s)", event.op, event.nbytes, event.group_size, event.step)
+
+    def report(self, strategy: Any, accumulation: int, clips: bool) -> tuple[list[dict[str, Any]], str]:
+        """(summary rows, the printed report) of the steps so far, beside the formula."""
+        loop = type("Loop", (), {"accumulate_grad_batches": accumulation, "gradient_clip_algorithm": "norm",
+                                 "gradient_clip_val": 1.0 if clips else None})
+        summary = summarise(self.events)
+        done = [e for e in self.events if e.step < self.step]  # whole steps only
+        return summary, format_report(summary, bytes_per_step(done), expected_step_bytes(strategy, loop))
+
+
 def comms_logger_for(strategy: Any, callbacks: list) -> list:
     """``callbacks`` plus a ``CommsLogger()`` when the strategy's options ask for one
     (``comms_logger=True``) and none is there already."""

@@ -145,3 +145,44 @@ def test_monitoring_changes_no_number_under_ddp(tmp_path):
                       monitored=False)
     assert seen[0]["weights"].numel() > 0
     assert torch.equal(seen[0]["weights"], plain[0]["weights"])
+
+
+def _deepspeed_engine_steps(stage: int) -> dict:
+    """A DeepSpeed-style loop (``zerotrain.deepspeed``) with ``comms_logger`` enabled in its config:
+    what ``deepspeed.comm.log_summary`` reports."""
+    import contextlib
+    import io
+
+    import zerotrain.deepspeed as deepspeed
+    from zerotrain.callbacks.comms import bytes_per_step
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+              "zero_optimization": {"stage": stage}, "comms_logger": {"enabled": True}}
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    g = torch.Generator().manual_seed(engine.global_rank)
+    for _ in range(3 * 2):
+        loss = engine(torch.randn(4, 8, generator=g)).square().mean()
+        engine.backward(loss)
+        engine.step()
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        summary = deepspeed.comm.log_summary(return_dict=True)["summary"]
+    recorder = deepspeed.comm._recording[0]
+    from zerotrain.callbacks.comms import expected_step_bytes
+    loop = type("Loop", (), {"accumulate_grad_batches": 2, "gradient_clip_val": 1.0, "gradient_clip_algorithm": "norm"})
+    out = {"steps": bytes_per_step([e for e in recorder.events if e.step < 3]), "printed": printed.getvalue(),
+           "expected": expected_step_bytes(engine._zt.strategy, loop), "rows": len(summary)}
+    engine.destroy()
+    return out
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_config_comms_logger_reports_each_step_beside_the_formula(tmp_path, stage):
+    for rank, out in enumerate(run_ranks("test_monitors:_deepspeed_engine_steps", 2, tmp_path, timeout=120,
+                                         stage=stage)):
+        assert out["expected"] and sorted(out["steps"]) == [0, 1, 2]
+        assert all(by_op == out["expected"] for by_op in out["steps"].values()), out
+        assert ("formula:" in out["printed"]) == (rank == 0) and out["rows"] > 0

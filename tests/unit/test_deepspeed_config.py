@@ -283,17 +283,20 @@ def test_monitoring_and_clipping_keys(tmp_path):
 
 
 def test_ignored_keys_are_reported_once(caplog):
-    c = cfg(flops_profiler={"enabled": True}, comms_logger={}, fp16={"enabled": False, "auto_cast": False},
+    c = cfg(flops_profiler={"enabled": True}, comms_logger={"enabled": True, "debug": True, "prof_all": False},
+            fp16={"enabled": False, "auto_cast": False},
             zero_optimization={"stage": 2, "contiguous_gradients": True, "magic": 1},
             optimizer={"type": "Adam", "params": {"lr": 0.1}, "extra": 1})
+    assert c.comms_logger and not c.comms_verbose
     assert sorted(c.ignored) == sorted([
-        "flops_profiler (not implemented)", "comms_logger (not implemented)",
+        "flops_profiler (not implemented)", "comms_logger.debug (no effect in zerotrain)",
+        "comms_logger.prof_all=false (every collective is recorded)",
         "fp16.auto_cast (no effect in zerotrain)", "zero_optimization.contiguous_gradients (no effect in zerotrain)",
         "zero_optimization.magic (not implemented)", "optimizer.extra (not implemented)"])
     with caplog.at_level(logging.WARNING, logger="zerotrain"):
         report_ignored(c)
     warnings = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
-    assert len(warnings) == 1 and "6 config key(s) ignored" in warnings[0] and "flops_profiler" in warnings[0]
+    assert len(warnings) == 1 and "7 config key(s) ignored" in warnings[0] and "flops_profiler" in warnings[0]
     assert not cfg().ignored
 
 

@@ -165,5 +165,46 @@ def destroy_process_group(group: Any = None) -> None:
         dist.destroy_process_group(group)
 
 
-def log_summary(*args: Any, **kwargs: Any) -> None:
-    """DeepSpeed's communication log (its ``comms_logger``); zerotrain keeps none, so nothing to print."""
+#: the engine whose collectives are recorded (config ``comms_logger.enabled``) and its record
+_recording: "tuple[Any, Any] | None" = None
+
+
+def record(engine: Any) -> Any:
+    """Start recording every collective ``engine``'s strategy issues (``comms_logger.enabled``);
+    returns the record, whose ``step`` the engine moves on after each optimizer step."""
+    global _recording
+    from ...callbacks.comms import StepRecorder
+    from ...strategies import instrument
+
+    recorder = StepRecorder(engine._cfg.comms_verbose)
+    instrument.add_sink(recorder)
+    _recording = (recorder, engine)
+    return recorder
+
+
+def stop_recording(recorder: Any) -> None:
+    global _recording
+    from ...strategies import instrument
+
+    instrument.remove_sink(recorder)
+    if _recording is not None and _recording[0] is recorder:
+        _recording = None
+
+
+def log_summary(show_straggler: bool = False, return_dict: bool = False) -> Any:
+    """DeepSpeed's ``comms_logger`` summary: every collective so far by op and message size
+    (count, latency, algorithm and bus bandwidth) and the bytes of each step beside the ZeRO
+    formula, printed on global rank 0. Needs ``"comms_logger": {"enabled": true}`` in the
+    config; ``show_straggler`` is not measured (said once)."""
+    if show_straggler:
+        log.warning("zerotrain.deepspeed.comm.log_summary(show_straggler=True): straggler times are not measured")
+    if _recording is None:
+        log.warning("zerotrain.deepspeed.comm.log_summary(): nothing recorded; enable it with "
+                    '"comms_logger": {"enabled": true} in the DeepSpeed config')
+        return {} if return_dict else None
+    recorder, engine = _recording
+    summary, text = recorder.report(engine._zt.strategy, engine.gradient_accumulation_steps(),
+                                    engine._cfg.gradient_clipping > 0)
+    if engine.global_rank == 0:
+        print(text)
+    return {"summary": summary} if return_dict else None

@@ -52,6 +52,7 @@ _NO_EFFECT = {
     "offload_param": ("buffer_size", "max_in_cpu"),
     "fp16": ("auto_cast", "fp16_master_weights_and_grads"),
     "bf16": ("immediate_grad_update", "check_grad_overflow"),
+    "comms_logger": ("debug", "prof_ops"),
     "": ("zero_force_ds_cpu_optimizer", "prescale_gradients", "gradient_predivide_factor", "memory_breakdown"),
 }
 
@@ -144,6 +145,10 @@ class DeepSpeedConfig:
     wall_clock_breakdown: bool = False
     #: the directory TensorBoard events go to, or None
     tensorboard_dir: str | None = None
+    #: ``comms_logger.enabled`` / ``.verbose``: every collective recorded per step
+    #: (``deepspeed.comm.log_summary()`` prints them beside the ZeRO formula)
+    comms_logger: bool = False
+    comms_verbose: bool = False
     dataloader_drop_last: bool = False
     #: "key (why)" for every key that changes nothing here
     ignored: tuple[str, ...] = ()
@@ -226,7 +231,7 @@ def parse(config: "str | os.PathLike | Mapping[str, Any]", world_size: int) -> D
     known = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
              "optimizer", "scheduler", "fp16", "bf16", "bfloat16", "zero_optimization", "zero_allow_untested_optimizer",
              "activation_checkpointing", "steps_per_print", "wall_clock_breakdown", "tensorboard",
-             "dataloader_drop_last")
+             "comms_logger", "dataloader_drop_last")
     reader.take(raw, "", known, "")
     if "activation_checkpointing" in raw:
         _section("activation_checkpointing", raw["activation_checkpointing"])
@@ -447,5 +452,11 @@ def _monitoring(raw: Mapping[str, Any], reader: _Reader) -> dict[str, Any]:
             if not isinstance(value, str):
                 raise _fail(f"tensorboard.{key}", value, "not a string", "a directory name")
         out["tensorboard_dir"] = os.path.join(path, job)  # DeepSpeed's: "" puts it under the job name
+    comms = _section("comms_logger", raw.get("comms_logger") or {})
+    reader.take(comms, "comms_logger.", ("enabled", "verbose", "prof_all"), "comms_logger")
+    out["comms_logger"] = _flag("comms_logger.enabled", comms.get("enabled", False))
+    out["comms_verbose"] = _flag("comms_logger.verbose", comms.get("verbose", False))
+    if not _flag("comms_logger.prof_all", comms.get("prof_all", True)):
+        reader.ignored.append("comms_logger.prof_all=false (every collective is recorded)")
     return out
 

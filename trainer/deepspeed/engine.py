@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from .. import checkpoint_io
+from . import comm
 from ..engine import Engine
 from ..errors import ConfigError
 from .config import DeepSpeedConfig
@@ -126,6 +127,7 @@ class DeepSpeedEngine(nn.Module):
         self._external_scale: float | None = None  # set while a plain loss.backward() runs
         self._step_applied = False
         self._monitor = _Monitor(cfg, engine.global_rank)
+        self._comms = comm.record(self) if cfg.comms_logger else None
 
     # ------------------------------------------------------------------ identity and config
     @property
@@ -265,6 +267,8 @@ class DeepSpeedEngine(nn.Module):
         elif self.lr_scheduler is not None:
             self.lr_scheduler.step(**(lr_kwargs or {}))
         self.global_steps += 1
+        if self._comms is not None:
+            self._comms.step = self.global_steps
         self.global_samples += self.train_batch_size()
         scale = self.loss_scale if self.fp16_enabled() else None
         self._monitor.stepped(self.global_steps, self.global_samples, self.get_lr(), self.skipped_steps, scale)
@@ -343,6 +347,8 @@ class DeepSpeedEngine(nn.Module):
         """Release what training holds (the strategy's teardown; TensorBoard's writer)."""
         self._end_deferral()
         self._monitor.close()
+        if self._comms is not None:
+            comm.stop_recording(self._comms)
         self._zt.strategy.teardown()
 
     def __repr__(self) -> str:
