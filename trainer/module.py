@@ -200,8 +200,8 @@ class TrainModule(HyperparametersMixin, nn.Module, DataHooks):
         (the defaults depend on the hook, as Lightning's table), the epoch value reduced by
         ``reduce_fx`` (a mean weighted by ``batch_size``, inferred from the batch when not
         given); ``sync_dist`` reduces over ranks (a collective: every rank logs the same names).
-        ``trainer/logging.py`` holds the rules. Not attached to a Trainer: ignored, as Lightning
-        (which warns)."""
+        ``trainer/metrics.py`` and ``trainer/logging.py`` hold the rules. Not attached to a
+        Trainer: ignored, as Lightning (which warns)."""
         if self._trainer is None:
             return
         self._trainer._log(name, value, prog_bar=prog_bar, logger=logger, on_step=on_step, on_epoch=on_epoch,
