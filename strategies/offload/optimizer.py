@@ -139,7 +139,7 @@ class OffloadedAdam(_GatherMasters):
             master, exp_avg, exp_avg_sq = self.states.views(k, b)
             fused_adam_step(master, self.transfer.grad(sg), exp_avg, exp_avg_sq, step=steps[sg.slot],
                             grad_scale=grad_scale, param_out=self.transfer.param_out(sg, master),
-                            **hypers[self.slot_group[sg.slot]])
+                            **self._rounding(k, exp_avg), **hypers[self.slot_group[sg.slot]])
             self.transfer.after_step(sg, master)
             if self.pager is not None:
                 self.pager.release(k)
@@ -157,6 +157,13 @@ class OffloadedAdam(_GatherMasters):
         else:
             for i, n in enumerate(steps):
                 self.states.slot_state(i)["step"].fill_(float(n))
+
+    def _rounding(self, k: int, exp_avg: torch.Tensor) -> dict[str, Any]:
+        """bf16 moments (swapped with ``optimizer_state_dtype="bf16"``) are rounded stochastically,
+        so updates smaller than a bf16 step still move them on average."""
+        if exp_avg.dtype != torch.bfloat16:
+            return {}
+        return {"stochastic_rounding": True, "seed": self.states.rounding_seed(k)}
 
     # ------------------------------------------------------------------ what it holds
     def state_tensors(self) -> list[torch.Tensor]:
