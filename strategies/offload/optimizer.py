@@ -25,7 +25,9 @@ For checkpoints the stepper speaks ZeRO's layout (``state_dict()`` is ``{"master
 ``load_state_dict`` takes the same): the stage's ``param_shards`` / ``load_param_shards`` read and
 fill it as they do a :class:`ShardedOptimizer`, so the Trainer's per-parameter format sees the real
 state and checkpoints move between ``zero2``/``zero3`` and ``offload``. With NVMe the tensors are
-memory-mapped copies of the swap files (see :meth:`~.swapper.SwappedStates.snapshot`).
+memory-mapped copies of the swap files (see :meth:`~.swapper.SwappedStates.snapshot`). With
+``optimizer_state_dtype="bf16"`` the swapped moments are bf16 (the kernel rounds them
+stochastically); the checkpoint still holds them as fp32, and loading rounds them back the same way.
 """
 from __future__ import annotations
 
@@ -46,7 +48,8 @@ def fused_path_refusal(optimizer: torch.optim.Optimizer) -> str | None:
     name = type(optimizer).__name__
     if isinstance(optimizer, CPUAdam):
         if optimizer.state_dtype != torch.float32:
-            return f"CPUAdam with state_dtype={optimizer.state_dtype} (offload keeps fp32 state)"
+            return (f"CPUAdam with state_dtype={optimizer.state_dtype} (offload keeps fp32 state; for bf16 "
+                    f"moments on disk set the strategy's optimizer_state_dtype='bf16')")
         return None
     if not isinstance(optimizer, torch.optim.Adam):  # AdamW subclasses Adam
         return f"{name} is not Adam, AdamW or zerotrain.ops.CPUAdam"
