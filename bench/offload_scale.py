@@ -36,7 +36,10 @@ group above ``--mem-cap-gb``, and (2) ``RLIMIT_AS`` set in the child to the cap 
 allocation burst between two polls fails inside the child instead of growing (ZeRO-3's parameter
 files are memory-mapped, so their size is added to that limit: address space, not RAM). The cap may not be
 set above 20 GiB: other people work on this machine. NVMe candidates whose swap files would not
-fit on the disk (with 10 GiB to spare) are skipped.
+fit on the disk (with 10 GiB to spare) are skipped; each offload_nvme rung prints its disk bytes
+per parameter (``zerotrain-estimate``'s, and the measured files') and the largest model the free
+disk holds. ``--optimizer-state-dtype bf16`` keeps Adam's moments in bf16 on disk (8 instead of
+12 B/param with ZeRO-3 in fp32 compute).
 """
 from __future__ import annotations
 
@@ -150,7 +153,8 @@ def run_child(spec: dict) -> dict:
             kw.update(prefetch_bucket_size=spec["bucket"])
         if config == "offload_nvme":
             kw.update(optimizer_device="nvme", nvme_path=spec["nvme_path"],
-                      param_device="nvme" if stage == 3 else "none")
+                      param_device="nvme" if stage == 3 else "none",
+                      optimizer_state_dtype=spec["optimizer_state_dtype"])
         strategy = Offload(**kw)
     timer = Timer()
     trainer = Trainer(strategy=strategy, devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
@@ -161,7 +165,8 @@ def run_child(spec: dict) -> dict:
         trainer.strategy.teardown()  # removes the swap files now
     return {"ok": True, "stage": stage if config != "plain" else None, "step_s": timer.times[-1],
             "step_times": timer.times, "losses": timer.losses,
-            "io_mode": report.get("io_mode"), "disk_bytes": report.get("disk_bytes", 0),
+            "io_mode": report.get("io_mode"),
+            "disk_bytes": report.get("disk_bytes", 0) + report.get("param_disk_bytes", 0),
             "child_peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "vm_peak": _status_bytes("self", "VmPeak")}
 
@@ -235,14 +240,34 @@ def run_candidate(spec: dict, cap_bytes: int, timeout_s: float) -> dict:
     return result
 
 
+#: disk kept free beside the swap and parameter files
+DISK_MARGIN = 10 * GiB
+
+
+def disk_plan(n: int, args: argparse.Namespace) -> dict:
+    """Bytes offload_nvme puts on disk for ``n`` parameters (``zerotrain-estimate``'s: Adam state
+    in swap files, parameter shards in files), per parameter, and the largest model the free disk
+    holds less :data:`DISK_MARGIN` (RAM is not counted: the cap decides that by running). Imported
+    here: the parent process stays free of torch."""
+    from zerotrain.strategies.zero.estimate import estimate_offload, largest_offload_model
+
+    opts = dict(stage=3, precision="32", optimizer_device="nvme", param_device="nvme",
+                optimizer_state_dtype=args.optimizer_state_dtype, grad_bytes=2 if args.reduce_dtype == "bf16" else 4,
+                sub_group_size=args.sub_group_size, buffer_count=args.buffer_count)
+    disk = estimate_offload(n, 1, **opts).disk.total
+    free = shutil.disk_usage(args.nvme_path).free
+    bound = largest_offload_model(float("inf"), max(0, free - DISK_MARGIN), 1, **opts)
+    return {"disk_need": disk, "disk_per_param": disk / n, "disk_free": free, "disk_bound_params": bound}
+
+
 def search(config: str, shapes: list[Shape], args: argparse.Namespace, cap: int) -> list[dict]:
     rows = []
     for shape in shapes:
         n = shape.num_params()
         row = {"config": config, "params": n, "shape": asdict(shape)}
         if config == "offload_nvme":
-            need = 16 * n + 10 * GiB  # Adam state (12 B/param) + parameter shards (4) + margin
-            free = shutil.disk_usage(args.nvme_path).free
+            row.update(disk_plan(n, args))
+            need, free = row["disk_need"] + DISK_MARGIN, row["disk_free"]
             if need > free:
                 row.update(ok=False, status=f"skipped: swap needs {need / GiB:.0f} GiB, disk has "
                                             f"{free / GiB:.0f} GiB free")
@@ -252,6 +277,7 @@ def search(config: str, shapes: list[Shape], args: argparse.Namespace, cap: int)
         spec = {"config": config, "shape": asdict(shape), "steps": args.steps, "batch": args.batch,
                 "threads": args.threads, "nvme_path": args.nvme_path, "sub_group_size": args.sub_group_size,
                 "buffer_count": args.buffer_count, "reduce_dtype": args.reduce_dtype, "bucket": args.bucket,
+                "optimizer_state_dtype": args.optimizer_state_dtype,
                 # address space: the cap + headroom, + the parameter files ZeRO-3 maps (not RAM)
                 "as_limit": int(cap + args.as_headroom_gb * GiB + (4 * n if config == "offload_nvme" else 0))}
         row.update(run_candidate(spec, cap, args.timeout_s))
@@ -265,8 +291,13 @@ def search(config: str, shapes: list[Shape], args: argparse.Namespace, cap: int)
 def _print_row(row: dict) -> None:
     s = row["shape"]
     what = (f"ok   step {row['step_s']:.2f} s" if row.get("ok") else f"FAIL {row.get('status')}")
+    disk = ""
+    if "disk_per_param" in row:  # offload_nvme: estimated (and, once run, measured) disk bytes
+        measured = f", measured {row['disk_bytes'] / row['params']:.2f}" if row.get("disk_bytes") else ""
+        disk = (f"  disk {row['disk_per_param']:.2f} B/param{measured}; free disk holds "
+                f"{row['disk_bound_params'] / 1e6:.0f}M")
     print(f"  {row['config']:<13} {row['params'] / 1e6:9.1f}M  (L={s['n_layer']}, d={s['n_embd']})  "
-          f"peak RSS {row.get('peak_rss', 0) / GiB:6.2f} GiB  {what}", flush=True)
+          f"peak RSS {row.get('peak_rss', 0) / GiB:6.2f} GiB  {what}{disk}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -285,6 +316,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sub-group-size", type=int, default=4_000_000)
     p.add_argument("--buffer-count", type=int, default=4)
     p.add_argument("--reduce-dtype", default="bf16", choices=("fp32", "bf16"))
+    p.add_argument("--optimizer-state-dtype", default="fp32", choices=("fp32", "bf16"),
+                   help="offload_nvme: dtype of Adam's moments in the swap files (bf16: half the bytes)")
     p.add_argument("--bucket", type=int, default=5_000_000,
                    help="elements: ZeRO-2 reduce/all-gather buckets, ZeRO-3 prefetch")
     p.add_argument("--as-headroom-gb", type=float, default=3.0)

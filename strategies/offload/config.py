@@ -6,12 +6,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
+
 from ..options import check_bool, check_choice, whole_number
 from ..paths import directory_problem
 from .aio import ALIGN
 
 OPTIMIZER_DEVICES = ("cpu", "nvme")
 PARAM_DEVICES = ("none", "cpu", "nvme")
+#: dtypes the swap files may hold Adam's moments in (the fp32 master is always fp32)
+STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 @dataclass(frozen=True)
 class OffloadPolicy:
@@ -38,6 +42,10 @@ class OffloadPolicy:
     io_block_size: int = 8 << 20
     #: use O_DIRECT where the file system supports it (detected at set-up; else buffered I/O)
     direct_io: bool = True
+    #: dtype of Adam's exp_avg/exp_avg_sq in the swap files: "fp32" or "bf16" (half the bytes;
+    #: the kernel rounds them stochastically, the fp32 master stays fp32; checkpoints hold fp32
+    #: either way); "bf16" needs optimizer_device="nvme"
+    optimizer_state_dtype: str = "fp32"
 
     def __post_init__(self) -> None:
         for f in ("buffer_count", "sub_group_size", "io_threads", "io_block_size"):
@@ -46,6 +54,12 @@ class OffloadPolicy:
             check_bool("Offload", f, getattr(self, f))
         check_choice("Offload", "optimizer_device", self.optimizer_device, OPTIMIZER_DEVICES)
         check_choice("Offload", "param_device", self.param_device, PARAM_DEVICES)
+        check_choice("Offload", "optimizer_state_dtype", self.optimizer_state_dtype, STATE_DTYPES)
+        if self.optimizer_state_dtype != "fp32" and self.optimizer_device != "nvme":
+            raise ValueError(f"Offload: optimizer_state_dtype={self.optimizer_state_dtype!r} is the dtype of the "
+                             f"Adam moments in the swap files, and optimizer_device="
+                             f"{self.optimizer_device!r} keeps them in RAM; valid: optimizer_device='nvme', "
+                             f"or optimizer_state_dtype='fp32'")
         if self.uses_nvme:
             if not isinstance(self.nvme_path, str) or not self.nvme_path:
                 raise ValueError(f"Offload: nvme_path={self.nvme_path!r} must name a directory when "

@@ -25,7 +25,9 @@ For checkpoints the stepper speaks ZeRO's layout (``state_dict()`` is ``{"master
 ``load_state_dict`` takes the same): the stage's ``param_shards`` / ``load_param_shards`` read and
 fill it as they do a :class:`ShardedOptimizer`, so the Trainer's per-parameter format sees the real
 state and checkpoints move between ``zero2``/``zero3`` and ``offload``. With NVMe the tensors are
-memory-mapped copies of the swap files (see :meth:`~.swapper.SwappedStates.snapshot`).
+memory-mapped copies of the swap files (see :meth:`~.swapper.SwappedStates.snapshot`). With
+``optimizer_state_dtype="bf16"`` the swapped moments are bf16 (the kernel rounds them
+stochastically); the checkpoint still holds them as fp32, and loading rounds them back the same way.
 """
 from __future__ import annotations
 
@@ -46,7 +48,8 @@ def fused_path_refusal(optimizer: torch.optim.Optimizer) -> str | None:
     name = type(optimizer).__name__
     if isinstance(optimizer, CPUAdam):
         if optimizer.state_dtype != torch.float32:
-            return f"CPUAdam with state_dtype={optimizer.state_dtype} (offload keeps fp32 state)"
+            return (f"CPUAdam with state_dtype={optimizer.state_dtype} (offload keeps fp32 state; for bf16 "
+                    f"moments on disk set the strategy's optimizer_state_dtype='bf16')")
         return None
     if not isinstance(optimizer, torch.optim.Adam):  # AdamW subclasses Adam
         return f"{name} is not Adam, AdamW or zerotrain.ops.CPUAdam"
@@ -139,7 +142,7 @@ class OffloadedAdam(_GatherMasters):
             master, exp_avg, exp_avg_sq = self.states.views(k, b)
             fused_adam_step(master, self.transfer.grad(sg), exp_avg, exp_avg_sq, step=steps[sg.slot],
                             grad_scale=grad_scale, param_out=self.transfer.param_out(sg, master),
-                            **hypers[self.slot_group[sg.slot]])
+                            **self._rounding(k, exp_avg), **hypers[self.slot_group[sg.slot]])
             self.transfer.after_step(sg, master)
             if self.pager is not None:
                 self.pager.release(k)
@@ -157,6 +160,13 @@ class OffloadedAdam(_GatherMasters):
         else:
             for i, n in enumerate(steps):
                 self.states.slot_state(i)["step"].fill_(float(n))
+
+    def _rounding(self, k: int, exp_avg: torch.Tensor) -> dict[str, Any]:
+        """bf16 moments (swapped with ``optimizer_state_dtype="bf16"``) are rounded stochastically,
+        so updates smaller than a bf16 step still move them on average."""
+        if exp_avg.dtype != torch.bfloat16:
+            return {}
+        return {"stochastic_rounding": True, "seed": self.states.rounding_seed(k)}
 
     # ------------------------------------------------------------------ what it holds
     def state_tensors(self) -> list[torch.Tensor]:

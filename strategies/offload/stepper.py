@@ -35,7 +35,7 @@ import torch
 from ..zero.estimate import format_bytes
 from ..zero.sharded_optimizer import ShardedOptimizer
 from .aio import AsyncFileIO, DirectIOProbe, probe_direct_io
-from .config import OffloadPolicy
+from .config import STATE_DTYPES, OffloadPolicy
 from .optimizer import OffloadedAdam, TorchOffload, fused_path_refusal
 from .param_swap import ShardPager, swap_unit_to_files
 from .plan import plan_subgroups
@@ -160,7 +160,8 @@ class OffloadStepper:
             DirectIOProbe(False, "direct_io=False")
         self.io = AsyncFileIO(cfg.io_threads, cfg.io_block_size)
         swapped = SwappedStates(cfg.nvme_path, subgroups, cfg.buffer_count, self.io, self.direct_io.supported,
-                                pin=pin, rank=rank, external_master=external)
+                                pin=pin, rank=rank, external_master=external,
+                                state_dtype=STATE_DTYPES[cfg.optimizer_state_dtype])
         # scratch files go when this part is collected or the process exits (not at teardown:
         # full_state_dict() may follow fit())
         weakref.finalize(self, _close_quietly, swapped, self.io)
@@ -232,6 +233,7 @@ class OffloadStepper:
         swapped = isinstance(states, SwappedStates)
         return {"stage": stage, "optimizer_device": self.policy.optimizer_device,
                 "param_device": self.policy.param_device,
+                "optimizer_state_dtype": self.policy.optimizer_state_dtype,
                 "fused_adam": isinstance(sharded, OffloadedAdam),
                 "subgroups": len(getattr(sharded, "subgroups", [])),
                 "swapped_kinds": list(states.kinds) if swapped else [],

@@ -9,6 +9,9 @@ swapped fp32 tensors back to back, each padded to :data:`~.aio.ALIGN` bytes::
     sg00003.swp:  [ master (n) | pad ][ exp_avg (n) | pad ][ exp_avg_sq (n) | pad ]
 
 so one read or write moves a sub-group, with every offset and length aligned for ``O_DIRECT``.
+With ``state_dtype=torch.bfloat16`` (``optimizer_state_dtype="bf16"``) the two moments are bf16
+(half the bytes; the kernel rounds them stochastically); the master is fp32 always, and
+checkpoint snapshots are fp32 whatever the files hold.
 The master is swapped only when nothing else needs it in RAM: when the working parameters *are*
 the fp32 master (fp32 training) or the stage owns it (ZeRO-3 units), it is an *external* master,
 stepped in place, and the files hold the two Adam moments only.
@@ -33,6 +36,7 @@ import torch
 
 from .aio import ALIGN, AsyncFileIO, Completed, IOHandle, aligned_empty, atomic_file, offload_error, \
     open_swap_file, round_up, write_tensor_at
+from ...ops.reference import round_to_bf16_stochastic, stochastic_rounding_key
 from .plan import SubGroup, run_pipelined
 
 KINDS = ("master", "exp_avg", "exp_avg_sq")
@@ -84,10 +88,11 @@ class SwappedStates:
 
     def __init__(self, nvme_path: str, subgroups: Sequence[SubGroup], buffer_count: int,
                  io: AsyncFileIO, direct: bool, pin: bool = False, rank: int = 0,
-                 external_master: Sequence[torch.Tensor] | None = None) -> None:
+                 external_master: Sequence[torch.Tensor] | None = None,
+                 state_dtype: torch.dtype = torch.float32) -> None:
         if buffer_count < 1:
             raise ValueError(f"buffer_count={buffer_count} must be >= 1")
-        self.nvme_path = nvme_path
+        self.nvme_path, self.rank = nvme_path, rank
         try:
             os.makedirs(nvme_path, exist_ok=True)
             self.directory = tempfile.mkdtemp(prefix=f"zerotrain-offload-rank{rank}-", dir=nvme_path)
@@ -97,18 +102,21 @@ class SwappedStates:
         self.buffer_count = buffer_count
         self.external = list(external_master) if external_master is not None else None
         self.kinds = KINDS[1:] if self.external is not None else KINDS  # what the files hold
-        self.region = [round_up(sg.numel * 4) for sg in self.subgroups]  # bytes per kind
+        self.state_dtype = state_dtype
+        self.dtypes = [torch.float32 if kind == "master" else state_dtype for kind in self.kinds]
+        #: per sub-group: (byte offset, dtype) of each kind in its file, and the file's size
+        self.layout = [_file_layout(sg.numel, self.dtypes) for sg in self.subgroups]
         self.fds: list[int] = []
         try:
-            for sg, region in zip(self.subgroups, self.region):
+            for sg, (_, size) in zip(self.subgroups, self.layout):
                 try:
-                    self.fds.append(open_swap_file(self._path(sg.index), len(self.kinds) * region, direct))
+                    self.fds.append(open_swap_file(self._path(sg.index), size, direct))
                 except OSError as exc:
                     raise self._error(exc, "creating", self._path(sg.index)) from exc
         except BaseException:
             self.close()
             raise
-        largest = len(self.kinds) * max(self.region, default=ALIGN)
+        largest = max((size for _, size in self.layout), default=ALIGN)
         self.buffers = [aligned_empty(largest, pin=pin) for _ in range(buffer_count)]
 
     def _path(self, k: int) -> str:
@@ -119,12 +127,20 @@ class SwappedStates:
         return offload_error(exc, action, path, self.nvme_path)
 
     def _span(self, k: int, b: int) -> torch.Tensor:
-        return self.buffers[b][:len(self.kinds) * self.region[k]]
+        return self.buffers[b][:self.layout[k][1]]
+
+    def rounding_seed(self, k: int) -> int:
+        """The stochastic-rounding seed of sub-group k's bf16 moments: fixed per (rank, sub-group),
+        so a run is reproducible, and different between sub-groups (the kernel's noise hashes
+        the element index within the slice it is given)."""
+        return (self.rank * 0x632BE5AB + k * 0x9E3779B1 + 0x5EED) & 0xFFFFFFFF
 
     def views(self, k: int, b: int) -> tuple[torch.Tensor, ...]:
+        """Sub-group k's (master, exp_avg, exp_avg_sq) in staging buffer b: fp32 master, the
+        moments in ``state_dtype``."""
         sg = self.subgroups[k]
-        n, region, span = sg.numel, self.region[k], self._span(k, b)
-        swapped = [span[i * region:i * region + 4 * n].view(torch.float32) for i in range(len(self.kinds))]
+        n, span = sg.numel, self._span(k, b)
+        swapped = [span[off:off + n * dt.itemsize].view(dt) for off, dt in self.layout[k][0]]
         if self.external is not None:
             return (self.external[sg.slot][sg.lo:sg.hi], *swapped)
         return tuple(swapped)
@@ -141,7 +157,7 @@ class SwappedStates:
         return list(self.buffers)
 
     def disk_bytes(self) -> int:
-        return len(self.kinds) * sum(self.region)
+        return sum(size for _, size in self.layout)
 
     # ------------------------------------------------------------------ whole-state transfers
     def fill(self, values: dict[str, Sequence[torch.Tensor]]) -> None:
@@ -152,11 +168,20 @@ class SwappedStates:
             for kind, view in zip(KINDS, self.views(k, b)):
                 src = values.get(kind)
                 if src is not None:
-                    view.copy_(src[sg.slot][sg.lo:sg.hi])
+                    self._store(view, src[sg.slot][sg.lo:sg.hi], k)
                 elif kind != "master" or self.external is None:
                     view.zero_()
 
         run_pipelined(len(self.subgroups), self.buffer_count, lambda k, b: Completed(), step, self.write)
+
+    def _store(self, view: torch.Tensor, value: torch.Tensor, k: int) -> None:
+        """fp32 ``value`` into a staging view: bf16 moments are rounded stochastically, as the
+        kernel stores them, so a loaded state is what a run that never stopped could hold (and a
+        value that is already bf16 comes back exactly)."""
+        if view.dtype == torch.bfloat16 and value.dtype != torch.bfloat16:
+            view.copy_(round_to_bf16_stochastic(value.float(), stochastic_rounding_key(self.rounding_seed(k), 0)))
+        else:
+            view.copy_(value)
 
     def snapshot(self, slot_numels: Sequence[int], tag: str = "snapshot",
                  after: Callable[[int], None] | None = None) -> dict[str, list[torch.Tensor]]:
@@ -181,7 +206,7 @@ class SwappedStates:
                     sg = self.subgroups[k]
                     for kind, view in zip(KINDS, self.views(k, b)):
                         doing = paths[kind][sg.slot]
-                        write_tensor_at(fds[kind][sg.slot], view, 4 * sg.lo)
+                        write_tensor_at(fds[kind][sg.slot], view.float(), 4 * sg.lo)  # fp32 files
                     if after is not None:
                         after(k)
 
@@ -218,6 +243,16 @@ class SwappedStates:
         self.fds = []
         self.buffers = []
         shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def _file_layout(numel: int, dtypes: Sequence[torch.dtype]) -> tuple[list[tuple[int, torch.dtype]], int]:
+    """Where each kind of a sub-group of ``numel`` elements lies in its swap file: (byte offset,
+    dtype) per kind, each region padded to :data:`~.aio.ALIGN` bytes, and the file's size."""
+    out, offset = [], 0
+    for dt in dtypes:
+        out.append((offset, dt))
+        offset += round_up(numel * dt.itemsize)
+    return out, offset
 
 
 def _map(path: str, numel: int) -> torch.Tensor:

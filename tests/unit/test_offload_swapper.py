@@ -181,6 +181,42 @@ def test_swapped_states_round_trip_and_snapshot(tmp_path, io_pool, monkeypatch, 
     assert not os.path.exists(states.directory)
 
 
+def test_bf16_moments_halve_their_bytes_and_snapshots_stay_fp32(tmp_path, io_pool):
+    """bf16 moments: the files hold 2 bytes per moment element (the master stays 4), values are
+    stochastically rounded on the way in, and snapshots (checkpoints) are fp32 that load back
+    exactly (a bf16 value rounds to itself)."""
+    numels = [4096, 2048]  # whole pages in either dtype: no padding, so the sizes are exact
+    sgs = plan_subgroups(numels, 2048)
+    sizes = {}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        states = SwappedStates(str(tmp_path / name), sgs, 2, io_pool, direct=False, state_dtype=dtype)
+        try:
+            vals = _values(numels)
+            states.fill(vals)
+            sizes[name] = sum(os.path.getsize(os.path.join(states.directory, f)) for f in os.listdir(states.directory))
+            assert sizes[name] == states.disk_bytes()
+            assert states.views(0, 0)[1].dtype == dtype and states.views(0, 0)[0].dtype == torch.float32
+            snap = states.snapshot(numels)
+            for g in range(len(numels)):
+                assert torch.equal(snap["master"][g], vals["master"][g])
+                for kind in KINDS[1:]:
+                    got, want = snap[kind][g], vals[kind][g]
+                    assert got.dtype == torch.float32
+                    # stochastic rounding: within one bf16 step of the value, unbiased on average
+                    assert torch.all((got - want).abs() <= want.abs() * 2.0**-7 + 1e-30)
+                    if dtype == torch.bfloat16:
+                        assert not torch.equal(got, want.bfloat16().float())  # not round-to-nearest
+                        assert abs(float((got - want).mean())) < 1e-3
+            states.fill({k: [t.clone() for t in v] for k, v in snap.items()})  # a reload of the snapshot
+            for g, n in enumerate(numels):
+                for kind in KINDS:
+                    assert torch.equal(states.gather_kind(kind, g, n), snap[kind][g]), (name, kind)
+        finally:
+            states.close()
+    n = sum(numels)
+    assert sizes["fp32"] == 3 * 4 * n and sizes["bf16"] == (4 + 2 + 2) * n
+
+
 # ---------------------------------------------------------------------------- atomic copies
 def test_atomic_file_replaces_only_on_success(tmp_path):
     path = str(tmp_path / "state.bin")

@@ -1,10 +1,13 @@
 """The ZeRO memory formulas, the zerotrain-estimate command and storage counting."""
+import itertools
+import math
+
 import pytest
 import torch
 
 from zerotrain.strategies.memory import count_bytes, storage_bytes
 from zerotrain.strategies.zero.estimate import (
-    estimate_model_states, format_bytes, gpt_num_params, main)
+    estimate_model_states, estimate_offload, format_bytes, gpt_num_params, largest_offload_model, main)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 8])
@@ -73,3 +76,76 @@ def test_count_bytes_counts_each_storage_once():
 
     got = count_bytes(Fake())
     assert got == {"params": 400, "grads": 14, "master": 0, "optimizer": 0, "comm_buffers": 0, "total": 414}
+
+
+# ---------------------------------------------------------------------------- offload: RAM and disk
+#: every valid (stage, optimizer_device, param_device, optimizer_state_dtype)
+OFFLOAD_COMBOS = [c for c in itertools.product((2, 3), ("cpu", "nvme"), ("none", "cpu", "nvme"), ("fp32", "bf16"))
+                  if (c[0] == 3 or c[2] == "none") and (c[3] == "fp32" or c[1] == "nvme")]
+
+
+@pytest.mark.parametrize("precision", ["32", "bf16-mixed"])
+@pytest.mark.parametrize("stage,opt_dev,param_dev,state", OFFLOAD_COMBOS)
+def test_offload_disk_and_ram_bytes_are_the_formula(stage, opt_dev, param_dev, state, precision):
+    psi, world, sub = 12_000_000, 4, 1_000_000
+    shard = psi // world
+    est = estimate_offload(psi, world, stage, precision, optimizer_device=opt_dev, param_device=param_dev,
+                           optimizer_state_dtype=state, sub_group_size=sub, buffer_count=3)
+    p, m = (4, 0) if precision == "32" else (2, 4)
+    s = {"fp32": 4, "bf16": 2}[state]
+    params = p * (psi if stage == 2 else shard)
+    master_disk = m * shard * (param_dev == "nvme" if stage == 3 else opt_dev == "nvme")
+    disk = (params if param_dev == "nvme" else 0) + master_disk + (2 * s * shard if opt_dev == "nvme" else 0)
+    assert est.disk.total == disk
+    assert (est.disk.params, est.disk.grads) == (params if param_dev == "nvme" else 0, 0)
+    assert est.disk.optimizer == (2 * s * shard if opt_dev == "nvme" else 0)
+    staging = 3 * sub * (2 * s + (m if stage == 2 else 0)) if opt_dev == "nvme" else 0
+    assert est.ram.grads == p * shard  # the precision's gradient bytes, partitioned
+    assert est.ram.optimizer == (staging if opt_dev == "nvme" else 2 * 4 * shard)
+    assert est.ram.params + est.disk.params == params
+    assert est.ram.master + est.disk.master == m * shard
+
+
+def test_bf16_moments_halve_the_moment_bytes_on_disk():
+    a, b = (estimate_offload(10**9, 2, 3, optimizer_state_dtype=d) for d in ("fp32", "bf16"))
+    assert b.disk.optimizer * 2 == a.disk.optimizer and b.disk.params == a.disk.params
+    assert a.disk.total == 12 * 10**9 // 2 and b.disk.total == 8 * 10**9 // 2  # fp32: 4 param + 8 moments
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("stage,opt_dev,param_dev,state", [c for c in OFFLOAD_COMBOS if c[1] == "nvme"])
+def test_largest_model_fits_and_one_percent_more_does_not(world, stage, opt_dev, param_dev, state):
+    opts = dict(stage=stage, optimizer_device=opt_dev, param_device=param_dev, optimizer_state_dtype=state,
+                grad_bytes=2, sub_group_size=4_000_000)
+    ram, disk = 20 * 2**30, 74 * 2**30
+    n = largest_offload_model(ram, disk, world, **opts)
+    assert n > 10**8
+    for count, fits in ((n, True), (math.ceil(n * 1.01), False)):
+        est = estimate_offload(count, world, **opts)
+        assert (est.ram.total * world <= ram and est.disk.total * world <= disk) is fits, (count, est)
+    if stage == 3 and param_dev == "nvme":  # disk-bound: the per-parameter disk bytes set the answer
+        per_param = {"fp32": 12, "bf16": 8}[state]
+        assert n == pytest.approx(disk / per_param, rel=1e-6)
+
+
+def test_offload_estimate_refuses_what_offload_refuses():
+    with pytest.raises(ValueError, match="optimizer_state_dtype='bf16' needs optimizer_device='nvme'"):
+        estimate_offload(10, optimizer_device="cpu", param_device="none", optimizer_state_dtype="bf16")
+    with pytest.raises(ValueError, match="param_device='nvme' needs stage=3"):
+        estimate_offload(10, stage=2)
+    with pytest.raises(ValueError, match="optimizer_state_dtype='fp8'; valid choices: fp32, bf16"):
+        estimate_offload(10, optimizer_state_dtype="fp8")
+
+
+def test_command_prints_ram_disk_and_the_largest_model(capsys):
+    assert main(["--num-params", "3.33e9", "--offload-stage", "3", "--optimizer-state-dtype", "bf16",
+                 "--grad-bytes", "2", "--ram-gb", "20", "--disk-gb", "74", "--world-size", "1,2"]) == 0
+    out = capsys.readouterr().out
+    disk_rows = [line.split() for line in out.splitlines() if line.split()[1:2] == ["disk"]]
+    assert [r[-1] for r in disk_rows] == ["8.00", "8.00"]  # bytes per parameter on disk
+    want = largest_offload_model(20 * 2**30, 74 * 2**30, 2, optimizer_state_dtype="bf16", grad_bytes=2)
+    assert f"(all 2 ranks): {want:,} parameters" in out
+    with pytest.raises(SystemExit):
+        main(["--num-params", "1e9", "--ram-gb", "20"])  # --disk-gb missing
+    with pytest.raises(SystemExit):
+        main(["--num-params", "1e9", "--offload-stage", "2", "--param-device", "nvme"])
