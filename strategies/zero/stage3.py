@@ -60,6 +60,7 @@ from .comm import backend, broadcast_from
 from .hooks import Stage3Hooks
 from .layout import build_layout
 from .materialize import PartitionedBuild
+from .quantized import Quantization
 from .sharded_optimizer import ShardedOptimizer
 from .stage3_checkpoint import Stage3Checkpoint
 from .stage3_runtime import RuntimeOptions, Stage3Runtime
@@ -146,10 +147,15 @@ class ZeroStage3(ZeroStrategy):
                                 label="broadcast unit")
         unit = Unit(index, name, params, names, layout, self.global_rank, self.precision.param_dtype,
                     self.config.torch_reduce_dtype, self.device, persistent=name == PERSISTENT,
-                    inflight=self.queue)
+                    inflight=self.queue, quant=self._quantization())
         unit.load_full(flat)
         self.stepper.place_unit(unit, self.global_rank)  # offload: shards to files, unit by unit
         return unit
+
+    def _quantization(self) -> Quantization:
+        """ZeRO++'s options as the units use them (``quantized.py``)."""
+        return Quantization(self.stage3.quantize_weights, self.config.quantize_gradients,
+                            self.config.quantize_block_size)
 
     def _scope_modules(self) -> list[nn.Module]:
         """The TrainModule and every module holding a root-unit parameter, with their ancestors:
