@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from harness import run_ranks_once
+from zerotrain.bench.zeropp_bench import LOSS_CASES
 
 STEPS = 12
 #: relative loss difference allowed at every step; measured on this set-up at most 2.7e-4 (qwZ),
@@ -24,14 +25,8 @@ LOSS_RTOL = 5e-3
 #: bytes of a quantized collective over its fp32 form: (1 + 4/256) / 4 = 0.2539, plus padding
 RATIO = (0.25, 0.26)
 
-CASES = {
-    "zero3": ("zero3", {}),
-    "zero3_qw": ("zero3", {"quantize_weights": True}),
-    "zero3_qg": ("zero3", {"quantize_gradients": True}),
-    "zero3_qwqg": ("zero3", {"quantize_weights": True, "quantize_gradients": True}),
-    "zero2": ("zero2", {}),
-    "zero2_qg": ("zero2", {"quantize_gradients": True}),
-}
+#: zero3 and zero2, exact and with each option (the benchmark's cases)
+CASES = LOSS_CASES
 
 
 def _fit(strategy: str, options: dict, corpus: str) -> dict:
