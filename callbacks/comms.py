@@ -28,7 +28,9 @@ What each strategy moves per optimizer step (Psi: trainable elements; ``expected
 * every ZeRO stage: one 4-byte all_reduce of the squared gradient norm when clipping by norm.
 * ZeRO++ (``quantize_weights`` / ``quantize_gradients``): a quantized gather or reduction moves
   1 byte per element plus a 4-byte scale per block, as two messages (codes, scales); quantized
-  reductions are ``all_to_all`` (each owner's piece of a bucket from every rank).
+  reductions are ``all_to_all`` (each owner's piece of a bucket from every rank). With
+  ``hierarchical_partition`` (hpZ) the backward gathers read the node copy within the node: exact
+  working bytes over the node's ranks, nothing at all with one rank per node.
 
 In the ZeRO paper's units an all-reduce of S bytes moves 2S(n-1)/n per rank (reduce-scatter plus
 all-gather), so zero1/2 on gloo move 2Psi + Psi ("2Psi reduce + Psi gather"), and ddp 2Psi.
@@ -234,7 +236,10 @@ def _zero3_bytes(strategy: Any, micro_batches: int) -> dict[str, int]:
             _add(out, "all_gather", working)  # the refresh after the step (never quantized)
         else:
             gathered = int8 if strategy.stage3.quantize_weights else working
-            _add(out, "all_gather", micro_batches * gathered * (1 if u is strategy.units[0] else twice))
+            again = gathered  # the backward gather; hpZ: exact, from the node copy, within the node
+            if strategy.stage3.hierarchical_partition:
+                again = working if strategy.info.local_world_size > 1 else 0
+            _add(out, "all_gather", micro_batches * (gathered + (0 if u is strategy.units[0] else twice - 1) * again))
         _add(out, reduce_op, micro_batches * (int8 if reduce_op == "all_to_all" else u.numel * reduce_bytes))
     return out
 

@@ -113,6 +113,13 @@ def gather_to(inp: torch.Tensor, outs: Sequence[torch.Tensor] | None, dst: int =
     return instrument.issued("gather", work, group, inp, ranks=world_size(group))
 
 
+def new_group(ranks: Sequence[int]) -> object:
+    """Collective over the default group: a process group of ``ranks`` (None without one)."""
+    if world_size() == 1:
+        return None
+    return dist.new_group(list(ranks))
+
+
 class BufferPool:
     """Reusable flat buffers of one dtype, so buckets do not pay a fresh allocation (and its page
     faults) each time. ``acquire(n)`` returns an n-element view of a pooled buffer."""

@@ -114,6 +114,10 @@ class Stage3Config:
     #: scale per block) dequantized on arrival; the fp32 masters are untouched. About 1/4 of an
     #: fp32 gather's bytes (1/2 of bf16's), at the price of int8 rounding in the working weights
     quantize_weights: bool = False
+    #: ZeRO++ hpZ: each unit's forward gather leaves a copy of its values spread over the ranks
+    #: of each node (1/local_world_size per rank), and backward gathers it within the node only;
+    #: costs that copy's memory, keeps the second gather per step off the inter-node network
+    hierarchical_partition: bool = False
 
     def __post_init__(self) -> None:
         from .unit_plan import make_policy
@@ -125,7 +129,8 @@ class Stage3Config:
         if units is not None and not callable(units):
             units = tuple(units)
         object.__setattr__(self, "unit_modules", units)
-        for f in ("reshard_after_forward", "activation_checkpointing", "quantize_weights"):
+        for f in ("reshard_after_forward", "activation_checkpointing", "quantize_weights",
+                  "hierarchical_partition"):
             check_bool("zero3", f, getattr(self, f))
         for f, least in (("prefetch_bucket_size", 0), ("max_live_parameters", 1),
                          ("param_persistence_threshold", 0)):

@@ -56,7 +56,7 @@ import torch
 from torch import nn
 
 from ..base import ParamShard, ShardReader, StepWrapper
-from .comm import backend, broadcast_from
+from .comm import backend, broadcast_from, new_group
 from .hooks import Stage3Hooks
 from .layout import build_layout
 from .materialize import PartitionedBuild
@@ -113,6 +113,8 @@ class ZeroStage3(ZeroStrategy):
         if self._build is not None:
             self._build.release()
             self._build = None
+        if self.stage3.hierarchical_partition:
+            self._enable_secondary()
         managed = {id(p) for u in self.units for p in u.params}
         with torch.no_grad():
             for t in [*module.buffers(), *(p for p in module.parameters() if id(p) not in managed)]:
@@ -151,6 +153,21 @@ class ZeroStage3(ZeroStrategy):
         unit.load_full(flat)
         self.stepper.place_unit(unit, self.global_rank)  # offload: shards to files, unit by unit
         return unit
+
+    def _enable_secondary(self) -> None:
+        """Collective (hpZ): one process group per node (every rank creates every group, in the
+        same order), and each unit's node copy."""
+        world, local = self.world_size, max(1, self.info.local_world_size)
+        if world % local:
+            raise ValueError(f"zero3: hierarchical_partition=True with local_world_size={local}: world_size="
+                             f"{world} is not a multiple of it; valid: nodes with equal numbers of ranks")
+        node_group = self.group
+        if local < world:
+            for node in range(world // local):
+                g = new_group(list(range(node * local, (node + 1) * local)))
+                node_group = g if node == self.global_rank // local else node_group
+        for u in self.units:
+            u.enable_secondary(self.global_rank % local, local, node_group)
 
     def _quantization(self) -> Quantization:
         """ZeRO++'s options as the units use them (``quantized.py``)."""

@@ -99,6 +99,13 @@ class Unit:
             self._unbind()
             self._free()
             self.state = ShardState.SHARDED
+        #: hpZ (``hierarchical_partition``): this rank's slice of the node's copy of the gathered
+        #: values, taken when a gather lands; while ``secondary_valid`` (from the forward gather to
+        #: the end of backward) backward gathers read it over the node group only
+        self.secondary: torch.Tensor | None = None
+        self.secondary_valid = False
+        self.node_group: object = None
+        self._secondary_range = (0, 0)
         # per-step bookkeeping, owned by the runtime
         self.active = 0  # forwards of this unit currently running (nested or re-entrant calls)
         self.pending_backward = 0  # forwards whose backward has not reached the unit's inputs yet
@@ -117,17 +124,34 @@ class Unit:
         return self.state is not ShardState.SHARDED
 
     # ------------------------------------------------------------------ transitions
-    def unshard_async(self, group: object = None) -> bool:
-        """SHARDED -> GATHERING: launch the all-gather into ``full``; False when not SHARDED."""
+    def enable_secondary(self, local_rank: int, local_world: int, node_group: object) -> None:
+        """hpZ: keep a node-local copy of the gathered values, 1/``local_world`` of them per rank
+        (``local_rank``'s slice), gathered back within ``node_group``."""
+        if self.persistent:
+            return
+        size = self.layout.padded_numel // local_world
+        self.secondary = torch.zeros(size, dtype=self.dtype, device=self.device)
+        self._secondary_range = (local_rank * size, (local_rank + 1) * size)
+        self.node_group = node_group
+
+    def unshard_async(self, group: object = None, secondary: bool = False) -> bool:
+        """SHARDED -> GATHERING: launch the all-gather into ``full``; False when not SHARDED.
+        ``secondary``: from the node's copy (hpZ) when it holds this step's values."""
         if self.state is not ShardState.SHARDED:
             return False
         self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
-        gather = self.quant.gather if self.quant.weights else exact_gather
-        handles, keep, arrive = gather(self.full, self.working, group)
+        if secondary and self.secondary_valid:
+            handles, keep, arrive = exact_gather(self.full, self.secondary, self.node_group)
+        else:
+            gather = self.quant.gather if self.quant.weights else exact_gather
+            handles, keep, arrive = gather(self.full, self.working, group)
         self.state = ShardState.GATHERING
 
         def landed() -> None:
             arrive()  # qwZ: dequantize into ``full``
+            if self.secondary is not None and not self.secondary_valid:
+                self.secondary.copy_(self.full[slice(*self._secondary_range)])
+                self.secondary_valid = True
             self._landed()
 
         self.inflight.push(InFlight(handles, keep, landed, f"zero3 gather {self.name or 'root'}"), self)
@@ -185,6 +209,7 @@ class Unit:
 
     def refresh(self, group: object = None) -> None:
         """Collective for a persistent unit: make the working values match the stepped master."""
+        self.secondary_valid = False
         if self.working is not self.master:
             self.working.copy_(self.master)
         if self.persistent and self.layout.padded_numel:
@@ -247,7 +272,8 @@ class Unit:
 
     # ------------------------------------------------------------------ memory
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
-        return {"params": [self.working, self.full], "master": [self.master], "grads": [self.grad]}
+        params = [self.working, self.full] + ([self.secondary] if self.secondary is not None else [])
+        return {"params": params, "master": [self.master], "grads": [self.grad]}
 
     def __repr__(self) -> str:
         return (f"Unit({self.index}, {self.name or 'root'!r}, {len(self.params)} params, "

@@ -8,7 +8,10 @@ exact runs of the same strategy (same seed, weights and batches).
   collectives carry 1/4 of the fp32 bytes plus the scales (4 bytes per 256 elements): a ratio of
   (1 + 4/256) / 4 = 0.254, within the padding of the pieces to whole blocks;
 * the exact paths are the code the other suites test: with the options off nothing is quantized
-  (no all_to_all, fp32-sized gathers).
+  (no all_to_all, fp32-sized gathers);
+* ``hierarchical_partition`` (hpZ), on 2 ranks as 2 nodes of 1 and (slow) 4 ranks as 2 nodes of 2
+  (``LOCAL_WORLD_SIZE``): the same losses bit for bit as plain zero3, and the backward gathers
+  leave the node never (nodes of 1: no bytes at all; nodes of 2: all-gathers over 2 ranks).
 """
 from __future__ import annotations
 
@@ -57,7 +60,8 @@ def _fit(strategy: str, options: dict, corpus: str) -> dict:
                       enable_model_summary=False, seed=0)
     trainer.fit(module)
     return {"losses": losses.values, "expected": comms.expected,
-            "step_bytes": {int(k): v for k, v in comms.step_bytes.items()}}
+            "step_bytes": {int(k): v for k, v in comms.step_bytes.items()},
+            "gather_groups": sorted({row["group_size"] for row in comms.summary if row["op"] == "all_gather"})}
 
 
 def _worker(corpus: str) -> dict:
@@ -115,3 +119,52 @@ def test_quantized_gradients_move_a_quarter_of_the_fp32_bytes(runs):
 def test_exact_runs_send_nothing_quantized(runs):
     for stage in ("zero3", "zero2"):
         assert "all_to_all" not in runs[stage]["expected"]
+
+
+# ---------------------------------------------------------------------------- hpZ
+#: hierarchical_partition on 2 ranks as 2 "nodes" of 1 (LOCAL_WORLD_SIZE=1, the shape of the
+#: 2-namespace multi-node set-up): backward gathers read the node copy and send nothing
+HPZ_CASES = {"zero3": ("zero3", {}), "zero3_hpz": ("zero3", {"hierarchical_partition": True}),
+             "zero3_hpz_qw": ("zero3", {"hierarchical_partition": True, "quantize_weights": True})}
+_HPZ: dict = {}
+
+
+def _hpz_worker(corpus: str) -> dict:
+    return {name: _fit(strategy, options, corpus) for name, (strategy, options) in HPZ_CASES.items()}
+
+
+def hpz_spawn(world: int, local: int, tmp_path_factory) -> dict:
+    """Rank 0's results of ``world`` ranks in nodes of ``local`` (LOCAL_WORLD_SIZE), one spawn each."""
+    from zerotrain.examples.data import stdlib_corpus
+
+    path = tmp_path_factory.mktemp("hpz") / "corpus.txt"
+    path.write_bytes(stdlib_corpus(40_000))
+    return run_ranks_once(_HPZ, (world, local), "test_zeropp:_hpz_worker", world, tmp_path_factory, timeout=300,
+                          env={"LOCAL_WORLD_SIZE": str(local)}, corpus=str(path))[0]
+
+
+def test_hierarchical_partition_changes_no_number_and_keeps_backward_gathers_in_the_node(tmp_path_factory):
+    hpz_runs = hpz_spawn(2, 1, tmp_path_factory)
+    exact, hpz = hpz_runs["zero3"], hpz_runs["zero3_hpz"]
+    assert hpz["losses"] == exact["losses"]  # the node copy holds the gathered values exactly
+    for run in hpz_runs.values():
+        for by_op in run["step_bytes"].values():
+            assert by_op == run["expected"]
+    # forward: every unit once; backward: the blocks again from the node copy (no bytes here)
+    assert hpz["expected"]["all_gather"] < 0.75 * exact["expected"]["all_gather"]
+    # with qwZ the forward gathers are int8, the backward ones exact copies within the node
+    qw = hpz_runs["zero3_hpz_qw"]
+    torch.testing.assert_close(torch.tensor(qw["losses"]), torch.tensor(exact["losses"]), rtol=LOSS_RTOL, atol=0)
+    assert qw["expected"]["all_gather"] < 0.3 * hpz["expected"]["all_gather"]
+
+
+@pytest.mark.slow
+def test_hierarchical_partition_on_two_nodes_of_two_ranks(tmp_path_factory):
+    """4 ranks as 2 nodes of 2: backward gathers go over the 2 ranks of the node."""
+    runs = hpz_spawn(4, 2, tmp_path_factory)
+    assert runs["zero3_hpz"]["losses"] == runs["zero3"]["losses"]
+    assert runs["zero3"]["gather_groups"] == [4] and runs["zero3_hpz"]["gather_groups"] == [2, 4]
+    assert runs["zero3_hpz"]["expected"] == runs["zero3"]["expected"]  # same bytes, half the ranks
+    for run in runs.values():
+        for by_op in run["step_bytes"].values():
+            assert by_op == run["expected"]

@@ -1,4 +1,5 @@
-"""ZeRO++'s options (``quantize_weights``, ``quantize_gradients``, ``quantize_block_size``): where
+"""ZeRO++'s options (``quantize_weights``, ``quantize_gradients``, ``quantize_block_size``,
+``hierarchical_partition``): where
 they live, how they are validated, and what the quantized collectives compute on one process (the
 2-process behaviour is tests/distributed/test_zeropp.py)."""
 import pytest
@@ -27,6 +28,8 @@ def test_options_are_validated_with_field_and_value():
         (lambda: ZeroStage2(quantize_gradients="yes"), TypeError, "quantize_gradients='yes'"),
         (lambda: ZeroStage2(quantize_block_size=0), ValueError, "quantize_block_size=0"),
         (lambda: strategy_from_name("zero3", quantize_weights=1), TypeError, "quantize_weights=1"),
+        (lambda: strategy_from_name("zero3", hierarchical_partition="on"), TypeError, "hierarchical_partition='on'"),
+        (lambda: ZeroStage2(hierarchical_partition=True), ValueError, "hierarchical_partition=True is not an option"),
     ]
     for make, err, match in cases:
         with pytest.raises(err, match=match):
