@@ -261,7 +261,8 @@ class Stage3Runtime:
         for u in self.units:
             self._free(u)
             u.pending_backward = 0
-            u.pinned = u.in_backward = u.secondary_valid = False
+            u.pinned = u.in_backward = False
+            u.drop_secondary()
 
     # ------------------------------------------------------------------ outside a unit's forward
     def touched(self, params: list) -> None:

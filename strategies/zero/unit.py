@@ -101,7 +101,8 @@ class Unit:
             self.state = ShardState.SHARDED
         #: hpZ (``hierarchical_partition``): this rank's slice of the node's copy of the gathered
         #: values, taken when a gather lands; while ``secondary_valid`` (from the forward gather to
-        #: the end of backward) backward gathers read it over the node group only
+        #: the end of backward) backward gathers read it over the node group only. Its memory is
+        #: held only then
         self.secondary: torch.Tensor | None = None
         self.secondary_valid = False
         self.node_group: object = None
@@ -130,9 +131,17 @@ class Unit:
         if self.persistent:
             return
         size = self.layout.padded_numel // local_world
-        self.secondary = torch.zeros(size, dtype=self.dtype, device=self.device)
+        self.secondary = torch.empty(size, dtype=self.dtype, device=self.device)
         self._secondary_range = (local_rank * size, (local_rank + 1) * size)
         self.node_group = node_group
+        self.drop_secondary()
+
+    def drop_secondary(self) -> None:
+        """The node copy is stale (the step changes the values): mark it so and return its memory
+        (like ``full``, its storage is resized to 0 bytes until the next forward gather)."""
+        self.secondary_valid = False
+        if self.secondary is not None:
+            self.secondary.untyped_storage().resize_(0)
 
     def unshard_async(self, group: object = None, secondary: bool = False) -> bool:
         """SHARDED -> GATHERING: launch the all-gather into ``full``; False when not SHARDED.
@@ -150,7 +159,9 @@ class Unit:
         def landed() -> None:
             arrive()  # qwZ: dequantize into ``full``
             if self.secondary is not None and not self.secondary_valid:
-                self.secondary.copy_(self.full[slice(*self._secondary_range)])
+                sec = self.secondary
+                sec.untyped_storage().resize_(sec.numel() * sec.element_size())
+                sec.copy_(self.full[slice(*self._secondary_range)])
                 self.secondary_valid = True
             self._landed()
 
@@ -209,7 +220,7 @@ class Unit:
 
     def refresh(self, group: object = None) -> None:
         """Collective for a persistent unit: make the working values match the stepped master."""
-        self.secondary_valid = False
+        self.drop_secondary()
         if self.working is not self.master:
             self.working.copy_(self.master)
         if self.persistent and self.layout.padded_numel:
