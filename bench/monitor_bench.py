@@ -22,6 +22,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from typing import Callable
 
 CASES = {
     "ddp": ("ddp", {}),
@@ -79,17 +80,24 @@ def render(args: argparse.Namespace, results: dict[str, list[dict]]) -> str:
     return "\n".join(lines)
 
 
+def run_interleaved(args: argparse.Namespace, cases: list[str],
+                    run: Callable[[argparse.Namespace, str, str], dict]) -> dict[str, list[dict]]:
+    """Every case once, then every case again (``args.repeats`` rounds), so the machine's drift
+    hits all alike; ``run(args, case, result_path)`` is one job. Case -> its results in order."""
+    results: dict[str, list[dict]] = {c: [] for c in cases}
+    with tempfile.TemporaryDirectory() as tmp:
+        for rep in range(args.repeats):
+            for case in cases:
+                results[case].append(run(args, case, os.path.join(tmp, f"{case}_{rep}.json")))
+    return results
+
+
 def driver(args: argparse.Namespace) -> None:
     cases = args.cases.split(",")
     unknown = [c for c in cases if c not in CASES]
     if unknown:
         raise SystemExit(f"--cases={args.cases!r}: {unknown} unknown; valid: {', '.join(CASES)}")
-    results: dict[str, list[dict]] = {c: [] for c in cases}
-    with tempfile.TemporaryDirectory() as tmp:
-        for rep in range(args.repeats):  # interleaved: every case once, then again
-            for case in cases:
-                results[case].append(run_case(args, case, os.path.join(tmp, f"{case}_{rep}.json")))
-    table = render(args, results)
+    table = render(args, run_interleaved(args, cases, run_case))
     print(table)
     if args.out:
         with open(args.out, "a") as f:
@@ -103,14 +111,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2, help="first steps left out of the means")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--cases", default=",".join(CASES))
+    add_job_arguments(p, timeout=1800)
+    p.add_argument("--out", help="append the table to this Markdown file")
+    return p.parse_args(argv)
+
+
+def add_job_arguments(p: argparse.ArgumentParser, timeout: float) -> None:
+    """The options of a driver that runs each case as its own Trainer job (``run_interleaved``),
+    and the hidden ones the driver passes to the job."""
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--threads", type=int, default=1, help="threads per rank (OMP_NUM_THREADS)")
-    p.add_argument("--timeout", type=float, default=1800)
-    p.add_argument("--out", help="append the table to this Markdown file")
+    p.add_argument("--timeout", type=float, default=timeout, help="seconds per job")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--case", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
-    return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -26,6 +26,11 @@ What each strategy moves per optimizer step (Psi: trainable elements; ``expected
   every unit's gradient reduced once (all_reduce on gloo, reduce_scatter on NCCL, reduce bytes);
   after the step one all_gather per persistent unit;
 * every ZeRO stage: one 4-byte all_reduce of the squared gradient norm when clipping by norm.
+* ZeRO++ (``quantize_weights`` / ``quantize_gradients``): a quantized gather or reduction moves
+  1 byte per element plus a 4-byte scale per block, as two messages (codes, scales); quantized
+  reductions are ``all_to_all`` (each owner's piece of a bucket from every rank). With
+  ``hierarchical_partition`` (hpZ) the backward gathers read the node copy within the node: exact
+  working bytes over the node's ranks, nothing at all with one rank per node.
 
 In the ZeRO paper's units an all-reduce of S bytes moves 2S(n-1)/n per rank (reduce-scatter plus
 all-gather), so zero1/2 on gloo move 2Psi + Psi ("2Psi reduce + Psi gather"), and ddp 2Psi.
@@ -226,28 +231,44 @@ def _add(out: dict[str, int], op: str, nbytes: int) -> None:
 
 
 def _zero12_bytes(strategy: Any, reductions: int) -> dict[str, int]:
+    from ..strategies.zero.quantized import wire_bytes
+
     out: dict[str, int] = {}
     reduce_bytes = strategy.config.torch_reduce_dtype.itemsize
-    reduce_op = "all_reduce" if strategy.reduce_mode == "all_reduce" else "reduce"
+    reduce_op = {"all_reduce": "all_reduce", "quantized": "all_to_all"}.get(strategy.reduce_mode, "reduce")
     gather_op = "broadcast" if instrument_backend(strategy) == "gloo" else "all_gather"
-    for fg in strategy.flat_groups:
-        _add(out, reduce_op, reductions * fg.layout.numel * reduce_bytes)
+    for gi, fg in enumerate(strategy.flat_groups):
+        if reduce_op == "all_to_all":  # qgZ: each bucket's owners' pieces as int8 + scales
+            block = strategy.config.quantize_block_size
+            sent = sum(wire_bytes([r.numel for r in b.runs], block) for b in strategy.grads.buckets if b.group == gi)
+        else:
+            sent = fg.layout.numel * reduce_bytes
+        _add(out, reduce_op, reductions * sent)
         _add(out, gather_op, fg.layout.padded_numel * fg.flat.element_size())
     return out
 
 
 def _zero3_bytes(strategy: Any, micro_batches: int) -> dict[str, int]:
+    from ..strategies.zero.quantized import wire_bytes
+
     out: dict[str, int] = {}
     reduce_bytes = strategy.config.torch_reduce_dtype.itemsize
-    reduce_op = "all_reduce" if strategy.reduce_mode == "all_reduce" else "reduce_scatter"
+    reduce_op = {"all_reduce": "all_reduce", "quantized": "all_to_all"}.get(strategy.reduce_mode, "reduce_scatter")
     twice = 2 if strategy.stage3.reshard_after_forward else 1
+    block = strategy.config.quantize_block_size
     for u in strategy.units:
+        world = u.layout.world_size
+        int8 = wire_bytes([u.numel // world] * world, block)  # qwZ / qgZ: codes + scales
         working = u.numel * u.full.element_size()
         if u.persistent:
-            _add(out, "all_gather", working)  # the refresh after the step
+            _add(out, "all_gather", working)  # the refresh after the step (never quantized)
         else:
-            _add(out, "all_gather", micro_batches * working * (1 if u is strategy.units[0] else twice))
-        _add(out, reduce_op, micro_batches * u.numel * reduce_bytes)
+            gathered = int8 if strategy.stage3.quantize_weights else working
+            again = gathered  # the backward gather; hpZ: exact, from the node copy, within the node
+            if strategy.stage3.hierarchical_partition:
+                again = working if strategy.info.local_world_size > 1 else 0
+            _add(out, "all_gather", micro_batches * (gathered + (0 if u is strategy.units[0] else twice - 1) * again))
+        _add(out, reduce_op, micro_batches * (int8 if reduce_op == "all_to_all" else u.numel * reduce_bytes))
     return out
 
 

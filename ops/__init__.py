@@ -6,6 +6,8 @@
 * :func:`build_all`: compile everything ahead of time into the cache, e.g.
   ``ZEROTRAIN_BUILD_OPS=1 python -c "import zerotrain.ops; zerotrain.ops.build_all()"``.
 * :func:`kernel_info`: which implementation and SIMD path a step would use here.
+* :func:`quantize_blockwise` / :func:`dequantize_blockwise`: block-wise int8 codes with one fp32
+  scale per block (ZeRO++'s quantized communication; :mod:`zerotrain.ops.quantize`).
 
 Ops are built on first use (see :mod:`zerotrain.ops.builder` for the cache and the
 ``ZEROTRAIN_BUILD_OPS`` / ``ZEROTRAIN_EXTENSIONS_DIR`` variables); without a compiler they fall
@@ -19,6 +21,7 @@ from typing import Any
 from .builder import CPU_ADAM, build_all, build_dir_of, cpu_adam_module, load_error
 from .cpu_adam import CPUAdam, fused_adam_step
 from .providers import apex_fused_adam_available, available_providers
+from .quantize import dequantize_blockwise, quantize_blockwise
 
 __all__ = [
     "CPUAdam",
@@ -27,6 +30,8 @@ __all__ = [
     "kernel_info",
     "apex_fused_adam_available",
     "available_providers",
+    "quantize_blockwise",
+    "dequantize_blockwise",
 ]
 
 

@@ -86,6 +86,10 @@ class OpSpec:
     is_python_module: bool = True
     root: Optional[str] = None  # the folder `sources` are relative to; None: the package root
     build_estimate_s: int = 60  # what the "compiling ..." line promises
+    #: the variable that forces a CPU op's SIMD path (None: the op has one path)
+    isa_env: Optional[str] = None
+    #: the module a caller falls back to without the compiled op (the report names it)
+    fallback: str = "zerotrain.ops.reference"
 
     @property
     def root_dir(self) -> str:
@@ -115,6 +119,7 @@ CPU_ADAM = OpSpec(
     # -Wno-psabi: vector arguments cross functions with different target attributes by design.
     cflags=("-O3", "-fopenmp", "-Wno-psabi"),
     ldflags=("-fopenmp",),
+    isa_env="ZEROTRAIN_ADAM_ISA",
 )
 
 FUSED_ADAM_CUDA = OpSpec(
@@ -128,7 +133,28 @@ FUSED_ADAM_CUDA = OpSpec(
     build_estimate_s=180,
 )
 
-ALL_OPS = (CPU_ADAM, FUSED_ADAM_CUDA)
+QUANTIZE = OpSpec(
+    name="zerotrain_quantize",
+    sources=("csrc/quantize/quantize.cpp",),
+    include_dirs=("csrc/includes",),  # simd.h and isa.h, shared with the Adam op
+    cflags=("-O3", "-fopenmp", "-Wno-psabi"),
+    ldflags=("-fopenmp",),
+    isa_env="ZEROTRAIN_QUANTIZE_ISA",
+    fallback="zerotrain.ops.quantize_reference",
+)
+
+QUANTIZE_CUDA = OpSpec(
+    name="zerotrain_quantize_cuda",
+    sources=("csrc/quantize/quantize.cu",),
+    cflags=("-O3",),
+    cuda_cflags=("-O3",),
+    cuda=True,
+    is_python_module=False,
+    build_estimate_s=120,
+    fallback="zerotrain.ops.quantize_reference",
+)
+
+ALL_OPS = (CPU_ADAM, FUSED_ADAM_CUDA, QUANTIZE, QUANTIZE_CUDA)
 
 
 @dataclass
@@ -492,6 +518,10 @@ def reset_cache() -> None:
 
 def cpu_adam_module() -> Optional[ModuleType]:
     return load_op(CPU_ADAM)
+
+
+def quantize_module() -> Optional[ModuleType]:
+    return load_op(QUANTIZE)
 
 
 def build_all() -> dict[str, str]:

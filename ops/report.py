@@ -69,16 +69,16 @@ def cpu_isas() -> list[str]:
     return isas + ["scalar"]
 
 
-def _isa_line(supported: list[str], selected: Optional[str], source: str) -> str:
-    override = os.environ.get(ISA_ENV, "")
+def _isa_line(supported: list[str], selected: Optional[str], source: str, isa_env: str = ISA_ENV) -> str:
+    override = os.environ.get(isa_env, "")
     if selected is None:  # predict what resolve_isa() would do
         if override in ("", "auto"):
             selected = supported[0]
         elif override in supported:
             selected = override
         else:
-            selected = f"error: {ISA_ENV}={override!r} is not one of {', '.join(supported)}"
-    env = f"{ISA_ENV}={override}" if override else f"{ISA_ENV} unset"
+            selected = f"error: {isa_env}={override!r} is not one of {', '.join(supported)}"
+    env = f"{isa_env}={override}" if override else f"{isa_env} unset"
     return f"{selected} (supported: {', '.join(supported)}; {env}; {source})"
 
 
@@ -86,8 +86,8 @@ def _op_lines(spec: builder.OpSpec, policy: str) -> list[str]:
     folder = builder.build_dir(spec)
     built = builder.is_built(spec, folder)
     missing = builder._missing_toolchain(spec)
-    fallback = ("the pure-torch reference (zerotrain.ops.reference)" if not spec.cuda
-                else "the pure-torch reference, per tensor (zerotrain.ops.reference)")
+    fallback = (f"the pure-torch reference ({spec.fallback})" if not spec.cuda
+                else f"the pure-torch reference, per tensor ({spec.fallback})")
     if built and policy != "off":
         uses = "the native kernel (built)"
     elif policy == "off":
@@ -114,7 +114,7 @@ def _op_lines(spec: builder.OpSpec, policy: str) -> list[str]:
                 selected = module.selected_isa("")
             except Exception as exc:  # noqa: BLE001 - e.g. a bad $ZEROTRAIN_ADAM_ISA
                 selected = f"error: {builder._first_line(str(exc))}"
-        lines.append(f"  ISA        {_isa_line(supported, selected, source)}")
+        lines.append(f"  ISA        {_isa_line(supported, selected, source, spec.isa_env or ISA_ENV)}")
     lines.append(f"  would use  {uses}")
     return lines
 

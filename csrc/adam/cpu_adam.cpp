@@ -40,6 +40,7 @@
 #include <vector>
 
 #include "adam_scalars.h"
+#include "isa.h"
 #include "simd.h"
 
 namespace zerotrain {
@@ -48,7 +49,7 @@ namespace {
 using simd::Bf16;
 using simd::Fp16;
 
-enum class Isa { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+using isa::Isa;
 
 // Everything one span of the step needs: the step's scalars (adam_scalars.h, shared with the CUDA
 // kernel) and the buffers.
@@ -202,68 +203,11 @@ SpanFn pick_kernel(Isa isa, at::ScalarType grad, at::ScalarType state,
   return pick_state<float>(isa, state, out);
 }
 
-// ------------------------------------------------------------------------------------------------
-// ISA selection
-// ------------------------------------------------------------------------------------------------
-bool cpu_has(Isa isa) {
-#if ZT_SIMD_X86 && (defined(__GNUC__) || defined(__clang__))
-  __builtin_cpu_init();
-  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                    __builtin_cpu_supports("f16c");
-  if (isa == Isa::kAvx2) return avx2;
-  if (isa == Isa::kAvx512) return avx2 && __builtin_cpu_supports("avx512f");
-#endif
-  return isa == Isa::kScalar;
-}
+constexpr const char* kIsaEnv = "ZEROTRAIN_ADAM_ISA";
 
-const char* isa_name(Isa isa) {
-  switch (isa) {
-    case Isa::kAvx512: return "avx512";
-    case Isa::kAvx2: return "avx2";
-    default: return "scalar";
-  }
+std::string selected_isa(const std::string& requested) {
+  return isa::isa_name(isa::resolve_isa(requested, kIsaEnv));
 }
-
-std::vector<std::string> supported_isas() {
-  std::vector<std::string> out;
-  for (Isa isa : {Isa::kAvx512, Isa::kAvx2, Isa::kScalar}) {
-    if (cpu_has(isa)) out.emplace_back(isa_name(isa));
-  }
-  return out;
-}
-
-Isa resolve_isa(const std::string& requested) {
-  std::string name = requested;
-  std::string source = "the `isa` argument";
-  if (name.empty() || name == "auto") {
-    const char* env = std::getenv("ZEROTRAIN_ADAM_ISA");
-    name = env ? env : "";
-    source = "ZEROTRAIN_ADAM_ISA";
-  }
-  if (name.empty() || name == "auto") {
-    for (Isa isa : {Isa::kAvx512, Isa::kAvx2}) {
-      if (cpu_has(isa)) return isa;
-    }
-    return Isa::kScalar;
-  }
-  Isa isa;
-  if (name == "avx512") {
-    isa = Isa::kAvx512;
-  } else if (name == "avx2") {
-    isa = Isa::kAvx2;
-  } else if (name == "scalar") {
-    isa = Isa::kScalar;
-  } else {
-    TORCH_CHECK_VALUE(false, source, "='", name,
-                      "' is not a known ISA; use one of avx512, avx2, scalar (or auto)");
-  }
-  TORCH_CHECK(cpu_has(isa), source, "='", name,
-              "' but this CPU (or build) lacks it; it supports: ",
-              c10::Join(", ", supported_isas()), ". Unset ", source, " to choose automatically.");
-  return isa;
-}
-
-std::string selected_isa(const std::string& requested) { return isa_name(resolve_isa(requested)); }
 
 // ------------------------------------------------------------------------------------------------
 // Input checks
@@ -341,7 +285,7 @@ void adam_step(at::Tensor master, at::Tensor grad, at::Tensor exp_avg, at::Tenso
   TORCH_CHECK_VALUE(step >= 1 || !bias_correction,
                     "cpu_adam: `step` must be >= 1 (the step being taken, counted from 1), got ",
                     step);
-  const Isa isa = resolve_isa(isa_request);
+  const Isa isa = isa::resolve_isa(isa_request, kIsaEnv);
   // Like any in-place torch op, tell autograd these tensors changed (inference tensors have no
   // version counter).
   for (const auto& [t, name] : buffers) {
@@ -395,5 +339,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "In-place fused Adam/AdamW step on one flat slice; see zerotrain.ops.fused_adam_step.");
   m.def("selected_isa", &zerotrain::selected_isa, py::arg("requested") = "",
         "The ISA a call with this `isa` argument would use (honours $ZEROTRAIN_ADAM_ISA).");
-  m.def("supported_isas", &zerotrain::supported_isas, "ISA paths this CPU can run, best first.");
+  m.def("supported_isas", &zerotrain::isa::supported_isas, "ISA paths this CPU can run, best first.");
 }

@@ -105,10 +105,10 @@ class SwappedUnit(Unit):
 
     shards: list[MappedShard]
 
-    def unshard_async(self, group: object = None) -> bool:
+    def unshard_async(self, group: object = None, secondary: bool = False) -> bool:
         if self.state is ShardState.SHARDED:
             self.shards[-1].prefetch()  # the working shard: what the all-gather reads
-        return super().unshard_async(group)
+        return super().unshard_async(group, secondary)
 
     def wait(self) -> None:
         super().wait()

@@ -82,6 +82,18 @@ def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: object = None) 
     return instrument.issued("all_gather", _all_gather_single(out, inp, group=group, async_op=True), group, out)
 
 
+def all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[int],
+               group: object = None) -> Handle:
+    """Rank r's ``inp`` is cut into ``in_splits`` pieces, piece k goes to rank k; ``out`` is the
+    pieces every rank sent here, in rank order (``out_splits`` long)."""
+    if world_size(group) == 1:
+        out.copy_(inp)
+        return Done()
+    progress.mark("all_to_all", group)
+    work = dist.all_to_all_single(out, inp, list(out_splits), list(in_splits), group=group, async_op=True)
+    return instrument.issued("all_to_all", work, group, inp)
+
+
 def broadcast_from(buf: torch.Tensor, src: int = 0, group: object = None) -> Handle:
     if world_size(group) == 1:
         return Done()
@@ -99,6 +111,13 @@ def gather_to(inp: torch.Tensor, outs: Sequence[torch.Tensor] | None, dst: int =
     work = dist.gather(inp, gather_list=list(outs) if outs is not None else None, dst=dst, group=group,
                        async_op=True)
     return instrument.issued("gather", work, group, inp, ranks=world_size(group))
+
+
+def new_group(ranks: Sequence[int]) -> object:
+    """Collective over the default group: a process group of ``ranks`` (None without one)."""
+    if world_size() == 1:
+        return None
+    return dist.new_group(list(ranks))
 
 
 class BufferPool:

@@ -39,12 +39,19 @@ class ZeroConfig:
     #: log every collective (op, bytes, time, bus bandwidth) and summarise it, with the bytes
     #: per step beside the ZeRO formula, at the end of fit (``callbacks.CommsLogger``)
     comms_logger: bool = False
+    #: ZeRO++ qgZ (stages 2 and 3): each rank sends every owner its piece of a gradient bucket as
+    #: block-wise int8 (one fp32 scale per block) in one all-to-all; the owner dequantizes the
+    #: pieces and sums them in fp32. About 1/4 of fp32's bytes; replaces ``reduce_mode``
+    quantize_gradients: bool = False
+    #: elements per block (one fp32 scale each) of ``quantize_gradients`` and zero3's
+    #: ``quantize_weights``: the bytes are 1 + 4/block per element
+    quantize_block_size: int = 256
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "partition_alignment",
-                           whole_number("ZeRO", "partition_alignment", self.partition_alignment, 1))
-        check_bool("ZeRO", "overlap_comm", self.overlap_comm)
-        check_bool("ZeRO", "comms_logger", self.comms_logger)
+        for f in ("partition_alignment", "quantize_block_size"):
+            object.__setattr__(self, f, whole_number("ZeRO", f, getattr(self, f), 1))
+        for f in ("overlap_comm", "comms_logger", "quantize_gradients"):
+            check_bool("ZeRO", f, getattr(self, f))
         check_choice("ZeRO", "reduce_dtype", self.reduce_dtype, REDUCE_DTYPES)
         check_choice("ZeRO", "reduce_mode", self.reduce_mode, REDUCE_MODES)
 
@@ -54,7 +61,10 @@ class ZeroConfig:
 
     def resolved_reduce_mode(self, backend: str) -> str:
         """On gloo an all-reduce of a bucket beats ``reduce_scatter_tensor`` of it (MACHINE_FACTS);
-        NCCL has a real reduce-scatter."""
+        NCCL has a real reduce-scatter. ``quantize_gradients`` makes it "quantized" (an int8
+        all-to-all), whatever ``reduce_mode`` says."""
+        if self.quantize_gradients:
+            return "quantized"
         if self.reduce_mode != "auto":
             return self.reduce_mode
         return "reduce_scatter" if backend == "nccl" else "all_reduce"
@@ -100,6 +110,14 @@ class Stage3Config:
     param_persistence_threshold: int = 0
     #: recompute each unit's forward in backward (non-reentrant torch.utils.checkpoint)
     activation_checkpointing: bool = False
+    #: ZeRO++ qwZ: a unit's all-gather sends block-wise int8 (``quantize_block_size``, one fp32
+    #: scale per block) dequantized on arrival; the fp32 masters are untouched. About 1/4 of an
+    #: fp32 gather's bytes (1/2 of bf16's), at the price of int8 rounding in the working weights
+    quantize_weights: bool = False
+    #: ZeRO++ hpZ: each unit's forward gather leaves a copy of its values spread over the ranks
+    #: of each node (1/local_world_size per rank), and backward gathers it within the node only;
+    #: costs that copy's memory, keeps the second gather per step off the inter-node network
+    hierarchical_partition: bool = False
 
     def __post_init__(self) -> None:
         from .unit_plan import make_policy
@@ -111,7 +129,8 @@ class Stage3Config:
         if units is not None and not callable(units):
             units = tuple(units)
         object.__setattr__(self, "unit_modules", units)
-        for f in ("reshard_after_forward", "activation_checkpointing"):
+        for f in ("reshard_after_forward", "activation_checkpointing", "quantize_weights",
+                  "hierarchical_partition"):
             check_bool("zero3", f, getattr(self, f))
         for f, least in (("prefetch_bucket_size", 0), ("max_live_parameters", 1),
                          ("param_persistence_threshold", 0)):
@@ -141,6 +160,9 @@ class ZeroSpec:
                 object.__setattr__(self, name, cls())
             elif getattr(self, name) is not None and not used:
                 raise ValueError(f"ZeRO: {name}= is not a section of stage={self.stage}")
+        if self.zero.quantize_gradients and self.stage == 1:
+            raise ValueError("ZeRO: quantize_gradients=True: stage 1 all-reduces whole gradients, which "
+                             "an all-to-all of owners' pieces cannot replace; valid: stage=2 or 3")
 
     @classmethod
     def from_options(cls, stage: int, owner: str = "ZeRO", **options: Any) -> "ZeroSpec":

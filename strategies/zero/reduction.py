@@ -12,7 +12,9 @@ on; ``flush()`` launches what is left and waits for all.
 
 ``reduce_mode``: ``all_reduce`` (gloo default) all-reduces a bucket; ``reduce_scatter`` (NCCL
 default) cuts it at partition boundaries and sums each piece onto its owner only (``dist.reduce``;
-a flat bucket's pieces are uneven, so this is the reduce-scatter that fits the contiguous layout).
+a flat bucket's pieces are uneven, so this is the reduce-scatter that fits the contiguous layout);
+``quantized`` (ZeRO++ qgZ, ``quantize_gradients``; stage 2 only) sends each owner its piece as
+block-wise int8 in one all-to-all, and the owner sums the pieces in fp32 (``quantized.py``).
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from .flat_buffer import FlatParamGroup
 from .hooks import GradientHooks
 from .inflight import InFlight, InFlightQueue, Work
 from .layout import FlatBucket, Run, flat_buckets, intersect, owner_runs
+from .quantized import Quantization
 
 
 @dataclass
@@ -64,11 +67,13 @@ class BucketedReduction:
 
     def __init__(self, flat_groups: Sequence[FlatParamGroup], rank: int, reduce_dtype: torch.dtype,
                  reduce_mode: str, reduce_bucket_size: int, queue: InFlightQueue, order: dict[int, int],
-                 group: object = None) -> None:
+                 group: object = None, quant: Quantization = Quantization()) -> None:
         """``order`` maps ``id(param)`` to its position in ``module.parameters()``; buckets are
-        launched in the order backward is expected to complete them (latest parameters first)."""
-        if reduce_mode not in ("all_reduce", "reduce_scatter"):
-            raise ValueError(f"reduce_mode={reduce_mode!r}; valid choices: all_reduce, reduce_scatter")
+        launched in the order backward is expected to complete them (latest parameters first).
+        ``quant``: the block size of ``reduce_mode="quantized"``."""
+        if reduce_mode not in ("all_reduce", "reduce_scatter", "quantized"):
+            raise ValueError(f"reduce_mode={reduce_mode!r}; valid choices: all_reduce, reduce_scatter, quantized")
+        self.quant = quant
         self.flat_groups = list(flat_groups)
         self.rank, self.reduce_mode, self.queue, self.group = rank, reduce_mode, queue, group
         self.reduce_dtype = reduce_dtype
@@ -133,19 +138,32 @@ class BucketedReduction:
 
     def _launch(self, b: Bucket) -> None:
         buf, pooled = self._source(b)
+        keep: tuple[torch.Tensor, ...] = ()
+        summed = None
         if self.reduce_mode == "all_reduce":
             handles = (all_reduce_sum(buf, self.group),)
+        elif self.reduce_mode == "quantized":
+            handles, keep, summed = self.quant.reduce(buf, self._pieces(b), self.rank, self.group)
         else:
             handles = tuple(reduce_to_owner(buf[r.offset:r.offset + r.numel], r.rank, self.group)
                             for r in b.runs)
 
         def done(b=b, buf=buf, pooled=pooled) -> None:
+            if summed is not None and b.mine is not None:  # qgZ: my piece, summed in fp32
+                buf[b.mine[0]:b.mine[0] + b.mine[2]].copy_(summed())
             self._deliver(b, buf)
             if pooled:
                 self.pool.release(buf)
 
         b.buffer, b.launched = None, True
-        self.queue.push(InFlight(handles, (buf,), done, self.label))
+        self.queue.push(InFlight(handles, (buf, *keep), done, self.label))
+
+    def _pieces(self, b: Bucket) -> list[tuple[int, int]]:
+        """Each rank's (offset, numel) in bucket ``b`` (numel 0 for a rank owning none of it)."""
+        pieces = [(0, 0)] * self.world
+        for r in b.runs:
+            pieces[r.rank] = (r.offset, r.numel)
+        return pieces
 
     def flush(self) -> None:
         """Launch what is left in plan order, wait for all, and reset for the next backward."""

@@ -22,6 +22,7 @@ from torch import nn
 
 from .flat_buffer import FlatParamGroup
 from .inflight import InFlightQueue
+from .quantized import Quantization
 from .reduction import Bucket, BucketedReduction
 from .strategy import ZeroStrategy
 
@@ -33,8 +34,9 @@ class PartitionedGradients(BucketedReduction):
 
     def __init__(self, flat_groups: Sequence[FlatParamGroup], rank: int, reduce_dtype: torch.dtype,
                  reduce_mode: str, reduce_bucket_size: int, queue: InFlightQueue, order: dict[int, int],
-                 group: object = None) -> None:
-        super().__init__(flat_groups, rank, reduce_dtype, reduce_mode, reduce_bucket_size, queue, order, group)
+                 group: object = None, quant: Quantization = Quantization()) -> None:
+        super().__init__(flat_groups, rank, reduce_dtype, reduce_mode, reduce_bucket_size, queue, order, group,
+                         quant)
         self.parts = self.kept = [
             torch.zeros(fg.layout.partition_numel, dtype=reduce_dtype, device=fg.flat.device)
             for fg in self.flat_groups]
@@ -87,7 +89,9 @@ class ZeroStage2(ZeroStrategy):
     stage = 2
 
     def _build_gradients(self) -> PartitionedGradients:
-        return PartitionedGradients(*self._reduction_args())
+        quant = Quantization(gradients=self.config.quantize_gradients,
+                             block_size=self.config.quantize_block_size)
+        return PartitionedGradients(*self._reduction_args(), quant=quant)
 
     def _grad_bytes_per_param(self) -> int:
         return self.config.torch_reduce_dtype.itemsize

@@ -56,10 +56,11 @@ import torch
 from torch import nn
 
 from ..base import ParamShard, ShardReader, StepWrapper
-from .comm import backend, broadcast_from
+from .comm import backend, broadcast_from, new_group
 from .hooks import Stage3Hooks
 from .layout import build_layout
 from .materialize import PartitionedBuild
+from .quantized import Quantization
 from .sharded_optimizer import ShardedOptimizer
 from .stage3_checkpoint import Stage3Checkpoint
 from .stage3_runtime import RuntimeOptions, Stage3Runtime
@@ -112,6 +113,8 @@ class ZeroStage3(ZeroStrategy):
         if self._build is not None:
             self._build.release()
             self._build = None
+        if self.stage3.hierarchical_partition:
+            self._enable_secondary()
         managed = {id(p) for u in self.units for p in u.params}
         with torch.no_grad():
             for t in [*module.buffers(), *(p for p in module.parameters() if id(p) not in managed)]:
@@ -146,10 +149,30 @@ class ZeroStage3(ZeroStrategy):
                                 label="broadcast unit")
         unit = Unit(index, name, params, names, layout, self.global_rank, self.precision.param_dtype,
                     self.config.torch_reduce_dtype, self.device, persistent=name == PERSISTENT,
-                    inflight=self.queue)
+                    inflight=self.queue, quant=self._quantization())
         unit.load_full(flat)
         self.stepper.place_unit(unit, self.global_rank)  # offload: shards to files, unit by unit
         return unit
+
+    def _enable_secondary(self) -> None:
+        """Collective (hpZ): one process group per node (every rank creates every group, in the
+        same order), and each unit's node copy."""
+        world, local = self.world_size, max(1, self.info.local_world_size)
+        if world % local:
+            raise ValueError(f"zero3: hierarchical_partition=True with local_world_size={local}: world_size="
+                             f"{world} is not a multiple of it; valid: nodes with equal numbers of ranks")
+        node_group = self.group
+        if local < world:
+            for node in range(world // local):
+                g = new_group(list(range(node * local, (node + 1) * local)))
+                node_group = g if node == self.global_rank // local else node_group
+        for u in self.units:
+            u.enable_secondary(self.global_rank % local, local, node_group)
+
+    def _quantization(self) -> Quantization:
+        """ZeRO++'s options as the units use them (``quantized.py``)."""
+        return Quantization(self.stage3.quantize_weights, self.config.quantize_gradients,
+                            self.config.quantize_block_size)
 
     def _scope_modules(self) -> list[nn.Module]:
         """The TrainModule and every module holding a root-unit parameter, with their ancestors:

@@ -14,7 +14,8 @@ Events and what they do (``u`` is a unit, see ``unit.py``):
   prefetch the units expected next in backward. ``post_backward(u)`` (gradients reached ``u``'s
   inputs): once every forward call of ``u`` in this step has been backpropagated, reduce its
   gradients asynchronously into its gradient partition and free it.
-* ``before_backward``: prefetch the units backward needs first.
+* ``before_backward``: prefetch the units backward needs first. Until ``after_backward``, gathers
+  read the node's copy (``hierarchical_partition``, hpZ) where the forward left one.
 * ``after_backward``: reduce what is left (the root, persistent parameters, units whose inputs
   did not require grad, parameters used outside their unit), wait for every reduction, free all
   gathered units and the pooled reduction buffers.
@@ -78,6 +79,7 @@ class Stage3Runtime:
         #: when a list, every gather/free/forward/backward event is appended (for tests)
         self.trace: list[tuple[str, int]] | None = None
         self._warned: set[int] = set()
+        self._backward = False  # between before_backward and after_backward (hpZ's gathers)
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -89,7 +91,7 @@ class Stage3Runtime:
             self.trace.append((what, u.index))
 
     def _gather(self, u: Unit, prefetch: bool = False) -> None:
-        if u.unshard_async(self.group):
+        if u.unshard_async(self.group, secondary=self._backward):
             self._event("prefetch" if prefetch else "gather", u)
             u.prefetched = prefetch
             self.peak_live = max(self.peak_live, self.live)
@@ -219,6 +221,7 @@ class Stage3Runtime:
     # ------------------------------------------------------------------ backward
     def before_backward(self) -> None:
         self._bwd_pos = 0
+        self._backward = True
         if self.bwd_order is None:
             self._recording_bwd = []
         else:  # the last units' gathers overlap the loss's and the head's backward
@@ -249,15 +252,17 @@ class Stage3Runtime:
         self.pool.clear()  # between steps a rank holds its shards and nothing else
         if self._recording_bwd is not None:
             self.bwd_order, self._recording_bwd = self._recording_bwd, None
-        self._step_open = False
+        self._step_open = self._backward = False
         self.free_all()
 
     def free_all(self) -> None:
-        """Free every gathered unit (waiting for gathers in flight) and reset per-step state."""
+        """Free every gathered unit (waiting for gathers in flight) and reset per-step state (hpZ's
+        node copies too: the step will change the values)."""
         for u in self.units:
             self._free(u)
             u.pending_backward = 0
             u.pinned = u.in_backward = False
+            u.drop_secondary()
 
     # ------------------------------------------------------------------ outside a unit's forward
     def touched(self, params: list) -> None:

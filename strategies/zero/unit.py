@@ -36,6 +36,7 @@ from torch import nn
 from .comm import BufferPool, all_gather_into, all_reduce_sum, gather_to, reduce_scatter_sum
 from .inflight import InFlight, InFlightQueue
 from .layout import GroupLayout
+from .quantized import Quantization, exact_gather
 
 
 class ShardState(enum.Enum):
@@ -65,7 +66,7 @@ class Unit:
     def __init__(self, index: int, name: str, params: Sequence[nn.Parameter], names: Sequence[str],
                  layout: GroupLayout, rank: int, dtype: torch.dtype, reduce_dtype: torch.dtype,
                  device: torch.device, persistent: bool = False,
-                 inflight: InFlightQueue | None = None) -> None:
+                 inflight: InFlightQueue | None = None, quant: Quantization = Quantization()) -> None:
         if len(params) != len(layout.spans):
             raise ValueError(f"unit {name!r}: {len(params)} parameters, layout has {len(layout.spans)}")
         # a unit with nothing to gather (an empty root) behaves as an always-gathered one
@@ -73,6 +74,8 @@ class Unit:
         self.index, self.name, self.persistent = index, name, persistent
         self.params, self.names, self.layout, self.rank = list(params), list(names), layout, rank
         self.dtype, self.device = dtype, device
+        #: ZeRO++: which of this unit's collectives go as block-wise int8 (``quantized.py``)
+        self.quant = quant
         lo, hi = layout.partition_range(rank)
         self.lo, self.hi = lo, hi
         make = torch.zeros if persistent else torch.empty
@@ -96,6 +99,14 @@ class Unit:
             self._unbind()
             self._free()
             self.state = ShardState.SHARDED
+        #: hpZ (``hierarchical_partition``): this rank's slice of the node's copy of the gathered
+        #: values, taken when a gather lands; while ``secondary_valid`` (from the forward gather to
+        #: the end of backward) backward gathers read it over the node group only. Its memory is
+        #: held only then
+        self.secondary: torch.Tensor | None = None
+        self.secondary_valid = False
+        self.node_group: object = None
+        self._secondary_range = (0, 0)
         # per-step bookkeeping, owned by the runtime
         self.active = 0  # forwards of this unit currently running (nested or re-entrant calls)
         self.pending_backward = 0  # forwards whose backward has not reached the unit's inputs yet
@@ -114,15 +125,47 @@ class Unit:
         return self.state is not ShardState.SHARDED
 
     # ------------------------------------------------------------------ transitions
-    def unshard_async(self, group: object = None) -> bool:
-        """SHARDED -> GATHERING: launch the all-gather into ``full``; False when not SHARDED."""
+    def enable_secondary(self, local_rank: int, local_world: int, node_group: object) -> None:
+        """hpZ: keep a node-local copy of the gathered values, 1/``local_world`` of them per rank
+        (``local_rank``'s slice), gathered back within ``node_group``."""
+        if self.persistent:
+            return
+        size = self.layout.padded_numel // local_world
+        self.secondary = torch.empty(size, dtype=self.dtype, device=self.device)
+        self._secondary_range = (local_rank * size, (local_rank + 1) * size)
+        self.node_group = node_group
+        self.drop_secondary()
+
+    def drop_secondary(self) -> None:
+        """The node copy is stale (the step changes the values): mark it so and return its memory
+        (like ``full``, its storage is resized to 0 bytes until the next forward gather)."""
+        self.secondary_valid = False
+        if self.secondary is not None:
+            self.secondary.untyped_storage().resize_(0)
+
+    def unshard_async(self, group: object = None, secondary: bool = False) -> bool:
+        """SHARDED -> GATHERING: launch the all-gather into ``full``; False when not SHARDED.
+        ``secondary``: from the node's copy (hpZ) when it holds this step's values."""
         if self.state is not ShardState.SHARDED:
             return False
         self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
-        handle = all_gather_into(self.full, self.working, group)
+        if secondary and self.secondary_valid:
+            handles, keep, arrive = exact_gather(self.full, self.secondary, self.node_group)
+        else:
+            gather = self.quant.gather if self.quant.weights else exact_gather
+            handles, keep, arrive = gather(self.full, self.working, group)
         self.state = ShardState.GATHERING
-        self.inflight.push(InFlight((handle,), (self.working,), self._landed,
-                                    f"zero3 gather {self.name or 'root'}"), self)
+
+        def landed() -> None:
+            arrive()  # qwZ: dequantize into ``full``
+            if self.secondary is not None and not self.secondary_valid:
+                sec = self.secondary
+                sec.untyped_storage().resize_(sec.numel() * sec.element_size())
+                sec.copy_(self.full[slice(*self._secondary_range)])
+                self.secondary_valid = True
+            self._landed()
+
+        self.inflight.push(InFlight(handles, keep, landed, f"zero3 gather {self.name or 'root'}"), self)
         return True
 
     def wait(self) -> None:
@@ -177,6 +220,7 @@ class Unit:
 
     def refresh(self, group: object = None) -> None:
         """Collective for a persistent unit: make the working values match the stepped master."""
+        self.drop_secondary()
         if self.working is not self.master:
             self.working.copy_(self.master)
         if self.persistent and self.layout.padded_numel:
@@ -204,7 +248,8 @@ class Unit:
         """Collective: sum every rank's gradients of this unit, keep my partition (averaged) and
         add it to ``grad``. The gradients are copied into a pooled flat buffer and ``p.grad`` is
         freed at once; the reduction is pushed to ``queue`` (it completes while backward goes on).
-        ``mode``: ``all_reduce`` (gloo: faster there) or ``reduce_scatter`` (NCCL)."""
+        ``mode``: ``all_reduce`` (gloo: faster there), ``reduce_scatter`` (NCCL) or ``quantized``
+        (qgZ: every rank's int8 copy of my partition through an all-to-all, summed here in fp32)."""
         layout, world = self.layout, self.layout.world_size
         n, part = layout.padded_numel, self.hi - self.lo
         space = pool.acquire(n + (part if mode == "reduce_scatter" else 0))
@@ -217,23 +262,29 @@ class Unit:
                 dst.copy_(p.grad.reshape(-1))
                 p.grad = None
         flat[layout.numel:].zero_()
+        keep: tuple[torch.Tensor, ...] = ()
+        mine = summed = None  # summed: qgZ's work that sums my partition on arrival
         if mode == "all_reduce":
-            handle, mine = all_reduce_sum(flat, group), flat[self.lo:self.hi]
+            handles, mine = (all_reduce_sum(flat, group),), flat[self.lo:self.hi]
         elif mode == "reduce_scatter":
             mine = space[n:]
-            handle = reduce_scatter_sum(mine, flat, group)
+            handles = (reduce_scatter_sum(mine, flat, group),)
+        elif mode == "quantized":
+            pieces = [(lo, hi - lo) for lo, hi in map(layout.partition_range, range(world))]
+            handles, keep, summed = self.quant.reduce(flat, pieces, self.rank, group)
         else:
-            raise ValueError(f"reduce mode {mode!r}; valid choices: all_reduce, reduce_scatter")
+            raise ValueError(f"reduce mode {mode!r}; valid choices: all_reduce, reduce_scatter, quantized")
 
         def add_mine() -> None:
-            self.grad.add_(mine.div_(world))
+            self.grad.add_((mine if summed is None else summed()).div_(world))
             pool.release(space)
 
-        queue.push(InFlight((handle,), (space,), add_mine, f"zero3 reduce {self.name or 'root'}"))
+        queue.push(InFlight(handles, (space, *keep), add_mine, f"zero3 reduce {self.name or 'root'}"))
 
     # ------------------------------------------------------------------ memory
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
-        return {"params": [self.working, self.full], "master": [self.master], "grads": [self.grad]}
+        params = [self.working, self.full] + ([self.secondary] if self.secondary is not None else [])
+        return {"params": params, "master": [self.master], "grads": [self.grad]}
 
     def __repr__(self) -> str:
         return (f"Unit({self.index}, {self.name or 'root'!r}, {len(self.params)} params, "

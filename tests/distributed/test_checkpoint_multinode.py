@@ -29,14 +29,26 @@ STEPS = 10
 ADDR_A, ADDR_B = "10.77.0.1", "10.77.0.2"
 
 
-def _train(root: str, num_nodes: int = 2, devices: int = 1) -> dict:
+#: the strategies a run may use: zero2, and zero3 with every Linear a unit, plain or with ZeRO++'s
+#: hierarchical_partition (hpZ: backward gathers inside the node)
+STRATEGIES = {"zero2": ("zero2", {}), "zero3": ("zero3", {"unit_modules": ["Linear"]}),
+              "zero3_hpz": ("zero3", {"unit_modules": ["Linear"], "hierarchical_partition": True})}
+
+
+def _train(root: str, num_nodes: int = 2, devices: int = 1, strategy: str = "zero2") -> dict:
+    from zerotrain.callbacks import CommsLogger
+    from zerotrain.strategies import strategy_from_name
+
     module = ToyModule(n=96)
     ck = ModelCheckpoint(dirpath=os.path.join(root, "ck"), every_n_train_steps=STEPS, save_last=False)
-    trainer = Trainer(strategy="zero2", devices=devices, num_nodes=num_nodes, max_steps=STEPS, callbacks=[ck],
-                      logger=False, enable_progress_bar=False)
+    comms = CommsLogger()
+    name, options = STRATEGIES[strategy]
+    trainer = Trainer(strategy=strategy_from_name(name, **options), devices=devices, num_nodes=num_nodes,
+                      max_steps=STEPS, callbacks=[ck, comms], logger=False, enable_progress_bar=False)
     trainer.fit(module)
     out = {"losses": torch.tensor(module.losses), "full": trainer.full_state_dict(),
-           "world": trainer.world_size}
+           "world": trainer.world_size,
+           "gathers": sum(e.op == "all_gather" and e.kind == "train" for e in comms.events)}
     if trainer.is_global_zero:
         torch.save(out, os.path.join(root, "result.pt"))
     return out
@@ -74,7 +86,7 @@ def two_nodes():
         _ip("link", "del", veth_a)  # in case it never moved into its namespace
 
 
-def _node(ns: str, veth: str, addr: str, root, port: int) -> subprocess.Popen:
+def _node(ns: str, veth: str, addr: str, root, port: int, strategy: str = "zero2") -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "ZEROTRAIN", "MASTER_"))}
     env.update(GLOO_SOCKET_IFNAME=veth, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
@@ -83,15 +95,15 @@ def _node(ns: str, veth: str, addr: str, root, port: int) -> subprocess.Popen:
            # the store's host is node A; torch's own guess compares with the machine's hostname,
            # which here is the same for both namespaces and resolves to neither address
            "--rdzv-conf", f"is_host={int(addr == ADDR_A)}",
-           os.path.abspath(__file__), str(root)]
+           os.path.abspath(__file__), str(root), strategy]
     log = open(os.path.join(root, f"node-{ns}.log"), "w")
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-@pytest.mark.slow
-def test_two_namespaces_train_like_one_node(two_nodes, tmp_path):
-    (tmp_path / "multi").mkdir()
-    nodes = [_node(*two_nodes[n], tmp_path / "multi", 29577) for n in ("A", "B")]
+def _run_two_nodes(two_nodes, root, strategy: str) -> dict:
+    """Rank 0's result of one run on the two namespaces (one process each)."""
+    root.mkdir()
+    nodes = [_node(*two_nodes[n], root, 29577, strategy) for n in ("A", "B")]
     try:
         for p in nodes:
             p.wait(timeout=180)
@@ -102,9 +114,14 @@ def test_two_namespaces_train_like_one_node(two_nodes, tmp_path):
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
-    logs = "\n".join(f.read_text()[-4000:] for f in sorted((tmp_path / "multi").glob("node-*.log")))
+    logs = "\n".join(f.read_text()[-4000:] for f in sorted(root.glob("node-*.log")))
     assert [p.returncode for p in nodes] == [0, 0], logs
-    multi = torch.load(tmp_path / "multi" / "result.pt", weights_only=True)
+    return torch.load(root / "result.pt", weights_only=True)
+
+
+@pytest.mark.slow
+def test_two_namespaces_train_like_one_node(two_nodes, tmp_path):
+    multi = _run_two_nodes(two_nodes, tmp_path / "multi", "zero2")
     one = run_ranks("test_checkpoint_multinode:_train", 2, tmp_path / "one", timeout=120,
                     root=str(tmp_path / "one"), num_nodes=1, devices=2)[0]
     assert multi["world"] == 2 and len(multi["losses"]) == STEPS
@@ -118,5 +135,20 @@ def test_two_namespaces_train_like_one_node(two_nodes, tmp_path):
     assert meta["world_size"] == 2 and meta["loop"]["global_step"] == STEPS
 
 
+@pytest.mark.slow
+def test_two_namespaces_hierarchical_partition_keeps_backward_gathers_in_the_node(two_nodes, tmp_path):
+    """ZeRO++ hpZ across the namespaces (one rank per node): the same losses and weights as plain
+    zero3 on one node, with only the forward gathers crossing between the nodes."""
+    multi = _run_two_nodes(two_nodes, tmp_path / "multi", "zero3_hpz")
+    one = run_ranks("test_checkpoint_multinode:_train", 2, tmp_path / "one", timeout=120,
+                    root=str(tmp_path / "one"), num_nodes=1, devices=2, strategy="zero3")[0]
+    torch.testing.assert_close(multi["losses"], one["losses"], rtol=1e-6, atol=0)
+    for k, v in one["full"].items():
+        torch.testing.assert_close(multi["full"][k], v, rtol=1e-6, atol=0)
+    # every Linear gathered in forward and again in backward on one node; across the nodes the
+    # backward gathers read the node copy (a node of one rank: no collective)
+    assert 0 < multi["gathers"] < one["gathers"]
+
+
 if __name__ == "__main__":
-    _train(sys.argv[1])
+    _train(sys.argv[1], strategy=sys.argv[2] if len(sys.argv) > 2 else "zero2")

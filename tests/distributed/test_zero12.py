@@ -235,9 +235,12 @@ def _precision(rank: int, world: int) -> dict:
 def _overflow(rank: int, world: int) -> dict:
     out = {}
     batches = mlp_batches(6, 1)
-    for stage in (1, 2):
+    # "2q": zero2 with quantize_gradients (ZeRO++ qgZ): a block holding inf dequantizes to NaN
+    for stage in (1, 2, "2q"):
         model = MLP("adamw")
-        strategy, sched = setup(stage, model, FP16Mixed(DynamicLossScaler(init_scale=2.0**10)))
+        options = {"quantize_gradients": True} if stage == "2q" else {}
+        strategy, sched = setup(int(str(stage)[0]), model, FP16Mixed(DynamicLossScaler(init_scale=2.0**10)),
+                                **options)
         stepped, changed, scales = [], [], []
         for step, micro in enumerate(batches):
             model.inject_inf = step == 3 and rank == 1
@@ -373,7 +376,7 @@ def test_mixed_precision_tracks_fp32(tmp_path_factory):
 
 def test_fp16_overflow_skips_the_step_on_every_rank(tmp_path_factory):
     ranks = [r["overflow"] for r in spawned(2, tmp_path_factory)]
-    for stage in (1, 2):
+    for stage in (1, 2, "2q"):
         for res in ranks:
             case = res[f"zero{stage}"]
             assert case["stepped"].tolist() == [True, True, True, False, True, True]

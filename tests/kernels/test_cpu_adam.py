@@ -19,25 +19,12 @@ from zerotrain import ops
 from zerotrain.ops import builder
 from zerotrain.ops.reference import adam_step_reference, fallback_adam_step
 
-ISAS = ["avx512", "avx2", "scalar"]
+from kernels.native_ops import ISAS, native_fixtures  # tests/ is on sys.path (conftest)
+
 HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
 
 
-@pytest.fixture(scope="module")
-def native():
-    """The compiled module; a failed build fails (not skips) wherever a toolchain exists."""
-    missing = builder._missing_toolchain(builder.CPU_ADAM)
-    if missing is not None:
-        pytest.skip(f"cannot build the native kernel here: {missing}")
-    return builder.load_op(builder.CPU_ADAM, strict=True)
-
-
-@pytest.fixture(params=ISAS)
-def isa(request, native):
-    supported = list(native.supported_isas())
-    if request.param not in supported:
-        pytest.skip(f"this CPU lacks {request.param} (it supports: {', '.join(supported)})")
-    return request.param
+native, isa = native_fixtures(builder.CPU_ADAM)
 
 
 @pytest.fixture

@@ -231,6 +231,11 @@ def test_zero_keys_become_strategy_options():
                                "stage3_param_persistence_threshold": 10}).make_strategy()
     st = s.spec.stage3
     assert (st.prefetch_bucket_size, st.max_live_parameters, st.param_persistence_threshold) == (100, 1000, 10)
+    s = cfg(zero_optimization={"stage": 3, "zero_quantized_weights": True,
+                               "zero_quantized_gradients": True}).make_strategy()
+    assert s.spec.stage3.quantize_weights and s.spec.zero.quantize_gradients
+    s = cfg(zero_optimization={"stage": 2, "zero_quantized_gradients": True}).make_strategy()
+    assert s.spec.zero.quantize_gradients
 
 
 def test_offload_sections(tmp_path):

@@ -216,7 +216,10 @@ def test_report_names_each_op_and_the_isa(capsys, cache_dir):
         assert f"op {spec.name}" in out
         assert builder.build_dir(spec) in out
     isa_lines = [ln for ln in out.splitlines() if ln.strip().startswith("ISA")]
-    assert len(isa_lines) == 1 and any(i in isa_lines[0] for i in ("avx512", "avx2", "scalar"))
+    cpu_ops = [spec for spec in builder.ALL_OPS if not spec.cuda]
+    assert len(isa_lines) == len(cpu_ops)  # one per CPU op, each naming its own variable
+    for line, spec in zip(isa_lines, cpu_ops):
+        assert spec.isa_env in line and any(i in line for i in ("avx512", "avx2", "scalar"))
     assert "built      no" in out  # a fresh cache
     assert "would use" in out and "apex" in out and builder.extensions_dir() in out
 

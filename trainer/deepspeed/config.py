@@ -363,7 +363,13 @@ def _zero(raw: Mapping[str, Any], reader: _Reader, world_size: int) -> dict[str,
     for key in stage_keys:
         if key in zero:
             options[key.removeprefix("stage3_")] = _whole(f"zero_optimization.{key}", zero[key], least.get(key, 1))
-    known = ("stage", "offload_optimizer", "offload_param", "overlap_comm", *stage_keys)
+    # ZeRO++: qwZ for stage 3's gathers, qgZ for the reductions of stages 2 and 3
+    quantized = {"zero_quantized_weights": "quantize_weights", "zero_quantized_gradients": "quantize_gradients"}
+    quantized = {k: v for k, v in quantized.items() if stage == 3 or (stage == 2 and k == "zero_quantized_gradients")}
+    for key, option in quantized.items():
+        if key in zero:
+            options[option] = _flag(f"zero_optimization.{key}", zero[key])
+    known = ("stage", "offload_optimizer", "offload_param", "overlap_comm", *stage_keys, *quantized)
     if opt_off:
         known += ("sub_group_size",)
         if "sub_group_size" in zero:
