@@ -105,6 +105,7 @@ def test_trainer_max_restarts_resumes_from_latest_after_kill_9(tmp_path, uninter
     _check_restarted(tmp_path, uninterrupted, job)
 
 
+@pytest.mark.slow
 def test_torchrun_max_restarts_resumes_from_latest_after_kill_9(tmp_path, uninterrupted):
     job = _run_job([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                     "--max-restarts", "1", "--monitor-interval", "0.5", os.path.abspath(__file__),

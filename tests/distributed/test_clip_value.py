@@ -59,7 +59,8 @@ def _reference() -> dict:
     return module.state_dict()
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "zero3", "offload_cpu"])
+@pytest.mark.parametrize("strategy", ["ddp", pytest.param("zero1", marks=pytest.mark.slow), "zero2", "zero3",
+                                      pytest.param("offload_cpu", marks=pytest.mark.slow)])
 def test_value_clipping_on_two_ranks_equals_pytorch(tmp_path, strategy):
     got = run_ranks("test_clip_value:_case", 2, tmp_path, timeout=180, strategy=strategy)[0]
     for name, want in _reference().items():

@@ -108,12 +108,13 @@ def test_find_stuck_names_the_idle_rank_behind_the_others():
 
 
 @pytest.mark.timeout(200)
-#: each strategy and launcher once; the default run keeps ddp (the default 20 s timeout) and zero3
-#: under our launcher and zero3 under torchrun (the others are `slow`: 4 minutes of sleeping ranks)
+#: each strategy and launcher once; the default run keeps zero3 under torchrun (the others are
+#: `slow`: 4 minutes of sleeping ranks; ddp under our launcher waits the default 20 s timeout)
 @pytest.mark.parametrize("strategy,launcher", [
-    ("ddp", "local"), ("zero3", "local"), ("zero3", "torchrun"),
+    ("zero3", "torchrun"),
     *(pytest.param(s, launcher, marks=pytest.mark.slow)
-      for s, launcher in (("zero2", "local"), ("ddp", "torchrun"), ("zero2", "torchrun")))],
+      for s, launcher in (("ddp", "local"), ("zero3", "local"), ("zero2", "local"), ("ddp", "torchrun"),
+                          ("zero2", "torchrun")))],
     ids=lambda v: v)
 def test_a_rank_sleeping_in_training_step_ends_the_job_naming_it(tmp_path, strategy, launcher):
     # the default timeout (20 s) once per launcher, a shorter one for the other cases
@@ -129,6 +130,7 @@ def test_a_rank_sleeping_in_training_step_ends_the_job_naming_it(tmp_path, strat
         assert f"rank 1 was ended by the progress watchdog (exit code {STALL_EXIT_CODE}" in err
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_rank_zero_only_forward_under_zero3_ends_with_the_hint(tmp_path):
     proc, after_fault = run_job(tmp_path, "rank0_forward", "zero3", stall_timeout_s=8.0)
@@ -163,7 +165,7 @@ def test_nan_loss_raises_naming_step_and_rank(tmp_path):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("strategy", ["ddp", "zero2"])
+@pytest.mark.parametrize("strategy", [pytest.param("ddp", marks=pytest.mark.slow), "zero2"])
 def test_nan_loss_skip_drops_the_step_on_every_rank(tmp_path, strategy):
     proc, _ = run_job(tmp_path, "nan", strategy, on_nonfinite="skip")
     assert proc.returncode == 0, proc.stderr[-3000:]

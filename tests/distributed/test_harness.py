@@ -35,6 +35,7 @@ def _hang_on_rank_0():
     dist.barrier()
 
 
+@pytest.mark.slow
 def test_all_reduce_runs_on_real_processes(tmp_path):
     out = run_ranks("test_harness:_sum_ranks", 3, tmp_path, timeout=60)
     assert [o["sum"].item() for o in out] == [6.0, 6.0, 6.0]

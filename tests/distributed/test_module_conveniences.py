@@ -104,7 +104,8 @@ def _run(strategy, tmp_path_factory):
     return root, out
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", [s if s in ("ddp", "zero3") else pytest.param(s, marks=pytest.mark.slow)
+                                      for s in STRATEGIES])
 def test_load_from_checkpoint_of_two_ranks_gives_the_trained_module(strategy, tmp_path_factory):
     root, out = _run(strategy, tmp_path_factory)
     full = out[0]["full"]

@@ -183,6 +183,7 @@ def test_two_stages_from_the_cli_match_a_plain_loop(tmp_path_factory):
     _plain_gpt_loads(_final_params(run_dir))
 
 
+@pytest.mark.slow
 def test_four_stages_with_activation_checkpointing_match_a_plain_loop(tmp_path_factory):
     run_dir = _cli(_root(tmp_path_factory), "pipe4", 4, 1, "strategy=pipeline", "strategy.stages=4",
                    "strategy.activation_checkpointing=true", timeout=240)
@@ -196,6 +197,7 @@ def test_two_stages_by_two_replicas_match_a_plain_loop(tmp_path_factory):
     _check_continues_exactly(run_dir)
 
 
+@pytest.mark.slow
 def test_two_stages_with_zero1_match_a_plain_loop(tmp_path_factory):
     """ZeRO-1 over each stage's data-parallel group of one: the flat buffers, fp32 masters and the
     global norm over partitions (the tied wte/lm_head counted once, on stage 0) in the CLI path."""
@@ -243,6 +245,7 @@ def test_two_stage_checkpoint_resumes_as_four_stages(tmp_path_factory):
     _check_continues_exactly(run_dir, first_step=SAVE_EVERY + 1)
 
 
+@pytest.mark.slow
 def test_zero2_checkpoint_resumes_as_two_stages(tmp_path_factory):
     source = _zero2(tmp_path_factory)
     _check_continues_exactly(source, logs_rank0_of=2)  # zero2 itself is the plain loop

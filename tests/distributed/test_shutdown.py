@@ -39,7 +39,7 @@ def _fit_then_exit_handlers(strategy):
     return {"during": during, "after": _gloo_workers(), "initialized": dist.is_initialized()}
 
 
-@pytest.mark.parametrize("strategy", ["zero1", "ddp", "zero3"])
+@pytest.mark.parametrize("strategy", [pytest.param("zero1", marks=pytest.mark.slow), "ddp", "zero3"])
 def test_exit_handlers_join_gloo_workers_after_fit(tmp_path, strategy):
     if not os.path.isdir("/proc/self/task"):
         pytest.skip("needs /proc to count threads")
