@@ -46,11 +46,10 @@ class LearningRateMonitor(Callback):
         """(optimizer, a name per param group, its scheduler's interval or None), schedulers'
         optimizers first. An optimizer class's n-th occurrence is suffixed ``-(n-1)``; a
         scheduler named by its dict keeps its name and is not counted."""
-        out, counts, seen = [], {}, []
+        out, counts = [], {}
         configs = [(c.scheduler.optimizer, c.name, c.interval) for c in trainer.lr_scheduler_configs]
         rest = [(o, None, None) for o in trainer.optimizers if not any(o is c[0] for c in configs)]
         for opt, given, interval in configs + rest:
-            seen.append(opt)
             cls = type(opt)
             if given is None:
                 counts[cls] = counts.get(cls, 0) + 1
