@@ -142,17 +142,31 @@ def release_at_exit(holder: Any) -> None:
     process group at interpreter exit, before the group is destroyed. ``destroy_process_group()``
     joins gloo's worker threads only when it drops the group's last reference; a DistributedDataParallel
     still alive (a Trainer kept in a global) holds one through its reducer, and the threads then run
-    into finalization, where the process aborts (SIGABRT) after a successful run."""
+    into finalization, where the process aborts (SIGABRT) after a successful run. The holders are
+    released at exit even when the script (or the user's own code) destroyed the group first: that
+    destruction joined nothing, and letting go of the last reference joins the threads then."""
+    global _release_registered
+    if not _release_registered:
+        atexit.register(_release_holders)  # runs after _destroy_at_exit when both are registered
+        _release_registered = True
     _holders.add(holder)
 
 
-def _destroy_at_exit() -> None:
-    if not dist.is_initialized():
-        return
-    for holder in list(_holders):
+_release_registered = False
+
+
+def _release_holders() -> None:
+    holders = list(_holders)
+    for holder in holders:
         holder.release_at_exit()
-    gc.collect()  # what the holders let go of sits in reference cycles (hooks bound to them)
-    dist.destroy_process_group()
+    if holders:
+        gc.collect()  # what the holders let go of sits in reference cycles (hooks bound to them)
+
+
+def _destroy_at_exit() -> None:
+    _release_holders()  # idempotent; needed here when a holder registered before the group was made
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def pick_device(accelerator: str, local_rank: int) -> torch.device:

@@ -5,7 +5,10 @@ exception", SIGABRT): the first optimizer imports torch._dynamo, which (when the
 exists) pins the default group, so destroy_process_group() left gloo's worker threads running into
 finalization. The library now imports dynamo before making the group and destroys it at exit. DDP's reducer holds
 the group too, so a Trainer alive at exit kept the threads running (a DDP rank aborted the same way):
-the DDP strategy lets go of its wrapper at exit, before the group is destroyed.
+the DDP strategy lets go of its wrapper at exit, before the group is destroyed. CI then saw the
+same abort where the script had destroyed the group itself after fit (the harness did): that
+destruction joined nothing while DDP still held the group, so the wrapper is released at exit
+whether or not the group is still there.
 """
 import atexit
 import os
@@ -23,7 +26,7 @@ def _gloo_workers() -> int:
 _KEPT = []
 
 
-def _fit_then_exit_handlers(strategy):
+def _fit_then_exit_handlers(strategy, user_destroys=False):
     import torch.distributed as dist
 
     from toy import ToyModule
@@ -35,6 +38,8 @@ def _fit_then_exit_handlers(strategy):
     trainer.fit(ToyModule(n=8 * 2 * 4))
     during = _gloo_workers()
     _KEPT.append(trainer)  # a user's script keeps its Trainer in a global until exit
+    if user_destroys:  # as many scripts end (and the harness did): the group goes, DDP's reducer keeps it
+        dist.destroy_process_group()
     atexit._run_exitfuncs()  # what interpreter exit runs before finalization
     return {"during": during, "after": _gloo_workers(), "initialized": dist.is_initialized()}
 
@@ -46,4 +51,15 @@ def test_exit_handlers_join_gloo_workers_after_fit(tmp_path, strategy):
     for r in run_ranks("test_shutdown:_fit_then_exit_handlers", 2, tmp_path, timeout=120, strategy=strategy):
         assert r["during"] > 0  # the threads the check is about existed
         assert not r["initialized"]
+        assert r["after"] == 0
+
+
+def test_exit_handlers_join_gloo_workers_when_the_script_destroyed_the_group(tmp_path):
+    """The script destroys the group itself after fit (DDP's reducer still holds it, so that joins
+    nothing): the exit handlers still release the wrapper, and the group's last reference, in time."""
+    if not os.path.isdir("/proc/self/task"):
+        pytest.skip("needs /proc to count threads")
+    for r in run_ranks("test_shutdown:_fit_then_exit_handlers", 2, tmp_path, timeout=120, strategy="ddp",
+                       user_destroys=True):
+        assert r["during"] > 0
         assert r["after"] == 0

@@ -212,7 +212,8 @@ def _lightning_order(root: str):
 def test_training_sample_order_matches_lightning(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # importing Lightning sets it: undone after
     pytest.importorskip("pytorch_lightning")
-    theirs = run_ranks("test_stages:_lightning_order", 2, tmp_path / "pl", timeout=240, root=str(tmp_path / "pl"))
+    theirs = run_ranks("test_stages:_lightning_order", 2, tmp_path / "pl", timeout=240, root=str(tmp_path / "pl"),
+                       env={"ZT_TEST_HARD_EXIT": "1"})
     ours = run_ranks("test_stages:_zerotrain_order", 2, tmp_path / "zt", timeout=180, root=str(tmp_path / "zt"))
     for r in range(2):
         assert len(ours[r]["seen"]) == EPOCHS * N // (2 * BS)
