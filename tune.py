@@ -269,7 +269,7 @@ class Plan:
                 f"{self.per_rank * self.world} = {self.per_rank}/rank x {self.world} ranks), {pruned} pruned; "
                 f"cap {self.cap / T.GiB:.3f} GiB per rank ({self.cap_source}), margin {a.margin:.0%}; "
                 f"estimate = base {m.base_bytes / T.GiB:.3f} GiB + model states ({m.num_params:,} params, "
-                f"{m.precision}) + activations + buffers + step transients")
+                f"{m.precision}) + max(activations + in-flight gradients/parameters, optimizer step temporaries)")
 
 
 def _runner(plan: Plan, out: str):

@@ -124,10 +124,11 @@ def num_params(model: GPTConfig) -> int:
 
 #: floats a block holds per token at the peak of its backward: what autograd saved (the LayerNorm
 #: inputs 2d, qkv 3d, attention's output d, the projections' inputs 2d, the MLP's hidden 4d before and
-#: after GELU) plus the gradients being formed and the allocator's slack. 20 and the logits' 3.5 x
-#: vocab (logits, log-softmax, their gradient) are fitted to peak RSS measured on one core (21M
-#: shapes, vocab 256 and 16384, micro-batches 2-16: within about 15%)
-_PEAK_PER_BLOCK, _PEAK_PER_VOCAB = 20, 3.5
+#: after GELU) plus the gradients being formed and the allocator's slack. 16 and the logits' 2.8 x
+#: vocab (logits, log-softmax, their gradient) are fitted, with zerotrain-tune's in-flight and step
+#: terms (``trainer/tune.py``), to the peak RSS of the 21M GPT's 24-configuration sweep on 2 ranks
+#: (vocab 16384, micro-batches 2 and 4: the estimate 0.88-1.00x of each measured peak)
+_PEAK_PER_BLOCK, _PEAK_PER_VOCAB = 16, 2.8
 
 
 def activation_bytes(model: GPTConfig, micro_batch: int, checkpointing: bool, precision: str) -> int:
@@ -137,6 +138,8 @@ def activation_bytes(model: GPTConfig, micro_batch: int, checkpointing: bool, pr
     but ``32``."""
     tokens, d = micro_batch * model.block_size, model.n_embd
     block = _PEAK_PER_BLOCK * d + model.n_head  # + attention's log-sum-exp per head
-    blocks = (model.n_layer * d + block) if checkpointing else model.n_layer * block
+    # checkpointed: every block's input, and at once the block being recomputed and the one whose
+    # gradients are being formed
+    blocks = (model.n_layer * d + 2 * block) if checkpointing else model.n_layer * block
     per_token = blocks + 3 * d + _PEAK_PER_VOCAB * model.vocab_size
     return int(tokens * per_token * (4 if precision == "32" else 2))

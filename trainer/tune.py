@@ -12,8 +12,10 @@ The model-specific numbers (parameters, activation bytes) come from the applicat
   together for zero1/zero2/offload, ``prefetch_bucket_size`` for zero3) x activation checkpointing
   (ZeRO-3 only: it is the strategy's option, ``Stage3Config.activation_checkpointing``).
 * **Pruning** (:func:`prune`): base RSS + model states (the ZeRO formulas of
-  ``strategies/zero/estimate.py``) + activations + communication buffers + the step's transient
-  copies, times ``1 + margin``, against the cap per rank.
+  ``strategies/zero/estimate.py``) + the larger of the backward's peak (activations + gradients and
+  gathered parameters in flight) and the optimizer step's temporaries, times ``1 + margin``,
+  against the cap per rank. The estimate is meant to sit just under the measured peak (the
+  margin is the headroom): it prunes only what its run would not fit with that headroom.
 * **Measuring** (:func:`measure`): every surviving configuration runs, then again in the next
   round, round-robin (never back to back, so a slow spell of the machine hits all alike); after
   the first round only those within ``keep_within`` of the fastest go on.
@@ -156,32 +158,39 @@ def _precision_bytes(precision: str) -> dict[str, Any]:
     return {"precision": precision}
 
 
-def buffer_bytes(c: Candidate, num_params: int, world_size: int) -> int:
-    """Communication buffers in flight (fp32 elements): ZeRO-1/2 a reduce bucket being filled and
-    one in flight plus a gather bucket; ZeRO-3 the prefetched parameters plus the unit reduced;
-    DDP none (its buckets are the gradients, counted in the model states)."""
-    if c.strategy == "ddp":
-        return 0
-    if c.strategy == "zero3":
-        return 4 * (min(int(c.bucket), num_params) + math.ceil(num_params / world_size))
-    return 4 * 3 * min(int(c.bucket), num_params)
+#: Bytes per parameter, beyond the model states, that a rank holds at the peak of its backward
+#: while the activations are alive: gradients produced before they reach their (partitioned) home
+#: and, under ZeRO-3, the gathered parameters of the running and the prefetched unit with their
+#: gradients. Fitted (with :data:`STEP_BYTES_PER_PARAM`) to the peak RSS of the 24-configuration
+#: sweep of the 21M GPT on 2 CPU ranks (bench/RESULTS.md, 2026-12-01 06:51): with them the estimate
+#: lay within 0.88-1.00x of every measured peak. Bucket sizes moved peak RSS by no more than the
+#: repeats' noise there (a freed gradient's memory is reused for the bucket), so they are not a term.
+IN_FLIGHT_BYTES_PER_PARAM = {"ddp": 2, "zero1": 1, "zero2": 5, "offload": 5, "zero3": 12}
+#: Bytes per parameter this rank steps (all of them under ddp, its partition under ZeRO) that the
+#: optimizer step's temporaries take (torch's multi-tensor AdamW): the other candidate for the peak
+#: when the activations are small.
+STEP_BYTES_PER_PARAM = 13
 
 
-def transient_bytes(c: Candidate, num_params: int, world_size: int) -> int:
-    """Short-lived fp32 copies at the step: a gradient produced before it lands in its buffer and
-    the optimizer's temporaries, about 8 bytes per parameter this rank steps (all under ddp, its
-    partition under ZeRO). Measured on the 21M GPT: without it ddp's peak exceeded the estimate."""
+def in_flight_bytes(c: Candidate, num_params: int) -> int:
+    return IN_FLIGHT_BYTES_PER_PARAM[c.strategy] * num_params
+
+
+def step_bytes(c: Candidate, num_params: int, world_size: int) -> int:
     stepped = num_params if c.strategy == "ddp" else math.ceil(num_params / world_size)
-    return 8 * stepped
+    return STEP_BYTES_PER_PARAM * stepped
 
 
 def estimate(c: Candidate, m: MemoryModel) -> dict[str, int]:
-    """Peak RSS of one rank, by part, and their ``total`` (before the margin)."""
+    """Peak RSS of one rank, by part, and their ``total`` (before the margin): the base and the
+    model states always, and on top the larger of the backward's peak (activations + what is in
+    flight) and the optimizer step's temporaries."""
     states = estimate_model_states(m.num_params, m.world_size, **_precision_bytes(m.precision))[_STAGE[c.strategy]]
-    parts = {"base": m.base_bytes, "states": states.total, "activations": m.activation_bytes(c.micro_batch,
-             c.checkpointing), "buffers": buffer_bytes(c, m.num_params, m.world_size),
-             "transient": transient_bytes(c, m.num_params, m.world_size)}
-    parts["total"] = sum(parts.values())
+    parts = {"base": m.base_bytes, "states": states.total,
+             "activations": m.activation_bytes(c.micro_batch, c.checkpointing),
+             "in_flight": in_flight_bytes(c, m.num_params), "step": step_bytes(c, m.num_params, m.world_size)}
+    parts["total"] = (parts["base"] + parts["states"]
+                      + max(parts["activations"] + parts["in_flight"], parts["step"]))
     return parts
 
 
