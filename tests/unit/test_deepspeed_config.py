@@ -238,6 +238,19 @@ def test_zero_keys_become_strategy_options():
     assert s.spec.zero.quantize_gradients
 
 
+def test_hpz_partition_size_maps_to_the_node_wide_secondary_partition(monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert cfg(zero_optimization={"stage": 3, "zero_hpz_partition_size": 2}).make_strategy().spec.stage3.hierarchical_partition
+    assert not cfg(zero_optimization={"stage": 3, "zero_hpz_partition_size": 1}).make_strategy().spec.stage3.hierarchical_partition
+    assert cfg(zero_optimization={"stage": 2, "zero_hpz_partition_size": 1}).make_strategy()  # 1 is off anywhere
+    for zero, expected in (({"stage": 3, "zero_hpz_partition_size": 4}, "spans one node (2 ranks); valid: 1 (off) or 2"),
+                           ({"stage": 2, "zero_hpz_partition_size": 2}, "stage 3's parameters (stage=2)"),
+                           ({"stage": 3, "zero_hpz_partition_size": 0}, "too small")):
+        with pytest.raises(ConfigError, match="zero_hpz_partition_size") as info:
+            cfg(zero_optimization=zero).make_strategy()
+        assert expected in str(info.value), str(info.value)
+
+
 def test_offload_sections(tmp_path):
     c = cfg(zero_optimization={"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": False},
                                "sub_group_size": 1000})

@@ -369,7 +369,13 @@ def _zero(raw: Mapping[str, Any], reader: _Reader, world_size: int) -> dict[str,
     for key, option in quantized.items():
         if key in zero:
             options[option] = _flag(f"zero_optimization.{key}", zero[key])
-    known = ("stage", "offload_optimizer", "offload_param", "overlap_comm", *stage_keys, *quantized)
+    if "zero_hpz_partition_size" in zero and _hpz(zero["zero_hpz_partition_size"]):
+        if stage != 3:
+            raise _fail("zero_optimization.zero_hpz_partition_size", zero["zero_hpz_partition_size"],
+                        f"hpZ partitions stage 3's parameters (stage={stage})", "1, or zero_optimization.stage=3")
+        options["hierarchical_partition"] = True
+    known = ("stage", "offload_optimizer", "offload_param", "overlap_comm", *stage_keys, *quantized,
+             "zero_hpz_partition_size")
     if opt_off:
         known += ("sub_group_size",)
         if "sub_group_size" in zero:
@@ -387,6 +393,18 @@ def _zero(raw: Mapping[str, Any], reader: _Reader, world_size: int) -> dict[str,
         if key in opt_off or key in param_off:
             options[key] = opt_off.get(key, param_off.get(key))
     return {"zero_stage": stage, "strategy": "offload", "strategy_options": options}
+
+
+def _hpz(value: Any) -> bool:
+    """ZeRO++ hpZ's ``zero_hpz_partition_size``: the ranks holding the secondary copy of each
+    unit's parameters. zerotrain's copy spans one node (``hierarchical_partition``), so 1 (off)
+    or the ranks per node (``LOCAL_WORLD_SIZE``, when the launcher has set it) are the choices."""
+    size = _whole("zero_optimization.zero_hpz_partition_size", value, 1)
+    node = os.environ.get("LOCAL_WORLD_SIZE")
+    if size > 1 and node is not None and size != int(node):
+        raise _fail("zero_optimization.zero_hpz_partition_size", value,
+                    f"zerotrain's secondary partition spans one node ({node} ranks)", f"1 (off) or {node}")
+    return size > 1
 
 
 def optimizer_spec(section: dict[str, Any], reader: _Reader) -> OptimizerSpec:
