@@ -9,6 +9,7 @@ Every moment between two step ends is attributed to exactly one part, from one c
 * ``comm_wait``: time the rank sat *blocked* waiting for communication - in the ZeRO in-flight
   layer's ``wait()``, a synchronous collective, a pipeline transfer; under DDP estimated from its
   buckets' completion times, as its reducer waits in C++ - taken out of the phase it interrupted;
+* ``io_wait``: time blocked waiting on NVMe offload's swap-file reads and writes, likewise;
 * ``optimizer``: the optimizer step (gradient readiness, unscale, clipping, the inner step);
 * ``refresh``: bringing the working parameters up to date after the step (ZeRO's all-gathers)
   and zeroing the gradients;
@@ -18,8 +19,11 @@ Every moment between two step ends is attributed to exactly one part, from one c
 
 ``comm_overlapped`` is reported beside them (not part of the sum): how long at least one
 collective was in flight during the step minus the blocked time - communication hidden behind
-computation. Memory per step: the process's peak RSS and, on CUDA, the allocator's allocated,
-reserved and peak bytes.
+computation. Disk I/O per step (NVMe offload's swap files, through its O_DIRECT threads; the
+parameter shards' page-cache reads are the kernel's and not seen): ``io_read`` and ``io_written``
+bytes and ``io_busy``, how long at least one read or write ran (not part of the sum either), so
+bytes / ``io_busy`` is the bandwidth achieved. Memory per step: the process's peak RSS and, on
+CUDA, the allocator's allocated, reserved and peak bytes.
 
 Each step goes to the loggers every ``log_every_n_steps`` (``time/forward``... in seconds,
 ``memory/rss_peak_gb``...: global rank 0's values, as every callback metric); at the end of
@@ -39,7 +43,8 @@ import torch
 from ..strategies import instrument
 from .base import Callback
 
-PARTS = ("data", "forward", "backward", "comm_wait", "optimizer", "refresh", "checkpoint", "validation", "other")
+PARTS = ("data", "forward", "backward", "comm_wait", "io_wait", "optimizer", "refresh", "checkpoint", "validation",
+         "other")
 #: the Trainer's progress ticks (``Trainer._tick``) and the step's marks -> the part that starts
 _PART_OF = {"fetching the next training batch": "data", "training_step": "forward", "backward": "backward",
             "optimizer_step": "optimizer", "refresh": "refresh", "checkpoint": "checkpoint",
@@ -48,7 +53,7 @@ _PART_OF = {"fetching the next training batch": "data", "training_step": "forwar
 
 class StepTimer:
     """The ``instrument`` timer: accumulates the current part's stretch at every switch, and
-    moves blocked time from the part it happened in to ``comm_wait``."""
+    moves blocked time from the part it happened in to ``comm_wait`` (or ``io_wait``)."""
 
     def __init__(self) -> None:
         self.parts = dict.fromkeys(PARTS, 0.0)
@@ -65,11 +70,11 @@ class StepTimer:
         prev, self.current, self.since, self._blocked = self.current, name, now, 0.0
         return prev
 
-    def blocked(self, seconds: float) -> None:
+    def blocked(self, seconds: float, part: str = "comm_wait") -> None:
         # a wait lies inside the current stretch (one thread): never move more than it holds
         seconds = max(0.0, min(seconds, time.perf_counter() - self.since - self._blocked))
         self._blocked += seconds
-        self.parts["comm_wait"] += seconds
+        self.parts[part] += seconds
         self.parts[self.current] -= seconds
 
     def close(self) -> tuple[dict[str, float], float, float]:
@@ -98,6 +103,7 @@ class ResourceMonitor(Callback):
         self.summary: dict[str, Any] = {}
         self._timer: StepTimer | None = None
         self._events: list[instrument.Collective] = []
+        self._disk: list[instrument.DiskIO] = []  # appended from the I/O threads
         self._seen_step = 0
 
     # ---------------------------------------------------------------- attach / detach
@@ -106,7 +112,7 @@ class ResourceMonitor(Callback):
             instrument.add_sink(self)
 
     def on_train_start(self, trainer, module) -> None:
-        self.steps, self._events = [], []
+        self.steps, self._events, self._disk = [], [], []
         self._seen_step = trainer.global_step
         if torch.cuda.is_available() and trainer.strategy.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(trainer.strategy.device)
@@ -116,6 +122,10 @@ class ResourceMonitor(Callback):
     def collective(self, event: instrument.Collective) -> None:
         if self._timer is not None:
             self._events.append(event)
+
+    def disk(self, event: instrument.DiskIO) -> None:
+        if self._timer is not None:
+            self._disk.append(event)  # list.append is atomic: safe from the I/O threads
 
     def _detach(self) -> None:
         if self._timer is not None:
@@ -138,6 +148,7 @@ class ResourceMonitor(Callback):
         parts, start, end = self._timer.close()
         record = {**parts, "step": sum(parts.values())}
         record["comm_overlapped"] = max(0.0, self._busy(start, end) - parts["comm_wait"])
+        record.update(self._disk_step(end))
         record.update(_memory(trainer.strategy.device))
         self.steps.append(record)
         every = self.log_every_n_steps or trainer.log_every_n_steps
@@ -156,12 +167,17 @@ class ResourceMonitor(Callback):
             if hi > lo:
                 spans.append((lo, hi))
         self._events = kept
-        busy, reach = 0.0, start
-        for lo, hi in sorted(spans):
-            if hi > reach:
-                busy += hi - max(lo, reach)
-                reach = hi
-        return busy
+        return _covered(spans, start)
+
+    def _disk_step(self, end: float) -> dict[str, float]:
+        """The step's swap-file I/O: pieces finished by ``end`` (a write-behind still running then
+        counts in the next step)."""
+        events, self._disk = self._disk, []
+        mine = [e for e in events if e.t_done <= end]
+        self._disk = [e for e in events if e.t_done > end] + self._disk
+        return {"io_read": float(sum(e.nbytes for e in mine if e.kind == "read")),
+                "io_written": float(sum(e.nbytes for e in mine if e.kind == "write")),
+                "io_busy": _covered([(e.t_start, e.t_done) for e in mine], 0.0)}
 
     # ---------------------------------------------------------------- end of fit
     def on_train_end(self, trainer, module) -> None:
@@ -200,13 +216,34 @@ def _memory(device: torch.device) -> dict[str, float]:
     return out
 
 
+def _covered(spans: list[tuple[float, float]], start: float) -> float:
+    """How long at least one of ``spans`` covers, counted from ``start``."""
+    busy, reach = 0.0, start
+    for lo, hi in sorted(spans):
+        if hi > reach:
+            busy += hi - max(lo, reach)
+            reach = hi
+    return busy
+
+
 def _metric_names(record: dict[str, float]) -> dict[str, float]:
-    """Logger names: ``time/<part>`` in seconds, ``memory/<what>_gb`` in GiB."""
-    return {f"time/{k}" if k in _TIMES else f"memory/{k}_gb": v if k in _TIMES else v / 2**30
-            for k, v in record.items()}
+    """Logger names: ``time/<part>`` in seconds, ``io/read_gb``/``io/written_gb`` in GB (10^9)
+    with ``io/gb_per_s`` when there was I/O, ``memory/<what>_gb`` in GiB."""
+    out = {}
+    for k, v in record.items():
+        if k in _TIMES:
+            out[f"time/{k}"] = v
+        elif k in _IO_BYTES:
+            out[f"io/{k[3:]}_gb"] = v / 1e9
+        else:
+            out[f"memory/{k}_gb"] = v / 2**30
+    if record.get("io_busy"):
+        out["io/gb_per_s"] = (record["io_read"] + record["io_written"]) / 1e9 / record["io_busy"]
+    return out
 
 
-_TIMES = (*PARTS, "step", "comm_overlapped")
+_TIMES = (*PARTS, "step", "comm_overlapped", "io_busy")
+_IO_BYTES = ("io_read", "io_written")
 
 
 def _means(steps: list[dict[str, float]], warmup: int) -> dict[str, float]:
@@ -214,7 +251,7 @@ def _means(steps: list[dict[str, float]], warmup: int) -> dict[str, float]:
     kept = steps[warmup:] if len(steps) > warmup else steps
     if not kept:
         return {}
-    out = {k: sum(s[k] for s in kept) / len(kept) for k in _TIMES}
+    out = {k: sum(s[k] for s in kept) / len(kept) for k in (*_TIMES, *_IO_BYTES)}
     for k in kept[-1]:
         if k not in out:
             out[k] = max(s[k] for s in kept)
@@ -250,9 +287,18 @@ def format_table(summary: dict[str, Any]) -> str:
     lines = [f"ResourceMonitor: step time per rank over {summary['steps']} step(s) on {len(summary['ranks'])} "
              "rank(s) (mean over ranks, max over ranks, share of the step)",
              f"{'part':<16}{'mean ms':>10}{'max ms':>10}{'share':>9}"]
+    disk = any(r.get("io_busy") for r in summary["ranks"])
     for k, r in summary["rows"].items():
-        note = "  (hidden behind computation; not part of the sum)" if k == "comm_overlapped" else ""
+        if k in ("io_wait", "io_busy") and not disk:
+            continue  # no swap-file I/O in this run
+        note = {"comm_overlapped": "  (hidden behind computation; not part of the sum)",
+                "io_busy": "  (a read or write running; not part of the sum)"}.get(k, "")
         lines.append(f"{k:<16}{r['mean'] * 1e3:>10.2f}{r['max'] * 1e3:>10.2f}{r['share']:>9.1%}{note}")
+    if disk:
+        read, written, busy = (sum(r[k] for r in summary["ranks"]) / len(summary["ranks"])
+                               for k in ("io_read", "io_written", "io_busy"))
+        lines.append(f"disk I/O per step (mean over ranks): read {read / 1e9:.3f} GB, written {written / 1e9:.3f} GB, "
+                     f"{(read + written) / 1e9 / busy:.2f} GB/s while busy")
     mem = ", ".join(f"{k} {v / 2**30:.3f} GiB" for k, v in summary["memory"].items())
     lines.append(f"memory (max over ranks): {mem}")
     return "\n".join(lines)

@@ -14,7 +14,10 @@ Two kinds of listener:
   ``zero/inflight.py``, ``blocking`` around a synchronous collective, ``blocked_for`` where a
   library waits out of our sight: DDP's reducer);
 * *sinks* (any number): told of every collective when it is issued (``issued``, ``blocking``),
-  as a :class:`Collective` whose ``t_done`` is filled in when the collective completes.
+  as a :class:`Collective` whose ``t_done`` is filled in when the collective completes; a sink
+  with a ``disk(event)`` method is also told of every read and write of NVMe offload's swap
+  files when it completes (``disk_io``, from the I/O thread), as a :class:`DiskIO`. The time
+  the step sat blocked on such I/O goes to the timer as ``blocked(seconds, "io_wait")``.
 """
 from __future__ import annotations
 
@@ -35,8 +38,9 @@ class Timer(Protocol):
     def phase(self, name: str) -> None: ...
     def enter(self, name: str) -> str:
         """Switch to phase ``name``; returns the phase left (to ``enter`` it again)."""
-    def blocked(self, seconds: float) -> None:
-        """The caller just spent ``seconds`` blocked on communication, inside the current phase."""
+    def blocked(self, seconds: float, part: str = "comm_wait") -> None:
+        """The caller just spent ``seconds`` blocked (on communication, or ``part="io_wait"`` on
+        disk I/O), inside the current phase."""
 
 
 class Sink(Protocol):
@@ -117,9 +121,9 @@ def wait_begin() -> float | None:
     return time.perf_counter() if _timer is not None else None
 
 
-def wait_end(started: float | None) -> None:
+def wait_end(started: float | None, part: str = "comm_wait") -> None:
     if started is not None and _timer is not None:
-        _timer.blocked(time.perf_counter() - started)
+        _timer.blocked(time.perf_counter() - started, part)
 
 
 def blocked_for(seconds: float) -> None:
@@ -188,3 +192,27 @@ def point_to_point(sends: list[tuple], recvs: list[tuple]) -> None:
 def _tell(event: Collective) -> None:
     for sink in _sinks:
         sink.collective(event)
+
+
+# ---------------------------------------------------------------------- disk I/O
+class DiskIO:
+    """One piece of a swap file read or write (``kind`` "read" or "write"), ``nbytes`` long, that
+    ran from ``t_start`` to ``t_done`` (``perf_counter`` seconds) on an I/O thread."""
+
+    __slots__ = ("kind", "nbytes", "t_start", "t_done")
+
+    def __init__(self, kind: str, nbytes: int, t_start: float, t_done: float) -> None:
+        self.kind, self.nbytes, self.t_start, self.t_done = kind, nbytes, t_start, t_done
+
+
+def disk_listened() -> bool:
+    """Whether any sink takes disk events (the I/O threads time their pieces only then)."""
+    return any(hasattr(s, "disk") for s in _sinks)
+
+
+def disk_io(kind: str, nbytes: int, t_start: float, t_done: float) -> None:
+    """A piece of swap-file I/O finished (called on the I/O thread)."""
+    event = DiskIO(kind, nbytes, t_start, t_done)
+    for sink in _sinks:
+        if hasattr(sink, "disk"):
+            sink.disk(event)

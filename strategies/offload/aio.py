@@ -20,11 +20,14 @@ import ctypes
 import errno
 import os
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
 import torch
+
+from .. import instrument
 
 #: alignment (bytes) of buffers, file offsets and lengths: a page, which covers 512 B and 4 KiB
 #: logical blocks
@@ -117,14 +120,18 @@ class IOHandle:
         return all(f.done() for f in self.futures)
 
     def wait(self) -> None:
-        for f in self.futures:
-            try:
-                f.result()
-            except OSError as exc:
-                err = exc if self.on_error is None else self.on_error(exc)
-                if err is exc:
-                    raise
-                raise err from exc
+        started = instrument.wait_begin() if not self.done() else None
+        try:
+            for f in self.futures:
+                try:
+                    f.result()
+                except OSError as exc:
+                    err = exc if self.on_error is None else self.on_error(exc)
+                    if err is exc:
+                        raise
+                    raise err from exc
+        finally:
+            instrument.wait_end(started, "io_wait")
 
 
 class Completed(IOHandle):
@@ -163,20 +170,31 @@ class AsyncFileIO:
         """Write ``t``'s bytes at ``offset``. ``t`` must stay alive and unchanged until waited."""
         pieces = self._split(t, offset)
         self.bytes_written += sum(len(v) for v, _ in pieces)
-        return IOHandle([self.pool.submit(_pwrite_all, fd, v, o) for v, o in pieces], label, on_error)
+        fn = _timed(_pwrite_all, "write") if instrument.disk_listened() else _pwrite_all
+        return IOHandle([self.pool.submit(fn, fd, v, o) for v, o in pieces], label, on_error)
 
     def read(self, fd: int, t: torch.Tensor, offset: int = 0, label: str = "",
              on_error: Callable[[OSError], BaseException] | None = None) -> IOHandle:
         """Fill ``t`` from ``offset``. ``t`` must not be used until waited."""
         pieces = self._split(t, offset)
         self.bytes_read += sum(len(v) for v, _ in pieces)
-        return IOHandle([self.pool.submit(_pread_all, fd, v, o) for v, o in pieces], label, on_error)
+        fn = _timed(_pread_all, "read") if instrument.disk_listened() else _pread_all
+        return IOHandle([self.pool.submit(fn, fd, v, o) for v, o in pieces], label, on_error)
 
     def close(self) -> None:
         """Stop the worker threads (a later request starts them again)."""
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+
+
+def _timed(io: Callable[[int, memoryview, int], None], kind: str) -> Callable[[int, memoryview, int], None]:
+    """``io`` that tells the listening monitor of each piece it moved (``instrument.disk_io``)."""
+    def run(fd: int, view: memoryview, offset: int) -> None:
+        start = time.perf_counter()
+        io(fd, view, offset)
+        instrument.disk_io(kind, len(view), start, time.perf_counter())
+    return run
 
 
 def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:

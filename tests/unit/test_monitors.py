@@ -13,7 +13,7 @@ import torch
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
-from zerotrain import Trainer
+from zerotrain import Callback, Trainer
 from zerotrain.callbacks import CommsLogger, FlopsProfiler, ResourceMonitor
 from zerotrain.callbacks.base import Logger
 from zerotrain.callbacks.comms import bus_factor
@@ -140,6 +140,40 @@ def test_resource_monitor_writes_every_step_as_json(tmp_path):
     ranks = json.loads(path.read_text())["ranks"]
     assert len(ranks) == 1 and len(ranks[0]) == 3 and ranks[0] == monitor.steps
     assert {"step", "rss_peak", *PARTS} <= set(ranks[0][0]) and not (tmp_path / "sub" / "resources.json.tmp").exists()
+
+
+def test_resource_monitor_counts_the_nvme_swap_io_of_each_step(tmp_path):
+    """NVMe offload: every step reads each sub-group's state from its swap file and writes it back
+    before the step ends, so each step's ``io_read`` and ``io_written`` are the swap files' size;
+    over the fit they are what the swapper itself counted; the time blocked on that I/O is the
+    ``io_wait`` part (the parts still add up to the step) and ``io_busy`` the time a read or write ran."""
+    from zerotrain.strategies.offload import Offload
+
+    torch.manual_seed(0)
+    rows, monitor = _Rows(), ResourceMonitor(log_every_n_steps=1, print_summary=True)
+    strategy = Offload(stage=2, optimizer_device="nvme", nvme_path=str(tmp_path / "nvme"), sub_group_size=20_000)
+    trainer = Trainer(strategy=strategy, max_steps=3, callbacks=[monitor], logger=rows, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False)
+    before = {}
+
+    class Counter(Callback):  # the swapper's own count when training starts
+        def on_train_start(self, trainer, module):
+            rep = trainer.strategy.stepper.report(trainer.strategy.sharded, 2)
+            before.update(read=rep["bytes_read"], written=rep["bytes_written"])
+
+    trainer.callbacks.append(Counter())
+    trainer.fit(_module(tmp_path, SIZES["gpt_tiny"], 2, 3))
+    rep = trainer.strategy.stepper.report(trainer.strategy.sharded, 2)
+    assert rep["disk_bytes"] > 0 and rep["subgroups"] > 1
+    for r in monitor.steps:
+        assert r["io_read"] == r["io_written"] == rep["disk_bytes"]
+        assert 0 < r["io_busy"] and 0 <= r["io_wait"] <= r["step"]
+        assert sum(r[p] for p in PARTS) == pytest.approx(r["step"], rel=1e-9)
+    assert sum(r["io_read"] for r in monitor.steps) == rep["bytes_read"] - before["read"]
+    assert sum(r["io_written"] for r in monitor.steps) == rep["bytes_written"] - before["written"]
+    logged = [r for r in rows.rows if "io/read_gb" in r]
+    assert len(logged) == 3 and logged[0]["io/read_gb"] == pytest.approx(rep["disk_bytes"] / 1e9)
+    assert logged[0]["io/gb_per_s"] > 0 and "time/io_wait" in logged[0]
 
 
 def test_flops_of_the_demo_gpt_are_6n_tokens_plus_attention(tmp_path):
