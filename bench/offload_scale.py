@@ -39,7 +39,10 @@ set above 20 GiB: other people work on this machine. NVMe candidates whose swap 
 fit on the disk (with 10 GiB to spare) are skipped; each offload_nvme rung prints its disk bytes
 per parameter (``zerotrain-estimate``'s, and the measured files') and the largest model the free
 disk holds. ``--optimizer-state-dtype bf16`` keeps Adam's moments in bf16 on disk (8 instead of
-12 B/param with ZeRO-3 in fp32 compute).
+12 B/param with ZeRO-3 in fp32 compute). ``--disk-bound`` first measures the swap disk's O_DIRECT
+bandwidth (2 GiB written and read back through zerotrain's I/O threads), and puts each offload_nvme
+step beside the time the disk needs for the bytes that step made it move (``/proc/self/io``:
+O_DIRECT swaps, the parameter files' page faults and readahead, their dirty pages).
 """
 from __future__ import annotations
 
@@ -133,11 +136,16 @@ def run_child(spec: dict) -> dict:
             self.times: list[float] = []
             self.losses: list[float] = []
 
+            self.disk: list[dict[str, int]] = []  # per step: bytes this process made the disk move
+
         def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+            self._io = proc_io()
             self._t = time.perf_counter()
 
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
             self.times.append(time.perf_counter() - self._t)
+            io = proc_io()
+            self.disk.append({k: io[k] - self._io[k] for k in io})
             self.losses.append(float(outputs.detach()) if torch.is_tensor(outputs) else float("nan"))
 
     stage = 3
@@ -164,7 +172,7 @@ def run_child(spec: dict) -> dict:
     if config != "plain":
         trainer.strategy.teardown()  # removes the swap files now
     return {"ok": True, "stage": stage if config != "plain" else None, "step_s": timer.times[-1],
-            "step_times": timer.times, "losses": timer.losses,
+            "step_times": timer.times, "losses": timer.losses, "disk_io": timer.disk,
             "io_mode": report.get("io_mode"),
             "disk_bytes": report.get("disk_bytes", 0) + report.get("param_disk_bytes", 0),
             "child_peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
@@ -198,6 +206,55 @@ def _status_bytes(pid: "int | str", key: str) -> int:
     except OSError:
         pass
     return 0
+
+
+def proc_io() -> dict[str, int]:
+    """Bytes this process has made the storage read and write so far (``/proc/self/io``:
+    ``read_bytes``; ``write_bytes`` less ``cancelled_write_bytes``): O_DIRECT transfers, page
+    faults and readahead on the mapped parameter files, and the dirty pages it leaves for writeback."""
+    fields = {}
+    with open("/proc/self/io") as f:
+        for line in f:
+            key, value = line.split(":")
+            fields[key] = int(value)
+    return {"read": fields["read_bytes"], "written": fields["write_bytes"] - fields["cancelled_write_bytes"]}
+
+
+def measure_disk(directory: str, nbytes: int = 2 * GiB, threads: int = 2, block: int = 8 << 20) -> dict[str, float]:
+    """Sequential O_DIRECT bandwidth of the disk under ``directory`` (bytes/s): write ``nbytes``
+    (then fsync), read them back, through zerotrain's own I/O threads and block size, as the
+    swapper moves its files; the file is removed after."""
+    import torch  # noqa: F401  (aio's buffers are tensors)
+
+    from zerotrain.strategies.offload.aio import AsyncFileIO, aligned_empty, open_swap_file
+
+    path = os.path.join(directory, "zt-disk-probe.bin")
+    buf = aligned_empty(block * 8)  # 64 MiB of staging, reused
+    io = AsyncFileIO(threads=threads, block_bytes=block)
+    fd = open_swap_file(path, nbytes, direct=True)
+    try:
+        out = {}
+        for kind in ("write", "read"):
+            start = time.perf_counter()
+            for offset in range(0, nbytes, buf.numel()):
+                (io.write if kind == "write" else io.read)(fd, buf, offset).wait()
+            if kind == "write":
+                os.fsync(fd)
+            out[kind] = nbytes / (time.perf_counter() - start)
+        return out
+    finally:
+        io.close()
+        os.close(fd)
+        os.remove(path)
+
+
+def disk_bound(row: dict, bandwidth: dict[str, float]) -> dict[str, float]:
+    """The last step's disk traffic, the time the disk needs for it at the measured sequential
+    bandwidths (reads and writes one after the other: one device), and the step against it."""
+    io = row["disk_io"][-1]
+    bound = io["read"] / bandwidth["read"] + io["written"] / bandwidth["write"]
+    return {"step_read": io["read"], "step_written": io["written"], "bound_s": bound,
+            "vs_bound": row["step_s"] / bound if bound else float("inf")}
 
 
 def _rss(pid: int) -> int:
@@ -281,6 +338,8 @@ def search(config: str, shapes: list[Shape], args: argparse.Namespace, cap: int)
                 # address space: the cap + headroom, + the parameter files ZeRO-3 maps (not RAM)
                 "as_limit": int(cap + args.as_headroom_gb * GiB + (4 * n if config == "offload_nvme" else 0))}
         row.update(run_candidate(spec, cap, args.timeout_s))
+        if row.get("ok") and config == "offload_nvme" and args.disk_bandwidth:
+            row.update(disk_bound(row, args.disk_bandwidth))
         rows.append(row)
         _print_row(row)
         if not row["ok"]:
@@ -298,6 +357,11 @@ def _print_row(row: dict) -> None:
                 f"{row['disk_bound_params'] / 1e6:.0f}M")
     print(f"  {row['config']:<13} {row['params'] / 1e6:9.1f}M  (L={s['n_layer']}, d={s['n_embd']})  "
           f"peak RSS {row.get('peak_rss', 0) / GiB:6.2f} GiB  {what}{disk}", flush=True)
+    if row.get("ok"):
+        print(f"                losses {', '.join(f'{x:.4f}' for x in row['losses'])}", flush=True)
+    if "bound_s" in row:
+        print(f"                last step moved {row['step_read'] / 1e9:.1f} GB read + {row['step_written'] / 1e9:.1f} GB "
+              f"written: disk bound {row['bound_s']:.1f} s, step {row['vs_bound']:.2f}x the bound", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -323,6 +387,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--as-headroom-gb", type=float, default=3.0)
     p.add_argument("--timeout-s", type=float, default=1800.0)
     p.add_argument("--json", default=None, help="write every row here")
+    p.add_argument("--disk-bound", action="store_true",
+                   help="measure the swap disk's O_DIRECT bandwidth first and put each offload_nvme step "
+                        "beside the time its measured disk traffic needs at that bandwidth")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child is not None:
@@ -341,6 +408,10 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(args.nvme_path, exist_ok=True)
     start = args.start_params or cap / 64
     shapes = ladder(start, args.growth, args.max_rungs, args.n_layer, args.seq)
+    args.disk_bandwidth = measure_disk(args.nvme_path) if args.disk_bound else None
+    if args.disk_bandwidth:
+        print(f"disk under {args.nvme_path}: O_DIRECT sequential write {args.disk_bandwidth['write'] / 1e9:.2f} GB/s, "
+              f"read {args.disk_bandwidth['read'] / 1e9:.2f} GB/s (2 GiB, 8 MiB blocks, 2 threads)", flush=True)
 
     stage = 3
     print(f"offload_scale: cap {args.mem_cap_gb} GiB RSS per run, {args.steps} steps, fp32 compute, "
