@@ -51,6 +51,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..base import PROCESS_GROUP_TIMEOUT_S, BatchHooks, ParamShard, ShardReader, Strategy
+from ..environment import release_at_exit
 from ..memory import replicated_tensors
 from ..options import config_from
 from .collectives import all_reduce_grads, broadcast_tensors, sum_over_world
@@ -141,7 +142,14 @@ class PipelineStrategy(Strategy):
         group = dist.new_group(list(ranks), timeout=datetime.timedelta(seconds=self.process_group_timeout_s))
         if self.global_rank in ranks:
             self._groups.append(group)
+        release_at_exit(self)
         return group
+
+    def release_at_exit(self) -> None:
+        """Interpreter exit: drop this rank's references to its subgroups (replicas, ties, ZeRO-1),
+        so that destroying the process groups joins their gloo threads
+        (``environment.release_at_exit``)."""
+        self._groups, self._dp_group, self._tie_groups, self._zero = [], None, [], None
 
     @property
     def num_stages(self) -> int:

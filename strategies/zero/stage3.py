@@ -56,6 +56,7 @@ import torch
 from torch import nn
 
 from ..base import ParamShard, ShardReader, StepWrapper
+from ..environment import release_at_exit
 from .comm import backend, broadcast_from, new_group
 from .hooks import Stage3Hooks
 from .layout import build_layout
@@ -166,8 +167,15 @@ class ZeroStage3(ZeroStrategy):
             for node in range(world // local):
                 g = new_group(list(range(node * local, (node + 1) * local)))
                 node_group = g if node == self.global_rank // local else node_group
+            release_at_exit(self)
         for u in self.units:
             u.enable_secondary(self.global_rank % local, local, node_group)
+
+    def release_at_exit(self) -> None:
+        """Interpreter exit: the units let go of hpZ's node subgroup, so that destroying the
+        process groups joins its gloo threads (``environment.release_at_exit``)."""
+        for u in self.units:
+            u.node_group = None
 
     def _quantization(self) -> Quantization:
         """ZeRO++'s options as the units use them (``quantized.py``)."""

@@ -26,16 +26,48 @@ def _gloo_workers() -> int:
 _KEPT = []
 
 
+def _pipeline_module():
+    import copy
+
+    from torch import nn
+
+    from zerotrain import TrainModule
+    from zerotrain.strategies.pipeline import PipelineModule
+
+    ref = nn.Sequential(nn.Linear(12, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
+
+    class Piped(TrainModule):
+        def __init__(self):
+            super().__init__()
+            self.pipe = PipelineModule.from_sequential(copy.deepcopy(ref), 2, loss_fn=nn.functional.mse_loss)
+
+        def configure_optimizers(self):
+            import torch
+
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    return Piped()
+
+
 def _fit_then_exit_handlers(strategy, user_destroys=False):
     import torch.distributed as dist
+    from torch.utils.data import DataLoader
 
-    from toy import ToyModule
+    from toy import ToyModule, make_data
     from zerotrain import Trainer
+    from zerotrain.strategies.pipeline import PipelineStrategy
+    from zerotrain.strategies.zero import ZeroStage3
 
     assert "torch._dynamo" not in sys.modules  # the library, not the harness, must handle it
-    trainer = Trainer(strategy=strategy, devices=2, max_steps=3, logger=False, enable_checkpointing=False,
-                      enable_progress_bar=False)
-    trainer.fit(ToyModule(n=8 * 2 * 4))
+    world = int(os.environ["WORLD_SIZE"])
+    made = {"pipeline": lambda: PipelineStrategy(stages=2, micro_batches=2),  # 2 stages x 2 replicas: subgroups
+            "zero3_hpz": lambda: ZeroStage3(hierarchical_partition=True)}  # one node subgroup per rank
+    trainer = Trainer(strategy=made.get(strategy, lambda: strategy)(), devices=world, max_steps=3, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False)
+    if strategy == "pipeline":
+        trainer.fit(_pipeline_module(), DataLoader(make_data(64), batch_size=4))
+    else:
+        trainer.fit(ToyModule(n=8 * 2 * 4))
     during = _gloo_workers()
     _KEPT.append(trainer)  # a user's script keeps its Trainer in a global until exit
     if user_destroys:  # as many scripts end (and the harness did): the group goes, DDP's reducer keeps it
@@ -50,6 +82,20 @@ def test_exit_handlers_join_gloo_workers_after_fit(tmp_path, strategy):
         pytest.skip("needs /proc to count threads")
     for r in run_ranks("test_shutdown:_fit_then_exit_handlers", 2, tmp_path, timeout=120, strategy=strategy):
         assert r["during"] > 0  # the threads the check is about existed
+        assert not r["initialized"]
+        assert r["after"] == 0
+
+
+@pytest.mark.parametrize("strategy,world,env", [("pipeline", 4, {}), ("zero3_hpz", 2, {"LOCAL_WORLD_SIZE": "1"})])
+def test_exit_handlers_join_the_gloo_workers_of_subgroups(tmp_path, strategy, world, env):
+    """Subgroups a strategy holds (the pipeline's replica groups, hpZ's node groups) keep their
+    gloo threads alive past destroy_process_group() unless the strategy lets go of them: before
+    the fix a 2x2 pipeline left 2 threads per rank."""
+    if not os.path.isdir("/proc/self/task"):
+        pytest.skip("needs /proc to count threads")
+    for r in run_ranks("test_shutdown:_fit_then_exit_handlers", world, tmp_path, timeout=120, env=env,
+                       strategy=strategy):
+        assert r["during"] > 0
         assert not r["initialized"]
         assert r["after"] == 0
 
