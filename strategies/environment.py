@@ -13,6 +13,7 @@ import gc
 import os
 import re
 import socket
+import time
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -155,17 +156,36 @@ def release_at_exit(holder: Any) -> None:
 _release_registered = False
 
 
+#: how long the main thread lets go of the GIL before it destroys a gloo group at exit
+SETTLE_S = 0.2
+
+
+def _let_workers_settle() -> None:
+    """Give gloo's worker threads the GIL for a moment. A worker drops its last reference to a
+    finished collective only after ``wait()`` has returned to Python, and when that collective's
+    tensors were ever seen by Python, dropping them takes the GIL. Destroying the group joins the
+    workers while the main thread holds the GIL (pybind11 deallocation): a worker still on its way
+    to that decref then waits for the GIL forever, and the process hangs at exit (seen in CI after
+    a SIGTERM checkpoint: the main thread in ``~ProcessGroupGloo`` joining, a worker in
+    ``~AsyncAllreduceWork`` acquiring the GIL). Sleeping releases the GIL, so the worker finishes."""
+    time.sleep(SETTLE_S)
+
+
 def _release_holders() -> None:
     holders = list(_holders)
+    if holders:
+        _let_workers_settle()
     for holder in holders:
         holder.release_at_exit()
     if holders:
         gc.collect()  # what the holders let go of sits in reference cycles (hooks bound to them)
+    _holders.clear()
 
 
 def _destroy_at_exit() -> None:
     _release_holders()  # idempotent; needed here when a holder registered before the group was made
     if dist.is_initialized():
+        _let_workers_settle()
         dist.destroy_process_group()
 
 

@@ -215,6 +215,7 @@ def _child(target: str, args_file: str) -> None:
         os._exit(0)
     import torch.distributed as dist
     if dist.is_initialized():
+        time.sleep(0.2)  # let gloo's workers drop finished work first (environment._let_workers_settle)
         dist.destroy_process_group()
 
 
