@@ -100,6 +100,7 @@ def _check_restarted(root, uninterrupted: dict, job: subprocess.CompletedProcess
         assert torch.equal(got["params"][k], v), k  # re-did steps 5..12 exactly
 
 
+@pytest.mark.slow
 def test_trainer_max_restarts_resumes_from_latest_after_kill_9(tmp_path, uninterrupted):
     job = _run_job([sys.executable, os.path.abspath(__file__), str(tmp_path), "1", "1"], tmp_path)
     _check_restarted(tmp_path, uninterrupted, job)

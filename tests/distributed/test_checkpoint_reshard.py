@@ -97,6 +97,7 @@ def test_zero3_on_4_ranks_resumes_elsewhere(tmp_path_factory, target, world):
     assert (resumed["epoch"], resumed["batches_in_epoch"]) == (2, 6)
 
 
+@pytest.mark.slow
 def test_zero2_on_2_ranks_resumes_as_zero3_on_4(tmp_path_factory):
     _target(tmp_path_factory, "zero2", 2)
     resumed = _spawn(tmp_path_factory, 4, dict(strategy=_zero3(), steps=30, resume="to-zero2-2/step=000020"))[0]

@@ -152,6 +152,7 @@ def test_script_trains_as_with_deepspeed(tmp_path, name):
     assert zt[0]["facts"]["global_steps"] == 8 and zt[0]["facts"]["saved_tag_file"] == "global_step6"
 
 
+@pytest.mark.slow
 def test_zero3_under_zero_init_trains_as_with_deepspeed(tmp_path):
     ds, zt, ckpt = _both(tmp_path, "stage3")
     _check_equal(ds, zt)

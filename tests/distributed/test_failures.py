@@ -177,6 +177,7 @@ def test_nan_loss_skip_drops_the_step_on_every_rank(tmp_path, strategy):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_nan_loss_warn_trains_on(tmp_path):
     proc, _ = run_job(tmp_path, "nan", on_nonfinite="warn")
     assert proc.returncode == 0, proc.stderr[-3000:]

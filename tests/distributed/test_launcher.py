@@ -6,6 +6,8 @@ import sys
 import textwrap
 import time
 
+import pytest
+
 SCRIPT = textwrap.dedent('''
     import os, sys
     sys.path.insert(0, {tests!r})
@@ -50,6 +52,7 @@ def test_raising_child_rank_ends_job_fast_with_traceback(tmp_path):
     assert elapsed < 30
 
 
+@pytest.mark.slow
 def test_raising_rank_zero_ends_job_fast_with_traceback(tmp_path):
     proc, elapsed = _run(tmp_path, bad_rank=0)
     assert proc.returncode != 0

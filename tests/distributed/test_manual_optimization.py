@@ -243,6 +243,7 @@ def test_two_processes_equal_plain_pytorch(name, tmp_path_factory):
     _check(runs)
 
 
+@pytest.mark.slow
 def test_three_processes_zero2(tmp_path_factory):
     _check(_spawn(tmp_path_factory, 3, [dict(name="zero2")])[0])
 

@@ -16,6 +16,7 @@ import copy
 import os
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -361,6 +362,7 @@ def test_two_stages_match_a_plain_loop(tmp_path):
     assert [r["peak"] for r in lm] == [2, 1] and [r["peak"] for r in lm_gpipe] == [4, 4]
 
 
+@pytest.mark.slow
 def test_four_stages_two_by_two_and_the_trainer_match_a_plain_loop(tmp_path):
     cases = [
         dict(model="lm", stages=4, schedule="1f1b", micro_batches=8, rows=8, optimizer="adamw", clip=0.5),
@@ -391,6 +393,7 @@ def test_four_stages_two_by_two_and_the_trainer_match_a_plain_loop(tmp_path):
     assert abs(grid[0]["val_short"] - grid[0]["ref_val_short"]) <= 1e-5 * grid[0]["ref_val_short"]
 
 
+@pytest.mark.slow
 def test_zero1_two_stages_by_two_replicas_match_a_plain_loop(tmp_path):
     """Pipeline x ZeRO-1: each stage's masters and Adam state split over its two replicas, the
     global norm over every stage and replica, the tied embedding/head across the stages."""

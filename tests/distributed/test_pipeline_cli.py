@@ -217,6 +217,7 @@ def test_two_stages_by_two_replicas_with_zero1_match_a_plain_loop(tmp_path_facto
     assert writers == {0, 1, 2, 3}, writers  # replica 1 (ranks 2, 3) saved its own partitions
 
 
+@pytest.mark.slow
 def test_interleaved_two_stages_match_a_plain_loop(tmp_path_factory):
     """Interleaved 1F1B: 2 chunks per stage, the stages in a ring (the tied head on stage 1's
     second chunk, wte on stage 0's first)."""
@@ -226,7 +227,7 @@ def test_interleaved_two_stages_match_a_plain_loop(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name,devices,replicas,overrides", [
-    ("zero2", 2, 2, ["strategy=zero2"]),
+    pytest.param("zero2", 2, 2, ["strategy=zero2"], marks=pytest.mark.slow),
     pytest.param("single", 1, 1, ["strategy=single"], marks=pytest.mark.slow),
     pytest.param("ddp", 2, 2, ["strategy=ddp"], marks=pytest.mark.slow),
 ], ids=["zero2-on-2", "single", "ddp-on-2"])

@@ -76,7 +76,7 @@ def _fit_then_exit_handlers(strategy, user_destroys=False):
     return {"during": during, "after": _gloo_workers(), "initialized": dist.is_initialized()}
 
 
-@pytest.mark.parametrize("strategy", [pytest.param("zero1", marks=pytest.mark.slow), "ddp", "zero3"])
+@pytest.mark.parametrize("strategy", [pytest.param("zero1", marks=pytest.mark.slow), pytest.param("ddp", marks=pytest.mark.slow), "zero3"])
 def test_exit_handlers_join_gloo_workers_after_fit(tmp_path, strategy):
     if not os.path.isdir("/proc/self/task"):
         pytest.skip("needs /proc to count threads")
@@ -86,7 +86,7 @@ def test_exit_handlers_join_gloo_workers_after_fit(tmp_path, strategy):
         assert r["after"] == 0
 
 
-@pytest.mark.parametrize("strategy,world,env", [("pipeline", 4, {}), ("zero3_hpz", 2, {"LOCAL_WORLD_SIZE": "1"})])
+@pytest.mark.parametrize("strategy,world,env", [pytest.param("pipeline", 4, {}, marks=pytest.mark.slow), ("zero3_hpz", 2, {"LOCAL_WORLD_SIZE": "1"})])
 def test_exit_handlers_join_the_gloo_workers_of_subgroups(tmp_path, strategy, world, env):
     """Subgroups a strategy holds (the pipeline's replica groups, hpZ's node groups) keep their
     gloo threads alive past destroy_process_group() unless the strategy lets go of them: before

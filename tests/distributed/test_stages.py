@@ -123,7 +123,7 @@ def _reference() -> dict:
         return {"net": net, "mse": mse, "pred": net(x)}
 
 
-@pytest.mark.parametrize("strategy,build_late", [("ddp", False), ("zero2", False), ("zero3", True)])
+@pytest.mark.parametrize("strategy,build_late", [("ddp", False), pytest.param("zero2", False, marks=pytest.mark.slow), ("zero3", True)])
 def test_stages_on_two_ranks(tmp_path, strategy, build_late):
     out = run_ranks("test_stages:_stages_case", 2, tmp_path, timeout=180, strategy=strategy,
                     build_late=build_late, root=str(tmp_path))

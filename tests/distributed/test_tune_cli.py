@@ -13,6 +13,8 @@ import struct
 import subprocess
 import sys
 
+import pytest
+
 TIMEOUT_SCALE = float(os.environ.get("ZEROTRAIN_TEST_TIMEOUT_SCALE", "1"))
 # micro-batch 1 (16 accumulated): with activations this small, ddp's peak is its optimizer step over
 # the whole model, and zero3's estimate is the lower one (at larger micro-batches on 2 ranks it is not)
@@ -36,6 +38,7 @@ def _cap_between_ddp_and_zero3() -> float:
     return (need["zero3"] + need["ddp"]) / 2 / T.GiB
 
 
+@pytest.mark.slow
 def test_tune_under_a_cap_that_excludes_ddp_picks_zero3_which_then_trains(tmp_path):
     cap = _cap_between_ddp_and_zero3()
     out = tmp_path / "tune"

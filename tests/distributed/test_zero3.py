@@ -576,6 +576,7 @@ def test_checkpoint_round_trips_resume_exactly(tmp_path_factory):
         assert all(a[1] == b[0] for a, b in zip(cuts, cuts[1:])), (k, cuts)
 
 
+@pytest.mark.slow
 def test_trains_a_model_larger_than_the_memory_budget(tmp_path_factory):
     for res in (r["memory_cap"] for r in spawned(4, tmp_path_factory)):
         assert res["budget"] < res["full"]

@@ -27,10 +27,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 #: A module that toggles optimizers leaves parameters without gradients in a backward: DDP needs
 #: ``find_unused_parameters`` there, on both sides, under the same strategy name.
 UNUSED = "ddp_find_unused_parameters_true"
-#: the default run takes each example under one or two strategies; the rest are `slow`
+#: the default run takes the GAN (two optimizers, manual optimization, log_dict) under zero3; the
+#: rest are `slow` (the suite's time on 2 cores)
 EXAMPLES = [
-    pytest.param("boring.py", ("ddp", "zero3"), "ddp", 0.0, id="boring"),
-    pytest.param("manual.py", ("zero2",), "ddp", 1e-5, id="manual-optimization"),
+    pytest.param("boring.py", ("ddp", "zero3"), "ddp", 0.0, id="boring", marks=pytest.mark.slow),
+    pytest.param("manual.py", ("zero2",), "ddp", 1e-5, id="manual-optimization", marks=pytest.mark.slow),
     pytest.param("gan.py", ("zero3",), UNUSED, 0.0, id="gan"),
     pytest.param("boring.py", ("zero2",), "ddp", 0.0, id="boring-zero2", marks=pytest.mark.slow),
     pytest.param("manual.py", ("ddp", "zero3"), "ddp", 1e-5, id="manual-optimization-ddp-zero3",

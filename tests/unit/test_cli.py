@@ -20,7 +20,18 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize("override,expected", BAD, ids=[b[0] for b in BAD])
+#: each case starts a CLI process (~5 s of imports on 2 cores): these run by default, the rest are
+#: `slow`; test_every_section_checks_its_ranges checks every field's message in-process
+DEFAULT_CASES = {"strategy=zero9", "trainer.max_step=5", "strategy=offload_nvme strategy.nvme_path=/proc",
+                 "precision=fp8"}
+
+
+def _cases(rows, name):
+    return [pytest.param(*row, id=name(row), marks=() if name(row) in DEFAULT_CASES else pytest.mark.slow)
+            for row in rows]
+
+
+@pytest.mark.parametrize("override,expected", _cases(BAD, lambda b: b[0]))
 def test_cli_rejects_bad_values_before_launch(tmp_path, override, expected):
     proc = subprocess.run([sys.executable, "-m", "zerotrain.train", override, f"hydra.run.dir={tmp_path}"],
                           capture_output=True, text=True, timeout=60, cwd=tmp_path)
@@ -51,7 +62,7 @@ PRE_SPAWN = [
 ]
 
 
-@pytest.mark.parametrize("overrides,expected", PRE_SPAWN, ids=[" ".join(p[0]) for p in PRE_SPAWN])
+@pytest.mark.parametrize("overrides,expected", _cases(PRE_SPAWN, lambda p: " ".join(p[0])))
 def test_bad_value_is_refused_before_any_rank_starts(tmp_path, overrides, expected):
     proc, elapsed = _run_cli(tmp_path, *overrides)
     out = proc.stdout + proc.stderr
@@ -191,6 +202,7 @@ def test_good_overrides_compose_into_objects(tmp_path):
     assert module.config.n_layer == 2
 
 
+@pytest.mark.slow
 def test_two_process_cli_run_shares_one_hydra_output_dir(tmp_path):
     """The demo path end to end: rank 0 re-launches rank 1 with rank 0's Hydra run directory."""
     proc = subprocess.run([sys.executable, "-m", "zerotrain.train", "trainer.devices=2", "model=gpt_tiny",

@@ -3,6 +3,8 @@
 The demo model architecture at its smallest size (gpt_tiny): on CPUs without AMX, bf16 matmuls are
 slow, so the full-size demo would not fit the suite's time budget.
 """
+import pytest
+
 from zerotrain import Trainer
 from zerotrain.examples.gpt import GPTConfig
 from zerotrain.examples.gpt_module import GPTModule
@@ -17,6 +19,7 @@ def _val_loss(precision, tmp_path):
     return trainer.callback_metrics["val_loss"]
 
 
+@pytest.mark.slow
 def test_bf16_mixed_val_loss_within_3_percent_of_fp32(tmp_path):
     fp32 = _val_loss("32", tmp_path)
     bf16 = _val_loss("bf16-mixed", tmp_path)

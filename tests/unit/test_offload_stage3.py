@@ -132,6 +132,7 @@ def _mapped_rss(directory: str) -> int:
     return total
 
 
+@pytest.mark.slow
 def test_parameter_shards_are_resident_only_while_used(tmp_path):
     width = 256  # each block unit ~66k params (256 KiB): pages are worth counting
     s, sched = make(offload("nvme+params", tmp_path, prefetch_bucket_size=0), Deep(width=width, depth=4))
