@@ -22,6 +22,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from typing import Callable
 
 CASES = {
@@ -37,23 +38,47 @@ def worker(args: argparse.Namespace) -> None:
     """One job: fit the model under the case's strategy; global rank 0 writes the summary."""
     from zerotrain import Trainer
     from zerotrain.bench.common import MODELS
-    from zerotrain.callbacks import ResourceMonitor
+    from zerotrain.callbacks import Callback, ResourceMonitor
     from zerotrain.examples.gpt_module import GPTModule
     from zerotrain.strategies import strategy_from_name
+
+    class WallClock(Callback):
+        """Each optimizer step's wall time on ``time.monotonic`` (the breakdown uses
+        ``perf_counter``), step end to step end: what the breakdown's parts must add up to."""
+
+        def __init__(self) -> None:
+            self.walls: list[float] = []
+            self._last, self._step = 0.0, 0
+
+        def on_train_start(self, trainer, module) -> None:
+            self._last, self._step = time.monotonic(), trainer.global_step
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+            if trainer.global_step != self._step:
+                now = time.monotonic()
+                self.walls.append(now - self._last)
+                self._last, self._step = now, trainer.global_step
 
     spec = MODELS[args.model]
     name, options = CASES[args.case]
     module = GPTModule(spec.config(), batch_size=spec.micro_batch, max_steps=args.steps, warmup_steps=1,
                        val_fraction=0, max_bytes=2_000_000)
     monitor = ResourceMonitor(warmup_steps=args.warmup, print_summary=True)
+    clock = WallClock()  # after the monitor: it reads the other clock right after each step closes
     trainer = Trainer(strategy=strategy_from_name(name, **options), devices=args.nproc, accelerator="cpu",
-                      max_steps=args.steps, callbacks=[monitor], logger=False, enable_checkpointing=False,
+                      max_steps=args.steps, callbacks=[monitor, clock], logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, seed=0)
     trainer.fit(module)
     if trainer.is_global_zero:
         rows = monitor.summary["rows"]
+        out = {k: {"mean": rows[k]["mean"], "share": rows[k]["share"]} for k in SHOWN}
+        # this rank's timed steps by the breakdown (sum of its parts) and by the other clock
+        parts = [r["step"] for r in monitor.steps[args.warmup:]]
+        walls = clock.walls[args.warmup:]
+        out["check"] = {"parts_sum": sum(parts), "wall": sum(walls), "steps": len(walls)}
         with open(args.result, "w") as f:
-            json.dump({k: {"mean": rows[k]["mean"], "share": rows[k]["share"]} for k in SHOWN}, f)
+            json.dump(out, f)
+
 
 
 def run_case(args: argparse.Namespace, case: str, result: str) -> dict:
@@ -77,6 +102,16 @@ def render(args: argparse.Namespace, results: dict[str, list[dict]]) -> str:
             share = statistics.median(r[k]["share"] for r in runs)
             cells.append(f"{ms:.1f}" if k == "step" else f"{ms:.1f} ({share:.0%})")
         lines.append(f"| {case} | " + " | ".join(cells) + " |")
+    checks = [(case, r["check"]) for case, runs in results.items() for r in runs if "check" in r]
+    if checks:
+        lines += ["", "Does the breakdown add up? Rank 0's timed steps, the sum of the parts against the wall time "
+                  "between step ends on another clock (`time.monotonic`):", "",
+                  "| case | repeat | steps | parts sum (s) | wall (s) | parts / wall |", "|---|---|---|---|---|---|"]
+        seen: dict[str, int] = {}
+        for case, c in checks:
+            seen[case] = seen.get(case, 0) + 1
+            lines.append(f"| {case} | {seen[case]} | {c['steps']} | {c['parts_sum']:.3f} | {c['wall']:.3f} | "
+                         f"{c['parts_sum'] / c['wall']:.4f} |")
     return "\n".join(lines)
 
 
