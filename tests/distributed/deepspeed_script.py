@@ -3,7 +3,7 @@ runs it with DeepSpeed 0.19.8 itself and again with only the three deepspeed imp
 to zerotrain.deepspeed (nothing else in this file may name either library).
 
     python deepspeed_script.py --deepspeed_config ds.json --out result --ckpt ckpt_dir [--zero_init]
-        [--plain_backward]
+        [--plain_backward] [--checkpoint_activations]
 
 It trains a small MLP for STEPS optimizer steps on the DeepSpeed dataloader (a pass of the data is
 shorter than that, so the loader is iterated again), saves a checkpoint, trains two more steps,
@@ -11,7 +11,12 @@ loads the checkpoint and trains the same two steps again (the first STEPS with a
 ``loss.backward()`` under --plain_backward, as DeepSpeed 0.19 allows), then reads the full weights through
 zero.GatheredParameters; with --zero_init the model is built under zero.Init and, after the
 training, rank 0 changes one bias through GatheredParameters(modifier_rank=0) and one more step
-runs. Every rank saves what it saw to ``<out>.<rank>.pt``.
+runs. With --checkpoint_activations the hidden layer runs under deepspeed.checkpointing.checkpoint,
+configured from the config's activation_checkpointing section (deepspeed.checkpointing.configure),
+with dropout in the first STEPS drawn from a stream of deepspeed.checkpointing.get_cuda_rng_tracker(),
+so the recomputation must see the forward's random numbers (no dropout after them: no checkpoint
+holds the tracker's streams, and the steps after the load must repeat those after the save). Every
+rank saves what it saw to ``<out>.<rank>.pt``.
 """
 import argparse
 import json
@@ -26,19 +31,26 @@ from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
 
 STEPS, SAMPLES = 6, 64
+CHECKPOINT = False  # --checkpoint_activations
 
 
 class Net(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.layers = nn.ModuleList([nn.Linear(8, 32), nn.Linear(32, 32), nn.Linear(32, 4)])
+        self.dropout = 0.2 if CHECKPOINT else 0.0
+
+    def hidden(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.tanh(self.layers[1](x))
+        if self.dropout and self.training:
+            with deepspeed.checkpointing.get_cuda_rng_tracker().fork():
+                x = F.dropout(x, p=self.dropout)
+        return x
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for i, layer in enumerate(self.layers):
-            x = layer(x)
-            if i < len(self.layers) - 1:
-                x = torch.tanh(x)
-        return x
+        x = torch.tanh(self.layers[0](x))
+        x = deepspeed.checkpointing.checkpoint(self.hidden, x) if CHECKPOINT else self.hidden(x)
+        return self.layers[2](x)
 
 
 def dataset() -> TensorDataset:
@@ -84,11 +96,18 @@ def main() -> None:
     parser.add_argument("--ckpt", required=True)
     parser.add_argument("--zero_init", action="store_true")
     parser.add_argument("--plain_backward", action="store_true")
+    parser.add_argument("--checkpoint_activations", action="store_true")
     parser = deepspeed.add_config_arguments(parser)
     args = parser.parse_args()
 
     deepspeed.init_distributed(dist_backend="gloo")
     get_accelerator().manual_seed_all(0)
+    if args.checkpoint_activations:
+        global CHECKPOINT
+        CHECKPOINT = True
+        deepspeed.checkpointing.configure(None, deepspeed_config=args.deepspeed_config)
+        # DeepSpeed's model_parallel_cuda_manual_seed needs an mpu: the stream is added directly
+        deepspeed.checkpointing.get_cuda_rng_tracker().add("model-parallel-rng", 1234)
     with open(args.deepspeed_config) as f:
         config = json.load(f)
     if args.zero_init:
@@ -100,6 +119,7 @@ def main() -> None:
         args=args, model=model, model_parameters=model.parameters(), training_data=dataset())
 
     out = {"first": train(engine, loader, STEPS, args.plain_backward)}
+    engine.module.dropout = 0.0
     engine.save_checkpoint(args.ckpt, client_state={"note": "saved", "at": engine.global_steps})
     out["after_save"] = train(engine, loader, 2)
     out["weights_after_save"] = full_weights(engine)

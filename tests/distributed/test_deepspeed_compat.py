@@ -1,7 +1,7 @@
 """A DeepSpeed script (deepspeed_script.py: ``deepspeed.initialize`` with a JSON config,
 ``engine.backward`` (or a plain ``loss.backward()``) and ``engine.step`` with accumulation and
-clipping, a warm-up LR schedule, ``save_checkpoint``/``load_checkpoint``, ``zero.Init`` and
-``GatheredParameters``) runs on 2
+clipping, a warm-up LR schedule, ``save_checkpoint``/``load_checkpoint``, ``zero.Init``,
+``GatheredParameters`` and ``deepspeed.checkpointing``) runs on 2
 processes with DeepSpeed 0.19.8 itself (``DS_ACCELERATOR=cpu``, gloo) and again with only its three
 deepspeed import lines renamed to zerotrain.deepspeed, under ZeRO stages 1, 2, 3 and CPU offload.
 
@@ -12,7 +12,8 @@ order, the counters and the accessors' answers identical. DeepSpeed is not a dep
 
 Cost: one DeepSpeed run (~20 s; the first run on a machine also compiles DeepSpeed's CPU
 shared-memory op once, ~100 s, cached in ~/.cache/torch_extensions) and one zerotrain run (~15 s)
-per config: about 50 s for the two that run by default (ZeRO-2, ZeRO-3 under zero.Init); stage 1
+per config: about 50 s for the two that run by default (ZeRO-2; ZeRO-3 under zero.Init with
+activation checkpointing, which costs no extra run); stage 1
 and CPU offload are ``slow``.
 """
 from __future__ import annotations
@@ -59,7 +60,11 @@ CONFIGS = {
                "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 12, "warmup_num_steps": 3,
                                                                   "warmup_min_ratio": 0.1}},
                "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 1000,
-                                     "stage3_max_live_parameters": 100000, "stage3_param_persistence_threshold": 10}},
+                                     "stage3_max_live_parameters": 100000, "stage3_param_persistence_threshold": 10},
+               # read by deepspeed.checkpointing.configure (--checkpoint_activations); partitioning
+               # over one model-parallel rank keeps every input whole in DeepSpeed too
+               "activation_checkpointing": {"partition_activations": True, "cpu_checkpointing": True,
+                                            "number_checkpoints": 1, "synchronize_checkpoint_boundary": True}},
     # DeepSpeed refuses a torch optimizer under offload unless told (zero_force_ds_cpu_optimizer): its
     # CPU Adam would be compiled; torch's AdamW is the same update
     "offload": {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "gradient_clipping": 0.5,
@@ -70,8 +75,9 @@ CONFIGS = {
 }
 
 
-#: ZeRO-3 builds the model under zero.Init; ZeRO-2 trains its first steps with a plain loss.backward()
-FLAGS = {"stage3": ["--zero_init"], "stage2": ["--plain_backward"]}
+#: ZeRO-3 builds the model under zero.Init and runs its hidden layer under
+#: deepspeed.checkpointing.checkpoint (with dropout); ZeRO-2 trains its first steps with a plain loss.backward()
+FLAGS = {"stage3": ["--zero_init", "--checkpoint_activations"], "stage2": ["--plain_backward"]}
 
 
 def zerotrain_script() -> str:

@@ -312,6 +312,22 @@ def test_launch_makes_this_process_rank_zero_and_starts_the_others(tmp_path):
     assert "rank 0 steps 8 epoch 1" in proc.stdout and "rank 1 steps 8 epoch 1" in proc.stdout
 
 
+def test_autocast_runs_the_precisions_forward_context():
+    """bf16-mixed on the CPU: inside ``engine.autocast()`` a matmul computes in bf16, outside in
+    fp32 (tiny tensors: bf16 matmuls are slow on some CPUs); under "32" it changes nothing."""
+    a, b = torch.randn(2, 3), torch.randn(3, 2)
+    engine = Engine(strategy="single", devices=1, accelerator="cpu", precision="bf16-mixed")
+    engine.launch()
+    with engine.autocast():
+        inside = a @ b
+    assert inside.dtype == torch.bfloat16 and (a @ b).dtype == torch.float32
+    torch.testing.assert_close(inside.float(), a @ b, rtol=2e-2, atol=2e-2)
+    plain = Engine(strategy="single", devices=1, accelerator="cpu")
+    plain.launch()
+    with plain.autocast():
+        assert (a @ b).dtype == torch.float32
+
+
 def test_misuse_is_a_clear_error():
     engine = Engine(strategy="single", devices=1, accelerator="cpu")
     model = TinyGPT()

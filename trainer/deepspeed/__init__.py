@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import pkgutil
 from typing import Any, Callable, Mapping
 
@@ -24,7 +25,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
 from ..errors import ConfigError
-from . import accelerator, comm, lr_schedules, moe, zero  # noqa: F401  (deepspeed.<module>)
+from . import accelerator, checkpointing, comm, lr_schedules, moe, ops, utils, zero  # noqa: F401  (deepspeed.<module>)
 from .comm import init_distributed
 from .config import DeepSpeedConfig, parse, report_ignored
 from .engine import DeepSpeedEngine
@@ -56,6 +57,28 @@ def _config_source(args: Any, config: Any, config_params: Any) -> Any:
         raise ConfigError("initialize: config=None and no args.deepspeed_config; valid: a config dict, the path of "
                           "a JSON file, or --deepspeed_config on the command line")
     return config
+
+
+def _local_rank_from_args(args: Any) -> None:
+    """``--local_rank=N`` as DeepSpeed's launcher passes it (and torch.distributed.launch did).
+    DeepSpeed reads the local rank from LOCAL_RANK and requires ``args.local_rank`` to agree; a
+    launcher that passes only the argument leaves the variable unset, and then the argument sets
+    it, so that the engine's device and ``deepspeed.comm.get_local_rank()`` follow it. -1 (the
+    usual default of the argument) means not given."""
+    value = getattr(args, "local_rank", None)
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"initialize: args.local_rank={value!r}; valid: an integer (the --local_rank=N a "
+                          "launcher passes, or -1)")
+    env = os.environ.get("LOCAL_RANK")
+    if value < 0:
+        return
+    if env is None:
+        os.environ["LOCAL_RANK"] = str(value)
+    elif int(env) != value:
+        raise ConfigError(f"initialize: args.local_rank={value} but LOCAL_RANK={env}; valid: the same local "
+                          "rank in both (or only one of them)")
 
 
 def _optimizer(cfg: DeepSpeedConfig, client: Any, model: nn.Module, model_parameters: Any) -> torch.optim.Optimizer:
@@ -129,6 +152,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
             raise ConfigError(f"initialize: {name}={value!r}; valid: None (zerotrain.deepspeed trains data-parallel "
                               "only: no tensor or sequence parallelism)")
     source = _config_source(args, config, config_params)
+    _local_rank_from_args(args)
     comm.init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     cfg = parse(source, comm.get_world_size())
     engine = zero.take_pending(cfg) or zero.new_engine(cfg)
@@ -138,6 +162,9 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         if optimizer is not None and cfg.optimizer is not None:
             log.warning("initialize: the config's \"optimizer\" is not used: an optimizer was passed "
                         "(DeepSpeed's rule)")
+        if cfg.activation_checkpointing is not None and not checkpointing.is_configured():
+            log.info("initialize: the config's \"activation_checkpointing\" applies once the script calls "
+                     "deepspeed.checkpointing.configure(None, deepspeed_config=...), as in DeepSpeed")
     _broadcast_weights(model, engine.device)
     opt = _optimizer(cfg, optimizer, model, model_parameters)
     wrapped_model, wrapped_opt = engine.setup(model, opt)
@@ -145,12 +172,15 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     sched = _scheduler(cfg, lr_scheduler, opt)
     loader = _dataloader(cfg, engine, training_data, collate_fn) if training_data is not None else None
     ds_engine = DeepSpeedEngine(engine, cfg, wrapped_model, wrapped_opt, sched, loader)
+    if hasattr(args, "local_rank"):
+        args.local_rank = ds_engine.local_rank  # DeepSpeed aligns the argument with the engine's
     return ds_engine, wrapped_opt, loader, sched
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """DeepSpeed's command-line arguments: ``--deepspeed`` (a flag scripts test) and
-    ``--deepspeed_config`` (the JSON path ``initialize(args=...)`` reads)."""
+    ``--deepspeed_config`` (the JSON path ``initialize(args=...)`` reads). Like DeepSpeed's, it
+    does not add ``--local_rank``: scripts define that themselves, and ``initialize`` reads it."""
     group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations")
     group.add_argument("--deepspeed", default=False, action="store_true",
                        help="Enable DeepSpeed (helper flag for user code, no impact on DeepSpeed backend)")
@@ -161,4 +191,4 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
 
 
 __all__ = ["initialize", "init_distributed", "add_config_arguments", "DeepSpeedEngine", "DeepSpeedConfig",
-           "ConfigError", "comm", "accelerator", "zero", "moe", "lr_schedules"]
+           "ConfigError", "comm", "accelerator", "zero", "moe", "lr_schedules", "checkpointing", "ops", "utils"]

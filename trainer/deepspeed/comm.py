@@ -1,6 +1,7 @@
 """``deepspeed.comm``: DeepSpeed's communication calls, which are torch.distributed's under its
-names. Before any process group exists (a single process) the queries answer for one process
-(rank 0 of 1) and the collectives leave their tensors as they are, as they would be in a group of one.
+names. ``init_distributed`` (which ``deepspeed.initialize`` calls) makes a group even for a single
+process; before it has run, the queries answer for one process (rank 0 of 1) and the collectives
+leave their tensors as they are, as they would be in a group of one (DeepSpeed raises there).
 """
 from __future__ import annotations
 
@@ -27,22 +28,24 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
                      world_size: int = -1) -> None:
     """Join the default process group from the launcher's variables (torchrun, the ``deepspeed``
     launcher, SLURM through them: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) or from
-    ``init_method``/``rank``/``world_size``. Nothing to do when a group exists, when
-    ``dist_init_required`` is False, or for a single process started without those variables.
-    ``auto_mpi_discovery``, ``verbose`` and ``config`` are accepted for DeepSpeed's signature."""
+    ``init_method``/``rank``/``world_size``; a single process started without those variables
+    makes a group of one (``_init_group_of_one``). Nothing to do when a group exists or when
+    ``dist_init_required`` is False. ``auto_mpi_discovery``, ``verbose`` and ``config`` are
+    accepted for DeepSpeed's signature."""
     if dist.is_initialized() or dist_init_required is False:
         return
     env = os.environ
+    backend = dist_backend or get_accelerator().communication_backend_name()
     if init_method is None and rank < 0 and not all(k in env for k in _ENV):
         if "RANK" in env or "WORLD_SIZE" in env:
             missing = [k for k in _ENV if k not in env]
             raise RuntimeError(f"init_distributed: {', '.join(missing)} not set; valid: start the script with "
                                "torchrun or the deepspeed launcher (which set RANK, WORLD_SIZE, MASTER_ADDR, "
                                "MASTER_PORT), or pass init_method, rank and world_size")
-        return  # one process, no launcher: a group of one needs no process group
+        _init_group_of_one(backend, timeout)
+        return
     env.setdefault("MASTER_PORT", str(distributed_port))
-    kwargs: dict[str, Any] = {"backend": dist_backend or get_accelerator().communication_backend_name(),
-                              "init_method": init_method or "env://", "timeout": timeout}
+    kwargs: dict[str, Any] = {"backend": backend, "init_method": init_method or "env://", "timeout": timeout}
     if rank >= 0:
         kwargs["rank"] = rank
     if world_size > 0:
@@ -50,6 +53,15 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     init_default_group(**kwargs)
     if verbose and dist.get_rank() == 0:
         log.info("zerotrain.deepspeed: process group of %d (%s)", dist.get_world_size(), kwargs["backend"])
+
+
+def _init_group_of_one(backend: str, timeout: datetime.timedelta) -> None:
+    """A process started without a launcher: a process group of one, which is what DeepSpeed
+    ends up with there (its MPI discovery finds a world of one), so that the script's own
+    ``torch.distributed`` calls (``get_rank()``, ``barrier()``) work. The rendezvous store lives in
+    this process (no port to collide on, no file to clean up); ``init_default_group`` destroys the
+    group at exit like every group zerotrain makes."""
+    init_default_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
 
 
 def is_initialized() -> bool:

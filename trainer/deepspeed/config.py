@@ -25,6 +25,7 @@ import torch
 
 from ..errors import ConfigError
 from . import lr_schedules
+from .ops.adam import DeepSpeedCPUAdam, FusedAdam
 
 log = logging.getLogger("zerotrain")
 
@@ -35,8 +36,9 @@ _ADAM_NAMES = ("adam", "adamw")
 #: DeepSpeed optimizers that are its own kernels, with no torch equivalent here
 _UNSUPPORTED_OPTIMIZERS = ("lamb", "lion", "muon", "muadam", "muadamw", "musgd", "onebitadam",
                            "zerooneadam", "onebitlamb")
-#: what DeepSpeed's ZeRO runs without ``zero_allow_untested_optimizer`` (torch's among its list)
-ZERO_TESTED_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad)
+#: what DeepSpeed's ZeRO runs without ``zero_allow_untested_optimizer`` (its list, with
+#: ``deepspeed.ops.adam``'s two as zerotrain has them)
+ZERO_TESTED_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, FusedAdam, DeepSpeedCPUAdam)
 SCHEDULERS: dict[str, type] = {"WarmupLR": lr_schedules.WarmupLR, "WarmupDecayLR": lr_schedules.WarmupDecayLR,
                                "WarmupCosineLR": lr_schedules.WarmupCosineLR}
 
@@ -121,6 +123,46 @@ class SchedulerSpec:
 
 
 @dataclass(frozen=True)
+class ActivationCheckpointing:
+    """The ``activation_checkpointing`` section, DeepSpeed's keys; what
+    ``deepspeed.checkpointing.configure`` applies (``checkpointing.py`` says what each does here).
+    Checks itself: every key's type, and DeepSpeed's two conditions on contiguous buffers."""
+
+    partition_activations: bool = False
+    contiguous_memory_optimization: bool = False
+    cpu_checkpointing: bool = False
+    number_checkpoints: int | None = None
+    synchronize_checkpoint_boundary: bool = False
+    profile: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("partition_activations", "contiguous_memory_optimization", "cpu_checkpointing",
+                     "synchronize_checkpoint_boundary", "profile"):
+            _flag(f"activation_checkpointing.{name}", getattr(self, name))
+        if self.number_checkpoints is not None:
+            _whole("activation_checkpointing.number_checkpoints", self.number_checkpoints, 1)
+        if self.contiguous_memory_optimization and not self.partition_activations:
+            raise _fail("activation_checkpointing.contiguous_memory_optimization", True,
+                        "contiguous buffers hold partitioned activations only (DeepSpeed's rule)",
+                        "false, or partition_activations true")
+        if self.contiguous_memory_optimization and self.number_checkpoints is None:
+            raise _fail("activation_checkpointing.number_checkpoints", None,
+                        "contiguous_memory_optimization sizes its buffers by it", "an integer >= 1")
+
+
+ACTIVATION_CHECKPOINTING_KEYS = tuple(ActivationCheckpointing.__dataclass_fields__)
+
+
+def activation_checkpointing_spec(raw: Mapping[str, Any], reader: "_Reader | None" = None) -> ActivationCheckpointing:
+    """The config's ``activation_checkpointing`` section (DeepSpeed's defaults when absent);
+    keys outside it go to ``reader``'s ignored list."""
+    section = _section("activation_checkpointing", raw.get("activation_checkpointing") or {})
+    if reader is not None:
+        reader.take(section, "activation_checkpointing.", ACTIVATION_CHECKPOINTING_KEYS, "activation_checkpointing")
+    return ActivationCheckpointing(**{k: section[k] for k in ACTIVATION_CHECKPOINTING_KEYS if k in section})
+
+
+@dataclass(frozen=True)
 class DeepSpeedConfig:
     """A parsed config (``parse``): what the engine is built from."""
 
@@ -150,6 +192,9 @@ class DeepSpeedConfig:
     comms_logger: bool = False
     comms_verbose: bool = False
     dataloader_drop_last: bool = False
+    #: the ``activation_checkpointing`` section, checked; applied by ``deepspeed.checkpointing.configure``
+    #: (``initialize`` does not apply it, as DeepSpeed's does not)
+    activation_checkpointing: ActivationCheckpointing | None = None
     #: "key (why)" for every key that changes nothing here
     ignored: tuple[str, ...] = ()
 
@@ -182,7 +227,8 @@ class DeepSpeedConfig:
         if self.zero_stage and not self.zero_allow_untested_optimizer and type(optimizer) not in ZERO_TESTED_OPTIMIZERS:
             raise ConfigError(
                 f"{origin}={type(optimizer).__name__}: an optimizer DeepSpeed does not test under ZeRO "
-                f"(zero_optimization.stage={self.zero_stage}); valid: Adam, AdamW, Adagrad, or set "
+                f"(zero_optimization.stage={self.zero_stage}); valid: Adam, AdamW, Adagrad, FusedAdam, "
+                "DeepSpeedCPUAdam, or set "
                 '"zero_allow_untested_optimizer": true')
 
 
@@ -234,9 +280,7 @@ def parse(config: "str | os.PathLike | Mapping[str, Any]", world_size: int) -> D
              "comms_logger", "dataloader_drop_last")
     reader.take(raw, "", known, "")
     if "activation_checkpointing" in raw:
-        _section("activation_checkpointing", raw["activation_checkpointing"])
-        reader.ignored.append("activation_checkpointing (configures deepspeed.checkpointing.checkpoint, which "
-                              "zerotrain.deepspeed does not provide: use torch.utils.checkpoint in the model)")
+        out["activation_checkpointing"] = activation_checkpointing_spec(raw, reader)
     return DeepSpeedConfig(**out, ignored=tuple(reader.ignored))
 
 

@@ -110,6 +110,40 @@ class _Monitor:
             self.writer = None
 
 
+class _DirectCallsUnderAutocast:
+    """fp16/bf16: DeepSpeed casts the module itself to the 16-bit type, so scripts cast their
+    inputs (``inputs.half()``) and may call the module directly, e.g. to evaluate
+    (``net(images.half())``). zerotrain's module keeps fp32 weights and its forward runs under the
+    precision's autocast; these hooks on the module run a direct call (one outside the engine's
+    forward) under the same autocast, so it computes in the 16-bit type and returns 16-bit
+    outputs, as DeepSpeed's module would, instead of failing on fp32 weights meeting 16-bit
+    inputs. A call inside an autocast (the engine's forward) is left alone. ``remove`` undoes it."""
+
+    def __init__(self, module: nn.Module, precision: Any, device_type: str) -> None:
+        self.precision, self.device_type = precision, device_type
+        self._entered: list[Any] = []  # one per call in progress: the autocast entered, or None
+        self.handles = [module.register_forward_pre_hook(self._enter),
+                        module.register_forward_hook(self._exit, always_call=True)]
+
+    def _enter(self, module: nn.Module, args: Any) -> None:
+        if torch.is_autocast_enabled(self.device_type):
+            self._entered.append(None)
+            return
+        ctx = self.precision.forward_context(self.device_type)
+        ctx.__enter__()
+        self._entered.append(ctx)
+
+    def _exit(self, module: nn.Module, args: Any, output: Any) -> None:
+        ctx = self._entered.pop() if self._entered else None
+        if ctx is not None:
+            ctx.__exit__(None, None, None)
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+
+
 class DeepSpeedEngine(nn.Module):
     """What ``deepspeed.initialize`` returns first. An ``nn.Module`` holding the user's model as
     ``module`` (so ``engine.parameters()``, ``engine.train()``/``eval()`` work as DeepSpeed's)."""
@@ -128,6 +162,8 @@ class DeepSpeedEngine(nn.Module):
         self._step_applied = False
         self._monitor = _Monitor(cfg, engine.global_rank)
         self._comms = comm.record(self) if cfg.comms_logger else None
+        self._direct_calls = (_DirectCallsUnderAutocast(self.module, engine.strategy.precision, engine.device.type)
+                              if cfg.precision != "32" else None)
 
     # ------------------------------------------------------------------ identity and config
     @property
@@ -347,6 +383,8 @@ class DeepSpeedEngine(nn.Module):
         """Release what training holds (the strategy's teardown; TensorBoard's writer)."""
         self._end_deferral()
         self._monitor.close()
+        if self._direct_calls is not None:
+            self._direct_calls.remove()
         if self._comms is not None:
             comm.stop_recording(self._comms)
         self._zt.strategy.teardown()

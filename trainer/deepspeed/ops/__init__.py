@@ -1,0 +1,2 @@
+"""``deepspeed.ops``: the optimizers DeepSpeed scripts import by name (``adam``)."""
+from . import adam  # noqa: F401
