@@ -769,8 +769,9 @@ class Trainer(TrainerEvaluation, TrainerLogging):
         from ..callbacks.progress import ProgressBar
 
         if checkpointing and not any(isinstance(c, ModelCheckpoint) for c in callbacks):
-            callbacks.append(ModelCheckpoint(dirpath=os.path.join(self.default_root_dir, "checkpoints"),
-                                             save_last=True))
+            default = ModelCheckpoint(dirpath=os.path.join(self.default_root_dir, "checkpoints"), save_last=True)
+            default.made_by_trainer = True
+            callbacks.append(default)
         if progress and not any(isinstance(c, ProgressBar) for c in callbacks):
             callbacks.append(ProgressBar())
         return comms_logger_for(self._strategy, callbacks)  # strategy option comms_logger=True
