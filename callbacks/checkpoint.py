@@ -2,6 +2,7 @@
 pointer to the newest."""
 from __future__ import annotations
 
+import logging
 import math
 import os
 import re
@@ -9,8 +10,10 @@ import shutil
 from typing import Any
 
 from ..trainer.checkpoint_io import read_latest
-from ..trainer.errors import CheckpointError
+from ..trainer.errors import CheckpointError, ConfigError
 from .base import Callback
+
+log = logging.getLogger("zerotrain")
 
 
 class ModelCheckpoint(Callback):
@@ -26,33 +29,60 @@ class ModelCheckpoint(Callback):
     newest, which a restart needs) even when it is not among the best: it is deleted once a newer
     one replaces it. Without ``monitor`` every checkpoint is kept. Saving is a collective: the
     callback runs on every rank.
+
+    Lightning's arguments, in Lightning's order: ``verbose`` (one line per save),
+    ``auto_insert_metric_name``, ``save_on_train_epoch_end`` (None: Lightning's rule,
+    ``_epoch_end_by_default``) and ``enable_version_counter`` (a name already taken gets
+    ``-v1``, ``-v2``, ...) work as Lightning's; ``train_time_interval``, ``save_on_exception``
+    and ``save_last="link"`` are refused (``_refuse`` says why). Where this callback differs
+    from Lightning's, ``_note_differences`` says so once at the start of fit.
     """
 
-    def __init__(self, dirpath: str | None = None, every_n_train_steps: int | None = None,
-                 save_last: bool = True, monitor: str | None = None, mode: str = "min",
-                 save_top_k: int = 1, filename: str = "step={step:06d}", every_n_epochs: int | None = None,
-                 save_weights_only: bool = False, auto_insert_metric_name: bool = True) -> None:
+    #: the Trainer's own (``enable_checkpointing=True`` without one given): its differences are info only
+    made_by_trainer = False
+
+    def __init__(self, dirpath: str | None = None, filename: str | None = "step={step:06d}",
+                 monitor: str | None = None, verbose: bool = False, save_last: bool | str | None = True,
+                 save_top_k: int = 1, save_on_exception: bool = False, save_weights_only: bool = False,
+                 mode: str = "min", auto_insert_metric_name: bool = True, every_n_train_steps: int | None = None,
+                 train_time_interval: Any = None, every_n_epochs: int | None = None,
+                 save_on_train_epoch_end: bool | None = None, enable_version_counter: bool = True) -> None:
+        filename = "step={step:06d}" if filename is None else filename
         if mode not in ("min", "max"):
-            raise ValueError(f"ModelCheckpoint: mode={mode!r}; valid choices: min, max")
+            raise ConfigError(f"ModelCheckpoint: mode={mode!r}; valid choices: min, max")
         if every_n_train_steps is not None and every_n_train_steps < 1:
-            raise ValueError(f"ModelCheckpoint: every_n_train_steps={every_n_train_steps!r} must be >= 1")
+            raise ConfigError(f"ModelCheckpoint: every_n_train_steps={every_n_train_steps!r} must be >= 1")
         if every_n_epochs is not None and every_n_epochs < 0:
-            raise ValueError(f"ModelCheckpoint: every_n_epochs={every_n_epochs!r} must be >= 0 (0: never)")
+            raise ConfigError(f"ModelCheckpoint: every_n_epochs={every_n_epochs!r} must be >= 0 (0: never)")
         if save_top_k < -1:
-            raise ValueError(f"ModelCheckpoint: save_top_k={save_top_k!r} must be >= -1")
+            raise ConfigError(f"ModelCheckpoint: save_top_k={save_top_k!r} must be >= -1")
         if "/" in filename or filename in ("latest", "last"):
-            raise ValueError(f"ModelCheckpoint: filename={filename!r} must be one directory name, not "
-                             "'latest' or 'last'")
+            raise ConfigError(f"ModelCheckpoint: filename={filename!r} must be one directory name, not "
+                              "'latest' or 'last'")
+        _refuse("train_time_interval", train_time_interval, None,
+                "saving by wall-clock time is not implemented; valid: every_n_train_steps, or a Timer callback "
+                "(it stops fit, and save_last then saves)")
+        _refuse("save_on_exception", save_on_exception, False,
+                "a save is a collective of every rank, and an exception may stop one rank only; SIGTERM and "
+                "SIGUSR1 already save on every rank (README, 'signals'); valid: False")
+        if save_last not in (True, False, None):
+            raise ConfigError(f"ModelCheckpoint: save_last={save_last!r} is not supported: the 'latest' pointer in "
+                              "dirpath already names the newest checkpoint without a copy or link; valid: True, "
+                              "False or None")
         if monitor is not None and every_n_train_steps is None and every_n_epochs is None:
             every_n_epochs = 1  # Lightning's trigger for a monitored checkpoint given none
-        self.dirpath, self.every_n_train_steps, self.save_last = dirpath, every_n_train_steps, save_last
+        self.dirpath, self.every_n_train_steps, self.save_last = dirpath, every_n_train_steps, bool(save_last)
         self.monitor, self.mode, self.save_top_k, self.filename = monitor, mode, save_top_k, filename
         self.every_n_epochs, self.save_weights_only = every_n_epochs, save_weights_only
-        self.auto_insert_metric_name = auto_insert_metric_name
+        self.auto_insert_metric_name, self.verbose = auto_insert_metric_name, verbose
+        self.save_on_train_epoch_end, self.enable_version_counter = save_on_train_epoch_end, enable_version_counter
         self.best_k: dict[str, float] = {}  # path -> score, for the checkpoints this callback keeps
         self.last_path: str | None = None
         self._last_saved_step = -1
         self._epoch = 0
+        self._stage: str | None = None
+        self._at_epoch_end: bool | None = None  # save_on_train_epoch_end, resolved at on_train_start
+        self._noted = False
 
     @property
     def best_model_path(self) -> str | None:
@@ -93,6 +123,14 @@ class ModelCheckpoint(Callback):
     def setup(self, trainer, module, stage: str | None = None) -> None:
         if self.dirpath is None:
             self.dirpath = os.path.join(trainer.default_root_dir, "checkpoints")
+        self._stage = stage  # validation ends save during fit only, as Lightning's
+
+    def on_train_start(self, trainer, module) -> None:
+        given = self.save_on_train_epoch_end
+        self._at_epoch_end = _epoch_end_by_default(trainer) if given is None else bool(given)
+        if not self._noted and trainer.is_global_zero:
+            self._noted = True
+            self._note_differences()
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         n = self.every_n_train_steps
@@ -104,8 +142,17 @@ class ModelCheckpoint(Callback):
         self._epoch = trainer.current_epoch  # the epoch that on_train_epoch_end ends
 
     def on_train_epoch_end(self, trainer, module) -> None:
+        if self._at_epoch_end:
+            self._save_for_epoch(trainer, self._epoch)
+
+    def on_validation_end(self, trainer, module) -> None:
+        """``save_on_train_epoch_end=False``: the epoch trigger is checked after each validation of fit."""
+        if self._at_epoch_end is False and self._stage == "fit" and not trainer.sanity_checking:
+            self._save_for_epoch(trainer, trainer.current_epoch)
+
+    def _save_for_epoch(self, trainer, epoch: int) -> None:
         n = self.every_n_epochs
-        if n and (self._epoch + 1) % n == 0 and trainer.global_step != self._last_saved_step:
+        if n and (epoch + 1) % n == 0 and trainer.global_step != self._last_saved_step:
             self._save(trainer)
 
     def on_fit_end(self, trainer, module) -> None:
@@ -132,6 +179,8 @@ class ModelCheckpoint(Callback):
         self._last_saved_step = trainer.global_step
         path = os.path.join(self.dirpath, self.format_checkpoint_name(
             trainer.callback_metrics, epoch=trainer.current_epoch, step=trainer.global_step))
+        if self.enable_version_counter:
+            path = self._unused_name(trainer, path)
         if self.monitor is not None:
             score = trainer.callback_metrics.get(self.monitor)
             if score is None:
@@ -147,6 +196,50 @@ class ModelCheckpoint(Callback):
             raise CheckpointError(f"{exc} (ModelCheckpoint dirpath={self.dirpath!r})") from exc
         self.last_path = path
         self._prune(trainer)
+        if self.verbose and trainer.is_global_zero:
+            self._say_saved(trainer, path)
+
+    def _unused_name(self, trainer, path: str) -> str:
+        """Lightning's version counter: ``NAME-v1``, ``NAME-v2``, ... while ``path`` is taken (a
+        collective: every rank must pick the same name, so any rank seeing it taken counts)."""
+        ext = ".safetensors" if self.save_weights_only else ""
+        stem, candidate, version = path[:len(path) - len(ext)], path, 1
+        while trainer.strategy.any_rank(os.path.exists(candidate)):
+            candidate, version = f"{stem}-v{version}{ext}", version + 1
+        return candidate
+
+    def _say_saved(self, trainer, path: str) -> None:
+        """``verbose``: one line per save, as Lightning's (rank 0)."""
+        where = f"Epoch {trainer.current_epoch:d}, global step {trainer.global_step:d}"
+        if self.monitor is None:
+            log.info("%s: saving model to %r", where, path)
+        elif path in self._keep():
+            k = len(self.best_k) if self.save_top_k == -1 else self.save_top_k
+            log.info("%s: %r reached %0.5f (best %0.5f), saving model to %r as top %d", where, self.monitor,
+                     self.best_k[path], self.best_model_score, path, k)
+        else:
+            log.info("%s: %r was not in top %d (saved to %r as the newest checkpoint, deleted when a newer one "
+                     "replaces it)", where, self.monitor, self.save_top_k, path)
+
+    def _note_differences(self) -> None:
+        """Say once, at the start of the first fit (global rank 0), where this callback saves
+        differently from Lightning's with the same arguments."""
+        notes = ["a checkpoint is " + ("one consolidated .safetensors file of the weights" if self.save_weights_only
+                                       else "a sharded directory") + ", not a .ckpt file"]
+        if self.save_last:
+            notes.append("save_last saves once at the end of fit (default True here; Lightning's None saves no "
+                         "last.ckpt), and dirpath/latest always names the newest checkpoint")
+        if self.monitor is None:
+            notes.append("without monitor every checkpoint is kept (Lightning keeps the newest only)")
+        else:
+            notes.append("the newest checkpoint is kept until the next save even when it is not in the top "
+                         f"{self.save_top_k}")
+        periodic = self.every_n_train_steps or self.every_n_epochs
+        if not periodic:
+            notes.append("with no monitor and no every_n_train_steps/every_n_epochs nothing is saved during "
+                         "training (Lightning saves every epoch)")
+        say = log.warning if not periodic and not self.made_by_trainer else log.info
+        say("ModelCheckpoint(dirpath=%r) differs from Lightning's: %s", self.dirpath, "; ".join(notes))
 
     def _save_weights(self, trainer, path: str) -> None:
         """Weights only, as one consolidated safetensors file (every key of the module's state
@@ -190,6 +283,23 @@ class ModelCheckpoint(Callback):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.best_k = dict(state.get("best_k", {}))
         self.last_path = state.get("last_path")
+
+
+def _epoch_end_by_default(trainer) -> bool:
+    """Lightning's ``save_on_train_epoch_end=None``: at the end of the training epoch, unless
+    validation runs every n-th epoch only (``check_val_every_n_epoch != 1``) or within the epoch
+    (``val_check_interval`` other than a whole epoch): then after validation."""
+    if getattr(trainer, "check_val_every_n_epoch", 1) != 1:
+        return False
+    if getattr(trainer, "val_dataloader", None) is None or getattr(trainer, "limit_val_batches", None) == 0:
+        return True
+    return getattr(trainer, "val_check_interval", None) in (None, 1.0)
+
+
+def _refuse(name: str, value: Any, default: Any, why: str) -> None:
+    """A Lightning argument this callback does not implement: only its default is accepted."""
+    if value != default:
+        raise ConfigError(f"ModelCheckpoint: {name}={value!r} is not supported: {why}")
 
 
 def _remove(path: str) -> None:

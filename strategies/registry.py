@@ -50,6 +50,9 @@ def available() -> list[str]:
 def get(name: str) -> Preset:
     _load_builtin()
     if name not in _REGISTRY:
+        why = _LIGHTNING_WITHOUT_PRESET.get(name)
+        if why:
+            raise ValueError(f"strategy={name!r} is Lightning's, with no zerotrain preset: {why}")
         raise ValueError(f"strategy={name!r} is not registered; valid choices: {', '.join(available())}")
     return _REGISTRY[name]
 
@@ -85,14 +88,19 @@ def _load_builtin() -> None:
 
 def _register_lightning_aliases() -> None:
     """Lightning's strategy strings, as presets of the equivalent zerotrain strategy (so the CLI
-    and ``Trainer(strategy=...)`` both accept them; LIGHTNING_NOTES.md lists each mapping)."""
+    and ``Trainer(strategy=...)`` both accept them; README.md's "Strategy strings" table lists
+    each mapping, and ``_LIGHTNING_WITHOUT_PRESET`` the ones refused, with the reason)."""
     from .ddp import DDP, DDPConfig
     from .offload import Offload, OffloadPolicy
+    from .single_device import SingleDevice
     from .zero import BucketConfig, Stage3Config, ZeroConfig, ZeroStage1, ZeroStage2, ZeroStage3
 
     offload = (ZeroConfig, BucketConfig, Stage3Config, OffloadPolicy)
+    register("single_device", SingleDevice)
     register("ddp_find_unused_parameters_true", DDP, (DDPConfig,), find_unused_parameters=True)
+    register("ddp_find_unused_parameters_false", DDP, (DDPConfig,), find_unused_parameters=False)
     register("ddp_spawn", _ddp_spawn, (DDPConfig,))
+    register("deepspeed", ZeroStage2, (ZeroConfig, BucketConfig))  # Lightning's DeepSpeedStrategy: stage=2
     register("deepspeed_stage_1", ZeroStage1, (ZeroConfig, BucketConfig))
     register("deepspeed_stage_2", ZeroStage2, (ZeroConfig, BucketConfig))
     register("deepspeed_stage_3", ZeroStage3, (ZeroConfig, Stage3Config))
@@ -100,6 +108,19 @@ def _register_lightning_aliases() -> None:
     register("deepspeed_stage_3_offload", Offload, offload, stage=3, optimizer_device="cpu", param_device="cpu")
     register("deepspeed_stage_3_offload_nvme", Offload, offload, stage=3, optimizer_device="nvme",
              param_device="nvme", nvme_path=DEFAULT_NVME_PATH)
+
+
+#: Lightning's strategy strings zerotrain refuses: why, and what to use instead
+_LIGHTNING_WITHOUT_PRESET = {
+    **{name: "zerotrain starts every rank by re-running the script (no fork or spawn start method); valid: "
+             "'ddp' or 'ddp_find_unused_parameters_true'"
+       for name in ("ddp_fork", "ddp_notebook", *(f"ddp_{m}_find_unused_parameters_{b}" for m in (
+           "spawn", "fork", "notebook") for b in ("true", "false")))},
+    "fsdp": "FSDP's full sharding of parameters, gradients and optimizer state is ZeRO stage 3 here; valid: 'zero3'",
+    "fsdp_cpu_offload": "FSDP with CPU offload is ZeRO stage 3 with offload here; valid: "
+                        "'deepspeed_stage_3_offload' (or Offload(stage=3, optimizer_device='cpu', param_device='cpu'))",
+    "xla": "zerotrain runs on CPU and CUDA only; valid: 'ddp' or a ZeRO stage",
+}
 
 
 def _ddp_spawn(**options: Any) -> Strategy:

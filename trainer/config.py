@@ -302,7 +302,7 @@ class Config:
         """The process count against the strategy; the checks that need the model and the data are
         the application's (the demo GPT's: ``examples/gpt_cli.py``)."""
         world, strategy = world_size(self.trainer), getattr(self.strategy, "name", None)
-        if strategy == "single" and world > 1:
+        if strategy in ("single", "single_device") and world > 1:
             raise _bad("strategy", strategy, f"runs one process, but trainer.devices x trainer.num_nodes = {world}",
                        "trainer.devices=1, or strategy=ddp (or a zero stage)")
 

@@ -14,7 +14,7 @@ from typing import Any, Iterable, NamedTuple
 import torch
 from torch.utils.data import DataLoader
 
-from . import checkpointing, hparams
+from . import checkpointing, hparams, job
 from .datamodule import DataModule
 from .errors import ConfigError
 from .logging import hook_scope
@@ -163,6 +163,7 @@ class TrainerEvaluation:
             limit = min(limit, self.num_sanity_val_steps)
         kwargs = {"dataloader_idx": index} if count > 1 else {}
         self._predicting = spec.fn == "predict"
+        job.set_sampler_epoch(loader, self.state.epoch)  # Lightning's: the epochs trained so far
         predictions = []
         try:
             for batch_idx, batch in enumerate(loader):

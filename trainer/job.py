@@ -2,7 +2,8 @@
 
 ``join_job`` puts this process in the job the way ``Trainer.fit`` does (launch the other local
 ranks, or join torchrun / SLURM / our launcher, then connect the strategy and its process group);
-``distributed_loader`` gives each data-parallel rank its share of a map-style ``DataLoader``;
+``distributed_loader`` gives each data-parallel rank its share of a map-style ``DataLoader``
+(``SamplerShard``: its share of a sampler of the user's own, for the Trainer);
 ``plugins`` resolves the strategy and precision names. The Trainer and the Engine (``engine.py``)
 both call all three, so both launch, connect and shard data the same way (the Trainer adds
 Lightning's sampler warnings, ``use_distributed_sampler`` and its seeding around them).
@@ -10,10 +11,11 @@ Lightning's sampler warnings, ``use_distributed_sampler`` and its seeding around
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterator
+import math
+from typing import Any, Iterator, Sized
 
 import torch
-from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, Sampler, SequentialSampler
 
 from ..strategies import Precision, Strategy, precision_from_name, strategy_from_name
 from ..strategies.environment import detect, pick_device, set_cpu_threads
@@ -58,17 +60,38 @@ def join_job(strategy: Strategy, precision: Precision, accelerator: str, devices
     return launcher
 
 
-def distributed_loader(loader: Any, strategy: Strategy, seed: int) -> Any:
+def shardable(loader: Any) -> bool:
+    """A map-style ``DataLoader`` whose batches its sampler decides: a ``DataLoader``, not over an
+    ``IterableDataset`` (Lightning leaves those alone too), and without a ``batch_sampler`` of the
+    user's own (which would be lost when the loader is re-created around another sampler)."""
+    if not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset):
+        return False
+    if not hasattr(loader.dataset, "__len__"):
+        return False
+    return not own_batch_sampler(loader)
+
+
+def own_batch_sampler(loader: DataLoader) -> bool:
+    """The user passed ``batch_sampler=`` (torch's DataLoader then has no ``batch_size``)."""
+    return loader.batch_sampler is not None and loader.batch_size is None
+
+
+def distributed_loader(loader: Any, strategy: Strategy, seed: int, custom_sampler_shuffle: bool | None = None) -> Any:
     """``loader`` over a DistributedSampler with the same shuffle, so each data-parallel rank sees
-    its share and the order is a pure function of (seed, epoch). A loader with its own sampler,
-    over an iterable dataset, or anything but a ``DataLoader`` is returned as it is."""
-    if not isinstance(loader, DataLoader) or not hasattr(loader.dataset, "__len__"):
+    its share and the order is a pure function of (seed, epoch). A loader with a sampler of its
+    own is kept as it is unless ``custom_sampler_shuffle`` is a bool and there are several ranks:
+    then each rank gets its ``SamplerShard`` of that sampler (shuffled positions or not; the
+    Trainer's choice, as Lightning's). Anything not ``shardable`` is returned as it is."""
+    if not shardable(loader):
         return loader
-    if not isinstance(loader.sampler, (RandomSampler, SequentialSampler)):
+    world, rank = strategy.data_parallel_world_size, strategy.data_parallel_rank
+    if isinstance(loader.sampler, (RandomSampler, SequentialSampler)):
+        sampler = DistributedSampler(loader.dataset, num_replicas=world, rank=rank, seed=seed, drop_last=False,
+                                     shuffle=isinstance(loader.sampler, RandomSampler))
+    elif custom_sampler_shuffle is not None and world > 1:
+        sampler = SamplerShard(loader.sampler, world, rank, shuffle=custom_sampler_shuffle, seed=seed)
+    else:
         return loader
-    sampler = DistributedSampler(loader.dataset, num_replicas=strategy.data_parallel_world_size,
-                                 rank=strategy.data_parallel_rank, seed=seed, drop_last=False,
-                                 shuffle=isinstance(loader.sampler, RandomSampler))
     options = {name: getattr(loader, name) for name in (
         "batch_size", "num_workers", "collate_fn", "pin_memory", "drop_last", "timeout", "worker_init_fn",
         "persistent_workers")}
@@ -78,6 +101,62 @@ def distributed_loader(loader: Any, strategy: Strategy, seed: int) -> Any:
     # iterator draws its worker base seed from it, so the global RNG stream after a pass (dropout,
     # noise drawn in training_step) is Lightning's; ``epoch_iterator`` keeps a resumed pass exact
     return DataLoader(loader.dataset, sampler=sampler, generator=loader.generator, **options)
+
+
+class SamplerShard(Sampler):
+    """One rank's share of a sampler of the user's own, the indices Lightning's
+    ``DistributedSamplerWrapper`` gives (our own code; ``tests/unit/test_samplers.py`` compares).
+
+    Each pass lists the inner sampler's indices (in its order, after ``set_epoch`` was forwarded
+    to it), permutes their positions by ``seed + epoch`` when ``shuffle`` (as a shuffled
+    DistributedSampler permutes a dataset's; Lightning shuffles every training sampler), pads the
+    list by repeating its start to a multiple of ``num_replicas`` (every rank runs as many
+    batches) and yields every ``num_replicas``-th index from ``rank``. A pass is a pure function
+    of (the inner sampler's list, seed, epoch): a run resumed mid-epoch sees the same pass again
+    when the inner sampler's order depends on ``set_epoch`` alone, not on an RNG of its own."""
+
+    def __init__(self, sampler: Sized, num_replicas: int, rank: int, shuffle: bool = False, seed: int = 0) -> None:
+        try:
+            n = len(sampler)
+        except TypeError:
+            n = None
+        if n is None or n == math.inf:
+            raise ConfigError(f"use_distributed_sampler=True: the DataLoader's sampler {type(sampler).__name__} "
+                              f"has {'no' if n is None else 'an infinite'} length, so it cannot be split over "
+                              f"{num_replicas} ranks; valid: a sampler with a finite __len__, or "
+                              "use_distributed_sampler=False (each rank then samples for itself)")
+        self.sampler, self.num_replicas, self.rank = sampler, num_replicas, rank
+        self.shuffle, self.seed, self.epoch = shuffle, seed, 0
+
+    def __len__(self) -> int:
+        return math.ceil(len(self.sampler) / self.num_replicas)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        if callable(getattr(self.sampler, "set_epoch", None)):
+            self.sampler.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[Any]:
+        indices = list(self.sampler)
+        if self.shuffle:
+            g = torch.Generator()
+            g.manual_seed(self.seed + self.epoch)
+            indices = [indices[i] for i in torch.randperm(len(indices), generator=g).tolist()]
+        total = math.ceil(len(indices) / self.num_replicas) * self.num_replicas
+        if indices:
+            indices = (indices * math.ceil(total / len(indices)))[:total]
+        return iter(indices[self.rank::self.num_replicas])
+
+
+def set_sampler_epoch(loader: Any, epoch: int) -> None:
+    """``set_epoch(epoch)`` on the loader's sampler and its batch sampler's sampler, each once (as
+    Lightning does before every training epoch and every evaluation run: a DistributedSampler
+    reshuffles, a ``SamplerShard`` forwards it to the user's sampler)."""
+    samplers = {id(s): s for s in (getattr(loader, "sampler", None),
+                                   getattr(getattr(loader, "batch_sampler", None), "sampler", None)) if s is not None}
+    for sampler in samplers.values():
+        if callable(getattr(sampler, "set_epoch", None)):
+            sampler.set_epoch(epoch)
 
 
 def epoch_iterator(loader: Any, resuming: bool) -> Iterator[Any]:

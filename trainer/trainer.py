@@ -440,25 +440,37 @@ class Trainer(TrainerEvaluation, TrainerLogging):
     def _prepare_loader(self, loader: Any, stage: str) -> Any:
         """Put a DistributedSampler under map-style data, so each data-parallel rank sees its
         share and the order is a pure function of (``data_seed``, epoch) - Lightning's sampler,
-        shuffled when the loader shuffles, ``set_epoch(epoch)`` every training epoch. Kept as
-        given: not a DataLoader, an iterable dataset, a sampler of the user's own, or
+        shuffled when the loader shuffles, ``set_epoch(epoch)`` every training epoch. A sampler of
+        the user's own is split over several ranks as Lightning's ``DistributedSamplerWrapper``
+        splits it (``job.SamplerShard``: the training one with its positions shuffled by
+        (``data_seed``, epoch), as Lightning's; on one process it is kept). Kept as given: not a
+        DataLoader, an iterable dataset, a ``batch_sampler`` of the user's own, or
         ``use_distributed_sampler=False``. Where Lightning differs, a warning says so
         (``_note_sampler_differences``)."""
         if loader is None or not isinstance(loader, DataLoader) or not self.use_distributed_sampler:
             return loader
-        if not isinstance(loader.sampler, (RandomSampler, SequentialSampler)) or not hasattr(loader.dataset, "__len__"):
-            return loader  # the user's own sampler or an iterable dataset: keep it
-        self._note_sampler_differences(stage, isinstance(loader.sampler, RandomSampler), len(loader.dataset))
-        return job.distributed_loader(loader, self._strategy, self.data_seed)
+        if not job.shardable(loader):  # an iterable dataset (Lightning keeps it too) or the user's batch_sampler
+            self._note_own_batch_sampler(loader, stage)
+            return loader
+        builtin = isinstance(loader.sampler, (RandomSampler, SequentialSampler))
+        n_samples = len(loader.dataset) if builtin else _len_or_none(loader.sampler)
+        self._note_sampler_differences(stage, isinstance(loader.sampler, RandomSampler), n_samples, builtin)
+        return job.distributed_loader(loader, self._strategy, self.data_seed, custom_sampler_shuffle=stage == "fit")
 
-    def _note_sampler_differences(self, stage: str, shuffle: bool, n_samples: int) -> None:
+    def _note_sampler_differences(self, stage: str, shuffle: bool, n_samples: int | None, builtin: bool) -> None:
         """Say (global rank 0) where this sampler differs from the one Lightning would inject,
         never silently: Lightning shuffles every distributed training sampler, keeps the loader's
         own (unsharded) sampler on one process, and splits predict data without repeating samples."""
         world = self._strategy.data_parallel_world_size
         if not self.is_global_zero:
             return
-        if stage == "fit" and not shuffle and world > 1:
+        if not builtin:
+            if world > 1 and stage == "fit":
+                log.info("the training DataLoader's own sampler is split over %d ranks as Lightning's "
+                         "DistributedSamplerWrapper does (its indices' positions shuffled by seed %d and the epoch); "
+                         "a run resumed mid-epoch continues exactly only if the sampler's order depends on "
+                         "set_epoch alone", world, self.data_seed)
+        elif stage == "fit" and not shuffle and world > 1:
             log.warning("the training DataLoader does not shuffle: zerotrain keeps that order (each rank a "
                         "strided share); Lightning would shuffle its DistributedSampler anyway (seed %d, "
                         "set_epoch each epoch). Pass shuffle=True for Lightning's order", self.data_seed)
@@ -469,11 +481,20 @@ class Trainer(TrainerEvaluation, TrainerLogging):
         elif stage != "fit" and shuffle:
             log.warning("the %s DataLoader shuffles: it is recommended that you turn shuffling off for "
                         "evaluation (as Lightning warns)", stage)
-        if stage == "predict" and n_samples % world:
+        if stage == "predict" and world > 1 and n_samples and n_samples % world:
             log.warning("predict: %d samples on %d ranks: the DistributedSampler repeats %d sample(s) so every "
                         "rank runs the same number of forwards (sharded strategies gather collectively); "
                         "Lightning's predict sampler does not repeat them", n_samples, world,
                         world - n_samples % world)
+
+    def _note_own_batch_sampler(self, loader: DataLoader, stage: str) -> None:
+        """A ``batch_sampler`` of the user's own on several ranks: kept, every rank iterating all of
+        it (Lightning re-creates it around a DistributedSampler). Said on global rank 0."""
+        if job.own_batch_sampler(loader) and self._strategy.data_parallel_world_size > 1 and self.is_global_zero:
+            log.warning("the %s DataLoader has its own batch_sampler (%s): zerotrain keeps it as given, so every "
+                        "rank iterates all of its batches; Lightning re-creates it around a DistributedSampler. "
+                        "Shard it yourself, or pass sampler= and batch_size= instead", stage,
+                        type(loader.batch_sampler).__name__)
 
     # ------------------------------------------------------------------ the loop
     def _fit_loop(self) -> None:
@@ -490,8 +511,7 @@ class Trainer(TrainerEvaluation, TrainerLogging):
         self._logging.start_training(n_batches)
         self.hooks.both("on_train_start", self, module)
         while not self._done():
-            if hasattr(getattr(loader, "sampler", None), "set_epoch"):
-                loader.sampler.set_epoch(st.epoch)
+            job.set_sampler_epoch(loader, st.epoch)
             skip = st.batches_in_epoch  # > 0 only when resuming mid-epoch
             batches = job.epoch_iterator(loader, resuming=skip > 0)  # before the epoch's hooks, as Lightning
             self._tick("on_train_epoch_start")
@@ -689,7 +709,7 @@ class Trainer(TrainerEvaluation, TrainerLogging):
         if not self.overfit_batches or loader is None:
             return loader
         sampler = getattr(loader, "sampler", None)
-        if isinstance(sampler, DistributedSampler):
+        if isinstance(sampler, (DistributedSampler, job.SamplerShard)):
             if sampler.shuffle:
                 log.warning("overfit_batches=%r: the DataLoader shuffles; shuffling is turned off so every "
                             "epoch sees the same batches (as Lightning)", self.overfit_batches)
@@ -749,8 +769,9 @@ class Trainer(TrainerEvaluation, TrainerLogging):
         from ..callbacks.progress import ProgressBar
 
         if checkpointing and not any(isinstance(c, ModelCheckpoint) for c in callbacks):
-            callbacks.append(ModelCheckpoint(dirpath=os.path.join(self.default_root_dir, "checkpoints"),
-                                             save_last=True))
+            default = ModelCheckpoint(dirpath=os.path.join(self.default_root_dir, "checkpoints"), save_last=True)
+            default.made_by_trainer = True
+            callbacks.append(default)
         if progress and not any(isinstance(c, ProgressBar) for c in callbacks):
             callbacks.append(ProgressBar())
         return comms_logger_for(self._strategy, callbacks)  # strategy option comms_logger=True

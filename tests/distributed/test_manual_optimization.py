@@ -134,7 +134,13 @@ def _fit(name: str, world: int, root: str, epochs: int = EPOCHS, save: str | Non
     if save:
         trainer.save_checkpoint(os.path.join(root, save))
     return {"losses": torch.tensor(module.losses), "params": trainer.full_state_dict(),
-            "step": trainer.global_step}
+            "step": trainer.global_step, "state_numel": [_state_numel(o) for o in trainer.optimizers]}
+
+
+def _state_numel(opt: torch.optim.Optimizer) -> int:
+    """Elements of one per-element state tensor (Adam's exp_avg, SGD's momentum) this rank holds."""
+    return sum(next((v.numel() for v in st.values() if torch.is_tensor(v) and v.dim() > 0), 0)
+               for st in opt.state.values())
 
 
 class _GanNet(nn.Module):
@@ -241,6 +247,20 @@ def test_two_processes_equal_plain_pytorch(name, tmp_path_factory):
     runs = _spawn(tmp_path_factory, 2, [dict(name=n) for n in names])[names.index(name)]
     assert all(r["step"] == 2 * EPOCHS for r in runs), "each optimizer step counts one global_step"
     _check(runs)
+    # each optimizer's state is partitioned like a single one's: under ZeRO every element's state is
+    # on one rank only, and each rank holds about half of all of it (zero1/2 split each optimizer's
+    # groups; zero3 splits the model's flat units, here one, so one optimizer may sit on one rank)
+    gen, disc = _nets()
+    full = [sum(p.numel() for p in net.parameters()) for net in (disc, gen)]  # Adam on disc, SGD on gen
+    held = [r["state_numel"] for r in runs]
+    if name.startswith("zero"):
+        for k in range(2):
+            assert full[k] <= held[0][k] + held[1][k] <= full[k] + 2 * 64, (k, held, full)
+        assert all(sum(h) <= sum(full) // 2 + 64 for h in held), (held, full)
+        if name != "zero3":
+            assert all(h[k] <= full[k] // 2 + 64 for h in held for k in range(2)), (held, full)
+    elif name == "ddp":
+        assert held == [full, full], held
 
 
 @pytest.mark.slow

@@ -3,13 +3,14 @@ gathers parameters collectively, so every rank runs the evaluation loop together
 training sample order per rank and epoch against pytorch-lightning 2.6's own ddp run."""
 from __future__ import annotations
 
+import logging
 import os
 import time
 
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import BatchSampler, DataLoader, Sampler, SequentialSampler, TensorDataset
 
 from harness import run_ranks
 from toy import build_net, make_data
@@ -88,22 +89,41 @@ def _datamodule(marker: str):
     return Data()
 
 
+class _Said(logging.Handler):
+    """The zerotrain logger's warnings on this rank (the differences Lightning users are told)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
 def _stages_case(strategy: str, build_late: bool, root: str):
-    from zerotrain import Trainer
+    from zerotrain import ModelSummary, Trainer
 
     rank = int(os.environ["RANK"])
     torch.manual_seed(100 + rank)  # the user seeded each rank differently; the Trainer must not re-seed
+    said = _Said()
+    logging.getLogger("zerotrain").addHandler(said)
     module = _stage_module(build_late)
     trainer = Trainer(strategy=strategy, devices=2, accelerator="cpu", max_steps=3, **QUIET,
                       default_root_dir=root)
     dm = _datamodule(os.path.join(root, "prepared"))
-    trainer.fit(module, datamodule=dm)
+    trainer.fit(module, datamodule=dm)  # its training loader does not shuffle: said on rank 0
     weights = trainer.full_state_dict()  # rank 0 only
     test = trainer.test(module, verbose=False)  # the attached datamodule's loader
     val = trainer.validate(module, DataLoader(_indexed(), batch_size=BS), verbose=False)
     preds = trainer.predict(module)
+    odd = trainer.predict(module, DataLoader(_indexed(N - 1), batch_size=BS))  # one sample repeated, said
+    ds = _indexed()
+    own = trainer.predict(module, DataLoader(ds, batch_sampler=BatchSampler(SequentialSampler(ds), 16, False)))
+    summary = next(c for c in trainer.callbacks if isinstance(c, ModelSummary))
     return {"weights": weights, "test": test, "val": val,
-            "pred_index": torch.cat([p[0] for p in preds]), "pred": torch.cat([p[1] for p in preds])}
+            "pred_index": torch.cat([p[0] for p in preds]), "pred": torch.cat([p[1] for p in preds]),
+            "odd_index": torch.cat([p[0] for p in odd]), "own_index": torch.cat([p[0] for p in own]),
+            "bytes_per_rank": summary.bytes_per_rank, "said": said.lines}
 
 
 def _reference() -> dict:
@@ -123,7 +143,10 @@ def _reference() -> dict:
         return {"net": net, "mse": mse, "pred": net(x)}
 
 
-@pytest.mark.parametrize("strategy,build_late", [("ddp", False), pytest.param("zero2", False, marks=pytest.mark.slow), ("zero3", True)])
+#: ddp and zero3 (built late) by default; the other strategies are `slow` (the suite's time on 2 cores)
+@pytest.mark.parametrize("strategy,build_late", [
+    ("ddp", False), ("zero3", True), pytest.param("zero2", False, marks=pytest.mark.slow),
+    pytest.param("zero1", False, marks=pytest.mark.slow), pytest.param("offload_cpu", False, marks=pytest.mark.slow)])
 def test_stages_on_two_ranks(tmp_path, strategy, build_late):
     out = run_ranks("test_stages:_stages_case", 2, tmp_path, timeout=180, strategy=strategy,
                     build_late=build_late, root=str(tmp_path))
@@ -139,6 +162,21 @@ def test_stages_on_two_ranks(tmp_path, strategy, build_late):
         index = out[r]["pred_index"]  # each rank predicts its own share, in order
         assert torch.equal(index, torch.arange(r, N, 2))
         torch.testing.assert_close(out[r]["pred"], ref["pred"][index], rtol=1e-5, atol=1e-6)
+        # 63 samples: rank 1's share is padded with sample 0; an own batch_sampler is every rank's whole
+        assert torch.equal(out[r]["odd_index"], torch.tensor(list(range(r, N - 1, 2)) + [0] * r))
+        assert torch.equal(out[r]["own_index"], torch.arange(N))
+    said = "\n".join(out[0]["said"])
+    assert "the training DataLoader does not shuffle: zerotrain keeps that order" in said
+    assert "predict: 63 samples on 2 ranks: the DistributedSampler repeats 1 sample(s)" in said
+    assert "the predict DataLoader has its own batch_sampler (BatchSampler): zerotrain keeps it" in said
+    assert not out[1]["said"]  # said once, by global rank 0
+    # ModelSummary: the bytes each rank holds; zero3 partitions the parameters over the 2 ranks
+    full = sum(p.numel() for p in ref["net"].parameters()) * 4
+    held = out[0]["bytes_per_rank"]["params"]
+    if strategy == "zero3":
+        assert full / 2 <= held < 0.55 * full, (held, full)
+    else:  # whole on every rank (a flat buffer may pad it to its alignment)
+        assert full <= held <= full + 64, (held, full)
 
 
 # ---------------------------------------------------------------------------- sample order vs Lightning
@@ -149,39 +187,34 @@ def _order_dataset() -> TensorDataset:
     return TensorDataset(torch.arange(N).float().unsqueeze(1), torch.zeros(N, 1))
 
 
-def _zerotrain_order(root: str):
-    from zerotrain import Callback, Trainer, TrainModule, seed_everything
+class EpochStrided(Sampler):
+    """A sampler of the user's own: 31 of the N indices (an odd count: rank 1's share is padded),
+    every third from the epoch on, so its order changes only if ``set_epoch`` reaches it."""
 
-    class Net(TrainModule):
-        def __init__(self):
-            super().__init__()
-            self.lin = nn.Linear(1, 1)
-            self.seen = []
+    def __init__(self) -> None:
+        self.epoch = 0
 
-        def training_step(self, batch, batch_idx):
-            self.seen.append((self.trainer.current_epoch, batch[0].view(-1).long().tolist()))
-            return nn.functional.mse_loss(self.lin(batch[0]), batch[1])
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
 
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.0)
+    def __len__(self) -> int:
+        return 31
 
-    class Epochs(Callback):
-        ended: list = []
-
-        def on_train_epoch_end(self, trainer, module):
-            self.ended.append(trainer.current_epoch)
-
-    seed_everything(42)  # the user's seed: the sampler's seed too, as Lightning's PL_GLOBAL_SEED
-    module, epochs = Net(), Epochs()
-    Trainer(strategy="ddp", devices=2, accelerator="cpu", max_epochs=EPOCHS, callbacks=[epochs], **QUIET,
-            default_root_dir=root).fit(module, DataLoader(_order_dataset(), batch_size=BS, shuffle=True))
-    return {"seen": module.seen, "ended": epochs.ended}
+    def __iter__(self):
+        return iter([(self.epoch + 3 * i) % N for i in range(31)])
 
 
-def _lightning_order(root: str):
-    import pytorch_lightning as pl
+def _custom_loaders() -> tuple[DataLoader, DataLoader]:
+    """Training and validation loaders over their own samplers (Lightning wraps both; the training
+    one with its positions shuffled, the validation one not)."""
+    return (DataLoader(_order_dataset(), batch_size=BS, sampler=EpochStrided()),
+            DataLoader(_order_dataset(), batch_size=BS, sampler=EpochStrided()))
 
-    class Net(pl.LightningModule):
+
+def _record(base):
+    """The module both libraries fit: each batch's sample ids, with the epoch (and "val")."""
+
+    class Net(base):
         def __init__(self):
             super().__init__()
             self.lin = nn.Linear(1, 1)
@@ -191,8 +224,36 @@ def _lightning_order(root: str):
             self.seen.append((self.current_epoch, batch[0].view(-1).long().tolist()))
             return nn.functional.mse_loss(self.lin(batch[0]), batch[1])
 
+        def validation_step(self, batch, batch_idx):
+            self.seen.append(("val", self.current_epoch, batch[0].view(-1).long().tolist()))
+
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    return Net()
+
+
+def _zerotrain_order(root: str):
+    from zerotrain import Callback, Trainer, TrainModule, seed_everything
+
+    class Epochs(Callback):
+        ended: list = []
+
+        def on_train_epoch_end(self, trainer, module):
+            self.ended.append(trainer.current_epoch)
+
+    seed_everything(42)  # the user's seed: the sampler's seed too, as Lightning's PL_GLOBAL_SEED
+    module, epochs = _record(TrainModule), Epochs()
+    Trainer(strategy="ddp", devices=2, accelerator="cpu", max_epochs=EPOCHS, callbacks=[epochs], **QUIET,
+            default_root_dir=root).fit(module, DataLoader(_order_dataset(), batch_size=BS, shuffle=True))
+    custom = _record(TrainModule)  # samplers of the user's own, in a second fit of the same processes
+    Trainer(strategy="ddp", devices=2, accelerator="cpu", max_epochs=2, num_sanity_val_steps=0, **QUIET,
+            default_root_dir=root).fit(custom, *_custom_loaders())
+    return {"seen": module.seen, "ended": epochs.ended, "custom": custom.seen}
+
+
+def _lightning_order(root: str):
+    import pytorch_lightning as pl
 
     class Epochs(pl.Callback):
         ended: list = []
@@ -200,13 +261,15 @@ def _lightning_order(root: str):
         def on_train_epoch_end(self, trainer, module):
             self.ended.append(trainer.current_epoch)
 
+    quiet = dict(accelerator="cpu", devices=2, strategy="ddp", logger=False, enable_checkpointing=False,
+                 enable_progress_bar=False, enable_model_summary=False, default_root_dir=root)
     pl.seed_everything(42)
-    module, epochs = Net(), Epochs()
-    pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=EPOCHS, logger=False,
-               enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-               callbacks=[epochs], default_root_dir=root).fit(
+    module, epochs = _record(pl.LightningModule), Epochs()
+    pl.Trainer(max_epochs=EPOCHS, callbacks=[epochs], **quiet).fit(
         module, DataLoader(_order_dataset(), batch_size=BS, shuffle=True))
-    return {"seen": module.seen, "ended": epochs.ended}
+    custom = _record(pl.LightningModule)
+    pl.Trainer(max_epochs=2, num_sanity_val_steps=0, **quiet).fit(custom, *_custom_loaders())
+    return {"seen": module.seen, "ended": epochs.ended, "custom": custom.seen}
 
 
 def test_training_sample_order_matches_lightning(tmp_path, monkeypatch):
@@ -219,6 +282,15 @@ def test_training_sample_order_matches_lightning(tmp_path, monkeypatch):
         assert len(ours[r]["seen"]) == EPOCHS * N // (2 * BS)
         assert ours[r]["seen"] == theirs[r]["seen"], f"rank {r}: per-epoch sample order differs"
         assert ours[r]["ended"] == theirs[r]["ended"] == list(range(EPOCHS))
+        # a sampler of the user's own: each rank Lightning's share of it, in Lightning's order,
+        # training and validation, each epoch (16 per rank: 31 indices padded to 32)
+        assert ours[r]["custom"] == theirs[r]["custom"], f"rank {r}: the custom sampler's order differs"
+        assert len(ours[r]["custom"]) == 2 * (4 + 4)
     assert ours[0]["seen"] != ours[1]["seen"]  # each rank its own share
     first, second = ([i for e, b in ours[0]["seen"] if e == k for i in b] for k in (0, 1))
     assert first != second  # reshuffled each epoch (set_epoch)
+    def ids(kind: tuple) -> set[int]:
+        return {i for r in range(2) for rec in ours[r]["custom"] if tuple(rec[:-1]) == kind for i in rec[-1]}
+
+    assert ids((0,)) == set(EpochStrided())  # the sampler's indices, split over the ranks
+    assert ids(("val", 1)) == {(1 + 3 * i) % N for i in range(31)}  # set_epoch(1) reached it in validation

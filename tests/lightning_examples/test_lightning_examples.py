@@ -1,11 +1,11 @@
 """Lightning code ports by the rename alone. Each example here is one file written as Lightning's
 demos are, importing ``pytorch_lightning``; ``port`` makes the zerotrain copy by the README's
-rule only (module path to ``zerotrain``, ``LightningModule`` to ``TrainModule``,
-``LightningDataModule`` to ``DataModule``). Both run under ``torchrun --nproc_per_node 2``
-(``driver.py``): pytorch-lightning 2.6 once with ddp, zerotrain once per strategy (ddp, zero2,
-zero3), and every number must be the same: the metrics a callback sees after every training
-batch, the CSV rows, what validate/test return, the final parameters. Exact, in fp32: the data
-order and the RNG streams are the same on both sides.
+rule only (the module path ``lightning``, ``lightning.pytorch`` or ``pytorch_lightning`` to
+``zerotrain``, ``LightningModule`` to ``TrainModule``, ``LightningDataModule`` to ``DataModule``).
+Both run under ``torchrun --nproc_per_node 2`` (``driver.py``): pytorch-lightning 2.6 once with
+ddp, zerotrain once per strategy (ddp, zero2, zero3), and every number must be the same: the
+metrics a callback sees after every training batch, the CSV rows, what validate/test return, the
+final parameters. Exact, in fp32: the data order and the RNG streams are the same on both sides.
 
 Adding an example: write ``<name>.py`` with a ``main(**trainer_kwargs)`` returning (trainer,
 model, results) and add it to ``EXAMPLES``."""
@@ -43,6 +43,10 @@ EXAMPLES = [
 RENAMES = [
     (r"\blightning\.pytorch\b", "zerotrain"),
     (r"\bpytorch_lightning\b", "zerotrain"),
+    # the bare package (``import lightning as L``, ``from lightning import ...``, ``lightning.Trainer``);
+    # only as a module path, so a word "lightning" in text or in ``lightning_logs`` stays
+    (r"(?m)^(\s*import\s+)lightning\b", r"\1zerotrain"),
+    (r"\blightning\b(?=\.\w|\s+import\b|\s+as\b)", "zerotrain"),
     (r"\bLightningDataModule\b", "DataModule"),
     (r"\bLightningModule\b", "TrainModule"),
 ]
@@ -104,6 +108,49 @@ def test_port_renames_only_the_module_path_and_classes():
            "class M(LightningModule): pass  # a LightningModuleX stays\n")
     assert port(src) == ("import zerotrain as pl\nfrom zerotrain import TrainModule, DataModule\n"
                          "class M(TrainModule): pass  # a LightningModuleX stays\n")
+
+
+#: each way Lightning code imports it: (the import lines, how the code then names the package)
+IMPORT_FORMS = [
+    ("import lightning as L", "L."),
+    ("import lightning\nimport lightning.pytorch", "lightning.pytorch."),
+    ("import lightning", "lightning."),
+    ("import lightning.pytorch as pl", "pl."),
+    ("import pytorch_lightning as pl", "pl."),
+    ("from lightning import LightningModule, LightningDataModule, Trainer, Callback, seed_everything", ""),
+    ("from lightning.pytorch import LightningModule, LightningDataModule, Trainer, Callback, seed_everything", ""),
+    ("from pytorch_lightning import LightningModule, LightningDataModule, Trainer, Callback, seed_everything", ""),
+]
+
+
+@pytest.mark.parametrize("imports, prefix", IMPORT_FORMS, ids=[f[0].split("\n")[-1] for f in IMPORT_FORMS])
+def test_every_import_form_ports_and_runs_under_zerotrain(imports, prefix):
+    """The rule on each import form, the submodules' paths too: the ported text names no
+    Lightning module and executes against zerotrain alone (no ``lightning`` package needed)."""
+    import zerotrain
+    from zerotrain.callbacks import ModelCheckpoint
+
+    p = prefix
+    source = (f"{imports}\n"
+              "from lightning.pytorch.callbacks import ModelCheckpoint\n"
+              "from lightning.pytorch.loggers import CSVLogger\n"
+              "from lightning.pytorch.utilities import rank_zero_only\n"
+              f"class Model({p}LightningModule):\n    pass\n"
+              f"class Data({p}LightningDataModule):\n    pass\n"
+              f"class Hook({p}Callback):\n    pass\n"
+              f"TRAINER, SEED = {p}Trainer, {p}seed_everything\n"
+              "LOGS = 'lightning_logs'  # a lightning word in text stays\n")
+    ported = port(source)
+    code, text = ported.split("LOGS = ")
+    assert not re.search(r"\b(lightning|pytorch_lightning)\b", code), ported
+    assert text == "'lightning_logs'  # a lightning word in text stays\n"
+    namespace: dict = {}
+    exec(compile(ported, "<ported>", "exec"), namespace)
+    assert issubclass(namespace["Model"], zerotrain.TrainModule)
+    assert issubclass(namespace["Data"], zerotrain.DataModule)
+    assert issubclass(namespace["Hook"], zerotrain.Callback)
+    assert namespace["TRAINER"] is zerotrain.Trainer and namespace["SEED"] is zerotrain.seed_everything
+    assert namespace["ModelCheckpoint"] is ModelCheckpoint and namespace["LOGS"] == "lightning_logs"
 
 
 @pytest.mark.timeout(600)

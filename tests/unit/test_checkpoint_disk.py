@@ -207,7 +207,7 @@ class _Trainer:
 
     def __init__(self) -> None:
         self.global_step, self.callback_metrics = 0, {}
-        self.strategy = type("S", (), {"barrier": staticmethod(lambda: None)})
+        self.strategy = type("S", (), {"barrier": staticmethod(lambda: None), "any_rank": staticmethod(bool)})
 
     def save_checkpoint(self, path):
         _save(Path(path).parent, Path(path).name, float(self.global_step))

@@ -157,7 +157,7 @@ class _FakeTrainer:
 
     def __init__(self):
         self.global_step, self.callback_metrics = 0, {}
-        self.strategy = type("S", (), {"barrier": staticmethod(lambda: None)})
+        self.strategy = type("S", (), {"barrier": staticmethod(lambda: None), "any_rank": staticmethod(bool)})
 
     def save_checkpoint(self, path):
         _save(Path(path).parent, Path(path).name, float(self.global_step))

@@ -3,13 +3,15 @@ logged sequence (pytorch-lightning 2.6 runs the same module in the same test), M
 Lightning arguments, Timer, ModelSummary and TQDMProgressBar."""
 from __future__ import annotations
 
+import logging
 import os
+import warnings
 
 import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from zerotrain import Trainer, TrainModule
+from zerotrain import ConfigError, Trainer, TrainModule
 from zerotrain.callbacks import (EarlyStopping, ModelCheckpoint, ModelSummary, ProgressBar, Timer,
                                  TQDMProgressBar)
 
@@ -189,6 +191,116 @@ def test_model_checkpoint_old_arguments_unchanged():
     assert (cb.filename, cb.save_last, cb.every_n_train_steps, cb.every_n_epochs) == ("step={step:06d}", True,
                                                                                       None, None)
     assert cb.format_checkpoint_name({}, epoch=1, step=12) == "step=000012"
+
+
+def test_model_checkpoint_takes_every_lightning_argument_in_lightnings_order():
+    """Each of Lightning's parameters exists here, in its position (ported code may pass them
+    positionally); the ones not implemented are a ConfigError naming the argument and why."""
+    import inspect
+
+    pl = pytest.importorskip("pytorch_lightning")
+    theirs = list(inspect.signature(pl.callbacks.ModelCheckpoint.__init__).parameters)
+    assert list(inspect.signature(ModelCheckpoint.__init__).parameters)[:len(theirs)] == theirs
+    ModelCheckpoint(dirpath=None, filename=None, monitor=None, verbose=False, save_last=None, save_top_k=1,
+                    save_on_exception=False, save_weights_only=False, mode="min", auto_insert_metric_name=True,
+                    every_n_train_steps=None, train_time_interval=None, every_n_epochs=None,
+                    save_on_train_epoch_end=None, enable_version_counter=True)  # Lightning's defaults
+    from datetime import timedelta
+
+    for kw, why in [({"train_time_interval": timedelta(minutes=5)}, "saving by wall-clock time"),
+                    ({"save_on_exception": True}, "a save is a collective of every rank"),
+                    ({"save_last": "link"}, "the 'latest' pointer")]:
+        with pytest.raises(ConfigError, match=f"ModelCheckpoint: {next(iter(kw))}=.* is not supported: {why}"):
+            ModelCheckpoint(**kw)
+
+
+def test_model_checkpoint_auto_insert_metric_name():
+    name = "{epoch}-{val_loss:.2f}"
+    assert ModelCheckpoint(filename=name).format_checkpoint_name({"val_loss": 0.5}, 3, 7) == "epoch=3-val_loss=0.50"
+    assert ModelCheckpoint(filename=name, auto_insert_metric_name=False).format_checkpoint_name(
+        {"val_loss": 0.5}, 3, 7) == "3-0.50"
+
+
+def test_model_checkpoint_verbose_and_its_differences_are_said(tmp_path, caplog):
+    cb = ModelCheckpoint(dirpath=str(tmp_path / "ck"), every_n_train_steps=4, monitor="val_loss", verbose=True,
+                         filename="{step}")
+    with caplog.at_level(logging.INFO, logger="zerotrain"):
+        _fit(tmp_path, [cb])
+        _fit(tmp_path / "quiet", [ModelCheckpoint(dirpath=str(tmp_path / "none"))])
+    said = [(r.levelno, r.getMessage()) for r in caplog.records]
+    saved = [m for _, m in said if "saving model to" in m]
+    assert saved == [f"Epoch 0, global step 4: 'val_loss' reached 0.25000 (best 0.25000), saving model to "
+                     f"{str(tmp_path / 'ck' / 'step=4')!r} as top 1",
+                     f"Epoch 1, global step 8: 'val_loss' reached 0.12500 (best 0.12500), saving model to "
+                     f"{str(tmp_path / 'ck' / 'step=8')!r} as top 1"]
+    notes = [(level, m) for level, m in said if "differs from Lightning's" in m]
+    assert len(notes) == 2 and notes[0][0] == logging.INFO and "a sharded directory, not a .ckpt file" in notes[0][1]
+    assert notes[1][0] == logging.WARNING and "nothing is saved during training (Lightning saves every epoch)" in \
+        notes[1][1]
+
+
+def _saving_module(base):
+    """Four training batches and one validation batch per epoch; logs ``val_loss``."""
+
+    class Saving(base):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = torch.nn.Linear(2, 1)
+
+        def training_step(self, batch, batch_idx):
+            return torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
+
+        def validation_step(self, batch, batch_idx):
+            self.log("val_loss", torch.nn.functional.mse_loss(self.net(batch[0]), batch[1]))
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+        def train_dataloader(self):
+            return DataLoader(_data(8), batch_size=2)
+
+        def val_dataloader(self):
+            return DataLoader(_data(2), batch_size=2)
+
+    return Saving()
+
+
+def _saved_names(lib, root, runs=1, **checkpoint):
+    """The checkpoint names (``.ckpt`` dropped) after ``runs`` fits into one directory."""
+    pl = pytest.importorskip("pytorch_lightning") if lib == "pl" else None
+    common = dict(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                  num_sanity_val_steps=0, max_epochs=2, val_check_interval=2, default_root_dir=str(root))
+    kw = dict(dirpath=str(root / "ck"), monitor="val_loss", save_top_k=-1, filename="{step}", save_last=False,
+              **checkpoint)
+    for _ in range(runs):
+        if lib == "pl":
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                trainer = pl.Trainer(callbacks=[pl.callbacks.ModelCheckpoint(**kw)], **common)
+                trainer.fit(_saving_module(pl.LightningModule))
+        else:
+            Trainer(callbacks=[ModelCheckpoint(**kw)], stall_timeout_s=None, **common).fit(_saving_module(TrainModule))
+    return sorted(n.removesuffix(".ckpt") for n in os.listdir(root / "ck") if n.startswith("step="))
+
+
+@pytest.mark.parametrize("at_epoch_end", [None, True, False])
+def test_model_checkpoint_save_on_train_epoch_end_as_lightning(tmp_path, at_epoch_end):
+    """Validation twice per epoch: None (Lightning's rule) and False save after each validation,
+    True at the epoch's end only - the same checkpoints as Lightning's."""
+    ours = _saved_names("zt", tmp_path / "zt", save_on_train_epoch_end=at_epoch_end)
+    assert ours == _saved_names("pl", tmp_path / "pl", save_on_train_epoch_end=at_epoch_end)
+    assert ours == (["step=4", "step=8"] if at_epoch_end else ["step=2", "step=4", "step=6", "step=8"])
+
+
+@pytest.mark.parametrize("counter", [True, False])
+def test_model_checkpoint_version_counter_as_lightning(tmp_path, counter):
+    """A second fit into the same directory: ``-v1`` names (the default), or the same names
+    written again (``enable_version_counter=False``) - as Lightning."""
+    ours = _saved_names("zt", tmp_path / "zt", runs=2, enable_version_counter=counter, save_on_train_epoch_end=True)
+    assert ours == _saved_names("pl", tmp_path / "pl", runs=2, enable_version_counter=counter,
+                                save_on_train_epoch_end=True)
+    assert ours == (["step=4", "step=4-v1", "step=8", "step=8-v1"] if counter else ["step=4", "step=8"])
 
 
 def test_timer_stops_training_when_the_duration_passes(tmp_path):

@@ -99,7 +99,10 @@ def test_module_sees_the_trainers_loggers(tmp_path):
 
 
 @pytest.mark.parametrize("name,kind,attrs", [
+    ("single_device", "SingleDevice", {}),
     ("ddp_find_unused_parameters_true", "DDP", {}),
+    ("ddp_find_unused_parameters_false", "DDP", {"find_unused_parameters": False}),
+    ("deepspeed", "ZeroStage2", {}),  # Lightning's DeepSpeedStrategy() is stage 2
     ("deepspeed_stage_1", "ZeroStage1", {}),
     ("deepspeed_stage_2", "ZeroStage2", {}),
     ("deepspeed_stage_3", "ZeroStage3", {}),
@@ -116,6 +119,27 @@ def test_lightning_strategy_strings_are_presets(name, kind, attrs):
                         stall_timeout_s=None).strategy).__name__ == kind
     if name == "ddp_find_unused_parameters_true":
         assert preset.values == {"find_unused_parameters": True}
+
+
+@pytest.mark.parametrize("name, valid", [("fsdp", "'zero3'"), ("ddp_notebook", "'ddp'"),
+                                         ("ddp_spawn_find_unused_parameters_true", "'ddp'"),
+                                         ("fsdp_cpu_offload", "'deepspeed_stage_3_offload'")])
+def test_lightning_strategy_strings_without_a_preset_say_why(name, valid):
+    with pytest.raises(ConfigError, match=f"strategy='{name}' is Lightning's, with no zerotrain preset: "
+                                          f".*valid: {valid}"):
+        Trainer(accelerator="cpu", strategy=name, logger=False, enable_progress_bar=False)
+    with pytest.raises(ConfigError, match="strategy='nope' is not registered; valid choices: .*single_device"):
+        Trainer(accelerator="cpu", strategy="nope", logger=False, enable_progress_bar=False)
+
+
+@pytest.mark.parametrize("precision, plugin", [(16, "FP16Mixed"), ("16", "FP16Mixed"), ("bf16", "BF16Mixed"),
+                                               (32, "Precision"), ("32-true", "Precision")])
+def test_lightning_precision_aliases_on_the_trainer(precision, plugin):
+    trainer = Trainer(accelerator="cpu", precision=precision, logger=False, enable_progress_bar=False,
+                      enable_checkpointing=False, stall_timeout_s=None)
+    assert type(trainer.precision_plugin).__name__ == plugin
+    with pytest.raises(ConfigError, match="precision=64: is not supported .no float64 training.; valid choices"):
+        Trainer(accelerator="cpu", precision=64, logger=False)
 
 
 def test_ddp_spawn_runs_as_ddp_and_says_so(caplog):

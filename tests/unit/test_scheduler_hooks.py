@@ -61,7 +61,8 @@ def make(base, schedulers, clip_hook=False, step_hook=False):
 
         def configure_optimizers(self):
             opt = torch.optim.SGD(self.parameters(), lr=0.1)
-            return {"optimizer": opt, **schedulers(opt)}
+            out = schedulers(opt)  # a dict of scheduler keys, or the whole return value
+            return out if isinstance(out, (list, tuple)) else {"optimizer": opt, **out}
 
         if clip_hook:
             def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
@@ -105,6 +106,14 @@ def test_epoch_scheduler_steps_after_the_last_batch_before_validation_as_lightni
     seen = _both(lambda opt: {"lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)})
     # the epoch's validation and on_train_epoch_end already see the next epoch's learning rate
     assert ("val", 6, 0.05) in seen and ("epoch_end", 0, 0.05) in seen
+
+
+def test_lists_of_optimizers_and_schedulers_step_per_epoch_as_lightning():
+    """``[opts], [scheds]``: the scheduler's default interval is the epoch (zerotrain's own
+    ``(optimizer, scheduler)`` pair is per step): the LR of every training step equals Lightning's."""
+    seen = _both(lambda opt: ([opt], [torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)]))
+    per_batch = [lr for kind, _, lr in seen if kind == "batch"]
+    assert len(per_batch) == 18 and per_batch[:5] == [0.1] * 5 and per_batch[6:11] == [0.05] * 5
 
 
 def test_step_scheduler_with_frequency_as_lightning():

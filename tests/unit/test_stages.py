@@ -3,6 +3,8 @@ Lightning returns them, ``ckpt_path`` special values, the DataModule's calls in 
 Lightning semantics the issue names (``current_epoch`` in ``on_train_epoch_end``, no re-seeding)."""
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from torch import nn
@@ -145,19 +147,21 @@ def test_stage_refusals(tmp_path):
         trainer.test(dataloaders=loader)  # no model, no ckpt_path: "best", as Lightning
 
 
+@pytest.mark.parametrize("stage, metric", [("test", "test_mse"), ("validate", "val_mse")])
 @pytest.mark.parametrize("ckpt", ["last", "latest", "best", "dir"])
-def test_ckpt_path_loads_the_saved_weights(tmp_path, ckpt):
+def test_ckpt_path_loads_the_saved_weights(tmp_path, ckpt, stage, metric):
     model = Net()
     cb = ModelCheckpoint(dirpath=str(tmp_path / "ck"), every_n_train_steps=2, save_last=True)
     trainer = _trainer(tmp_path, max_steps=4, callbacks=[cb], enable_checkpointing=True)
     trainer.fit(model, DataLoader(_data(), batch_size=8))
     loader = DataLoader(_data(seed=3), batch_size=8)
-    want = trainer.test(model, loader)[0]["test_mse"]
+    run = getattr(trainer, stage)
+    want = run(model, loader)[0][metric]
     with torch.no_grad():
         model.net.weight.add_(1.0)  # the checkpoint must bring the trained weights back
-    assert trainer.test(model, loader)[0]["test_mse"] != pytest.approx(want)
+    assert run(model, loader)[0][metric] != pytest.approx(want)
     path = {"dir": cb.last_path}.get(ckpt, ckpt)
-    assert trainer.test(model, loader, ckpt_path=path)[0]["test_mse"] == pytest.approx(want, rel=1e-6)
+    assert run(model, loader, ckpt_path=path)[0][metric] == pytest.approx(want, rel=1e-6)
     assert trainer.global_step == 4  # evaluation loads the weights only, not the loop
 
 
@@ -214,3 +218,81 @@ def test_trainer_does_not_reseed_unless_asked(tmp_path):
         assert torch.equal(probe["state"], expected), seed
     with pytest.raises(ConfigError, match="seed="):
         _trainer(tmp_path, seed="0")
+
+
+def test_a_step_that_logs_nothing_has_its_loss_logged_and_says_so_once(tmp_path, caplog):
+    class Quiet(Net):
+        def validation_step(self, batch, batch_idx):
+            return self._loss(batch)
+
+    with caplog.at_level(logging.WARNING, logger="zerotrain"):
+        trainer = _trainer(tmp_path, max_epochs=2)
+        trainer.fit(Quiet(), DataLoader(_data(), batch_size=8), DataLoader(_data(), batch_size=8))
+    said = [r.getMessage() for r in caplog.records if "the step logged nothing" in r.getMessage()]
+    assert len(said) == 2 and all("Lightning logs nothing" in m for m in said)  # once per name
+    assert "as 'val_loss'" in said[0] and "as 'train_loss'" in said[1]  # the sanity check comes first
+    assert {"train_loss", "val_loss"} <= set(trainer.callback_metrics)
+
+
+def test_the_pipeline_tests_its_loss_and_refuses_to_predict(tmp_path):
+    """README: the pipeline runs its own schedule, so ``test`` reports its loss and ``predict``
+    raises (one stage on one process: the same Trainer path as more)."""
+    from zerotrain.strategies.pipeline import PipelineModule, PipelineStrategy
+
+    class Piped(TrainModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.pipe = PipelineModule.from_sequential(nn.Sequential(nn.Linear(4, 1)), 1,
+                                                       loss_fn=nn.functional.mse_loss)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    model = Piped()
+    trainer = _trainer(tmp_path, max_steps=2, strategy=PipelineStrategy(stages=1, micro_batches=2))
+    trainer.fit(model, DataLoader(_data(), batch_size=8))
+    loader = DataLoader(_data(seed=3), batch_size=8)
+    out = trainer.test(model, loader)
+    x, y = _data(seed=3).tensors
+    with torch.no_grad():
+        want = float(nn.functional.mse_loss(model.pipe(x), y))  # one stage: the whole model
+    assert list(out[0]) == ["test_loss"] and out[0]["test_loss"] == pytest.approx(want, rel=1e-5)
+    with pytest.raises(ConfigError, match="Trainer.predict: strategy=.* runs its own schedule and returns only the "
+                                          "loss; valid: predict under single, ddp or zero1/2/3"):
+        trainer.predict(model, loader)
+
+
+def test_a_callbacks_state_and_extra_entries_round_trip_through_a_checkpoint(tmp_path):
+    """Lightning's callback persistence: ``state_dict`` saved under the callback's ``state_key``
+    and given back to ``load_state_dict`` on resume, and what ``on_save_checkpoint`` adds to the
+    checkpoint seen again by ``on_load_checkpoint``."""
+
+    class Counter(Callback):
+        def __init__(self):
+            self.batches, self.loaded, self.extra = 0, None, None
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            self.batches += 1
+
+        def state_dict(self):
+            return {"batches": self.batches, "history": [1.5, 2.5]}
+
+        def load_state_dict(self, state):
+            self.loaded = dict(state)
+            self.batches = state["batches"]
+
+        def on_save_checkpoint(self, trainer, module, checkpoint):
+            checkpoint["counter_extra"] = {"at_step": trainer.global_step}
+
+        def on_load_checkpoint(self, trainer, module, checkpoint):
+            self.extra = checkpoint.get("counter_extra")
+
+    loader = DataLoader(_data(), batch_size=8)
+    first = Counter()
+    ck = ModelCheckpoint(dirpath=str(tmp_path / "ck"), every_n_train_steps=3, save_last=False)
+    _trainer(tmp_path, max_steps=3, callbacks=[first, ck], enable_checkpointing=True).fit(Net(), loader)
+    resumed = Counter()
+    _trainer(tmp_path, max_steps=5, callbacks=[resumed]).fit(Net(), loader, ckpt_path=ck.last_path)
+    assert resumed.loaded == {"batches": 3, "history": [1.5, 2.5]} and resumed.extra == {"at_step": 3}
+    assert resumed.batches == 5  # counted on from the saved state
