@@ -4,6 +4,13 @@
 with the standard variables (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) set, as torchrun
 would, and returns each rank's return value (saved with torch.save, loaded with weights_only=True).
 
+Starting: each rank is forked from the pytest process's zygote (``zygote.py``), a server that has
+imported torch, ``torch._dynamo`` and zerotrain once, which saves ~5 s of imports per rank; the
+forked rank gets its own session, environment, directory, argv, log and random seeds, and runs the
+exit handlers when it ends. ``fresh=True`` (or ``ZT_TEST_FRESH=1``, or an environment that differs
+from the zygote's in a variable read at start-up) starts new interpreters instead, as torchrun
+would: for what only a process that imported nothing yet shows (test_shutdown.py).
+
 Rendezvous: ``init_dist`` and ``set_up_like_trainer`` join the group through a ``FileStore`` in
 ``tmp_path`` (``ZT_TEST_RENDEZVOUS``, one file per spawn) and bind no port. A target that runs the
 real Trainer (or calls ``strategy.setup_environment()`` itself) goes through zerotrain's own
@@ -52,8 +59,112 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _pythonpath(env: dict[str, str]) -> str:
+    return os.pathsep.join([str(_HERE), str(_TESTS), env.get("PYTHONPATH", "")])
+
+
+# ---------------------------------------------------------------------------- starting a rank
+#: variables a rank reads only once it runs (the zygote's ranks get them from the request): a
+#: spawn whose environment differs from the zygote's in any other variable starts fresh processes
+_RUNTIME_ENV = frozenset({"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+                          "MASTER_PORT", "ZEROTRAIN_LAUNCHED", "OMP_NUM_THREADS", "PYTHONPATH",
+                          "PYTEST_CURRENT_TEST", "ZEROTRAIN_TEST_TIMEOUT_SCALE", "TORCHINDUCTOR_CACHE_DIR",
+                          "TRITON_CACHE_DIR"})
+
+
+def needs_fresh(env: dict[str, str], base: dict[str, str]) -> bool:
+    """Whether a rank with ``env`` must start from nothing rather than fork from a zygote started
+    with ``base``: some variable read at process start-up or import (``MALLOC_*``, a library's
+    switch, ...) differs."""
+    keys = (env.keys() | base.keys()) - _RUNTIME_ENV
+    return any(env.get(k) != base.get(k) for k in keys if not k.startswith("ZT_TEST_"))
+
+
+class _Forked:
+    """A rank forked by the zygote, with the part of ``subprocess.Popen`` the harness uses."""
+
+    def __init__(self, pid: int, rc: Path) -> None:
+        self.pid, self._rc, self.returncode = pid, rc, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and self._rc.exists():
+            self.returncode = int(self._rc.read_text())
+        return self.returncode
+
+    def wait(self, timeout: float = 30.0) -> int | None:
+        deadline = time.monotonic() + timeout
+        while self.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return self.returncode
+
+
+class _Zygote:
+    """The pytest process's one zygote (``zygote.py``), started at the first spawn."""
+
+    proc: subprocess.Popen | None = None
+    path: str = ""
+    base: dict[str, str] = {}
+
+    @classmethod
+    def start(cls) -> bool:
+        if cls.proc is not None:
+            return cls.proc.poll() is None
+        import atexit
+        import tempfile
+
+        cls.path = os.path.join(tempfile.mkdtemp(prefix="zt-zygote-"), "sock")
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=_pythonpath(os.environ))
+        cls.base = dict(os.environ)
+        cls.proc = subprocess.Popen([sys.executable, str(_HERE / "zygote.py"), cls.path], env=env,
+                                    stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+        atexit.register(cls.stop)
+        ready = cls.proc.stdout.readline().strip() == "ready"  # imports: ~5 s
+        if not ready:
+            cls.stop()
+        return ready
+
+    @classmethod
+    def stop(cls) -> None:
+        if cls.proc is not None and cls.proc.poll() is None:
+            cls.proc.kill()
+            cls.proc.wait()
+
+    @classmethod
+    def fork(cls, argv: list[str], env: dict[str, str], log: Path, cwd: Path) -> _Forked:
+        rc = log.with_suffix(".rc")
+        request = {"argv": argv, "env": env, "cwd": str(cwd), "log": str(log), "rc": str(rc)}
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.connect(cls.path)
+            conn.sendall((json.dumps(request) + "\n").encode())
+            reply = b""
+            while not reply.endswith(b"\n"):
+                chunk = conn.recv(64)
+                if not chunk:
+                    raise RuntimeError("the test zygote closed the connection without forking")
+                reply += chunk
+        return _Forked(int(reply), rc)
+
+
+def _killpg(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:  # it ended between the poll and the signal
+        pass
+
+
+def _start_rank(argv: list[str], env: dict[str, str], log: Path, cwd: Path, fresh: bool) -> Any:
+    """Fork the rank from the zygote, or (``fresh``, ``ZT_TEST_FRESH=1``, an environment the zygote
+    was not started with) start a new interpreter, as torchrun would."""
+    fresh = fresh or os.environ.get("ZT_TEST_FRESH") == "1"
+    if not fresh and _Zygote.start() and not needs_fresh(env, _Zygote.base):
+        return _Zygote.fork(argv, env, log, cwd)
+    with open(log, "w") as out:
+        return subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=str(cwd),
+                                start_new_session=True)
+
+
 def run_ranks(target: str, world_size: int, tmp_path: Path, timeout: float = 120.0,
-              env: dict[str, str] | None = None, **kwargs: Any) -> list[Any]:
+              env: dict[str, str] | None = None, fresh: bool = False, **kwargs: Any) -> list[Any]:
     import torch
 
     timeout = timeout * timeout_scale()
@@ -71,13 +182,12 @@ def run_ranks(target: str, world_size: int, tmp_path: Path, timeout: float = 120
                  MASTER_PORT=str(port), ZEROTRAIN_LAUNCHED="1", OMP_NUM_THREADS="1",
                  ZT_TEST_RESULT=str(tmp_path / f"result_{rank}.pt"), ZT_TEST_TIMEOUT=str(timeout),
                  ZT_TEST_RENDEZVOUS=str(tmp_path.resolve() / f"rendezvous_{spawn}"),
-                 PYTHONPATH=os.pathsep.join([str(_HERE), str(_TESTS), e.get("PYTHONPATH", "")]))
+                 PYTHONPATH=_pythonpath(e))
         e.update(env or {})
-        log = open(tmp_path / f"rank_{rank}.log", "w+")
+        log = tmp_path / f"rank_{rank}.log"
         logs.append(log)
-        procs.append(subprocess.Popen([sys.executable, str(_HERE / "harness.py"), target, str(args_file)],
-                                      env=e, stdout=log, stderr=subprocess.STDOUT, cwd=str(tmp_path),
-                                      start_new_session=True))
+        procs.append(_start_rank([sys.executable, str(_HERE / "harness.py"), target, str(args_file)], e, log,
+                                 tmp_path, fresh))
     deadline = time.monotonic() + timeout + 15
     failed = None
     try:
@@ -92,7 +202,7 @@ def run_ranks(target: str, world_size: int, tmp_path: Path, timeout: float = 120
             if time.monotonic() > deadline:
                 for p in procs:  # ask for stacks first
                     if p.poll() is None:
-                        os.killpg(p.pid, signal.SIGABRT)
+                        _killpg(p.pid, signal.SIGABRT)
                 time.sleep(1)
                 failed = (0, f"job did not finish within {timeout}s")
                 break
@@ -100,16 +210,14 @@ def run_ranks(target: str, world_size: int, tmp_path: Path, timeout: float = 120
     finally:
         for p in procs:
             if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
+                _killpg(p.pid, signal.SIGKILL)
             p.wait()
     if failed:
         out = []
         for r, log in enumerate(logs):
-            log.seek(0)
-            out.append(f"----- rank {r} -----\n{log.read()[-6000:]}")
+            text = log.read_text(errors="replace") if log.exists() else "(no output)"
+            out.append(f"----- rank {r} -----\n{text[-6000:]}")
         raise RankFailed(failed[1] + "\n" + "\n".join(out))
-    for log in logs:
-        log.close()
     return [torch.load(tmp_path / f"result_{r}.pt", weights_only=True) for r in range(world_size)]
 
 

@@ -1,5 +1,6 @@
-"""The harness itself: a raising rank and a hung rank each fail the test in seconds, and
-conftest's ``fail_on_leaks`` fails a test that leaks a variable, a thread or a process group."""
+"""The harness itself: a raising rank and a hung rank each fail the test in seconds, a rank forked
+from the zygote is a process of its own, and conftest's ``fail_on_leaks`` fails a test that leaks a
+variable, a thread or a process group."""
 import os
 import threading
 import time
@@ -33,6 +34,43 @@ def _hang_on_rank_0():
     if rank == 0:
         time.sleep(600)
     dist.barrier()
+
+
+def _who_am_i(code: int = 0):
+    import random
+    import sys
+
+    if code:
+        sys.exit(code)
+    return {"pid": os.getpid(), "sid": os.getsid(0), "cwd": os.getcwd(), "argv": sys.argv, "rank": os.environ["RANK"],
+            "draw": random.random(), "tensor": torch.rand(1)}
+
+
+def test_a_forked_rank_is_a_process_of_its_own(tmp_path):
+    """Ranks forked from the zygote (the default) start as a fresh one would: their own session,
+    the spawn's directory, argv and environment, their own random seeds; a fresh spawn matches."""
+    forked = run_ranks("test_harness:_who_am_i", 2, tmp_path / "f", timeout=60)
+    fresh = run_ranks("test_harness:_who_am_i", 2, tmp_path / "n", timeout=60, fresh=True)
+    for runs, where in ((forked, tmp_path / "f"), (fresh, tmp_path / "n")):
+        assert [r["rank"] for r in runs] == ["0", "1"]
+        for r in runs:
+            assert r["sid"] == r["pid"] and r["cwd"] == str(where)
+            assert r["argv"][0].endswith("harness.py") and r["argv"][1] == "test_harness:_who_am_i"
+    for key in ("draw", "tensor"):  # Python's and torch's generators: seeded anew in each process
+        draws = {float(r[key]) for r in forked + fresh}
+        assert len(draws) == 4, f"forked ranks share the zygote's {key} state"
+    with pytest.raises(RankFailed, match="exited with code 3"):
+        run_ranks("test_harness:_who_am_i", 2, tmp_path / "x", timeout=60, code=3)
+
+
+def test_needs_fresh_only_for_variables_read_at_start_up():
+    from harness import needs_fresh
+
+    base = {"HOME": "/h", "PATH": "/bin"}
+    assert not needs_fresh(dict(base, RANK="1", MASTER_PORT="5", ZT_TEST_RESULT="r", PYTHONPATH="x"), base)
+    assert needs_fresh(dict(base, MALLOC_MMAP_THRESHOLD_="131072"), base)
+    assert needs_fresh({"HOME": "/h"}, base)  # removed
+    assert needs_fresh(dict(base, HOME="/other"), base)
 
 
 @pytest.mark.slow

@@ -9,6 +9,9 @@ the DDP strategy lets go of its wrapper at exit, before the group is destroyed. 
 same abort where the script had destroyed the group itself after fit (the harness did): that
 destruction joined nothing while DDP still held the group, so the wrapper is released at exit
 whether or not the group is still there.
+
+Every spawn here starts fresh interpreters (``fresh=True``): what is checked is what a process that
+imported nothing yet does at its real exit, not a rank forked from the harness's zygote.
 """
 import atexit
 import os
@@ -80,7 +83,8 @@ def _fit_then_exit_handlers(strategy, user_destroys=False):
 def test_exit_handlers_join_gloo_workers_after_fit(tmp_path, strategy):
     if not os.path.isdir("/proc/self/task"):
         pytest.skip("needs /proc to count threads")
-    for r in run_ranks("test_shutdown:_fit_then_exit_handlers", 2, tmp_path, timeout=120, strategy=strategy):
+    for r in run_ranks("test_shutdown:_fit_then_exit_handlers", 2, tmp_path, timeout=120, fresh=True,
+                       strategy=strategy):
         assert r["during"] > 0  # the threads the check is about existed
         assert not r["initialized"]
         assert r["after"] == 0
@@ -93,7 +97,7 @@ def test_exit_handlers_join_the_gloo_workers_of_subgroups(tmp_path, strategy, wo
     the fix a 2x2 pipeline left 2 threads per rank."""
     if not os.path.isdir("/proc/self/task"):
         pytest.skip("needs /proc to count threads")
-    for r in run_ranks("test_shutdown:_fit_then_exit_handlers", world, tmp_path, timeout=120, env=env,
+    for r in run_ranks("test_shutdown:_fit_then_exit_handlers", world, tmp_path, timeout=120, fresh=True, env=env,
                        strategy=strategy):
         assert r["during"] > 0
         assert not r["initialized"]
@@ -105,7 +109,8 @@ def test_exit_handlers_join_gloo_workers_when_the_script_destroyed_the_group(tmp
     nothing): the exit handlers still release the wrapper, and the group's last reference, in time."""
     if not os.path.isdir("/proc/self/task"):
         pytest.skip("needs /proc to count threads")
-    for r in run_ranks("test_shutdown:_fit_then_exit_handlers", 2, tmp_path, timeout=120, strategy="ddp",
+    for r in run_ranks("test_shutdown:_fit_then_exit_handlers", 2, tmp_path, timeout=120, fresh=True,
+                       strategy="ddp",
                        user_destroys=True):
         assert r["during"] > 0
         assert r["after"] == 0
