@@ -160,9 +160,7 @@ def test_clipping_is_active():
     assert norm > CLIP
 
 
-#: zero1 and offload on 2 ranks are `slow` (the suite's time on 2 cores); 4 ranks run zero3 by default
-@pytest.mark.parametrize("strategy", ["ddp", "zero2", "zero3", *(pytest.param(s, marks=pytest.mark.slow)
-                                                                 for s in ("zero1", "offload"))])
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "zero3", "offload"])
 def test_converted_loop_equals_plain_loop_on_two_ranks(tmp_path, strategy):
     out = run_ranks("test_engine:_engine_case", 2, tmp_path, timeout=180, strategy=strategy, world=2)
     _check_equal(out, 2)

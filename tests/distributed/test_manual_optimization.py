@@ -263,7 +263,6 @@ def test_two_processes_equal_plain_pytorch(name, tmp_path_factory):
         assert held == [full, full], held
 
 
-@pytest.mark.slow
 def test_three_processes_zero2(tmp_path_factory):
     _check(_spawn(tmp_path_factory, 3, [dict(name="zero2")])[0])
 

@@ -104,8 +104,7 @@ def _check_bytes(out: dict) -> None:
 CASES = {"ddp": {}, "zero1": {}, "zero2": {}, "zero3": {}}
 
 
-@pytest.mark.parametrize("strategy", [s if s != "zero1" else pytest.param(s, marks=pytest.mark.slow)
-                                      for s in sorted(CASES)])
+@pytest.mark.parametrize("strategy", sorted(CASES))
 def test_breakdown_adds_up_and_bytes_match_the_formula_on_2_ranks(tmp_path, strategy):
     results = run_ranks("test_monitors:_fit", 2, tmp_path, timeout=180, strategy=strategy,
                         corpus=_corpus(tmp_path), clip=1.0, width=96, steps=BREAKDOWN_STEPS)
@@ -119,7 +118,7 @@ def test_breakdown_adds_up_and_bytes_match_the_formula_on_2_ranks(tmp_path, stra
 @pytest.mark.parametrize("strategy,accumulate,options", [
     ("zero2", 2, {"reduce_mode": "reduce_scatter"}),
     ("zero3", 2, {"reshard_after_forward": False, "reduce_mode": "reduce_scatter"}),
-    pytest.param("zero1", 2, {}, marks=pytest.mark.slow),
+    ("zero1", 2, {}),
 ])
 def test_bytes_match_the_formula_with_accumulation_and_other_modes(tmp_path, strategy, accumulate, options):
     results = run_ranks("test_monitors:_fit", 2, tmp_path, timeout=180, strategy=strategy,

@@ -31,7 +31,7 @@ def _resume_case(devices, root, strategy="ddp"):
     return {"full": full, "first": first, "second": second}
 
 
-@pytest.mark.parametrize("devices,strategy", [(1, "single"), (2, "ddp"), (2, "zero2"), pytest.param(3, "zero1", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("devices,strategy", [(1, "single"), (2, "ddp"), (2, "zero2"), (3, "zero1")])
 def test_resume_continues_exactly(tmp_path, devices, strategy):
     out = run_ranks("test_resume:_resume_case", devices, tmp_path, timeout=180, devices=devices,
                     root=str(tmp_path), strategy=strategy)

@@ -69,7 +69,7 @@ def _interrupt_and_resume(strategy: str, root: str) -> dict:
             "restored": (after_first is user_handler) if mine else after_first == signal.SIG_DFL}
 
 
-@pytest.mark.parametrize("strategy", [pytest.param("ddp", marks=pytest.mark.slow), "zero2"])
+@pytest.mark.parametrize("strategy", ["ddp", "zero2"])
 def test_sigterm_on_one_rank_saves_on_every_rank_and_resumes_exactly(tmp_path, strategy):
     out = run_ranks("test_signals:_interrupt_and_resume", 2, tmp_path, timeout=240, strategy=strategy,
                     root=str(tmp_path))

@@ -143,9 +143,9 @@ def _reference() -> dict:
         return {"net": net, "mse": mse, "pred": net(x)}
 
 
-#: ddp and zero3 (built late) by default; the other strategies are `slow` (the suite's time on 2 cores)
+#: ddp, zero2 and zero3 (built late) by default; zero1 and offload are `slow` (the suite's time)
 @pytest.mark.parametrize("strategy,build_late", [
-    ("ddp", False), ("zero3", True), pytest.param("zero2", False, marks=pytest.mark.slow),
+    ("ddp", False), ("zero3", True), ("zero2", False),
     pytest.param("zero1", False, marks=pytest.mark.slow), pytest.param("offload_cpu", False, marks=pytest.mark.slow)])
 def test_stages_on_two_ranks(tmp_path, strategy, build_late):
     out = run_ranks("test_stages:_stages_case", 2, tmp_path, timeout=180, strategy=strategy,
