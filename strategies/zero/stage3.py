@@ -197,6 +197,7 @@ class ZeroStage3(ZeroStrategy):
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         assert self.runtime is not None, "setup_module must run before setup_optimizer"
+        self.stepper.check(self.stage, self.device, optimizer, self.precision)
         groups = trainable_groups(optimizer, self.module)
         group_of = {id(p): gi for gi, ps in enumerate(groups) for p in ps}
         masters: list[list[torch.Tensor]] = [[] for _ in groups]

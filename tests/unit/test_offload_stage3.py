@@ -149,3 +149,42 @@ def test_parameter_shards_are_resident_only_while_used(tmp_path):
     assert max(seen) < total / 2, (seen, total)
     assert _mapped_rss(directory) <= 8192 * len(units)  # after the step (it touched every master)
     s.teardown()  # stops the I/O threads
+
+
+def _train_accumulating(strategy, sched, data, clip):
+    """Two micro-batches per step (the first under no_sync), clipping by norm or by value."""
+    for i in range(0, len(data), 2):
+        with strategy.no_sync():
+            strategy.backward(strategy.training_step(data[i], i))
+        strategy.backward(strategy.training_step(data[i + 1], i + 1))
+        if strategy.optimizer_step(*clip):
+            sched.step()
+
+
+@pytest.mark.parametrize("clip", [(0.05, "norm"), (0.01, "value"), (None, "norm")])
+def test_gradients_on_disk_give_the_same_bits_as_in_ram(tmp_path, clip):
+    """grad_device='nvme' against the same run with the gradient partition in RAM: equal weights
+    bit for bit after accumulated micro-batches and clipping, no gradient buffer in RAM, and the
+    backward wrote the reduce dtype's bytes of every sub-group per micro-batch."""
+    data = batches(8)
+    runs = {}
+    for where in ("cpu", "nvme"):
+        s, sched = make(offload("nvme+params", tmp_path, grad_device=where, reduce_dtype="bf16"), Deep())
+        _train_accumulating(s, sched, data, clip)
+        runs[where] = (s, weights(s))
+    s, got = runs["nvme"]
+    assert torch.equal(got, runs["cpu"][1])
+    assert all(u.grad.device.type == "meta" for u in s.units)
+    rep = s.offload_report()
+    assert rep["grad_device"] == "nvme"
+    padded = sum(s.stepper.swapped_grads.states.grad_region(k)[1] for k in range(len(s.sharded.subgroups)))
+    assert rep["grad_bytes_written"] == padded * len(data)  # every sub-group, every micro-batch
+    for r, _ in runs.values():
+        r.teardown()
+
+
+def test_gradients_on_disk_refuse_fp16_loss_scaling(tmp_path):
+    from zerotrain.strategies.precision import FP16Mixed
+
+    with pytest.raises(ValueError, match="grad_device='nvme' keeps no gradient in RAM.*'16-mixed'"):
+        make(offload("nvme", tmp_path, grad_device="nvme"), Deep(), FP16Mixed())
