@@ -40,7 +40,7 @@ from .aio import AsyncFileIO, DirectIOProbe, probe_direct_io
 from .config import STATE_DTYPES, OffloadPolicy
 from .grad_swap import SwappedGrads
 from .optimizer import OffloadedAdam, TorchOffload, fused_path_refusal
-from .param_swap import ShardPager, swap_unit_to_files
+from .param_swap import FileChunks, ShardPager, swap_unit_to_files
 from .plan import plan_subgroups
 from .swapper import SwappedStates
 from .transfer import DeviceWorking, HostWorking
@@ -117,12 +117,24 @@ class OffloadStepper:
             unit.grad_sink = self._gradient_landed
         if self.policy.param_device != "nvme":
             return
+        swap_unit_to_files(unit, self._parameter_directory(rank))
+        self._param_shards.extend(getattr(unit, "shards", ()))
+
+    def build_chunks(self, rank: int) -> FileChunks | None:
+        """ZeRO-3's partitioned build: with ``param_device="nvme"`` this rank's chunks are kept in
+        files too (the whole model, on one rank), resident only while written or read."""
+        if self.policy.param_device != "nvme":
+            return None
+        return FileChunks(self._parameter_directory(rank), self.policy.nvme_path)
+
+    def _parameter_directory(self, rank: int) -> str:
+        """This rank's folder for parameter files under ``nvme_path`` (made at first use,
+        removed when this part is collected)."""
         if self._param_dir is None:
             os.makedirs(self.policy.nvme_path, exist_ok=True)
             self._param_dir = tempfile.mkdtemp(prefix=f"zerotrain-params-rank{rank}-", dir=self.policy.nvme_path)
             weakref.finalize(self, _remove_param_files, self._param_shards, self._param_dir)
-        swap_unit_to_files(unit, self._param_dir)
-        self._param_shards.extend(getattr(unit, "shards", ()))
+        return self._param_dir
 
     def setup(self, sharded: ShardedOptimizer, slots: "Callable[[], tuple[list, list]]", device: torch.device, rank: int,
               masters_external: bool, on_reduced: "Callable[[Callable], None]",

@@ -93,7 +93,8 @@ class ZeroStage3(ZeroStrategy):
     def init_context(self) -> Iterator[None]:
         """Parameters created inside are partitioned as they are registered (``PartitionedBuild``);
         ``setup_module`` then moves them into their units without gathering any model whole."""
-        build = PartitionedBuild(self.global_rank, self.world_size, self.group, self.queue)
+        build = PartitionedBuild(self.global_rank, self.world_size, self.group, self.queue,
+                                 self.stepper.build_chunks(self.global_rank))
         with build:
             yield
         self._build = build if build.params else None

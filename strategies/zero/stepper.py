@@ -34,6 +34,10 @@ class ShardedStepper:
               precision: Any = None) -> None:
         pass
 
+    def build_chunks(self, rank: int) -> Any:
+        """Where ZeRO-3's partitioned build keeps this rank's chunks (None: RAM)."""
+        return None
+
     def place_unit(self, unit: Any, rank: int) -> None:
         pass
 

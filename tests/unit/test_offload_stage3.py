@@ -188,3 +188,28 @@ def test_gradients_on_disk_refuse_fp16_loss_scaling(tmp_path):
 
     with pytest.raises(ValueError, match="grad_device='nvme' keeps no gradient in RAM.*'16-mixed'"):
         make(offload("nvme", tmp_path, grad_device="nvme"), Deep(), FP16Mixed())
+
+
+def test_partitioned_build_keeps_its_chunks_in_files(tmp_path):
+    """param_device='nvme': ZeRO-3's partitioned build (the whole model on one rank) keeps its
+    chunks in unlinked files, not resident between uses, and they give the eager build's values."""
+    from zerotrain.examples.gpt import GPT, GPTConfig
+    from zerotrain.strategies.offload.param_swap import FileChunks
+    from zerotrain.strategies.zero.materialize import PartitionedBuild
+
+    cfg = GPTConfig(n_layer=2, n_head=4, n_embd=128, vocab_size=256, block_size=64)
+    torch.manual_seed(0)
+    ref = GPT(cfg)
+    chunks = FileChunks(str(tmp_path), min_bytes=16 << 10)  # the 64 KiB+ matrices go to files
+    with PartitionedBuild(0, 1, chunks=chunks) as build:
+        torch.manual_seed(0)
+        model = GPT(cfg)
+    big = sum(r.numel * 4 >= 16 << 10 for r in build.params.values())  # lm_head's untied one too
+    assert len(chunks._mapped) == big >= 8 and os.listdir(tmp_path) == []  # names removed at once
+    assert _mapped_rss(str(tmp_path)) <= 4096 * big  # a partial page each at most
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        out = torch.empty(p.numel())
+        build.take(p, out)
+        assert torch.equal(out, q.detach().reshape(-1)), name
+    build.release()
+    assert not chunks._mapped  # the chunks are freed with their mappings
