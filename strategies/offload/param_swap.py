@@ -9,7 +9,9 @@ is when its pages are resident:
 
 * ``unshard_async`` (the runtime calls it ``prefetch_bucket_size`` ahead of use) first asks the
   kernel to read the shard in (``madvise(MADV_WILLNEED)``: asynchronous readahead), so the data
-  is fetched ahead of the all-gather that consumes it;
+  is fetched ahead of the all-gather that consumes it. On one rank the "all-gather" is a copy
+  that happens at once, so a prefetch there only starts the readahead (``prefetch_async``): the
+  disk read overlaps the current unit's compute, and the unit takes no RAM until it is used;
 * once the gather has landed in the unit's ``full`` buffer (``wait``), and again when the unit
   is resharded, the shard's pages are dropped from the process (``MADV_DONTNEED``; on a shared
   mapping dirty data stays in the page cache and reaches the file, nothing is lost);
@@ -143,7 +145,17 @@ class SwappedUnit(Unit):
     def unshard_async(self, group: object = None, secondary: bool = False) -> bool:
         if self.state is ShardState.SHARDED:
             self.shards[-1].prefetch()  # the working shard: what the all-gather reads
-        return super().unshard_async(group, secondary)
+        started = super().unshard_async(group, secondary)
+        if started and self.layout.world_size == 1:
+            self.release()  # one rank: the copy into `full` is done already
+        return started
+
+    def prefetch_async(self, group: object = None, secondary: bool = False) -> bool:
+        if self.layout.world_size == 1:  # a copy would overlap nothing: read the file ahead only
+            if self.state is ShardState.SHARDED:
+                self.shards[-1].prefetch()
+            return False
+        return super().prefetch_async(group, secondary)
 
     def wait(self) -> None:
         super().wait()

@@ -172,6 +172,12 @@ class Unit:
         self.inflight.push(InFlight(handles, keep, landed, f"zero3 gather {self.name or 'root'}"), self)
         return True
 
+    def prefetch_async(self, group: object = None, secondary: bool = False) -> bool:
+        """A gather ahead of use (the runtime's prefetch): ``unshard_async``. A unit whose gather
+        would overlap nothing may do less (offload's file-backed units on one rank only start
+        reading their file); returns whether it is gathering."""
+        return self.unshard_async(group, secondary)
+
     def wait(self) -> None:
         """GATHERING -> UNSHARDED (idempotent otherwise): wait for the data, bind the params."""
         if self.state is ShardState.GATHERING:

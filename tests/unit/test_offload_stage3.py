@@ -213,3 +213,22 @@ def test_partitioned_build_keeps_its_chunks_in_files(tmp_path):
         assert torch.equal(out, q.detach().reshape(-1)), name
     build.release()
     assert not chunks._mapped  # the chunks are freed with their mappings
+
+
+def test_one_rank_prefetch_of_file_backed_units_only_reads_ahead(tmp_path):
+    """One rank, parameter files: a prefetch would be a copy overlapping nothing, so it only
+    starts the file's readahead; no more than the unit in use (and the root) is ever gathered
+    (RAM units gather the next block ahead), and the weights are those without prefetch."""
+    ram, sched = make(ZeroStage3(prefetch_bucket_size=10**6), Deep(depth=4))
+    train(ram, sched, batches(4))
+    runs = {}
+    for ahead in (0, 10**6):
+        s, sched = make(offload("nvme+params", tmp_path / str(ahead), prefetch_bucket_size=ahead), Deep(depth=4))
+        train(s, sched, batches(4))
+        runs[ahead] = (s, weights(s))
+        s.teardown()
+    s = runs[10**6][0]
+    assert torch.equal(runs[10**6][1], runs[0][1])
+    root, block = s.units[0].numel, max(u.numel for u in s.units[1:])
+    assert ram.runtime.peak_live > root + block
+    assert s.runtime.peak_live == root + block
