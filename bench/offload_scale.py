@@ -39,10 +39,12 @@ set above 20 GiB: other people work on this machine. NVMe candidates whose swap 
 fit on the disk (with 10 GiB to spare) are skipped; each offload_nvme rung prints its disk bytes
 per parameter (``zerotrain-estimate``'s, and the measured files') and the largest model the free
 disk holds. ``--optimizer-state-dtype bf16`` keeps Adam's moments in bf16 on disk (8 instead of
-12 B/param with ZeRO-3 in fp32 compute). ``--disk-bound`` first measures the swap disk's O_DIRECT
-bandwidth (2 GiB written and read back through zerotrain's I/O threads), and puts each offload_nvme
-step beside the time the disk needs for the bytes that step made it move (``/proc/self/io``:
-O_DIRECT swaps, the parameter files' page faults and readahead, their dirty pages).
+12 B/param with ZeRO-3 in fp32 compute); ``--grad-device nvme`` moves the gradient partition from
+RAM into the swap files (2 B/param more on disk with the bf16 reduction). ``--disk-bound`` first
+measures the swap disk's O_DIRECT bandwidth (2 GiB written and read back through zerotrain's I/O
+threads), and puts each offload_nvme step beside the time the disk needs for the bytes that step
+made it move (``/proc/self/io``: O_DIRECT swaps, the parameter files' page faults and readahead,
+their dirty pages).
 """
 from __future__ import annotations
 
@@ -162,7 +164,7 @@ def run_child(spec: dict) -> dict:
         if config == "offload_nvme":
             kw.update(optimizer_device="nvme", nvme_path=spec["nvme_path"],
                       param_device="nvme" if stage == 3 else "none",
-                      optimizer_state_dtype=spec["optimizer_state_dtype"])
+                      optimizer_state_dtype=spec["optimizer_state_dtype"], grad_device=spec["grad_device"])
         strategy = Offload(**kw)
     timer = Timer()
     trainer = Trainer(strategy=strategy, devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
@@ -310,7 +312,7 @@ def disk_plan(n: int, args: argparse.Namespace) -> dict:
 
     opts = dict(stage=3, precision="32", optimizer_device="nvme", param_device="nvme",
                 optimizer_state_dtype=args.optimizer_state_dtype, grad_bytes=2 if args.reduce_dtype == "bf16" else 4,
-                sub_group_size=args.sub_group_size, buffer_count=args.buffer_count)
+                sub_group_size=args.sub_group_size, buffer_count=args.buffer_count, grad_device=args.grad_device)
     disk = estimate_offload(n, 1, **opts).disk.total
     free = shutil.disk_usage(args.nvme_path).free
     bound = largest_offload_model(float("inf"), max(0, free - DISK_MARGIN), 1, **opts)
@@ -334,7 +336,7 @@ def search(config: str, shapes: list[Shape], args: argparse.Namespace, cap: int)
         spec = {"config": config, "shape": asdict(shape), "steps": args.steps, "batch": args.batch,
                 "threads": args.threads, "nvme_path": args.nvme_path, "sub_group_size": args.sub_group_size,
                 "buffer_count": args.buffer_count, "reduce_dtype": args.reduce_dtype, "bucket": args.bucket,
-                "optimizer_state_dtype": args.optimizer_state_dtype,
+                "optimizer_state_dtype": args.optimizer_state_dtype, "grad_device": args.grad_device,
                 # address space: the cap + headroom, + the parameter files ZeRO-3 maps (not RAM)
                 "as_limit": int(cap + args.as_headroom_gb * GiB + (4 * n if config == "offload_nvme" else 0))}
         row.update(run_candidate(spec, cap, args.timeout_s))
@@ -382,6 +384,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reduce-dtype", default="bf16", choices=("fp32", "bf16"))
     p.add_argument("--optimizer-state-dtype", default="fp32", choices=("fp32", "bf16"),
                    help="offload_nvme: dtype of Adam's moments in the swap files (bf16: half the bytes)")
+    p.add_argument("--grad-device", default="cpu", choices=("cpu", "nvme"),
+                   help="offload_nvme: where the gradient partition waits for the step (nvme: in the swap "
+                        "files, --reduce-dtype bytes/param more on disk, none in RAM)")
     p.add_argument("--bucket", type=int, default=5_000_000,
                    help="elements: ZeRO-2 reduce/all-gather buckets, ZeRO-3 prefetch")
     p.add_argument("--as-headroom-gb", type=float, default=3.0)

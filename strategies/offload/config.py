@@ -14,6 +14,7 @@ from .aio import ALIGN
 
 OPTIMIZER_DEVICES = ("cpu", "nvme")
 PARAM_DEVICES = ("none", "cpu", "nvme")
+GRAD_DEVICES = ("cpu", "nvme")
 #: dtypes the swap files may hold Adam's moments in (the fp32 master is always fp32)
 STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -46,6 +47,13 @@ class OffloadPolicy:
     #: the kernel rounds them stochastically, the fp32 master stays fp32; checkpoints hold fp32
     #: either way); "bf16" needs optimizer_device="nvme"
     optimizer_state_dtype: str = "fp32"
+    #: where ZeRO-3's reduced gradient partition waits for the step: "cpu" (RAM, reduce-dtype bytes
+    #: per parameter) or "nvme" (each unit's reduced gradient is written into the sub-group swap
+    #: files as its reduction lands, and the step reads it back with the sub-group's state: no
+    #: whole-model gradient in RAM, for the reduce-dtype bytes written and read once more per
+    #: step, and a read-back per extra micro-batch). "nvme" needs stage=3, optimizer_device="nvme"
+    #: and no fp16 loss scaling
+    grad_device: str = "cpu"
 
     def __post_init__(self) -> None:
         for f in ("buffer_count", "sub_group_size", "io_threads", "io_block_size"):
@@ -55,6 +63,11 @@ class OffloadPolicy:
         check_choice("Offload", "optimizer_device", self.optimizer_device, OPTIMIZER_DEVICES)
         check_choice("Offload", "param_device", self.param_device, PARAM_DEVICES)
         check_choice("Offload", "optimizer_state_dtype", self.optimizer_state_dtype, STATE_DTYPES)
+        check_choice("Offload", "grad_device", self.grad_device, GRAD_DEVICES)
+        if self.grad_device == "nvme" and self.optimizer_device != "nvme":
+            raise ValueError(f"Offload: grad_device='nvme' writes the gradients into the optimizer's swap "
+                             f"files, and optimizer_device={self.optimizer_device!r} has none; valid: "
+                             f"optimizer_device='nvme', or grad_device='cpu'")
         if self.optimizer_state_dtype != "fp32" and self.optimizer_device != "nvme":
             raise ValueError(f"Offload: optimizer_state_dtype={self.optimizer_state_dtype!r} is the dtype of the "
                              f"Adam moments in the swap files, and optimizer_device="

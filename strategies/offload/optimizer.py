@@ -39,6 +39,7 @@ import torch
 
 from ...ops import CPUAdam, fused_adam_step
 from ..zero.sharded_optimizer import ShardedOptimizer
+from .grad_swap import SwappedGrads
 from .plan import SubGroup, run_pipelined
 from .swapper import RamStates, SwappedStates
 
@@ -95,11 +96,13 @@ class OffloadedAdam(_GatherMasters):
     swap files (``swapped``)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, subgroups: Sequence[SubGroup], transfer: Any,
-                 swapped: SwappedStates | None = None) -> None:
+                 swapped: SwappedStates | None = None, swapped_grads: SwappedGrads | None = None) -> None:
         """The optimizer's params must already be the slots: fp32 host tensors, group by group.
         With ``swapped`` and no external master, the masters are written to its files and the
-        optimizer's params are replaced by meta tensors, so no RAM copy remains."""
+        optimizer's params are replaced by meta tensors, so no RAM copy remains. With
+        ``swapped_grads`` each sub-group's gradient comes in with its state (``grad_swap.py``)."""
         self.optimizer, self.subgroups, self.transfer = optimizer, list(subgroups), transfer
+        self.swapped_grads = swapped_grads
         self.masters = [m for g in optimizer.param_groups for m in g["params"]]
         self.slot_group = [gi for gi, g in enumerate(optimizer.param_groups) for _ in g["params"]]
         self.numels = [m.numel() for m in self.masters]
@@ -132,6 +135,8 @@ class OffloadedAdam(_GatherMasters):
         inside the kernel (the strategy folds the clip coefficient and any loss scale they still
         carry into it)."""
         self.transfer.grads_ready()
+        if self.swapped_grads is not None:
+            self.swapped_grads.flush()  # each sub-group's read brings its gradient: written first
         hypers = [adam_hyper(self.optimizer, g) for g in self.optimizer.param_groups]
         steps = [self._step_of(i) + 1 for i in range(len(self.masters))]
 
@@ -140,7 +145,8 @@ class OffloadedAdam(_GatherMasters):
             if self.pager is not None:
                 self.pager.prefetch(k + 1)
             master, exp_avg, exp_avg_sq = self.states.views(k, b)
-            fused_adam_step(master, self.transfer.grad(sg), exp_avg, exp_avg_sq, step=steps[sg.slot],
+            grad = self.transfer.grad(sg) if self.swapped_grads is None else self.swapped_grads.view(k, b)
+            fused_adam_step(master, grad, exp_avg, exp_avg_sq, step=steps[sg.slot],
                             grad_scale=grad_scale, param_out=self.transfer.param_out(sg, master),
                             **self._rounding(k, exp_avg), **hypers[self.slot_group[sg.slot]])
             self.transfer.after_step(sg, master)

@@ -9,7 +9,9 @@ is when its pages are resident:
 
 * ``unshard_async`` (the runtime calls it ``prefetch_bucket_size`` ahead of use) first asks the
   kernel to read the shard in (``madvise(MADV_WILLNEED)``: asynchronous readahead), so the data
-  is fetched ahead of the all-gather that consumes it;
+  is fetched ahead of the all-gather that consumes it. On one rank the "all-gather" is a copy
+  that happens at once, so a prefetch there only starts the readahead (``prefetch_async``): the
+  disk read overlaps the current unit's compute, and the unit takes no RAM until it is used;
 * once the gather has landed in the unit's ``full`` buffer (``wait``), and again when the unit
   is resharded, the shard's pages are dropped from the process (``MADV_DONTNEED``; on a shared
   mapping dirty data stays in the page cache and reaches the file, nothing is lost);
@@ -29,6 +31,7 @@ import ctypes
 import errno
 import mmap
 import os
+import weakref
 from typing import Sequence
 
 import torch
@@ -56,6 +59,20 @@ def _reserve(fd: int, nbytes: int) -> None:
         os.ftruncate(fd, nbytes)
 
 
+def _advise(t: torch.Tensor, advice: int, lo: int, hi: int | None, what: str = "a parameter file") -> None:
+    """``madvise`` elements ``[lo, hi)`` of ``t``, a tensor that is a whole fresh mapping (so its
+    start is page-aligned), widened to whole pages."""
+    nbytes = t.numel() * t.element_size()
+    if not nbytes:
+        return
+    start = (lo * t.element_size()) // _PAGE * _PAGE
+    end = nbytes if hi is None else min(nbytes, hi * t.element_size())
+    end = -(-end // _PAGE) * _PAGE
+    if end > start and _libc.madvise(t.data_ptr() + start, end - start, advice) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"madvise({advice}) on {what}: {os.strerror(err)}")
+
+
 class MappedShard:
     """A 1-D tensor of ``numel`` elements backed by a shared mapping of ``path``. The mapping is
     the tensor's own storage (``torch.from_file(shared=True)``), so it lives exactly as long as
@@ -73,30 +90,50 @@ class MappedShard:
         self.tensor = torch.from_file(path, shared=True, size=numel, dtype=dtype) if numel else \
             torch.empty(0, dtype=dtype)
 
-    def _advise(self, advice: int, lo: int, hi: int | None) -> None:
-        if not self.nbytes:
-            return
-        base = self.tensor.data_ptr()  # a fresh mapping: page-aligned
-        start = (lo * self.dtype.itemsize) // _PAGE * _PAGE
-        end = self.nbytes if hi is None else min(self.nbytes, hi * self.dtype.itemsize)
-        end = -(-end // _PAGE) * _PAGE
-        if end > start and _libc.madvise(base + start, end - start, advice) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"madvise({advice}) on {self.path}: {os.strerror(err)}")
-
     def prefetch(self, lo: int = 0, hi: int | None = None) -> None:
         """Start reading ``[lo, hi)`` in (kernel readahead; returns at once)."""
-        self._advise(mmap.MADV_WILLNEED, lo, hi)
+        _advise(self.tensor, mmap.MADV_WILLNEED, lo, hi, self.path)
 
     def release(self, lo: int = 0, hi: int | None = None) -> None:
         """Drop ``[lo, hi)``'s pages from this process (the data stays in the file/page cache)."""
-        self._advise(mmap.MADV_DONTNEED, lo, hi)
+        _advise(self.tensor, mmap.MADV_DONTNEED, lo, hi, self.path)
 
     def close(self) -> None:
         try:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
+
+
+class FileChunks:
+    """ZeRO-3's partitioned build with ``param_device="nvme"`` (``materialize.RamChunks``' other
+    choice): each chunk of at least ``min_bytes`` is a shared mapping of a file under
+    ``directory`` whose name is removed at once (the data lives as long as the tensor, and so
+    does its disk space); after each write or read its pages are dropped from the process (they
+    reach the file through the page cache). Smaller chunks stay in RAM: they are few bytes and
+    would each cost a mapping."""
+
+    def __init__(self, directory: str, nvme_path: str | None = None, min_bytes: int = 1 << 20) -> None:
+        self.directory, self.nvme_path, self.min_bytes = directory, nvme_path, min_bytes
+        self._count = 0
+        #: id() of each mapped chunk -> a weak reference to it (the build owns the chunks)
+        self._mapped: dict[int, weakref.ref] = {}
+
+    def new(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        if torch.device(device).type != "cpu" or numel * dtype.itemsize < self.min_bytes:
+            return torch.zeros(numel, dtype=dtype, device=device)
+        self._count += 1
+        shard = MappedShard(os.path.join(self.directory, f"build{self._count:06d}.chunk"), numel, dtype,
+                            self.nvme_path)
+        shard.close()  # the name only: the mapping keeps the data
+        key = id(shard.tensor)
+        self._mapped[key] = weakref.ref(shard.tensor, lambda _, key=key: self._mapped.pop(key, None))
+        return shard.tensor
+
+    def settle(self, chunk: torch.Tensor) -> None:
+        ref = self._mapped.get(id(chunk))
+        if ref is not None and ref() is chunk:
+            _advise(chunk, mmap.MADV_DONTNEED, 0, chunk.numel())
 
 
 class SwappedUnit(Unit):
@@ -108,7 +145,17 @@ class SwappedUnit(Unit):
     def unshard_async(self, group: object = None, secondary: bool = False) -> bool:
         if self.state is ShardState.SHARDED:
             self.shards[-1].prefetch()  # the working shard: what the all-gather reads
-        return super().unshard_async(group, secondary)
+        started = super().unshard_async(group, secondary)
+        if started and self.layout.world_size == 1:
+            self.release()  # one rank: the copy into `full` is done already
+        return started
+
+    def prefetch_async(self, group: object = None, secondary: bool = False) -> bool:
+        if self.layout.world_size == 1:  # a copy would overlap nothing: read the file ahead only
+            if self.state is ShardState.SHARDED:
+                self.shards[-1].prefetch()
+            return False
+        return super().prefetch_async(group, secondary)
 
     def wait(self) -> None:
         super().wait()

@@ -19,7 +19,9 @@ its reduced gradient and its working values. The part then
              the next use).
 
 With ``param_device="nvme"`` (ZeRO-3) it also places each unit's shards in files as the unit is
-built (:meth:`place_unit`), so the whole model's shards are never in RAM together.
+built (:meth:`place_unit`), so the whole model's shards are never in RAM together; with
+``grad_device="nvme"`` each unit's reduced gradient goes to the swap files as it lands
+(``grad_swap.py``), so the gradient partition is not in RAM either.
 """
 from __future__ import annotations
 
@@ -36,8 +38,9 @@ from ..zero.estimate import format_bytes
 from ..zero.sharded_optimizer import ShardedOptimizer
 from .aio import AsyncFileIO, DirectIOProbe, probe_direct_io
 from .config import STATE_DTYPES, OffloadPolicy
+from .grad_swap import SwappedGrads
 from .optimizer import OffloadedAdam, TorchOffload, fused_path_refusal
-from .param_swap import ShardPager, swap_unit_to_files
+from .param_swap import FileChunks, ShardPager, swap_unit_to_files
 from .plan import plan_subgroups
 from .swapper import SwappedStates
 from .transfer import DeviceWorking, HostWorking
@@ -69,7 +72,10 @@ class OffloadStepper:
         self._clip_coef = 1.0
         self._param_dir: str | None = None
         self._param_shards: list = []
-        self._unit_order: list | None = None  # ZeRO-3 with parameter files: see page_units
+        self._unit_order: list | None = None  # ZeRO-3: see page_units
+        #: ``grad_device="nvme"``: the gradient partitions in the swap files (set up with the state)
+        self.swapped_grads: SwappedGrads | None = None
+        self._grad_slot: dict[int, int] = {}  # id() of a stage-side (meta) gradient -> its slot
 
     def check_stage(self, stage: int) -> None:
         """At construction: the policy fits the stage."""
@@ -78,11 +84,20 @@ class OffloadStepper:
             raise ValueError(f"Offload: param_device={self.policy.param_device!r} needs stage=3 (only "
                              f"ZeRO-3 partitions the parameters); got stage={stage}. Valid with "
                              f"stage={stage}: param_device='none'")
+        if self.policy.grad_device != "cpu" and stage != 3:
+            raise ValueError(f"Offload: grad_device={self.policy.grad_device!r} needs stage=3 (ZeRO-3 "
+                             f"reduces each unit's gradient as its backward ends); got stage={stage}. "
+                             f"Valid with stage={stage}: grad_device='cpu'")
 
     # ------------------------------------------------------------------ set-up
-    def check(self, stage: int, device: torch.device, optimizer: torch.optim.Optimizer) -> None:
+    def check(self, stage: int, device: torch.device, optimizer: torch.optim.Optimizer,
+              precision: Any = None) -> None:
         """Before the stage lays anything out: refuse what this combination cannot do."""
         cfg = self.policy
+        if cfg.grad_device == "nvme" and getattr(precision, "skips_nonfinite_steps", False):
+            raise ValueError(f"Offload: grad_device='nvme' keeps no gradient in RAM, and precision "
+                             f"{getattr(precision, 'name', precision)!r} unscales and checks the gradients "
+                             f"there for overflow; valid: precision '32' or 'bf16-mixed', or grad_device='cpu'")
         refusal = fused_path_refusal(optimizer)
         if refusal and cfg.optimizer_device == "nvme":
             raise ValueError(
@@ -94,15 +109,32 @@ class OffloadStepper:
                              "CUDA device is not built; use stage=2 with param_device='none' on GPUs")
 
     def place_unit(self, unit: Any, rank: int) -> None:
-        """ZeRO-3, as each unit is built: with ``param_device="nvme"`` its shards go to files."""
+        """ZeRO-3, as each unit is built: with ``param_device="nvme"`` its shards go to files;
+        with ``grad_device="nvme"`` its gradient partition is no RAM buffer but a sink into the
+        swap files (:meth:`_gradient_landed`)."""
+        if self.policy.grad_device == "nvme":
+            unit.grad = torch.empty(unit.grad.shape, dtype=unit.grad.dtype, device="meta")
+            unit.grad_sink = self._gradient_landed
         if self.policy.param_device != "nvme":
             return
+        swap_unit_to_files(unit, self._parameter_directory(rank))
+        self._param_shards.extend(getattr(unit, "shards", ()))
+
+    def build_chunks(self, rank: int) -> FileChunks | None:
+        """ZeRO-3's partitioned build: with ``param_device="nvme"`` this rank's chunks are kept in
+        files too (the whole model, on one rank), resident only while written or read."""
+        if self.policy.param_device != "nvme":
+            return None
+        return FileChunks(self._parameter_directory(rank), self.policy.nvme_path)
+
+    def _parameter_directory(self, rank: int) -> str:
+        """This rank's folder for parameter files under ``nvme_path`` (made at first use,
+        removed when this part is collected)."""
         if self._param_dir is None:
             os.makedirs(self.policy.nvme_path, exist_ok=True)
             self._param_dir = tempfile.mkdtemp(prefix=f"zerotrain-params-rank{rank}-", dir=self.policy.nvme_path)
             weakref.finalize(self, _remove_param_files, self._param_shards, self._param_dir)
-        swap_unit_to_files(unit, self._param_dir)
-        self._param_shards.extend(getattr(unit, "shards", ()))
+        return self._param_dir
 
     def setup(self, sharded: ShardedOptimizer, slots: "Callable[[], tuple[list, list]]", device: torch.device, rank: int,
               masters_external: bool, on_reduced: "Callable[[Callable], None]",
@@ -142,18 +174,29 @@ class OffloadStepper:
         if cfg.optimizer_device == "nvme":
             same = all(m.data_ptr() == w.data_ptr() for m, w in zip(masters, working) if m.numel())
             external = masters if not on_gpu and (masters_external or same) else None
-            swapped = self._swapper(subgroups, external, rank, pin=cfg.pin_memory and on_gpu)
-        stepper = OffloadedAdam(optimizer, subgroups, self.transfer, swapped)
+            grad_dtype = grads[0].dtype if cfg.grad_device == "nvme" and grads else None
+            swapped = self._swapper(subgroups, external, rank, pin=cfg.pin_memory and on_gpu, grad_dtype=grad_dtype)
+            if grad_dtype is not None:
+                self.swapped_grads = SwappedGrads(swapped, subgroups, self._unit_order, self.io, cfg.buffer_count)
+                self._grad_slot = {id(g): i for i, g in enumerate(grads)}
+        stepper = OffloadedAdam(optimizer, subgroups, self.transfer, swapped, self.swapped_grads)
         if self._param_dir is not None:
             stepper.pager = ShardPager(subgroups, self._unit_order)
         return stepper
 
+    def _gradient_landed(self, unit: Any, reduced: torch.Tensor) -> None:
+        """A unit's reduced gradient (``Unit.grad_sink``) with ``grad_device="nvme"``."""
+        if self.swapped_grads is None:
+            raise RuntimeError("Offload: a gradient was reduced before the optimizer was set up "
+                               "(grad_device='nvme' writes it into the optimizer's swap files)")
+        self.swapped_grads.accumulate(unit, reduced)
+
     def page_units(self, order: "Sequence[tuple[Any, int]]") -> None:
-        """ZeRO-3 with parameter files: (unit, start) of each master slot, so the step can page
-        each sub-group's unit shards in and out (``ShardPager``)."""
+        """ZeRO-3: (unit, start) of each master slot, so the step can page each sub-group's unit
+        shards in and out (``ShardPager``) and gradients find their sub-groups (``SwappedGrads``)."""
         self._unit_order = list(order)
 
-    def _swapper(self, subgroups, external, rank: int, pin: bool) -> SwappedStates:
+    def _swapper(self, subgroups, external, rank: int, pin: bool, grad_dtype: torch.dtype | None) -> SwappedStates:
         cfg = self.policy
         os.makedirs(cfg.nvme_path, exist_ok=True)
         self.direct_io = probe_direct_io(cfg.nvme_path) if cfg.direct_io else \
@@ -161,7 +204,7 @@ class OffloadStepper:
         self.io = AsyncFileIO(cfg.io_threads, cfg.io_block_size)
         swapped = SwappedStates(cfg.nvme_path, subgroups, cfg.buffer_count, self.io, self.direct_io.supported,
                                 pin=pin, rank=rank, external_master=external,
-                                state_dtype=STATE_DTYPES[cfg.optimizer_state_dtype])
+                                state_dtype=STATE_DTYPES[cfg.optimizer_state_dtype], grad_dtype=grad_dtype)
         # scratch files go when this part is collected or the process exits (not at teardown:
         # full_state_dict() may follow fit())
         weakref.finalize(self, _close_quietly, swapped, self.io)
@@ -173,7 +216,10 @@ class OffloadStepper:
         return partitions
 
     def local_sq_norm(self, grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-        """Chunked by sub-group, so a low-precision gradient is never copied to fp32 whole."""
+        """Chunked by sub-group, so a low-precision gradient is never copied to fp32 whole (with
+        ``grad_device="nvme"``: the same chunks, streamed from the swap files)."""
+        if self.swapped_grads is not None:
+            return self.swapped_grads.sq_norm(self._slots_of(grads)) * self._clip_coef ** 2
         sq = torch.zeros((), dtype=torch.float32, device=device)
         for g in grads:
             for chunk in g.split(self.policy.sub_group_size):
@@ -193,6 +239,9 @@ class OffloadStepper:
         scale, so the bound is scaled by it: clamp(g * s, +-v * s) = s * clamp(g, +-v)."""
         assert self.transfer is not None, "setup must run before a step"
         bound = value * self.transfer.host_grad_scale(loss_scale)
+        if self.swapped_grads is not None:  # applied where each gradient is next read
+            self.swapped_grads.clamp(self._slots_of(grads), bound)
+            return
         self.transfer.grads_ready()  # the copies of the last reductions have landed
         for g in self.transfer.host_grads_of(grads):
             g.clamp_(-bound, bound)
@@ -206,6 +255,16 @@ class OffloadStepper:
     def zero(self, sharded: Any) -> None:
         """End of a step (and zeroing): the folded clip coefficient was this step's only."""
         self._clip_coef = 1.0
+
+    def zero_grads(self, slots: list[int] | None) -> None:
+        """The stage zeroes the gradients of master slots ``slots`` (all when None): those in
+        the swap files are only marked zero."""
+        if self.swapped_grads is not None:
+            self.swapped_grads.zero(slots)
+
+    def _slots_of(self, grads: Sequence[torch.Tensor]) -> list[int]:
+        """The master slots whose stage-side (meta) gradient partitions are ``grads``."""
+        return [self._grad_slot[id(g)] for g in grads]
 
     def before_refresh(self, sharded: Any) -> None:
         sharded.import_loaded_state()  # after ZeRO-3's own loads (optimizer.load_state_dict)
@@ -223,6 +282,9 @@ class OffloadStepper:
         """Masters as the stepper holds them, its transfer buffers, and no file-backed shards."""
         out["master"] = sharded.master_tensors() if sharded else []
         out["comm_buffers"] += self.transfer.buffers() if self.transfer else []
+        # gradient partitions in the swap files are meta tensors; their staging buffers are RAM
+        out["grads"] = [g for g in out["grads"] if g.device.type != "meta"] + \
+            (self.swapped_grads.staging() if self.swapped_grads else [])
         mapped = {sh.tensor.untyped_storage().data_ptr() for sh in self._param_shards}
         for cat in ("params", "master"):
             out[cat] = [t for t in out[cat] if t.untyped_storage().data_ptr() not in mapped]
@@ -234,6 +296,8 @@ class OffloadStepper:
         return {"stage": stage, "optimizer_device": self.policy.optimizer_device,
                 "param_device": self.policy.param_device,
                 "optimizer_state_dtype": self.policy.optimizer_state_dtype,
+                "grad_device": self.policy.grad_device,
+                "grad_bytes_written": self.swapped_grads.bytes_written if self.swapped_grads else 0,
                 "fused_adam": isinstance(sharded, OffloadedAdam),
                 "subgroups": len(getattr(sharded, "subgroups", [])),
                 "swapped_kinds": list(states.kinds) if swapped else [],
@@ -259,6 +323,8 @@ class OffloadStepper:
         """Stops the I/O threads. Swap files stay until this part is garbage-collected (or the
         process exits): ``full_state_dict()`` or a checkpoint may still follow ``fit``, reading
         the state back (threads restart on demand)."""
+        if self.swapped_grads is not None:
+            self.swapped_grads.flush()  # a failed gradient write is reported here, not lost
         if self.io is not None:
             self.io.close()
 

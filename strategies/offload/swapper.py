@@ -18,6 +18,11 @@ stepped in place, and the files hold the two Adam moments only.
 The staging buffers (``buffer_count`` of them, each the size of the largest sub-group's file) are
 the only RAM the swapped state uses.
 
+With ``grad_dtype`` (ZeRO-3's ``grad_device="nvme"``) each file ends with one more region, the
+sub-group's reduced gradient (``[ ... ][ grad (n) | pad ]``): :class:`~.grad_swap.SwappedGrads`
+writes it during backward, ``read`` brings it in with the state (``grad_view``), and ``write``
+puts back the state regions only: the step never writes a gradient.
+
 Swap files are scratch: they are removed at ``close()`` and never referenced by a checkpoint.
 :meth:`SwappedStates.snapshot` streams them into one file per (tensor kind, slot) written
 with :func:`~.aio.atomic_file` (temp + fsync + rename), and returns tensors *memory-mapped* from
@@ -89,7 +94,7 @@ class SwappedStates:
     def __init__(self, nvme_path: str, subgroups: Sequence[SubGroup], buffer_count: int,
                  io: AsyncFileIO, direct: bool, pin: bool = False, rank: int = 0,
                  external_master: Sequence[torch.Tensor] | None = None,
-                 state_dtype: torch.dtype = torch.float32) -> None:
+                 state_dtype: torch.dtype = torch.float32, grad_dtype: torch.dtype | None = None) -> None:
         if buffer_count < 1:
             raise ValueError(f"buffer_count={buffer_count} must be >= 1")
         self.nvme_path, self.rank = nvme_path, rank
@@ -104,8 +109,11 @@ class SwappedStates:
         self.kinds = KINDS[1:] if self.external is not None else KINDS  # what the files hold
         self.state_dtype = state_dtype
         self.dtypes = [torch.float32 if kind == "master" else state_dtype for kind in self.kinds]
-        #: per sub-group: (byte offset, dtype) of each kind in its file, and the file's size
-        self.layout = [_file_layout(sg.numel, self.dtypes) for sg in self.subgroups]
+        self.grad_dtype = grad_dtype  # the gradient region's, after the state's (None: no region)
+        #: per sub-group: (byte offset, dtype) of each kind in its file (the gradient last), and
+        #: the file's size
+        self.layout = [_file_layout(sg.numel, self.dtypes + ([grad_dtype] if grad_dtype else []))
+                       for sg in self.subgroups]
         self.fds: list[int] = []
         try:
             for sg, (_, size) in zip(self.subgroups, self.layout):
@@ -129,6 +137,22 @@ class SwappedStates:
     def _span(self, k: int, b: int) -> torch.Tensor:
         return self.buffers[b][:self.layout[k][1]]
 
+    def _state_span(self, k: int, b: int) -> torch.Tensor:
+        """The state regions of sub-group k in buffer b (the whole file when it has no gradient)."""
+        regions, size = self.layout[k]
+        return self.buffers[b][:regions[len(self.kinds)][0] if self.grad_dtype else size]
+
+    def grad_region(self, k: int) -> tuple[int, int]:
+        """(byte offset, padded bytes) of sub-group k's gradient region in its file."""
+        regions, size = self.layout[k]
+        return regions[-1][0], size - regions[-1][0]
+
+    def grad_view(self, k: int, b: int) -> torch.Tensor:
+        """Sub-group k's gradient as ``read(k, b)`` brought it into buffer b."""
+        offset, _ = self.grad_region(k)
+        n = self.subgroups[k].numel
+        return self._span(k, b)[offset:offset + n * self.grad_dtype.itemsize].view(self.grad_dtype)
+
     def rounding_seed(self, k: int) -> int:
         """The stochastic-rounding seed of sub-group k's bf16 moments: fixed per (rank, sub-group),
         so a run is reproducible, and different between sub-groups (the kernel's noise hashes
@@ -140,7 +164,7 @@ class SwappedStates:
         moments in ``state_dtype``."""
         sg = self.subgroups[k]
         n, span = sg.numel, self._span(k, b)
-        swapped = [span[off:off + n * dt.itemsize].view(dt) for off, dt in self.layout[k][0]]
+        swapped = [span[off:off + n * dt.itemsize].view(dt) for off, dt in self.layout[k][0][:len(self.kinds)]]
         if self.external is not None:
             return (self.external[sg.slot][sg.lo:sg.hi], *swapped)
         return tuple(swapped)
@@ -150,7 +174,7 @@ class SwappedStates:
                             on_error=lambda exc: self._error(exc, "reading", self._path(k)))
 
     def write(self, k: int, b: int) -> IOHandle:
-        return self.io.write(self.fds[k], self._span(k, b), 0, label=f"write sg{k}",
+        return self.io.write(self.fds[k], self._state_span(k, b), 0, label=f"write sg{k}",
                              on_error=lambda exc: self._error(exc, "writing", self._path(k)))
 
     def staging(self) -> list[torch.Tensor]:

@@ -86,6 +86,7 @@ STATE_DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 OFFLOAD_STAGES = (2, 3)
 OPTIMIZER_DEVICES = ("cpu", "nvme")
 PARAM_DEVICES = ("none", "cpu", "nvme")
+GRAD_DEVICES = ("cpu", "nvme")
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,8 @@ class OffloadBytes:
 def estimate_offload(num_params: int, world_size: int = 1, stage: int = 3, precision: str = "32", *,
                      optimizer_device: str = "nvme", param_device: str = "nvme",
                      optimizer_state_dtype: str = "fp32", grad_bytes: int | None = None,
-                     sub_group_size: int = 10_000_000, buffer_count: int = 4) -> OffloadBytes:
+                     sub_group_size: int = 10_000_000, buffer_count: int = 4,
+                     grad_device: str = "cpu") -> OffloadBytes:
     """Per-rank bytes of ``Offload(stage, optimizer_device, param_device, optimizer_state_dtype)``
     as it lays things out (page padding of the swap files aside). With ``Psi`` parameters, shard
     ``S = ceil(Psi / world_size)``, working bytes ``p`` (4 fp32, 2 mixed), gradient bytes ``g``
@@ -109,7 +111,8 @@ def estimate_offload(num_params: int, world_size: int = 1, stage: int = 3, preci
 
     * working parameters: ``p * Psi`` in RAM (stage 2); ``p * S`` (stage 3), on disk with
       ``param_device="nvme"``;
-    * gradient partition: ``g * S``, always in RAM;
+    * gradient partition: ``g * S``, in RAM, or in the swap files with ``grad_device="nvme"``
+      (stage 3 with ``optimizer_device="nvme"``), ``buffer_count`` sub-groups of it staged in RAM;
     * fp32 master: none of its own in fp32 compute (the working parameters are the master);
       mixed: ``4 * S`` beside the working shard (stage 3 parameter files), in the swap files
       (stage 2 with ``optimizer_device="nvme"``) or in RAM;
@@ -121,7 +124,8 @@ def estimate_offload(num_params: int, world_size: int = 1, stage: int = 3, preci
         raise ValueError(f"stage={stage!r}; valid choices: 2, 3")
     for name, value, valid in (("optimizer_device", optimizer_device, OPTIMIZER_DEVICES),
                                ("param_device", param_device, PARAM_DEVICES),
-                               ("optimizer_state_dtype", optimizer_state_dtype, tuple(STATE_DTYPE_BYTES))):
+                               ("optimizer_state_dtype", optimizer_state_dtype, tuple(STATE_DTYPE_BYTES)),
+                               ("grad_device", grad_device, GRAD_DEVICES)):
         if value not in valid:
             raise ValueError(f"{name}={value!r}; valid choices: {', '.join(valid)}")
     if param_device != "none" and stage != 3:
@@ -129,6 +133,9 @@ def estimate_offload(num_params: int, world_size: int = 1, stage: int = 3, preci
     if optimizer_state_dtype != "fp32" and optimizer_device != "nvme":
         raise ValueError(f"optimizer_state_dtype={optimizer_state_dtype!r} needs optimizer_device='nvme'; "
                          f"valid with optimizer_device={optimizer_device!r}: 'fp32'")
+    if grad_device == "nvme" and (stage != 3 or optimizer_device != "nvme"):
+        raise ValueError(f"grad_device='nvme' needs stage=3 and optimizer_device='nvme'; valid with stage={stage}, "
+                         f"optimizer_device={optimizer_device!r}: 'cpu'")
     p, g, m, _ = PRECISION_BYTES[_precision(precision)]
     g = g if grad_bytes is None else grad_bytes
     shard = math.ceil(_whole(num_params, "num_params") / _whole(world_size, "world_size", 1))
@@ -141,10 +148,12 @@ def estimate_offload(num_params: int, world_size: int = 1, stage: int = 3, preci
     on_disk = optimizer_device == "nvme"
     swapped_per_elem = (m if master_on_disk and stage == 2 else 0) + 2 * STATE_DTYPE_BYTES[optimizer_state_dtype]
     staging = buffer_count * min(sub_group_size, shard) * swapped_per_elem if on_disk else 0
-    ram = ModelStates(0 if params_on_disk else params, g * shard, 0 if master_on_disk else master,
-                      staging if on_disk else moments)
-    disk = ModelStates(params if params_on_disk else 0, 0, master if master_on_disk else 0,
-                       moments if on_disk else 0)
+    grads_on_disk = grad_device == "nvme"
+    grad_staging = buffer_count * min(sub_group_size, shard) * g
+    ram = ModelStates(0 if params_on_disk else params, grad_staging if grads_on_disk else g * shard,
+                      0 if master_on_disk else master, staging if on_disk else moments)
+    disk = ModelStates(params if params_on_disk else 0, g * shard if grads_on_disk else 0,
+                       master if master_on_disk else 0, moments if on_disk else 0)
     return OffloadBytes(ram, disk)
 
 
@@ -273,6 +282,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     off.add_argument("--param-device", choices=PARAM_DEVICES, help="default nvme with stage 3, else none")
     off.add_argument("--optimizer-state-dtype", choices=sorted(STATE_DTYPE_BYTES), default="fp32")
     off.add_argument("--grad-bytes", type=int, help="gradient partition bytes/param (default: the precision's)")
+    off.add_argument("--grad-device", choices=GRAD_DEVICES, default="cpu",
+                     help="where the gradient partition waits for the step (nvme: stage 3, in the swap files)")
     off.add_argument("--sub-group-size", type=int, default=10_000_000)
     off.add_argument("--buffer-count", type=int, default=4)
     off.add_argument("--ram-gb", type=float, help="the machine's RAM for model states (GiB): with "
@@ -301,7 +312,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     options = dict(stage=stage, optimizer_device=args.optimizer_device or "nvme",
                    param_device=args.param_device or ("nvme" if stage == 3 else "none"),
                    optimizer_state_dtype=args.optimizer_state_dtype, grad_bytes=args.grad_bytes,
-                   sub_group_size=args.sub_group_size, buffer_count=args.buffer_count)
+                   sub_group_size=args.sub_group_size, buffer_count=args.buffer_count, grad_device=args.grad_device)
     try:
         print(format_offload_table(num_params, args.world_size, args.precision or "32", args.ram_gb, args.disk_gb,
                                    **options))

@@ -11,7 +11,8 @@ key types the entry:
 * ``Work.BUCKETS`` (the default): gradient buckets reduced during backward, the chunks of the
   post-step parameter refresh, the set-up broadcasts. In launch order, at most ``max_in_flight``
   pending (the oldest is waited first: this bounds bucket memory), each waited at once when
-  ``overlap`` is off; the end of backward waits for the key.
+  ``overlap`` is off, and entries that needed no communication (one rank) landed as soon as
+  nothing older is pending; the end of backward waits for the key.
 * ``Work.PARAMS``: ``overlap_param_gather``'s post-step all-gathers, still in flight when the step
   returns. Each entry names the parameters it writes: a forward waits only through the last gather
   writing its module's own parameters (``wait_writes``), every other reader for the key.
@@ -33,7 +34,7 @@ from typing import Callable, Hashable, Iterable, NamedTuple
 import torch
 
 from .. import instrument
-from .comm import Handle
+from .comm import Done, Handle
 
 
 class Work(enum.Enum):
@@ -85,6 +86,10 @@ class InFlightQueue:
             return
         if not self.overlap:
             self.wait(key)
+        # work that needed no communication (one rank) has nothing to overlap: land it now, oldest
+        # first, so its buffers (a pooled bucket, a unit's whole reduced gradient) go back at once
+        while pending and all(isinstance(h, Done) for h in pending[0].handles):
+            self._land(pending)
         while len(pending) > self.max_in_flight:
             self._land(pending)
 

@@ -23,7 +23,10 @@ While ``TrainModule.configure_model()`` runs inside :class:`PartitionedBuild`:
    these per-parameter chunks into its unit partition (``take``), one unit at a time.
 
 Memory: at any moment a rank holds at most twice its largest parameter whole, plus during step 3
-one unit's flat values. Every rank runs the same construction code, so the open/close decisions
+one unit's flat values, plus its chunks: 1/world_size of the model, the whole model on one rank.
+Where the chunks live is the ``chunks`` store's choice: RAM (:class:`RamChunks`), or files that
+hold them out of RAM between writes (offload's ``param_device="nvme"``,
+``param_swap.FileChunks``), so a model larger than RAM is built on one rank. Every rank runs the same construction code, so the open/close decisions
 and the all-gathers line up.
 
 What a model must do: build its parameters inside ``configure_model()`` with plain torch ops (not
@@ -45,6 +48,18 @@ from .touch import ParamTouchMode, is_overwrite
 from .unit import placeholder
 
 
+class RamChunks:
+    """Where :class:`PartitionedBuild` keeps this rank's chunks by default: RAM. ``new`` makes a
+    zeroed chunk; ``settle`` is told when one was written or read (a store may drop it from RAM
+    until the next use)."""
+
+    def new(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.zeros(numel, dtype=dtype, device=device)
+
+    def settle(self, chunk: torch.Tensor) -> None:
+        pass
+
+
 @dataclass
 class Provisional:
     """One parameter while the model is being built: this rank's chunk of its flat values."""
@@ -57,8 +72,9 @@ class Provisional:
 
 class PartitionedBuild:
     def __init__(self, rank: int, world_size: int, group: object = None,
-                 inflight: InFlightQueue | None = None) -> None:
+                 inflight: InFlightQueue | None = None, chunks: RamChunks | None = None) -> None:
         self.rank, self.world, self.group = rank, world_size, group
+        self.chunks = chunks if chunks is not None else RamChunks()
         self.inflight = inflight if inflight is not None else InFlightQueue()  # where gathers wait
         self.params: dict[int, Provisional] = {}
         self._open: dict[int, Provisional] = {}  # least recently touched first
@@ -108,7 +124,7 @@ class PartitionedBuild:
         with self.mode.silenced():
             n = p.numel()
             chunk = max(1, -(-n // self.world))
-            shard = torch.zeros(chunk, dtype=p.dtype, device=p.device)
+            shard = self.chunks.new(chunk, p.dtype, p.device)
             self._keep_chunk(p.detach().reshape(-1), shard, n, chunk)
             p.data = placeholder(p.shape, p.dtype, p.device)
             self.params[id(p)] = Provisional(p, n, chunk, shard)
@@ -117,6 +133,7 @@ class PartitionedBuild:
         lo, hi = self.rank * chunk, min(n, (self.rank + 1) * chunk)
         if hi > lo:
             shard[:hi - lo].copy_(flat[lo:hi])
+        self.chunks.settle(shard)
 
     # ------------------------------------------------------------------ open / close
     def _on_touch(self, params: list, func: Any, args: tuple, kwargs: dict) -> None:
@@ -140,6 +157,7 @@ class PartitionedBuild:
         if gather:
             self.gathers += 1
             self.inflight.complete(all_gather_into(full, rec.shard, self.group), label="open param")
+            self.chunks.settle(rec.shard)
         rec.param.data = full[:rec.numel].view(rec.param.shape)
 
     def _close(self, rec: Provisional) -> None:

@@ -93,7 +93,8 @@ class ZeroStage3(ZeroStrategy):
     def init_context(self) -> Iterator[None]:
         """Parameters created inside are partitioned as they are registered (``PartitionedBuild``);
         ``setup_module`` then moves them into their units without gathering any model whole."""
-        build = PartitionedBuild(self.global_rank, self.world_size, self.group, self.queue)
+        build = PartitionedBuild(self.global_rank, self.world_size, self.group, self.queue,
+                                 self.stepper.build_chunks(self.global_rank))
         with build:
             yield
         self._build = build if build.params else None
@@ -197,6 +198,7 @@ class ZeroStage3(ZeroStrategy):
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         assert self.runtime is not None, "setup_module must run before setup_optimizer"
+        self.stepper.check(self.stage, self.device, optimizer, self.precision)
         groups = trainable_groups(optimizer, self.module)
         group_of = {id(p): gi for gi, ps in enumerate(groups) for p in ps}
         masters: list[list[torch.Tensor]] = [[] for _ in groups]

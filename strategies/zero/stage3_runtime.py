@@ -91,7 +91,8 @@ class Stage3Runtime:
             self.trace.append((what, u.index))
 
     def _gather(self, u: Unit, prefetch: bool = False) -> None:
-        if u.unshard_async(self.group, secondary=self._backward):
+        start = u.prefetch_async if prefetch else u.unshard_async
+        if start(self.group, secondary=self._backward):
             self._event("prefetch" if prefetch else "gather", u)
             u.prefetched = prefetch
             self.peak_live = max(self.peak_live, self.live)

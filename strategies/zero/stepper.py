@@ -30,8 +30,13 @@ class ShardedStepper:
     def check_stage(self, stage: int) -> None:
         pass
 
-    def check(self, stage: int, device: torch.device, optimizer: torch.optim.Optimizer) -> None:
+    def check(self, stage: int, device: torch.device, optimizer: torch.optim.Optimizer,
+              precision: Any = None) -> None:
         pass
+
+    def build_chunks(self, rank: int) -> Any:
+        """Where ZeRO-3's partitioned build keeps this rank's chunks (None: RAM)."""
+        return None
 
     def place_unit(self, unit: Any, rank: int) -> None:
         pass
@@ -71,6 +76,9 @@ class ShardedStepper:
     def zero(self, sharded: ShardedOptimizer) -> None:
         sharded.clear_grads()
         self._grads = None
+
+    def zero_grads(self, slots: list[int] | None) -> None:
+        """The stage zeroes its gradient partitions (of master slots ``slots``): nothing of them here."""
 
     def before_refresh(self, sharded: ShardedOptimizer) -> None:
         pass

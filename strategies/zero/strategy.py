@@ -142,7 +142,7 @@ class ZeroStrategy(Strategy):
     # ------------------------------------------------------------------ set-up
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         assert self.module is not None, "setup_module must run before setup_optimizer"
-        self.stepper.check(self.stage, self.device, optimizer)
+        self.stepper.check(self.stage, self.device, optimizer, self.precision)
         groups = trainable_groups(optimizer, self.module)
         self._broadcast_extras()
         masters = []
@@ -270,7 +270,9 @@ class ZeroStrategy(Strategy):
     def zero_grad(self, which: int | None = None) -> None:
         """Zero the gradient partitions (optimizer ``which``'s only: the others accumulate on)."""
         self.stepper.zero(self.sharded)
-        self.grads.zero(self._slots(group_indices(self.optimizer, which)))
+        slots = self._slots(group_indices(self.optimizer, which))
+        self.grads.zero(slots)
+        self.stepper.zero_grads(slots)
 
     def _end_step(self) -> None:
         self.stepper.zero(self.sharded)

@@ -28,7 +28,7 @@ stays UNSHARDED; after each step it is refreshed with one all-gather, like ZeRO-
 from __future__ import annotations
 
 import enum
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -89,6 +89,10 @@ class Unit:
             self.working = (self.master if dtype == torch.float32
                             else torch.zeros(hi - lo, dtype=dtype, device=device))
         self.grad = torch.zeros(hi - lo, dtype=reduce_dtype, device=device)
+        #: where reduced gradients go instead of ``grad`` (offload's ``grad_device="nvme"``):
+        #: ``grad_sink(unit, reduced)`` with this rank's averaged partition; ``grad`` is then a
+        #: meta tensor (its shape, no memory)
+        self.grad_sink: Callable[[Unit, torch.Tensor], None] | None = None
         self.state = ShardState.UNSHARDED
         #: where this unit's collectives are filed and waited (the strategy's in-flight layer);
         #: its all-gather in flight is the entry filed under the unit itself
@@ -168,6 +172,12 @@ class Unit:
         self.inflight.push(InFlight(handles, keep, landed, f"zero3 gather {self.name or 'root'}"), self)
         return True
 
+    def prefetch_async(self, group: object = None, secondary: bool = False) -> bool:
+        """A gather ahead of use (the runtime's prefetch): ``unshard_async``. A unit whose gather
+        would overlap nothing may do less (offload's file-backed units on one rank only start
+        reading their file); returns whether it is gathering."""
+        return self.unshard_async(group, secondary)
+
     def wait(self) -> None:
         """GATHERING -> UNSHARDED (idempotent otherwise): wait for the data, bind the params."""
         if self.state is ShardState.GATHERING:
@@ -208,11 +218,11 @@ class Unit:
     def load_full(self, flat: torch.Tensor) -> None:
         """Take this rank's partition of the unit's full flat values (fp32 or working dtype, at
         least ``layout.numel`` elements) as master and working copy."""
-        mine = torch.zeros(self.hi - self.lo, dtype=torch.float32, device=self.device)
         lo, hi = self.lo, min(self.hi, self.layout.numel)
-        if hi > lo:
-            mine[:hi - lo].copy_(flat[lo:hi])
-        self.master.copy_(mine)
+        mine = max(0, hi - lo)
+        if mine:
+            self.master[:mine].copy_(flat[lo:hi])
+        self.master[mine:].zero_()
         if self.persistent:
             self.full[:self.layout.numel].copy_(flat[:self.layout.numel])
         elif self.working is not self.master:
@@ -276,7 +286,11 @@ class Unit:
             raise ValueError(f"reduce mode {mode!r}; valid choices: all_reduce, reduce_scatter, quantized")
 
         def add_mine() -> None:
-            self.grad.add_((mine if summed is None else summed()).div_(world))
+            reduced = (mine if summed is None else summed()).div_(world)
+            if self.grad_sink is None:
+                self.grad.add_(reduced)
+            else:
+                self.grad_sink(self, reduced)
             pool.release(space)
 
         queue.push(InFlight(handles, (space, *keep), add_mine, f"zero3 reduce {self.name or 'root'}"))

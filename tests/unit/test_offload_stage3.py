@@ -149,3 +149,86 @@ def test_parameter_shards_are_resident_only_while_used(tmp_path):
     assert max(seen) < total / 2, (seen, total)
     assert _mapped_rss(directory) <= 8192 * len(units)  # after the step (it touched every master)
     s.teardown()  # stops the I/O threads
+
+
+def _train_accumulating(strategy, sched, data, clip):
+    """Two micro-batches per step (the first under no_sync), clipping by norm or by value."""
+    for i in range(0, len(data), 2):
+        with strategy.no_sync():
+            strategy.backward(strategy.training_step(data[i], i))
+        strategy.backward(strategy.training_step(data[i + 1], i + 1))
+        if strategy.optimizer_step(*clip):
+            sched.step()
+
+
+@pytest.mark.parametrize("clip", [(0.05, "norm"), (0.01, "value"), (None, "norm")])
+def test_gradients_on_disk_give_the_same_bits_as_in_ram(tmp_path, clip):
+    """grad_device='nvme' against the same run with the gradient partition in RAM: equal weights
+    bit for bit after accumulated micro-batches and clipping, no gradient buffer in RAM, and the
+    backward wrote the reduce dtype's bytes of every sub-group per micro-batch."""
+    data = batches(8)
+    runs = {}
+    for where in ("cpu", "nvme"):
+        s, sched = make(offload("nvme+params", tmp_path, grad_device=where, reduce_dtype="bf16"), Deep())
+        _train_accumulating(s, sched, data, clip)
+        runs[where] = (s, weights(s))
+    s, got = runs["nvme"]
+    assert torch.equal(got, runs["cpu"][1])
+    assert all(u.grad.device.type == "meta" for u in s.units)
+    rep = s.offload_report()
+    assert rep["grad_device"] == "nvme"
+    padded = sum(s.stepper.swapped_grads.states.grad_region(k)[1] for k in range(len(s.sharded.subgroups)))
+    assert rep["grad_bytes_written"] == padded * len(data)  # every sub-group, every micro-batch
+    for r, _ in runs.values():
+        r.teardown()
+
+
+def test_gradients_on_disk_refuse_fp16_loss_scaling(tmp_path):
+    from zerotrain.strategies.precision import FP16Mixed
+
+    with pytest.raises(ValueError, match="grad_device='nvme' keeps no gradient in RAM.*'16-mixed'"):
+        make(offload("nvme", tmp_path, grad_device="nvme"), Deep(), FP16Mixed())
+
+
+def test_partitioned_build_keeps_its_chunks_in_files(tmp_path):
+    """param_device='nvme': ZeRO-3's partitioned build (the whole model on one rank) keeps its
+    chunks in unlinked files, not resident between uses, and they give the eager build's values."""
+    from zerotrain.examples.gpt import GPT, GPTConfig
+    from zerotrain.strategies.offload.param_swap import FileChunks
+    from zerotrain.strategies.zero.materialize import PartitionedBuild
+
+    cfg = GPTConfig(n_layer=2, n_head=4, n_embd=128, vocab_size=256, block_size=64)
+    torch.manual_seed(0)
+    ref = GPT(cfg)
+    chunks = FileChunks(str(tmp_path), min_bytes=16 << 10)  # the 64 KiB+ matrices go to files
+    with PartitionedBuild(0, 1, chunks=chunks) as build:
+        torch.manual_seed(0)
+        model = GPT(cfg)
+    big = sum(r.numel * 4 >= 16 << 10 for r in build.params.values())  # lm_head's untied one too
+    assert len(chunks._mapped) == big >= 8 and os.listdir(tmp_path) == []  # names removed at once
+    assert _mapped_rss(str(tmp_path)) <= 4096 * big  # a partial page each at most
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        out = torch.empty(p.numel())
+        build.take(p, out)
+        assert torch.equal(out, q.detach().reshape(-1)), name
+    build.release()
+    assert not chunks._mapped  # the chunks are freed with their mappings
+
+
+def test_one_rank_prefetch_of_file_backed_units_only_reads_ahead(tmp_path):
+    """One rank, parameter files: a prefetch would be a copy overlapping nothing, so it only
+    starts the file's readahead; no more than the unit in use (and the root) is ever gathered
+    (RAM units gather the next block ahead), and the weights are those without prefetch."""
+    ram, sched = make(ZeroStage3(prefetch_bucket_size=10**6), Deep(depth=4))
+    train(ram, sched, batches(4))
+    runs = {}
+    for ahead in (0, 10**6):
+        s, sched = make(offload("nvme+params", tmp_path / str(ahead), prefetch_bucket_size=ahead), Deep(depth=4))
+        train(s, sched, batches(4))
+        runs[ahead] = (s, weights(s))
+        s.teardown()
+    s = runs[10**6][0]
+    assert torch.equal(runs[10**6][1], runs[0][1])
+    root, block = s.units[0].numel, max(u.numel for u in s.units[1:])
+    assert ram.runtime.peak_live > root + block
+    assert s.runtime.peak_live == root + block

@@ -282,3 +282,24 @@ def test_mixed_precision_gathers_working_dtype_and_steps_fp32_masters(precision)
     assert all(u.master.dtype == torch.float32 for u in s.units)
     assert all(u.working.dtype == plugin.param_dtype for u in s.units if u.layout.numel)
     assert not all(torch.equal(a, u.master) for a, u in zip(before, s.units))
+
+
+def test_work_without_communication_lands_at_once():
+    """One rank: a reduction's handle is ``Done``, so the entry lands when pushed (its pooled
+    buffer goes back before the next unit's reduction takes one); real work stays in flight,
+    and a Done entry behind it waits its turn."""
+    from zerotrain.strategies.zero.comm import Done
+    from zerotrain.strategies.zero.inflight import InFlight, InFlightQueue
+
+    class Pending:
+        def wait(self):
+            return True
+
+    q, landed = InFlightQueue(max_in_flight=4), []
+    q.push(InFlight((Done(),), (), lambda: landed.append("a")))
+    assert landed == ["a"] and len(q) == 0
+    q.push(InFlight((Pending(),), (), lambda: landed.append("b")))
+    q.push(InFlight((Done(),), (), lambda: landed.append("c")))
+    assert landed == ["a"] and len(q) == 2  # order kept: c lands after b
+    q.wait_all()
+    assert landed == ["a", "b", "c"]

@@ -128,6 +128,17 @@ def test_largest_model_fits_and_one_percent_more_does_not(world, stage, opt_dev,
         assert n == pytest.approx(disk / per_param, rel=1e-6)
 
 
+def test_gradients_on_disk_move_the_partition_to_disk_and_stage_sub_groups():
+    psi, sub = 10**9, 4_000_000
+    a, b = (estimate_offload(psi, 1, 3, optimizer_state_dtype="bf16", grad_bytes=2, sub_group_size=sub,
+                             buffer_count=4, grad_device=d) for d in ("cpu", "nvme"))
+    assert (a.ram.grads, a.disk.grads) == (2 * psi, 0)
+    assert (b.ram.grads, b.disk.grads) == (4 * sub * 2, 2 * psi)  # 4 staged sub-groups of bf16
+    assert b.disk.total == 10 * psi  # 4 param file + 4 bf16 moments + 2 bf16 gradient
+    with pytest.raises(ValueError, match="grad_device='nvme' needs stage=3 and optimizer_device='nvme'"):
+        estimate_offload(10, stage=3, optimizer_device="cpu", grad_device="nvme")
+
+
 def test_offload_estimate_refuses_what_offload_refuses():
     with pytest.raises(ValueError, match="optimizer_state_dtype='bf16' needs optimizer_device='nvme'"):
         estimate_offload(10, optimizer_device="cpu", param_device="none", optimizer_state_dtype="bf16")
