@@ -104,7 +104,8 @@ def section(sweep: dict, tune: dict, capped: dict, cap: float, trained: bool, el
     band = [r for r in pruned if measured(r, 0) and not measured(r, margin)]  # under the cap, not the headroom
     under = [r for r in sweep["results"] if measured(r, margin)]
     lines = [f"### zerotrain-tune against an exhaustive sweep, {time.strftime('%Y-%m-%d %H:%M')}", "",
-             f"`python -m zerotrain.bench.tune_sweep` ({elapsed / 60:.1f} min). Overrides: "
+             f"`python -m zerotrain.bench.tune_sweep` ({elapsed / 60:.1f} min, of which the sweep "
+             f"{sweep['elapsed_s'] / 60:.1f} min). Overrides: "
              f"`{' '.join(sweep['overrides'])}`; {len(rows)} configurations; sweep: median of "
              f"{len(best['step_s'])} interleaved runs each.", "",
              "| | configuration | step (s), sweep | vs sweep's best |", "|---|---|---|---|"]
@@ -151,6 +152,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tune-repeats", type=int, default=2)
     ap.add_argument("--tune-steps", type=int, default=2)
     ap.add_argument("--keep-within", type=float, default=0.05)
+    ap.add_argument("--reuse-sweep", action="store_true",
+                    help="take the sweep from --out/sweep/tune_results.json of an earlier run (one that ended "
+                         "before its tune) instead of sweeping again; its time is then not in the total")
     ap.add_argument("--smoke", action="store_true",
                     help="the tiny GPT, 3 configurations, 1 step, 1 repeat: checks the script")
     args = ap.parse_args(argv)
@@ -164,8 +168,14 @@ def main(argv=None) -> int:
           f"~{expected_seconds(configs, args) / 60:.0f} min", flush=True)
     start = time.monotonic()
     out = os.path.abspath(args.out)
-    sweep = _tune(args, f"{out}/sweep", *space, "--repeats", str(args.sweep_repeats), "--keep-within", "inf",
-                  "--steps", str(args.sweep_steps), "--warmup-steps", "1")
+    done = f"{out}/sweep/tune_results.json"
+    if args.reuse_sweep and os.path.exists(done):
+        print(f"tune_sweep: the sweep of {time.ctime(os.path.getmtime(done))} from {done}", flush=True)
+        with open(done) as f:
+            sweep = json.load(f)
+    else:
+        sweep = _tune(args, f"{out}/sweep", *space, "--repeats", str(args.sweep_repeats), "--keep-within", "inf",
+                      "--steps", str(args.sweep_steps), "--warmup-steps", "1")
     tune = _tune(args, f"{out}/tune", *space, "--repeats", str(args.tune_repeats), "--keep-within", str(args.keep_within),
                  "--steps", str(args.tune_steps), "--warmup-steps", "1")
     cap = cap_excluding_ddp(sweep["results"], sweep["margin"])
@@ -176,7 +186,8 @@ def main(argv=None) -> int:
                    "--bucket-scales", "1", "--repeats", "1", "--steps", "1", "--warmup-steps", "1", "--name", "capped",
                    allow_none=True)
     trained = capped["winner"] is not None and _train_tuned(f"{out}/capped", "capped")
-    print("\n" + section(sweep, tune, capped, cap, trained, time.monotonic() - start))
+    elapsed = time.monotonic() - start + (sweep["elapsed_s"] if args.reuse_sweep and os.path.exists(done) else 0)
+    print("\n" + section(sweep, tune, capped, cap, trained, elapsed))
     return 0
 
 
