@@ -1,7 +1,11 @@
-"""Does ``zerotrain-tune`` pick well? The bench command (about 21 minutes on a quiet 2-core machine)::
+"""Does ``zerotrain-tune`` pick well? The bench command (about 27 minutes on a quiet 2-core machine,
+55 on a machine half as fast)::
 
-    python -m zerotrain.bench.tune_sweep --out /tmp/tune_sweep --sweep-repeats 2 --sweep-steps 2 \
-        --tune-repeats 2 --tune-steps 2 --keep-within 0.05
+    python -m zerotrain.bench.tune_sweep --out /tmp/tune_sweep --sweep-repeats 2 --sweep-steps 4 \
+        --tune-repeats 2 --tune-steps 4 --keep-within 0.05
+
+(four timed steps per run, after one warm-up step: with two, two runs of a configuration can
+differ by more than the configurations do)
 
 Its pick against an exhaustive sweep of the same space on the benchmark GPT (``model=gpt_21m
 model.vocab_size=16384``: 21.1M parameters, 4 layers, d=512, seq 256, 4 sequences per rank and
@@ -104,7 +108,7 @@ def section(sweep: dict, tune: dict, capped: dict, cap: float, trained: bool, el
     band = [r for r in pruned if measured(r, 0) and not measured(r, margin)]  # under the cap, not the headroom
     under = [r for r in sweep["results"] if measured(r, margin)]
     lines = [f"### zerotrain-tune against an exhaustive sweep, {time.strftime('%Y-%m-%d %H:%M')}", "",
-             f"`python -m zerotrain.bench.tune_sweep` ({elapsed / 60:.1f} min, of which the sweep "
+             f"`python -m zerotrain.bench.tune_sweep {' '.join(sys.argv[1:])}` ({elapsed / 60:.1f} min, of which the sweep "
              f"{sweep['elapsed_s'] / 60:.1f} min). Overrides: "
              f"`{' '.join(sweep['overrides'])}`; {len(rows)} configurations; sweep: median of "
              f"{len(best['step_s'])} interleaved runs each.", "",
@@ -148,9 +152,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="tune_sweep")
     ap.add_argument("--sweep-repeats", type=int, default=2)
-    ap.add_argument("--sweep-steps", type=int, default=2)
+    ap.add_argument("--sweep-steps", type=int, default=4)
     ap.add_argument("--tune-repeats", type=int, default=2)
-    ap.add_argument("--tune-steps", type=int, default=2)
+    ap.add_argument("--tune-steps", type=int, default=4)
     ap.add_argument("--keep-within", type=float, default=0.05)
     ap.add_argument("--reuse-sweep", action="store_true",
                     help="take the sweep from --out/sweep/tune_results.json of an earlier run (one that ended "
