@@ -61,7 +61,7 @@ def worker(args: argparse.Namespace) -> None:
 
     spec = MODELS[args.model]
     name, options = CASES[args.case]
-    module = GPTModule(spec.config(), batch_size=spec.micro_batch, max_steps=args.steps, warmup_steps=1,
+    module = GPTModule(spec.config(), batch_size=spec.micro_batch if args.micro_batch is None else args.micro_batch, max_steps=args.steps, warmup_steps=1,
                        val_fraction=0, max_bytes=2_000_000)
     monitor = ResourceMonitor(warmup_steps=args.warmup, print_summary=True)
     clock = WallClock()  # after the monitor: it reads the other clock right after each step closes
@@ -84,6 +84,8 @@ def worker(args: argparse.Namespace) -> None:
 def run_case(args: argparse.Namespace, case: str, result: str) -> dict:
     cmd = [sys.executable, "-m", "zerotrain.bench.monitor_bench", "--worker", "--case", case, "--model", args.model,
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--nproc", str(args.nproc), "--result", result]
+    if args.micro_batch is not None:
+        cmd += ["--micro-batch", str(args.micro_batch)]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     subprocess.run(cmd, check=True, env=env, timeout=args.timeout)
     with open(result) as f:
@@ -92,7 +94,8 @@ def run_case(args: argparse.Namespace, case: str, result: str) -> dict:
 
 def render(args: argparse.Namespace, results: dict[str, list[dict]]) -> str:
     head = "| case | " + " | ".join(f"{k} ms (share)" if k != "step" else "step ms" for k in SHOWN) + " |"
-    lines = [f"`python -m zerotrain.bench.monitor_bench --model {args.model} --steps {args.steps} --warmup "
+    mb = "" if args.micro_batch is None else f" --micro-batch {args.micro_batch}"
+    lines = [f"`python -m zerotrain.bench.monitor_bench --model {args.model}{mb} --steps {args.steps} --warmup "
              f"{args.warmup} --repeats {args.repeats} --nproc {args.nproc}` (median over repeats, mean over ranks; "
              "comm_overlapped is not part of the step's sum)", "", head, "|" + "---|" * (len(SHOWN) + 1)]
     for case, runs in results.items():
@@ -146,6 +149,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2, help="first steps left out of the means")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--cases", default=",".join(CASES))
+    p.add_argument("--micro-batch", type=int, default=None,
+                   help="sequences per rank and step (default: the model's, bench/common.py); fewer make "
+                        "compute smaller beside the same communication")
     add_job_arguments(p, timeout=1800)
     p.add_argument("--out", help="append the table to this Markdown file")
     return p.parse_args(argv)

@@ -164,7 +164,8 @@ def run_child(spec: dict) -> dict:
         if config == "offload_nvme":
             kw.update(optimizer_device="nvme", nvme_path=spec["nvme_path"],
                       param_device="nvme" if stage == 3 else "none",
-                      optimizer_state_dtype=spec["optimizer_state_dtype"], grad_device=spec["grad_device"])
+                      optimizer_state_dtype=spec["optimizer_state_dtype"], grad_device=spec["grad_device"],
+                      param_dtype=spec.get("param_dtype", "auto"))
         strategy = Offload(**kw)
     timer = Timer()
     trainer = Trainer(strategy=strategy, devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
@@ -312,7 +313,8 @@ def disk_plan(n: int, args: argparse.Namespace) -> dict:
 
     opts = dict(stage=3, precision="32", optimizer_device="nvme", param_device="nvme",
                 optimizer_state_dtype=args.optimizer_state_dtype, grad_bytes=2 if args.reduce_dtype == "bf16" else 4,
-                sub_group_size=args.sub_group_size, buffer_count=args.buffer_count, grad_device=args.grad_device)
+                sub_group_size=args.sub_group_size, buffer_count=args.buffer_count, grad_device=args.grad_device,
+                param_dtype=args.param_dtype)
     disk = estimate_offload(n, 1, **opts).disk.total
     free = shutil.disk_usage(args.nvme_path).free
     bound = largest_offload_model(float("inf"), max(0, free - DISK_MARGIN), 1, **opts)
@@ -337,8 +339,10 @@ def search(config: str, shapes: list[Shape], args: argparse.Namespace, cap: int)
                 "threads": args.threads, "nvme_path": args.nvme_path, "sub_group_size": args.sub_group_size,
                 "buffer_count": args.buffer_count, "reduce_dtype": args.reduce_dtype, "bucket": args.bucket,
                 "optimizer_state_dtype": args.optimizer_state_dtype, "grad_device": args.grad_device,
+                "param_dtype": args.param_dtype,
                 # address space: the cap + headroom, + the parameter files ZeRO-3 maps (not RAM)
-                "as_limit": int(cap + args.as_headroom_gb * GiB + (4 * n if config == "offload_nvme" else 0))}
+                "as_limit": int(cap + args.as_headroom_gb * GiB
+                                + ((6 if args.param_dtype == "bf16" else 4) * n if config == "offload_nvme" else 0))}
         row.update(run_candidate(spec, cap, args.timeout_s))
         if row.get("ok") and config == "offload_nvme" and args.disk_bandwidth:
             row.update(disk_bound(row, args.disk_bandwidth))
@@ -387,6 +391,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--grad-device", default="cpu", choices=("cpu", "nvme"),
                    help="offload_nvme: where the gradient partition waits for the step (nvme: in the swap "
                         "files, --reduce-dtype bytes/param more on disk, none in RAM)")
+    p.add_argument("--param-dtype", default="auto", choices=("auto", "bf16"),
+                   help="offload_nvme: the parameter files' working dtype (bf16: a bf16 shard the gathers read, "
+                        "beside the fp32 master: 2 B/param more on disk, half the bytes read per gather)")
     p.add_argument("--bucket", type=int, default=5_000_000,
                    help="elements: ZeRO-2 reduce/all-gather buckets, ZeRO-3 prefetch")
     p.add_argument("--as-headroom-gb", type=float, default=3.0)

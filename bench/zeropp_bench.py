@@ -6,9 +6,10 @@
 
 ``--part losses``: the demo GPT (``GPTModule``'s default shape: 4 layers, d=256, byte tokens, the
 stdlib corpus) for ``--steps`` steps under zero3 exact (fp32 communication), zero3 with qwZ, with
-qgZ, with both, and zero2 with qgZ against zero2 exact (``--cases nvme,nvme_bf16,nvme_bf16grads``:
-ZeRO-3 with NVMe offload, its Adam moments in bf16, and those with the gradients on disk, against
-the fp32-state run). Reported: each run's final loss (mean of
+qgZ, with both, and zero2 with qgZ against zero2 exact
+(``--cases nvme,nvme_bf16,nvme_bf16grads,nvme_bf16params,nvme_bf16all``:
+ZeRO-3 with NVMe offload, its Adam moments in bf16, those with the gradients on disk, bf16
+parameter files, and bf16 moments with bf16 parameter files, against the fp32-state run). Reported: each run's final loss (mean of
 the last 10 steps, rank 0's micro-batches) and its relative distance to the exact run of its stage
 (the issue's bound: within 1%), and the largest per-step distance.
 
@@ -40,7 +41,7 @@ LOSS_CASES = {
     "zero2": ("zero2", {}),
     "zero2_qg": ("zero2", {"quantize_gradients": True}),
 }
-#: issue 17's loss check (not run by default: ``--cases nvme,nvme_bf16,nvme_bf16grads``): ZeRO-3 with
+#: issue 17's loss check (not run by default: ``--cases nvme,nvme_bf16,...``): ZeRO-3 with
 #: Adam state and parameter shards on NVMe, fp32 compute; the moments in bf16 (stochastically
 #: rounded); and bf16 moments with the gradient partition on disk too (bit for bit the run before)
 _NVME = {"stage": 3, "param_device": "nvme"}
@@ -48,6 +49,8 @@ OFFLOAD_CASES = {
     "nvme": ("offload_nvme", _NVME),
     "nvme_bf16": ("offload_nvme", {**_NVME, "optimizer_state_dtype": "bf16"}),
     "nvme_bf16grads": ("offload_nvme", {**_NVME, "optimizer_state_dtype": "bf16", "grad_device": "nvme"}),
+    "nvme_bf16params": ("offload_nvme", {**_NVME, "param_dtype": "bf16"}),
+    "nvme_bf16all": ("offload_nvme", {**_NVME, "optimizer_state_dtype": "bf16", "param_dtype": "bf16"}),
 }
 SPEED_CASES = {
     "ddp": ("ddp", {}),

@@ -17,6 +17,9 @@ PARAM_DEVICES = ("none", "cpu", "nvme")
 GRAD_DEVICES = ("cpu", "nvme")
 #: dtypes the swap files may hold Adam's moments in (the fp32 master is always fp32)
 STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+#: dtypes ZeRO-3's parameter files may hold the working shards in ("auto": the precision's
+#: working dtype; the fp32 master is always fp32)
+PARAM_DTYPES = {"auto": None, "bf16": torch.bfloat16}
 
 @dataclass(frozen=True)
 class OffloadPolicy:
@@ -54,6 +57,14 @@ class OffloadPolicy:
     #: step, and a read-back per extra micro-batch). "nvme" needs stage=3, optimizer_device="nvme"
     #: and no fp16 loss scaling
     grad_device: str = "cpu"
+    #: dtype of ZeRO-3's working parameter shards in their files: "auto" (the precision's working
+    #: dtype: in fp32 compute the fp32 file is the master itself) or "bf16" (in fp32 compute: a bf16
+    #: shard file, which the forward and backward gathers read and upcast to fp32, beside an fp32
+    #: master file the optimizer steps: 2 B/param read per gather instead of 4, for 2 B/param
+    #: more on disk; the forward sees bf16-rounded weights; the small parameters ZeRO-3 keeps
+    #: gathered in RAM, param_persistence_threshold, stay fp32). "bf16" needs param_device="nvme";
+    #: under bf16-mixed it is what "auto" does
+    param_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         for f in ("buffer_count", "sub_group_size", "io_threads", "io_block_size"):
@@ -64,6 +75,11 @@ class OffloadPolicy:
         check_choice("Offload", "param_device", self.param_device, PARAM_DEVICES)
         check_choice("Offload", "optimizer_state_dtype", self.optimizer_state_dtype, STATE_DTYPES)
         check_choice("Offload", "grad_device", self.grad_device, GRAD_DEVICES)
+        check_choice("Offload", "param_dtype", self.param_dtype, PARAM_DTYPES)
+        if self.param_dtype != "auto" and self.param_device != "nvme":
+            raise ValueError(f"Offload: param_dtype={self.param_dtype!r} is the dtype of ZeRO-3's parameter "
+                             f"files, and param_device={self.param_device!r} keeps no parameter files; "
+                             f"valid: param_device='nvme', or param_dtype='auto'")
         if self.grad_device == "nvme" and self.optimizer_device != "nvme":
             raise ValueError(f"Offload: grad_device='nvme' writes the gradients into the optimizer's swap "
                              f"files, and optimizer_device={self.optimizer_device!r} has none; valid: "

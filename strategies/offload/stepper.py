@@ -37,7 +37,7 @@ import torch
 from ..zero.estimate import format_bytes
 from ..zero.sharded_optimizer import ShardedOptimizer
 from .aio import AsyncFileIO, DirectIOProbe, probe_direct_io
-from .config import STATE_DTYPES, OffloadPolicy
+from .config import PARAM_DTYPES, STATE_DTYPES, OffloadPolicy
 from .grad_swap import SwappedGrads
 from .optimizer import OffloadedAdam, TorchOffload, fused_path_refusal
 from .param_swap import FileChunks, ShardPager, swap_unit_to_files
@@ -98,6 +98,12 @@ class OffloadStepper:
             raise ValueError(f"Offload: grad_device='nvme' keeps no gradient in RAM, and precision "
                              f"{getattr(precision, 'name', precision)!r} unscales and checks the gradients "
                              f"there for overflow; valid: precision '32' or 'bf16-mixed', or grad_device='cpu'")
+        working = getattr(precision, "param_dtype", torch.float32)
+        if cfg.param_dtype != "auto" and working not in (torch.float32, PARAM_DTYPES[cfg.param_dtype]):
+            raise ValueError(f"Offload: param_dtype={cfg.param_dtype!r} with precision "
+                             f"{getattr(precision, 'name', precision)!r}, whose working parameters are {working}; "
+                             f"valid: precision '32' (or 'bf16-mixed', where the shards are bf16 anyway), "
+                             f"or param_dtype='auto'")
         refusal = fused_path_refusal(optimizer)
         if refusal and cfg.optimizer_device == "nvme":
             raise ValueError(
@@ -117,6 +123,14 @@ class OffloadStepper:
             unit.grad_sink = self._gradient_landed
         if self.policy.param_device != "nvme":
             return
+        low = PARAM_DTYPES[self.policy.param_dtype]
+        if low is not None and not unit.persistent and unit.working is unit.master:
+            # fp32 compute with bf16 shard files: a separate working shard, which the kernel
+            # rewrites from the stepped master (param_out) and the gathers upcast (Unit.unshard_async)
+            if unit.quant.weights:
+                raise ValueError(f"Offload: param_dtype={self.policy.param_dtype!r} with quantize_weights=True "
+                                 f"is not built; valid: one of them")
+            unit.working = unit.master.to(low)
         swap_unit_to_files(unit, self._parameter_directory(rank))
         self._param_shards.extend(getattr(unit, "shards", ()))
 

@@ -87,6 +87,8 @@ OFFLOAD_STAGES = (2, 3)
 OPTIMIZER_DEVICES = ("cpu", "nvme")
 PARAM_DEVICES = ("none", "cpu", "nvme")
 GRAD_DEVICES = ("cpu", "nvme")
+#: ZeRO-3 parameter files' working dtype (``OffloadPolicy.param_dtype``)
+PARAM_DTYPES = ("auto", "bf16")
 
 
 @dataclass(frozen=True)
@@ -103,7 +105,7 @@ def estimate_offload(num_params: int, world_size: int = 1, stage: int = 3, preci
                      optimizer_device: str = "nvme", param_device: str = "nvme",
                      optimizer_state_dtype: str = "fp32", grad_bytes: int | None = None,
                      sub_group_size: int = 10_000_000, buffer_count: int = 4,
-                     grad_device: str = "cpu") -> OffloadBytes:
+                     grad_device: str = "cpu", param_dtype: str = "auto") -> OffloadBytes:
     """Per-rank bytes of ``Offload(stage, optimizer_device, param_device, optimizer_state_dtype)``
     as it lays things out (page padding of the swap files aside). With ``Psi`` parameters, shard
     ``S = ceil(Psi / world_size)``, working bytes ``p`` (4 fp32, 2 mixed), gradient bytes ``g``
@@ -115,7 +117,8 @@ def estimate_offload(num_params: int, world_size: int = 1, stage: int = 3, preci
       (stage 3 with ``optimizer_device="nvme"``), ``buffer_count`` sub-groups of it staged in RAM;
     * fp32 master: none of its own in fp32 compute (the working parameters are the master);
       mixed: ``4 * S`` beside the working shard (stage 3 parameter files), in the swap files
-      (stage 2 with ``optimizer_device="nvme"``) or in RAM;
+      (stage 2 with ``optimizer_device="nvme"``) or in RAM; ``param_dtype="bf16"`` in fp32
+      compute: a bf16 working shard (``p = 2``) beside the fp32 master in the parameter files;
     * Adam's moments: ``2 * s * S``, in the swap files with ``optimizer_device="nvme"``, else in
       RAM (fp32: ``optimizer_state_dtype="bf16"`` needs NVMe);
     * with swap files, ``buffer_count`` staging buffers of one sub-group's swapped bytes in RAM.
@@ -125,7 +128,8 @@ def estimate_offload(num_params: int, world_size: int = 1, stage: int = 3, preci
     for name, value, valid in (("optimizer_device", optimizer_device, OPTIMIZER_DEVICES),
                                ("param_device", param_device, PARAM_DEVICES),
                                ("optimizer_state_dtype", optimizer_state_dtype, tuple(STATE_DTYPE_BYTES)),
-                               ("grad_device", grad_device, GRAD_DEVICES)):
+                               ("grad_device", grad_device, GRAD_DEVICES),
+                               ("param_dtype", param_dtype, PARAM_DTYPES)):
         if value not in valid:
             raise ValueError(f"{name}={value!r}; valid choices: {', '.join(valid)}")
     if param_device != "none" and stage != 3:
@@ -136,8 +140,13 @@ def estimate_offload(num_params: int, world_size: int = 1, stage: int = 3, preci
     if grad_device == "nvme" and (stage != 3 or optimizer_device != "nvme"):
         raise ValueError(f"grad_device='nvme' needs stage=3 and optimizer_device='nvme'; valid with stage={stage}, "
                          f"optimizer_device={optimizer_device!r}: 'cpu'")
+    if param_dtype != "auto" and param_device != "nvme":
+        raise ValueError(f"param_dtype={param_dtype!r} needs param_device='nvme'; valid with "
+                         f"param_device={param_device!r}: 'auto'")
     p, g, m, _ = PRECISION_BYTES[_precision(precision)]
     g = g if grad_bytes is None else grad_bytes
+    if param_dtype == "bf16" and m == 0:  # fp32 compute: a bf16 working shard beside the fp32 master
+        p, m = 2, 4
     shard = math.ceil(_whole(num_params, "num_params") / _whole(world_size, "world_size", 1))
     params = p * (num_params if stage == 2 else shard)
     master, moments = m * shard, 2 * STATE_DTYPE_BYTES[optimizer_state_dtype] * shard
@@ -284,6 +293,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     off.add_argument("--grad-bytes", type=int, help="gradient partition bytes/param (default: the precision's)")
     off.add_argument("--grad-device", choices=GRAD_DEVICES, default="cpu",
                      help="where the gradient partition waits for the step (nvme: stage 3, in the swap files)")
+    off.add_argument("--param-dtype", choices=PARAM_DTYPES, default="auto",
+                     help="ZeRO-3 parameter files' working dtype (bf16: beside an fp32 master in fp32 compute)")
     off.add_argument("--sub-group-size", type=int, default=10_000_000)
     off.add_argument("--buffer-count", type=int, default=4)
     off.add_argument("--ram-gb", type=float, help="the machine's RAM for model states (GiB): with "
@@ -303,7 +314,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         ap.error("give --num-params, or both --n-layer and --n-embd")
     offload = [args.offload_stage, args.optimizer_device, args.param_device, args.ram_gb, args.disk_gb]
-    if all(v is None for v in offload) and args.optimizer_state_dtype == "fp32":
+    if all(v is None for v in offload) and args.optimizer_state_dtype == "fp32" and args.param_dtype == "auto":
         print(format_table(num_params, args.world_size, args.precision or "bf16-mixed", args.optimizer_bytes))
         return 0
     if (args.ram_gb is None) != (args.disk_gb is None):
@@ -312,7 +323,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     options = dict(stage=stage, optimizer_device=args.optimizer_device or "nvme",
                    param_device=args.param_device or ("nvme" if stage == 3 else "none"),
                    optimizer_state_dtype=args.optimizer_state_dtype, grad_bytes=args.grad_bytes,
-                   sub_group_size=args.sub_group_size, buffer_count=args.buffer_count, grad_device=args.grad_device)
+                   sub_group_size=args.sub_group_size, buffer_count=args.buffer_count, grad_device=args.grad_device,
+                   param_dtype=args.param_dtype)
     try:
         print(format_offload_table(num_params, args.world_size, args.precision or "32", args.ram_gb, args.disk_gb,
                                    **options))

@@ -6,7 +6,8 @@ Storage (``P`` = this rank's partition of the unit's padded flat layout, see ``l
 * ``master``: fp32, ``P`` elements - the only persistent copy of the values; the optimizer steps on
   views of it (``unit_plan.optimizer_runs``);
 * ``working``: the all-gather's input, ``P`` elements in the working dtype - the master itself in
-  fp32, a copy refreshed after every step otherwise;
+  fp32, a copy refreshed after every step otherwise (offload's bf16 parameter files in fp32
+  compute: a bf16 copy, gathered and upcast into ``full``, see :func:`cast_gather`);
 * ``grad``: ``P`` elements in the reduction dtype, where reduced gradients accumulate;
 * ``full``: the gathered flat buffer (all ranks' partitions side by side, the layout of
   ``all_gather_into_tensor``'s output). Its storage is resized to 0 bytes when sharded and back
@@ -60,6 +61,19 @@ def placeholder(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> 
 def is_placeholder(t: torch.Tensor) -> bool:
     base = _PLACEHOLDERS.get((t.dtype, t.device))
     return base is not None and t.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
+
+
+def cast_gather(full: torch.Tensor, mine: torch.Tensor, group: object = None):
+    """The all-gather of shards kept in a lower dtype than the gathered values (offload's
+    ``param_dtype="bf16"`` in fp32 compute): gathered in ``mine``'s dtype into a staging buffer,
+    upcast into ``full`` when it lands (:meth:`Quantization.gather`'s shape)."""
+    staged = torch.empty(full.numel(), dtype=mine.dtype, device=full.device)
+    handles, keep, _ = exact_gather(staged, mine, group)
+
+    def arrive() -> torch.Tensor:
+        return full.copy_(staged)
+
+    return handles, (*keep, staged), arrive
 
 
 class Unit:
@@ -156,7 +170,8 @@ class Unit:
         if secondary and self.secondary_valid:
             handles, keep, arrive = exact_gather(self.full, self.secondary, self.node_group)
         else:
-            gather = self.quant.gather if self.quant.weights else exact_gather
+            gather = self.quant.gather if self.quant.weights else \
+                exact_gather if self.working.dtype == self.full.dtype else cast_gather
             handles, keep, arrive = gather(self.full, self.working, group)
         self.state = ShardState.GATHERING
 

@@ -139,6 +139,21 @@ def test_gradients_on_disk_move_the_partition_to_disk_and_stage_sub_groups():
         estimate_offload(10, stage=3, optimizer_device="cpu", grad_device="nvme")
 
 
+def test_bf16_parameter_files_add_a_bf16_shard_beside_the_fp32_master():
+    psi = 10**9
+    a, b = (estimate_offload(psi, 1, 3, optimizer_state_dtype="bf16", grad_bytes=2, param_dtype=d)
+            for d in ("auto", "bf16"))
+    assert (a.disk.params, a.disk.master) == (4 * psi, 0)  # fp32 compute: the file is the master
+    assert (b.disk.params, b.disk.master) == (2 * psi, 4 * psi)
+    assert b.disk.total == a.disk.total + 2 * psi and b.ram.total == a.ram.total
+    # under bf16-mixed the working shard is bf16 anyway: the option changes nothing
+    assert estimate_offload(psi, 1, 3, "bf16-mixed", param_dtype="bf16") == estimate_offload(psi, 1, 3, "bf16-mixed")
+    with pytest.raises(ValueError, match="param_dtype='bf16' needs param_device='nvme'"):
+        estimate_offload(10, stage=3, param_device="cpu", param_dtype="bf16")
+    with pytest.raises(ValueError, match="param_dtype='fp16'; valid choices: auto, bf16"):
+        estimate_offload(10, param_dtype="fp16")
+
+
 def test_offload_estimate_refuses_what_offload_refuses():
     with pytest.raises(ValueError, match="optimizer_state_dtype='bf16' needs optimizer_device='nvme'"):
         estimate_offload(10, optimizer_device="cpu", param_device="none", optimizer_state_dtype="bf16")
