@@ -165,8 +165,8 @@ class SwappedUnit(Unit):
         super().reshard()
         self.release()
 
-    def refresh(self, group: object = None) -> None:
-        super().refresh(group)
+    def refresh(self, group: object = None, copy: bool = True) -> None:
+        super().refresh(group, copy)
         self.release()
 
     def release(self) -> None:

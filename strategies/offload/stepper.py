@@ -70,6 +70,7 @@ class OffloadStepper:
         self.io: AsyncFileIO | None = None
         self.direct_io = DirectIOProbe(False, "no swap files")  # what set-up detected
         self._clip_coef = 1.0
+        self._wrote_working = False  # the last step wrote the working shards (took_working)
         self._param_dir: str | None = None
         self._param_shards: list = []
         self._unit_order: list | None = None  # ZeRO-3: see page_units
@@ -265,6 +266,7 @@ class OffloadStepper:
         loss scale the host gradient copies still carry (the transfer says which: the GPU path
         copies them during backward, before the plugin unscaled the device partitions)."""
         sharded.step(grad_scale=self._clip_coef / self.transfer.host_grad_scale(loss_scale))
+        self._wrote_working = True
 
     def zero(self, sharded: Any) -> None:
         """End of a step (and zeroing): the folded clip coefficient was this step's only."""
@@ -282,6 +284,13 @@ class OffloadStepper:
 
     def before_refresh(self, sharded: Any) -> None:
         sharded.import_loaded_state()  # after ZeRO-3's own loads (optimizer.load_state_dict)
+
+    def took_working(self) -> bool:
+        """ZeRO-3, before it refreshes the working shards: True right after a step (the kernel, or
+        the host step, wrote each stepped sub-group's working values from its new master), so the
+        shards need no second copy; False after a load (the stage filled the masters only)."""
+        wrote, self._wrote_working = self._wrote_working, False
+        return wrote
 
     def updated(self, sharded: Any, working: list[torch.Tensor]) -> list[torch.Tensor]:
         """What stages 1/2 all-gather after a step: the kernel already wrote the working

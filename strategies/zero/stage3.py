@@ -242,8 +242,9 @@ class ZeroStage3(ZeroStrategy):
         from the masters (and all-gather the persistent parameters)."""
         self.stepper.before_refresh(self.sharded)
         self.runtime.free_all()
+        copy = not self.stepper.took_working()
         for u in self.units:
-            u.refresh(self.group)
+            u.refresh(self.group, copy=copy)
 
     # ------------------------------------------------------------------ checkpoints
     def full_state_dict(self) -> dict[str, torch.Tensor]:

@@ -83,6 +83,11 @@ class ShardedStepper:
     def before_refresh(self, sharded: ShardedOptimizer) -> None:
         pass
 
+    def took_working(self) -> bool:
+        """ZeRO-3, before it refreshes the working shards: did the last step write them already?
+        (No: the optimizer steps the masters; a low-precision working shard is copied from them.)"""
+        return False
+
     def updated(self, sharded: ShardedOptimizer, working: list[torch.Tensor]) -> list[torch.Tensor]:
         """What stages 1/2 all-gather after a step: the updated master slices."""
         return [m.detach() for m in sharded.masters]

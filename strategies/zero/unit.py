@@ -243,10 +243,12 @@ class Unit:
         elif self.working is not self.master:
             self.working.copy_(self.master)
 
-    def refresh(self, group: object = None) -> None:
-        """Collective for a persistent unit: make the working values match the stepped master."""
+    def refresh(self, group: object = None, copy: bool = True) -> None:
+        """Collective for a persistent unit: make the working values match the stepped master
+        (``copy=False``: the step wrote them already, as offload's kernel does; only the
+        persistent all-gather is left)."""
         self.drop_secondary()
-        if self.working is not self.master:
+        if copy and self.working is not self.master:
             self.working.copy_(self.master)
         if self.persistent and self.layout.padded_numel:
             mine = self.working.clone()  # the all-gather's input must not alias its output
