@@ -43,7 +43,8 @@ LOSS_CASES = {
 }
 #: issue 17's loss check (not run by default: ``--cases nvme,nvme_bf16,...``): ZeRO-3 with
 #: Adam state and parameter shards on NVMe, fp32 compute; the moments in bf16 (stochastically
-#: rounded); and bf16 moments with the gradient partition on disk too (bit for bit the run before)
+#: rounded); bf16 moments with the gradient partition on disk too (bit for bit the run before); bf16
+#: parameter files beside the fp32 master (param_dtype), alone and with bf16 moments
 _NVME = {"stage": 3, "param_device": "nvme"}
 OFFLOAD_CASES = {
     "nvme": ("offload_nvme", _NVME),
