@@ -140,11 +140,33 @@ def run_child(spec: dict) -> dict:
 
             self.disk: list[dict[str, int]] = []  # per step: bytes this process made the disk move
 
+            #: per step: (phase, seconds, bytes read, bytes written) between the step's marks
+            self.phases: list[list[tuple[str, float, int, int]]] = []
+
+        def _mark(self, phase: str) -> None:
+            """Close the phase that ran since the last mark (its time and disk traffic)."""
+            t, io = time.perf_counter(), proc_io()
+            self.phases[-1].append((phase, t - self._mt, io["read"] - self._mio["read"],
+                                    io["written"] - self._mio["written"]))
+            self._mt, self._mio = t, io
+
         def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
             self._io = proc_io()
             self._t = time.perf_counter()
+            self._mt, self._mio = self._t, self._io
+            self.phases.append([])
+
+        def on_before_backward(self, trainer, module, loss) -> None:
+            self._mark("forward")
+
+        def on_after_backward(self, trainer, module) -> None:
+            self._mark("backward")
+
+        def on_before_optimizer_step(self, trainer, module, optimizer) -> None:
+            self._mark("before step")
 
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+            self._mark("step")
             self.times.append(time.perf_counter() - self._t)
             io = proc_io()
             self.disk.append({k: io[k] - self._io[k] for k in io})
@@ -165,7 +187,7 @@ def run_child(spec: dict) -> dict:
             kw.update(optimizer_device="nvme", nvme_path=spec["nvme_path"],
                       param_device="nvme" if stage == 3 else "none",
                       optimizer_state_dtype=spec["optimizer_state_dtype"], grad_device=spec["grad_device"],
-                      param_dtype=spec.get("param_dtype", "auto"))
+                      param_dtype=spec.get("param_dtype", "auto"), grad_buffer_count=spec.get("grad_buffer_count"))
         strategy = Offload(**kw)
     timer = Timer()
     trainer = Trainer(strategy=strategy, devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
@@ -176,6 +198,7 @@ def run_child(spec: dict) -> dict:
         trainer.strategy.teardown()  # removes the swap files now
     return {"ok": True, "stage": stage if config != "plain" else None, "step_s": timer.times[-1],
             "step_times": timer.times, "losses": timer.losses, "disk_io": timer.disk,
+            "phases": timer.phases,
             "io_mode": report.get("io_mode"),
             "disk_bytes": report.get("disk_bytes", 0) + report.get("param_disk_bytes", 0),
             "child_peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
@@ -314,7 +337,7 @@ def disk_plan(n: int, args: argparse.Namespace) -> dict:
     opts = dict(stage=3, precision="32", optimizer_device="nvme", param_device="nvme",
                 optimizer_state_dtype=args.optimizer_state_dtype, grad_bytes=2 if args.reduce_dtype == "bf16" else 4,
                 sub_group_size=args.sub_group_size, buffer_count=args.buffer_count, grad_device=args.grad_device,
-                param_dtype=args.param_dtype)
+                param_dtype=args.param_dtype, grad_buffer_count=args.grad_buffer_count)
     disk = estimate_offload(n, 1, **opts).disk.total
     free = shutil.disk_usage(args.nvme_path).free
     bound = largest_offload_model(float("inf"), max(0, free - DISK_MARGIN), 1, **opts)
@@ -339,7 +362,7 @@ def search(config: str, shapes: list[Shape], args: argparse.Namespace, cap: int)
                 "threads": args.threads, "nvme_path": args.nvme_path, "sub_group_size": args.sub_group_size,
                 "buffer_count": args.buffer_count, "reduce_dtype": args.reduce_dtype, "bucket": args.bucket,
                 "optimizer_state_dtype": args.optimizer_state_dtype, "grad_device": args.grad_device,
-                "param_dtype": args.param_dtype,
+                "param_dtype": args.param_dtype, "grad_buffer_count": args.grad_buffer_count,
                 # address space: the cap + headroom, + the parameter files ZeRO-3 maps (not RAM)
                 "as_limit": int(cap + args.as_headroom_gb * GiB
                                 + ((6 if args.param_dtype == "bf16" else 4) * n if config == "offload_nvme" else 0))}
@@ -365,6 +388,10 @@ def _print_row(row: dict) -> None:
           f"peak RSS {row.get('peak_rss', 0) / GiB:6.2f} GiB  {what}{disk}", flush=True)
     if row.get("ok"):
         print(f"                losses {', '.join(f'{x:.4f}' for x in row['losses'])}", flush=True)
+    if row.get("ok") and row.get("phases"):  # the last step, phase by phase
+        parts = [f"{name} {sec:.1f} s ({rd / 1e9:.1f} GB r, {wr / 1e9:.1f} GB w)"
+                 for name, sec, rd, wr in row["phases"][-1] if sec >= 0.05 or rd or wr]
+        print(f"                last step: {'; '.join(parts)}", flush=True)
     if "bound_s" in row:
         print(f"                last step moved {row['step_read'] / 1e9:.1f} GB read + {row['step_written'] / 1e9:.1f} GB "
               f"written: disk bound {row['bound_s']:.1f} s, step {row['vs_bound']:.2f}x the bound", flush=True)
@@ -394,6 +421,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--param-dtype", default="auto", choices=("auto", "bf16"),
                    help="offload_nvme: the parameter files' working dtype (bf16: a bf16 shard the gathers read, "
                         "beside the fp32 master: 2 B/param more on disk, half the bytes read per gather)")
+    p.add_argument("--grad-buffer-count", type=int, default=None,
+                   help="offload_nvme with --grad-device nvme: staging buffers for backward's gradient writes "
+                        "(how many sub-groups' writes may be in flight; default: --buffer-count)")
     p.add_argument("--bucket", type=int, default=5_000_000,
                    help="elements: ZeRO-2 reduce/all-gather buckets, ZeRO-3 prefetch")
     p.add_argument("--as-headroom-gb", type=float, default=3.0)

@@ -38,6 +38,12 @@ class OffloadPolicy:
     pin_memory: bool = True
     #: staging buffers for swapped sub-groups (2 = double buffering; 4 also overlaps write-backs)
     buffer_count: int = 4
+    #: ``grad_device="nvme"``: staging buffers (one sub-group's gradient each) for backward's
+    #: gradient writes, i.e. how many may be in flight before backward waits for the disk. None:
+    #: ``buffer_count``. A unit has about (its partition / ``sub_group_size``) sub-groups; with
+    #: that many or more its whole gradient is written behind the next unit's backward, for that
+    #: much RAM (reduce-dtype bytes of the unit's partition)
+    grad_buffer_count: Optional[int] = None
     #: elements of this rank's partition stepped (and swapped) together
     sub_group_size: int = 10_000_000
     #: threads doing swap-file I/O
@@ -69,6 +75,14 @@ class OffloadPolicy:
     def __post_init__(self) -> None:
         for f in ("buffer_count", "sub_group_size", "io_threads", "io_block_size"):
             object.__setattr__(self, f, whole_number("Offload", f, getattr(self, f), 1))
+        if self.grad_buffer_count is not None:
+            object.__setattr__(self, "grad_buffer_count",
+                               whole_number("Offload", "grad_buffer_count", self.grad_buffer_count, 1))
+            if self.grad_device != "nvme":
+                raise ValueError(f"Offload: grad_buffer_count={self.grad_buffer_count!r} sets the gradient "
+                                 f"writes' staging with grad_device='nvme', and grad_device="
+                                 f"{self.grad_device!r} keeps the gradients in RAM; valid: grad_device='nvme', "
+                                 f"or grad_buffer_count=None")
         for f in ("pin_memory", "direct_io"):
             check_bool("Offload", f, getattr(self, f))
         check_choice("Offload", "optimizer_device", self.optimizer_device, OPTIMIZER_DEVICES)
@@ -101,6 +115,11 @@ class OffloadPolicy:
         if self.io_block_size < ALIGN or self.io_block_size % ALIGN:
             raise ValueError(f"Offload: io_block_size={self.io_block_size!r} must be a positive "
                              f"multiple of {ALIGN} bytes")
+
+    @property
+    def grad_buffers(self) -> int:
+        """Staging buffers for backward's gradient writes (``grad_device="nvme"``)."""
+        return self.grad_buffer_count if self.grad_buffer_count is not None else self.buffer_count
 
     @property
     def uses_nvme(self) -> bool:

@@ -151,12 +151,20 @@ class OffloadedAdam(_GatherMasters):
                             **self._rounding(k, exp_avg), **hypers[self.slot_group[sg.slot]])
             self.transfer.after_step(sg, master)
             if self.pager is not None:
-                self.pager.release(k)
+                self.pager.stepped(k)
 
         if self.pager is not None:
             self.pager.prefetch(0)
-        run_pipelined(len(self.subgroups), self.states.buffer_count, self.states.read, step_one,
-                      self.states.write)
+        try:
+            run_pipelined(len(self.subgroups), self.states.buffer_count, self.states.read, step_one,
+                          self.states.write)
+        except BaseException:
+            if self.pager is not None:
+                with contextlib.suppress(Exception):  # the step's own error is the one to report
+                    self.pager.finish()
+            raise
+        if self.pager is not None:
+            self.pager.finish()
         self.transfer.finish()
         # what torch's LR schedulers look for to know the optimizer stepped (this *is* its step;
         # its step hooks do not run)

@@ -15,8 +15,12 @@ is when its pages are resident:
 * once the gather has landed in the unit's ``full`` buffer (``wait``), and again when the unit
   is resharded, the shard's pages are dropped from the process (``MADV_DONTNEED``; on a shared
   mapping dirty data stays in the page cache and reaches the file, nothing is lost);
-* the offloaded optimizer step prefetches each sub-group's master range one sub-group ahead and
-  drops it after stepping it (:class:`ShardPager`).
+* on one rank in fp32 compute the mapped master *is* the unit's gathered buffer
+  (``SwappedUnit.mapped_full``): the forward and backward read the weights from the mapping, and
+  resharding only drops its pages;
+* the offloaded optimizer step prefetches each sub-group's master range one sub-group ahead,
+  writes it back once stepped (``sync_file_range`` on the swapper's I/O threads, so the disk
+  writes it while the next sub-group steps) and drops it (:class:`ShardPager`).
 
 This goes through the page cache (buffered I/O with kernel readahead), not ``O_DIRECT``: the
 resident set stays at the units in use, but the kernel may keep clean file pages cached until it
@@ -37,7 +41,7 @@ from typing import Sequence
 import torch
 
 from ..zero.unit import ShardState, Unit
-from .aio import offload_error
+from .aio import AsyncFileIO, IOHandle, offload_error
 from .plan import SubGroup
 
 _PAGE = mmap.PAGESIZE
@@ -45,6 +49,11 @@ _PAGE = mmap.PAGESIZE
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+#: ``sync_file_range`` (Linux): start writing a file range's dirty pages, wait for it
+_sync_file_range = getattr(_libc, "sync_file_range", None)
+if _sync_file_range is not None:
+    _sync_file_range.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+_SYNC_WAIT_BEFORE, _SYNC_WRITE, _SYNC_WAIT_AFTER = 1, 2, 4
 
 
 def _reserve(fd: int, nbytes: int) -> None:
@@ -81,10 +90,12 @@ class MappedShard:
     def __init__(self, path: str, numel: int, dtype: torch.dtype, nvme_path: str | None = None) -> None:
         self.path, self.numel, self.dtype = path, numel, dtype
         self.nbytes = numel * dtype.itemsize
+        self._fd: int | None = None
         try:
-            with open(path, "wb") as f:
-                _reserve(f.fileno(), max(self.nbytes, 1))
+            self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            _reserve(self._fd, max(self.nbytes, 1))
         except OSError as exc:
+            self.close()
             raise offload_error(exc, "creating", path,
                                 nvme_path or os.path.dirname(os.path.dirname(os.path.abspath(path)))) from exc
         self.tensor = torch.from_file(path, shared=True, size=numel, dtype=dtype) if numel else \
@@ -98,7 +109,29 @@ class MappedShard:
         """Drop ``[lo, hi)``'s pages from this process (the data stays in the file/page cache)."""
         _advise(self.tensor, mmap.MADV_DONTNEED, lo, hi, self.path)
 
+    def write_back(self, lo: int = 0, hi: int | None = None) -> None:
+        """Write ``[lo, hi)``'s dirty pages to the file now and return when they are on the way
+        to the disk (``sync_file_range``: blocking; the optimizer step runs it on its I/O threads,
+        so the disk writes each stepped range while the next one steps, instead of the kernel's
+        flusher writing the whole master at its own pace and throttling the step when the dirty
+        pages pile up). Without ``sync_file_range`` (not Linux) a no-op: the kernel writes them."""
+        if _sync_file_range is None or not self.nbytes:
+            return
+        size = self.dtype.itemsize
+        start = lo * size // _PAGE * _PAGE
+        end = self.nbytes if hi is None else min(self.nbytes, hi * size)
+        if end <= start:
+            return
+        if self._fd is None:  # closed
+            return
+        if _sync_file_range(self._fd, start, end - start, _SYNC_WAIT_BEFORE | _SYNC_WRITE | _SYNC_WAIT_AFTER) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"writing back {self.path}: {os.strerror(err)}")
+
     def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
         try:
             os.unlink(self.path)
         except FileNotFoundError:
@@ -138,17 +171,36 @@ class FileChunks:
 
 class SwappedUnit(Unit):
     """A ZeRO-3 unit whose master/working shards are :class:`MappedShard` tensors (``shards``:
-    the master, then the working shard when it is a separate low-precision copy)."""
+    the master, then the working shard when it is a separate low-precision copy).
+
+    ``mapped_full``: on one rank in fp32 compute the shard *is* the whole gathered buffer (the
+    partition of one rank is every element, in the compute dtype), so ``full`` is the mapped
+    master itself: gathering binds the parameters to views of the mapping (the pages come in
+    from the page cache or the file as the forward reads them, after the readahead the prefetch
+    started), with no allocation and no copy; resharding drops the pages from the process
+    instead of freeing a buffer."""
 
     shards: list[MappedShard]
+    mapped_full = False
 
     def unshard_async(self, group: object = None, secondary: bool = False) -> bool:
         if self.state is ShardState.SHARDED:
             self.shards[-1].prefetch()  # the working shard: what the all-gather reads
+        if self.mapped_full:
+            if self.state is not ShardState.SHARDED:
+                return False
+            self._landed()  # the views of the mapping are the gathered values
+            return True
         started = super().unshard_async(group, secondary)
         if started and self.layout.world_size == 1:
             self.release()  # one rank: the copy into `full` is done already
         return started
+
+    def _free(self) -> None:
+        if self.mapped_full:
+            self.release()  # the mapping is the shard: keep it, drop its pages from the process
+        else:
+            super()._free()
 
     def prefetch_async(self, group: object = None, secondary: bool = False) -> bool:
         if self.layout.world_size == 1:  # a copy would overlap nothing: read the file ahead only
@@ -159,7 +211,8 @@ class SwappedUnit(Unit):
 
     def wait(self) -> None:
         super().wait()
-        self.release()  # the gathered copy is in `full` now
+        if not self.mapped_full:
+            self.release()  # the gathered copy is in `full` now
 
     def reshard(self) -> None:
         super().reshard()
@@ -188,6 +241,11 @@ def swap_unit_to_files(unit: Unit, directory: str, nvme_path: str | None = None)
     shards.append(master)
     if unit.working is unit.master:
         unit.master = unit.working = master.tensor
+        if unit.layout.world_size == 1 and unit.full.dtype == torch.float32 and not unit.quant.weights \
+                and unit.secondary is None and unit.full.numel() == master.tensor.numel():
+            unit.full = master.tensor  # see SwappedUnit.mapped_full
+            unit._views = unit.param_views(unit.full)
+            unit.mapped_full = True
     else:
         working = MappedShard(os.path.join(directory, f"unit{unit.index:04d}.working"), unit.working.numel(),
                               unit.working.dtype, nvme_path)
@@ -200,11 +258,16 @@ def swap_unit_to_files(unit: Unit, directory: str, nvme_path: str | None = None)
 
 
 class ShardPager:
-    """Prefetch and release the file-backed master (and working) ranges the optimizer steps.
-    ``slots[i]`` is ``(unit, start)``: slot i is the unit's master from ``start`` on."""
+    """Prefetch, write back and release the file-backed master (and working) ranges the optimizer
+    steps. ``slots[i]`` is ``(unit, start)``: slot i is the unit's master from ``start`` on.
+    ``io``: the I/O threads that write each stepped range back (:meth:`MappedShard.write_back`)
+    while the next sub-group steps (None: threads of its own); :meth:`finish` waits for them."""
 
-    def __init__(self, subgroups: Sequence[SubGroup], slots: Sequence[tuple[Unit, int]]) -> None:
+    def __init__(self, subgroups: Sequence[SubGroup], slots: Sequence[tuple[Unit, int]],
+                 io: AsyncFileIO | None = None) -> None:
         self.subgroups, self.slots = list(subgroups), list(slots)
+        self.io = io if io is not None else AsyncFileIO(threads=1)
+        self._pending: list = []
 
     def _each(self, k: int):
         sg = self.subgroups[k]
@@ -220,3 +283,14 @@ class ShardPager:
     def release(self, k: int) -> None:
         for s, lo, hi in self._each(k):
             s.release(lo, hi)
+
+    def stepped(self, k: int) -> None:
+        """Sub-group k's ranges were stepped: start writing them back, then drop them."""
+        for s, lo, hi in self._each(k):
+            self._pending.append(self.io.pool.submit(s.write_back, lo, hi))
+            s.release(lo, hi)
+
+    def finish(self) -> None:
+        """Wait for the write-backs :meth:`stepped` started; re-raise the first error."""
+        pending, self._pending = self._pending, []
+        IOHandle(pending, "parameter file write-back").wait()

@@ -192,11 +192,11 @@ class OffloadStepper:
             grad_dtype = grads[0].dtype if cfg.grad_device == "nvme" and grads else None
             swapped = self._swapper(subgroups, external, rank, pin=cfg.pin_memory and on_gpu, grad_dtype=grad_dtype)
             if grad_dtype is not None:
-                self.swapped_grads = SwappedGrads(swapped, subgroups, self._unit_order, self.io, cfg.buffer_count)
+                self.swapped_grads = SwappedGrads(swapped, subgroups, self._unit_order, self.io, cfg.grad_buffers)
                 self._grad_slot = {id(g): i for i, g in enumerate(grads)}
         stepper = OffloadedAdam(optimizer, subgroups, self.transfer, swapped, self.swapped_grads)
         if self._param_dir is not None:
-            stepper.pager = ShardPager(subgroups, self._unit_order)
+            stepper.pager = ShardPager(subgroups, self._unit_order, self.io)
         return stepper
 
     def _gradient_landed(self, unit: Any, reduced: torch.Tensor) -> None:

@@ -105,7 +105,8 @@ def estimate_offload(num_params: int, world_size: int = 1, stage: int = 3, preci
                      optimizer_device: str = "nvme", param_device: str = "nvme",
                      optimizer_state_dtype: str = "fp32", grad_bytes: int | None = None,
                      sub_group_size: int = 10_000_000, buffer_count: int = 4,
-                     grad_device: str = "cpu", param_dtype: str = "auto") -> OffloadBytes:
+                     grad_device: str = "cpu", param_dtype: str = "auto",
+                     grad_buffer_count: int | None = None) -> OffloadBytes:
     """Per-rank bytes of ``Offload(stage, optimizer_device, param_device, optimizer_state_dtype)``
     as it lays things out (page padding of the swap files aside). With ``Psi`` parameters, shard
     ``S = ceil(Psi / world_size)``, working bytes ``p`` (4 fp32, 2 mixed), gradient bytes ``g``
@@ -114,7 +115,8 @@ def estimate_offload(num_params: int, world_size: int = 1, stage: int = 3, preci
     * working parameters: ``p * Psi`` in RAM (stage 2); ``p * S`` (stage 3), on disk with
       ``param_device="nvme"``;
     * gradient partition: ``g * S``, in RAM, or in the swap files with ``grad_device="nvme"``
-      (stage 3 with ``optimizer_device="nvme"``), ``buffer_count`` sub-groups of it staged in RAM;
+      (stage 3 with ``optimizer_device="nvme"``), ``grad_buffer_count`` (``buffer_count`` by
+      default) sub-groups of it staged in RAM;
     * fp32 master: none of its own in fp32 compute (the working parameters are the master);
       mixed: ``4 * S`` beside the working shard (stage 3 parameter files), in the swap files
       (stage 2 with ``optimizer_device="nvme"``) or in RAM; ``param_dtype="bf16"`` in fp32
@@ -158,7 +160,8 @@ def estimate_offload(num_params: int, world_size: int = 1, stage: int = 3, preci
     swapped_per_elem = (m if master_on_disk and stage == 2 else 0) + 2 * STATE_DTYPE_BYTES[optimizer_state_dtype]
     staging = buffer_count * min(sub_group_size, shard) * swapped_per_elem if on_disk else 0
     grads_on_disk = grad_device == "nvme"
-    grad_staging = buffer_count * min(sub_group_size, shard) * g
+    grad_buffers = buffer_count if grad_buffer_count is None else grad_buffer_count
+    grad_staging = grad_buffers * min(sub_group_size, shard) * g
     ram = ModelStates(0 if params_on_disk else params, grad_staging if grads_on_disk else g * shard,
                       0 if master_on_disk else master, staging if on_disk else moments)
     disk = ModelStates(params if params_on_disk else 0, g * shard if grads_on_disk else 0,
@@ -297,6 +300,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                      help="ZeRO-3 parameter files' working dtype (bf16: beside an fp32 master in fp32 compute)")
     off.add_argument("--sub-group-size", type=int, default=10_000_000)
     off.add_argument("--buffer-count", type=int, default=4)
+    off.add_argument("--grad-buffer-count", type=int, default=None,
+                     help="with --grad-device nvme: staging buffers of backward's gradient writes (default: --buffer-count)")
     off.add_argument("--ram-gb", type=float, help="the machine's RAM for model states (GiB): with "
                      "--disk-gb, print the largest model that fits")
     off.add_argument("--disk-gb", type=float, help="the machine's free disk for swap files (GiB)")
@@ -324,6 +329,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    param_device=args.param_device or ("nvme" if stage == 3 else "none"),
                    optimizer_state_dtype=args.optimizer_state_dtype, grad_bytes=args.grad_bytes,
                    sub_group_size=args.sub_group_size, buffer_count=args.buffer_count, grad_device=args.grad_device,
+                   grad_buffer_count=args.grad_buffer_count,
                    param_dtype=args.param_dtype)
     try:
         print(format_offload_table(num_params, args.world_size, args.precision or "32", args.ram_gb, args.disk_gb,

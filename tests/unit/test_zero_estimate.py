@@ -135,6 +135,9 @@ def test_gradients_on_disk_move_the_partition_to_disk_and_stage_sub_groups():
     assert (a.ram.grads, a.disk.grads) == (2 * psi, 0)
     assert (b.ram.grads, b.disk.grads) == (4 * sub * 2, 2 * psi)  # 4 staged sub-groups of bf16
     assert b.disk.total == 10 * psi  # 4 param file + 4 bf16 moments + 2 bf16 gradient
+    deep = estimate_offload(psi, 1, 3, optimizer_state_dtype="bf16", grad_bytes=2, sub_group_size=sub,
+                            buffer_count=4, grad_device="nvme", grad_buffer_count=32)
+    assert (deep.ram.grads, deep.disk.total) == (32 * sub * 2, 10 * psi)  # deeper write queue: RAM only
     with pytest.raises(ValueError, match="grad_device='nvme' needs stage=3 and optimizer_device='nvme'"):
         estimate_offload(10, stage=3, optimizer_device="cpu", grad_device="nvme")
 
