@@ -42,7 +42,8 @@ disk holds. ``--optimizer-state-dtype bf16`` keeps Adam's moments in bf16 on dis
 12 B/param with ZeRO-3 in fp32 compute); ``--grad-device nvme`` moves the gradient partition from
 RAM into the swap files (2 B/param more on disk with the bf16 reduction). ``--disk-bound`` first
 measures the swap disk's O_DIRECT bandwidth (2 GiB written and read back through zerotrain's I/O
-threads), and puts each offload_nvme step beside the time the disk needs for the bytes that step
+threads; again after each offload_nvme run, the bound using the mean of the two), and puts each
+offload_nvme step beside the time the disk needs for the bytes that step
 made it move (``/proc/self/io``: O_DIRECT swaps, the parameter files' page faults and readahead,
 their dirty pages).
 """
@@ -368,7 +369,14 @@ def search(config: str, shapes: list[Shape], args: argparse.Namespace, cap: int)
                                 + ((6 if args.param_dtype == "bf16" else 4) * n if config == "offload_nvme" else 0))}
         row.update(run_candidate(spec, cap, args.timeout_s))
         if row.get("ok") and config == "offload_nvme" and args.disk_bandwidth:
-            row.update(disk_bound(row, args.disk_bandwidth))
+            # the disk's speed drifts (a shared virtual disk: 0.30-0.56 GB/s for writes within an
+            # hour here), so it is probed again after the run and the bound uses the mean of the
+            # two probes; the bound at each probe alone is reported beside it
+            before, after = args.disk_bandwidth, measure_disk(args.nvme_path)
+            mean = {k: (before[k] + after[k]) / 2 for k in before}
+            row["disk_bandwidth"] = {"before": before, "after": after, "mean": mean}
+            row.update(disk_bound(row, mean))
+            row["vs_bound_each"] = [disk_bound(row, bw)["vs_bound"] for bw in (before, after)]
         rows.append(row)
         _print_row(row)
         if not row["ok"]:
@@ -393,8 +401,13 @@ def _print_row(row: dict) -> None:
                  for name, sec, rd, wr in row["phases"][-1] if sec >= 0.05 or rd or wr]
         print(f"                last step: {'; '.join(parts)}", flush=True)
     if "bound_s" in row:
+        after, mean = row["disk_bandwidth"]["after"], row["disk_bandwidth"]["mean"]
+        each = row["vs_bound_each"]
+        print(f"                disk after the run: write {after['write'] / 1e9:.2f} GB/s, read {after['read'] / 1e9:.2f} GB/s "
+              f"(mean of the two probes: write {mean['write'] / 1e9:.2f}, read {mean['read'] / 1e9:.2f})", flush=True)
         print(f"                last step moved {row['step_read'] / 1e9:.1f} GB read + {row['step_written'] / 1e9:.1f} GB "
-              f"written: disk bound {row['bound_s']:.1f} s, step {row['vs_bound']:.2f}x the bound", flush=True)
+              f"written: disk bound {row['bound_s']:.1f} s, step {row['vs_bound']:.2f}x the bound "
+              f"({each[0]:.2f}x at the probe before the run, {each[1]:.2f}x at the one after)", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,8 +19,9 @@ Every moment between two step ends is attributed to exactly one part, from one c
 
 ``comm_overlapped`` is reported beside them (not part of the sum): how long at least one
 collective was in flight during the step minus the blocked time - communication hidden behind
-computation. Disk I/O per step (NVMe offload's swap files, through its O_DIRECT threads; the
-parameter shards' page-cache reads are the kernel's and not seen): ``io_read`` and ``io_written``
+computation. Disk I/O per step (NVMe offload's swap files, through its O_DIRECT threads, and the
+step's write-backs of the parameter files; those files' page-cache reads are the kernel's and
+not seen): ``io_read`` and ``io_written``
 bytes and ``io_busy``, how long at least one read or write ran (not part of the sum either), so
 bytes / ``io_busy`` is the bandwidth achieved. Memory per step: the process's peak RSS and, on
 CUDA, the allocator's allocated, reserved and peak bytes.

@@ -9,8 +9,9 @@ still holds per parameter. With it, each unit's gradient lives in RAM only while
   sub-group's piece is copied into one of a few aligned staging buffers and written (O_DIRECT,
   asynchronously) into the gradient region at the end of that sub-group's swap file (see
   ``swapper.py``). A sub-group whose gradient was zeroed since its last write is written without
-  reading; a later micro-batch reads it back, adds, and writes again (the same ``add_`` into the
-  same dtype as in RAM, so the numbers are the same bit for bit);
+  reading (the piece copied in: what zeros plus it give); a later micro-batch reads it back,
+  adds, and writes again (the same ``add_`` into the same dtype as in RAM, so the numbers are
+  the same bit for bit);
 * the step: the sub-group's one read brings its gradient in with its Adam state
   (:meth:`view`), and its write-back leaves the gradient region alone;
 * zeroing (``zero``) only marks the sub-groups: the step reads a marked one as zeros, and the
@@ -72,9 +73,9 @@ class SwappedGrads:
             if self.written[k]:
                 self._read(k, b).wait()
                 self._apply_bound(k, view)
-            else:
-                view.zero_()  # what a zeroed RAM partition holds: the add below rounds as it would
-            view.add_(reduced[offset:offset + n])
+                view.add_(reduced[offset:offset + n])
+            else:  # a zeroed RAM partition plus the piece: the piece, rounded to the file's dtype
+                view.copy_(reduced[offset:offset + n])
             start, size = self.states.grad_region(k)
             self._writes[b] = (k, self.io.write(self.states.fds[k], self.buffers[b][:size], start,
                                                 label=f"write grad sg{k}", on_error=self._on_error(k, "writing")))

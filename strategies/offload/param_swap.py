@@ -35,11 +35,13 @@ import ctypes
 import errno
 import mmap
 import os
+import time
 import weakref
 from typing import Sequence
 
 import torch
 
+from .. import instrument
 from ..zero.unit import ShardState, Unit
 from .aio import AsyncFileIO, IOHandle, offload_error
 from .plan import SubGroup
@@ -285,12 +287,22 @@ class ShardPager:
             s.release(lo, hi)
 
     def stepped(self, k: int) -> None:
-        """Sub-group k's ranges were stepped: start writing them back, then drop them."""
+        """Sub-group k's ranges were stepped: start writing them back, then drop them. A
+        listening monitor (``ResourceMonitor``) is told of each write-back as disk I/O."""
+        timed = instrument.disk_listened()
         for s, lo, hi in self._each(k):
-            self._pending.append(self.io.pool.submit(s.write_back, lo, hi))
+            self._pending.append(self.io.pool.submit(_timed_write_back if timed else MappedShard.write_back,
+                                                     s, lo, hi))
             s.release(lo, hi)
 
     def finish(self) -> None:
         """Wait for the write-backs :meth:`stepped` started; re-raise the first error."""
         pending, self._pending = self._pending, []
         IOHandle(pending, "parameter file write-back").wait()
+
+
+def _timed_write_back(shard: MappedShard, lo: int, hi: int) -> None:
+    """``shard.write_back(lo, hi)``, reported to the monitors as a write of that range's bytes."""
+    start = time.perf_counter()
+    shard.write_back(lo, hi)
+    instrument.disk_io("write", (hi - lo) * shard.dtype.itemsize, start, time.perf_counter())

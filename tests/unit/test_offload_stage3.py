@@ -10,6 +10,7 @@ from torch import nn
 
 from harness import load_checkpoint, save_checkpoint, set_up_like_trainer
 
+from zerotrain.strategies import instrument
 from zerotrain.strategies.environment import ProcessInfo
 from zerotrain.strategies.offload import Offload
 from zerotrain.strategies.offload.param_swap import SwappedUnit
@@ -279,10 +280,25 @@ def test_step_writes_back_each_stepped_range_and_reports_a_failure(tmp_path, mon
 
     monkeypatch.setattr(param_swap.MappedShard, "write_back", spy)
     s, sched = make(offload("nvme+params", tmp_path), Deep())
-    train(s, sched, batches(1))
+
+    class Sink:  # what ResourceMonitor listens with
+        events = []
+
+        def disk(self, event):
+            self.events.append(event)
+
+    sink = Sink()
+    instrument.add_sink(sink)
+    try:
+        train(s, sched, batches(1))
+    finally:
+        instrument.remove_sink(sink)
     pager = s.sharded.pager
     expected = sorted((sh.path, lo, hi) for k in range(len(s.sharded.subgroups)) for sh, lo, hi in pager._each(k))
     assert len(expected) >= len(s.sharded.subgroups) and sorted(seen) == expected
+    swap_written = sum(s.sharded.states._state_span(k, 0).numel() for k in range(len(s.sharded.subgroups)))
+    written = sum(e.nbytes for e in sink.events if e.kind == "write")
+    assert written == swap_written + sum((hi - lo) * 4 for _, lo, hi in expected)  # the write-backs are seen
 
     def broken(self, lo=0, hi=None):
         raise OSError(errno.EIO, "write-back failed: disk gone")
