@@ -9,8 +9,8 @@ How: the Trainer calls :meth:`ProgressWatchdog.tick` at every phase of the loop 
 training step, backward, optimizer step, hooks, validation batches). Every rank runs the phases
 in the same order, so the tick count says how far a rank got. A side thread in each rank publishes
 ``(ticks, step, phase, seconds since the last tick)`` to the job's c10d store once a second and
-reads everyone else's. A rank that has not ticked for ``timeout_s`` while another rank has ticked
-more often is the one the others wait for: its own watchdog prints its stack and ends the process,
+reads everyone else's. A rank that has not ticked for ``timeout_s`` while another rank that has
+ticked more often has waited for ``timeout_s`` too is the one the others wait for: its own watchdog prints its stack and ends the process,
 and every other rank ends a few seconds later (so no launcher has to notice anything: this works
 the same under our launcher, torchrun, SLURM and a user's process group).
 
@@ -57,12 +57,16 @@ class Progress(NamedTuple):
 def find_stuck(progress: dict[int, Progress], timeout_s: float) -> int | None:
     """The rank the others wait for, or None. Pure: the same answer on every rank.
 
-    A rank is stuck when it has been idle for longer than ``timeout_s`` and some other rank got
-    further (more ticks); among several, the one furthest behind (lowest rank on a tie)."""
+    A rank is stuck when it has been idle for longer than ``timeout_s`` and some rank that got
+    further (more ticks) has itself stood still for longer than ``timeout_s``: it has waited that
+    long. Among several, the one furthest behind (lowest rank on a tie). The rank ahead must have
+    waited too, not only the one behind: a pipeline stage spends its whole schedule (every
+    micro-batch's forward and backward) in one tick, and the other stage may issue the step's
+    first collective moments before the first one finishes its last backward."""
     if len(progress) < 2:
         return None
-    furthest = max(p.ticks for p in progress.values())
-    late = [(p.ticks, r) for r, p in progress.items() if p.idle_s > timeout_s and p.ticks < furthest]
+    late = [(p.ticks, r) for r, p in progress.items() if p.idle_s > timeout_s
+            and any(q.ticks > p.ticks and q.idle_s > timeout_s for q in progress.values())]
     return min(late)[1] if late else None
 
 

@@ -99,6 +99,10 @@ def test_find_stuck_names_the_idle_rank_behind_the_others():
     assert find_stuck({0: Progress(11, 3, "all_reduce", idle), 1: Progress(10, 3, "training_step", idle)}, 20) == 1
     assert find_stuck({0: Progress(9, 3, "on_train_batch_end", idle), 1: Progress(14, 4, "all_gather", idle),
                        2: Progress(14, 4, "all_gather", idle)}, 20) == 0
+    # behind and idle for long, but the rank ahead issued its collective only 2 s ago (a pipeline
+    # stage still in its last backward of a long schedule, the other already at the step's
+    # all-reduce): slow work, not yet a stall
+    assert find_stuck({0: Progress(10, 3, "training_step", idle), 1: Progress(11, 3, "all_reduce", 2.0)}, 20) is None
     # behind, but not yet idle for long enough
     assert find_stuck({0: Progress(11, 3, "all_reduce", idle), 1: Progress(10, 3, "training_step", 5.0)}, 20) is None
     assert Progress.decode(Progress(7, 2, "x|y", 1.5).encode()) == Progress(7, 2, "x|y", 1.5)
