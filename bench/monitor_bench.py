@@ -61,7 +61,8 @@ def worker(args: argparse.Namespace) -> None:
 
     spec = MODELS[args.model]
     name, options = CASES[args.case]
-    module = GPTModule(spec.config(), batch_size=spec.micro_batch if args.micro_batch is None else args.micro_batch, max_steps=args.steps, warmup_steps=1,
+    batch_size = spec.micro_batch if args.micro_batch is None else args.micro_batch
+    module = GPTModule(spec.config(), batch_size=batch_size, max_steps=args.steps, warmup_steps=1,
                        val_fraction=0, max_bytes=2_000_000)
     monitor = ResourceMonitor(warmup_steps=args.warmup, print_summary=True)
     clock = WallClock()  # after the monitor: it reads the other clock right after each step closes

@@ -10,8 +10,8 @@ training step, backward, optimizer step, hooks, validation batches). Every rank 
 in the same order, so the tick count says how far a rank got. A side thread in each rank publishes
 ``(ticks, step, phase, seconds since the last tick)`` to the job's c10d store once a second and
 reads everyone else's. A rank that has not ticked for ``timeout_s`` while another rank that has
-ticked more often has waited for ``timeout_s`` too is the one the others wait for: its own watchdog prints its stack and ends the process,
-and every other rank ends a few seconds later (so no launcher has to notice anything: this works
+ticked more often has waited for ``timeout_s`` too is the one the others wait for: its own
+watchdog prints its stack and ends the process, and every other rank ends a few seconds later (so no launcher has to notice anything: this works
 the same under our launcher, torchrun, SLURM and a user's process group).
 
 When every rank stands still at the same tick (a long optimizer step with NVMe offload, a save),

@@ -117,14 +117,12 @@ class MappedShard:
         so the disk writes each stepped range while the next one steps, instead of the kernel's
         flusher writing the whole master at its own pace and throttling the step when the dirty
         pages pile up). Without ``sync_file_range`` (not Linux) a no-op: the kernel writes them."""
-        if _sync_file_range is None or not self.nbytes:
+        if _sync_file_range is None or self._fd is None:  # not Linux, or closed
             return
         size = self.dtype.itemsize
         start = lo * size // _PAGE * _PAGE
         end = self.nbytes if hi is None else min(self.nbytes, hi * size)
         if end <= start:
-            return
-        if self._fd is None:  # closed
             return
         if _sync_file_range(self._fd, start, end - start, _SYNC_WAIT_BEFORE | _SYNC_WRITE | _SYNC_WAIT_AFTER) != 0:
             err = ctypes.get_errno()
@@ -262,13 +260,11 @@ def swap_unit_to_files(unit: Unit, directory: str, nvme_path: str | None = None)
 class ShardPager:
     """Prefetch, write back and release the file-backed master (and working) ranges the optimizer
     steps. ``slots[i]`` is ``(unit, start)``: slot i is the unit's master from ``start`` on.
-    ``io``: the I/O threads that write each stepped range back (:meth:`MappedShard.write_back`)
-    while the next sub-group steps (None: threads of its own); :meth:`finish` waits for them."""
+    ``io``: the offload's I/O threads, which write each stepped range back
+    (:meth:`MappedShard.write_back`) while the next sub-group steps; :meth:`finish` waits for them."""
 
-    def __init__(self, subgroups: Sequence[SubGroup], slots: Sequence[tuple[Unit, int]],
-                 io: AsyncFileIO | None = None) -> None:
-        self.subgroups, self.slots = list(subgroups), list(slots)
-        self.io = io if io is not None else AsyncFileIO(threads=1)
+    def __init__(self, subgroups: Sequence[SubGroup], slots: Sequence[tuple[Unit, int]], io: AsyncFileIO) -> None:
+        self.subgroups, self.slots, self.io = list(subgroups), list(slots), io
         self._pending: list = []
 
     def _each(self, k: int):

@@ -196,6 +196,8 @@ class OffloadStepper:
                 self._grad_slot = {id(g): i for i, g in enumerate(grads)}
         stepper = OffloadedAdam(optimizer, subgroups, self.transfer, swapped, self.swapped_grads)
         if self._param_dir is not None:
+            if self.io is None:  # parameter files without swap files: threads for their write-backs
+                self.io = AsyncFileIO(cfg.io_threads, cfg.io_block_size)
             stepper.pager = ShardPager(subgroups, self._unit_order, self.io)
         return stepper
 
