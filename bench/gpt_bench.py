@@ -28,7 +28,9 @@ Systems (``--systems``, a comma list; all by default):
                same global batch) in m = 4 / 8 micro-batches; the module cuts the same GPT into
                stages (``GPT.pipeline_layers``); zt_pipe_v2_m8: interleaved, 2 chunks per stage;
                zt_pipe_bal_m8: the stage boundary placed by estimated compute inside a block
-               (``compute_balanced_layers``: a bench-side layer list, not the CLI's cut)
+               (``compute_balanced_layers``: a bench-side layer list, not the CLI's cut);
+               zt_pipe_zb_m8, zt_pipe_zb_bal_m8: the zero-bubble schedule (``schedule="zb_h1"``:
+               each backward split, the linear weights' gradients where the stage would wait)
 
 How it measures. The driver (this file, no ``--worker``) runs every system as its own ``torchrun
 --standalone --nproc_per_node 2`` job of this file's worker entry, with ``OMP_NUM_THREADS=1``
@@ -85,15 +87,18 @@ ZT_STRATEGY = {"zt_ddp": "ddp", "zt_zero1": "zero1", "zt_zero2": "zero2", "zt_ze
 class PipeSystem(NamedTuple):
     """A pipeline system: 2 stages, 1F1B; ``m`` micro-batches per replica batch, ``v`` chunks per
     stage (interleaved when > 1), ``balanced``: the stage boundary placed by estimated compute
-    inside a block (``compute_balanced_layers``) instead of by parameters between blocks."""
+    inside a block (``compute_balanced_layers``) instead of by parameters between blocks;
+    ``schedule``: the pipeline's (``1f1b`` or ``zb_h1``)."""
 
     m: int
     v: int = 1
     balanced: bool = False
+    schedule: str = "1f1b"
 
 
 PIPE_SYSTEMS = {"zt_pipe_m4": PipeSystem(4), "zt_pipe_m8": PipeSystem(8), "zt_pipe_v2_m8": PipeSystem(8, v=2),
-                "zt_pipe_bal_m8": PipeSystem(8, balanced=True)}
+                "zt_pipe_bal_m8": PipeSystem(8, balanced=True), "zt_pipe_zb_m8": PipeSystem(8, schedule="zb_h1"),
+                "zt_pipe_zb_bal_m8": PipeSystem(8, balanced=True, schedule="zb_h1")}
 PIPE_STAGES = 2
 ALL_SYSTEMS = DEFAULT_SYSTEMS + list(PIPE_SYSTEMS)
 BUCKET = 20_000_000  # elements; DeepSpeed's 5e8 default is GPU-sized (MACHINE_FACTS.md)
@@ -269,7 +274,8 @@ def run_pipeline(args: argparse.Namespace, spec: ModelSpec, batches: list, rec: 
     stage when > 1), each replica's batch in ``system.m`` micro-batches."""
     from zerotrain.strategies.pipeline import PipelineStrategy
 
-    strategy = PipelineStrategy(stages=PIPE_STAGES, schedule="1f1b", micro_batches=system.m, virtual_stages=system.v)
+    strategy = PipelineStrategy(stages=PIPE_STAGES, schedule=system.schedule, micro_batches=system.m,
+                                virtual_stages=system.v)
     run_zerotrain(args, spec, batches, rec, strategy=strategy, balanced_cut=system.balanced)
 
 
@@ -573,14 +579,16 @@ def render_pipeline(results: dict[str, list[RunSummary]]) -> str:
         return ""
     p = PIPE_STAGES
     head = " | ".join(f"stage {i}: compute / exchanges / rest of step (s)" for i in range(p))
-    lines = [f"\n| system | m | v | bubble measured | bubble theory (p-1)/(vm+p-1) | {head} |",
+    lines = [f"\n| system | m | v | bubble measured | bubble theory (p-1)/(vm+p-1), zb: (p-1)/(3vm+p-1) | {head} |",
              "|---|---|---|---|---|" + "---|" * p]
     for s, runs in rows:
-        m, v, _ = PIPE_SYSTEMS[s]
+        m, v, _, schedule = PIPE_SYSTEMS[s]
         bubble = statistics.median(statistics.fmean(st["bubble"] for st in r.stages) for r in runs)
         split = " | ".join(f"{st['compute_s']:.3f} / {st['comm_s']:.3f} / {st['outside_s']:.3f}"
                            for st in runs[0].stages)
-        lines.append(f"| {s} | {m} | {v} | {bubble:.3f} | {(p - 1) / (v * m + p - 1):.3f} | {split} |")
+        # ZB-H1 (F = B = W): (p - 1) / (3 v m + p - 1)
+        theory = (p - 1) / ((3 if schedule == "zb_h1" else 1) * v * m + p - 1)
+        lines.append(f"| {s} | {m} | {v} | {bubble:.3f} | {theory:.3f} | {split} |")
     return ("\n".join(lines) + "\n\n- bubble measured: the share of a stage's schedule (its forwards, backwards "
             "and activation exchanges) spent outside forward/backward compute, the mean over the stages; "
             "'rest of step': the step outside the schedule (gradient reduction, optimizer step, Trainer)\n")

@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--vocab", type=int, default=1024)
     p.add_argument("--rows", type=int, default=2, help="sequences per micro-batch")
     p.add_argument("--micro-batches", type=int, nargs="+", default=[4, 8, 16])
-    p.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
+    p.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe", "zb_h1"])
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=1, help="threads per process (one 'device')")

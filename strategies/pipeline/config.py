@@ -14,7 +14,9 @@ class PipelineConfig:
     #: pipeline stages (None: one per process); the world is stages x data-parallel replicas
     stages: Optional[int] = None
     #: "1f1b" (one forward one backward: at most `stages` micro-batches of activations held) or
-    #: "gpipe" (all forwards, then all backwards)
+    #: "gpipe" (all forwards, then all backwards) or "zb_h1" (1F1B with each backward split: the
+    #: inputs' gradients first, the linear layers' weight gradients later, where the stage would
+    #: otherwise wait; a third of 1F1B's bubble at the same peak of live activations)
     schedule: str = "1f1b"
     #: micro-batches each batch is split into (the batch size must divide by it)
     micro_batches: int = 4
@@ -44,6 +46,10 @@ class PipelineConfig:
         if self.virtual_stages > 1 and self.schedule != "1f1b":
             raise ConfigError(f"pipeline: virtual_stages={self.virtual_stages} with schedule={self.schedule!r}: "
                               "only 1F1B interleaves chunks; valid: schedule='1f1b', or virtual_stages=1")
+        if self.schedule == "zb_h1" and self.activation_checkpointing:
+            raise ConfigError("pipeline: schedule='zb_h1' with activation_checkpointing=True: a recomputed "
+                              "forward cannot defer its weight gradients; valid: schedule='1f1b', or "
+                              "activation_checkpointing=False")
         if self.stages is not None:
             self.check_grid(self.stages)
         check_bool("pipeline", "comms_logger", self.comms_logger)

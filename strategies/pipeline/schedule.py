@@ -19,6 +19,10 @@ alternates one forward and one backward, then drains the remaining backwards: st
 most ``min(p - s, m)`` micro-batches. Both have the same bubble, ``(p - 1) / (m + p - 1)`` of a
 step; 1F1B is the default because of the memory bound.
 
+Zero-bubble H1 (``zero_bubble_h1``, ``"zb_h1"``) is 1F1B with each backward split: ``Backward``
+computes only the gradients of the stage's inputs and ``WeightGrad`` the weights' later, inside
+the exchanges where the stage would wait; a third of 1F1B's bubble, the same live activations.
+
 Interleaved 1F1B (``interleaved_1f1b``, ``virtual_stages`` > 1) gives each stage several model
 chunks; the instructions carry the chunk (``Instruction.chunk``) and the stages form a ring (the
 last stage's chunk ``c`` feeds chunk ``c + 1`` of stage 0). Its bubble is ``(p - 1) / (v * m)`` of
@@ -58,6 +62,12 @@ class Forward(Instruction):
 
 class Backward(Instruction):
     """Back-propagate the micro-batch through this stage, given the gradient of its outputs."""
+
+
+class WeightGrad(Instruction):
+    """The weight gradients of a micro-batch whose ``Backward`` computed only the gradients of the
+    stage's inputs (zero-bubble schedules; ``weight_grad.py``). Placed right after communication
+    instructions, it runs while that exchange is in flight (``steps``)."""
 
 
 class SendActivation(Instruction):
@@ -163,7 +173,14 @@ def one_f_one_b(stage: int, num_stages: int, micro_batches: int) -> list[Instruc
     in one exchange is what keeps neighbours from each waiting on the other.
     """
     b = _Builder(stage, num_stages, micro_batches)
-    warmup = min(num_stages - stage - 1, micro_batches)
+    _one_f_one_b_into(b, micro_batches, lambda bwd: None)
+    return b.out
+
+
+def _one_f_one_b_into(b: _Builder, micro_batches: int, after_backward: Callable[[int], None]) -> None:
+    """1F1B's instructions into ``b``; ``after_backward(mb)`` adds what follows micro-batch
+    ``mb``'s backward and the send of its gradient (in the exchange with the next receive)."""
+    warmup = min(b.num_stages - b.stage - 1, micro_batches)
     steady = micro_batches - warmup
     for mb in range(warmup):
         b.forward_pass(mb)
@@ -174,10 +191,39 @@ def one_f_one_b(stage: int, num_stages: int, micro_batches: int) -> list[Instruc
         b.forward(fwd)
         b.send_forward(fwd)
         b.backward_pass(bwd)  # its receive is in the same exchange as the send above
+        after_backward(bwd)
         if i + 1 < steady:
             b.recv_forward(fwd + 1)  # same exchange as the send above
     for bwd in range(steady, micro_batches):
         b.backward_pass(bwd)
+        after_backward(bwd)
+
+
+def zero_bubble_h1(stage: int, num_stages: int, micro_batches: int) -> list[Instruction]:
+    """1F1B with each backward split in two (ZB-H1 of Qi et al., "Zero Bubble Pipeline
+    Parallelism", 2023): ``Backward`` computes only the gradients of the stage's inputs, which the
+    previous stage waits for, and ``WeightGrad`` the weights' gradients, which nobody waits for.
+
+    Stage ``s`` runs each micro-batch's ``WeightGrad`` ``s`` backwards late, inside the exchange
+    after a later backward (while that exchange's receive is in flight), and its last ``s`` after
+    its last backward: the stages near the end of the pipeline finish their input gradients first
+    and would idle while the gradients travel back to stage 0, so they spend that time on weight
+    gradients. The order of forwards and backwards, the exchanges, and the peak of live
+    activations (``min(p - s, m)``) are 1F1B's; the bubble falls from ``(p - 1) (F + B + W)`` to
+    about ``(p - 1) (F + B - W)`` (``simulate``). A micro-batch's weight-gradient inputs (each
+    linear layer's input and output gradient) are held until its ``WeightGrad``: ``s`` more
+    micro-batches of them on stage ``s``."""
+    b = _Builder(stage, num_stages, micro_batches)
+    done = 0
+
+    def weight_grads(up_to: int) -> None:
+        nonlocal done
+        while done < up_to:
+            b.out.append(WeightGrad(done))
+            done += 1
+
+    _one_f_one_b_into(b, micro_batches, lambda bwd: weight_grads(bwd + 1 - stage))
+    weight_grads(micro_batches)
     return b.out
 
 
@@ -274,7 +320,7 @@ def inference(stage: int, num_stages: int, micro_batches: int) -> list[Instructi
 
 
 SCHEDULES: dict[str, Callable[[int, int, int], list[Instruction]]] = {
-    "1f1b": one_f_one_b, "gpipe": gpipe}
+    "1f1b": one_f_one_b, "gpipe": gpipe, "zb_h1": zero_bubble_h1}
 
 
 def schedule_from_name(name: str) -> Callable[[int, int, int], list[Instruction]]:
@@ -285,10 +331,13 @@ def schedule_from_name(name: str) -> Callable[[int, int, int], list[Instruction]
 
 def steps(instructions: list[Instruction]) -> list[Step]:
     """Group consecutive communication instructions into exchanges (lists); compute
-    instructions stay single. The executor and the simulator both walk this."""
+    instructions stay single. A ``WeightGrad`` that follows a communication instruction joins its
+    exchange: it is computed after the exchange's operations are posted and before they are
+    waited on, so the schedule's deadlock analysis is that of the exchange without it. The
+    executor and the simulator both walk this."""
     out: list[Step] = []
     for ins in instructions:
-        if is_comm(ins):
+        if is_comm(ins) or (isinstance(ins, WeightGrad) and out and isinstance(out[-1], list)):
             if out and isinstance(out[-1], list):
                 out[-1].append(ins)
             else:

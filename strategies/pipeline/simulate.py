@@ -11,7 +11,10 @@ It is the proof that a schedule is safe to execute and the measure of what it co
   forward and its output gradient, every micro-batch through every chunk once.
 * **Time**: forwards cost ``forward_cost / virtual_stages`` and backwards ``backward_cost /
   virtual_stages`` (a chunk holds ``1 / virtual_stages`` of the stage's layers); communication is
-  free. The step's makespan against the ideal ``m * (forward_cost + backward_cost)`` gives the
+  free. In split-backward schedules (``WeightGrad`` instructions) ``weight_cost`` of the
+  backward moves to the ``WeightGrad``; one that is part of an exchange runs after its
+  operations are posted, so the exchange ends when both its matches and those weight gradients
+  are done. The step's makespan against the ideal ``m * (forward_cost + backward_cost)`` gives the
   bubble, and each stage's peak number of live chunk activations is counted as it runs.
 
 With virtual stages the stages form a ring: chunk ``c`` of stage ``s`` sends its activations to
@@ -23,8 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from .schedule import (Backward, Forward, Instruction, LoadMicroBatch, RecvActivation, RecvGrad, SendActivation,
-                       SendGrad, steps)
+from .schedule import (COMM, Backward, Forward, Instruction, LoadMicroBatch, RecvActivation, RecvGrad,
+                       SendActivation, SendGrad, WeightGrad, steps)
 
 
 class Deadlock(AssertionError):
@@ -68,14 +71,17 @@ def _check(ok: bool, message: str) -> None:
 
 class _Sim:
     def __init__(self, lists: list[list[Instruction]], virtual_stages: int, train: bool,
-                 forward_cost: float, backward_cost: float) -> None:
+                 forward_cost: float, backward_cost: float, weight_cost: float | None = None) -> None:
         self.p, self.v, self.train = len(lists), virtual_stages, train
-        self.costs = {Forward: forward_cost / virtual_stages, Backward: backward_cost / virtual_stages}
+        split = any(isinstance(ins, WeightGrad) for lst in lists for ins in lst)
+        weight = (backward_cost / 2 if weight_cost is None else weight_cost) if split else 0.0
+        self.costs = {Forward: forward_cost / virtual_stages, Backward: (backward_cost - weight) / virtual_stages,
+                      WeightGrad: weight / virtual_stages}
         self.progs = [steps(lst) for lst in lists]
         p = self.p
         self.pc, self.matched = [0] * p, [set() for _ in range(p)]
         self.clock, self.busy, self.match_time = [0.0] * p, [0.0] * p, [0.0] * p
-        self.loaded, self.fwd, self.bwd = ([set() for _ in range(p)] for _ in range(3))
+        self.loaded, self.fwd, self.bwd, self.wgrad = ([set() for _ in range(p)] for _ in range(4))
         self.got_act, self.got_grad = [set() for _ in range(p)], [set() for _ in range(p)]
         self.live, self.peak = [0] * p, [0] * p
 
@@ -117,6 +123,9 @@ class _Sim:
                 _check(slot in self.got_grad[s], f"stage {s} runs {ins} before its gradient")
             self.bwd[s].add(slot)
             self.live[s] -= 1
+        elif isinstance(ins, WeightGrad):
+            _check(slot in self.bwd[s] and slot not in self.wgrad[s], f"stage {s}: bad weight gradient {ins}")
+            self.wgrad[s].add(slot)
         cost = self.costs.get(type(ins), 0.0)
         self.clock[s] += cost
         self.busy[s] += cost
@@ -170,10 +179,16 @@ class _Sim:
         moved = False
         for s in range(self.p):
             ex = self.current(s)
-            if isinstance(ex, list) and len(self.matched[s]) == len(ex):
+            ops = [op for op in ex if isinstance(op, COMM)] if isinstance(ex, list) else []
+            if isinstance(ex, list) and len(self.matched[s]) == len(ops):
+                posted = self.clock[s]  # the operations went out at this time; the overlapped work follows
+                for op in ex:
+                    if not isinstance(op, COMM):
+                        self.compute(s, op)
                 self.pc[s] += 1
                 self.matched[s] = set()
-                self.clock[s] = self.match_time[s]
+                self.clock[s] = max(self.match_time[s], self.clock[s])
+                assert self.clock[s] >= posted
                 moved = True
         return moved
 
@@ -191,13 +206,18 @@ class _Sim:
         for s in range(self.p):
             _check(self.fwd[s] == every, f"stage {s} forwarded {sorted(self.fwd[s])}")
             _check(self.bwd[s] == (every if self.train else set()), f"stage {s} backwarded {sorted(self.bwd[s])}")
+            split = any(isinstance(ins, WeightGrad) for step in self.progs[s]
+                        for ins in (step if isinstance(step, list) else [step]))
+            _check(not split or self.wgrad[s] == self.bwd[s],
+                   f"stage {s} computed weight gradients of {sorted(self.wgrad[s])}, backwarded {sorted(self.bwd[s])}")
 
 
 def simulate(lists: list[list[Instruction]], virtual_stages: int = 1, train: bool = True,
-             forward_cost: float = 1.0, backward_cost: float = 2.0) -> SimResult:
+             forward_cost: float = 1.0, backward_cost: float = 2.0, weight_cost: float | None = None) -> SimResult:
     """Run one instruction list per stage together (see the module docstring); raises
-    :class:`Deadlock` or :class:`ScheduleError` for a schedule that cannot run."""
-    sim = _Sim(lists, virtual_stages, train, forward_cost, backward_cost)
+    :class:`Deadlock` or :class:`ScheduleError` for a schedule that cannot run. ``weight_cost``:
+    the part of ``backward_cost`` a ``WeightGrad`` takes (half of it by default)."""
+    sim = _Sim(lists, virtual_stages, train, forward_cost, backward_cost, weight_cost)
     sim.run()
     m = max((ins.mb for lst in lists for ins in lst), default=-1) + 1
     sim.check_complete(m)

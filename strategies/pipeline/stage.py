@@ -38,7 +38,8 @@ from ..precision import Precision
 from .module import PipelineModule
 from .p2p import GRAD_TAG, ActivationMeta, PipeComm
 from .schedule import (Backward, Forward, Instruction, LoadMicroBatch, RecvActivation, RecvGrad,
-                       SendActivation, SendGrad, steps)
+                       SendActivation, SendGrad, WeightGrad, is_comm, steps)
+from .weight_grad import DeferWeightGrads, apply_weight_grads
 
 
 @dataclass
@@ -62,6 +63,9 @@ class _Buffers:
     targets: dict[int, Any] = field(default_factory=dict)
     outputs: dict[int, Any] = field(default_factory=dict)
     grads: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    #: split backward (the schedule has ``WeightGrad``s): each micro-batch's deferred weight gradients
+    split: bool = False
+    weight_stash: dict[int, list] = field(default_factory=dict)
     loss_sum: torch.Tensor | None = None
     live: int = 0
 
@@ -107,19 +111,21 @@ class StageExecutor:
         if self.is_last(self.virtual_stages - 1) and self.pipe.loss_fn is None:
             raise ValueError("pipeline: the PipelineModule has no loss_fn; pass loss_fn=... so the last "
                              "stage can compute the loss")
-        b = _Buffers([input_key(x, train) for x in micro_inputs], micro_inputs, micro_targets, train, grad_scale)
+        b = _Buffers([input_key(x, train) for x in micro_inputs], micro_inputs, micro_targets, train, grad_scale,
+                     split=train and any(isinstance(ins, WeightGrad) for ins in instructions))
         self.stats = StepStats()
         start = time.perf_counter()
         for step in steps(instructions):
             t0 = time.perf_counter()
             if isinstance(step, list):
-                self._exchange(step, b)
-                self.stats.comm_s += time.perf_counter() - t0
+                inside = self._exchange(step, b)  # compute run while the exchange was in flight
+                self.stats.compute_s += inside
+                self.stats.comm_s += time.perf_counter() - t0 - inside
             else:
                 self._compute(step, b)
                 self.stats.compute_s += time.perf_counter() - t0
         self.stats.wall_s = time.perf_counter() - start
-        leftover = [name for name in ("inputs", "outputs", "grads") if getattr(b, name)]
+        leftover = [name for name in ("inputs", "outputs", "grads", "weight_stash") if getattr(b, name)]
         assert not leftover, f"schedule left buffers behind: {leftover}"
         if b.loss_sum is None:
             return torch.zeros((), device=self.device)
@@ -154,6 +160,8 @@ class StageExecutor:
             self._forward(slot, b)
         elif isinstance(ins, Backward):
             self._backward(slot, b)
+        elif isinstance(ins, WeightGrad):
+            apply_weight_grads(b.weight_stash.pop(slot))
         else:
             raise TypeError(f"not a compute instruction: {ins!r}")
 
@@ -162,7 +170,7 @@ class StageExecutor:
         x = b.inputs[slot] if b.train and not self.is_first(chunk) else b.inputs.pop(slot)
         target = b.targets.pop(slot) if last else None
         with torch.set_grad_enabled(b.train):
-            out = self.run_forward(self._stage_forward, x, target, b, chunk)
+            out = self.run_forward(self._stage_forward, x, target, b, slot)
         if last:
             loss = out.detach().float()
             b.loss_sum = loss if b.loss_sum is None else b.loss_sum + loss
@@ -173,9 +181,16 @@ class StageExecutor:
             b.live += 1
             self.stats.peak_live = max(self.stats.peak_live, b.live)
 
-    def _stage_forward(self, x: Any, target: Any, b: _Buffers, chunk: int = 0) -> Any:
+    def _stage_forward(self, x: Any, target: Any, b: _Buffers, slot: tuple[int, int]) -> Any:
         """This stage's layers (of one chunk) on one micro-batch; on the last, its share of the loss."""
+        chunk = slot[0]
         layers = self.pipe if self.virtual_stages == 1 else functools.partial(self.pipe.forward_chunk, chunk)
+        if b.split:  # every leaf-weight linear's weight gradient waits for the WeightGrad instruction
+            with DeferWeightGrads(b.weight_stash.setdefault(slot, [])):
+                return self._layers_and_loss(layers, x, target, b, chunk)
+        return self._layers_and_loss(layers, x, target, b, chunk)
+
+    def _layers_and_loss(self, layers: Callable[[Any], Any], x: Any, target: Any, b: _Buffers, chunk: int) -> Any:
         if b.train and self.activation_checkpointing:
             out = checkpoint(layers, x, use_reentrant=False)
         else:
@@ -199,15 +214,20 @@ class StageExecutor:
         b.live -= 1
 
     # ------------------------------------------------------------------ communication
-    def _exchange(self, exchange: list[Instruction], b: _Buffers) -> None:
+    def _exchange(self, exchange: list[Instruction], b: _Buffers) -> float:
+        """Post the exchange's operations, run its overlapped compute, wait; returns the seconds
+        that compute took."""
         comm = self.comm
         # layouts first, posted together (only the first exchange of a boundary and shape has any)
         comm.exchange_headers(
             [(self._sent_key(b, i.chunk, i.mb), ActivationMeta.of(b.outputs[(i.chunk, i.mb)]))
              for i in exchange if isinstance(i, SendActivation)],
             [self._received_key(b, i.chunk, i.mb) for i in exchange if isinstance(i, RecvActivation)])
-        sends, recvs, landed = [], [], []
+        sends, recvs, landed, overlapped = [], [], [], []
         for ins in exchange:
+            if not is_comm(ins):  # computed while the exchange is in flight
+                overlapped.append(ins)
+                continue
             slot = (ins.chunk, ins.mb)
             if isinstance(ins, SendActivation):
                 out = b.outputs[slot] if b.train else b.outputs.pop(slot)
@@ -226,7 +246,12 @@ class StageExecutor:
                 bufs = comm.sent[self._sent_key(b, *slot)].empty_grads(self.device)
                 recvs.append((bufs, comm.next_rank, GRAD_TAG))
                 landed.append((ins, bufs))
-        comm.wait(comm.post(sends, recvs))
+        handles = comm.post(sends, recvs)
+        t0 = time.perf_counter()
+        for ins in overlapped:
+            self._compute(ins, b)
+        inside = time.perf_counter() - t0
+        comm.wait(handles)
         for ins, bufs in landed:
             slot = (ins.chunk, ins.mb)
             if isinstance(ins, RecvActivation):
@@ -237,3 +262,4 @@ class StageExecutor:
                 b.inputs[slot] = meta.unflatten(bufs)
             else:
                 b.grads[slot] = bufs
+        return inside

@@ -322,11 +322,20 @@ def test_two_stages_match_a_plain_loop(tmp_path):
         # interleaved 1F1B: 2 stages x 2 chunks round the ring, the tie between chunks 0 and 3
         dict(model="lm", stages=2, schedule="1f1b", micro_batches=4, rows=8, optimizer="adamw", clip=0.5, virtual=2,
              validate=True, consolidate=True),
+        # zero-bubble H1: the linear layers' weight gradients deferred, the tied head's too
+        dict(model="lm", stages=2, schedule="zb_h1", micro_batches=4, rows=8, optimizer="adamw", clip=0.5,
+             validate=True),
+        dict(model="lm", stages=2, schedule="zb_h1", micro_batches=4, rows=8, optimizer="adamw",
+             precision="bf16-mixed"),
     ]
     out = run_ranks("test_pipeline:run_cases", 2, tmp_path, timeout=100, cases=cases)
-    mlp, lm, lm_gpipe, tup, bf16, fp16, inter = [[ranks[i] for ranks in out] for i in range(len(cases))]
-    for results in (mlp, lm, lm_gpipe, tup, inter):
+    mlp, lm, lm_gpipe, tup, bf16, fp16, inter, zb, zb_bf16 = [[ranks[i] for ranks in out] for i in range(len(cases))]
+    for results in (mlp, lm, lm_gpipe, tup, inter, zb):
         _check_equivalent(results)
+    assert zb[0]["clipped"] > 0 and [r["peak"] for r in zb] == [2, 1]  # 1F1B's live activations
+    assert all(r["restored"] for r in zb) and abs(zb[0]["val"] - zb[0]["ref_val"]) <= 1e-5 * zb[0]["ref_val"]
+    for a, b in zip(zb_bf16[0]["losses"], bf16[0]["losses"]):  # the same bf16 training as 1F1B's
+        assert abs(a - b) <= 1e-2 * b, (a, b)
     assert inter[0]["clipped"] > 0 and [r["peak"] for r in inter] == [5, 3]  # chunk activations (simulator's)
     assert all(r["restored"] for r in inter) and inter[0]["full_rel"] <= 1e-5
     assert abs(inter[0]["val"] - inter[0]["ref_val"]) <= 1e-5 * inter[0]["ref_val"]
@@ -369,10 +378,13 @@ def test_four_stages_two_by_two_and_the_trainer_match_a_plain_loop(tmp_path):
         dict(model="lm", stages=2, schedule="1f1b", micro_batches=4, rows=8, optimizer="adamw", clip=0.5,
              validate=True),
         dict(trainer=True, stages=2, micro_batches=2, rows=4, accumulate=2, steps=3),
+        dict(model="lm", stages=4, schedule="zb_h1", micro_batches=8, rows=8, optimizer="adamw", clip=0.5),
     ]
     out = run_ranks("test_pipeline:run_cases", 4, tmp_path, timeout=110, cases=cases)
-    four, grid, fit = [[ranks[i] for ranks in out] for i in range(len(cases))]
+    four, grid, fit, four_zb = [[ranks[i] for ranks in out] for i in range(len(cases))]
     _check_equivalent(four)
+    _check_equivalent(four_zb)
+    assert [r["peak"] for r in four_zb] == [4, 3, 2, 1]
     _check_equivalent(grid)
     # the Trainer (2 stages x 2 replicas, accumulate_grad_batches=2) = the plain loop
     _check_equivalent(fit)

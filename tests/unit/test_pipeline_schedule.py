@@ -15,9 +15,10 @@ from zerotrain.strategies.pipeline.p2p import ActivationMeta
 from zerotrain.strategies.pipeline.partition import (partition, partition_balanced, partition_uniform,
                                                      validate_boundaries)
 from zerotrain.strategies.pipeline.schedule import (Backward, Forward, LoadMicroBatch, RecvActivation, RecvGrad,
-                                                    SendActivation, SendGrad, bubble_fraction, bubble_ratio, gpipe,
-                                                    inference, interleaved_1f1b, interleaved_slots,
-                                                    live_activation_peak, one_f_one_b, peak_live_formula, steps)
+                                                    SendActivation, SendGrad, WeightGrad, bubble_fraction, bubble_ratio,
+                                                    gpipe, inference, interleaved_1f1b, interleaved_slots,
+                                                    live_activation_peak, one_f_one_b, peak_live_formula, steps,
+                                                    zero_bubble_h1)
 from zerotrain.strategies.pipeline.simulate import Deadlock, ScheduleError, simulate_schedule
 from zerotrain.strategies.pipeline.simulate import simulate as run_lists
 from zerotrain.strategies.precision import Precision
@@ -39,6 +40,45 @@ def test_1f1b_is_deadlock_free_and_bounds_live_activations(stages, micro):
     assert peak == [min(stages - s, micro) for s in range(stages)]
     assert max(peak) <= stages
     assert peak == [live_activation_peak(one_f_one_b(s, stages, micro)) for s in range(stages)]
+
+
+@pytest.mark.parametrize("stages,micro", GRID)
+def test_zero_bubble_h1_is_deadlock_free_and_cuts_1f1b_bubble_to_a_third(stages, micro):
+    lists = [zero_bubble_h1(s, stages, micro) for s in range(stages)]
+    zb = run_lists(lists, forward_cost=1.0, backward_cost=2.0, weight_cost=1.0)
+    plain = simulate_schedule(one_f_one_b, stages, micro)
+    assert zb.peak_live == plain.peak_live == [min(stages - s, micro) for s in range(stages)]
+    # ZB-H1's bubble (p - 1)(F + B - W) against 1F1B's (p - 1)(F + B + W), F = B = W = 1
+    assert zb.bubble == pytest.approx((stages - 1) / (3 * micro)) if micro >= stages else zb.bubble < plain.bubble
+    for s, lst in enumerate(lists):
+        # every micro-batch's weight gradients once, after its backward, at most s backwards late
+        order = [(type(i), i.mb) for i in lst if isinstance(i, (Backward, WeightGrad))]
+        assert sorted(mb for kind, mb in order if kind is WeightGrad) == list(range(micro))
+        for k, (kind, mb) in enumerate(order):
+            if kind is WeightGrad:
+                assert order.index((Backward, mb)) < k
+                assert sum(kind2 is Backward for kind2, _ in order[:k]) <= mb + 1 + s
+        # forwards, backwards and communication are 1F1B's, in the same order
+        assert [i for i in lst if not isinstance(i, WeightGrad)] == one_f_one_b(s, stages, micro)
+
+
+def test_zero_bubble_weight_gradients_run_inside_exchanges():
+    # stage 1 of 2: each weight gradient after the first backward joins the exchange that sends
+    # the gradient and receives the next activation, so it is computed while that is in flight
+    grouped = steps(zero_bubble_h1(1, 2, 4))
+    assert [RecvActivation(0)] == grouped[0]
+    assert [SendGrad(1), WeightGrad(0), RecvActivation(2)] in grouped
+    assert grouped[-1] == [SendGrad(3), WeightGrad(2), WeightGrad(3)]
+    # the first stage has no exchange after its backwards: its weight gradients follow them
+    assert steps(zero_bubble_h1(0, 2, 4))[-2:] == [Backward(3), WeightGrad(3)]
+
+
+def test_zero_bubble_with_checkpointing_is_a_config_error():
+    from zerotrain.trainer.errors import ConfigError
+    with pytest.raises(ConfigError, match="zb_h1.*activation_checkpointing"):
+        PipelineStrategy(stages=2, schedule="zb_h1", activation_checkpointing=True)
+    with pytest.raises(ConfigError, match="virtual_stages"):
+        PipelineStrategy(stages=2, schedule="zb_h1", virtual_stages=2, micro_batches=4)
 
 
 @pytest.mark.parametrize("stages,micro", GRID)
@@ -329,7 +369,7 @@ class _Hooks:
         return out
 
 
-@pytest.mark.parametrize("schedule,ckpt", [("1f1b", False), ("gpipe", True)])
+@pytest.mark.parametrize("schedule,ckpt", [("1f1b", False), ("gpipe", True), ("zb_h1", False)])
 def test_one_stage_pipeline_matches_a_plain_loop(schedule, ckpt):
     torch.manual_seed(0)
     ref = nn.Sequential(nn.Embedding(11, 6), nn.Linear(6, 6), nn.GELU(), nn.Linear(6, 6), nn.Linear(6, 11, bias=False))
@@ -357,7 +397,7 @@ def test_one_stage_pipeline_matches_a_plain_loop(schedule, ckpt):
         torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=1e-6)
     for k, v in ref.state_dict().items():
         torch.testing.assert_close(model.pipe.state_dict()[k], v, rtol=1e-5, atol=1e-6)
-    assert strategy.live_activation_peak == (1 if schedule == "1f1b" else 4)
+    assert strategy.live_activation_peak == (4 if schedule == "gpipe" else 1)
     val = strategy.validation_step((x, y), 0)
     torch.testing.assert_close(val, nn.functional.cross_entropy(ref(x).flatten(0, 1), y.flatten()).detach())
     with pytest.raises(ValueError, match="divisible by 4"):
