@@ -49,12 +49,15 @@ class ModelSpec:
 # 12.8M / 101M parameters. Byte data still fits (ids < 256); the head's matmul has the peers' size.
 # gpt_118m_untied has the same 117.7M parameters as an 8192-token vocabulary with an untied head
 # (wte and lm_head 8.4M each): the pipeline benchmark's model, whose two stages then share no
-# weight, with 4 sequences per rank (a global batch of 8 on 2 ranks).
+# weight, with 4 sequences per rank (a global batch of 8 on 2 ranks). gpt_21m_untied is issue
+# 14's model A: the 21M shape with an 8192-token vocabulary and an untied head (the same 21.1M).
 MODELS: dict[str, ModelSpec] = {
     "tiny": ModelSpec(n_layer=2, n_head=2, n_embd=64, block_size=64, vocab_size=256, micro_batch=2),
     "tiny_untied": ModelSpec(n_layer=2, n_head=2, n_embd=64, block_size=64, vocab_size=256, micro_batch=4,
                              tied=False),
     "gpt_21m": ModelSpec(n_layer=4, n_head=8, n_embd=512, block_size=256, vocab_size=16384, micro_batch=4),
+    "gpt_21m_untied": ModelSpec(n_layer=4, n_head=8, n_embd=512, block_size=256, vocab_size=8192, micro_batch=4,
+                                tied=False),
     "gpt_118m": ModelSpec(n_layer=8, n_head=16, n_embd=1024, block_size=256, vocab_size=16384, micro_batch=1),
     "gpt_118m_untied": ModelSpec(n_layer=8, n_head=16, n_embd=1024, block_size=256, vocab_size=8192, micro_batch=4,
                                  tied=False),

@@ -294,25 +294,37 @@ class Residual(torch.nn.Module):
 
 def compute_balanced_layers(model: torch.nn.Module,
                             stages: int) -> tuple[list[tuple[str, torch.nn.Module]], list[int]]:
-    """``GPT.pipeline_layers`` with every block as its two ``Residual`` halves, and the stage
-    bounds that balance each layer's forward multiply-adds per token (the backward costs about
-    twice each, so the same proportions): attention 4d^2 + T d, MLP 8d^2, the LM head and loss
-    d V + V, the rest d. Why: cut by parameters between blocks, the last stage also runs the head
-    and the loss (~20% of a stage for the 118M model at vocab 8192), and sets the pace."""
+    """``GPT.pipeline_layers`` with the stage bounds that balance each layer's forward
+    multiply-adds per token (the backward costs about twice each, so the same proportions):
+    attention 4d^2 + T d, MLP 8d^2, the LM head and loss d V + V, the rest d. The bounds are
+    chosen with every block as its two ``Residual`` halves; a block a bound falls inside stays
+    split, every other block is whole again. Why: cut by parameters between blocks, the last
+    stage also runs the head and the loss (~20% of a stage for the 118M model at vocab 8192),
+    and sets the pace."""
     from zerotrain.strategies.pipeline.partition import partition_balanced
 
     c = model.config
     d, t, vocab = c.n_embd, c.block_size, c.vocab_size
-    layers, cost = [], []
+    halves, cost, owner = [], [], []  # owner: the (name, block) a half belongs to, else None
     for name, layer in model.pipeline_layers():
         if name.startswith("blocks."):
-            layers += [(f"{name}.attn_half", Residual(layer.ln_1, layer.attn)),
+            halves += [(f"{name}.attn_half", Residual(layer.ln_1, layer.attn)),
                        (f"{name}.mlp_half", Residual(layer.ln_2, layer.mlp))]
             cost += [4 * d * d + t * d, 8 * d * d]
+            owner += [(name, layer)] * 2
         else:
-            layers.append((name, layer))
+            halves.append((name, layer))
             cost.append(d * vocab + vocab if name == "lm_head" else d)
-    return layers, partition_balanced(cost, stages)
+            owner.append(None)
+    cut_after = set(partition_balanced(cost, stages)[1:-1])  # a bound b: a stage starts at halves[b]
+    layers, bounds, i = [], [0], 0
+    while i < len(halves):
+        whole = owner[i] is not None and i + 1 not in cut_after and owner[i + 1] is owner[i]
+        layers.append(owner[i] if whole else halves[i])
+        i += 2 if whole else 1
+        if i in cut_after:
+            bounds.append(len(layers))
+    return layers, bounds + [len(layers)]
 
 
 def rank_batches(args: argparse.Namespace, spec: ModelSpec, rank: int, world: int) -> list:

@@ -226,6 +226,15 @@ def test_interleaved_two_stages_match_a_plain_loop(tmp_path_factory):
     _check_continues_exactly(run_dir)
 
 
+@pytest.mark.slow
+def test_zero_bubble_two_stages_from_the_cli_match_a_plain_loop(tmp_path_factory):
+    """ZB-H1 (``strategy.schedule=zb_h1``): the linear weights' gradients, the tied head's too,
+    computed after the inputs' and accumulated later; the same losses and parameters."""
+    run_dir = _cli(_root(tmp_path_factory), "pipe2-zb", 2, 1, "strategy=pipeline", "strategy.stages=2",
+                   "strategy.schedule=zb_h1")
+    _check_continues_exactly(run_dir)
+
+
 @pytest.mark.parametrize("name,devices,replicas,overrides", [
     pytest.param("zero2", 2, 2, ["strategy=zero2"], marks=pytest.mark.slow),
     pytest.param("single", 1, 1, ["strategy=single"], marks=pytest.mark.slow),
