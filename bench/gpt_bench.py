@@ -589,6 +589,8 @@ def render_pipeline(results: dict[str, list[RunSummary]]) -> str:
     rows = [(s, runs) for s, runs in results.items() if runs and runs[0].stages]
     if not rows:
         return ""
+    from zerotrain.strategies.pipeline.schedule import bubble_fraction
+
     p = PIPE_STAGES
     head = " | ".join(f"stage {i}: compute / exchanges / rest of step (s)" for i in range(p))
     lines = [f"\n| system | m | v | bubble measured | bubble theory (p-1)/(vm+p-1), zb: (p-1)/(3vm+p-1) | {head} |",
@@ -598,8 +600,8 @@ def render_pipeline(results: dict[str, list[RunSummary]]) -> str:
         bubble = statistics.median(statistics.fmean(st["bubble"] for st in r.stages) for r in runs)
         split = " | ".join(f"{st['compute_s']:.3f} / {st['comm_s']:.3f} / {st['outside_s']:.3f}"
                            for st in runs[0].stages)
-        # ZB-H1 (F = B = W): (p - 1) / (3 v m + p - 1)
-        theory = (p - 1) / ((3 if schedule == "zb_h1" else 1) * v * m + p - 1)
+        # ZB-H1 (F = B = W) idles as 1F1B would with 3 m micro-batches
+        theory = bubble_fraction(p, (3 if schedule == "zb_h1" else 1) * m, v)
         lines.append(f"| {s} | {m} | {v} | {bubble:.3f} | {theory:.3f} | {split} |")
     return ("\n".join(lines) + "\n\n- bubble measured: the share of a stage's schedule (its forwards, backwards "
             "and activation exchanges) spent outside forward/backward compute, the mean over the stages; "

@@ -73,8 +73,9 @@ class _Sim:
     def __init__(self, lists: list[list[Instruction]], virtual_stages: int, train: bool,
                  forward_cost: float, backward_cost: float, weight_cost: float | None = None) -> None:
         self.p, self.v, self.train = len(lists), virtual_stages, train
-        split = any(isinstance(ins, WeightGrad) for lst in lists for ins in lst)
-        weight = (backward_cost / 2 if weight_cost is None else weight_cost) if split else 0.0
+        #: per stage: whether its backward is split (it has WeightGrad instructions)
+        self.split = [any(isinstance(ins, WeightGrad) for ins in lst) for lst in lists]
+        weight = (backward_cost / 2 if weight_cost is None else weight_cost) if any(self.split) else 0.0
         self.costs = {Forward: forward_cost / virtual_stages, Backward: (backward_cost - weight) / virtual_stages,
                       WeightGrad: weight / virtual_stages}
         self.progs = [steps(lst) for lst in lists]
@@ -181,14 +182,12 @@ class _Sim:
             ex = self.current(s)
             ops = [op for op in ex if isinstance(op, COMM)] if isinstance(ex, list) else []
             if isinstance(ex, list) and len(self.matched[s]) == len(ops):
-                posted = self.clock[s]  # the operations went out at this time; the overlapped work follows
-                for op in ex:
+                for op in ex:  # the overlapped work, after the operations were posted at clock[s]
                     if not isinstance(op, COMM):
                         self.compute(s, op)
                 self.pc[s] += 1
                 self.matched[s] = set()
                 self.clock[s] = max(self.match_time[s], self.clock[s])
-                assert self.clock[s] >= posted
                 moved = True
         return moved
 
@@ -206,9 +205,7 @@ class _Sim:
         for s in range(self.p):
             _check(self.fwd[s] == every, f"stage {s} forwarded {sorted(self.fwd[s])}")
             _check(self.bwd[s] == (every if self.train else set()), f"stage {s} backwarded {sorted(self.bwd[s])}")
-            split = any(isinstance(ins, WeightGrad) for step in self.progs[s]
-                        for ins in (step if isinstance(step, list) else [step]))
-            _check(not split or self.wgrad[s] == self.bwd[s],
+            _check(not self.split[s] or self.wgrad[s] == self.bwd[s],
                    f"stage {s} computed weight gradients of {sorted(self.wgrad[s])}, backwarded {sorted(self.bwd[s])}")
 
 

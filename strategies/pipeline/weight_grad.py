@@ -6,8 +6,8 @@ as ``_DeferredLinear``. Its backward returns the gradients of the input and the 
 appends ``(weight, grad_output, input)`` to ``stash`` instead of the weight's gradient;
 ``apply_weight_grads(stash)`` computes those later, ``grad_output^T @ input`` flattened over the
 leading dimensions, and accumulates each into ``weight.grad`` (set when it is None, added in the
-product otherwise: equal to autograd's to rounding), in the order backward reached them. Every other parameter (embeddings,
-norms, biases) gets its gradient in the backward as usual. For a transformer the linear layers'
+product otherwise: equal to autograd's to rounding), in the order backward reached them. Every
+other parameter (embeddings, norms, biases) gets its gradient in the backward as usual. For a transformer the linear layers'
 weight gradients are about half of the backward's work.
 
 Under autocast the input, weight and bias are cast the way autocast casts ``linear`` and the
