@@ -28,8 +28,8 @@ Systems (``--systems``, a comma list; all by default):
                same global batch) in m = 4 / 8 micro-batches; the module cuts the same GPT into
                stages (``GPT.pipeline_layers``); zt_pipe_v2_m8: interleaved, 2 chunks per stage;
                zt_pipe_bal_m8: the stage boundary placed by estimated compute inside a block
-               (``compute_balanced_layers``: a bench-side layer list, not the CLI's cut);
-               zt_pipe_zb_m8, zt_pipe_zb_bal_m8: the zero-bubble schedule (``schedule="zb_h1"``:
+               (``GPT.pipeline_cut``: the CLI's ``model.pipeline_cut=compute``);
+               zt_pipe_zb_m8, zt_pipe_zb_bal_m8/_m4: the zero-bubble schedule (``schedule="zb_h1"``:
                each backward split, the linear weights' gradients where the stage would wait)
 
 How it measures. The driver (this file, no ``--worker``) runs every system as its own ``torchrun
@@ -87,7 +87,7 @@ ZT_STRATEGY = {"zt_ddp": "ddp", "zt_zero1": "zero1", "zt_zero2": "zero2", "zt_ze
 class PipeSystem(NamedTuple):
     """A pipeline system: 2 stages, 1F1B; ``m`` micro-batches per replica batch, ``v`` chunks per
     stage (interleaved when > 1), ``balanced``: the stage boundary placed by estimated compute
-    inside a block (``compute_balanced_layers``) instead of by parameters between blocks;
+    inside a block (``GPT.pipeline_cut``) instead of by parameters between blocks;
     ``schedule``: the pipeline's (``1f1b`` or ``zb_h1``)."""
 
     m: int
@@ -98,7 +98,8 @@ class PipeSystem(NamedTuple):
 
 PIPE_SYSTEMS = {"zt_pipe_m4": PipeSystem(4), "zt_pipe_m8": PipeSystem(8), "zt_pipe_v2_m8": PipeSystem(8, v=2),
                 "zt_pipe_bal_m8": PipeSystem(8, balanced=True), "zt_pipe_zb_m8": PipeSystem(8, schedule="zb_h1"),
-                "zt_pipe_zb_bal_m8": PipeSystem(8, balanced=True, schedule="zb_h1")}
+                "zt_pipe_zb_bal_m8": PipeSystem(8, balanced=True, schedule="zb_h1"),
+                "zt_pipe_zb_bal_m4": PipeSystem(4, balanced=True, schedule="zb_h1")}
 PIPE_STAGES = 2
 ALL_SYSTEMS = DEFAULT_SYSTEMS + list(PIPE_SYSTEMS)
 BUCKET = 20_000_000  # elements; DeepSpeed's 5e8 default is GPU-sized (MACHINE_FACTS.md)
@@ -235,7 +236,7 @@ def run_zerotrain(args: argparse.Namespace, spec: ModelSpec, batches: list, rec:
             from zerotrain.strategies.pipeline import PipelineModule
 
             if balanced_cut and not isinstance(self.model, PipelineModule):
-                layers, bounds = compute_balanced_layers(self.model, num_stages)
+                layers, bounds = self.model.pipeline_cut(num_stages)
                 self.model = PipelineModule.from_modules(layers, num_stages, loss_fn=lm_loss, partition_method=bounds)
             elif not isinstance(self.model, PipelineModule):
                 self.model = PipelineModule.from_modules(self.model.pipeline_layers(), num_stages, loss_fn=lm_loss)
@@ -277,54 +278,6 @@ def run_pipeline(args: argparse.Namespace, spec: ModelSpec, batches: list, rec: 
     strategy = PipelineStrategy(stages=PIPE_STAGES, schedule=system.schedule, micro_batches=system.m,
                                 virtual_stages=system.v)
     run_zerotrain(args, spec, batches, rec, strategy=strategy, balanced_cut=system.balanced)
-
-
-class Residual(torch.nn.Module):
-    """``x + sub(ln(x))``: one half of a GPT ``Block`` (attention or MLP) holding the block's own
-    modules, so that a stage boundary can fall inside a block with the same weights and the same
-    operations in the same order."""
-
-    def __init__(self, ln: torch.nn.Module, sub: torch.nn.Module) -> None:
-        super().__init__()
-        self.ln, self.sub = ln, sub
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.sub(self.ln(x))
-
-
-def compute_balanced_layers(model: torch.nn.Module,
-                            stages: int) -> tuple[list[tuple[str, torch.nn.Module]], list[int]]:
-    """``GPT.pipeline_layers`` with the stage bounds that balance each layer's forward
-    multiply-adds per token (the backward costs about twice each, so the same proportions):
-    attention 4d^2 + T d, MLP 8d^2, the LM head and loss d V + V, the rest d. The bounds are
-    chosen with every block as its two ``Residual`` halves; a block a bound falls inside stays
-    split, every other block is whole again. Why: cut by parameters between blocks, the last
-    stage also runs the head and the loss (~20% of a stage for the 118M model at vocab 8192),
-    and sets the pace."""
-    from zerotrain.strategies.pipeline.partition import partition_balanced
-
-    c = model.config
-    d, t, vocab = c.n_embd, c.block_size, c.vocab_size
-    halves, cost, owner = [], [], []  # owner: the (name, block) a half belongs to, else None
-    for name, layer in model.pipeline_layers():
-        if name.startswith("blocks."):
-            halves += [(f"{name}.attn_half", Residual(layer.ln_1, layer.attn)),
-                       (f"{name}.mlp_half", Residual(layer.ln_2, layer.mlp))]
-            cost += [4 * d * d + t * d, 8 * d * d]
-            owner += [(name, layer)] * 2
-        else:
-            halves.append((name, layer))
-            cost.append(d * vocab + vocab if name == "lm_head" else d)
-            owner.append(None)
-    cut_after = set(partition_balanced(cost, stages)[1:-1])  # a bound b: a stage starts at halves[b]
-    layers, bounds, i = [], [0], 0
-    while i < len(halves):
-        whole = owner[i] is not None and i + 1 not in cut_after and owner[i + 1] is owner[i]
-        layers.append(owner[i] if whole else halves[i])
-        i += 2 if whole else 1
-        if i in cut_after:
-            bounds.append(len(layers))
-    return layers, bounds + [len(layers)]
 
 
 def rank_batches(args: argparse.Namespace, spec: ModelSpec, rank: int, world: int) -> list:

@@ -12,7 +12,9 @@ Two things matter for the sharded strategies:
   positions, each block, ``ln_f``, ``lm_head``), each with its name here, for the pipeline
   strategy: ``PipelineModule.from_modules`` cuts them into stages, ties ``lm_head`` to ``wte``
   across the first and last stage (they share one Parameter) and checkpoints them under these
-  names, so a pipeline checkpoint is this model's.
+  names, so a pipeline checkpoint is this model's. :meth:`GPT.pipeline_cut` gives the same
+  layers with stage bounds that balance compute instead, splitting a block into its attention and
+  MLP halves where a bound falls inside it (``model.pipeline_cut=compute`` on the command line).
 * :meth:`GPT.init_weights` re-initialises every parameter and buffer in place, in a fixed order,
   so a model built on the meta device and materialised with ``to_empty(device=...)`` gets real
   weights, identical to an eager build when the global RNG is seeded the same way right before
@@ -40,6 +42,10 @@ class GPTConfig:
     n_embd: int = 256
     dropout: float = 0.0
     bias: bool = False  # biases in Linear and LayerNorm layers
+    #: how the pipeline strategy cuts this model into stages (:meth:`GPTModule.to_pipeline`):
+    #: "parameters" (between blocks, by parameter count: DeepSpeed's default) or "compute"
+    #: (:meth:`GPT.pipeline_cut`: by estimated compute, a block split where a bound falls inside)
+    pipeline_cut: str = "parameters"
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -51,6 +57,8 @@ class GPTConfig:
                 f"GPTConfig.n_embd={self.n_embd} must be divisible by GPTConfig.n_head={self.n_head}; "
                 f"pick n_embd as a multiple of n_head"
             )
+        if self.pipeline_cut not in ("parameters", "compute"):
+            raise ValueError(f"GPTConfig.pipeline_cut={self.pipeline_cut!r}; valid: 'parameters', 'compute'")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}")
 
@@ -104,6 +112,27 @@ class Block(nn.Module):
         x = x + self.attn(self.ln_1(x))
         x = x + self.mlp(self.ln_2(x))
         return x
+
+
+class BlockHalf(nn.Module):
+    """``x + sub(norm(x))``: the attention half (``ln_1``, ``attn``) or the MLP half (``ln_2``,
+    ``mlp``) of a :class:`Block`, holding the block's own modules under the block's names, so that
+    a pipeline stage boundary can fall inside a block, computing the same operations in the same
+    order, while the checkpoint keeps the block's keys (``blocks.4.attn.c_attn.weight``)."""
+
+    PARTS = {"attn": ("ln_1", "attn"), "mlp": ("ln_2", "mlp")}
+
+    def __init__(self, block: Block, half: str) -> None:
+        super().__init__()
+        if half not in self.PARTS:
+            raise ValueError(f"BlockHalf: half={half!r}; valid: {', '.join(self.PARTS)}")
+        self.half = half
+        for name in self.PARTS[half]:
+            self.add_module(name, getattr(block, name))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        norm, sub = self.PARTS[self.half]
+        return x + getattr(self, sub)(getattr(self, norm)(x))
 
 
 class AddPositions(nn.Module):
@@ -228,6 +257,45 @@ class GPT(nn.Module):
         return [("wte", self.wte), ("wpe", AddPositions(self.wpe, self.drop)),
                 *((f"blocks.{i}", block) for i, block in enumerate(self.blocks)),
                 ("ln_f", self.ln_f), ("lm_head", self.lm_head)]
+
+    def pipeline_cut(self, num_stages: int) -> tuple[list[tuple[str, nn.Module]], list[int]]:
+        """:meth:`pipeline_layers` and stage bounds that balance the stages' compute, for
+        ``PipelineModule.from_modules(layers, num_stages, partition_method=bounds)``.
+
+        The cost of each layer is its forward multiply-adds per token (a backward costs about
+        twice its forward, so the proportions hold): attention ``4 d^2 + T d``, MLP ``8 d^2``, the
+        LM head ``d V`` (plus ``V`` for the loss), every other layer ``d``. Bounds are chosen with
+        each block as its two :class:`BlockHalf` halves; a block a bound falls inside stays as its
+        halves (both under the block's name, so checkpoint keys are unchanged), every other block
+        is whole. Why: cut by parameters between blocks, the last stage also runs the head and
+        the loss (a fifth of a stage for 8 blocks of d=1024 at vocab 8192) and sets the pace,
+        while the first stage's embedding, counted as parameters, costs almost nothing."""
+        from ..strategies.pipeline.partition import partition_balanced
+
+        c = self.config
+        d, t, vocab = c.n_embd, c.block_size, c.vocab_size
+        pieces: list[tuple[str, nn.Module]] = []
+        cost: list[int] = []
+        whole: list[tuple[str, nn.Module] | None] = []  # the block a half belongs to, else None
+        for name, layer in self.pipeline_layers():
+            if isinstance(layer, Block):
+                pieces += [(name, BlockHalf(layer, "attn")), (name, BlockHalf(layer, "mlp"))]
+                cost += [4 * d * d + t * d, 8 * d * d]
+                whole += [(name, layer)] * 2
+            else:
+                pieces.append((name, layer))
+                cost.append(d * vocab + vocab if name == "lm_head" else d)
+                whole.append(None)
+        starts = set(partition_balanced(cost, num_stages)[1:-1])  # a stage starts at pieces[b]
+        layers: list[tuple[str, nn.Module]] = []
+        bounds, i = [0], 0
+        while i < len(pieces):
+            keep_whole = whole[i] is not None and i + 1 not in starts and whole[i + 1] is whole[i]
+            layers.append(whole[i] if keep_whole else pieces[i])
+            i += 2 if keep_whole else 1
+            if i in starts:
+                bounds.append(len(layers))
+        return layers, bounds + [len(layers)]
 
     # ---- accounting
     def num_params(self, non_embedding: bool = False) -> int:

@@ -63,6 +63,10 @@ def validate_pipeline(cfg: Config, world: int) -> int:
         raise _bad("strategy.stages", stages, f"exceeds the {layers} layers of the GPT as a pipeline "
                    f"(wte, positions, model.n_layer={cfg.model.n_layer} blocks, ln_f, lm_head): every stage "
                    "needs one", f"1 .. {layers}, or a deeper model")
+    if cfg.model.pipeline_cut == "compute" and cfg.strategy.virtual_stages > 1:
+        raise _bad("model.pipeline_cut", cfg.model.pipeline_cut, f"cuts {stages} stages, not the "
+                   f"{stages * cfg.strategy.virtual_stages} chunks of strategy.virtual_stages="
+                   f"{cfg.strategy.virtual_stages}", "'parameters' with virtual stages, or strategy.virtual_stages=1")
     if cfg.data.batch_size % m:
         raise _bad("data.batch_size", cfg.data.batch_size, f"is each replica's batch and must split into "
                    f"strategy.micro_batches={m} equal micro-batches", f"a multiple of {m}")

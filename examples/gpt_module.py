@@ -92,7 +92,8 @@ class GPTModule(TrainModule):
 
     def to_pipeline(self, num_stages: int) -> PipelineModule:
         """The pipeline strategy's hook: ``self.model`` becomes a PipelineModule of the built GPT's
-        layers (:meth:`GPT.pipeline_layers`; the LM head tied to ``wte`` across the first and last
+        layers (:meth:`GPT.pipeline_layers`, cut by parameters; with ``config.pipeline_cut="compute"``
+        :meth:`GPT.pipeline_cut`'s balanced cut; the LM head tied to ``wte`` across the first and last
         stage) with the GPT's loss; the strategy keeps this rank's stage and drops the rest.
 
         Why here and not in the library: the pipeline cannot know how a model is a sequence of
@@ -102,7 +103,11 @@ class GPTModule(TrainModule):
         at the cost of holding the whole model once while set-up runs."""
         model = self._require_model()
         if not isinstance(model, PipelineModule):
-            self.model = PipelineModule.from_modules(model.pipeline_layers(), num_stages, loss_fn=lm_loss)
+            if model.config.pipeline_cut == "compute":
+                layers, bounds = model.pipeline_cut(num_stages)
+                self.model = PipelineModule.from_modules(layers, num_stages, loss_fn=lm_loss, partition_method=bounds)
+            else:
+                self.model = PipelineModule.from_modules(model.pipeline_layers(), num_stages, loss_fn=lm_loss)
         return self.model
 
     def _require_model(self) -> GPT:

@@ -119,7 +119,7 @@ class PipelineModule(nn.Module):
                                 "LayerSpec/TiedLayerSpec or a parameter-free callable")
         self.num_stages = int(num_stages)
         self.num_layers = len(specs)
-        self.layer_names = _check_layer_names(layer_names, len(specs))
+        self.layer_names = _check_layer_names(layer_names, specs)
         weights = ([count_parameters(s) for s in specs] if partition_method == "parameters"
                    else [1] * len(specs))
         self.bounds = partition(weights, self.num_stages, partition_method)
@@ -326,14 +326,35 @@ class PipelineModule(nn.Module):
         return f"stage={self.stage}, num_stages={self.num_stages}, bounds={self.bounds}{chunks}"
 
 
-def _check_layer_names(names: Sequence[str] | None, num_layers: int) -> tuple[str, ...]:
+def _check_layer_names(names: Sequence[str] | None, specs: list[Any]) -> tuple[str, ...]:
+    """The layers' paths. Two layers may share one (halves of one module cut by a stage boundary:
+    ``blocks.4`` holding ``ln_1``/``attn``, then ``blocks.4`` holding ``ln_2``/``mlp``) as long as
+    their state keys under it stay distinct."""
+    num_layers = len(specs)
     if names is None:
         return tuple(str(i) for i in range(num_layers))
     names = tuple(str(n) for n in names)
-    if len(names) != num_layers or len(set(names)) != num_layers or not all(names):
-        raise ValueError(f"PipelineModule: layer_names={list(names)!r}; valid: {num_layers} distinct non-empty "
+    if len(names) != num_layers or not all(names):
+        raise ValueError(f"PipelineModule: layer_names={list(names)!r}; valid: {num_layers} non-empty "
                          "module paths, one per layer")
+    for i, name in enumerate(names):
+        if names.index(name) == i:
+            continue
+        for j in (k for k in range(i) if names[k] == name):
+            clash = _state_keys(specs[i]) & _state_keys(specs[j])
+            if clash:
+                raise ValueError(f"PipelineModule: layer_names={list(names)!r}: layers {j} and {i} are both "
+                                 f"{name!r} and both hold {sorted(clash)[0]!r}; valid: distinct module paths, "
+                                 "or one path shared by layers whose parameters and buffers have distinct "
+                                 "names under it")
     return names
+
+
+def _state_keys(layer: Any) -> set[str]:
+    if isinstance(layer, LayerSpec):
+        with torch.device("meta"):
+            layer = layer.build()
+    return set(layer.state_dict()) if isinstance(layer, nn.Module) else set()
 
 
 def _spec_ties(specs: list[Any]) -> list[Tie]:

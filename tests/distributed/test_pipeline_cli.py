@@ -10,6 +10,8 @@ takes every R-th of them: the same 8).
   interleaved 1F1B (``strategy.virtual_stages=2``): every logged loss and every final parameter
   within 1e-5 (relative) of the plain loop; the final checkpoint, consolidated by
   ``zerotrain-consolidate``, loads into the plain GPT with ``strict=True``;
+* the compute-balanced cut (``model.pipeline_cut=compute``, 3 blocks: the bound inside block 1)
+  under ZB-H1, in the default suite: the same, the split block's halves saved by their stages;
 * resharding: the 2-stage run's step-2 checkpoint resumes as 4 stages, as zero2 on 2 ranks, as
   single and as ddp on 2, and a zero2 run's as 2 stages; each run's steps 3-4 equal the
   uninterrupted plain loop.
@@ -65,12 +67,12 @@ def _checkpoint(run_dir: Path, step: int) -> str:
 
 
 # ---------------------------------------------------------------------------- the plain loop
-def _reference() -> dict:
-    """The plain single-process loop (cached): losses of steps 1..STEPS, the loss of rank 0's half
-    of each batch (what a 2-rank data-parallel run logs: its rank 0's loss, as Lightning) and the
-    final parameters."""
-    if "reference" in _RUNS:
-        return _RUNS["reference"]
+def _reference(model: tuple[str, ...] = ()) -> dict:
+    """The plain single-process loop (cached; ``model``: extra ``model.*`` overrides): losses of
+    steps 1..STEPS, the loss of rank 0's half of each batch (what a 2-rank data-parallel run logs:
+    its rank 0's loss, as Lightning) and the final parameters."""
+    if ("reference", model) in _RUNS:
+        return _RUNS[("reference", model)]
     from hydra import compose, initialize_config_module
     from omegaconf import OmegaConf
     from torch.utils.data import DistributedSampler
@@ -80,14 +82,14 @@ def _reference() -> dict:
     from zerotrain.trainer.utilities import seed_rngs
 
     overrides = normalize_overrides([o for o in COMMON if not o.startswith("callbacks.")]
-                                    + [f"data.batch_size={GLOBAL_BATCH}", "trainer.devices=1"])
+                                    + [f"data.batch_size={GLOBAL_BATCH}", "trainer.devices=1", *model])
     with initialize_config_module(config_module="zerotrain.conf", version_base="1.3"):
         cfg = OmegaConf.to_object(compose(config_name="config", overrides=overrides))
     validate(cfg)
     module = gpt_cli.build_module(cfg)
     seed_rngs(cfg.trainer.seed)
     module.configure_model()
-    model, configured = module.model, module.configure_optimizers()
+    gpt, configured = module.model, module.configure_optimizers()
     opt, sched = configured["optimizer"], configured["lr_scheduler"]["scheduler"]
     data = module.train_dataloader().dataset
     order = list(DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=cfg.trainer.seed))
@@ -95,17 +97,17 @@ def _reference() -> dict:
     for step in range(STEPS):
         x, y = map(torch.stack, zip(*[data[i] for i in order[step * GLOBAL_BATCH:(step + 1) * GLOBAL_BATCH]]))
         with torch.no_grad():
-            halves.append(float(model(x[0::2], y[0::2])[1]))  # rank 0 of 2 takes every other sequence
-        _, loss = model(x, y)
+            halves.append(float(gpt(x[0::2], y[0::2])[1]))  # rank 0 of 2 takes every other sequence
+        _, loss = gpt(x, y)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.gradient_clip_val)
+        torch.nn.utils.clip_grad_norm_(gpt.parameters(), cfg.trainer.gradient_clip_val)
         opt.step()
         opt.zero_grad()
         sched.step()
         losses.append(float(loss.detach()))
-    _RUNS["reference"] = {"losses": {1: losses, 2: halves}, "params": {"model." + k: v.detach().clone()
-                                                       for k, v in model.state_dict().items()}}
-    return _RUNS["reference"]
+    _RUNS[("reference", model)] = {"losses": {1: losses, 2: halves},
+                                   "params": {"model." + k: v.detach().clone() for k, v in gpt.state_dict().items()}}
+    return _RUNS[("reference", model)]
 
 
 # ---------------------------------------------------------------------------- reading a run
@@ -134,11 +136,12 @@ def _final_params(run_dir: Path) -> dict[str, torch.Tensor]:
     return torch.load(out, weights_only=True)
 
 
-def _check_continues_exactly(run_dir: Path, first_step: int = 1, logs_rank0_of: int = 1, tol: float = 1e-5) -> None:
+def _check_continues_exactly(run_dir: Path, first_step: int = 1, logs_rank0_of: int = 1, tol: float = 1e-5,
+                             model: tuple[str, ...] = ()) -> None:
     """Every loss logged from ``first_step`` on and every final parameter equal the plain loop's.
     ``logs_rank0_of=2``: a data-parallel run on 2 ranks, which logs its rank 0's loss (the
     pipeline logs the mean over its replicas: the whole batch's)."""
-    ref = _reference()
+    ref = _reference(model)
     got = _logged_losses(run_dir)
     want = {step: ref["losses"][logs_rank0_of][step - 1] for step in range(first_step, STEPS + 1)}
     assert sorted(got) == sorted(want), (sorted(got), first_step)
@@ -233,6 +236,22 @@ def test_zero_bubble_two_stages_from_the_cli_match_a_plain_loop(tmp_path_factory
     run_dir = _cli(_root(tmp_path_factory), "pipe2-zb", 2, 1, "strategy=pipeline", "strategy.stages=2",
                    "strategy.schedule=zb_h1")
     _check_continues_exactly(run_dir)
+
+
+def test_compute_balanced_cut_from_the_cli_splits_a_block_and_matches_a_plain_loop(tmp_path_factory):
+    """``model.pipeline_cut=compute`` with 3 blocks: the stage bound falls inside block 1 (its
+    attention half on stage 0, its MLP half with the head on stage 1), under ZB-H1; the same
+    losses and parameters, and the checkpoint is the plain GPT's, the split block's halves
+    written by the stage that holds each."""
+    model = ("model.n_layer=3", "model.pipeline_cut=compute")
+    run_dir = _cli(_root(tmp_path_factory), "pipe2-compute-zb", 2, 1, "strategy=pipeline", "strategy.stages=2",
+                   "strategy.schedule=zb_h1", *model)
+    _check_continues_exactly(run_dir, model=model)
+    meta = torch.load(run_dir / "checkpoints" / f"step={STEPS:06d}" / "meta.pt", weights_only=True)
+    writer = {key: [r[0] for r in meta["params"][key]["ranges"]] for key in
+              ("model.blocks.1.ln_1.weight", "model.blocks.1.attn.c_attn.weight", "model.blocks.1.ln_2.weight",
+               "model.blocks.1.mlp.c_fc.weight")}
+    assert list(writer.values()) == [[0], [0], [1], [1]], writer
 
 
 @pytest.mark.parametrize("name,devices,replicas,overrides", [

@@ -151,6 +151,8 @@ FIELDS = [
     ("strategy=pipeline trainer.devices=8 strategy.stages=8 model=gpt_tiny", "strategy.stages=8: exceeds the 6 layers"),
     ("strategy=pipeline data.batch_size=6", "data.batch_size=6: is each replica's batch and must split into "
                                             "strategy.micro_batches=4"),
+    ("strategy=pipeline model.pipeline_cut=compute strategy.virtual_stages=2",
+     "model.pipeline_cut='compute': cuts 2 stages, not the 4 chunks of strategy.virtual_stages=2"),
     ("strategy=zero3 strategy.prefetch_bucket_size=-1", "strategy.prefetch_bucket_size=-1"),
     ("strategy=zero2 strategy.reduce_bucket_size=0", "strategy.reduce_bucket_size=0"),
     ("strategy=offload_nvme strategy.nvme_path=/dev/zerotrain", "strategy.nvme_path='/dev/zerotrain': is under /dev"),

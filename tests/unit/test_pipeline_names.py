@@ -5,7 +5,8 @@ per-parameter checkpoint layout of every strategy.
   (a tied parameter's first name), ``saves_key`` (only the lowest owning stage writes a tie, with
   virtual stages by the chunk cut);
   ``from_sequential`` keeps an OrderedDict Sequential's names;
-* the demo GPT's ``pipeline_layers`` compute its forward exactly, and ``GPTModule.to_pipeline``
+* the demo GPT's ``pipeline_layers`` compute its forward exactly, so does its compute-balanced
+  ``pipeline_cut`` (a block split into halves under the block's name), and ``GPTModule.to_pipeline``
   (the hook the strategy calls) gives a one-stage pipeline whose checkpoint names are the GPT's;
 * an evaluation batch that ``micro_batches`` does not divide is split unevenly with row-weighted
   losses (the batch's mean), a training batch is refused naming its rows and ``micro_batches``;
@@ -19,7 +20,7 @@ import pytest
 import torch
 from torch import nn
 
-from zerotrain.examples.gpt import GPT, GPTConfig, lm_loss
+from zerotrain.examples.gpt import GPT, BlockHalf, GPTConfig, lm_loss
 from zerotrain.examples.gpt_module import GPTModule
 from zerotrain.strategies.environment import ProcessInfo
 from zerotrain.strategies.pipeline import PipelineModule, PipelineStrategy
@@ -91,8 +92,10 @@ def test_from_sequential_keeps_the_sequential_names():
     assert pipe.layer_names == ("embed", "body", "head")
     assert pipe.canonical_key("2.weight") == "embed.weight" and pipe.plain_key("2.bias") == "head.bias"
     assert PipelineModule.from_sequential(nn.Sequential(nn.Linear(2, 2), nn.Tanh()), 1).layer_names == ("0", "1")
-    with pytest.raises(ValueError, match=r"layer_names=\['a', 'a'\]; valid: 2 distinct"):
-        PipelineModule([nn.Tanh(), nn.Tanh()], 1, layer_names=["a", "a"])
+    with pytest.raises(ValueError, match=r"layers 0 and 1 are both 'a' and both hold 'bias'; valid: distinct"):
+        PipelineModule([nn.Linear(2, 2), nn.Linear(2, 2)], 1, layer_names=["a", "a"])
+    with pytest.raises(ValueError, match=r"layer_names=\['a'\]; valid: 2 non-empty"):
+        PipelineModule([nn.Tanh(), nn.Tanh()], 1, layer_names=["a"])
 
 
 def test_gpt_pipeline_layers_compute_its_forward_exactly():
@@ -106,6 +109,38 @@ def test_gpt_pipeline_layers_compute_its_forward_exactly():
     assert torch.equal(x, logits) and torch.equal(lm_loss(x, targets), loss)
     with pytest.raises(ValueError, match="exceeds GPTConfig.block_size=16"):
         gpt.pipeline_layers()[1][1](torch.zeros(1, 17, 16))
+
+
+def test_gpt_compute_cut_splits_the_block_its_bound_falls_in_and_keeps_the_gpt_names():
+    """``GPT.pipeline_cut``: 3 blocks of d=64 (attention 20480 multiply-adds per token, MLP 32768)
+    with the head and loss (16640) on the last stage: the balanced bound falls after block 1's
+    attention, so block 1 is its two halves, both named ``blocks.1``; every other block is whole.
+    The pieces compute the GPT's forward exactly, and each stage's keys are the plain GPT's."""
+    torch.manual_seed(0)
+    gpt = GPT(GPTConfig(block_size=64, n_layer=3, n_head=2, n_embd=64))
+    layers, bounds = gpt.pipeline_cut(2)
+    names = [n for n, _ in layers]
+    assert names == ["wte", "wpe", "blocks.0", "blocks.1", "blocks.1", "blocks.2", "ln_f", "lm_head"]
+    assert bounds == [0, 4, 8]  # stage 1 starts at block 1's MLP half
+    assert [sorted(dict(layers[i][1].named_children())) for i in (3, 4)] == [["attn", "ln_1"], ["ln_2", "mlp"]]
+    idx, targets = torch.randint(0, 256, (2, 64)), torch.randint(0, 256, (2, 64))
+    x = idx
+    for _, layer in layers:
+        x = layer(x)
+    assert torch.equal(x, gpt(idx, targets)[0])
+    pipe = PipelineModule.from_modules(layers, 2, loss_fn=lm_loss, partition_method=bounds)
+    assert pipe.bounds == bounds
+    plain = set(gpt.state_dict())
+    keys = [pipe.plain_key(f"{i}.{k}") for i, (_, layer) in enumerate(layers) for k in layer.state_dict()]
+    assert sorted(keys) == sorted(plain)  # each of the plain GPT's keys once
+    assert pipe.plain_key("3.ln_1.weight") == "blocks.1.ln_1.weight"
+    assert pipe.plain_key("4.mlp.c_fc.weight") == "blocks.1.mlp.c_fc.weight"
+    # an even cut between blocks leaves every block whole: 4 blocks with a light head
+    layers, bounds = GPT(GPTConfig(block_size=16, n_layer=4, n_head=2, n_embd=64)).pipeline_cut(2)
+    assert [n for n, _ in layers].count("blocks.1") == 1 and all(
+        not isinstance(layer, BlockHalf) for _, layer in layers)
+    with pytest.raises(ValueError, match=r"GPTConfig.pipeline_cut='even'; valid: 'parameters', 'compute'"):
+        GPTConfig(pipeline_cut="even")
 
 
 def test_gpt_module_cuts_itself_for_the_strategy_with_the_gpt_names():
