@@ -22,7 +22,9 @@ Systems (``--systems``, a comma list; all by default):
   ds_zero1/2/3 DeepSpeed (DS_ACCELERATOR=cpu, gloo), torch's fused AdamW (``torch_adam``),
                2e7-element buckets, ``stage3_max_reuse_distance: 0``
   zt_ddp, zt_zero1/2/3   zerotrain's Trainer with strategy ddp / zero1 / zero2 / zero3, as users
-               run it (logger, checkpointing and progress bar off); zero3 only once registered
+               run it (logger, checkpointing and progress bar off); zero3 only once registered;
+               zt_zero3_reuse (only when named): zero3 with ``max_reuse_distance`` half the
+               model's parameters (the later blocks stay gathered from forward to backward)
   zt_pipe_m4, zt_pipe_m8   (only when named) zerotrain's pipeline through the same Trainer: 2
                stages x nproc/2 replicas, 1F1B, each replica's batch (2 x micro-batch rows: the
                same global batch) in m = 4 / 8 micro-batches; the module cuts the same GPT into
@@ -81,7 +83,10 @@ from zerotrain.bench.common import (MODELS, OPTIM, WEIGHT_DECAY, ModelSpec, Reco
 
 DEFAULT_SYSTEMS = ["ddp", "fsdp2_zero2", "fsdp2", "ds_zero1", "ds_zero2", "ds_zero3",
                    "zt_ddp", "zt_zero1", "zt_zero2", "zt_zero3"]
-ZT_STRATEGY = {"zt_ddp": "ddp", "zt_zero1": "zero1", "zt_zero2": "zero2", "zt_zero3": "zero3"}
+ZT_STRATEGY = {"zt_ddp": "ddp", "zt_zero1": "zero1", "zt_zero2": "zero2", "zt_zero3": "zero3",
+               "zt_zero3_reuse": "zero3"}
+#: systems under a configured strategy rather than the name's defaults (only when named)
+ZT_OPTIONS = {"zt_zero3_reuse": lambda spec: {"max_reuse_distance": spec.num_params() // 2}}
 
 
 class PipeSystem(NamedTuple):
@@ -101,7 +106,7 @@ PIPE_SYSTEMS = {"zt_pipe_m4": PipeSystem(4), "zt_pipe_m8": PipeSystem(8), "zt_pi
                 "zt_pipe_zb_bal_m8": PipeSystem(8, balanced=True, schedule="zb_h1"),
                 "zt_pipe_zb_bal_m4": PipeSystem(4, balanced=True, schedule="zb_h1")}
 PIPE_STAGES = 2
-ALL_SYSTEMS = DEFAULT_SYSTEMS + list(PIPE_SYSTEMS)
+ALL_SYSTEMS = DEFAULT_SYSTEMS + list(ZT_OPTIONS) + list(PIPE_SYSTEMS)
 BUCKET = 20_000_000  # elements; DeepSpeed's 5e8 default is GPU-sized (MACHINE_FACTS.md)
 PG_TIMEOUT_S = 600
 
@@ -269,6 +274,14 @@ def run_zerotrain(args: argparse.Namespace, spec: ModelSpec, batches: list, rec:
     trainer.fit(BenchModule(), train_dataloaders=batches)  # a list of this rank's batches: no sampler
 
 
+def run_configured(args: argparse.Namespace, spec: ModelSpec, batches: list, rec: Record, *, system: str) -> None:
+    """zerotrain's strategy of ``ZT_STRATEGY[system]`` with ``ZT_OPTIONS[system]``'s options."""
+    from zerotrain.strategies import strategy_from_name
+
+    strategy = strategy_from_name(ZT_STRATEGY[system], **ZT_OPTIONS[system](spec))
+    run_zerotrain(args, spec, batches, rec, strategy=strategy)
+
+
 def run_pipeline(args: argparse.Namespace, spec: ModelSpec, batches: list, rec: Record, *,
                  system: PipeSystem) -> None:
     """zerotrain's pipeline: PIPE_STAGES stages, 1F1B (interleaved over ``system.v`` chunks per
@@ -298,6 +311,8 @@ def _worker_runner(system: str) -> Callable:
         return functools.partial(run_fsdp2, reshard_after_forward=system == "fsdp2")
     if system.startswith("ds_zero"):
         return functools.partial(run_deepspeed, stage=int(system[-1]))
+    if system in ZT_OPTIONS:
+        return functools.partial(run_configured, system=system)
     if system in ZT_STRATEGY:
         return functools.partial(run_zerotrain, strategy=ZT_STRATEGY[system])
     if system in PIPE_SYSTEMS:

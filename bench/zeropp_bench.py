@@ -77,7 +77,7 @@ def worker(args: argparse.Namespace) -> None:
             self.values: list[float] = []
 
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
-            self.values.append(float(outputs["loss"] if isinstance(outputs, dict) else outputs))
+            self.values.append(float((outputs["loss"] if isinstance(outputs, dict) else outputs).detach()))
 
     name, options = CASES[args.case]
     if args.case in OFFLOAD_CASES:  # swap files beside the result (each rank makes its own folder)

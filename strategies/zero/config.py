@@ -106,6 +106,12 @@ class Stage3Config:
     prefetch_bucket_size: int = 50_000_000
     #: most gathered elements at once (the unit in use may exceed it by itself)
     max_live_parameters: int = 1_000_000_000
+    #: with reshard_after_forward, keep a unit gathered after its forward when the elements
+    #: of the other units gathered before its backward (by the step's recorded order: the last
+    #: blocks of the forward are the first of the backward) are at most this many, within
+    #: max_live_parameters: one all-gather fewer per kept unit and step (DeepSpeed's
+    #: ``stage3_max_reuse_distance``; 0: free every unit after its forward)
+    max_reuse_distance: int = 0
     #: parameters of at most this many elements stay whole on every rank (0: none)
     param_persistence_threshold: int = 0
     #: recompute each unit's forward in backward (non-reentrant torch.utils.checkpoint)
@@ -132,7 +138,7 @@ class Stage3Config:
         for f in ("reshard_after_forward", "activation_checkpointing", "quantize_weights",
                   "hierarchical_partition"):
             check_bool("zero3", f, getattr(self, f))
-        for f, least in (("prefetch_bucket_size", 0), ("max_live_parameters", 1),
+        for f, least in (("prefetch_bucket_size", 0), ("max_live_parameters", 1), ("max_reuse_distance", 0),
                          ("param_persistence_threshold", 0)):
             object.__setattr__(self, f, whole_number("zero3", f, getattr(self, f), least))
 

@@ -124,7 +124,8 @@ class ZeroStage3(ZeroStrategy):
         self.model = StepWrapper(module)
         self.reduce_mode = self.config.resolved_reduce_mode(backend(self.group))
         options = RuntimeOptions(self.stage3.reshard_after_forward, self.stage3.prefetch_bucket_size,
-                                 self.stage3.max_live_parameters, self.reduce_mode)
+                                 self.stage3.max_live_parameters, self.reduce_mode,
+                                 self.stage3.max_reuse_distance)
         self.runtime = Stage3Runtime(self.units, options, self.queue, self.config.torch_reduce_dtype,
                                      self.group)
         units = [(u, module.get_submodule(u.name)) for u in self.units if u.name not in (ROOT, PERSISTENT)]

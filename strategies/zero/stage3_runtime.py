@@ -9,7 +9,9 @@ Events and what they do (``u`` is a unit, see ``unit.py``):
   backward, after a ``no_grad`` scope everything is freed at once.
 * ``pre_forward(u)``: gather ``u`` (waiting for its prefetch if one is in flight), then prefetch
   the units expected next. ``post_forward(u)``: free ``u`` (``reshard_after_forward``, or always
-  under ``no_grad``).
+  under ``no_grad``), unless ``max_reuse_distance`` keeps it for its backward: once the step's
+  orders are recorded, a unit whose backward comes within that many elements of other units'
+  gathers stays gathered while the gathered units fit ``max_live_parameters``.
 * ``pre_backward(u)`` (the first gradient reaches an output of ``u``): gather ``u`` again and
   prefetch the units expected next in backward. ``post_backward(u)`` (gradients reached ``u``'s
   inputs): once every forward call of ``u`` in this step has been backpropagated, reduce its
@@ -52,6 +54,7 @@ class RuntimeOptions:
     prefetch_bucket_size: int
     max_live_parameters: int
     reduce_mode: str
+    max_reuse_distance: int = 0
 
 
 class Stage3Runtime:
@@ -79,6 +82,7 @@ class Stage3Runtime:
         #: when a list, every gather/free/forward/backward event is appended (for tests)
         self.trace: list[tuple[str, int]] | None = None
         self._warned: set[int] = set()
+        self._reuse: dict[int, int] | None = None  # unit index -> reuse distance (_keeps)
         self._backward = False  # between before_backward and after_backward (hpZ's gathers)
 
     # ------------------------------------------------------------------ helpers
@@ -206,8 +210,18 @@ class Stage3Runtime:
         u.active -= 1
         self._event("forward_done", u)
         if u.active == 0 and not u.pinned and u is not self.root:
-            if self.options.reshard_after_forward or not torch.is_grad_enabled():
+            if not torch.is_grad_enabled() or (self.options.reshard_after_forward and not self._keeps(u)):
                 self._free(u)
+
+    def _keeps(self, u: Unit) -> bool:
+        """Whether ``u`` stays gathered after its forward (``max_reuse_distance``): its reuse
+        distance is within the bound and the gathered units fit ``max_live_parameters``."""
+        bound = self.options.max_reuse_distance
+        if bound <= 0 or self.fwd_order is None or self.bwd_order is None:
+            return False
+        if self._reuse is None:
+            self._reuse = reuse_distances(self.units, self.fwd_order, self.bwd_order)
+        return self._reuse.get(u.index, bound + 1) <= bound and self.live <= self.options.max_live_parameters
 
     def ensure_gathered(self, u: Unit) -> None:
         """Before a checkpointed forward runs: in forward the unit is gathered already; in the
@@ -313,3 +327,18 @@ class Stage3Runtime:
         self.queue.wait_all()
         self.free_all()
         self.pool.clear()
+
+
+def reuse_distances(units: Sequence[Unit], fwd_order: list[int], bwd_order: list[int]) -> dict[int, int]:
+    """Per unit, the elements of the other (non-root, non-persistent) units gathered between its
+    last forward and its first backward in the recorded orders: ``max_reuse_distance``'s measure.
+    A unit the backward does not reach gets none (never kept)."""
+    size = {u.index: (0 if u.persistent or u is units[0] else u.numel) for u in units}
+    out: dict[int, int] = {}
+    for index in set(fwd_order):
+        if index not in bwd_order:
+            continue
+        after = fwd_order[len(fwd_order) - fwd_order[::-1].index(index):]
+        before = bwd_order[:bwd_order.index(index)]
+        out[index] = sum(size[i] for i in set(after) | set(before) if i != index)
+    return out

@@ -237,12 +237,14 @@ MAX_LIVE = ROOT_UNIT + 2 * BLOCK
 
 def _prefetch_and_memory(world: int, rank: int) -> dict:
     out = {}
-    for name, kw in (("fwd", {}), ("keep", {"reshard_after_forward": False})):
+    for name, kw in (("fwd", {}), ("keep", {"reshard_after_forward": False}),
+                     ("reuse", {"max_reuse_distance": BLOCK, "max_live_parameters": 10 * MAX_LIVE})):
         trace = Trace()
         lm = LM()
-        s = ZeroStage3(prefetch_bucket_size=BLOCK, max_live_parameters=MAX_LIVE, **kw)
-        fit(lm, s, accum=1, steps=4, callbacks=[trace])
-        out[name] = {"events": trace.events, "peak": trace.peak, "units": [u.numel for u in s.units]}
+        s = ZeroStage3(prefetch_bucket_size=BLOCK, **{"max_live_parameters": MAX_LIVE, **kw})
+        trainer = fit(lm, s, accum=1, steps=4, callbacks=[trace])
+        out[name] = {"events": trace.events, "peak": trace.peak, "units": [u.numel for u in s.units],
+                     "params": trainer.full_state_dict()}
     lm = LM()  # bf16-mixed with bf16 gradient partitions: 2 + 2 + 4 + 8 bytes per element
     s = ZeroStage3(reduce_dtype="bf16", param_persistence_threshold=16)
     fit(lm, s, accum=1, steps=1, precision="bf16-mixed")
@@ -540,6 +542,28 @@ def test_gathered_elements_stay_within_max_live_plus_one_bucket(tmp_path_factory
     keep = res["keep"]
     assert keep["peak"] <= MAX_LIVE < ROOT_UNIT + 3 * BLOCK, keep["peak"]
     assert ("free", 1) in keep["events"][:keep["events"].index(("backward", 1))]
+
+
+def test_reuse_distance_keeps_the_last_blocks_gathered_for_their_backward(tmp_path_factory):
+    """``max_reuse_distance=BLOCK``: block 3's backward follows its forward with nothing gathered
+    between (distance 0), block 2's after block 3 (BLOCK), block 1's after two blocks (2 BLOCK).
+    So in step 3 blocks 2 and 3 stay gathered from forward to backward and are not gathered
+    again, block 1 is freed and gathered again as usual; the parameters equal the run that frees
+    every block (the same values gathered)."""
+    res = spawned(2, tmp_path_factory)[0]["prefetch"]
+    ev = res["reuse"]["events"]
+    start = ev.index(("backward", 3))
+    for k in (2, 3):
+        span = ev[ev.index(("forward", k)):ev.index(("backward", k))]
+        assert ("free", k) not in span, ev
+        assert not [e for e in ev[start:] if e[1] == k and e[0] in ("gather", "prefetch")], ev
+    assert ("free", 1) in ev[ev.index(("forward_done", 1)):start], ev
+    assert [e for e in ev[start:] if e[1] == 1 and e[0] in ("gather", "prefetch")], ev
+    fwd = res["fwd"]["events"]  # without it every block is freed after its forward
+    assert all(("free", k) in fwd[fwd.index(("forward_done", k)):fwd.index(("backward", k))] for k in (1, 2, 3)), fwd
+    assert list(res["reuse"]["params"]) == list(res["fwd"]["params"])
+    for key, value in res["fwd"]["params"].items():
+        assert torch.equal(res["reuse"]["params"][key], value), key
 
 
 def test_memory_between_steps_is_16_psi_over_n(tmp_path_factory):

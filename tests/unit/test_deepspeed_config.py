@@ -248,9 +248,10 @@ def test_zero_keys_become_strategy_options():
     assert (s.spec.buckets.reduce_bucket_size, s.spec.buckets.allgather_bucket_size, s.spec.zero.overlap_comm) == \
         (50000, 30000, False)
     s = cfg(zero_optimization={"stage": 3, "stage3_prefetch_bucket_size": 100, "stage3_max_live_parameters": 1000,
-                               "stage3_param_persistence_threshold": 10}).make_strategy()
+                               "stage3_param_persistence_threshold": 10, "stage3_max_reuse_distance": 500}).make_strategy()
     st = s.spec.stage3
     assert (st.prefetch_bucket_size, st.max_live_parameters, st.param_persistence_threshold) == (100, 1000, 10)
+    assert st.max_reuse_distance == 500
     s = cfg(zero_optimization={"stage": 3, "zero_quantized_weights": True,
                                "zero_quantized_gradients": True}).make_strategy()
     assert s.spec.stage3.quantize_weights and s.spec.zero.quantize_gradients

@@ -46,7 +46,7 @@ SCHEDULERS: dict[str, type] = {"WarmupLR": lr_schedules.WarmupLR, "WarmupDecayLR
 # own kernels or buffers, or its CUDA memory layout); the training is the same without them.
 _NO_EFFECT = {
     "zero_optimization": ("contiguous_gradients", "reduce_scatter", "allgather_partitions", "round_robin_gradients",
-                          "stage3_max_reuse_distance", "elastic_checkpoint", "load_from_fp32_weights",
+                          "elastic_checkpoint", "load_from_fp32_weights",
                           "ignore_unused_parameters", "use_multi_rank_bucket_allreduce", "memory_efficient_linear",
                           "stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save",
                           "sub_group_size"),
@@ -401,9 +401,9 @@ def _zero(raw: Mapping[str, Any], reader: _Reader, world_size: int) -> dict[str,
         options["overlap_comm"] = _flag("zero_optimization.overlap_comm", zero["overlap_comm"])
     buckets = ("reduce_bucket_size", "allgather_bucket_size")
     stage_keys = {1: buckets, 2: buckets,
-                  3: ("stage3_prefetch_bucket_size", "stage3_max_live_parameters",
+                  3: ("stage3_prefetch_bucket_size", "stage3_max_live_parameters", "stage3_max_reuse_distance",
                       "stage3_param_persistence_threshold")}.get(stage, ())
-    least = {"stage3_prefetch_bucket_size": 0, "stage3_param_persistence_threshold": 0}
+    least = {"stage3_prefetch_bucket_size": 0, "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0}
     for key in stage_keys:
         if key in zero:
             options[key.removeprefix("stage3_")] = _whole(f"zero_optimization.{key}", zero[key], least.get(key, 1))
