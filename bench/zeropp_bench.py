@@ -14,7 +14,8 @@ the last 10 steps, rank 0's micro-batches) and its relative distance to the exac
 (the issue's bound: within 1%), and the largest per-step distance.
 
 ``--part speed``: ``--model`` (``bench/common.py``: gpt_118m is model B) under ddp, zero3, zero3 +
-qwZ, zero3 + qgZ and zero3 + both; per case the median step time (the ResourceMonitor's mean over
+qwZ, zero3 + qgZ and zero3 + both, and zero3 alone and with both keeping every unit gathered from
+forward to backward (``max_reuse_distance``); per case the median step time (the ResourceMonitor's mean over
 the timed steps, slowest rank), its ratio to ddp in the same round, and the bytes per step of each
 collective (the CommsLogger). Cases run interleaved (every case once, then every case again); a
 figure is the median over repeats. Timings need a quiet machine.
@@ -59,6 +60,10 @@ SPEED_CASES = {
     "zero3_qw": ("zero3", {"quantize_weights": True}),
     "zero3_qg": ("zero3", {"quantize_gradients": True}),
     "zero3_qwqg": ("zero3", {"quantize_weights": True, "quantize_gradients": True}),
+    # every unit kept gathered from its forward to its backward (within max_live_parameters'
+    # default 1e9 elements): one gather per unit and step instead of two
+    "zero3_reuse": ("zero3", {"max_reuse_distance": 10**9}),
+    "zero3_qwqg_reuse": ("zero3", {"quantize_weights": True, "quantize_gradients": True, "max_reuse_distance": 10**9}),
 }
 CASES = {**LOSS_CASES, **OFFLOAD_CASES, **SPEED_CASES}
 TAIL = 10  # steps averaged for the final loss
