@@ -240,11 +240,10 @@ def run_zerotrain(args: argparse.Namespace, spec: ModelSpec, batches: list, rec:
             from zerotrain.examples.gpt import lm_loss
             from zerotrain.strategies.pipeline import PipelineModule
 
-            if balanced_cut and not isinstance(self.model, PipelineModule):
-                layers, bounds = self.model.pipeline_cut(num_stages)
-                self.model = PipelineModule.from_modules(layers, num_stages, loss_fn=lm_loss, partition_method=bounds)
-            elif not isinstance(self.model, PipelineModule):
-                self.model = PipelineModule.from_modules(self.model.pipeline_layers(), num_stages, loss_fn=lm_loss)
+            if not isinstance(self.model, PipelineModule):
+                layers, method = (self.model.pipeline_cut(num_stages) if balanced_cut
+                                  else (self.model.pipeline_layers(), "parameters"))
+                self.model = PipelineModule.from_modules(layers, num_stages, loss_fn=lm_loss, partition_method=method)
             return self.model
 
         def training_step(self, batch, batch_idx):

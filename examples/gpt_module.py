@@ -103,11 +103,9 @@ class GPTModule(TrainModule):
         at the cost of holding the whole model once while set-up runs."""
         model = self._require_model()
         if not isinstance(model, PipelineModule):
-            if model.config.pipeline_cut == "compute":
-                layers, bounds = model.pipeline_cut(num_stages)
-                self.model = PipelineModule.from_modules(layers, num_stages, loss_fn=lm_loss, partition_method=bounds)
-            else:
-                self.model = PipelineModule.from_modules(model.pipeline_layers(), num_stages, loss_fn=lm_loss)
+            layers, method = (model.pipeline_cut(num_stages) if model.config.pipeline_cut == "compute"
+                              else (model.pipeline_layers(), "parameters"))
+            self.model = PipelineModule.from_modules(layers, num_stages, loss_fn=lm_loss, partition_method=method)
         return self.model
 
     def _require_model(self) -> GPT:

@@ -28,6 +28,7 @@ at set-up and all-reduces its gradient among the owners after the backward. Ties
 from __future__ import annotations
 
 import functools
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
@@ -86,11 +87,17 @@ class Tie:
         return sorted({i for i, _ in self.members})
 
 
-def count_parameters(layer: Any) -> int:
-    """Parameters of a layer; a spec is built on the meta device, which allocates nothing."""
+def _as_module(layer: Any) -> Any:
+    """A layer as a module to inspect: a spec is built on the meta device, which allocates nothing."""
     if isinstance(layer, LayerSpec):
         with torch.device("meta"):
-            layer = layer.build()
+            return layer.build()
+    return layer
+
+
+def count_parameters(layer: Any) -> int:
+    """Parameters of a layer (a spec's, built on the meta device)."""
+    layer = _as_module(layer)
     if isinstance(layer, nn.Module):
         return sum(p.numel() for p in layer.parameters())
     return 0
@@ -337,24 +344,20 @@ def _check_layer_names(names: Sequence[str] | None, specs: list[Any]) -> tuple[s
     if len(names) != num_layers or not all(names):
         raise ValueError(f"PipelineModule: layer_names={list(names)!r}; valid: {num_layers} non-empty "
                          "module paths, one per layer")
+    counts = Counter(names)
+    holder: dict[tuple[str, str], int] = {}  # (shared path, state key) -> the layer holding it
     for i, name in enumerate(names):
-        if names.index(name) == i:
+        if counts[name] == 1:
             continue
-        for j in (k for k in range(i) if names[k] == name):
-            clash = _state_keys(specs[i]) & _state_keys(specs[j])
-            if clash:
+        module = _as_module(specs[i])
+        for key in sorted(module.state_dict()) if isinstance(module, nn.Module) else ():
+            j = holder.setdefault((name, key), i)
+            if j != i:
                 raise ValueError(f"PipelineModule: layer_names={list(names)!r}: layers {j} and {i} are both "
-                                 f"{name!r} and both hold {sorted(clash)[0]!r}; valid: distinct module paths, "
+                                 f"{name!r} and both hold {key!r}; valid: distinct module paths, "
                                  "or one path shared by layers whose parameters and buffers have distinct "
                                  "names under it")
     return names
-
-
-def _state_keys(layer: Any) -> set[str]:
-    if isinstance(layer, LayerSpec):
-        with torch.device("meta"):
-            layer = layer.build()
-    return set(layer.state_dict()) if isinstance(layer, nn.Module) else set()
 
 
 def _spec_ties(specs: list[Any]) -> list[Tie]:
