@@ -84,9 +84,18 @@ from zerotrain.bench.common import (MODELS, OPTIM, WEIGHT_DECAY, ModelSpec, Reco
 DEFAULT_SYSTEMS = ["ddp", "fsdp2_zero2", "fsdp2", "ds_zero1", "ds_zero2", "ds_zero3",
                    "zt_ddp", "zt_zero1", "zt_zero2", "zt_zero3"]
 ZT_STRATEGY = {"zt_ddp": "ddp", "zt_zero1": "zero1", "zt_zero2": "zero2", "zt_zero3": "zero3",
-               "zt_zero3_reuse": "zero3"}
-#: systems under a configured strategy rather than the name's defaults (only when named)
-ZT_OPTIONS = {"zt_zero3_reuse": lambda spec: {"max_reuse_distance": spec.num_params() // 2}}
+               "zt_zero3_reuse": "zero3", "zt_zero3_lean": "zero3", "zt_zero3_glibc": "zero3",
+               "zt_zero2_glibc": "zero2", "zt_zero1_ovl": "zero1", "zt_zero2_ovl": "zero2"}
+#: systems under a configured strategy rather than the name's defaults (only when named):
+#: ``_reuse`` keeps half the model gathered from forward to backward, ``_lean`` none (the
+#: default "auto" keeps what a quarter of the free memory holds), ``_glibc`` leaves glibc's
+#: sliding mmap threshold, ``_ovl`` overlaps the post-step all-gathers with the next forward
+ZT_OPTIONS = {"zt_zero3_reuse": lambda spec: {"max_reuse_distance": spec.num_params() // 2},
+              "zt_zero3_lean": lambda spec: {"max_reuse_distance": 0},
+              "zt_zero3_glibc": lambda spec: {"host_mmap_threshold": 0},
+              "zt_zero2_glibc": lambda spec: {"host_mmap_threshold": 0},
+              "zt_zero1_ovl": lambda spec: {"overlap_param_gather": True},
+              "zt_zero2_ovl": lambda spec: {"overlap_param_gather": True}}
 
 
 class PipeSystem(NamedTuple):

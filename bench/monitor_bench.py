@@ -27,8 +27,10 @@ from typing import Callable
 
 CASES = {
     "ddp": ("ddp", {}),
+    "zero1": ("zero1", {}),
     "zero2": ("zero2", {}),
     "zero3": ("zero3", {}),
+    "zero3_reuse": ("zero3", {"max_reuse_distance": 10**9}),
     "zero3_no_prefetch": ("zero3", {"prefetch_bucket_size": 0}),
 }
 SHOWN = ("step", "data", "forward", "backward", "comm_wait", "optimizer", "refresh", "other", "comm_overlapped")

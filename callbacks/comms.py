@@ -22,7 +22,8 @@ What each strategy moves per optimizer step (Psi: trainable elements; ``expected
   then the parameter refresh: the padded layout (Psi rounded up to the world size) x working
   bytes, as one broadcast per rank on gloo, else all_gather;
 * zero3, per micro-batch: all_gather of the root unit once and of every other sharded unit in
-  forward and, when ``reshard_after_forward``, again in backward (padded sizes, working bytes);
+  forward and, when ``reshard_after_forward``, again in backward unless ``max_reuse_distance``
+  kept it gathered (from the second step on; padded sizes, working bytes);
   every unit's gradient reduced once (all_reduce on gloo, reduce_scatter on NCCL, reduce bytes);
   after the step one all_gather per persistent unit;
 * every ZeRO stage: one 4-byte all_reduce of the squared gradient norm when clipping by norm.
@@ -70,6 +71,8 @@ class CommsLogger(Callback):
         self.summary: list[dict[str, Any]] = []
         self.step_bytes: dict[int, dict[str, int]] = {}
         self.expected: dict[str, int] = {}
+        #: the first step's formula where it differs (zero3's reuse distance keeps nothing yet)
+        self.expected_first: dict[str, int] = {}
         self._step: Any = "setup"
         self._kind = "setup"
         self._outer: list[str] = []
@@ -108,6 +111,7 @@ class CommsLogger(Callback):
         self.summary = summarise(self.events)
         self.step_bytes = bytes_per_step(self.events)
         self.expected = expected_step_bytes(trainer.strategy, trainer)
+        self.expected_first = expected_step_bytes(trainer.strategy, trainer, first=True)
         if trainer.is_global_zero:
             print(format_report(self.summary, self.step_bytes, self.expected))
 
@@ -197,10 +201,12 @@ def format_report(summary: list[dict[str, Any]], step_bytes: dict[int, dict[str,
 
 
 # ---------------------------------------------------------------------- the formulas
-def expected_step_bytes(strategy: Any, trainer: Any = None) -> dict[str, int]:
+def expected_step_bytes(strategy: Any, trainer: Any = None, first: bool = False) -> dict[str, int]:
     """Op -> message bytes one optimizer step moves under ``strategy`` (see the module docstring);
     ``trainer`` gives the accumulation and clipping ({} for a strategy without a formula: single,
-    pipeline, or one process)."""
+    pipeline, or one process). zero3 keeps the units its reuse distance holds from their forward
+    to their backward from the second step on (the first records the order): ``first`` gives
+    that first step, with every unit gathered again in backward."""
     if not getattr(strategy, "distributed", False):
         return {}
     accumulation = getattr(trainer, "accumulate_grad_batches", 1)
@@ -212,7 +218,7 @@ def expected_step_bytes(strategy: Any, trainer: Any = None) -> dict[str, int]:
     if stage in (1, 2):
         out = _zero12_bytes(strategy, accumulation if stage == 2 else 1)
     elif stage == 3:
-        out = _zero3_bytes(strategy, accumulation)
+        out = _zero3_bytes(strategy, accumulation, first)
     else:
         return {}
     if clips:
@@ -248,7 +254,7 @@ def _zero12_bytes(strategy: Any, reductions: int) -> dict[str, int]:
     return out
 
 
-def _zero3_bytes(strategy: Any, micro_batches: int) -> dict[str, int]:
+def _zero3_bytes(strategy: Any, micro_batches: int, first: bool = False) -> dict[str, int]:
     from ..strategies.zero.quantized import wire_bytes
 
     out: dict[str, int] = {}
@@ -256,6 +262,7 @@ def _zero3_bytes(strategy: Any, micro_batches: int) -> dict[str, int]:
     reduce_op = {"all_reduce": "all_reduce", "quantized": "all_to_all"}.get(strategy.reduce_mode, "reduce_scatter")
     twice = 2 if strategy.stage3.reshard_after_forward else 1
     block = strategy.config.quantize_block_size
+    kept = set() if first else strategy.runtime.kept  # the reuse distance's units: one gather
     for u in strategy.units:
         world = u.layout.world_size
         int8 = wire_bytes([u.numel // world] * world, block)  # qwZ / qgZ: codes + scales
@@ -267,7 +274,8 @@ def _zero3_bytes(strategy: Any, micro_batches: int) -> dict[str, int]:
             again = gathered  # the backward gather; hpZ: exact, from the node copy, within the node
             if strategy.stage3.hierarchical_partition:
                 again = working if strategy.info.local_world_size > 1 else 0
-            _add(out, "all_gather", micro_batches * (gathered + (0 if u is strategy.units[0] else twice - 1) * again))
+            repeat = 0 if u is strategy.units[0] or u.index in kept else twice - 1
+            _add(out, "all_gather", micro_batches * (gathered + repeat * again))
         _add(out, reduce_op, micro_batches * (int8 if reduce_op == "all_to_all" else u.numel * reduce_bytes))
     return out
 

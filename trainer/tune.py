@@ -76,6 +76,8 @@ class Candidate:
         opts: dict[str, Any] = {f: self.bucket for f in BUCKET_FIELDS[self.strategy]}
         if self.checkpointing:
             opts["activation_checkpointing"] = True
+        if self.strategy == "zero3":  # the memory model below is fitted to units freed after forward
+            opts["max_reuse_distance"] = 0
         return opts
 
     def overrides(self) -> list[str]:

@@ -55,6 +55,15 @@ def all_reduce_sum(buf: torch.Tensor, group: object = None) -> Handle:
     return instrument.issued("all_reduce", dist.all_reduce(buf, op=SUM, group=group, async_op=True), group, buf)
 
 
+def least_over_ranks(value: int, device: torch.device, group: object = None) -> int:
+    """Collective, blocking: the smallest ``value`` over ranks (decisions every rank must share)."""
+    if world_size(group) == 1:
+        return int(value)
+    t = torch.tensor([int(value)], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return int(t.item())
+
+
 def reduce_scatter_sum(out: torch.Tensor, inp: torch.Tensor, group: object = None) -> Handle:
     """``out`` (n elements) = sum over ranks of ``inp[rank * n:(rank + 1) * n]``."""
     if world_size(group) == 1:

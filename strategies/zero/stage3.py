@@ -50,6 +50,7 @@ that differs between ranks (units would be gathered in different orders, as with
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Any, Iterator
 
 import torch
@@ -57,7 +58,8 @@ from torch import nn
 
 from ..base import ParamShard, ShardReader, StepWrapper
 from ..environment import release_at_exit
-from .comm import backend, broadcast_from, new_group
+from ..host_memory import free_bytes_per_rank
+from .comm import backend, broadcast_from, least_over_ranks, new_group
 from .hooks import Stage3Hooks
 from .layout import build_layout
 from .materialize import PartitionedBuild
@@ -68,6 +70,8 @@ from .stage3_runtime import RuntimeOptions, Stage3Runtime
 from .strategy import ZeroStrategy, trainable_groups
 from .unit import Unit
 from .unit_plan import PERSISTENT, ROOT, UnitPlan, make_policy, optimizer_runs, plan_units
+
+log = logging.getLogger("zerotrain")
 
 
 class ZeroStage3(ZeroStrategy):
@@ -80,6 +84,8 @@ class ZeroStage3(ZeroStrategy):
         super().__init__(*args, **kwargs)
         self.plan: UnitPlan | None = None
         self.units: list[Unit] = []
+        #: how ``max_reuse_distance`` was resolved at set-up (for logs and reports)
+        self.reuse_source = "given"
         self.runtime: Stage3Runtime | None = None
         self.hooks: Stage3Hooks | None = None
         self._build: PartitionedBuild | None = None
@@ -124,13 +130,30 @@ class ZeroStage3(ZeroStrategy):
         self.model = StepWrapper(module)
         self.reduce_mode = self.config.resolved_reduce_mode(backend(self.group))
         options = RuntimeOptions(self.stage3.reshard_after_forward, self.stage3.prefetch_bucket_size,
-                                 self.stage3.max_live_parameters, self.reduce_mode,
-                                 self.stage3.max_reuse_distance)
+                                 self.stage3.max_live_parameters, self.reduce_mode, self._reuse_distance())
         self.runtime = Stage3Runtime(self.units, options, self.queue, self.config.torch_reduce_dtype,
                                      self.group)
         units = [(u, module.get_submodule(u.name)) for u in self.units if u.name not in (ROOT, PERSISTENT)]
         self.hooks = Stage3Hooks(self.runtime, units, [self.model, *self._scope_modules()],
                                  self.stage3.activation_checkpointing)
+
+    def _reuse_distance(self) -> int:
+        """Collective for "auto": ``max_reuse_distance`` in elements, from what each rank has free
+        now that its shards exist (``Stage3Config.reuse_budget``), the least over ranks so that
+        every rank keeps the same units; 0 under offload (its point is to hold less)."""
+        if self.stage3.max_reuse_distance != "auto":
+            return int(self.stage3.max_reuse_distance)
+        if self.offload is not None:
+            self.reuse_source = "auto: 0 under offload"
+            return 0
+        free = free_bytes_per_rank(self.device, self.info.local_world_size)
+        shard = sum(u.hi - u.lo for u in self.units if not u.persistent)
+        size = torch.empty((), dtype=self.precision.param_dtype).element_size()
+        budget = least_over_ranks(self.stage3.reuse_budget(free, shard, size), self.device, self.group)
+        self.reuse_source = f"auto: {budget} elements from {free / 2**30:.1f} GiB free on this rank"
+        if self.is_global_zero:
+            log.info("zero3: max_reuse_distance=%s (the least over ranks)", self.reuse_source)
+        return budget
 
     def _build_unit(self, index: int, name: str, names: tuple[str, ...], params: list[nn.Parameter]) -> Unit:
         """Collective: lay out one unit and move its values into this rank's shards; the unit's

@@ -84,6 +84,8 @@ class Stage3Runtime:
         self._warned: set[int] = set()
         self._reuse: dict[int, int] | None = None  # unit index -> reuse distance (_keeps)
         self._backward = False  # between before_backward and after_backward (hpZ's gathers)
+        #: units kept gathered after their forward (``max_reuse_distance``) in the latest step
+        self.kept: set[int] = set()
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -180,6 +182,8 @@ class Stage3Runtime:
             return False
         self._fwd_pos = 0
         if torch.is_grad_enabled():
+            if not self._step_open:
+                self.kept = set()
             self._step_open = True
             if self.fwd_order is None and self._recording_fwd is None:
                 self._recording_fwd = []
@@ -210,8 +214,13 @@ class Stage3Runtime:
         u.active -= 1
         self._event("forward_done", u)
         if u.active == 0 and not u.pinned and u is not self.root:
-            if not torch.is_grad_enabled() or (self.options.reshard_after_forward and not self._keeps(u)):
+            if not torch.is_grad_enabled():
                 self._free(u)
+            elif self.options.reshard_after_forward:
+                if self._keeps(u):
+                    self.kept.add(u.index)
+                else:
+                    self._free(u)
 
     def _keeps(self, u: Unit) -> bool:
         """Whether ``u`` stays gathered after its forward (``max_reuse_distance``): its reuse

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from ..base import PROCESS_GROUP_TIMEOUT_S, ParamShard, ShardReader, Strategy
+from ..host_memory import set_mmap_threshold
 from ..memory import count_bytes
 from ..optimizers import group_indices
 from .comm import all_reduce_sum, backend, broadcast_from
@@ -140,6 +141,12 @@ class ZeroStrategy(Strategy):
         self._logged_after_step = False
 
     # ------------------------------------------------------------------ set-up
+    def setup_environment(self) -> None:
+        """The process group, then the host allocator's threshold (``host_mmap_threshold``) on
+        this rank, before the model is built."""
+        super().setup_environment()
+        set_mmap_threshold(self.config.host_mmap_threshold)
+
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         assert self.module is not None, "setup_module must run before setup_optimizer"
         self.stepper.check(self.stage, self.device, optimizer, self.precision)

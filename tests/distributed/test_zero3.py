@@ -187,7 +187,8 @@ def _equivalence(world: int, rank: int) -> dict:
     toy = ToyModule(n=384)  # a multiple of bs x world x accum for 2, 3 and 4 ranks
     trainer = fit(toy, ZeroStage3(unit_modules=["Linear"], prefetch_bucket_size=500, reduce_mode=mode))
     out["toy"] = {k.removeprefix("net."): v for k, v in trainer.full_state_dict().items()}
-    for name, kw in (("lm", {}), ("lm_ckpt", {"activation_checkpointing": True})):
+    # max_reuse_distance=0: every block is freed after its forward (the events below say so)
+    for name, kw in (("lm", {}), ("lm_ckpt", {"activation_checkpointing": True, "max_reuse_distance": 0})):
         if name == "lm_ckpt" and world != 2:
             continue
         trace = Trace()
@@ -237,14 +238,16 @@ MAX_LIVE = ROOT_UNIT + 2 * BLOCK
 
 def _prefetch_and_memory(world: int, rank: int) -> dict:
     out = {}
-    for name, kw in (("fwd", {}), ("keep", {"reshard_after_forward": False}),
-                     ("reuse", {"max_reuse_distance": BLOCK, "max_live_parameters": 10 * MAX_LIVE})):
+    for name, kw in (("fwd", {"max_reuse_distance": 0}), ("keep", {"reshard_after_forward": False}),
+                     ("reuse", {"max_reuse_distance": BLOCK, "max_live_parameters": 10 * MAX_LIVE}),
+                     ("auto", {"max_live_parameters": 10 * MAX_LIVE})):
         trace = Trace()
         lm = LM()
         s = ZeroStage3(prefetch_bucket_size=BLOCK, **{"max_live_parameters": MAX_LIVE, **kw})
         trainer = fit(lm, s, accum=1, steps=4, callbacks=[trace])
         out[name] = {"events": trace.events, "peak": trace.peak, "units": [u.numel for u in s.units],
-                     "params": trainer.full_state_dict()}
+                     "params": trainer.full_state_dict(), "distance": s.runtime.options.max_reuse_distance,
+                     "source": s.reuse_source}
     lm = LM()  # bf16-mixed with bf16 gradient partitions: 2 + 2 + 4 + 8 bytes per element
     s = ZeroStage3(reduce_dtype="bf16", param_persistence_threshold=16)
     fit(lm, s, accum=1, steps=1, precision="bf16-mixed")
@@ -405,7 +408,7 @@ def _memory_cap(world: int, rank: int) -> dict:
     cap = MemoryCap(int(0.75 * full), full)
     module = Wide()
     try:
-        fit(module, ZeroStage3(reduce_dtype="bf16", prefetch_bucket_size=0), accum=1, steps=2,
+        fit(module, ZeroStage3(reduce_dtype="bf16", prefetch_bucket_size=0, max_reuse_distance=0), accum=1, steps=2,
             callbacks=[cap])
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     finally:
@@ -564,6 +567,23 @@ def test_reuse_distance_keeps_the_last_blocks_gathered_for_their_backward(tmp_pa
     assert list(res["reuse"]["params"]) == list(res["fwd"]["params"])
     for key, value in res["fwd"]["params"].items():
         assert torch.equal(res["reuse"]["params"][key], value), key
+
+
+def test_default_reuse_budget_from_memory_keeps_every_block_and_is_the_same_on_every_rank(tmp_path_factory):
+    """``max_reuse_distance="auto"`` (the default): a toy model is far inside a quarter of any
+    test machine's free memory, so every block stays gathered from its forward to its backward
+    (within ``max_live_parameters``) and is gathered once per step; every rank resolved the same
+    budget (the least over ranks) and the parameters equal the run that frees every block."""
+    ranks = [r["prefetch"] for r in spawned(2, tmp_path_factory)]
+    auto = ranks[0]["auto"]
+    assert auto["source"].startswith("auto: ") and auto["distance"] >= 3 * BLOCK, auto["source"]
+    assert ranks[1]["auto"]["distance"] == auto["distance"]
+    ev = auto["events"]
+    for k in (1, 2, 3):
+        assert ("free", k) not in ev[ev.index(("forward", k)):ev.index(("backward", k))], ev
+        assert len([e for e in ev if e[1] == k and e[0] in ("gather", "prefetch")]) == 1, ev
+    for key, value in ranks[0]["fwd"]["params"].items():
+        assert torch.equal(auto["params"][key], value), key
 
 
 def test_memory_between_steps_is_16_psi_over_n(tmp_path_factory):

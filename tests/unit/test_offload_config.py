@@ -40,7 +40,7 @@ BAD = [
     (dict(pin_memory="yes"), TypeError, ["pin_memory='yes' must be True or False"]),
     (dict(reduce_dtype="fp8"), ValueError, ["reduce_dtype='fp8'", "fp32, bf16, fp16"]),  # the stage's own
     (dict(prefetch_bucket_size=5), ValueError, ["prefetch_bucket_size=5 is not an option of stage=2",
-                                                "Stage3Config", "default 50000000"]),
+                                                "Stage3Config", "default 10000000"]),
     (dict(stage=3, reduce_bucket_size=5), ValueError, ["reduce_bucket_size=5 is not an option of stage=3"]),
     (dict(stage=3, max_live_parameters=0), ValueError, ["max_live_parameters=0"]),
 ]

@@ -32,7 +32,7 @@ def test_default_micro_batches_and_buckets():
     assert T.micro_batch_choices(5) == [5]
     assert T.bucket_choices("ddp", [1, 0.25]) == [25.0, 6.25]
     assert T.bucket_choices("zero2", [1, 0.25]) == [5_000_000, 1_250_000]
-    assert T.bucket_choices("zero3", [1, 1.0]) == [50_000_000]  # duplicates collapse
+    assert T.bucket_choices("zero3", [1, 1.0]) == [10_000_000]  # duplicates collapse
 
 
 def test_candidate_overrides_select_the_configuration():

@@ -81,6 +81,10 @@ def test_optimizer_runs_cut_a_partition_by_param_group():
     ({"max_live_parameters": 0}, "max_live_parameters=0"),
     ({"param_persistence_threshold": 1.5}, "param_persistence_threshold=1.5"),
     ({"reshard_after_forward": "yes"}, "reshard_after_forward='yes'"),
+    ({"max_reuse_distance": "all"}, "max_reuse_distance='all'; valid: 'auto' or a whole number"),
+    ({"max_reuse_distance": -1}, "max_reuse_distance=-1"),
+    ({"host_mmap_threshold": -1}, "host_mmap_threshold=-1"),
+    ({"host_mmap_threshold": 64 << 20}, "host_mmap_threshold=67108864 exceeds glibc's limit; valid: 0"),
 ])
 def test_stage3_options_are_validated(kw, match):
     with pytest.raises((TypeError, ValueError), match=match):
@@ -89,7 +93,8 @@ def test_stage3_options_are_validated(kw, match):
 
 def test_zero3_is_registered_and_configurable():
     s = strategy_from_name("zero3")
-    assert isinstance(s, ZeroStage3) and s.stage3.prefetch_bucket_size == 50_000_000
+    assert isinstance(s, ZeroStage3) and s.stage3.prefetch_bucket_size == 10_000_000
+    assert s.stage3.max_reuse_distance == "auto" and s.config.host_mmap_threshold == 8 << 20
     assert Stage3Config(max_live_parameters=1e9).max_live_parameters == 10**9
     from hydra import compose, initialize_config_module
     from omegaconf import OmegaConf
@@ -303,3 +308,52 @@ def test_work_without_communication_lands_at_once():
     assert landed == ["a"] and len(q) == 2  # order kept: c lands after b
     q.wait_all()
     assert landed == ["a", "b", "c"]
+
+
+def test_auto_reuse_budget_is_a_quarter_of_the_free_memory_after_the_optimizer_state():
+    auto = Stage3Config()
+    # 10 GB free, 1e8 shard elements (Adam's 0.8 GB still to come): a quarter of 9.2 GB in fp32
+    assert auto.reuse_budget(10 * 10**9, 10**8, 4) == int(9.2e9 * 0.25) // 4
+    assert auto.reuse_budget(2 * 10**9, 10**8, 2) == int(1.2e9 * 0.25) // 2  # bf16 working weights
+    assert auto.reuse_budget(10**13, 0, 4) == 10**9  # within max_live_parameters' default
+    assert auto.reuse_budget(10**8, 10**8, 4) == 0  # the optimizer state alone fills the rank
+    assert Stage3Config(max_live_parameters=1000).reuse_budget(10**12, 0, 4) == 1000
+    assert Stage3Config(max_reuse_distance=7).reuse_budget(10**12, 0, 4) == 7  # given: as it is
+
+
+def test_free_bytes_per_rank_shares_the_host_and_respects_rlimit_data():
+    import resource
+    from zerotrain.strategies.host_memory import free_bytes_per_rank
+
+    one = free_bytes_per_rank(torch.device("cpu"), 1)
+    two = free_bytes_per_rank(torch.device("cpu"), 2)
+    assert one > 0 and abs(two - one / 2) < 0.2 * one  # MemAvailable moves a little in between
+    soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    with open("/proc/self/status") as f:
+        used = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmData:"))
+    resource.setrlimit(resource.RLIMIT_DATA, (used + (64 << 20), hard))
+    try:
+        assert free_bytes_per_rank(torch.device("cpu"), 1) <= 64 << 20
+    finally:
+        resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
+
+
+def test_host_mmap_threshold_is_applied_once_and_zero_leaves_glibc_alone(monkeypatch):
+    import platform
+    from zerotrain.strategies import host_memory
+
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("glibc only")
+    calls = []
+
+    class Libc:
+        @staticmethod
+        def mallopt(param, value):
+            calls.append((param, value))
+            return 1
+
+    monkeypatch.setattr(host_memory.ctypes, "CDLL", lambda name: Libc)
+    monkeypatch.setattr(host_memory, "_applied", None)
+    assert not host_memory.set_mmap_threshold(0) and calls == []
+    assert host_memory.set_mmap_threshold(8 << 20) and calls == [(-3, 8 << 20)]
+    assert host_memory.set_mmap_threshold(8 << 20) and len(calls) == 1  # already set
