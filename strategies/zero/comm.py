@@ -7,10 +7,17 @@ code that waits on it. On one process (no process group) each is completed at on
 single-process semantics, so callers never branch on the world size. All reductions are SUM:
 ``ReduceOp.AVG`` is unreliable on gloo (pytorch/pytorch#162338); callers divide by the world size.
 Each launch is reported to ``strategies/instrument.py`` (a no-op unless a monitor listens).
+
+On gloo two collectives travel another way, because gloo's own are slow on a 2-core machine
+(``bench/comm_bench.py``: at 16-64 MB per rank, ``all_gather_into_tensor`` ran at about half the
+speed of one broadcast per rank, and ``reduce_scatter_tensor`` at under half an all-to-all's):
+:func:`all_gather_into` is one in-place broadcast per rank, all in flight together, and
+:func:`reduce_scatter_sum` one ``all_to_all_single`` whose pieces are added, in rank order, when
+the handle is waited. Both are reported under their own names and message sizes.
 """
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -33,6 +40,26 @@ class Done:
 
     def wait(self) -> bool:
         return True
+
+
+class Joined:
+    """Several launched works as one handle; ``then`` (the local part of the collective: adding
+    the pieces an all-to-all brought) runs once, on the thread that waits, after all completed."""
+
+    def __init__(self, works: Sequence[Handle], then: Callable[[], None] | None = None) -> None:
+        self.works, self._then = list(works), then
+
+    def wait(self) -> bool:
+        for w in self.works:
+            w.wait()
+        if self._then is not None:
+            then, self._then = self._then, None
+            then()
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        """Completes when every work has (what ``instrument`` times the collective by)."""
+        return torch.futures.collect_all([w.get_future() for w in self.works])
 
 
 def world_size(group: object = None) -> int:
@@ -64,14 +91,52 @@ def least_over_ranks(value: int, device: torch.device, group: object = None) -> 
     return int(t.item())
 
 
-def reduce_scatter_sum(out: torch.Tensor, inp: torch.Tensor, group: object = None) -> Handle:
-    """``out`` (n elements) = sum over ranks of ``inp[rank * n:(rank + 1) * n]``."""
-    if world_size(group) == 1:
+def reduce_scatter_scratch(numel: int, group: object = None) -> int:
+    """Elements of ``scratch`` that :func:`reduce_scatter_sum` needs for an ``inp`` of ``numel``:
+    on gloo the other rank's copy of my piece (2 ranks), or every rank's (more)."""
+    world = world_size(group)
+    if world == 1 or backend(group) != "gloo":
+        return 0
+    return numel // world if world == 2 else numel
+
+
+def reduce_scatter_sum(out: torch.Tensor, inp: torch.Tensor, group: object = None,
+                       scratch: torch.Tensor | None = None) -> Handle:
+    """``out`` (n elements) = sum over ranks of ``inp[rank * n:(rank + 1) * n]``.
+
+    On gloo the pieces travel as one all-to-all into ``scratch`` (at least
+    :func:`reduce_scatter_scratch` elements, allocated when None; it may begin at ``out``'s own
+    storage) and are summed in rank order into ``out`` when the handle is waited; ``inp`` must
+    stay untouched until then. With 2 ranks each sends only the other's piece."""
+    world = world_size(group)
+    if world == 1:
         out.copy_(inp)
         return Done()
     progress.mark("reduce_scatter", group)
-    work = _reduce_scatter_single(out, inp, op=SUM, group=group, async_op=True)
-    return instrument.issued("reduce_scatter", work, group, inp)
+    if backend(group) != "gloo":
+        work = _reduce_scatter_single(out, inp, op=SUM, group=group, async_op=True)
+        return instrument.issued("reduce_scatter", work, group, inp)
+    n = out.numel()
+    if scratch is None:
+        scratch = torch.empty(reduce_scatter_scratch(inp.numel(), group), dtype=inp.dtype, device=inp.device)
+    if world == 2:
+        me = dist.get_rank(group)
+        splits = [0, n] if me == 0 else [n, 0]  # send the other rank its piece, receive mine
+        got = scratch[:n]
+        work = dist.all_to_all_single(got, inp[(1 - me) * n:(2 - me) * n], splits, splits, group=group,
+                                      async_op=True)
+        pieces = [inp[me * n:(me + 1) * n], got] if me == 0 else [got, inp[n:]]
+    else:
+        got = scratch[:inp.numel()]
+        work = dist.all_to_all_single(got, inp, group=group, async_op=True)
+        pieces = list(got.view(world, -1))
+
+    def add_pieces() -> None:
+        torch.add(pieces[0], pieces[1], out=out)
+        for piece in pieces[2:]:
+            out.add_(piece)
+
+    return instrument.issued("reduce_scatter", Joined([work], add_pieces), group, inp)
 
 
 def reduce_to_owner(buf: torch.Tensor, owner: int, group: object = None) -> Handle:
@@ -83,12 +148,23 @@ def reduce_to_owner(buf: torch.Tensor, owner: int, group: object = None) -> Hand
 
 
 def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: object = None) -> Handle:
-    """``out[r * n:(r + 1) * n]`` = rank r's ``inp`` (n elements)."""
-    if world_size(group) == 1:
+    """``out[r * n:(r + 1) * n]`` = rank r's ``inp`` (n elements). On gloo: ``inp`` is copied
+    into its place in ``out`` (unless it is that place) and every rank broadcasts its place."""
+    world = world_size(group)
+    if world == 1:
         out.copy_(inp)
         return Done()
     progress.mark("all_gather", group)
-    return instrument.issued("all_gather", _all_gather_single(out, inp, group=group, async_op=True), group, out)
+    if backend(group) != "gloo":
+        return instrument.issued("all_gather", _all_gather_single(out, inp, group=group, async_op=True), group,
+                                 out)
+    pieces = out.view(world, -1)
+    mine = pieces[dist.get_rank(group)]
+    if mine.data_ptr() != inp.data_ptr():
+        mine.copy_(inp.reshape(-1))
+    works = [dist.broadcast(pieces[r], src=global_rank(group, r), group=group, async_op=True)
+             for r in range(world)]
+    return instrument.issued("all_gather", Joined(works), group, out)
 
 
 def all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[int],
@@ -120,6 +196,10 @@ def gather_to(inp: torch.Tensor, outs: Sequence[torch.Tensor] | None, dst: int =
     work = dist.gather(inp, gather_list=list(outs) if outs is not None else None, dst=dst, group=group,
                        async_op=True)
     return instrument.issued("gather", work, group, inp, ranks=world_size(group))
+
+
+def global_rank(group: object, rank: int) -> int:
+    return rank if group is None else dist.get_global_rank(group, rank)
 
 
 def new_group(ranks: Sequence[int]) -> object:

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .comm import all_gather_into, backend, broadcast_from
+from .comm import all_gather_into, backend, broadcast_from, global_rank
 from .inflight import InFlight, InFlightQueue, Work
 from .layout import GroupLayout, partition_chunks
 
@@ -106,13 +106,9 @@ class FlatParamGroup:
         src = master[s:e]
         if mine.data_ptr() != src.data_ptr():  # mixed precision: write my working copy first
             mine.copy_(src)
-        handles = tuple(broadcast_from(self.flat[r * p + s:r * p + e], _global_rank(group, r), group)
+        handles = tuple(broadcast_from(self.flat[r * p + s:r * p + e], global_rank(group, r), group)
                         for r in range(self.layout.world_size))
         return InFlight(handles, (), _nothing, "broadcast params")
-
-
-def _global_rank(group: object, rank: int) -> int:
-    return rank if group is None else dist.get_global_rank(group, rank)
 
 
 def _nothing() -> None:
@@ -132,7 +128,7 @@ def flatten_group(params: Sequence[nn.Parameter], layout: GroupLayout, dtype: to
     for p, span in zip(params, layout.spans):
         full[span.offset:span.end].copy_(p.detach().reshape(-1))
     if full.numel():
-        queue.complete(broadcast_from(full, _global_rank(group, 0), group), full, label="broadcast params")
+        queue.complete(broadcast_from(full, global_rank(group, 0), group), full, label="broadcast params")
     lo, hi = layout.partition_range(rank)
     if dtype == torch.float32:
         flat, master = full, full[lo:hi]

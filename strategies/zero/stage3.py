@@ -128,7 +128,7 @@ class ZeroStage3(ZeroStrategy):
             for t in [*module.buffers(), *(p for p in module.parameters() if id(p) not in managed)]:
                 t.data = t.data.to(self.device)
         self.model = StepWrapper(module)
-        self.reduce_mode = self.config.resolved_reduce_mode(backend(self.group))
+        self.reduce_mode = self.config.resolved_reduce_mode(backend(self.group), even_pieces=True)
         options = RuntimeOptions(self.stage3.reshard_after_forward, self.stage3.prefetch_bucket_size,
                                  self.stage3.max_live_parameters, self.reduce_mode, self._reuse_distance())
         self.runtime = Stage3Runtime(self.units, options, self.queue, self.config.torch_reduce_dtype,

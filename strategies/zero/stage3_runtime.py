@@ -65,7 +65,8 @@ class Stage3Runtime:
         self.options, self.queue, self.group = options, queue, group
         #: id(param) -> its unit, for the params that are ever sharded
         self.owner = {id(p): u for u in self.units if not u.persistent for p in u.params}
-        buffer_numel = max([u.numel + (u.hi - u.lo) for u in self.units] or [1])
+        buffer_numel = max([u.layout.padded_numel + u.reduce_space(options.reduce_mode, group)
+                            for u in self.units] or [1])
         device = self.root.device
         self.pool = BufferPool(buffer_numel, reduce_dtype, device)
         self.grad_views: list[torch.Tensor] = []  # set by the strategy: the optimizer's order

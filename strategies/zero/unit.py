@@ -34,7 +34,8 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from .comm import BufferPool, all_gather_into, all_reduce_sum, gather_to, reduce_scatter_sum
+from .comm import (BufferPool, all_gather_into, all_reduce_sum, gather_to, reduce_scatter_scratch,
+                   reduce_scatter_sum)
 from .inflight import InFlight, InFlightQueue
 from .layout import GroupLayout
 from .quantized import Quantization, exact_gather
@@ -271,6 +272,12 @@ class Unit:
     def has_grads(self) -> bool:
         return any(p.grad is not None for p in self.params)
 
+    def reduce_space(self, mode: str, group: object = None) -> int:
+        """Elements :meth:`reduce_grads` takes from the pool beyond the flat gradient."""
+        if mode != "reduce_scatter":
+            return 0
+        return max(self.hi - self.lo, reduce_scatter_scratch(self.layout.padded_numel, group))
+
     def reduce_grads(self, mode: str, pool: BufferPool, queue: InFlightQueue, group: object = None) -> None:
         """Collective: sum every rank's gradients of this unit, keep my partition (averaged) and
         add it to ``grad``. The gradients are copied into a pooled flat buffer and ``p.grad`` is
@@ -279,7 +286,7 @@ class Unit:
         (qgZ: every rank's int8 copy of my partition through an all-to-all, summed here in fp32)."""
         layout, world = self.layout, self.layout.world_size
         n, part = layout.padded_numel, self.hi - self.lo
-        space = pool.acquire(n + (part if mode == "reduce_scatter" else 0))
+        space = pool.acquire(n + self.reduce_space(mode, group))
         flat = space[:n]
         for p, span in zip(self.params, layout.spans):
             dst = flat[span.offset:span.end]
@@ -294,8 +301,8 @@ class Unit:
         if mode == "all_reduce":
             handles, mine = (all_reduce_sum(flat, group),), flat[self.lo:self.hi]
         elif mode == "reduce_scatter":
-            mine = space[n:]
-            handles = (reduce_scatter_sum(mine, flat, group),)
+            mine = space[n:n + part]  # gloo: the all-to-all lands from here on, summed into mine
+            handles = (reduce_scatter_sum(mine, flat, group, scratch=space[n:]),)
         elif mode == "quantized":
             pieces = [(lo, hi - lo) for lo, hi in map(layout.partition_range, range(world))]
             handles, keep, summed = self.quant.reduce(flat, pieces, self.rank, group)

@@ -170,6 +170,9 @@ def test_options_are_validated_with_field_and_value():
             ZeroStage2(**kwargs)
     assert ZeroConfig().resolved_reduce_mode("gloo") == "all_reduce"
     assert ZeroConfig().resolved_reduce_mode("nccl") == "reduce_scatter"
+    # stage 3's units are cut into equal pieces: gloo's all-to-all reduce-scatter pays there
+    assert ZeroConfig().resolved_reduce_mode("gloo", even_pieces=True) == "reduce_scatter"
+    assert ZeroConfig(reduce_mode="all_reduce").resolved_reduce_mode("gloo", even_pieces=True) == "all_reduce"
 
 
 def test_registered_names():

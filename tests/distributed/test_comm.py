@@ -1,0 +1,82 @@
+"""ZeRO's collectives on gloo (``strategies/zero/comm.py``), which travel there as per-rank
+broadcasts (all-gather) and one all-to-all plus a rank-order sum (reduce-scatter): on 2 and 3
+ranks, for the world and for a subgroup, they give what ``all_gather_into_tensor`` and
+``reduce_scatter_tensor`` define, exactly."""
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness import init_dist, run_ranks
+from zerotrain.strategies import instrument
+from zerotrain.strategies.zero import comm
+
+
+def _values(rank: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 + rank)
+    return torch.randn(n, generator=g).to(dtype)
+
+
+class _Sink:
+    def __init__(self, events: list) -> None:
+        self.events = events
+
+    def collective(self, event) -> None:
+        self.events.append(event)
+
+
+def _collectives():
+    rank, world = init_dist()
+    out = {}
+    groups = {"world": (None, list(range(world)))}
+    if world == 3:
+        groups["pair"] = (dist.new_group([1, 2]), [1, 2])  # group ranks 0, 1 are global 1, 2
+    events = []
+    sink = _Sink(events)
+    instrument.add_sink(sink)
+    try:
+        for name, (group, members) in groups.items():
+            if rank not in members:
+                continue
+            size, me = len(members), members.index(rank)
+            for dtype in (torch.float32, torch.bfloat16):
+                n = 5  # a piece per rank; odd, so no vectorised tail hides an off-by-one
+                inp = _values(rank, size * n, dtype)
+                got = torch.full((n,), float("nan"), dtype=dtype)
+                scratch = torch.empty(comm.reduce_scatter_scratch(size * n, group) + n, dtype=dtype)
+                h = comm.reduce_scatter_sum(got, inp, group, scratch=scratch)
+                h.wait()
+                # the same sum, in rank order, from every member's input
+                want = sum(_values(g, size * n, dtype)[me * n:(me + 1) * n] for g in members)
+                out[f"rs-{name}-{dtype}"] = (got, want)
+                # the sum may land in the scratch's own first piece (zero3 passes it that way)
+                inplace = torch.empty(size * n, dtype=dtype)
+                comm.reduce_scatter_sum(inplace[:n], inp, group, scratch=inplace).wait()
+                out[f"rs-inplace-{name}-{dtype}"] = (inplace[:n], want)
+
+                mine = _values(rank, n, dtype)
+                full = torch.full((size * n,), float("nan"), dtype=dtype)
+                comm.all_gather_into(full, mine, group).wait()
+                out[f"ag-{name}-{dtype}"] = (full, torch.cat([_values(g, n, dtype) for g in members]))
+                # the input may already be this rank's place in the output
+                full2 = torch.cat([_values(g, n, dtype) if g == rank else torch.zeros(n, dtype=dtype)
+                                   for g in members])
+                comm.all_gather_into(full2, full2[me * n:(me + 1) * n], group).wait()
+                out[f"ag-inplace-{name}-{dtype}"] = (full2, out[f"ag-{name}-{dtype}"][1])
+    finally:
+        instrument.remove_sink(sink)
+    # every launch is reported once, under its own name, and completes (its future fired)
+    out["events"] = sorted({(e.op, e.nbytes, e.t_done is not None) for e in events})
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_gloo_collectives_match_their_definitions(world, tmp_path):
+    results = run_ranks("test_comm:_collectives", world, tmp_path, timeout=90)
+    for rank, res in enumerate(results):
+        events = res.pop("events")
+        assert res, f"rank {rank} ran no case"
+        for case, (got, want) in res.items():
+            torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"rank {rank} {case}")
+        # reported under their own names, with the collective's message size (fp32, world)
+        assert ("reduce_scatter", 4 * world * 5, True) in events and ("all_gather", 4 * world * 5, True) in events
+        assert all(done for _, _, done in events), events
