@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -24,7 +25,7 @@ import torch.distributed as dist
 from zerotrain.strategies.zero import comm
 
 
-def cases(numel: int, world: int, rank: int) -> dict:
+def cases(numel: int, world: int) -> dict:
     x = torch.randn(numel)
     shard = torch.randn(numel // world)
     out, full, scratch = torch.empty(numel // world), torch.empty(numel), torch.empty(numel)
@@ -38,13 +39,14 @@ def cases(numel: int, world: int, rank: int) -> dict:
 
 
 def worker(args: argparse.Namespace) -> None:
+    warnings.filterwarnings("ignore", category=FutureWarning)  # torch 2.13 renamed gloo's two here
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     rows = []
     for mb in args.sizes:
         numel = int(mb * 2**20) // 4 // world * world
-        fns = cases(numel, world, rank)
+        fns = cases(numel, world)
         times: dict[str, list[float]] = {k: [] for k in fns}
         for fn in fns.values():  # warm-up: first-touch of every buffer
             fn()

@@ -24,7 +24,7 @@ What each strategy moves per optimizer step (Psi: trainable elements; ``expected
 * zero3, per micro-batch: all_gather of the root unit once and of every other sharded unit in
   forward and, when ``reshard_after_forward``, again in backward unless ``max_reuse_distance``
   kept it gathered (from the second step on; padded sizes, working bytes);
-  every unit's gradient reduced once (all_reduce on gloo, reduce_scatter on NCCL, reduce bytes);
+  every unit's gradient reduced once (reduce_scatter by default, reduce bytes);
   after the step one all_gather per persistent unit;
 * every ZeRO stage: one 4-byte all_reduce of the squared gradient norm when clipping by norm.
 * ZeRO++ (``quantize_weights`` / ``quantize_gradients``): a quantized gather or reduction moves

@@ -282,8 +282,9 @@ class Unit:
         """Collective: sum every rank's gradients of this unit, keep my partition (averaged) and
         add it to ``grad``. The gradients are copied into a pooled flat buffer and ``p.grad`` is
         freed at once; the reduction is pushed to ``queue`` (it completes while backward goes on).
-        ``mode``: ``all_reduce`` (gloo: faster there), ``reduce_scatter`` (NCCL) or ``quantized``
-        (qgZ: every rank's int8 copy of my partition through an all-to-all, summed here in fp32)."""
+        ``mode``: ``all_reduce``, ``reduce_scatter`` (on gloo an all-to-all,
+        ``comm.reduce_scatter_sum``) or ``quantized`` (qgZ: every rank's int8 copy of my
+        partition through an all-to-all, summed here in fp32)."""
         layout, world = self.layout, self.layout.world_size
         n, part = layout.padded_numel, self.hi - self.lo
         space = pool.acquire(n + self.reduce_space(mode, group))
