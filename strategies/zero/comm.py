@@ -9,8 +9,8 @@ single-process semantics, so callers never branch on the world size. All reducti
 Each launch is reported to ``strategies/instrument.py`` (a no-op unless a monitor listens).
 
 On gloo two collectives travel another way, because gloo's own are slow on a 2-core machine
-(``bench/comm_bench.py``: at 16-64 MB per rank, ``all_gather_into_tensor`` ran at about half the
-speed of one broadcast per rank, and ``reduce_scatter_tensor`` at under half an all-to-all's):
+(``bench/comm_bench.py``, 2 ranks, 4-64 MB buffers: ``all_gather_into_tensor`` took 1.3-3.1x as
+long as one broadcast per rank, ``reduce_scatter_tensor`` 2.8-4.5x as long as an all-to-all):
 :func:`all_gather_into` is one in-place broadcast per rank, all in flight together, and
 :func:`reduce_scatter_sum` one ``all_to_all_single`` whose pieces are added, in rank order, when
 the handle is waited. Both are reported under their own names and message sizes.
@@ -125,7 +125,8 @@ def reduce_scatter_sum(out: torch.Tensor, inp: torch.Tensor, group: object = Non
         got = scratch[:n]
         work = dist.all_to_all_single(got, inp[(1 - me) * n:(2 - me) * n], splits, splits, group=group,
                                       async_op=True)
-        pieces = [inp[me * n:(me + 1) * n], got] if me == 0 else [got, inp[n:]]
+        mine = inp[me * n:(me + 1) * n]
+        pieces = [mine, got] if me == 0 else [got, mine]
     else:
         got = scratch[:inp.numel()]
         work = dist.all_to_all_single(got, inp, group=group, async_op=True)
