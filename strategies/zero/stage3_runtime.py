@@ -326,6 +326,7 @@ class Stage3Runtime:
             return
         for u in self.units:
             u.grad.zero_()
+            u.grad_clean = True
 
     def persistent(self) -> list[torch.Tensor]:
         return [u.grad for u in self.units]

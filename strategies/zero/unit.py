@@ -104,6 +104,9 @@ class Unit:
             self.working = (self.master if dtype == torch.float32
                             else torch.zeros(hi - lo, dtype=dtype, device=device))
         self.grad = torch.zeros(hi - lo, dtype=reduce_dtype, device=device)
+        #: ``grad`` is all zeros (made so, or zeroed by the runtime, and nothing reduced into it
+        #: since): a reduce-scatter may then land in it directly (:meth:`reduce_grads`)
+        self.grad_clean = True
         #: where reduced gradients go instead of ``grad`` (offload's ``grad_device="nvme"``):
         #: ``grad_sink(unit, reduced)`` with this rank's averaged partition; ``grad`` is then a
         #: meta tensor (its shape, no memory)
@@ -284,10 +287,15 @@ class Unit:
         freed at once; the reduction is pushed to ``queue`` (it completes while backward goes on).
         ``mode``: ``all_reduce``, ``reduce_scatter`` (on gloo an all-to-all,
         ``comm.reduce_scatter_sum``) or ``quantized`` (qgZ: every rank's int8 copy of my
-        partition through an all-to-all, summed here in fp32)."""
+        partition through an all-to-all, summed here in fp32). A reduce-scatter whose scratch
+        fits one partition (2 ranks on gloo, or none needed) lands in ``grad`` itself while
+        ``grad_clean``: the pool's tail is not touched and no add follows."""
         layout, world = self.layout, self.layout.world_size
         n, part = layout.padded_numel, self.hi - self.lo
-        space = pool.acquire(n + self.reduce_space(mode, group))
+        # into ``grad`` itself while it is zeros: no pooled piece to land in, no add afterwards
+        direct = (mode == "reduce_scatter" and self.grad_clean and self.grad_sink is None
+                  and self.grad.dtype == pool.dtype and reduce_scatter_scratch(n, group) <= part)
+        space = pool.acquire(n + (0 if direct else self.reduce_space(mode, group)))
         flat = space[:n]
         for p, span in zip(self.params, layout.spans):
             dst = flat[span.offset:span.end]
@@ -299,7 +307,10 @@ class Unit:
         flat[layout.numel:].zero_()
         keep: tuple[torch.Tensor, ...] = ()
         mine = summed = None  # summed: qgZ's work that sums my partition on arrival
-        if mode == "all_reduce":
+        if direct:
+            mine = self.grad
+            handles = (reduce_scatter_sum(mine, flat, group, scratch=mine),)
+        elif mode == "all_reduce":
             handles, mine = (all_reduce_sum(flat, group),), flat[self.lo:self.hi]
         elif mode == "reduce_scatter":
             mine = space[n:n + part]  # gloo: the all-to-all lands from here on, summed into mine
@@ -309,10 +320,13 @@ class Unit:
             handles, keep, summed = self.quant.reduce(flat, pieces, self.rank, group)
         else:
             raise ValueError(f"reduce mode {mode!r}; valid choices: all_reduce, reduce_scatter, quantized")
+        self.grad_clean = False
 
         def add_mine() -> None:
             reduced = (mine if summed is None else summed()).div_(world)
-            if self.grad_sink is None:
+            if direct:
+                pass  # the sum landed in ``grad``
+            elif self.grad_sink is None:
                 self.grad.add_(reduced)
             else:
                 self.grad_sink(self, reduced)

@@ -198,11 +198,35 @@ def _equivalence(world: int, rank: int) -> dict:
     return out
 
 
+class PoolUse(Callback):
+    """The pooled elements each reduction of one step's two micro-batches takes, beside what
+    each unit's flat gradient and partition need."""
+
+    def __init__(self) -> None:
+        self.taken: dict[int, list[int]] = {0: [], 1: []}
+        self.sizes: set[tuple[int, int]] = set()
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        pool = trainer.strategy.runtime.pool
+        if batch_idx in (4, 5):  # the third optimizer step's micro-batches
+            self.sizes = {(u.layout.padded_numel, u.hi - u.lo) for u in trainer.strategy.units}
+            plain = type(pool).acquire
+
+            def acquire(numel: int):
+                self.taken[batch_idx - 4].append(numel)
+                return plain(pool, numel)
+            pool.acquire = acquire
+        else:
+            pool.__dict__.pop("acquire", None)
+
+
 def _hf(world: int, rank: int) -> dict:
     lm = LM(hf=True)
-    trainer = fit(lm, ZeroStage3(prefetch_bucket_size=2000))
+    use = PoolUse()
+    trainer = fit(lm, ZeroStage3(prefetch_bucket_size=2000), callbacks=[use])
     units = [u.name for u in trainer.strategy.units]
-    return {"params": trainer.full_state_dict(), "units": units}
+    return {"params": trainer.full_state_dict(), "units": units, "taken": use.taken, "sizes": use.sizes,
+            "mode": trainer.strategy.runtime.options.reduce_mode}
 
 
 def _quirky(world: int, rank: int) -> dict:
@@ -497,6 +521,13 @@ def test_hugging_face_gpt2_matches_single_process(tmp_path_factory):
     res = spawned(2, tmp_path_factory)[0]["hf"]
     assert res["units"][1:3] == ["model.transformer.h.0", "model.transformer.h.1"]
     assert_params_close(res["params"], lm_reference(2, accum=2, hf=True))
+    # gloo's reduce-scatter ("auto"): while a unit's gradient partition is zeros (the first
+    # micro-batch), its all-to-all lands in the partition itself and the pool gives only the flat
+    # gradient; once it holds a sum (the second) the piece lands in the pool after the gradient
+    assert res["mode"] == "reduce_scatter"
+    flats, withpiece = {n for n, _ in res["sizes"]}, {n + part for n, part in res["sizes"]}
+    assert res["taken"][0] and set(res["taken"][0]) <= flats, res
+    assert res["taken"][1] and set(res["taken"][1]) <= withpiece, res
 
 
 def test_hard_cases_match_single_process(tmp_path_factory):
