@@ -7,8 +7,10 @@ Per message size (MB of the whole buffer: an all-gather's output, a reduce-scatt
 ``instrument`` counts them), each rank times every case in turn, interleaved, between barriers;
 the figure is the median over repeats of the slowest rank, with the algorithm bandwidth beside
 it. ``zerotrain`` rows call the library's own ``comm.all_gather_into`` /
-``comm.reduce_scatter_sum`` (one broadcast per rank / one all-to-all and a rank-order sum),
-``gloo`` rows ``all_gather_into_tensor`` / ``reduce_scatter_tensor``.
+``comm.reduce_scatter_sum`` / ``comm.reduce_to_owners`` (one broadcast per rank / one all-to-all
+and a rank-order sum / the same with uneven pieces), ``gloo`` rows ``all_gather_into_tensor`` /
+``reduce_scatter_tensor`` / ``reduce``. "reduce to one owner" is a ZeRO-1/2 bucket that lies
+wholly in the last rank's partition.
 """
 from __future__ import annotations
 
@@ -28,11 +30,15 @@ from zerotrain.strategies.zero import comm
 def cases(numel: int, world: int) -> dict:
     x = torch.randn(numel)
     shard = torch.randn(numel // world)
-    out, full, scratch = torch.empty(numel // world), torch.empty(numel), torch.empty(numel)
+    out, full, scratch = torch.empty(numel // world), torch.empty(numel), torch.empty(numel * world)
     return {
         "all_reduce (DDP's)": lambda: dist.all_reduce(x),
         "reduce_scatter: gloo": lambda: dist.reduce_scatter_tensor(out, x),
         "reduce_scatter: zerotrain": lambda: comm.reduce_scatter_sum(out, x, scratch=scratch).wait(),
+        # a zero1/zero2 bucket wholly inside the last rank's partition: every other rank sends it
+        "reduce to one owner: gloo": lambda: dist.reduce(x, dst=world - 1),
+        "reduce to one owner: zerotrain": lambda: comm.reduce_to_owners(x, [0] * (world - 1) + [numel],
+                                                                        scratch=scratch).wait(),
         "all_gather: gloo": lambda: dist.all_gather_into_tensor(full, shard),
         "all_gather: zerotrain": lambda: comm.all_gather_into(full, shard).wait(),
     }

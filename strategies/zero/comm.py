@@ -116,36 +116,79 @@ def reduce_scatter_sum(out: torch.Tensor, inp: torch.Tensor, group: object = Non
     if backend(group) != "gloo":
         work = _reduce_scatter_single(out, inp, op=SUM, group=group, async_op=True)
         return instrument.issued("reduce_scatter", work, group, inp)
-    n = out.numel()
     if scratch is None:
         scratch = torch.empty(reduce_scatter_scratch(inp.numel(), group), dtype=inp.dtype, device=inp.device)
+    return instrument.issued("reduce_scatter", _gloo_sum_pieces(out, inp, [out.numel()] * world, group, scratch),
+                             group, inp)
+
+
+def owners_scratch(sizes: Sequence[int], group: object = None) -> int:
+    """Elements of ``scratch`` that :func:`reduce_to_owners` needs for pieces of ``sizes``: on gloo
+    the other rank's copy of my piece (2 ranks), or every rank's (more)."""
+    world = world_size(group)
+    if world == 1 or backend(group) != "gloo":
+        return 0
+    mine = sizes[dist.get_rank(group)]
+    return mine if world == 2 else world * mine
+
+
+def reduce_to_owners(buf: torch.Tensor, sizes: Sequence[int], group: object = None,
+                     out: torch.Tensor | None = None, scratch: torch.Tensor | None = None) -> Handle:
+    """A reduce-scatter with uneven pieces: ``buf`` is cut into rank r's piece of ``sizes[r]``
+    elements, in rank order; once waited, this rank's piece summed over ranks is in ``out``
+    (default: my piece of ``buf``); the rest of ``buf`` is left as it was.
+
+    On gloo one all-to-all carries each piece to its owner only (with 2 ranks each sends just
+    the other's piece: a message wholly in one partition goes one way, half the bytes an
+    all-reduce moves), into ``scratch`` (:func:`owners_scratch` elements; with 2 ranks it may
+    begin at ``out``), summed in rank order when waited. Elsewhere one ``reduce`` per owner."""
+    world = world_size(group)
+    me = dist.get_rank(group) if world > 1 else 0
+    lo = sum(sizes[:me])
+    mine = buf[lo:lo + sizes[me]]
+    if world == 1:
+        return Done() if out is None else Joined([], lambda: out.copy_(mine))
+    progress.mark("reduce", group)
+    if backend(group) == "gloo":
+        if scratch is None:
+            scratch = torch.empty(owners_scratch(sizes, group), dtype=buf.dtype, device=buf.device)
+        work = _gloo_sum_pieces(mine if out is None else out, buf[:sum(sizes)], sizes, group, scratch)
+    else:
+        offsets = [sum(sizes[:r]) for r in range(world)]
+        works = [dist.reduce(buf[offsets[r]:offsets[r] + sizes[r]], dst=global_rank(group, r), op=SUM, group=group,
+                             async_op=True) for r in range(world) if sizes[r]]
+        work = Joined(works, None if out is None else lambda: out.copy_(mine))
+    return instrument.issued("reduce", work, group, buf[:sum(sizes)])
+
+
+def _gloo_sum_pieces(out: torch.Tensor, inp: torch.Tensor, sizes: Sequence[int], group: object,
+                     scratch: torch.Tensor) -> Joined:
+    """gloo's reduce-scatter: ``out`` = the sum over ranks of their ``inp`` piece of mine (pieces
+    of ``sizes``, in rank order), through one all-to-all into ``scratch`` and a rank-order sum."""
+    world, me = world_size(group), dist.get_rank(group)
+    n = sizes[me]
+    offsets = [sum(sizes[:r]) for r in range(world)]
+    mine = inp[offsets[me]:offsets[me] + n]
     if world == 2:
-        me = dist.get_rank(group)
-        splits = [0, n] if me == 0 else [n, 0]  # send the other rank its piece, receive mine
+        other = 1 - me
         got = scratch[:n]
-        work = dist.all_to_all_single(got, inp[(1 - me) * n:(2 - me) * n], splits, splits, group=group,
-                                      async_op=True)
-        mine = inp[me * n:(me + 1) * n]
+        splits_in, splits_out = [0, 0], [0, 0]
+        splits_in[other], splits_out[other] = sizes[other], n  # send the other its piece, receive mine
+        work = dist.all_to_all_single(got, inp[offsets[other]:offsets[other] + sizes[other]], splits_out,
+                                      splits_in, group=group, async_op=True)
         pieces = [mine, got] if me == 0 else [got, mine]
     else:
-        got = scratch[:inp.numel()]
-        work = dist.all_to_all_single(got, inp, group=group, async_op=True)
-        pieces = list(got.view(world, -1))
+        got = scratch[:world * n]
+        work = dist.all_to_all_single(got, inp, [n] * world, list(sizes), group=group, async_op=True)
+        pieces = list(got.view(world, n)) if n else []
 
     def add_pieces() -> None:
-        torch.add(pieces[0], pieces[1], out=out)
-        for piece in pieces[2:]:
-            out.add_(piece)
+        if n:
+            torch.add(pieces[0], pieces[1], out=out)
+            for piece in pieces[2:]:
+                out.add_(piece)
 
-    return instrument.issued("reduce_scatter", Joined([work], add_pieces), group, inp)
-
-
-def reduce_to_owner(buf: torch.Tensor, owner: int, group: object = None) -> Handle:
-    """Sum ``buf`` over ranks into ``owner``'s ``buf`` (other ranks' ``buf`` becomes undefined)."""
-    if world_size(group) == 1:
-        return Done()
-    progress.mark("reduce", group)
-    return instrument.issued("reduce", dist.reduce(buf, dst=owner, op=SUM, group=group, async_op=True), group, buf)
+    return Joined([work], add_pieces)
 
 
 def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: object = None) -> Handle:

@@ -36,10 +36,8 @@ class ZeroConfig:
     #: dtype of the gradient reduction and of the gradient partitions
     reduce_dtype: str = "fp32"
     #: "all_reduce" (all-reduce a bucket, keep your slice), "reduce_scatter" (each rank receives
-    #: only its slice; on gloo one all-to-all), or "auto": reduce_scatter on NCCL, and on gloo
-    #: for stage 3 (each unit cut into equal pieces, so the all-to-all carries data both ways at
-    #: once); all_reduce for stages 1 and 2 on gloo (a bucket mostly lies in one rank's partition,
-    #: so a reduce-scatter of it moves as many bytes one way as the all-reduce moves both ways)
+    #: only its slice; on gloo one all-to-all), or "auto": reduce_scatter, except stages 1 and 2
+    #: on gloo with more than 2 ranks (see ``resolved_reduce_mode``)
     reduce_mode: str = "auto"
     #: each rank's partition is a multiple of this many elements
     partition_alignment: int = 1
@@ -76,17 +74,21 @@ class ZeroConfig:
     def torch_reduce_dtype(self) -> torch.dtype:
         return REDUCE_DTYPES[self.reduce_dtype]
 
-    def resolved_reduce_mode(self, backend: str, even_pieces: bool = False) -> str:
-        """``reduce_mode``, "auto" resolved: NCCL has a real reduce-scatter; on gloo it is an
-        all-to-all (``comm.reduce_scatter_sum``), which beats the all-reduce only where every rank
-        owns an equal piece of each message (``even_pieces``: stage 3's units). A stage-1/2
-        bucket mostly lies in one rank's partition. ``quantize_gradients`` makes it "quantized"
-        (an int8 all-to-all), whatever ``reduce_mode`` says."""
+    def resolved_reduce_mode(self, backend: str, world: int, even_pieces: bool = False) -> str:
+        """``reduce_mode``, "auto" resolved: reduce_scatter, which on gloo is one all-to-all
+        (``comm.reduce_to_owners``, ``comm.reduce_scatter_sum``), measured faster than gloo's
+        all-reduce of the same buffer (``bench/comm_bench.py``): a stage-1/2 bucket mostly lies
+        in one rank's partition, so it goes one way with half an all-reduce's bytes; stage 3's
+        units are cut evenly (``even_pieces``), so theirs go both ways at once. Stages 1 and 2
+        keep all_reduce on gloo beyond 2 ranks, where a bucket's owner would receive every
+        rank's copy of it at once (up to ``world - 1`` buckets of scratch).
+        ``quantize_gradients`` makes it "quantized" (an int8 all-to-all), whatever
+        ``reduce_mode`` says."""
         if self.quantize_gradients:
             return "quantized"
         if self.reduce_mode != "auto":
             return self.reduce_mode
-        return "reduce_scatter" if backend == "nccl" or even_pieces else "all_reduce"
+        return "reduce_scatter" if backend != "gloo" or even_pieces or world <= 2 else "all_reduce"
 
 
 @dataclass(frozen=True)

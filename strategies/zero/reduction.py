@@ -10,9 +10,12 @@ no gradient (a complete bucket whose predecessor is still filling waits for it).
 reduction is filed in the in-flight layer (``inflight.Work.BUCKETS``) and lands while backward goes
 on; ``flush()`` launches what is left and waits for all.
 
-``reduce_mode``: ``all_reduce`` (gloo default) all-reduces a bucket; ``reduce_scatter`` (NCCL
-default) cuts it at partition boundaries and sums each piece onto its owner only (``dist.reduce``;
-a flat bucket's pieces are uneven, so this is the reduce-scatter that fits the contiguous layout);
+``reduce_mode``: ``all_reduce`` all-reduces a bucket; ``reduce_scatter`` (the default) cuts it at
+partition boundaries and sums each piece onto its owner only (a flat bucket's pieces are uneven, so
+this is the reduce-scatter that fits the contiguous layout: ``comm.reduce_to_owners``, on gloo one
+all-to-all that sends each piece only to its owner, on NCCL one ``reduce`` per owner). A bucket
+mostly lies in one partition, so its bytes go one way: half what an all-reduce moves. Stage 2 lands
+the sum straight in its gradient partition while that is zeros (the first micro-batch);
 ``quantized`` (ZeRO++ qgZ, ``quantize_gradients``; stage 2 only) sends each owner its piece as
 block-wise int8 in one all-to-all, and the owner sums the pieces in fp32 (``quantized.py``).
 """
@@ -24,7 +27,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from .comm import BufferPool, all_reduce_sum, reduce_to_owner
+from .comm import BufferPool, all_reduce_sum, owners_scratch, reduce_to_owners
 from .flat_buffer import FlatParamGroup
 from .hooks import GradientHooks
 from .inflight import InFlight, InFlightQueue, Work
@@ -44,6 +47,9 @@ class Bucket:
     buffer: torch.Tensor | None = None
     filled: set[int] = field(default_factory=set)
     launched: bool = False
+    #: this rank's piece of the kept gradient is zeros (zeroed, nothing delivered since): a
+    #: reduction may land in it directly (:meth:`BucketedReduction._landing`)
+    clean: bool = True
 
     @property
     def complete(self) -> bool:
@@ -91,7 +97,10 @@ class BucketedReduction:
         self.buckets = buckets
         self._next = 0  # first bucket not launched in this backward
         device = self.flat_groups[0].flat.device if self.flat_groups else torch.device("cpu")
-        self.pool = BufferPool(max([b.flat.numel for b in buckets] or [1]), reduce_dtype, device)
+        self.sizes = {id(b): [n for _, n in self._pieces(b)] for b in buckets}
+        # a pooled buffer holds a bucket, or the scratch a reduce-scatter receives into
+        scratch = [owners_scratch(self.sizes[id(b)], group) for b in buckets] if reduce_mode == "reduce_scatter" else []
+        self.pool = BufferPool(max([b.flat.numel for b in buckets] + scratch or [1]), reduce_dtype, device)
         self._hooks = GradientHooks([(bi, i, self.flat_groups[b.group].params[i])
                                      for bi, b in enumerate(buckets) for i in b.slots], self._grad_ready)
 
@@ -111,6 +120,15 @@ class BucketedReduction:
 
     def _deliver(self, b: Bucket, buf: torch.Tensor) -> None:
         """``buf`` holds the bucket summed over ranks (at least inside ``b.mine``)."""
+        raise NotImplementedError
+
+    def _landing(self, b: Bucket) -> torch.Tensor | None:
+        """Where a reduce-scatter may put this rank's summed piece of ``b`` instead of the bucket
+        (then :meth:`_landed` is called instead of :meth:`_deliver`); None: in the bucket."""
+        return None
+
+    def _landed(self, b: Bucket, summed: torch.Tensor) -> None:
+        """My piece of ``b``, summed over ranks, landed in ``summed`` (:meth:`_landing`'s)."""
         raise NotImplementedError
 
     # ---------------------------------------------------------------- shared
@@ -139,23 +157,36 @@ class BucketedReduction:
     def _launch(self, b: Bucket) -> None:
         buf, pooled = self._source(b)
         keep: tuple[torch.Tensor, ...] = ()
-        summed = None
+        summed = land = None
+        release = [buf] if pooled else []  # pooled buffers, given back once the reduction landed
         if self.reduce_mode == "all_reduce":
             handles = (all_reduce_sum(buf, self.group),)
         elif self.reduce_mode == "quantized":
             handles, keep, summed = self.quant.reduce(buf, self._pieces(b), self.rank, self.group)
-        else:
-            handles = tuple(reduce_to_owner(buf[r.offset:r.offset + r.numel], r.rank, self.group)
-                            for r in b.runs)
+        else:  # on gloo one all-to-all, each piece to its owner only (comm.reduce_to_owners)
+            sizes = self.sizes[id(b)]
+            need = owners_scratch(sizes, self.group)
+            land = self._landing(b) if b.clean else None
+            if land is not None and need > land.numel():
+                land = None
+            scratch = land
+            if land is None and need:
+                scratch = self.pool.acquire(need)
+                release.append(scratch)
+            handles = (reduce_to_owners(buf, sizes, self.group, out=land, scratch=scratch),)
+            keep = () if scratch is None else (scratch,)
 
-        def done(b=b, buf=buf, pooled=pooled) -> None:
+        def done() -> None:
             if summed is not None and b.mine is not None:  # qgZ: my piece, summed in fp32
                 buf[b.mine[0]:b.mine[0] + b.mine[2]].copy_(summed())
-            self._deliver(b, buf)
-            if pooled:
-                self.pool.release(buf)
+            if land is not None:
+                self._landed(b, land)
+            else:
+                self._deliver(b, buf)
+            for t in release:
+                self.pool.release(t)
 
-        b.buffer, b.launched = None, True
+        b.buffer, b.launched, b.clean = None, True, False
         self.queue.push(InFlight(handles, (buf, *keep), done, self.label))
 
     def _pieces(self, b: Bucket) -> list[tuple[int, int]]:
@@ -185,6 +216,9 @@ class BucketedReduction:
         for i, buf in enumerate(self.kept):
             if slots is None or i in slots:
                 buf.zero_()
+        for b in self.buckets:
+            if slots is None or b.group in slots:
+                b.clean = True
 
     def persistent(self) -> list[torch.Tensor]:
         return list(self.kept)

@@ -68,6 +68,17 @@ class PartitionedGradients(BucketedReduction):
             if self.on_reduced is not None:
                 self.on_reduced(b.group, poff, n)
 
+    def _landing(self, b: Bucket) -> torch.Tensor | None:
+        if b.mine is None:
+            return None
+        _, poff, n = b.mine
+        return self.parts[b.group][poff:poff + n]
+
+    def _landed(self, b: Bucket, summed: torch.Tensor) -> None:
+        summed.div_(self.world)
+        if self.on_reduced is not None:
+            self.on_reduced(b.group, b.mine[1], b.mine[2])
+
     def before_backward(self) -> None:
         pass
 

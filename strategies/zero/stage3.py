@@ -59,7 +59,7 @@ from torch import nn
 from ..base import ParamShard, ShardReader, StepWrapper
 from ..environment import release_at_exit
 from ..host_memory import free_bytes_per_rank
-from .comm import backend, broadcast_from, least_over_ranks, new_group
+from .comm import backend, broadcast_from, least_over_ranks, new_group, world_size
 from .hooks import Stage3Hooks
 from .layout import build_layout
 from .materialize import PartitionedBuild
@@ -128,7 +128,8 @@ class ZeroStage3(ZeroStrategy):
             for t in [*module.buffers(), *(p for p in module.parameters() if id(p) not in managed)]:
                 t.data = t.data.to(self.device)
         self.model = StepWrapper(module)
-        self.reduce_mode = self.config.resolved_reduce_mode(backend(self.group), even_pieces=True)
+        self.reduce_mode = self.config.resolved_reduce_mode(backend(self.group), world_size(self.group),
+                                                            even_pieces=True)
         options = RuntimeOptions(self.stage3.reshard_after_forward, self.stage3.prefetch_bucket_size,
                                  self.stage3.max_live_parameters, self.reduce_mode, self._reuse_distance())
         self.runtime = Stage3Runtime(self.units, options, self.queue, self.config.torch_reduce_dtype,

@@ -34,7 +34,7 @@ from ..base import PROCESS_GROUP_TIMEOUT_S, ParamShard, ShardReader, Strategy
 from ..host_memory import set_mmap_threshold
 from ..memory import count_bytes
 from ..optimizers import group_indices
-from .comm import all_reduce_sum, backend, broadcast_from
+from .comm import all_reduce_sum, backend, broadcast_from, world_size
 from .config import ZeroSpec
 from .estimate import estimate_model_states, format_bytes
 from .flat_buffer import FlatParamGroup, flatten_group
@@ -135,7 +135,7 @@ class ZeroStrategy(Strategy):
         self.flat_groups: list[FlatParamGroup] = []
         self.sharded: Any = None  # the stepper's optimizer (ShardedOptimizer, or offload's)
         self.grads: GradientShards | None = None
-        self.reduce_mode: str | None = None  # resolved from the backend at setup_optimizer
+        self.reduce_mode: str | None = None  # "auto" resolved at setup_optimizer
         self.queue = InFlightQueue(overlap=self.config.overlap_comm)
         self._sync = True  # False inside no_sync()
         self._logged_after_step = False
@@ -161,7 +161,7 @@ class ZeroStrategy(Strategy):
             self.flat_groups.append(fg)
             masters.append(master)
         self.optimizer = optimizer
-        self.reduce_mode = self.config.resolved_reduce_mode(backend(self.group))
+        self.reduce_mode = self.config.resolved_reduce_mode(backend(self.group), world_size(self.group))
         self.grads = self._build_gradients()
         self._attach_stepper(ShardedOptimizer(optimizer, masters), self._working_partitions())
 

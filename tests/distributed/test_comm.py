@@ -1,7 +1,8 @@
 """ZeRO's collectives on gloo (``strategies/zero/comm.py``), which travel there as per-rank
-broadcasts (all-gather) and one all-to-all plus a rank-order sum (reduce-scatter): on 2 and 3
-ranks, for the world and for a subgroup, they give what ``all_gather_into_tensor`` and
-``reduce_scatter_tensor`` define, exactly."""
+broadcasts (all-gather) and one all-to-all plus a rank-order sum (reduce-scatter, even or with
+uneven pieces): on 2 and 3 ranks, for the world and for a subgroup, they give what
+``all_gather_into_tensor``, ``reduce_scatter_tensor`` and one ``reduce`` per owner define,
+exactly."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -53,6 +54,23 @@ def _collectives():
                 comm.reduce_scatter_sum(inplace[:n], inp, group, scratch=inplace).wait()
                 out[f"rs-inplace-{name}-{dtype}"] = (inplace[:n], want)
 
+                # uneven pieces (ZeRO-1/2's buckets), one rank owning none or all of the buffer
+                for sizes in ([3, 0, 9][:size - 1] + [4], [0] * (size - 1) + [11], [7] + [0] * (size - 1)):
+                    total = sum(sizes)
+                    buf = _values(rank, total, dtype)
+                    lo, k = sum(sizes[:me]), sizes[me]
+                    want = sum(_values(g, total, dtype)[lo:lo + k] for g in members)
+                    rest = buf.clone()
+                    comm.reduce_to_owners(buf, sizes, group).wait()
+                    out[f"owners-{sizes}-{name}-{dtype}"] = (buf[lo:lo + k], want)
+                    # outside my piece the buffer is left as it was
+                    out[f"owners-rest-{sizes}-{name}-{dtype}"] = (torch.cat([buf[:lo], buf[lo + k:]]),
+                                                                  torch.cat([rest[:lo], rest[lo + k:]]))
+                    # the sum may land elsewhere, its scratch beginning there (2 ranks, zero2)
+                    land = torch.full((max(k, comm.owners_scratch(sizes, group)),), float("nan"), dtype=dtype)
+                    comm.reduce_to_owners(rest, sizes, group, out=land[:k], scratch=land).wait()
+                    out[f"owners-out-{sizes}-{name}-{dtype}"] = (land[:k], want)
+
                 mine = _values(rank, n, dtype)
                 full = torch.full((size * n,), float("nan"), dtype=dtype)
                 comm.all_gather_into(full, mine, group).wait()
@@ -79,4 +97,5 @@ def test_gloo_collectives_match_their_definitions(world, tmp_path):
             torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"rank {rank} {case}")
         # reported under their own names, with the collective's message size (fp32, world)
         assert ("reduce_scatter", 4 * world * 5, True) in events and ("all_gather", 4 * world * 5, True) in events
+        assert ("reduce", 4 * 11, True) in events  # uneven: the whole buffer's size
         assert all(done for _, _, done in events), events

@@ -184,15 +184,17 @@ def _equivalence(rank: int, world: int) -> dict:
     for stage in (1, 2):
         for accum in (1, 4):
             for mode in ("all_reduce", "reduce_scatter"):
-                # all_reduce cases: tiny buckets (params cut across buckets and chunks), clipping
-                # inside optimizer_step; reduce_scatter cases: one bucket, explicit clip_grad_norm_
-                small = mode == "all_reduce"
+                # tiny buckets (params cut across buckets and chunks; most buckets lie in one
+                # partition) or one bucket (a piece for every rank): each mode gets both, one
+                # per accumulation. all_reduce clips inside optimizer_step; reduce_scatter
+                # calls clip_grad_norm_ explicitly
+                small = (mode == "all_reduce") == (accum == 1)
                 kw = dict(reduce_mode=mode, reduce_bucket_size=100 if small else 10**7,
                           allgather_bucket_size=60 if small else 10**7)
                 batches = mlp_batches(STEPS, accum)
                 model = MLP(optim)
                 strategy, sched = setup(stage, model, **kw)
-                losses, norms, _ = train(strategy, sched, batches, CLIP, explicit_clip=not small)
+                losses, norms, _ = train(strategy, sched, batches, CLIP, explicit_clip=mode == "reduce_scatter")
                 strategy.teardown()
                 case = {"params": flat(model), "losses": torch.tensor(losses), "norms": torch.tensor(norms)}
                 if rank == 0:

@@ -168,11 +168,13 @@ def test_options_are_validated_with_field_and_value():
     for kwargs, err, match in cases:
         with pytest.raises(err, match=match):
             ZeroStage2(**kwargs)
-    assert ZeroConfig().resolved_reduce_mode("gloo") == "all_reduce"
-    assert ZeroConfig().resolved_reduce_mode("nccl") == "reduce_scatter"
-    # stage 3's units are cut into equal pieces: gloo's all-to-all reduce-scatter pays there
-    assert ZeroConfig().resolved_reduce_mode("gloo", even_pieces=True) == "reduce_scatter"
-    assert ZeroConfig(reduce_mode="all_reduce").resolved_reduce_mode("gloo", even_pieces=True) == "all_reduce"
+    # on gloo an all-to-all that sends each piece to its owner only: every stage on 2 ranks,
+    # stage 3 (even pieces) on more; stages 1/2 beyond 2 ranks keep the all-reduce
+    assert ZeroConfig().resolved_reduce_mode("nccl", 8) == "reduce_scatter"
+    assert ZeroConfig().resolved_reduce_mode("gloo", 2) == "reduce_scatter"
+    assert ZeroConfig().resolved_reduce_mode("gloo", 3) == "all_reduce"
+    assert ZeroConfig().resolved_reduce_mode("gloo", 3, even_pieces=True) == "reduce_scatter"
+    assert ZeroConfig(reduce_mode="all_reduce").resolved_reduce_mode("gloo", 2, even_pieces=True) == "all_reduce"
 
 
 def test_registered_names():

@@ -16,8 +16,8 @@ def test_options_route_to_their_sections():
     spec = ZeroSpec.from_options(3, quantize_weights=True, quantize_gradients=True, quantize_block_size=2048)
     assert spec.stage3.quantize_weights and spec.zero.quantize_gradients
     assert spec.zero.quantize_block_size == 2048
-    assert ZeroStage2(quantize_gradients=True).config.resolved_reduce_mode("gloo") == "quantized"
-    assert ZeroConfig(quantize_gradients=True, reduce_mode="reduce_scatter").resolved_reduce_mode("nccl") == "quantized"
+    assert ZeroStage2(quantize_gradients=True).config.resolved_reduce_mode("gloo", 2) == "quantized"
+    assert ZeroConfig(quantize_gradients=True, reduce_mode="reduce_scatter").resolved_reduce_mode("nccl", 8) == "quantized"
     assert not Stage3Config().quantize_weights and not ZeroConfig().quantize_gradients  # opt-in
 
 
