@@ -8,12 +8,13 @@ single-process semantics, so callers never branch on the world size. All reducti
 ``ReduceOp.AVG`` is unreliable on gloo (pytorch/pytorch#162338); callers divide by the world size.
 Each launch is reported to ``strategies/instrument.py`` (a no-op unless a monitor listens).
 
-On gloo two collectives travel another way, because gloo's own are slow on a 2-core machine
+On gloo three collectives travel another way, because gloo's own are slow on a 2-core machine
 (``bench/comm_bench.py``, 2 ranks, 4-64 MB buffers: ``all_gather_into_tensor`` took 1.3-3.1x as
 long as one broadcast per rank, ``reduce_scatter_tensor`` 2.8-4.5x as long as an all-to-all):
 :func:`all_gather_into` is one in-place broadcast per rank, all in flight together, and
-:func:`reduce_scatter_sum` one ``all_to_all_single`` whose pieces are added, in rank order, when
-the handle is waited. Both are reported under their own names and message sizes.
+:func:`reduce_scatter_sum` (even pieces, ZeRO-3's units) and :func:`reduce_to_owners` (uneven
+pieces, ZeRO-1/2's buckets) one ``all_to_all_single`` whose pieces are added, in rank order, when
+the handle is waited. All are reported under their own names and message sizes.
 """
 from __future__ import annotations
 
