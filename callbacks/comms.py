@@ -17,8 +17,9 @@ are lower bounds. On CUDA the completion is when the host learns of it.
 What each strategy moves per optimizer step (Psi: trainable elements; ``expected_step_bytes``):
 
 * ddp: all_reduce Psi x gradient bytes (the reducer's buckets; ``no_sync`` micro-batches none);
-* zero1 / zero2: the gradient buckets, Psi x reduce bytes, as all_reduce (gloo) or as reduce to
-  each owner (``reduce_mode=reduce_scatter``), once per step in zero1, every micro-batch in zero2;
+* zero1 / zero2: the gradient buckets, Psi x reduce bytes, as reduce to each owner (the default
+  ``reduce_scatter``; ``all_reduce`` on gloo beyond 2 ranks or when asked), once per step in
+  zero1, every micro-batch in zero2;
   then the parameter refresh: the padded layout (Psi rounded up to the world size) x working
   bytes, as one broadcast per rank on gloo, else all_gather;
 * zero3, per micro-batch: all_gather of the root unit once and of every other sharded unit in
@@ -34,7 +35,8 @@ What each strategy moves per optimizer step (Psi: trainable elements; ``expected
   working bytes over the node's ranks, nothing at all with one rank per node.
 
 In the ZeRO paper's units an all-reduce of S bytes moves 2S(n-1)/n per rank (reduce-scatter plus
-all-gather), so zero1/2 on gloo move 2Psi + Psi ("2Psi reduce + Psi gather"), and ddp 2Psi.
+all-gather), so zero1/2 all-reducing move 2Psi + Psi ("2Psi reduce + Psi gather") and ddp 2Psi;
+a reduce to the owners moves Psi, as a reduce-scatter does, so zero1/2 by default move Psi + Psi.
 The per-step table shows both the message bytes and these bus bytes.
 """
 from __future__ import annotations

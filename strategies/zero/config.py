@@ -81,7 +81,7 @@ class ZeroConfig:
         in one rank's partition, so it goes one way with half an all-reduce's bytes; stage 3's
         units are cut evenly (``even_pieces``), so theirs go both ways at once. Stages 1 and 2
         keep all_reduce on gloo beyond 2 ranks, where a bucket's owner would receive every
-        rank's copy of it at once (up to ``world - 1`` buckets of scratch).
+        rank's copy of it at once (a scratch of ``world`` times its piece).
         ``quantize_gradients`` makes it "quantized" (an int8 all-to-all), whatever
         ``reduce_mode`` says."""
         if self.quantize_gradients:

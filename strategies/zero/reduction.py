@@ -10,12 +10,14 @@ no gradient (a complete bucket whose predecessor is still filling waits for it).
 reduction is filed in the in-flight layer (``inflight.Work.BUCKETS``) and lands while backward goes
 on; ``flush()`` launches what is left and waits for all.
 
-``reduce_mode``: ``all_reduce`` all-reduces a bucket; ``reduce_scatter`` (the default) cuts it at
-partition boundaries and sums each piece onto its owner only (a flat bucket's pieces are uneven, so
-this is the reduce-scatter that fits the contiguous layout: ``comm.reduce_to_owners``, on gloo one
-all-to-all that sends each piece only to its owner, on NCCL one ``reduce`` per owner). A bucket
-mostly lies in one partition, so its bytes go one way: half what an all-reduce moves. Stage 2 lands
-the sum straight in its gradient partition while that is zeros (the first micro-batch);
+``reduce_mode``: ``all_reduce`` all-reduces a bucket; ``reduce_scatter`` (what "auto" picks except
+on gloo beyond 2 ranks, ``ZeroConfig.resolved_reduce_mode``) cuts it at partition boundaries and
+sums each piece onto its owner only (a flat bucket's pieces are uneven, so this is the
+reduce-scatter that fits the contiguous layout: ``comm.reduce_to_owners``, on gloo one all-to-all
+that sends each piece only to its owner, into a scratch buffer of the received copies, on NCCL one
+``reduce`` per owner). A bucket mostly lies in one partition, so its bytes go one way: half what
+an all-reduce moves. Stage 2 lands the sum straight in its gradient partition while that is zeros
+(the first micro-batch; with 2 ranks on gloo the partition is the scratch);
 ``quantized`` (ZeRO++ qgZ, ``quantize_gradients``; stage 2 only) sends each owner its piece as
 block-wise int8 in one all-to-all, and the owner sums the pieces in fp32 (``quantized.py``).
 """
@@ -98,9 +100,7 @@ class BucketedReduction:
         self._next = 0  # first bucket not launched in this backward
         device = self.flat_groups[0].flat.device if self.flat_groups else torch.device("cpu")
         self.sizes = {id(b): [n for _, n in self._pieces(b)] for b in buckets}
-        # a pooled buffer holds a bucket, or the scratch a reduce-scatter receives into
-        scratch = [owners_scratch(self.sizes[id(b)], group) for b in buckets] if reduce_mode == "reduce_scatter" else []
-        self.pool = BufferPool(max([b.flat.numel for b in buckets] + scratch or [1]), reduce_dtype, device)
+        self.pool = BufferPool(max([b.flat.numel for b in buckets] or [1]), reduce_dtype, device)
         self._hooks = GradientHooks([(bi, i, self.flat_groups[b.group].params[i])
                                      for bi, b in enumerate(buckets) for i in b.slots], self._grad_ready)
 
@@ -169,10 +169,9 @@ class BucketedReduction:
             land = self._landing(b) if b.clean else None
             if land is not None and need > land.numel():
                 land = None
-            scratch = land
-            if land is None and need:
-                scratch = self.pool.acquire(need)
-                release.append(scratch)
+            # the received pieces: exactly sized and freed once summed (a pooled buffer would keep
+            # a whole bucket per reduction in flight for the rest of the run)
+            scratch = land if land is not None or not need else torch.empty(need, dtype=buf.dtype, device=buf.device)
             handles = (reduce_to_owners(buf, sizes, self.group, out=land, scratch=scratch),)
             keep = () if scratch is None else (scratch,)
 

@@ -6,7 +6,8 @@ strictly in plan order, ``overlap_comm``); here, as soon as autograd has a param
 it is copied (cast to ``reduce_dtype``) into its pooled bucket buffer and ``p.grad`` is freed.
 
 The arriving piece is added, divided by the world size, into this rank's gradient partition: one
-contiguous ``reduce_dtype`` buffer per group. Micro-batches accumulate there (every micro-batch is
+contiguous ``reduce_dtype`` buffer per group (a reduce-scatter lands there directly while that part
+of the partition is zeros: ``BucketedReduction._landing``). Micro-batches accumulate there (every micro-batch is
 reduced, as in DeepSpeed, so ``no_sync()`` is a null context). The strategy's ``backward()`` ends by
 flushing incomplete buckets (parameters that got no gradient contribute zeros) and waiting for all.
 
