@@ -18,6 +18,7 @@ the handle is waited. All are reported under their own names and message sizes.
 """
 from __future__ import annotations
 
+import itertools
 from typing import Callable, Protocol, Sequence
 
 import torch
@@ -145,8 +146,8 @@ def reduce_to_owners(buf: torch.Tensor, sizes: Sequence[int], group: object = No
     begin at ``out``), summed in rank order when waited. Elsewhere one ``reduce`` per owner."""
     world = world_size(group)
     me = dist.get_rank(group) if world > 1 else 0
-    lo = sum(sizes[:me])
-    mine = buf[lo:lo + sizes[me]]
+    bounds = _bounds(sizes)
+    mine, whole = buf[bounds[me]:bounds[me + 1]], buf[:bounds[-1]]
     if world == 1:
         if out is not None:
             out.copy_(mine)
@@ -155,13 +156,17 @@ def reduce_to_owners(buf: torch.Tensor, sizes: Sequence[int], group: object = No
     if backend(group) == "gloo":
         if scratch is None:
             scratch = torch.empty(owners_scratch(sizes, group), dtype=buf.dtype, device=buf.device)
-        work = _gloo_sum_pieces(mine if out is None else out, buf[:sum(sizes)], sizes, group, scratch)
+        work = _gloo_sum_pieces(mine if out is None else out, whole, sizes, group, scratch)
     else:
-        offsets = [sum(sizes[:r]) for r in range(world)]
-        works = [dist.reduce(buf[offsets[r]:offsets[r] + sizes[r]], dst=global_rank(group, r), op=SUM, group=group,
+        works = [dist.reduce(buf[bounds[r]:bounds[r + 1]], dst=global_rank(group, r), op=SUM, group=group,
                              async_op=True) for r in range(world) if sizes[r]]
         work = Joined(works, None if out is None else lambda: out.copy_(mine))
-    return instrument.issued("reduce", work, group, buf[:sum(sizes)])
+    return instrument.issued("reduce", work, group, whole)
+
+
+def _bounds(sizes: Sequence[int]) -> list[int]:
+    """Where each rank's piece begins, and the end of the last: piece r is ``[b[r], b[r + 1])``."""
+    return [0, *itertools.accumulate(sizes)]
 
 
 def _gloo_sum_pieces(out: torch.Tensor, inp: torch.Tensor, sizes: Sequence[int], group: object,
@@ -169,16 +174,15 @@ def _gloo_sum_pieces(out: torch.Tensor, inp: torch.Tensor, sizes: Sequence[int],
     """gloo's reduce-scatter: ``out`` = the sum over ranks of their ``inp`` piece of mine (pieces
     of ``sizes``, in rank order), through one all-to-all into ``scratch`` and a rank-order sum."""
     world, me = world_size(group), dist.get_rank(group)
-    n = sizes[me]
-    offsets = [sum(sizes[:r]) for r in range(world)]
-    mine = inp[offsets[me]:offsets[me] + n]
+    n, bounds = sizes[me], _bounds(sizes)
+    mine = inp[bounds[me]:bounds[me + 1]]
     if world == 2:
         other = 1 - me
         got = scratch[:n]
         splits_in, splits_out = [0, 0], [0, 0]
         splits_in[other], splits_out[other] = sizes[other], n  # send the other its piece, receive mine
-        work = dist.all_to_all_single(got, inp[offsets[other]:offsets[other] + sizes[other]], splits_out,
-                                      splits_in, group=group, async_op=True)
+        work = dist.all_to_all_single(got, inp[bounds[other]:bounds[other + 1]], splits_out, splits_in,
+                                      group=group, async_op=True)
         pieces = [mine, got] if me == 0 else [got, mine]
     else:
         got = scratch[:world * n]

@@ -99,7 +99,6 @@ class BucketedReduction:
         self.buckets = buckets
         self._next = 0  # first bucket not launched in this backward
         device = self.flat_groups[0].flat.device if self.flat_groups else torch.device("cpu")
-        self.sizes = {id(b): [n for _, n in self._pieces(b)] for b in buckets}
         self.pool = BufferPool(max([b.flat.numel for b in buckets] or [1]), reduce_dtype, device)
         self._hooks = GradientHooks([(bi, i, self.flat_groups[b.group].params[i])
                                      for bi, b in enumerate(buckets) for i in b.slots], self._grad_ready)
@@ -164,7 +163,7 @@ class BucketedReduction:
         elif self.reduce_mode == "quantized":
             handles, keep, summed = self.quant.reduce(buf, self._pieces(b), self.rank, self.group)
         else:  # on gloo one all-to-all, each piece to its owner only (comm.reduce_to_owners)
-            sizes = self.sizes[id(b)]
+            sizes = [n for _, n in self._pieces(b)]
             need = owners_scratch(sizes, self.group)
             land = self._landing(b) if b.clean else None
             if land is not None and need > land.numel():

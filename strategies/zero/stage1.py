@@ -6,12 +6,13 @@ accumulates micro-batches in place. Inside ``no_sync()`` nothing is communicated
 backward of the synchronising micro-batch the buffer is reduced bucket by bucket as the buckets
 become ready - the machinery stage 2 uses too (:class:`~.reduction.BucketedReduction`: buckets
 planned once, post-accumulate-grad hooks, launched strictly in plan order), overlapping
-communication with the rest of backward. A bucket is all-reduced in place in the gradient buffer when ``reduce_dtype`` is
-the working dtype (else through a pooled ``reduce_dtype`` copy); ``reduce_scatter`` mode sums each
-partition's piece onto its owner only (on gloo the received copies go to a scratch buffer freed once
-summed). Each rank keeps its own slice of the result, averaged; the rest of the buffer holds partial
-sums (all_reduce) or this rank's own gradients (reduce_scatter) and must not be read (``p.grad`` is only valid inside this
-rank's partition after a synchronising backward).
+communication with the rest of backward. A bucket is all-reduced in place in the gradient buffer
+when ``reduce_dtype`` is the working dtype (else through a pooled ``reduce_dtype`` copy);
+``reduce_scatter`` mode sums each partition's piece onto its owner only (on gloo the received
+copies go to a scratch buffer freed once summed). Each rank keeps its own slice of the result,
+averaged; the rest of the buffer holds partial sums (all_reduce) or this rank's own gradients
+(reduce_scatter) and must not be read (``p.grad`` is only valid inside this rank's partition after
+a synchronising backward).
 
 Memory per rank: 2Psi (params) + 2Psi (grads) + 12Psi/N (master + Adam) in bf16-mixed.
 """

@@ -7,9 +7,10 @@ it is copied (cast to ``reduce_dtype``) into its pooled bucket buffer and ``p.gr
 
 The arriving piece is added, divided by the world size, into this rank's gradient partition: one
 contiguous ``reduce_dtype`` buffer per group (a reduce-scatter lands there directly while that part
-of the partition is zeros: ``BucketedReduction._landing``). Micro-batches accumulate there (every micro-batch is
-reduced, as in DeepSpeed, so ``no_sync()`` is a null context). The strategy's ``backward()`` ends by
-flushing incomplete buckets (parameters that got no gradient contribute zeros) and waiting for all.
+of the partition is zeros: ``BucketedReduction._landing``). Micro-batches accumulate there (every
+micro-batch is reduced, as in DeepSpeed, so ``no_sync()`` is a null context). The strategy's
+``backward()`` ends by flushing incomplete buckets (parameters that got no gradient contribute
+zeros) and waiting for all.
 
 Memory per rank: 2Psi (params) + 2Psi/N (grads, reduce_dtype="bf16") + 12Psi/N (master + Adam), plus
 the pooled bucket buffers. With the default fp32 reduction the gradient partition is 4Psi/N.

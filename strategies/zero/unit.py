@@ -324,12 +324,10 @@ class Unit:
 
         def add_mine() -> None:
             reduced = (mine if summed is None else summed()).div_(world)
-            if direct:
-                pass  # the sum landed in ``grad``
-            elif self.grad_sink is None:
-                self.grad.add_(reduced)
-            else:
+            if self.grad_sink is not None:
                 self.grad_sink(self, reduced)
+            elif not direct:  # direct: the sum landed in ``grad`` itself
+                self.grad.add_(reduced)
             pool.release(space)
 
         queue.push(InFlight(handles, (space, *keep), add_mine, f"zero3 reduce {self.name or 'root'}"))
