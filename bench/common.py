@@ -140,6 +140,11 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def minor_faults() -> int:
+    """Minor page faults this process took so far."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def current_rss_bytes() -> int:
     try:
         with open("/proc/self/statm") as f:
@@ -157,7 +162,9 @@ class Record:
     training step costs: data, forward, backward, communication, optimizer, hooks.
     ``rss_base`` is the peak RSS once the system's libraries are imported, before the process
     group, the model and the optimizer exist; ``rss_setup`` after model and optimizer set-up;
-    ``rss_peak`` at the end.
+    ``rss_peak`` at the end. ``step_faults[i]``: the minor page faults (a page touched for the first
+    time: the kernel zeroes it) this rank took in step ``i``, a cost that step times on a shared
+    machine hide in their noise.
     """
 
     system: str
@@ -169,10 +176,12 @@ class Record:
     rss_setup: int = 0
     rss_peak: int = 0
     step_times: list[float] = field(default_factory=list)
+    step_faults: list[int] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
     #: pipeline only: each step's schedule on this stage (``compute_s``, ``comm_s``, ``wall_s``)
     schedule: list[dict] = field(default_factory=list)
     _last: float = 0.0
+    _faults: int = 0
 
     def baseline(self) -> None:
         self.rss_base = peak_rss_bytes()
@@ -183,12 +192,16 @@ class Record:
 
     def start(self) -> None:
         self._last = time.perf_counter()
+        self._faults = minor_faults()
 
     def step_end(self, loss: torch.Tensor) -> None:
         now = time.perf_counter()
         self.step_times.append(now - self._last)
         self._last = now
         self.losses.append(float(loss.detach().float()))
+        faults = minor_faults()
+        self.step_faults.append(faults - self._faults)
+        self._faults = faults
 
     def write(self, directory: str) -> None:
         self.rss_peak = peak_rss_bytes()

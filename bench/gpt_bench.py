@@ -87,18 +87,20 @@ ZT_STRATEGY = {"zt_ddp": "ddp", "zt_zero1": "zero1", "zt_zero2": "zero2", "zt_ze
                "zt_zero3_reuse": "zero3", "zt_zero3_lean": "zero3", "zt_zero3_glibc": "zero3",
                "zt_zero2_glibc": "zero2", "zt_zero1_ovl": "zero1", "zt_zero2_ovl": "zero2",
                "zt_zero1_rs": "zero1", "zt_zero2_rs": "zero2", "zt_zero1_ar": "zero1", "zt_zero2_ar": "zero2",
-               "zt_zero3_rs": "zero3", "zt_zero3_ar": "zero3"}
+               "zt_zero3_rs": "zero3", "zt_zero3_ar": "zero3", "zt_zero3_qwqg": "zero3"}
 #: systems under a configured strategy rather than the name's defaults (only when named):
 #: ``_reuse`` keeps half the model gathered from forward to backward, ``_lean`` none (the
 #: default "auto" keeps what a quarter of the free memory holds), ``_glibc`` leaves glibc's
 #: sliding mmap threshold, ``_ovl`` overlaps the post-step all-gathers with the next forward,
-#: ``_rs`` / ``_ar`` reduce gradients by reduce-scatter (on gloo an all-to-all) / all-reduce
+#: ``_rs`` / ``_ar`` reduce gradients by reduce-scatter (on gloo an all-to-all) / all-reduce,
+#: ``_qwqg`` is ZeRO++ (int8 weight gathers and gradient reductions; losses then differ slightly)
 ZT_OPTIONS = {"zt_zero3_reuse": lambda spec: {"max_reuse_distance": spec.num_params() // 2},
               "zt_zero3_lean": lambda spec: {"max_reuse_distance": 0},
               "zt_zero3_glibc": lambda spec: {"host_mmap_threshold": 0},
               "zt_zero2_glibc": lambda spec: {"host_mmap_threshold": 0},
               "zt_zero1_ovl": lambda spec: {"overlap_param_gather": True},
               "zt_zero2_ovl": lambda spec: {"overlap_param_gather": True},
+              "zt_zero3_qwqg": lambda spec: {"quantize_weights": True, "quantize_gradients": True},
               **{f"zt_zero{k}_{m}": (lambda spec, mode=mode: {"reduce_mode": mode})
                  for k in (1, 2, 3) for m, mode in (("rs", "reduce_scatter"), ("ar", "all_reduce"))}}
 
@@ -361,6 +363,8 @@ class RunSummary:
     rss_peak: int
     rss_delta: int
     losses: list[float]
+    #: the median over timed steps of the largest rank's minor page faults per step
+    faults: float
     optimizer: str
     threads: int
     exit_note: str = ""
@@ -374,6 +378,8 @@ def summarise_run(records: list[dict], warmup: int) -> RunSummary:
     losses = [statistics.fmean(r["losses"][i] for r in records) for i in range(n)]
     return RunSummary(step_s=max(medians), rss_peak=max(r["rss_peak"] for r in records),
                       rss_delta=max(r["rss_peak"] - r["rss_base"] for r in records), losses=losses,
+                      faults=statistics.median(max(f) for f in zip(*(r["step_faults"][warmup:] for r in records)))
+                      if all(r.get("step_faults") for r in records) else float("nan"),
                       optimizer=records[0]["optimizer"], threads=max(r["threads"] for r in records),
                       stages=stage_breakdown(records, warmup))
 
@@ -538,8 +544,8 @@ def render(args: argparse.Namespace, results: dict[str, list[RunSummary]], skipp
     base_name = "ddp" if "ddp" in step else next(iter(step), None)
     base = results[base_name][0].losses if base_name else []
     lines = [f"| system | median step (s) | x {base_name} | spread | tokens/s | peak RSS/rank (GB) "
-             f"| dRSS (GB) | loss first | loss last | max abs dloss vs {base_name} |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             f"| dRSS (GB) | faults/step (k) | loss first | loss last | max abs dloss vs {base_name} |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for s, runs in results.items():
         if not runs:
             continue
@@ -549,8 +555,9 @@ def render(args: argparse.Namespace, results: dict[str, list[RunSummary]], skipp
         first = runs[0]
         rss = statistics.median(r.rss_peak for r in runs)
         drss = statistics.median(r.rss_delta for r in runs)
+        faults = statistics.median(r.faults for r in runs) / 1e3
         lines.append(f"| {s} | {t:.4f} | {t / step[base_name]:.2f} | {spread} | {tokens / t:,.0f} | {_gb(rss)} "
-                     f"| {_gb(drss)} | {first.losses[0]:.6f} | {first.losses[-1]:.6f} "
+                     f"| {_gb(drss)} | {faults:.0f} | {first.losses[0]:.6f} | {first.losses[-1]:.6f} "
                      f"| {max_abs_diff(first.losses, base):.2e} |")
         drift = max(max_abs_diff(r.losses, first.losses) for r in runs)
         if drift > 0:

@@ -11,17 +11,21 @@ one fp32 scale per ``block_size`` elements, so 1 + 4/block bytes per element).
   which it dequantizes and sums in fp32, in rank order.
 
 Both return what the in-flight layer (``inflight.py``) files: the handles, the buffers to keep
-alive until they are waited, and the work to do on arrival.
+alive until they are waited, and the work to do on arrival. The int8 codes, the scales and the
+dequantized pieces come from :attr:`Quantization.pool` and go back to it in that work, so a step
+allocates (and page-faults) none of them afresh; qgZ's sum goes where the caller says (zero3: the
+gradient partition itself while it is zeros; zero2: this rank's piece of an fp32 bucket).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
 
 import torch
 
 from ...ops.quantize import dequantize_blockwise, num_blocks, quantize_blockwise
 from .comm import Handle, all_gather_into, all_to_all, world_size
+from .hostmem import SizedPool
 
 Launched = tuple[tuple[Handle, ...], tuple[torch.Tensor, ...], Callable[[], torch.Tensor]]
 
@@ -34,52 +38,64 @@ class Quantization:
     weights: bool = False
     gradients: bool = False
     block_size: int = 256
+    #: the int8 codes, scales and dequantized pieces of the collectives in flight, kept for the
+    #: next collective of the same shape (one pool per strategy; not part of the options)
+    pool: SizedPool = field(default_factory=SizedPool, compare=False, repr=False)
 
     def gather(self, full: torch.Tensor, mine: torch.Tensor, group: object = None) -> Launched:
         """Launch qwZ: ``full`` (``world`` equal pieces, rank order) receives every rank's ``mine``
         through int8; the returned work dequantizes into ``full`` and returns it."""
-        part, block = mine.numel(), self.block_size
+        part, block, pool, dev = mine.numel(), self.block_size, self.pool, mine.device
         world = world_size(group)
         nb = num_blocks(part, block)
-        q_mine, s_mine = quantize_blockwise(mine, block)
-        q_all = torch.empty(world * part, dtype=torch.int8, device=mine.device)
-        s_all = torch.empty(world * nb, dtype=torch.float32, device=mine.device)
+        q_mine, s_mine = quantize_blockwise(mine, block, q=pool.take(part, torch.int8, dev),
+                                            scales=pool.take(nb, torch.float32, dev))
+        q_all, s_all = pool.take(world * part, torch.int8, dev), pool.take(world * nb, torch.float32, dev)
         handles = (all_gather_into(q_all, q_mine, group), all_gather_into(s_all, s_mine, group))
 
         def arrive() -> torch.Tensor:
             for r in range(world):
                 dequantize_blockwise(q_all[r * part:(r + 1) * part], s_all[r * nb:(r + 1) * nb], block,
                                      out=full[r * part:(r + 1) * part])
+            pool.give(q_mine, s_mine, q_all, s_all)
             return full
 
         return handles, (q_mine, s_mine, q_all, s_all), arrive
 
     def reduce(self, flat: torch.Tensor, pieces: Sequence[tuple[int, int]], rank: int,
-               group: object = None) -> Launched:
+               group: object = None, out: Optional[torch.Tensor] = None) -> Launched:
         """Launch qgZ: ``pieces[r]`` = (offset, numel) of rank r's piece of ``flat`` (in rank
         order; numel 0 for a rank that owns none). The returned work gives the sum over ranks of
-        this rank's piece, in fp32."""
-        block, world = self.block_size, len(pieces)
+        this rank's piece, in fp32: in ``out`` (fp32, that piece's size; it may be ``flat``'s own
+        piece, which is read only here, at launch), else in a new tensor. Call the work once the
+        handles completed, also on a rank that owns nothing: it gives the pooled buffers back."""
+        block, world, pool, dev = self.block_size, len(pieces), self.pool, flat.device
         sizes = [n for _, n in pieces]
         blocks = [num_blocks(n, block) for n in sizes]
-        q_in = torch.empty(sum(sizes), dtype=torch.int8, device=flat.device)
-        s_in = torch.empty(sum(blocks), dtype=torch.float32, device=flat.device)
+        m, mb = sizes[rank], blocks[rank]
+        if out is not None and (out.dtype != torch.float32 or out.numel() != m):
+            raise ValueError(f"qgZ: out has {out.numel()} {out.dtype} elements; valid: {m} torch.float32")
+        q_in, s_in = pool.take(sum(sizes), torch.int8, dev), pool.take(sum(blocks), torch.float32, dev)
         qo = so = 0
         for (off, n), nb in zip(pieces, blocks):
             quantize_blockwise(flat[off:off + n], block, q=q_in[qo:qo + n], scales=s_in[so:so + nb])
             qo, so = qo + n, so + nb
-        m, mb = sizes[rank], blocks[rank]
-        q_out = torch.empty(world * m, dtype=torch.int8, device=flat.device)
-        s_out = torch.empty(world * mb, dtype=torch.float32, device=flat.device)
+        q_out, s_out = pool.take(world * m, torch.int8, dev), pool.take(world * mb, torch.float32, dev)
         handles = (all_to_all(q_out, q_in, [m] * world, sizes, group),
                    all_to_all(s_out, s_in, [mb] * world, blocks, group))
 
         def arrive() -> torch.Tensor:
-            total = torch.zeros(m, dtype=torch.float32, device=flat.device)
-            one = torch.empty_like(total)
-            for r in range(world):
-                total.add_(dequantize_blockwise(q_out[r * m:(r + 1) * m], s_out[r * mb:(r + 1) * mb], block,
-                                                out=one))
+            # rank 0's copy straight into the sum, the others added in rank order through one
+            # pooled piece (bit for bit the sum 0 + x0 + x1 + ... in fp32)
+            total = torch.empty(m, dtype=torch.float32, device=dev) if out is None else out
+            dequantize_blockwise(q_out[:m], s_out[:mb], block, out=total)
+            if world > 1:
+                one = pool.take(m, torch.float32, dev)
+                for r in range(1, world):
+                    total.add_(dequantize_blockwise(q_out[r * m:(r + 1) * m], s_out[r * mb:(r + 1) * mb], block,
+                                                    out=one))
+                pool.give(one)
+            pool.give(q_in, s_in, q_out, s_out)
             return total
 
         return handles, (q_in, s_in, q_out, s_out), arrive

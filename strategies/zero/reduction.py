@@ -32,6 +32,7 @@ from torch import nn
 from .comm import BufferPool, all_reduce_sum, owners_scratch, reduce_to_owners
 from .flat_buffer import FlatParamGroup
 from .hooks import GradientHooks
+from .hostmem import advise_huge_pages
 from .inflight import InFlight, InFlightQueue, Work
 from .layout import FlatBucket, Run, flat_buckets, intersect, owner_runs
 from .quantized import Quantization
@@ -160,8 +161,9 @@ class BucketedReduction:
         release = [buf] if pooled else []  # pooled buffers, given back once the reduction landed
         if self.reduce_mode == "all_reduce":
             handles = (all_reduce_sum(buf, self.group),)
-        elif self.reduce_mode == "quantized":
-            handles, keep, summed = self.quant.reduce(buf, self._pieces(b), self.rank, self.group)
+        elif self.reduce_mode == "quantized":  # the fp32 sum lands in my piece of an fp32 bucket
+            out = buf[b.mine[0]:b.mine[0] + b.mine[2]] if b.mine is not None and buf.dtype == torch.float32 else None
+            handles, keep, summed = self.quant.reduce(buf, self._pieces(b), self.rank, self.group, out=out)
         else:  # on gloo one all-to-all, each piece to its owner only (comm.reduce_to_owners)
             sizes = [n for _, n in self._pieces(b)]
             need = owners_scratch(sizes, self.group)
@@ -170,13 +172,19 @@ class BucketedReduction:
                 land = None
             # the received pieces: exactly sized and freed once summed (a pooled buffer would keep
             # a whole bucket per reduction in flight for the rest of the run)
-            scratch = land if land is not None or not need else torch.empty(need, dtype=buf.dtype, device=buf.device)
+            if land is not None or not need:
+                scratch = land
+            else:
+                scratch = torch.empty(need, dtype=buf.dtype, device=buf.device)
+                advise_huge_pages(scratch)
             handles = (reduce_to_owners(buf, sizes, self.group, out=land, scratch=scratch),)
             keep = () if scratch is None else (scratch,)
 
         def done() -> None:
-            if summed is not None and b.mine is not None:  # qgZ: my piece, summed in fp32
-                buf[b.mine[0]:b.mine[0] + b.mine[2]].copy_(summed())
+            if summed is not None:  # qgZ (also where I own nothing: it gives its buffers back)
+                got = summed()
+                if b.mine is not None and got.data_ptr() != buf[b.mine[0]:].data_ptr():
+                    buf[b.mine[0]:b.mine[0] + b.mine[2]].copy_(got)
             if land is not None:
                 self._landed(b, land)
             else:
@@ -222,8 +230,9 @@ class BucketedReduction:
         return list(self.kept)
 
     def comm_buffers(self) -> list[torch.Tensor]:
-        return list(self.pool.buffers)
+        return list(self.pool.buffers) + self.quant.pool.buffers()
 
     def remove_hooks(self) -> None:
         self._hooks.remove()
         self.pool.clear()
+        self.quant.pool.clear()

@@ -89,6 +89,7 @@ class ZeroStage3(ZeroStrategy):
         self.runtime: Stage3Runtime | None = None
         self.hooks: Stage3Hooks | None = None
         self._build: PartitionedBuild | None = None
+        self._quant: Quantization | None = None
         #: (unit, run, master view): what the optimizer steps, in its order
         self._runs: list[tuple[Unit, Any, torch.Tensor]] = []
         self._group_of: dict[int, int] = {}  # id(param) -> optimizer param group
@@ -204,9 +205,12 @@ class ZeroStage3(ZeroStrategy):
             u.node_group = None
 
     def _quantization(self) -> Quantization:
-        """ZeRO++'s options as the units use them (``quantized.py``)."""
-        return Quantization(self.stage3.quantize_weights, self.config.quantize_gradients,
-                            self.config.quantize_block_size)
+        """ZeRO++'s options as the units use them (``quantized.py``): one instance, so that every
+        unit's collectives share one pool of int8 buffers."""
+        if self._quant is None:
+            self._quant = Quantization(self.stage3.quantize_weights, self.config.quantize_gradients,
+                                       self.config.quantize_block_size)
+        return self._quant
 
     def _scope_modules(self) -> list[nn.Module]:
         """The TrainModule and every module holding a root-unit parameter, with their ancestors:

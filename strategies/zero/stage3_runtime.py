@@ -332,12 +332,15 @@ class Stage3Runtime:
         return [u.grad for u in self.units]
 
     def comm_buffers(self) -> list[torch.Tensor]:
-        return list(self.pool.buffers)
+        pools = {id(u.quant.pool): u.quant.pool for u in self.units}  # ZeRO++'s int8 buffers
+        return list(self.pool.buffers) + [t for p in pools.values() for t in p.buffers()]
 
     def close(self) -> None:
         self.queue.wait_all()
         self.free_all()
         self.pool.clear()
+        for u in self.units:
+            u.quant.pool.clear()
 
 
 def reuse_distances(units: Sequence[Unit], fwd_order: list[int], bwd_order: list[int]) -> dict[int, int]:

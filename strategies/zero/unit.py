@@ -36,6 +36,7 @@ from torch import nn
 
 from .comm import (BufferPool, all_gather_into, all_reduce_sum, gather_to, reduce_scatter_scratch,
                    reduce_scatter_sum)
+from .hostmem import advise_huge_pages
 from .inflight import InFlight, InFlightQueue
 from .layout import GroupLayout
 from .quantized import Quantization, exact_gather
@@ -171,6 +172,7 @@ class Unit:
         if self.state is not ShardState.SHARDED:
             return False
         self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
+        advise_huge_pages(self.full)  # gathered afresh every step: 2 MiB faults (hostmem.py)
         if secondary and self.secondary_valid:
             handles, keep, arrive = exact_gather(self.full, self.secondary, self.node_group)
         else:
@@ -184,6 +186,7 @@ class Unit:
             if self.secondary is not None and not self.secondary_valid:
                 sec = self.secondary
                 sec.untyped_storage().resize_(sec.numel() * sec.element_size())
+                advise_huge_pages(sec)
                 sec.copy_(self.full[slice(*self._secondary_range)])
                 self.secondary_valid = True
             self._landed()
@@ -288,13 +291,14 @@ class Unit:
         ``mode``: ``all_reduce``, ``reduce_scatter`` (on gloo an all-to-all,
         ``comm.reduce_scatter_sum``) or ``quantized`` (qgZ: every rank's int8 copy of my
         partition through an all-to-all, summed here in fp32). A reduce-scatter whose scratch
-        fits one partition (2 ranks on gloo, or none needed) lands in ``grad`` itself while
-        ``grad_clean``: the pool's tail is not touched and no add follows."""
+        fits one partition (2 ranks on gloo, or none needed), and qgZ's fp32 sum, land in ``grad``
+        itself while ``grad_clean``: the pool's tail is not touched and no add follows."""
         layout, world = self.layout, self.layout.world_size
         n, part = layout.padded_numel, self.hi - self.lo
         # into ``grad`` itself while it is zeros: no pooled piece to land in, no add afterwards
-        direct = (mode == "reduce_scatter" and self.grad_clean and self.grad_sink is None
-                  and self.grad.dtype == pool.dtype and reduce_scatter_scratch(n, group) <= part)
+        direct = (self.grad_clean and self.grad_sink is None and self.grad.dtype == pool.dtype
+                  and (mode == "reduce_scatter" and reduce_scatter_scratch(n, group) <= part
+                       or mode == "quantized" and self.grad.dtype == torch.float32))
         space = pool.acquire(n + (0 if direct else self.reduce_space(mode, group)))
         flat = space[:n]
         for p, span in zip(self.params, layout.spans):
@@ -307,7 +311,7 @@ class Unit:
         flat[layout.numel:].zero_()
         keep: tuple[torch.Tensor, ...] = ()
         mine = summed = None  # summed: qgZ's work that sums my partition on arrival
-        if direct:
+        if direct and mode == "reduce_scatter":
             mine = self.grad
             handles = (reduce_scatter_sum(mine, flat, group, scratch=mine),)
         elif mode == "all_reduce":
@@ -317,7 +321,8 @@ class Unit:
             handles = (reduce_scatter_sum(mine, flat, group, scratch=space[n:]),)
         elif mode == "quantized":
             pieces = [(lo, hi - lo) for lo, hi in map(layout.partition_range, range(world))]
-            handles, keep, summed = self.quant.reduce(flat, pieces, self.rank, group)
+            handles, keep, summed = self.quant.reduce(flat, pieces, self.rank, group,
+                                                      out=self.grad if direct else None)
         else:
             raise ValueError(f"reduce mode {mode!r}; valid choices: all_reduce, reduce_scatter, quantized")
         self.grad_clean = False

@@ -43,11 +43,12 @@ def _fit(strategy: str, options: dict, corpus: str) -> dict:
 
     class Losses(Callback):
         def __init__(self):
-            self.values = []
+            self.values, self.buffers = [], []
 
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
             loss = outputs["loss"] if isinstance(outputs, dict) else outputs
             self.values.append(float(loss))
+            self.buffers.append(len(trainer.strategy.memory_tensors()["comm_buffers"]))
 
     torch.manual_seed(0)
     config = GPTConfig(block_size=16, n_layer=2, n_head=2, n_embd=32)
@@ -59,7 +60,7 @@ def _fit(strategy: str, options: dict, corpus: str) -> dict:
                       logger=False, enable_checkpointing=False, enable_progress_bar=False,
                       enable_model_summary=False, seed=0)
     trainer.fit(module)
-    return {"losses": losses.values, "expected": comms.expected, "expected_first": comms.expected_first,
+    return {"losses": losses.values, "buffers": losses.buffers, "expected": comms.expected, "expected_first": comms.expected_first,
             "step_bytes": {int(k): v for k, v in comms.step_bytes.items()},
             "gather_groups": sorted({row["group_size"] for row in comms.summary if row["op"] == "all_gather"})}
 
@@ -88,6 +89,14 @@ def test_loss_tracks_the_exact_run(runs, case):
     assert len(got) == len(exact) == STEPS
     torch.testing.assert_close(got, exact, rtol=LOSS_RTOL, atol=0)
     assert not torch.equal(got, exact)  # something really was quantized
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_communication_buffers_stop_growing_after_the_first_steps(runs, case):
+    """The pooled buffers (the exact path's, and ZeRO++'s int8 codes, scales and pieces) are given
+    back after each collective: their number is set by the first steps and never grows after."""
+    counts = runs[case]["buffers"]
+    assert len(counts) == STEPS and counts[2:] == [counts[2]] * (STEPS - 2), counts
 
 
 @pytest.mark.parametrize("case", list(CASES))

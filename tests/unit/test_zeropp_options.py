@@ -53,3 +53,38 @@ def test_one_process_reduce_sums_the_dequantized_pieces():
         h.wait()
     torch.testing.assert_close(summed(), dequantize_reference(*quantize_reference(flat, 32), 32), rtol=0, atol=0)
     assert sum(t.numel() * t.element_size() for t in keep[:2]) == wire_bytes([300], 32) == 300 + 4 * 10
+
+
+def test_reduce_sums_into_out_and_reuses_its_pooled_buffers():
+    """qgZ's sum lands in the caller's ``out`` (the gradient partition, when it is zeros), bit for
+    bit what it gives without one; the int8 codes, scales and pieces go back to the pool once the
+    work ran, so a second reduction of the same shape allocates nothing."""
+    flat = torch.randn(300)
+    quant = Quantization(gradients=True, block_size=32)
+    handles, _, summed = quant.reduce(flat, [(0, 300)], 0)
+    for h in handles:
+        h.wait()
+    expected = summed().clone()
+    made = quant.pool.buffers()
+    out = torch.full((300,), float("nan"))
+    handles, _, summed = quant.reduce(flat, [(0, 300)], 0, out=out)
+    for h in handles:
+        h.wait()
+    assert summed() is out
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    assert [t.data_ptr() for t in quant.pool.buffers()] == [t.data_ptr() for t in made]
+    with pytest.raises(ValueError, match="valid: 300 torch.float32"):
+        quant.reduce(flat, [(0, 300)], 0, out=torch.empty(300, dtype=torch.bfloat16))
+
+
+def test_gather_reuses_its_pooled_buffers():
+    quant = Quantization(weights=True, block_size=64)
+    x, full = torch.randn(1000), torch.empty(1000)
+    for step in range(3):
+        handles, _, arrive = quant.gather(full, x)
+        for h in handles:
+            h.wait()
+        arrive()
+        if step == 0:
+            made = [t.data_ptr() for t in quant.pool.buffers()]
+    assert [t.data_ptr() for t in quant.pool.buffers()] == made and len(made) == 4  # codes, scales: mine and all
