@@ -19,6 +19,7 @@ the handle is waited. All are reported under their own names and message sizes.
 from __future__ import annotations
 
 import itertools
+from collections import defaultdict
 from typing import Callable, Protocol, Sequence
 
 import torch
@@ -284,3 +285,35 @@ class BufferPool:
     def clear(self) -> None:
         self._free.clear()
         self.buffers.clear()
+
+
+class SizedPool:
+    """Buffers kept by (numel, dtype, device) once given back, and handed out again for the same
+    shape (a transformer's blocks all have one): ZeRO++'s int8 codes, scales and dequantized
+    pieces, which a step would otherwise allocate, and page-fault, afresh for every collective.
+    What it holds is bounded by the most buffers of one shape in use at once."""
+
+    def __init__(self) -> None:
+        self._free: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+        self._made: list[torch.Tensor] = []
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        free = self._free[(numel, dtype, torch.device(device))]
+        if free:
+            return free.pop()
+        t = torch.empty(numel, dtype=dtype, device=device)
+        self._made.append(t)
+        return t
+
+    def give(self, *tensors: torch.Tensor) -> None:
+        """Back to the pool: the caller no longer reads or writes them."""
+        for t in tensors:
+            self._free[(t.numel(), t.dtype, t.device)].append(t)
+
+    def buffers(self) -> list[torch.Tensor]:
+        """Every buffer it made (for memory reports)."""
+        return list(self._made)
+
+    def clear(self) -> None:
+        self._free.clear()
+        self._made.clear()

@@ -32,7 +32,6 @@ from torch import nn
 from .comm import BufferPool, all_reduce_sum, owners_scratch, reduce_to_owners
 from .flat_buffer import FlatParamGroup
 from .hooks import GradientHooks
-from .hostmem import advise_huge_pages
 from .inflight import InFlight, InFlightQueue, Work
 from .layout import FlatBucket, Run, flat_buckets, intersect, owner_runs
 from .quantized import Quantization
@@ -172,11 +171,7 @@ class BucketedReduction:
                 land = None
             # the received pieces: exactly sized and freed once summed (a pooled buffer would keep
             # a whole bucket per reduction in flight for the rest of the run)
-            if land is not None or not need:
-                scratch = land
-            else:
-                scratch = torch.empty(need, dtype=buf.dtype, device=buf.device)
-                advise_huge_pages(scratch)
+            scratch = land if land is not None or not need else torch.empty(need, dtype=buf.dtype, device=buf.device)
             handles = (reduce_to_owners(buf, sizes, self.group, out=land, scratch=scratch),)
             keep = () if scratch is None else (scratch,)
 

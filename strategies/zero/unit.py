@@ -36,7 +36,6 @@ from torch import nn
 
 from .comm import (BufferPool, all_gather_into, all_reduce_sum, gather_to, reduce_scatter_scratch,
                    reduce_scatter_sum)
-from .hostmem import advise_huge_pages
 from .inflight import InFlight, InFlightQueue
 from .layout import GroupLayout
 from .quantized import Quantization, exact_gather
@@ -172,7 +171,6 @@ class Unit:
         if self.state is not ShardState.SHARDED:
             return False
         self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
-        advise_huge_pages(self.full)  # gathered afresh every step: 2 MiB faults (hostmem.py)
         if secondary and self.secondary_valid:
             handles, keep, arrive = exact_gather(self.full, self.secondary, self.node_group)
         else:
@@ -186,7 +184,6 @@ class Unit:
             if self.secondary is not None and not self.secondary_valid:
                 sec = self.secondary
                 sec.untyped_storage().resize_(sec.numel() * sec.element_size())
-                advise_huge_pages(sec)
                 sec.copy_(self.full[slice(*self._secondary_range)])
                 self.secondary_valid = True
             self._landed()

@@ -8,6 +8,7 @@ import torch
 from zerotrain.ops.quantize_reference import dequantize_reference, quantize_reference
 from zerotrain.strategies import strategy_from_name
 from zerotrain.strategies.zero import ZeroConfig, ZeroStage1, ZeroStage2
+from zerotrain.strategies.zero.comm import SizedPool
 from zerotrain.strategies.zero.config import Stage3Config, ZeroSpec
 from zerotrain.strategies.zero.quantized import Quantization, wire_bytes
 
@@ -88,3 +89,16 @@ def test_gather_reuses_its_pooled_buffers():
         if step == 0:
             made = [t.data_ptr() for t in quant.pool.buffers()]
     assert [t.data_ptr() for t in quant.pool.buffers()] == made and len(made) == 4  # codes, scales: mine and all
+
+
+def test_pool_hands_back_a_buffer_of_the_same_shape_only():
+    pool = SizedPool()
+    cpu = torch.device("cpu")
+    a = pool.take(10, torch.int8, cpu)
+    pool.give(a)
+    assert pool.take(10, torch.int8, cpu) is a  # reused
+    b = pool.take(10, torch.float32, cpu)  # another dtype: a new one
+    c = pool.take(10, torch.int8, cpu)  # `a` is in use again: a new one
+    assert b is not a and c is not a and len(pool.buffers()) == 3
+    pool.clear()
+    assert pool.buffers() == []
