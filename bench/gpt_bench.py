@@ -87,15 +87,13 @@ ZT_STRATEGY = {"zt_ddp": "ddp", "zt_zero1": "zero1", "zt_zero2": "zero2", "zt_ze
                "zt_zero3_reuse": "zero3", "zt_zero3_lean": "zero3", "zt_zero3_glibc": "zero3",
                "zt_zero2_glibc": "zero2", "zt_zero1_ovl": "zero1", "zt_zero2_ovl": "zero2",
                "zt_zero1_rs": "zero1", "zt_zero2_rs": "zero2", "zt_zero1_ar": "zero1", "zt_zero2_ar": "zero2",
-               "zt_zero3_rs": "zero3", "zt_zero3_ar": "zero3", "zt_zero3_qwqg": "zero3",
-               "zt_zero3_keep": "zero3"}
+               "zt_zero3_rs": "zero3", "zt_zero3_ar": "zero3", "zt_zero3_qwqg": "zero3"}
 #: systems under a configured strategy rather than the name's defaults (only when named):
 #: ``_reuse`` keeps half the model gathered from forward to backward, ``_lean`` none (the
 #: default "auto" keeps what a quarter of the free memory holds), ``_glibc`` leaves glibc's
 #: sliding mmap threshold, ``_ovl`` overlaps the post-step all-gathers with the next forward,
 #: ``_rs`` / ``_ar`` reduce gradients by reduce-scatter (on gloo an all-to-all) / all-reduce,
-#: ``_qwqg`` is ZeRO++ (int8 weight gathers and gradient reductions; losses then differ slightly),
-#: ``_keep`` keeps zero3's reduction buffers between steps
+#: ``_qwqg`` is ZeRO++ (int8 weight gathers and gradient reductions; losses then differ slightly)
 ZT_OPTIONS = {"zt_zero3_reuse": lambda spec: {"max_reuse_distance": spec.num_params() // 2},
               "zt_zero3_lean": lambda spec: {"max_reuse_distance": 0},
               "zt_zero3_glibc": lambda spec: {"host_mmap_threshold": 0},
@@ -103,7 +101,6 @@ ZT_OPTIONS = {"zt_zero3_reuse": lambda spec: {"max_reuse_distance": spec.num_par
               "zt_zero1_ovl": lambda spec: {"overlap_param_gather": True},
               "zt_zero2_ovl": lambda spec: {"overlap_param_gather": True},
               "zt_zero3_qwqg": lambda spec: {"quantize_weights": True, "quantize_gradients": True},
-              "zt_zero3_keep": lambda spec: {"keep_reduce_buffers": True},
               **{f"zt_zero{k}_{m}": (lambda spec, mode=mode: {"reduce_mode": mode})
                  for k in (1, 2, 3) for m, mode in (("rs", "reduce_scatter"), ("ar", "all_reduce"))}}
 

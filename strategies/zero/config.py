@@ -140,11 +140,6 @@ class Stage3Config:
     max_reuse_distance: "int | str" = "auto"
     #: parameters of at most this many elements stay whole on every rank (0: none)
     param_persistence_threshold: int = 0
-    #: keep the pooled gradient-reduction buffers from one step to the next instead of freeing
-    #: them after each backward. Faster where fresh memory is slow to fault in (the 118M GPT on a
-    #: 2-core VM: 4.0-4.4 s against 4.8-5.3 s per step) for the pool's memory held between steps
-    #: (there 0.15 GB more peak RSS per rank: three buffers of the largest unit's gradient)
-    keep_reduce_buffers: bool = False
     #: recompute each unit's forward in backward (non-reentrant torch.utils.checkpoint)
     activation_checkpointing: bool = False
     #: ZeRO++ qwZ: a unit's all-gather sends block-wise int8 (``quantize_block_size``, one fp32
@@ -167,7 +162,7 @@ class Stage3Config:
             units = tuple(units)
         object.__setattr__(self, "unit_modules", units)
         for f in ("reshard_after_forward", "activation_checkpointing", "quantize_weights",
-                  "hierarchical_partition", "keep_reduce_buffers"):
+                  "hierarchical_partition"):
             check_bool("zero3", f, getattr(self, f))
         fields_least = [("prefetch_bucket_size", 0), ("max_live_parameters", 1), ("param_persistence_threshold", 0)]
         if self.max_reuse_distance != "auto":

@@ -132,8 +132,7 @@ class ZeroStage3(ZeroStrategy):
         self.reduce_mode = self.config.resolved_reduce_mode(backend(self.group), world_size(self.group),
                                                             even_pieces=True)
         options = RuntimeOptions(self.stage3.reshard_after_forward, self.stage3.prefetch_bucket_size,
-                                 self.stage3.max_live_parameters, self.reduce_mode, self._reuse_distance(),
-                                 self.stage3.keep_reduce_buffers)
+                                 self.stage3.max_live_parameters, self.reduce_mode, self._reuse_distance())
         self.runtime = Stage3Runtime(self.units, options, self.queue, self.config.torch_reduce_dtype,
                                      self.group)
         units = [(u, module.get_submodule(u.name)) for u in self.units if u.name not in (ROOT, PERSISTENT)]

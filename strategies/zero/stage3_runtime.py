@@ -55,8 +55,6 @@ class RuntimeOptions:
     max_live_parameters: int
     reduce_mode: str
     max_reuse_distance: int = 0
-    #: keep the reduction pool between steps (``Stage3Config.keep_reduce_buffers``)
-    keep_reduce_buffers: bool = False
 
 
 class Stage3Runtime:
@@ -276,8 +274,7 @@ class Stage3Runtime:
             if u.has_grads():
                 u.reduce_grads(self.options.reduce_mode, self.pool, self.queue, self.group)
         self.queue.wait(Work.BUCKETS)  # the reductions; gathers still in flight land in free_all
-        if not self.options.keep_reduce_buffers:
-            self.pool.clear()  # between steps a rank holds its shards and nothing else
+        self.pool.clear()  # between steps a rank holds its shards and nothing else
         if self._recording_bwd is not None:
             self.bwd_order, self._recording_bwd = self._recording_bwd, None
         self._step_open = self._backward = False
