@@ -42,7 +42,9 @@ figure per system is the median over repeats. Within a run, each rank times ever
 end of the previous optimizer step to the end of its own (for the Trainer: a callback's
 ``on_train_batch_end``), drops ``--warmup`` steps and takes the median; the run's figure is the
 slowest rank's. Peak RSS is ``getrusage(RUSAGE_SELF).ru_maxrss``, which includes the imports;
-"dRSS" is the peak minus the peak before the process group and the model existed. The data-parallel
+"dRSS" is the peak minus the peak before the process group and the model existed. "faults/step":
+each step's minor page faults (pages touched for the first time, zeroed by the kernel), the
+largest rank's, the median over timed steps: a cost the step time's noise hides. The data-parallel
 systems run each rank's micro-batch as one forward/backward (no accumulation). For the pipeline
 the strategy times each step's schedule per stage (``last_step_stats``): the bubble is the share
 of a stage's schedule outside its forward/backward compute (waiting on or moving activations),
