@@ -156,7 +156,7 @@ class BucketedReduction:
     def _launch(self, b: Bucket) -> None:
         buf, pooled = self._source(b)
         keep: tuple[torch.Tensor, ...] = ()
-        summed = land = None
+        summed = land = out = None
         release = [buf] if pooled else []  # pooled buffers, given back once the reduction landed
         if self.reduce_mode == "all_reduce":
             handles = (all_reduce_sum(buf, self.group),)
@@ -178,7 +178,7 @@ class BucketedReduction:
         def done() -> None:
             if summed is not None:  # qgZ (also where I own nothing: it gives its buffers back)
                 got = summed()
-                if b.mine is not None and got.data_ptr() != buf[b.mine[0]:].data_ptr():
+                if out is None and b.mine is not None:  # summed outside the bucket (not fp32)
                     buf[b.mine[0]:b.mine[0] + b.mine[2]].copy_(got)
             if land is not None:
                 self._landed(b, land)

@@ -39,7 +39,7 @@ from typing import Sequence
 
 import torch
 
-from .comm import BufferPool
+from .comm import BufferPool, SizedPool
 from .inflight import InFlightQueue, Work
 from .unit import ShardState, Unit
 
@@ -331,16 +331,19 @@ class Stage3Runtime:
     def persistent(self) -> list[torch.Tensor]:
         return [u.grad for u in self.units]
 
+    def _quant_pools(self) -> list[SizedPool]:
+        """ZeRO++'s pools of int8 buffers, each once (the units normally share one)."""
+        return list({id(u.quant.pool): u.quant.pool for u in self.units}.values())
+
     def comm_buffers(self) -> list[torch.Tensor]:
-        pools = {id(u.quant.pool): u.quant.pool for u in self.units}  # ZeRO++'s int8 buffers
-        return list(self.pool.buffers) + [t for p in pools.values() for t in p.buffers()]
+        return list(self.pool.buffers) + [t for p in self._quant_pools() for t in p.buffers()]
 
     def close(self) -> None:
         self.queue.wait_all()
         self.free_all()
         self.pool.clear()
-        for u in self.units:
-            u.quant.pool.clear()
+        for p in self._quant_pools():
+            p.clear()
 
 
 def reuse_distances(units: Sequence[Unit], fwd_order: list[int], bwd_order: list[int]) -> dict[int, int]:
