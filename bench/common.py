@@ -145,6 +145,12 @@ def minor_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
+def cpu_seconds() -> float:
+    """CPU time (user + system) this process used so far, every thread counted."""
+    use = resource.getrusage(resource.RUSAGE_SELF)
+    return use.ru_utime + use.ru_stime
+
+
 def current_rss_bytes() -> int:
     try:
         with open("/proc/self/statm") as f:
@@ -164,7 +170,8 @@ class Record:
     group, the model and the optimizer exist; ``rss_setup`` after model and optimizer set-up;
     ``rss_peak`` at the end. ``step_faults[i]``: the minor page faults (a page touched for the first
     time: the kernel zeroes it) this rank took in step ``i``, a cost that step times on a shared
-    machine hide in their noise.
+    machine hide in their noise; ``step_cpu[i]``: the CPU seconds this rank used in step ``i``
+    (all its threads: compute, communication, page faults).
     """
 
     system: str
@@ -177,11 +184,13 @@ class Record:
     rss_peak: int = 0
     step_times: list[float] = field(default_factory=list)
     step_faults: list[int] = field(default_factory=list)
+    step_cpu: list[float] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
     #: pipeline only: each step's schedule on this stage (``compute_s``, ``comm_s``, ``wall_s``)
     schedule: list[dict] = field(default_factory=list)
     _last: float = 0.0
     _faults: int = 0
+    _cpu: float = 0.0
 
     def baseline(self) -> None:
         self.rss_base = peak_rss_bytes()
@@ -193,6 +202,7 @@ class Record:
     def start(self) -> None:
         self._last = time.perf_counter()
         self._faults = minor_faults()
+        self._cpu = cpu_seconds()
 
     def step_end(self, loss: torch.Tensor) -> None:
         now = time.perf_counter()
@@ -202,6 +212,9 @@ class Record:
         faults = minor_faults()
         self.step_faults.append(faults - self._faults)
         self._faults = faults
+        cpu = cpu_seconds()
+        self.step_cpu.append(cpu - self._cpu)
+        self._cpu = cpu
 
     def write(self, directory: str) -> None:
         self.rss_peak = peak_rss_bytes()

@@ -44,7 +44,9 @@ end of the previous optimizer step to the end of its own (for the Trainer: a cal
 slowest rank's. Peak RSS is ``getrusage(RUSAGE_SELF).ru_maxrss``, which includes the imports;
 "dRSS" is the peak minus the peak before the process group and the model existed. "faults/step":
 each step's minor page faults (pages touched for the first time, zeroed by the kernel), the
-largest rank's, the median over timed steps: a cost the step time's noise hides. The data-parallel
+largest rank's, the median over timed steps: a cost the step time's noise hides. "CPU s/step":
+the CPU time all ranks used per step; with 2+ repeats, a table of each repeat's ratio to DDP in
+the same repeat follows (``gpt_report.py`` renders the tables). The data-parallel
 systems run each rank's micro-batch as one forward/backward (no accumulation). For the pipeline
 the strategy times each step's schedule per stage (``last_step_stats``): the bubble is the share
 of a stage's schedule outside its forward/backward compute (waiting on or moving activations),
@@ -69,19 +71,18 @@ import os
 import shlex
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import warnings
-from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
 import torch
 
 from zerotrain.bench.common import (MODELS, OPTIM, WEIGHT_DECAY, ModelSpec, Record, build_gpt, make_adamw,
                                     make_batches, param_groups)
+from zerotrain.bench.gpt_report import PIPE_STAGES, RunSummary, render, summarise_run
 
 DEFAULT_SYSTEMS = ["ddp", "fsdp2_zero2", "fsdp2", "ds_zero1", "ds_zero2", "ds_zero3",
                    "zt_ddp", "zt_zero1", "zt_zero2", "zt_zero3"]
@@ -89,17 +90,21 @@ ZT_STRATEGY = {"zt_ddp": "ddp", "zt_zero1": "zero1", "zt_zero2": "zero2", "zt_ze
                "zt_zero3_reuse": "zero3", "zt_zero3_lean": "zero3", "zt_zero3_glibc": "zero3",
                "zt_zero2_glibc": "zero2", "zt_zero1_ovl": "zero1", "zt_zero2_ovl": "zero2",
                "zt_zero1_rs": "zero1", "zt_zero2_rs": "zero2", "zt_zero1_ar": "zero1", "zt_zero2_ar": "zero2",
-               "zt_zero3_rs": "zero3", "zt_zero3_ar": "zero3", "zt_zero3_qwqg": "zero3"}
+               "zt_zero3_rs": "zero3", "zt_zero3_ar": "zero3", "zt_zero3_qwqg": "zero3", "zt_zero1_glibc": "zero1",
+               **{f"zt_zero{k}_mm32": f"zero{k}" for k in (1, 2, 3)}}
 #: systems under a configured strategy rather than the name's defaults (only when named):
 #: ``_reuse`` keeps half the model gathered from forward to backward, ``_lean`` none (the
 #: default "auto" keeps what a quarter of the free memory holds), ``_glibc`` leaves glibc's
-#: sliding mmap threshold, ``_ovl`` overlaps the post-step all-gathers with the next forward,
+#: sliding mmap threshold (``_mm32``: at glibc's 32 MiB maximum), ``_ovl`` overlaps the
+#: post-step all-gathers with the next forward,
 #: ``_rs`` / ``_ar`` reduce gradients by reduce-scatter (on gloo an all-to-all) / all-reduce,
 #: ``_qwqg`` is ZeRO++ (int8 weight gathers and gradient reductions; losses then differ slightly)
 ZT_OPTIONS = {"zt_zero3_reuse": lambda spec: {"max_reuse_distance": spec.num_params() // 2},
               "zt_zero3_lean": lambda spec: {"max_reuse_distance": 0},
               "zt_zero3_glibc": lambda spec: {"host_mmap_threshold": 0},
               "zt_zero2_glibc": lambda spec: {"host_mmap_threshold": 0},
+              "zt_zero1_glibc": lambda spec: {"host_mmap_threshold": 0},
+              **{f"zt_zero{k}_mm32": lambda spec: {"host_mmap_threshold": 32 << 20} for k in (1, 2, 3)},
               "zt_zero1_ovl": lambda spec: {"overlap_param_gather": True},
               "zt_zero2_ovl": lambda spec: {"overlap_param_gather": True},
               "zt_zero3_qwqg": lambda spec: {"quantize_weights": True, "quantize_gradients": True},
@@ -123,7 +128,6 @@ PIPE_SYSTEMS = {"zt_pipe_m4": PipeSystem(4), "zt_pipe_m8": PipeSystem(8), "zt_pi
                 "zt_pipe_bal_m8": PipeSystem(8, balanced=True), "zt_pipe_zb_m8": PipeSystem(8, schedule="zb_h1"),
                 "zt_pipe_zb_bal_m8": PipeSystem(8, balanced=True, schedule="zb_h1"),
                 "zt_pipe_zb_bal_m4": PipeSystem(4, balanced=True, schedule="zb_h1")}
-PIPE_STAGES = 2
 ALL_SYSTEMS = DEFAULT_SYSTEMS + list(ZT_OPTIONS) + list(PIPE_SYSTEMS)
 BUCKET = 20_000_000  # elements; DeepSpeed's 5e8 default is GPU-sized (MACHINE_FACTS.md)
 PG_TIMEOUT_S = 600
@@ -356,62 +360,6 @@ def worker_main(args: argparse.Namespace) -> None:
 
 
 # =============================================================================== driver side
-@dataclass
-class RunSummary:
-    """One run of one system: the slowest rank's median step, the largest rank's RSS and the
-    loss curve averaged over ranks."""
-
-    step_s: float
-    rss_peak: int
-    rss_delta: int
-    losses: list[float]
-    #: the median over timed steps of the largest rank's minor page faults per step
-    faults: float
-    optimizer: str
-    threads: int
-    exit_note: str = ""
-    #: pipeline only: per stage, the medians of ``stage_breakdown``
-    stages: list[dict[str, float]] = dataclasses.field(default_factory=list)
-
-
-def summarise_run(records: list[dict], warmup: int) -> RunSummary:
-    medians = [statistics.median(r["step_times"][warmup:]) for r in records]
-    n = min(len(r["losses"]) for r in records)
-    losses = [statistics.fmean(r["losses"][i] for r in records) for i in range(n)]
-    return RunSummary(step_s=max(medians), rss_peak=max(r["rss_peak"] for r in records),
-                      rss_delta=max(r["rss_peak"] - r["rss_base"] for r in records), losses=losses,
-                      faults=statistics.median(max(f) for f in zip(*(r["step_faults"][warmup:] for r in records)))
-                      if all(r.get("step_faults") for r in records) else float("nan"),
-                      optimizer=records[0]["optimizer"], threads=max(r["threads"] for r in records),
-                      stages=stage_breakdown(records, warmup))
-
-
-def stage_breakdown(records: list[dict], warmup: int) -> list[dict[str, float]]:
-    """Pipeline runs: per stage (the mean over its replicas' ranks) the median over the timed steps
-    of its forward/backward compute, its time in exchanges (waiting on or moving activations and
-    gradients), the schedule's wall time, the rest of the step (gradient reduction, optimizer,
-    Trainer) and the bubble: the share of the schedule outside compute. Empty for other systems."""
-    per_rank = []
-    for r in records:
-        sched, times = r.get("schedule", [])[warmup:], r["step_times"][warmup:]
-        if not sched:
-            return []
-        per_rank.append({"compute_s": statistics.median(s["compute_s"] for s in sched),
-                         "comm_s": statistics.median(s["comm_s"] for s in sched),
-                         "wall_s": statistics.median(s["wall_s"] for s in sched),
-                         "outside_s": statistics.median(t - s["wall_s"] for s, t in zip(sched, times)),
-                         "bubble": statistics.median(1.0 - s["compute_s"] / s["wall_s"] for s in sched)})
-    stages = [[row for rank, row in enumerate(per_rank) if rank % PIPE_STAGES == stage]
-              for stage in range(PIPE_STAGES)]
-    return [{k: statistics.fmean(row[k] for row in rows) for k in rows[0]} for rows in stages if rows]
-
-
-def max_abs_diff(a: list[float], b: list[float]) -> float:
-    if len(a) != len(b):
-        return float("nan")
-    return max((abs(x - y) for x, y in zip(a, b)), default=0.0)
-
-
 def child_env(args: argparse.Namespace) -> dict[str, str]:
     env = dict(os.environ)
     env.update(OMP_NUM_THREADS=str(args.threads), DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1",
@@ -529,91 +477,6 @@ def machine_info() -> dict[str, str]:
             "figures are not representative.**"}
 
 
-def _gb(n: float) -> str:
-    return f"{n / 2**30:.2f}"
-
-
-def render(args: argparse.Namespace, results: dict[str, list[RunSummary]], skipped: dict[str, str],
-           failed: dict[str, str]) -> str:
-    """The markdown table (median over repeats per system) and the notes under it."""
-    notes = [f"{s}: skipped: {why}" for s, why in skipped.items()]
-    notes += [f"{s}: FAILED: {why}" for s, why in failed.items()]
-    if not results:
-        return "No system completed.\n\n" + "\n".join(f"- {n}" for n in notes) + "\n"
-    spec = MODELS[args.model]
-    tokens = spec.micro_batch * spec.block_size * args.nproc  # per optimizer step, all ranks
-    step = {s: statistics.median(r.step_s for r in runs) for s, runs in results.items() if runs}
-    base_name = "ddp" if "ddp" in step else next(iter(step), None)
-    base = results[base_name][0].losses if base_name else []
-    lines = [f"| system | median step (s) | x {base_name} | spread | tokens/s | peak RSS/rank (GB) "
-             f"| dRSS (GB) | faults/step (k) | loss first | loss last | max abs dloss vs {base_name} |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for s, runs in results.items():
-        if not runs:
-            continue
-        t = step[s]
-        ts = [r.step_s for r in runs]
-        spread = f"{(max(ts) - min(ts)) / t * 100:.0f}%" if len(ts) > 1 else "-"
-        first = runs[0]
-        rss = statistics.median(r.rss_peak for r in runs)
-        drss = statistics.median(r.rss_delta for r in runs)
-        faults = statistics.median(r.faults for r in runs) / 1e3
-        lines.append(f"| {s} | {t:.4f} | {t / step[base_name]:.2f} | {spread} | {tokens / t:,.0f} | {_gb(rss)} "
-                     f"| {_gb(drss)} | {faults:.0f} | {first.losses[0]:.6f} | {first.losses[-1]:.6f} "
-                     f"| {max_abs_diff(first.losses, base):.2e} |")
-        drift = max(max_abs_diff(r.losses, first.losses) for r in runs)
-        if drift > 0:
-            notes.append(f"{s}: loss curves differ between repeats by up to {drift:.2e} (non-deterministic)")
-        notes += [f"{s}: {r.exit_note}" for r in runs if r.exit_note]
-        if first.threads != args.threads:
-            notes.append(f"{s}: ran with {first.threads} threads per rank, not {args.threads}")
-    opts = sorted({f"{s}: {runs[0].optimizer}" for s, runs in results.items() if runs})
-    notes.append("optimizer per system: " + "; ".join(opts))
-    return ("\n".join(lines) + "\n\n" + "\n".join(f"- {n}" for n in notes) + "\n"
-            + render_pipeline(results) + render_losses(results, base_name))
-
-
-def render_pipeline(results: dict[str, list[RunSummary]]) -> str:
-    """The pipeline systems' bubble (median over repeats) beside (p-1)/(m+p-1), and where each
-    stage's step went (the first repeat's medians, seconds)."""
-    rows = [(s, runs) for s, runs in results.items() if runs and runs[0].stages]
-    if not rows:
-        return ""
-    from zerotrain.strategies.pipeline.schedule import bubble_fraction
-
-    p = PIPE_STAGES
-    head = " | ".join(f"stage {i}: compute / exchanges / rest of step (s)" for i in range(p))
-    lines = [f"\n| system | m | v | bubble measured | bubble theory (p-1)/(vm+p-1), zb: (p-1)/(3vm+p-1) | {head} |",
-             "|---|---|---|---|---|" + "---|" * p]
-    for s, runs in rows:
-        m, v, _, schedule = PIPE_SYSTEMS[s]
-        bubble = statistics.median(statistics.fmean(st["bubble"] for st in r.stages) for r in runs)
-        split = " | ".join(f"{st['compute_s']:.3f} / {st['comm_s']:.3f} / {st['outside_s']:.3f}"
-                           for st in runs[0].stages)
-        # ZB-H1 (F = B = W) idles as 1F1B would with 3 m micro-batches
-        theory = bubble_fraction(p, (3 if schedule == "zb_h1" else 1) * m, v)
-        lines.append(f"| {s} | {m} | {v} | {bubble:.3f} | {theory:.3f} | {split} |")
-    return ("\n".join(lines) + "\n\n- bubble measured: the share of a stage's schedule (its forwards, backwards "
-            "and activation exchanges) spent outside forward/backward compute, the mean over the stages; "
-            "'rest of step': the step outside the schedule (gradient reduction, optimizer step, Trainer)\n")
-
-
-def render_losses(results: dict[str, list[RunSummary]], base_name: str | None) -> str:
-    """Every system's loss at every step (warm-up included; the first repeat), beside the baseline's."""
-    runs = {s: r[0].losses for s, r in results.items() if r}
-    if not runs:
-        return ""
-    names = list(runs)
-    lines = ["\n| step | " + " | ".join(names) + f" | max abs dloss vs {base_name} |",
-             "|---|" + "---|" * (len(names) + 1)]
-    for i in range(max(len(v) for v in runs.values())):
-        got = [v[i] if i < len(v) else float("nan") for v in runs.values()]
-        base = runs[base_name][i] if base_name and i < len(runs[base_name]) else float("nan")
-        lines.append(f"| {i} | " + " | ".join(f"{x:.6f}" for x in got)
-                     + f" | {max(abs(x - base) for x in got):.2e} |")
-    return "\n".join(lines) + "\n"
-
-
 def pipeline_note(args: argparse.Namespace, systems: list[str]) -> str:
     """How the pipeline systems cut the same global batch, for the header."""
     if not any(s in PIPE_SYSTEMS for s in systems):
@@ -663,7 +526,8 @@ def driver_main(args: argparse.Namespace) -> None:
                 failures[s] = out
             else:
                 results[s].append(out)
-    table = render(args, {s: r for s, r in results.items() if r and s not in failures}, skipped, failures)
+    table = render(args, {s: r for s, r in results.items() if r and s not in failures}, skipped, failures,
+                   PIPE_SYSTEMS)
     info = machine_info()
     header = (f"### {args.model}, precision {args.precision}, {datetime.datetime.now():%Y-%m-%d %H:%M}\n\n"
               f"`python -m zerotrain.bench.gpt_bench {shlex.join(sys.argv[1:])}`\n\n"

@@ -1,0 +1,49 @@
+"""gpt_bench's report: a run's summary from its ranks' records, and the ratios per repeat."""
+import argparse
+import math
+
+import pytest
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def record(times, cpu=None, faults=None):
+    n = len(times)
+    return {"step_times": times, "losses": [1.0] * n, "rss_peak": 2 << 30, "rss_base": 1 << 30,
+            "optimizer": "fused", "threads": 1, "step_faults": faults or [0] * n,
+            **({"step_cpu": cpu} if cpu is not None else {})}
+
+
+def test_summary_sums_cpu_over_ranks_and_keeps_the_slowest_rank():
+    from zerotrain.bench.gpt_report import summarise_run
+
+    # warm-up step 0 dropped; per step: rank CPU summed (3.0, 5.0, 4.0) -> median 4.0
+    r0 = record([9.0, 1.0, 1.2, 1.1], cpu=[9.0, 1.0, 2.0, 1.5], faults=[99, 10, 30, 20])
+    r1 = record([9.0, 1.3, 1.4, 1.5], cpu=[9.0, 2.0, 3.0, 2.5], faults=[99, 40, 5, 5])
+    s = summarise_run([r0, r1], warmup=1)
+    assert s.step_s == pytest.approx(1.4)  # rank 1's median
+    assert s.cpu_s == pytest.approx(4.0)
+    assert s.faults == 30  # max over ranks per step (40, 30, 20): median 30
+    # records from before the CPU column: NaN, not an error
+    assert math.isnan(summarise_run([record([1.0, 1.0]), record([1.0, 1.0])], warmup=1).cpu_s)
+
+
+def test_each_repeat_is_divided_by_the_baseline_of_the_same_repeat():
+    from zerotrain.bench.gpt_report import RunSummary, render, round_ratios
+
+    def run(step):
+        return RunSummary(step_s=step, rss_peak=1 << 30, rss_delta=0, losses=[2.0, 1.0], faults=0.0,
+                          optimizer="fused", threads=1, cpu_s=2 * step)
+
+    # the machine slows down 2x in repeat 1: the median of the ratios sees through it, the
+    # ratio of the medians (1.5 / 1.5 = 1.0) does not
+    results = {"ddp": [run(1.0), run(2.0)], "zt_zero2": [run(0.9), run(1.8)], "zt_zero3": [run(1.1)]}
+    ratios = round_ratios(results, "ddp")
+    assert ratios["zt_zero2"] == pytest.approx([0.9, 0.9])
+    assert ratios["zt_zero3"] == pytest.approx([1.1])  # one completed repeat: one ratio
+    args = argparse.Namespace(model="tiny", nproc=2, threads=1)
+    text = render(args, results, {}, {})
+    assert "| zt_zero2 | 0.90 | 0.90 | 0.90 |" in text
+    assert "| zt_zero3 | 1.10 | - | 1.10 |" in text
+    assert "| ddp's step (s) | 1.000 | 2.000 | |" in text
+    assert "| zt_zero2 | 1.3500 | 0.90 |" in text  # the main table: median step 1.35, CPU column next
