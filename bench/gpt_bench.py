@@ -86,19 +86,14 @@ from zerotrain.bench.gpt_report import PIPE_STAGES, RunSummary, render, summaris
 
 DEFAULT_SYSTEMS = ["ddp", "fsdp2_zero2", "fsdp2", "ds_zero1", "ds_zero2", "ds_zero3",
                    "zt_ddp", "zt_zero1", "zt_zero2", "zt_zero3"]
-ZT_STRATEGY = {"zt_ddp": "ddp", "zt_zero1": "zero1", "zt_zero2": "zero2", "zt_zero3": "zero3",
-               "zt_zero3_reuse": "zero3", "zt_zero3_lean": "zero3", "zt_zero3_glibc": "zero3",
-               "zt_zero2_glibc": "zero2", "zt_zero1_ovl": "zero1", "zt_zero2_ovl": "zero2",
-               "zt_zero1_rs": "zero1", "zt_zero2_rs": "zero2", "zt_zero1_ar": "zero1", "zt_zero2_ar": "zero2",
-               "zt_zero3_rs": "zero3", "zt_zero3_ar": "zero3", "zt_zero3_qwqg": "zero3", "zt_zero1_glibc": "zero1",
-               **{f"zt_zero{k}_mm32": f"zero{k}" for k in (1, 2, 3)}}
 #: systems under a configured strategy rather than the name's defaults (only when named):
 #: ``_reuse`` keeps half the model gathered from forward to backward, ``_lean`` none (the
 #: default "auto" keeps what a quarter of the free memory holds), ``_glibc`` leaves glibc's
 #: sliding mmap threshold (``_mm32``: at glibc's 32 MiB maximum), ``_ovl`` overlaps the
 #: post-step all-gathers with the next forward,
 #: ``_rs`` / ``_ar`` reduce gradients by reduce-scatter (on gloo an all-to-all) / all-reduce,
-#: ``_qwqg`` is ZeRO++ (int8 weight gathers and gradient reductions; losses then differ slightly)
+#: ``_qwqg`` is ZeRO++ (int8 weight gathers and gradient reductions; losses then differ slightly),
+#: ``_keep`` keeps the gathered buffers allocated between steps (``keep_gathered_storage``)
 ZT_OPTIONS = {"zt_zero3_reuse": lambda spec: {"max_reuse_distance": spec.num_params() // 2},
               "zt_zero3_lean": lambda spec: {"max_reuse_distance": 0},
               "zt_zero3_glibc": lambda spec: {"host_mmap_threshold": 0},
@@ -108,8 +103,14 @@ ZT_OPTIONS = {"zt_zero3_reuse": lambda spec: {"max_reuse_distance": spec.num_par
               "zt_zero1_ovl": lambda spec: {"overlap_param_gather": True},
               "zt_zero2_ovl": lambda spec: {"overlap_param_gather": True},
               "zt_zero3_qwqg": lambda spec: {"quantize_weights": True, "quantize_gradients": True},
+              "zt_zero3_keep": lambda spec: {"keep_gathered_storage": True},
+              "zt_zero3_qwqg_keep": lambda spec: {"quantize_weights": True, "quantize_gradients": True,
+                                                  "keep_gathered_storage": True},
               **{f"zt_zero{k}_{m}": (lambda spec, mode=mode: {"reduce_mode": mode})
                  for k in (1, 2, 3) for m, mode in (("rs", "reduce_scatter"), ("ar", "all_reduce"))}}
+#: zerotrain's systems and their strategy: "zt_zeroK_<variant>" runs zeroK with ZT_OPTIONS' options
+ZT_STRATEGY = {"zt_ddp": "ddp", "zt_zero1": "zero1", "zt_zero2": "zero2", "zt_zero3": "zero3",
+               **{name: name.split("_")[1] for name in ZT_OPTIONS}}
 
 
 class PipeSystem(NamedTuple):
