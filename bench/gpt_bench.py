@@ -92,8 +92,7 @@ DEFAULT_SYSTEMS = ["ddp", "fsdp2_zero2", "fsdp2", "ds_zero1", "ds_zero2", "ds_ze
 #: sliding mmap threshold (``_mm32``: at glibc's 32 MiB maximum), ``_ovl`` overlaps the
 #: post-step all-gathers with the next forward,
 #: ``_rs`` / ``_ar`` reduce gradients by reduce-scatter (on gloo an all-to-all) / all-reduce,
-#: ``_qwqg`` is ZeRO++ (int8 weight gathers and gradient reductions; losses then differ slightly),
-#: ``_keep`` keeps the gathered buffers allocated between steps (``keep_gathered_storage``)
+#: ``_qwqg`` is ZeRO++ (int8 weight gathers and gradient reductions; losses then differ slightly)
 ZT_OPTIONS = {"zt_zero3_reuse": lambda spec: {"max_reuse_distance": spec.num_params() // 2},
               "zt_zero3_lean": lambda spec: {"max_reuse_distance": 0},
               "zt_zero3_glibc": lambda spec: {"host_mmap_threshold": 0},
@@ -103,9 +102,6 @@ ZT_OPTIONS = {"zt_zero3_reuse": lambda spec: {"max_reuse_distance": spec.num_par
               "zt_zero1_ovl": lambda spec: {"overlap_param_gather": True},
               "zt_zero2_ovl": lambda spec: {"overlap_param_gather": True},
               "zt_zero3_qwqg": lambda spec: {"quantize_weights": True, "quantize_gradients": True},
-              "zt_zero3_keep": lambda spec: {"keep_gathered_storage": True},
-              "zt_zero3_qwqg_keep": lambda spec: {"quantize_weights": True, "quantize_gradients": True,
-                                                  "keep_gathered_storage": True},
               **{f"zt_zero{k}_{m}": (lambda spec, mode=mode: {"reduce_mode": mode})
                  for k in (1, 2, 3) for m, mode in (("rs", "reduce_scatter"), ("ar", "all_reduce"))}}
 #: zerotrain's systems and their strategy: "zt_zeroK_<variant>" runs zeroK with ZT_OPTIONS' options

@@ -150,11 +150,6 @@ class Stage3Config:
     #: of each node (1/local_world_size per rank), and backward gathers it within the node only;
     #: costs that copy's memory, keeps the second gather per step off the inter-node network
     hierarchical_partition: bool = False
-    #: keep each unit's gathered buffer allocated while the unit is sharded (its values are
-    #: still gathered afresh every step): the host's allocator then never hands the gathered
-    #: memory back, so no step re-faults it (zeroing every page again). Costs one working-dtype
-    #: copy of the model per rank between steps; off by default for that reason
-    keep_gathered_storage: bool = False
 
     def __post_init__(self) -> None:
         from .unit_plan import make_policy
@@ -167,7 +162,7 @@ class Stage3Config:
             units = tuple(units)
         object.__setattr__(self, "unit_modules", units)
         for f in ("reshard_after_forward", "activation_checkpointing", "quantize_weights",
-                  "hierarchical_partition", "keep_gathered_storage"):
+                  "hierarchical_partition"):
             check_bool("zero3", f, getattr(self, f))
         fields_least = [("prefetch_bucket_size", 0), ("max_live_parameters", 1), ("param_persistence_threshold", 0)]
         if self.max_reuse_distance != "auto":

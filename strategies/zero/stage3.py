@@ -177,8 +177,7 @@ class ZeroStage3(ZeroStrategy):
                                 label="broadcast unit")
         unit = Unit(index, name, params, names, layout, self.global_rank, self.precision.param_dtype,
                     self.config.torch_reduce_dtype, self.device, persistent=name == PERSISTENT,
-                    inflight=self.queue, quant=self._quantization(),
-                    keep_storage=self.stage3.keep_gathered_storage)
+                    inflight=self.queue, quant=self._quantization())
         unit.load_full(flat)
         self.stepper.place_unit(unit, self.global_rank)  # offload: shards to files, unit by unit
         return unit

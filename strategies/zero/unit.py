@@ -12,9 +12,7 @@ Storage (``P`` = this rank's partition of the unit's padded flat layout, see ``l
 * ``full``: the gathered flat buffer (all ranks' partitions side by side, the layout of
   ``all_gather_into_tensor``'s output). Its storage is resized to 0 bytes when sharded and back
   when gathered, so views of it that autograd saved in forward (``weight.t()`` in ``linear``)
-  read the re-gathered values in backward, and the memory is really returned in between. With
-  ``keep_storage`` (zero3's ``keep_gathered_storage``) the storage keeps its size while sharded:
-  the next gather writes into memory already touched instead of a fresh mapping.
+  read the re-gathered values in backward, and the memory is really returned in between.
 
 A parameter's ``.data`` is a view of ``full`` while the unit is UNSHARDED and a *placeholder*
 otherwise: its shape and dtype, one NaN element of storage (``expand``). Shape queries keep
@@ -83,8 +81,7 @@ class Unit:
     def __init__(self, index: int, name: str, params: Sequence[nn.Parameter], names: Sequence[str],
                  layout: GroupLayout, rank: int, dtype: torch.dtype, reduce_dtype: torch.dtype,
                  device: torch.device, persistent: bool = False,
-                 inflight: InFlightQueue | None = None, quant: Quantization = Quantization(),
-                 keep_storage: bool = False) -> None:
+                 inflight: InFlightQueue | None = None, quant: Quantization = Quantization()) -> None:
         if len(params) != len(layout.spans):
             raise ValueError(f"unit {name!r}: {len(params)} parameters, layout has {len(layout.spans)}")
         # a unit with nothing to gather (an empty root) behaves as an always-gathered one
@@ -94,8 +91,6 @@ class Unit:
         self.dtype, self.device = dtype, device
         #: ZeRO++: which of this unit's collectives go as block-wise int8 (``quantized.py``)
         self.quant = quant
-        #: ``full``'s storage keeps its size while sharded (zero3's ``keep_gathered_storage``)
-        self.keep_storage = keep_storage
         lo, hi = layout.partition_range(rank)
         self.lo, self.hi = lo, hi
         make = torch.zeros if persistent else torch.empty
@@ -175,9 +170,7 @@ class Unit:
         ``secondary``: from the node's copy (hpZ) when it holds this step's values."""
         if self.state is not ShardState.SHARDED:
             return False
-        nbytes = self.full.numel() * self.full.element_size()
-        if self.full.untyped_storage().nbytes() != nbytes:  # a resize to the same size would reallocate
-            self.full.untyped_storage().resize_(nbytes)
+        self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
         if secondary and self.secondary_valid:
             handles, keep, arrive = exact_gather(self.full, self.secondary, self.node_group)
         else:
@@ -238,8 +231,7 @@ class Unit:
             p.data = placeholder(p.shape, self.dtype, self.device)
 
     def _free(self) -> None:
-        if not self.keep_storage:
-            self.full.untyped_storage().resize_(0)
+        self.full.untyped_storage().resize_(0)
 
     # ------------------------------------------------------------------ values
     def load_full(self, flat: torch.Tensor) -> None:

@@ -81,7 +81,6 @@ def test_optimizer_runs_cut_a_partition_by_param_group():
     ({"max_live_parameters": 0}, "max_live_parameters=0"),
     ({"param_persistence_threshold": 1.5}, "param_persistence_threshold=1.5"),
     ({"reshard_after_forward": "yes"}, "reshard_after_forward='yes'"),
-    ({"keep_gathered_storage": 1}, "keep_gathered_storage=1 must be True or False"),
     ({"max_reuse_distance": "all"}, "max_reuse_distance='all'; valid: 'auto' or a whole number"),
     ({"max_reuse_distance": -1}, "max_reuse_distance=-1"),
     ({"host_mmap_threshold": -1}, "host_mmap_threshold=-1"),
@@ -96,7 +95,6 @@ def test_zero3_is_registered_and_configurable():
     s = strategy_from_name("zero3")
     assert isinstance(s, ZeroStage3) and s.stage3.prefetch_bucket_size == 10_000_000
     assert s.stage3.max_reuse_distance == "auto" and s.config.host_mmap_threshold == 8 << 20
-    assert not s.stage3.keep_gathered_storage  # opt-in: it holds a copy of the model between steps
     assert Stage3Config(max_live_parameters=1e9).max_live_parameters == 10**9
     from hydra import compose, initialize_config_module
     from omegaconf import OmegaConf
