@@ -1,5 +1,7 @@
-"""Shared test set-up: tests/ and tests/distributed/ are importable by plain module name, so that
-worker functions for multi-process tests can be found again in the child processes; timeouts scale
+"""Shared test set-up: tests/, tests/distributed/ and tests/kernels/ are importable by plain module
+name, so that worker functions for multi-process tests can be found again in the child processes
+(and no test imports through a package name an installed distribution may also own: transformers
+5.25 installs a top-level ``kernels``); timeouts scale
 with the machine's load; and every test fails that leaks environment variables, threads or an
 initialised default process group into the tests after it (``fail_on_leaks``)."""
 from __future__ import annotations
@@ -12,7 +14,7 @@ import time
 import pytest
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-for sub in ("", "distributed"):
+for sub in ("", "distributed", "kernels"):
     path = os.path.join(_HERE, sub)
     if path not in sys.path:
         sys.path.insert(0, path)

@@ -19,7 +19,7 @@ from zerotrain import ops
 from zerotrain.ops import builder
 from zerotrain.ops.reference import adam_step_reference, fallback_adam_step
 
-from kernels.native_ops import ISAS, native_fixtures  # tests/ is on sys.path (conftest)
+from native_ops import ISAS, native_fixtures  # tests/kernels/ is on sys.path (conftest)
 
 HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
 

@@ -17,7 +17,7 @@ from zerotrain.ops import builder
 from zerotrain.ops.quantize import dequantize_blockwise, quantize_blockwise
 from zerotrain.ops.quantize_reference import dequantize_reference, num_blocks, quantize_reference
 
-from kernels.native_ops import ISAS, native_fixtures  # tests/ is on sys.path (conftest)
+from native_ops import ISAS, native_fixtures  # tests/kernels/ is on sys.path (conftest)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 

@@ -12,7 +12,7 @@ import torch
 from zerotrain.ops import builder
 from zerotrain.ops.quantize_reference import dequantize_reference, quantize_reference
 
-from kernels.native_ops import NVCC, assert_nvcc_compiles  # tests/ is on sys.path (conftest)
+from native_ops import NVCC, assert_nvcc_compiles  # tests/kernels/ is on sys.path (conftest)
 
 SOURCE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(builder.__file__))),
                       "csrc", "quantize", "quantize.cu")
