@@ -96,7 +96,7 @@ def _gb(n: float) -> str:
 
 
 def render(args: argparse.Namespace, results: dict[str, list[RunSummary]], skipped: dict[str, str],
-           failed: dict[str, str], pipe_systems: Mapping[str, Sequence] = {}) -> str:
+           failed: dict[str, str], pipe_systems: Mapping[str, Sequence] | None = None) -> str:
     """The markdown table (median over repeats per system), the notes under it, then the table of
     repeats, the pipeline's and the losses'. ``pipe_systems``: name -> (m, v, balanced, schedule)."""
     notes = [f"{s}: skipped: {why}" for s, why in skipped.items()]
@@ -135,7 +135,7 @@ def render(args: argparse.Namespace, results: dict[str, list[RunSummary]], skipp
     opts = sorted({f"{s}: {runs[0].optimizer}" for s, runs in results.items() if runs})
     notes.append("optimizer per system: " + "; ".join(opts))
     return ("\n".join(lines) + "\n\n" + "\n".join(f"- {n}" for n in notes) + "\n"
-            + render_rounds(results, base_name) + render_pipeline(results, pipe_systems)
+            + render_rounds(results, base_name) + render_pipeline(results, pipe_systems or {})
             + render_losses(results, base_name))
 
 
