@@ -140,15 +140,11 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def minor_faults() -> int:
-    """Minor page faults this process took so far."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-
-
-def cpu_seconds() -> float:
-    """CPU time (user + system) this process used so far, every thread counted."""
+def faults_and_cpu() -> tuple[int, float]:
+    """Minor page faults this process took so far, and its CPU time (user + system, every thread
+    counted), from one ``getrusage`` call."""
     use = resource.getrusage(resource.RUSAGE_SELF)
-    return use.ru_utime + use.ru_stime
+    return use.ru_minflt, use.ru_utime + use.ru_stime
 
 
 def current_rss_bytes() -> int:
@@ -201,20 +197,17 @@ class Record:
 
     def start(self) -> None:
         self._last = time.perf_counter()
-        self._faults = minor_faults()
-        self._cpu = cpu_seconds()
+        self._faults, self._cpu = faults_and_cpu()
 
     def step_end(self, loss: torch.Tensor) -> None:
         now = time.perf_counter()
         self.step_times.append(now - self._last)
         self._last = now
         self.losses.append(float(loss.detach().float()))
-        faults = minor_faults()
+        faults, cpu = faults_and_cpu()
         self.step_faults.append(faults - self._faults)
-        self._faults = faults
-        cpu = cpu_seconds()
         self.step_cpu.append(cpu - self._cpu)
-        self._cpu = cpu
+        self._faults, self._cpu = faults, cpu
 
     def write(self, directory: str) -> None:
         self.rss_peak = peak_rss_bytes()

@@ -156,12 +156,13 @@ class BucketedReduction:
     def _launch(self, b: Bucket) -> None:
         buf, pooled = self._source(b)
         keep: tuple[torch.Tensor, ...] = ()
-        summed = land = out = None
+        summed = land = out = piece = None
         release = [buf] if pooled else []  # pooled buffers, given back once the reduction landed
         if self.reduce_mode == "all_reduce":
             handles = (all_reduce_sum(buf, self.group),)
         elif self.reduce_mode == "quantized":  # the fp32 sum lands in my piece of an fp32 bucket
-            out = buf[b.mine[0]:b.mine[0] + b.mine[2]] if b.mine is not None and buf.dtype == torch.float32 else None
+            piece = buf[b.mine[0]:b.mine[0] + b.mine[2]] if b.mine is not None else None
+            out = piece if piece is not None and buf.dtype == torch.float32 else None
             handles, keep, summed = self.quant.reduce(buf, self._pieces(b), self.rank, self.group, out=out)
         else:  # on gloo one all-to-all, each piece to its owner only (comm.reduce_to_owners)
             sizes = [n for _, n in self._pieces(b)]
@@ -178,8 +179,8 @@ class BucketedReduction:
         def done() -> None:
             if summed is not None:  # qgZ (also where I own nothing: it gives its buffers back)
                 got = summed()
-                if out is None and b.mine is not None:  # summed outside the bucket (not fp32)
-                    buf[b.mine[0]:b.mine[0] + b.mine[2]].copy_(got)
+                if out is None and piece is not None:  # summed outside the bucket (not fp32)
+                    piece.copy_(got)
             if land is not None:
                 self._landed(b, land)
             else:

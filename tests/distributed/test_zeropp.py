@@ -60,7 +60,8 @@ def _fit(strategy: str, options: dict, corpus: str) -> dict:
                       logger=False, enable_checkpointing=False, enable_progress_bar=False,
                       enable_model_summary=False, seed=0)
     trainer.fit(module)
-    return {"losses": losses.values, "buffers": losses.buffers, "expected": comms.expected, "expected_first": comms.expected_first,
+    return {"losses": losses.values, "buffers": losses.buffers, "expected": comms.expected,
+            "expected_first": comms.expected_first,
             "step_bytes": {int(k): v for k, v in comms.step_bytes.items()},
             "gather_groups": sorted({row["group_size"] for row in comms.summary if row["op"] == "all_gather"})}
 
