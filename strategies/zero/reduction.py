@@ -14,8 +14,8 @@ on; ``flush()`` launches what is left and waits for all.
 on gloo beyond 2 ranks, ``ZeroConfig.resolved_reduce_mode``) cuts it at partition boundaries and
 sums each piece onto its owner only (a flat bucket's pieces are uneven, so this is the
 reduce-scatter that fits the contiguous layout: ``comm.reduce_to_owners``, on gloo one all-to-all
-that sends each piece only to its owner, into a scratch buffer of the received copies, on NCCL one
-``reduce`` per owner). A bucket mostly lies in one partition, so its bytes go one way: half what
+that sends each piece only to its owner, into a pooled scratch buffer of the received copies, on
+NCCL one ``reduce`` per owner). A bucket mostly lies in one partition, so its bytes go one way: half what
 an all-reduce moves. Stage 2 lands the sum straight in its gradient partition while that is zeros
 (the first micro-batch; with 2 ranks on gloo the partition is the scratch);
 ``quantized`` (ZeRO++ qgZ, ``quantize_gradients``; stage 2 only) sends each owner its piece as
@@ -66,10 +66,11 @@ class BucketedReduction:
     """The machinery both stage 1 and stage 2 use to reduce gradients *during* backward.
 
     The hooks (``hooks.GradientHooks``) call ``_grad_ready``, which marks the slot filled
-    (``_fill``) and launches the complete buckets in plan order. A subclass says where a bucket's gradient comes from (``_fill`` /
-    ``_source``), what happens to a parameter that got no gradient (``_missing``) and where this
-    rank's reduced part goes (``_deliver``); ``_active()`` False makes the hooks do nothing (stage
-    1 inside ``no_sync()``)."""
+    (``_fill``) and launches the complete buckets in plan order. A subclass says where a bucket's
+    gradient comes from (``_fill`` / ``_source``), what happens to a parameter that got no
+    gradient (``_missing``) and where this rank's reduced part goes (``_deliver``); ``_active()``
+    False makes the hooks reduce nothing (stage 1 inside ``no_sync()``, whose ``_grad_ready``
+    still moves each gradient into its buffer)."""
 
     label = "reduce"
 
@@ -170,9 +171,16 @@ class BucketedReduction:
             land = self._landing(b) if b.clean else None
             if land is not None and need > land.numel():
                 land = None
-            # the received pieces: exactly sized and freed once summed (a pooled buffer would keep
-            # a whole bucket per reduction in flight for the rest of the run)
-            scratch = land if land is not None or not need else torch.empty(need, dtype=buf.dtype, device=buf.device)
+            # the received pieces: a pooled buffer, given back once summed (the pool keeps one
+            # bucket per reduction in flight at once; a fresh one would page-fault every time);
+            # beyond 2 ranks a piece's copies may outgrow a bucket, and get their own
+            if land is not None or not need:
+                scratch = land
+            elif need <= self.pool.buffer_numel:
+                scratch = self.pool.acquire(need)
+                release.append(scratch)
+            else:
+                scratch = torch.empty(need, dtype=buf.dtype, device=buf.device)
             handles = (reduce_to_owners(buf, sizes, self.group, out=land, scratch=scratch),)
             keep = () if scratch is None else (scratch,)
 

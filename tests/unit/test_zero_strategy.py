@@ -77,9 +77,56 @@ def test_stage1_grads_are_views_and_stage2_frees_them():
                for p in m1.parameters())
     assert all(p.grad is None for p in m2.parameters())  # only the partition holds gradients
     torch.testing.assert_close(s1.grads.partitions()[0], s2.grads.partitions()[0])
-    m1.zero_grad()  # someone drops the views: the next backward re-attaches them
+    first = s1.grads.partitions()[0].clone()
+    m1.zero_grad()  # someone drops the views: the next backward re-attaches them, values fresh
     s1.backward(s1.training_step(b, 0))
     assert m1.net[0].weight.grad.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+    torch.testing.assert_close(s1.grads.partitions()[0], first, rtol=0, atol=0)
+
+
+class Branchy(Net):
+    """``extra`` gets a gradient only when the batch asks for it."""
+
+    def __init__(self):
+        super().__init__()
+        self.extra = nn.Linear(5, 3)
+
+    def training_step(self, batch, batch_idx):
+        x, y, use = batch
+        out = self.net(x) + (self.extra(x) if use else 0)
+        return nn.functional.mse_loss(out, y)
+
+
+def test_stage1_zero_grad_sets_none_and_copies_the_next_gradient():
+    """zero_grad leaves the buffer as it is and sets p.grad to None; the next gradient is copied in
+    (not added to the last step's), a parameter without one reads zeros, a replaced p.grad is kept
+    with the new gradient added, and a step taken without a backward sees zeros."""
+    ref, model = Branchy(), Branchy()
+    s = make(ZeroStage1, model, reduce_bucket_size=20)
+    x, y = batches(1)[0]
+    for use in (True, False, True):
+        ref.zero_grad()
+        s.zero_grad()
+        assert all(p.grad is None for p in model.parameters())
+        nn.functional.mse_loss(ref.net(x) + (ref.extra(x) if use else 0), y).backward()
+        s.backward(s.training_step((x, y, use), 0))
+        expected = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                              for p in ref.parameters()])
+        got = s.grads.partitions()[0]
+        torch.testing.assert_close(got[:expected.numel()], expected, rtol=0, atol=0)
+        assert not got[expected.numel():].any()  # padding
+    # a replaced gradient survives into the buffer, with the next backward added to it
+    s.zero_grad()
+    ref.zero_grad()
+    model.extra.bias.grad = torch.full((3,), 2.0)
+    ref.extra.bias.grad = torch.full((3,), 2.0)
+    nn.functional.mse_loss(ref.net(x) + ref.extra(x), y).backward()
+    s.backward(s.training_step((x, y, True), 0))
+    torch.testing.assert_close(model.extra.bias.grad, ref.extra.bias.grad, rtol=0, atol=0)
+    assert model.extra.bias.grad.data_ptr() != ref.extra.bias.grad.data_ptr()
+    # zero_grad, then a step without any backward: the optimizer sees zeros, not the last gradient
+    s.zero_grad()
+    assert not s.grads.partitions()[0].any()
 
 
 def test_bf16_working_params_with_fp32_masters():
