@@ -33,6 +33,9 @@ Systems (``--systems``, a comma list; all by default):
                (``GPT.pipeline_cut``: the CLI's ``model.pipeline_cut=compute``);
                zt_pipe_zb_m8, zt_pipe_zb_bal_m8/_m4: the zero-bubble schedule (``schedule="zb_h1"``:
                each backward split, the linear weights' gradients where the stage would wait)
+  <system>+thp, <system>+nothp   any system with torch's THP_MEM_ALLOC_ENABLE=1 / 0 in its ranks'
+               environment (transparent huge pages for allocations of 2 MiB and more); without a
+               suffix the variable is removed (torch's default: off)
 
 How it measures. The driver (this file, no ``--worker``) runs every system as its own ``torchrun
 --standalone --nproc_per_node 2`` job of this file's worker entry, with ``OMP_NUM_THREADS=1``
@@ -126,6 +129,22 @@ PIPE_SYSTEMS = {"zt_pipe_m4": PipeSystem(4), "zt_pipe_m8": PipeSystem(8), "zt_pi
                 "zt_pipe_zb_bal_m8": PipeSystem(8, balanced=True, schedule="zb_h1"),
                 "zt_pipe_zb_bal_m4": PipeSystem(4, balanced=True, schedule="zb_h1")}
 ALL_SYSTEMS = DEFAULT_SYSTEMS + list(ZT_OPTIONS) + list(PIPE_SYSTEMS)
+#: a system's name may end in one of these: its ranks run with torch's ``THP_MEM_ALLOC_ENABLE``
+#: set to the value (transparent huge pages for allocations of 2 MiB and more). Without one the
+#: variable is removed from the ranks' environment, torch's default (off). Measured on model B
+#: (bench/RESULTS.md): faults per step fell 5-10x and every system got slower (zerotrain's by
+#: 16-28%), so zerotrain leaves it off
+HUGE_PAGE_SUFFIXES = {"+thp": "1", "+nothp": "0"}
+
+
+def base_system(name: str) -> str:
+    """``name`` without its huge-page suffix."""
+    for suffix in HUGE_PAGE_SUFFIXES:
+        if name.endswith(suffix):
+            return name[:-len(suffix)]
+    return name
+
+
 BUCKET = 20_000_000  # elements; DeepSpeed's 5e8 default is GPU-sized (MACHINE_FACTS.md)
 PG_TIMEOUT_S = 600
 
@@ -316,7 +335,7 @@ def rank_batches(args: argparse.Namespace, spec: ModelSpec, rank: int, world: in
     batch. Pipeline: its replica's ``PIPE_STAGES * micro_batch`` rows (every stage of a replica
     gets them: the first its inputs, the last its targets). The global batch is the same."""
     steps = args.warmup + args.steps
-    if args.worker in PIPE_SYSTEMS:
+    if base_system(args.worker) in PIPE_SYSTEMS:
         spec = dataclasses.replace(spec, micro_batch=spec.micro_batch * PIPE_STAGES)
         rank, world = rank // PIPE_STAGES, world // PIPE_STAGES  # replica r: ranks r*stages ...
     return make_batches(spec, args.data, args.seed, steps, rank, world)
@@ -349,7 +368,7 @@ def worker_main(args: argparse.Namespace) -> None:
     spec = MODELS[args.model]
     batches = rank_batches(args, spec, rank, world)
     rec = Record(system=args.worker, rank=rank, world=world)
-    _worker_runner(args.worker)(args, spec, batches, rec)
+    _worker_runner(base_system(args.worker))(args, spec, batches, rec)
     rec.write(args.result_dir)
     if dist.is_initialized():
         dist.barrier()  # no rank tears down while a peer still talks to it
@@ -357,10 +376,14 @@ def worker_main(args: argparse.Namespace) -> None:
 
 
 # =============================================================================== driver side
-def child_env(args: argparse.Namespace) -> dict[str, str]:
+def child_env(args: argparse.Namespace, system: str = "") -> dict[str, str]:
     env = dict(os.environ)
     env.update(OMP_NUM_THREADS=str(args.threads), DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1",
                TORCH_EXTENSIONS_DIR=args.ext_dir)
+    env.pop("THP_MEM_ALLOC_ENABLE", None)
+    for suffix, value in HUGE_PAGE_SUFFIXES.items():
+        if system.endswith(suffix):
+            env["THP_MEM_ALLOC_ENABLE"] = value
     return env
 
 
@@ -416,7 +439,7 @@ def run_system(args: argparse.Namespace, system: str, rep: int, workdir: str) ->
     with open(log_path, "w") as log:
         log.write(shlex.join(cmd) + "\n")
         log.flush()
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env(args),
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env(args, system),
                                 start_new_session=True)  # its own process group: killable as one
         try:
             rc = proc.wait(timeout=args.timeout)
@@ -476,7 +499,7 @@ def machine_info() -> dict[str, str]:
 
 def pipeline_note(args: argparse.Namespace, systems: list[str]) -> str:
     """How the pipeline systems cut the same global batch, for the header."""
-    if not any(s in PIPE_SYSTEMS for s in systems):
+    if not any(base_system(s) in PIPE_SYSTEMS for s in systems):
         return ""
     rows = MODELS[args.model].micro_batch * PIPE_STAGES
     return (f" (pipeline: {PIPE_STAGES} stages x {args.nproc // PIPE_STAGES} replica(s), 1F1B, each replica's "
@@ -485,7 +508,7 @@ def pipeline_note(args: argparse.Namespace, systems: list[str]) -> str:
 
 def driver_main(args: argparse.Namespace) -> None:
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    bad = [s for s in systems if s not in ALL_SYSTEMS]
+    bad = [s for s in systems if base_system(s) not in ALL_SYSTEMS]
     if bad:
         raise SystemExit(f"--systems: unknown {bad}; valid choices: {', '.join(ALL_SYSTEMS)}")
     os.makedirs(args.ext_dir, exist_ok=True)
@@ -498,7 +521,8 @@ def driver_main(args: argparse.Namespace) -> None:
         if args.prepare:
             return
     for s in systems:
-        if (s in ZT_STRATEGY or s in PIPE_SYSTEMS) and (why := zerotrain_skip(args, s)):
+        base = base_system(s)
+        if (base in ZT_STRATEGY or base in PIPE_SYSTEMS) and (why := zerotrain_skip(args, base)):
             skipped[s] = why
     for s, why in skipped.items():
         print(f"skipping {s}: {why}", flush=True)
@@ -524,7 +548,7 @@ def driver_main(args: argparse.Namespace) -> None:
             else:
                 results[s].append(out)
     table = render(args, {s: r for s, r in results.items() if r and s not in failures}, skipped, failures,
-                   PIPE_SYSTEMS)
+                   {s: PIPE_SYSTEMS[base_system(s)] for s in systems if base_system(s) in PIPE_SYSTEMS})
     info = machine_info()
     header = (f"### {args.model}, precision {args.precision}, {datetime.datetime.now():%Y-%m-%d %H:%M}\n\n"
               f"`python -m zerotrain.bench.gpt_bench {shlex.join(sys.argv[1:])}`\n\n"

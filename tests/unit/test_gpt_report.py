@@ -47,3 +47,15 @@ def test_each_repeat_is_divided_by_the_baseline_of_the_same_repeat():
     assert "| zt_zero3 | 1.10 | - | 1.10 |" in text
     assert "| ddp's step (s) | 1.000 | 2.000 | |" in text
     assert "| zt_zero2 | 1.3500 | 0.90 |" in text  # the main table: median step 1.35, CPU column next
+
+
+def test_a_huge_page_suffix_sets_the_ranks_environment(monkeypatch):
+    from zerotrain.bench import gpt_bench
+
+    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "1")  # the driver's shell does not leak into a run
+    args = gpt_bench.parse_args(["--systems", "ddp+thp,zt_zero1+nothp,zt_zero2"])
+    assert gpt_bench.base_system("zt_pipe_m4+thp") == "zt_pipe_m4"
+    assert gpt_bench.base_system("zt_zero3_qwqg") == "zt_zero3_qwqg"
+    assert gpt_bench.child_env(args, "ddp+thp")["THP_MEM_ALLOC_ENABLE"] == "1"
+    assert gpt_bench.child_env(args, "zt_zero1+nothp")["THP_MEM_ALLOC_ENABLE"] == "0"
+    assert "THP_MEM_ALLOC_ENABLE" not in gpt_bench.child_env(args, "zt_zero2")
