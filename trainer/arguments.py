@@ -1,8 +1,10 @@
-"""The Trainer's argument checks and the callbacks Lightning adds for its arguments (``max_time``:
-a Timer; ``enable_model_summary``: a ModelSummary). Each error reads ``Trainer: field=value ...``."""
+"""The Trainer's argument checks, the callbacks Lightning adds for its arguments (``max_time``:
+a Timer; ``enable_model_summary``: a ModelSummary), ``fast_dev_run``'s settings and the default
+callbacks and loggers. Each error reads ``Trainer: field=value ...``."""
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from .errors import ConfigError
@@ -73,3 +75,47 @@ def lightning_callbacks(callbacks: list, max_time: Any, enable_model_summary: bo
     if enable_model_summary and not any(isinstance(c, ModelSummary) for c in callbacks):
         callbacks.append(ModelSummary())
     return callbacks
+
+
+def fast_dev_run_flags(trainer: Any, n: int, callbacks: list) -> list:
+    """Lightning's ``fast_dev_run=n``: n training batches (max_steps=n, one epoch), n batches of
+    every evaluation loader (unless ``overfit_batches`` sets them), no sanity check, validation
+    after the epoch, and no logging or checkpointing (a ModelCheckpoint given is dropped, as
+    Lightning's saves nothing then). Sets ``trainer``'s limits; returns the callbacks to keep."""
+    from ..callbacks.checkpoint import ModelCheckpoint
+
+    if not trainer.overfit_batches:
+        trainer.limit_train_batches = trainer.limit_val_batches = n
+    trainer.limit_test_batches = trainer.limit_predict_batches = n
+    trainer.max_steps, trainer.max_epochs = n, 1
+    trainer.num_sanity_val_steps, trainer.val_check_interval, trainer.check_val_every_n_epoch = 0, 1.0, 1
+    log.info("Running in fast_dev_run mode: will run the requested loop using %d batch(es). Logging and "
+             "checkpointing is suppressed.", n)
+    return [c for c in callbacks if not isinstance(c, ModelCheckpoint)]
+
+
+def default_callbacks(strategy: Any, root_dir: str, callbacks: list, checkpointing: bool, progress: bool) -> list:
+    """The callbacks the Trainer adds unless given: a ModelCheckpoint saving ``last`` under
+    ``root_dir/checkpoints``, a progress bar, and the strategy's comms logger when it asks for one."""
+    from ..callbacks.checkpoint import ModelCheckpoint
+    from ..callbacks.comms import comms_logger_for
+    from ..callbacks.progress import ProgressBar
+
+    if checkpointing and not any(isinstance(c, ModelCheckpoint) for c in callbacks):
+        default = ModelCheckpoint(dirpath=os.path.join(root_dir, "checkpoints"), save_last=True)
+        default.made_by_trainer = True
+        callbacks.append(default)
+    if progress and not any(isinstance(c, ProgressBar) for c in callbacks):
+        callbacks.append(ProgressBar())
+    return comms_logger_for(strategy, callbacks)  # strategy option comms_logger=True
+
+
+def make_loggers(root_dir: str, logger: Any) -> list:
+    """``Trainer(logger=)``: True is a TensorBoardLogger under ``root_dir/zerotrain_logs`` (as
+    Lightning's default), False/None none, else the logger or loggers given."""
+    if logger is False or logger is None:
+        return []
+    if logger is True:
+        from ..callbacks.tensorboard import TensorBoardLogger
+        return [TensorBoardLogger(os.path.join(root_dir, "zerotrain_logs"))]
+    return list(logger) if isinstance(logger, (list, tuple)) else [logger]

@@ -6,9 +6,14 @@ import inspect
 import logging
 from typing import TYPE_CHECKING, Any, Sequence
 
+import torch
+
 if TYPE_CHECKING:
     from ..callbacks.base import Callback
+    from .module import TrainModule
+    from .trainer import Trainer
 
+from .errors import ConfigError
 from .logging import hook_scope
 
 log = logging.getLogger(__name__)
@@ -116,3 +121,53 @@ def merge_callbacks(callbacks: list, extra: Any) -> list:
     merged = [cb for cb in callbacks if type(cb) not in replaced] + extra
     return ([cb for cb in merged if not isinstance(cb, ModelCheckpoint)]
             + [cb for cb in merged if isinstance(cb, ModelCheckpoint)])
+
+
+class BatchHooks:
+    """The Trainer's side of one ``Strategy.run_schedule`` call (``strategies.base.BatchHooks``):
+    checks the loss, keeps it for the progress bar and ``train_loss``, and fires the backward
+    hooks when the strategy calls them."""
+
+    def __init__(self, trainer: "Trainer", batch_idx: int) -> None:
+        self.trainer, self.batch_idx = trainer, batch_idx
+        self.accumulation = trainer.accumulate_grad_batches
+        self.loss: torch.Tensor | None = None
+        self.step_logged = False
+
+    def loss_of(self, out: Any) -> torch.Tensor:
+        loss = out["loss"] if isinstance(out, dict) else out
+        if not torch.is_tensor(loss):
+            raise ConfigError(f"training_step must return a loss tensor or a dict with 'loss'; "
+                              f"got {type(out).__name__}")
+        self.trainer._check_finite(loss, self.batch_idx)
+        if self.batch_idx % self.accumulation == 0:  # the first batch of an accumulation
+            self._before_zero_grad()
+        self.loss = loss
+        self.step_logged = self.trainer._train_logged  # by the step itself, not by the hooks after it
+        return loss
+
+    def _before_zero_grad(self) -> None:
+        """Lightning's ``on_before_zero_grad``, at Lightning's place: after the first training step
+        of an accumulation, before its backward. The strategies release the previous step's gradients
+        right after that step, so here they are already gone: the hook marks a new accumulation."""
+        t = self.trainer
+        t.hooks.both("on_before_zero_grad", t, t.module, t.optimizer)
+
+    def before_backward(self, loss: torch.Tensor) -> None:
+        t = self.trainer
+        t._tick("on_before_backward")
+        t.hooks.both("on_before_backward", t, t.module, loss)
+        t._tick("backward")
+
+    def after_backward(self) -> None:
+        t = self.trainer
+        t._tick("on_after_backward")
+        t.hooks.both("on_after_backward", t, t.module)
+
+
+def hook_owners(callbacks: list, module: "TrainModule | None") -> list[tuple[Any, type]]:
+    """Each object whose hooks the Trainer calls, with the base class whose no-ops it overrides."""
+    from ..callbacks.base import Callback
+    from .module import TrainModule
+
+    return [(cb, Callback) for cb in callbacks] + ([(module, TrainModule)] if module is not None else [])

@@ -13,20 +13,22 @@ import math
 import os
 import sys
 from datetime import timedelta
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
-from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
+from torch.utils.data import DataLoader
 
 from ..callbacks.base import Callback, Logger
 from ..strategies import Strategy, instrument, progress
 from ..strategies.environment import detect
 from . import checkpointing, elastic, hparams, job, signals
-from .arguments import check_limit, check_lightning_args, lightning_callbacks, positive_int
+from .arguments import (check_limit, check_lightning_args, default_callbacks, fast_dev_run_flags, lightning_callbacks,
+                        make_loggers, positive_int)
 from .errors import ConfigError
 from .evaluation import TrainerEvaluation, split_datamodule, to_device
-from .hooks import HookDispatcher, merge_callbacks, warn_not_called
+from .hooks import BatchHooks, HookDispatcher, hook_owners, merge_callbacks, warn_not_called
 from .launcher import LocalLauncher
+from .loaders import TrainerData, len_or_none, with_last
 from .logging import MetricsConnector, TrainerLogging, hook_scope
 from .datamodule import DataModule
 from .module import TrainModule
@@ -48,7 +50,7 @@ class NonFiniteLossError(FloatingPointError):
     """The training loss is inf or nan (``Trainer(on_nonfinite="raise")``, the default)."""
 
 
-class Trainer(TrainerEvaluation, TrainerLogging):
+class Trainer(TrainerData, TrainerEvaluation, TrainerLogging):
     def __init__(
         self,
         *,
@@ -96,7 +98,7 @@ class Trainer(TrainerEvaluation, TrainerLogging):
         starts from the same weights (strategies broadcast global rank 0's, and a model built in
         ``configure_model`` is built from rank 0's RNG state on every rank). The debugging and
         stopping arguments (``fast_dev_run`` ... ``detect_anomaly``) are Lightning's, see
-        ``_debug_flags`` and ``_stop_conditions``."""
+        ``arguments.fast_dev_run_flags`` and ``_done``."""
         accelerator = "cuda" if accelerator == "gpu" else accelerator  # Lightning's name for it
         if accelerator not in ("cpu", "cuda", "auto"):
             raise ConfigError(f"Trainer: accelerator={accelerator!r}; valid choices: cpu, cuda (or gpu), auto")
@@ -167,12 +169,13 @@ class Trainer(TrainerEvaluation, TrainerLogging):
         self.fast_dev_run = fast_dev_run
         callbacks = [callbacks] if isinstance(callbacks, Callback) else list(callbacks or [])
         if fast_dev_run:
-            callbacks, enable_checkpointing, logger = self._debug_flags(int(fast_dev_run), callbacks), False, False
+            callbacks, enable_checkpointing, logger = fast_dev_run_flags(self, int(fast_dev_run), callbacks), False, False
         if overfit_batches:
             self.limit_train_batches = self.limit_val_batches = overfit_batches
         callbacks = lightning_callbacks(callbacks, max_time, enable_model_summary)
-        self.callbacks = self._default_callbacks(callbacks, enable_checkpointing, enable_progress_bar)
-        self.loggers = self._make_loggers(logger)
+        self.callbacks = default_callbacks(self._strategy, self.default_root_dir, callbacks, enable_checkpointing,
+                                           enable_progress_bar)
+        self.loggers = make_loggers(self.default_root_dir, logger)
         self.hooks = HookDispatcher(self.callbacks)
         self.state = LoopState()
         self.should_stop = False  # a callback ends fit at the next step boundary (EarlyStopping, Timer)
@@ -373,30 +376,6 @@ class Trainer(TrainerEvaluation, TrainerLogging):
         if self.deterministic:
             torch.use_deterministic_algorithms(True)
 
-    def _setup_data(self, stage: str, datamodule: DataModule | None) -> None:
-        """Attach the datamodule (a later stage without one keeps the previous, as Lightning) and
-        run its ``prepare_data`` once per node (or once, ``prepare_data_per_node=False``) while
-        the other ranks wait, then its ``setup(stage)`` on every rank."""
-        if datamodule is not None:
-            self.datamodule = datamodule
-        dm = self.datamodule
-        if dm is None:
-            return
-        dm.trainer = self
-        s = self._strategy
-        if (s.local_rank if dm.prepare_data_per_node else s.global_rank) == 0:
-            dm.prepare_data()
-        s.barrier()
-        dm.setup(stage)
-        self._dm_stage = stage
-
-    _dm_stage: str | None = None
-
-    def _teardown_data(self, stage: str) -> None:
-        if self.datamodule is not None and self._dm_stage == stage:
-            self._dm_stage = None
-            self.datamodule.teardown(stage)
-
     def _configure_model(self, module: TrainModule) -> None:
         """``configure_model`` from global rank 0's torch RNG state on every rank, so a model
         built there (ZeRO-3 partitions it as it is built, and no rank holds it whole to
@@ -437,65 +416,6 @@ class Trainer(TrainerEvaluation, TrainerLogging):
 
     _optim: Optimization | None = None
 
-    def _prepare_loader(self, loader: Any, stage: str) -> Any:
-        """Put a DistributedSampler under map-style data, so each data-parallel rank sees its
-        share and the order is a pure function of (``data_seed``, epoch) - Lightning's sampler,
-        shuffled when the loader shuffles, ``set_epoch(epoch)`` every training epoch. A sampler of
-        the user's own is split over several ranks as Lightning's ``DistributedSamplerWrapper``
-        splits it (``job.SamplerShard``: the training one with its positions shuffled by
-        (``data_seed``, epoch), as Lightning's; on one process it is kept). Kept as given: not a
-        DataLoader, an iterable dataset, a ``batch_sampler`` of the user's own, or
-        ``use_distributed_sampler=False``. Where Lightning differs, a warning says so
-        (``_note_sampler_differences``)."""
-        if loader is None or not isinstance(loader, DataLoader) or not self.use_distributed_sampler:
-            return loader
-        if not job.shardable(loader):  # an iterable dataset (Lightning keeps it too) or the user's batch_sampler
-            self._note_own_batch_sampler(loader, stage)
-            return loader
-        builtin = isinstance(loader.sampler, (RandomSampler, SequentialSampler))
-        n_samples = len(loader.dataset) if builtin else _len_or_none(loader.sampler)
-        self._note_sampler_differences(stage, isinstance(loader.sampler, RandomSampler), n_samples, builtin)
-        return job.distributed_loader(loader, self._strategy, self.data_seed, custom_sampler_shuffle=stage == "fit")
-
-    def _note_sampler_differences(self, stage: str, shuffle: bool, n_samples: int | None, builtin: bool) -> None:
-        """Say (global rank 0) where this sampler differs from the one Lightning would inject,
-        never silently: Lightning shuffles every distributed training sampler, keeps the loader's
-        own (unsharded) sampler on one process, and splits predict data without repeating samples."""
-        world = self._strategy.data_parallel_world_size
-        if not self.is_global_zero:
-            return
-        if not builtin:
-            if world > 1 and stage == "fit":
-                log.info("the training DataLoader's own sampler is split over %d ranks as Lightning's "
-                         "DistributedSamplerWrapper does (its indices' positions shuffled by seed %d and the epoch); "
-                         "a run resumed mid-epoch continues exactly only if the sampler's order depends on "
-                         "set_epoch alone", world, self.data_seed)
-        elif stage == "fit" and not shuffle and world > 1:
-            log.warning("the training DataLoader does not shuffle: zerotrain keeps that order (each rank a "
-                        "strided share); Lightning would shuffle its DistributedSampler anyway (seed %d, "
-                        "set_epoch each epoch). Pass shuffle=True for Lightning's order", self.data_seed)
-        elif stage == "fit" and shuffle and world == 1:
-            log.info("one process: the shuffled training DataLoader's order comes from a DistributedSampler "
-                     "(seed %d, epoch), so a resumed run continues it exactly; Lightning keeps the loader's "
-                     "RandomSampler (global RNG) here", self.data_seed)
-        elif stage != "fit" and shuffle:
-            log.warning("the %s DataLoader shuffles: it is recommended that you turn shuffling off for "
-                        "evaluation (as Lightning warns)", stage)
-        if stage == "predict" and world > 1 and n_samples and n_samples % world:
-            log.warning("predict: %d samples on %d ranks: the DistributedSampler repeats %d sample(s) so every "
-                        "rank runs the same number of forwards (sharded strategies gather collectively); "
-                        "Lightning's predict sampler does not repeat them", n_samples, world,
-                        world - n_samples % world)
-
-    def _note_own_batch_sampler(self, loader: DataLoader, stage: str) -> None:
-        """A ``batch_sampler`` of the user's own on several ranks: kept, every rank iterating all of
-        it (Lightning re-creates it around a DistributedSampler). Said on global rank 0."""
-        if job.own_batch_sampler(loader) and self._strategy.data_parallel_world_size > 1 and self.is_global_zero:
-            log.warning("the %s DataLoader has its own batch_sampler (%s): zerotrain keeps it as given, so every "
-                        "rank iterates all of its batches; Lightning re-creates it around a DistributedSampler. "
-                        "Shard it yourself, or pass sampler= and batch_size= instead", stage,
-                        type(loader.batch_sampler).__name__)
-
     # ------------------------------------------------------------------ the loop
     def _fit_loop(self) -> None:
         st, module = self.state, self.module
@@ -503,7 +423,7 @@ class Trainer(TrainerEvaluation, TrainerLogging):
         n_batches = self._limit(loader, self.limit_train_batches)
         if n_batches == 0:
             raise ConfigError(f"Trainer.fit: the training loader has no batch (len(train_dataloader)="
-                              f"{_len_or_none(loader)}, limit_train_batches={self.limit_train_batches!r}): an "
+                              f"{len_or_none(loader)}, limit_train_batches={self.limit_train_batches!r}): an "
                               "epoch without a training step would never end the run")
         self.num_training_batches = n_batches
         val_every = self._val_every_steps(n_batches)
@@ -517,7 +437,7 @@ class Trainer(TrainerEvaluation, TrainerLogging):
             self._tick("on_train_epoch_start")
             self.hooks.both("on_train_epoch_start", self, module)
             batch_idx, cut = -1, False
-            for batch_idx, (batch, self.is_last_batch) in enumerate(_with_last(batches, n_batches)):
+            for batch_idx, (batch, self.is_last_batch) in enumerate(with_last(batches, n_batches)):
                 if batch_idx >= n_batches or self._done():
                     break
                 if batch_idx < skip:
@@ -578,7 +498,7 @@ class Trainer(TrainerEvaluation, TrainerLogging):
 
     def _train_micro_batch(self, batch: Any, batch_idx: int, last_micro: bool) -> bool | None:
         """One training batch: ``Strategy.run_schedule`` runs its forwards and backwards and calls
-        back the hooks it can honour (``_BatchHooks``): every strategy the loss check, the ordinary
+        back the hooks it can honour (``hooks.BatchHooks``): every strategy the loss check, the ordinary
         step also ``on_before_backward``/``on_after_backward``; a strategy running its own schedule
         (the pipeline) skips those two (its ``skipped_hooks``, warned about at fit start). Then the
         loss is logged as ``train_loss`` unless the step logged something, and on the last batch of
@@ -628,7 +548,7 @@ class Trainer(TrainerEvaluation, TrainerLogging):
     def _automatic_step(self, batch: Any, batch_idx: int, last_micro: bool) -> Any:
         """The batch's forwards and backwards through ``Strategy.run_schedule`` (see above)."""
         s = self._strategy
-        batch_hooks = _BatchHooks(self, batch_idx)
+        batch_hooks = BatchHooks(self, batch_idx)
         with (s.no_sync() if not last_micro else contextlib.nullcontext()), hook_scope(self, "training_step"):
             self._tick("training_step")
             self._train_logged = False
@@ -648,7 +568,7 @@ class Trainer(TrainerEvaluation, TrainerLogging):
         """A strategy that runs its own schedule never calls some hooks (``Strategy.skipped_hooks``):
         say once (global rank 0, first fit) which callbacks override one, so nothing is silently off."""
         skipped = set(self._strategy.skipped_hooks)
-        found = [f"{type(obj).__name__}.{hook}" for obj, base in _hook_owners(self.callbacks, self.module)
+        found = [f"{type(obj).__name__}.{hook}" for obj, base in hook_owners(self.callbacks, self.module)
                  for hook in sorted(skipped) if getattr(type(obj), hook, None) is not getattr(base, hook, None)]
         if found and self.is_global_zero:
             log.warning("strategy=%r: runs its own forward/backward schedule and never calls %s; these "
@@ -703,162 +623,9 @@ class Trainer(TrainerEvaluation, TrainerLogging):
         n = self.check_val_every_n_epoch
         return self.val_dataloader is not None and (n is None or (self.state.epoch + 1) % n == 0)
 
-    def _overfit(self, loader: Any) -> Any:
-        """``overfit_batches``: the same first batches every epoch, so the loader must not shuffle;
-        the injected DistributedSampler is made sequential (Lightning swaps in a sequential one)."""
-        if not self.overfit_batches or loader is None:
-            return loader
-        sampler = getattr(loader, "sampler", None)
-        if isinstance(sampler, (DistributedSampler, job.SamplerShard)):
-            if sampler.shuffle:
-                log.warning("overfit_batches=%r: the DataLoader shuffles; shuffling is turned off so every "
-                            "epoch sees the same batches (as Lightning)", self.overfit_batches)
-            sampler.shuffle = False
-        elif isinstance(sampler, RandomSampler):
-            raise ConfigError(f"Trainer: overfit_batches={self.overfit_batches!r} with a shuffling DataLoader "
-                              "kept as given (use_distributed_sampler=False); valid: a DataLoader with "
-                              "shuffle=False")
-        return loader
-
-    def _limit(self, loader: Any, limit: int | float | None) -> float:
-        try:
-            total = len(loader)
-        except TypeError:
-            total = math.inf
-        if limit is None:
-            return total
-        if isinstance(limit, float) and limit <= 1.0:
-            return max(1, int(total * limit)) if total != math.inf else math.inf
-        return min(total, int(limit))
-
-    def _val_every_steps(self, n_batches: float) -> int | None:
-        v = self.val_check_interval
-        if v is None or (isinstance(v, float) and v == 1.0):
-            return None
-        if isinstance(v, float):
-            if n_batches == math.inf:
-                raise ConfigError("val_check_interval as a fraction needs a loader with a length")
-            return max(1, int(n_batches * v / self.accumulate_grad_batches))
-        if self.check_val_every_n_epoch is not None and n_batches != math.inf and n_batches % v and \
-                self.is_global_zero:
-            log.warning("val_check_interval=%d counts global steps across epochs; Lightning (with "
-                        "check_val_every_n_epoch=%d) counts the batches of each epoch, which differs when an "
-                        "epoch (%d batches) is not a multiple of it", v, self.check_val_every_n_epoch, n_batches)
-        return int(v)
-
-    # ------------------------------------------------------------------ construction helpers
-    def _debug_flags(self, n: int, callbacks: list) -> list:
-        """Lightning's ``fast_dev_run=n``: n training batches (max_steps=n, one epoch), n batches of
-        every evaluation loader (unless ``overfit_batches`` sets them), no sanity check, validation
-        after the epoch, and no logging or checkpointing (a ModelCheckpoint given is dropped, as
-        Lightning's saves nothing then). Returns the callbacks to keep."""
-        from ..callbacks.checkpoint import ModelCheckpoint
-
-        if not self.overfit_batches:
-            self.limit_train_batches = self.limit_val_batches = n
-        self.limit_test_batches = self.limit_predict_batches = n
-        self.max_steps, self.max_epochs = n, 1
-        self.num_sanity_val_steps, self.val_check_interval, self.check_val_every_n_epoch = 0, 1.0, 1
-        log.info("Running in fast_dev_run mode: will run the requested loop using %d batch(es). Logging and "
-                 "checkpointing is suppressed.", n)
-        return [c for c in callbacks if not isinstance(c, ModelCheckpoint)]
-
-    def _default_callbacks(self, callbacks: list, checkpointing: bool, progress: bool) -> list:
-        from ..callbacks.checkpoint import ModelCheckpoint
-        from ..callbacks.comms import comms_logger_for
-        from ..callbacks.progress import ProgressBar
-
-        if checkpointing and not any(isinstance(c, ModelCheckpoint) for c in callbacks):
-            default = ModelCheckpoint(dirpath=os.path.join(self.default_root_dir, "checkpoints"), save_last=True)
-            default.made_by_trainer = True
-            callbacks.append(default)
-        if progress and not any(isinstance(c, ProgressBar) for c in callbacks):
-            callbacks.append(ProgressBar())
-        return comms_logger_for(self._strategy, callbacks)  # strategy option comms_logger=True
-
-    def _make_loggers(self, logger: Any) -> list[Logger]:
-        if logger is False or logger is None:
-            return []
-        if logger is True:
-            from ..callbacks.tensorboard import TensorBoardLogger
-            return [TensorBoardLogger(os.path.join(self.default_root_dir, "zerotrain_logs"))]
-        return list(logger) if isinstance(logger, (list, tuple)) else [logger]
-
     def _teardown(self) -> None:
         self._strategy.teardown()
         self._stage_teardown("fit")
         if self.is_global_zero:
             for lg in self.loggers:
                 lg.finalize("failed" if sys.exc_info()[0] is not None else "success")
-
-
-class _BatchHooks:
-    """The Trainer's side of one ``Strategy.run_schedule`` call (``strategies.base.BatchHooks``):
-    checks the loss, keeps it for the progress bar and ``train_loss``, and fires the backward
-    hooks when the strategy calls them."""
-
-    def __init__(self, trainer: Trainer, batch_idx: int) -> None:
-        self.trainer, self.batch_idx = trainer, batch_idx
-        self.accumulation = trainer.accumulate_grad_batches
-        self.loss: torch.Tensor | None = None
-        self.step_logged = False
-
-    def loss_of(self, out: Any) -> torch.Tensor:
-        loss = out["loss"] if isinstance(out, dict) else out
-        if not torch.is_tensor(loss):
-            raise ConfigError(f"training_step must return a loss tensor or a dict with 'loss'; "
-                              f"got {type(out).__name__}")
-        self.trainer._check_finite(loss, self.batch_idx)
-        if self.batch_idx % self.accumulation == 0:  # the first batch of an accumulation
-            self._before_zero_grad()
-        self.loss = loss
-        self.step_logged = self.trainer._train_logged  # by the step itself, not by the hooks after it
-        return loss
-
-    def _before_zero_grad(self) -> None:
-        """Lightning's ``on_before_zero_grad``, at Lightning's place: after the first training step
-        of an accumulation, before its backward. The strategies release the previous step's gradients
-        right after that step, so here they are already gone: the hook marks a new accumulation."""
-        t = self.trainer
-        t.hooks.both("on_before_zero_grad", t, t.module, t.optimizer)
-
-    def before_backward(self, loss: torch.Tensor) -> None:
-        t = self.trainer
-        t._tick("on_before_backward")
-        t.hooks.both("on_before_backward", t, t.module, loss)
-        t._tick("backward")
-
-    def after_backward(self) -> None:
-        t = self.trainer
-        t._tick("on_after_backward")
-        t.hooks.both("on_after_backward", t, t.module)
-
-
-def _hook_owners(callbacks: list, module: TrainModule | None) -> list[tuple[Any, type]]:
-    """Each object whose hooks the Trainer calls, with the base class whose no-ops it overrides."""
-    return [(cb, Callback) for cb in callbacks] + ([(module, TrainModule)] if module is not None else [])
-
-
-def _with_last(batches: Iterable, n_batches: float) -> Iterator[tuple[Any, bool]]:
-    """Each batch with whether it is the epoch's last: by count where the epoch's length is known,
-    else by fetching one batch ahead (as Lightning's prefetching fetcher does)."""
-    if n_batches != math.inf:
-        for i, batch in enumerate(batches):
-            yield batch, i + 1 == n_batches
-        return
-    it = iter(batches)
-    try:
-        ahead = next(it)
-    except StopIteration:
-        return
-    for batch in it:
-        yield ahead, False
-        ahead = batch
-    yield ahead, True
-
-
-def _len_or_none(loader: Any) -> int | None:
-    try:
-        return len(loader)
-    except TypeError:
-        return None

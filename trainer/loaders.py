@@ -1,0 +1,169 @@
+"""The Trainer's data: the datamodule's stages, the samplers put under each DataLoader, and the
+batch limits (a mixin of :class:`~.trainer.Trainer`; ``evaluation.py`` uses it for its stages too)."""
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Iterable, Iterator
+
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
+
+from . import job
+from .datamodule import DataModule
+from .errors import ConfigError
+
+log = logging.getLogger("zerotrain")
+
+
+class TrainerData:
+    """Where the Trainer's batches come from, and how many of them a stage runs."""
+
+    def _setup_data(self, stage: str, datamodule: DataModule | None) -> None:
+        """Attach the datamodule (a later stage without one keeps the previous, as Lightning) and
+        run its ``prepare_data`` once per node (or once, ``prepare_data_per_node=False``) while
+        the other ranks wait, then its ``setup(stage)`` on every rank."""
+        if datamodule is not None:
+            self.datamodule = datamodule
+        dm = self.datamodule
+        if dm is None:
+            return
+        dm.trainer = self
+        s = self._strategy
+        if (s.local_rank if dm.prepare_data_per_node else s.global_rank) == 0:
+            dm.prepare_data()
+        s.barrier()
+        dm.setup(stage)
+        self._dm_stage = stage
+
+    _dm_stage: str | None = None
+
+    def _teardown_data(self, stage: str) -> None:
+        if self.datamodule is not None and self._dm_stage == stage:
+            self._dm_stage = None
+            self.datamodule.teardown(stage)
+
+    def _prepare_loader(self, loader: Any, stage: str) -> Any:
+        """Put a DistributedSampler under map-style data, so each data-parallel rank sees its
+        share and the order is a pure function of (``data_seed``, epoch) - Lightning's sampler,
+        shuffled when the loader shuffles, ``set_epoch(epoch)`` every training epoch. A sampler of
+        the user's own is split over several ranks as Lightning's ``DistributedSamplerWrapper``
+        splits it (``job.SamplerShard``: the training one with its positions shuffled by
+        (``data_seed``, epoch), as Lightning's; on one process it is kept). Kept as given: not a
+        DataLoader, an iterable dataset, a ``batch_sampler`` of the user's own, or
+        ``use_distributed_sampler=False``. Where Lightning differs, a warning says so
+        (``_note_sampler_differences``)."""
+        if loader is None or not isinstance(loader, DataLoader) or not self.use_distributed_sampler:
+            return loader
+        if not job.shardable(loader):  # an iterable dataset (Lightning keeps it too) or the user's batch_sampler
+            self._note_own_batch_sampler(loader, stage)
+            return loader
+        builtin = isinstance(loader.sampler, (RandomSampler, SequentialSampler))
+        n_samples = len(loader.dataset) if builtin else len_or_none(loader.sampler)
+        self._note_sampler_differences(stage, isinstance(loader.sampler, RandomSampler), n_samples, builtin)
+        return job.distributed_loader(loader, self._strategy, self.data_seed, custom_sampler_shuffle=stage == "fit")
+
+    def _note_sampler_differences(self, stage: str, shuffle: bool, n_samples: int | None, builtin: bool) -> None:
+        """Say (global rank 0) where this sampler differs from the one Lightning would inject,
+        never silently: Lightning shuffles every distributed training sampler, keeps the loader's
+        own (unsharded) sampler on one process, and splits predict data without repeating samples."""
+        world = self._strategy.data_parallel_world_size
+        if not self.is_global_zero:
+            return
+        if not builtin:
+            if world > 1 and stage == "fit":
+                log.info("the training DataLoader's own sampler is split over %d ranks as Lightning's "
+                         "DistributedSamplerWrapper does (its indices' positions shuffled by seed %d and the epoch); "
+                         "a run resumed mid-epoch continues exactly only if the sampler's order depends on "
+                         "set_epoch alone", world, self.data_seed)
+        elif stage == "fit" and not shuffle and world > 1:
+            log.warning("the training DataLoader does not shuffle: zerotrain keeps that order (each rank a "
+                        "strided share); Lightning would shuffle its DistributedSampler anyway (seed %d, "
+                        "set_epoch each epoch). Pass shuffle=True for Lightning's order", self.data_seed)
+        elif stage == "fit" and shuffle and world == 1:
+            log.info("one process: the shuffled training DataLoader's order comes from a DistributedSampler "
+                     "(seed %d, epoch), so a resumed run continues it exactly; Lightning keeps the loader's "
+                     "RandomSampler (global RNG) here", self.data_seed)
+        elif stage != "fit" and shuffle:
+            log.warning("the %s DataLoader shuffles: it is recommended that you turn shuffling off for "
+                        "evaluation (as Lightning warns)", stage)
+        if stage == "predict" and world > 1 and n_samples and n_samples % world:
+            log.warning("predict: %d samples on %d ranks: the DistributedSampler repeats %d sample(s) so every "
+                        "rank runs the same number of forwards (sharded strategies gather collectively); "
+                        "Lightning's predict sampler does not repeat them", n_samples, world,
+                        world - n_samples % world)
+
+    def _note_own_batch_sampler(self, loader: DataLoader, stage: str) -> None:
+        """A ``batch_sampler`` of the user's own on several ranks: kept, every rank iterating all of
+        it (Lightning re-creates it around a DistributedSampler). Said on global rank 0."""
+        if job.own_batch_sampler(loader) and self._strategy.data_parallel_world_size > 1 and self.is_global_zero:
+            log.warning("the %s DataLoader has its own batch_sampler (%s): zerotrain keeps it as given, so every "
+                        "rank iterates all of its batches; Lightning re-creates it around a DistributedSampler. "
+                        "Shard it yourself, or pass sampler= and batch_size= instead", stage,
+                        type(loader.batch_sampler).__name__)
+
+    def _overfit(self, loader: Any) -> Any:
+        """``overfit_batches``: the same first batches every epoch, so the loader must not shuffle;
+        the injected DistributedSampler is made sequential (Lightning swaps in a sequential one)."""
+        if not self.overfit_batches or loader is None:
+            return loader
+        sampler = getattr(loader, "sampler", None)
+        if isinstance(sampler, (DistributedSampler, job.SamplerShard)):
+            if sampler.shuffle:
+                log.warning("overfit_batches=%r: the DataLoader shuffles; shuffling is turned off so every "
+                            "epoch sees the same batches (as Lightning)", self.overfit_batches)
+            sampler.shuffle = False
+        elif isinstance(sampler, RandomSampler):
+            raise ConfigError(f"Trainer: overfit_batches={self.overfit_batches!r} with a shuffling DataLoader "
+                              "kept as given (use_distributed_sampler=False); valid: a DataLoader with "
+                              "shuffle=False")
+        return loader
+
+    def _limit(self, loader: Any, limit: int | float | None) -> float:
+        try:
+            total = len(loader)
+        except TypeError:
+            total = math.inf
+        if limit is None:
+            return total
+        if isinstance(limit, float) and limit <= 1.0:
+            return max(1, int(total * limit)) if total != math.inf else math.inf
+        return min(total, int(limit))
+
+    def _val_every_steps(self, n_batches: float) -> int | None:
+        v = self.val_check_interval
+        if v is None or (isinstance(v, float) and v == 1.0):
+            return None
+        if isinstance(v, float):
+            if n_batches == math.inf:
+                raise ConfigError("val_check_interval as a fraction needs a loader with a length")
+            return max(1, int(n_batches * v / self.accumulate_grad_batches))
+        if self.check_val_every_n_epoch is not None and n_batches != math.inf and n_batches % v and \
+                self.is_global_zero:
+            log.warning("val_check_interval=%d counts global steps across epochs; Lightning (with "
+                        "check_val_every_n_epoch=%d) counts the batches of each epoch, which differs when an "
+                        "epoch (%d batches) is not a multiple of it", v, self.check_val_every_n_epoch, n_batches)
+        return int(v)
+
+
+def with_last(batches: Iterable, n_batches: float) -> Iterator[tuple[Any, bool]]:
+    """Each batch with whether it is the epoch's last: by count where the epoch's length is known,
+    else by fetching one batch ahead (as Lightning's prefetching fetcher does)."""
+    if n_batches != math.inf:
+        for i, batch in enumerate(batches):
+            yield batch, i + 1 == n_batches
+        return
+    it = iter(batches)
+    try:
+        ahead = next(it)
+    except StopIteration:
+        return
+    for batch in it:
+        yield ahead, False
+        ahead = batch
+    yield ahead, True
+
+def len_or_none(loader: Any) -> int | None:
+    try:
+        return len(loader)
+    except TypeError:
+        return None
