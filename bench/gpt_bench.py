@@ -132,8 +132,8 @@ ALL_SYSTEMS = DEFAULT_SYSTEMS + list(ZT_OPTIONS) + list(PIPE_SYSTEMS)
 #: a system's name may end in one of these: its ranks run with torch's ``THP_MEM_ALLOC_ENABLE``
 #: set to the value (transparent huge pages for allocations of 2 MiB and more). Without one the
 #: variable is removed from the ranks' environment, torch's default (off). Measured on model B
-#: (bench/RESULTS.md): faults per step fell 5-10x and every system got slower (zerotrain's by
-#: 16-28%), so zerotrain leaves it off
+#: (bench/RESULTS.md): faults per step fell 4.5-11x, CPU per step rose 10-25% in every system,
+#: and zerotrain's zero1 / zero3 got 19% / 28% slower, so zerotrain leaves it off
 HUGE_PAGE_SUFFIXES = {"+thp": "1", "+nothp": "0"}
 
 
