@@ -100,7 +100,7 @@ def _run_script(script: str, config: str, out: str, ckpt: str, flags: list[str])
     sys.argv = [script, "--deepspeed_config", config, "--out", out, "--ckpt", ckpt, *flags]
     runpy.run_path(script, run_name="__main__")
     import torch.distributed as dist
-    result = torch.load(f"{out}.{dist.get_rank()}.pt", weights_only=False)
+    result = torch.load(f"{out}.{dist.get_rank()}.pt", weights_only=True)
     result["client"] = {k: result["client"][k] for k in ("note", "at")}  # DeepSpeed adds its own keys
     return result
 
