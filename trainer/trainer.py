@@ -169,7 +169,8 @@ class Trainer(TrainerData, TrainerEvaluation, TrainerLogging):
         self.fast_dev_run = fast_dev_run
         callbacks = [callbacks] if isinstance(callbacks, Callback) else list(callbacks or [])
         if fast_dev_run:
-            callbacks, enable_checkpointing, logger = fast_dev_run_flags(self, int(fast_dev_run), callbacks), False, False
+            callbacks = fast_dev_run_flags(self, int(fast_dev_run), callbacks)
+            enable_checkpointing, logger = False, False
         if overfit_batches:
             self.limit_train_batches = self.limit_val_batches = overfit_batches
         callbacks = lightning_callbacks(callbacks, max_time, enable_model_summary)

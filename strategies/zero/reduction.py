@@ -15,8 +15,8 @@ on gloo beyond 2 ranks, ``ZeroConfig.resolved_reduce_mode``) cuts it at partitio
 sums each piece onto its owner only (a flat bucket's pieces are uneven, so this is the
 reduce-scatter that fits the contiguous layout: ``comm.reduce_to_owners``, on gloo one all-to-all
 that sends each piece only to its owner, into a pooled scratch buffer of the received copies, on
-NCCL one ``reduce`` per owner). A bucket mostly lies in one partition, so its bytes go one way: half what
-an all-reduce moves. Stage 2 lands the sum straight in its gradient partition while that is zeros
+NCCL one ``reduce`` per owner). A bucket mostly lies in one partition, so its bytes go one way:
+half what an all-reduce moves. Stage 2 lands the sum straight in its gradient partition while that is zeros
 (the first micro-batch; with 2 ranks on gloo the partition is the scratch);
 ``quantized`` (ZeRO++ qgZ, ``quantize_gradients``; stage 2 only) sends each owner its piece as
 block-wise int8 in one all-to-all, and the owner sums the pieces in fp32 (``quantized.py``).
