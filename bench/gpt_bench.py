@@ -36,6 +36,9 @@ Systems (``--systems``, a comma list; all by default):
   <system>+thp, <system>+nothp   any system with torch's THP_MEM_ALLOC_ENABLE=1 / 0 in its ranks'
                environment (transparent huge pages for allocations of 2 MiB and more); without a
                suffix the variable is removed (torch's default: off)
+  <system>+heap  any system with glibc's heap serving every allocation, none returned
+               (GLIBC_TUNABLES mmap_max=0 and trim_threshold=4 GiB in its ranks' environment;
+               without the suffix GLIBC_TUNABLES is removed)
 
 How it measures. The driver (this file, no ``--worker``) runs every system as its own ``torchrun
 --standalone --nproc_per_node 2`` job of this file's worker entry, with ``OMP_NUM_THREADS=1``
@@ -86,7 +89,7 @@ import torch
 from zerotrain.bench.common import (MODELS, OPTIM, WEIGHT_DECAY, ModelSpec, Record, build_gpt, make_adamw,
                                     make_batches, param_groups)
 from zerotrain.bench.gpt_report import PIPE_STAGES, RunSummary, render, summarise_run
-from zerotrain.bench.gpt_systems import (ALL_SYSTEMS, DEFAULT_SYSTEMS, HUGE_PAGE_SUFFIXES, PIPE_SYSTEMS, ZT_OPTIONS,
+from zerotrain.bench.gpt_systems import (ALL_SYSTEMS, DEFAULT_SYSTEMS, PIPE_SYSTEMS, SUFFIX_ENV, ZT_OPTIONS,
                                         ZT_STRATEGY, PipeSystem, base_system)
 
 BUCKET = 20_000_000  # elements; DeepSpeed's 5e8 default is GPU-sized (MACHINE_FACTS.md)
@@ -324,10 +327,9 @@ def child_env(args: argparse.Namespace, system: str = "") -> dict[str, str]:
     env = dict(os.environ)
     env.update(OMP_NUM_THREADS=str(args.threads), DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1",
                TORCH_EXTENSIONS_DIR=args.ext_dir)
-    env.pop("THP_MEM_ALLOC_ENABLE", None)
-    value = HUGE_PAGE_SUFFIXES.get(system[len(base_system(system)):])
-    if value is not None:
-        env["THP_MEM_ALLOC_ENABLE"] = value
+    for name in {name for values in SUFFIX_ENV.values() for name in values}:
+        env.pop(name, None)  # the driver's own settings do not leak into the systems' ranks
+    env.update(SUFFIX_ENV.get(system[len(base_system(system)):], {}))
     return env
 
 

@@ -1,5 +1,5 @@
 """gpt_bench's systems by name: the defaults, zerotrain's configured variants and pipelines, and
-the huge-page suffix any name may carry (``gpt_bench.py``'s docstring lists them for ``--help``)."""
+the environment suffix any name may carry (``gpt_bench.py``'s docstring lists them for ``--help``)."""
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -46,17 +46,21 @@ PIPE_SYSTEMS = {"zt_pipe_m4": PipeSystem(4), "zt_pipe_m8": PipeSystem(8), "zt_pi
                 "zt_pipe_zb_bal_m8": PipeSystem(8, balanced=True, schedule="zb_h1"),
                 "zt_pipe_zb_bal_m4": PipeSystem(4, balanced=True, schedule="zb_h1")}
 ALL_SYSTEMS = DEFAULT_SYSTEMS + list(ZT_OPTIONS) + list(PIPE_SYSTEMS)
-#: a system's name may end in one of these: its ranks run with torch's ``THP_MEM_ALLOC_ENABLE``
-#: set to the value (transparent huge pages for allocations of 2 MiB and more). Without one the
-#: variable is removed from the ranks' environment, torch's default (off). Measured on model B
-#: (bench/RESULTS.md): faults per step fell 4.5-11x, CPU per step rose 10-25% in every system,
-#: and zerotrain's zero1 / zero3 got 19% / 28% slower, so zerotrain leaves it off
-HUGE_PAGE_SUFFIXES = {"+thp": "1", "+nothp": "0"}
+#: a system's name may end in one of these: its ranks run with these environment variables set.
+#: ``+thp`` / ``+nothp``: torch's ``THP_MEM_ALLOC_ENABLE`` 1 / 0 (transparent huge pages for
+#: allocations of 2 MiB and more; without the suffix the variable is removed, torch's default:
+#: off). Measured on model B (bench/RESULTS.md): faults per step fell 4.5-11x, CPU per step rose
+#: 10-25% in every system, and zerotrain's zero1 / zero3 got 19% / 28% slower, so zerotrain leaves
+#: it off. ``+heap``: glibc serves every allocation from its heap and never returns freed memory
+#: (no ``mmap`` at all, no trimming; it overrides zerotrain's ``host_mmap_threshold``): what a
+#: rank gains when nothing is page-faulted twice, and what that costs in peak RSS
+SUFFIX_ENV = {"+thp": {"THP_MEM_ALLOC_ENABLE": "1"}, "+nothp": {"THP_MEM_ALLOC_ENABLE": "0"},
+              "+heap": {"GLIBC_TUNABLES": "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=4294967296"}}
 
 
 def base_system(name: str) -> str:
-    """``name`` without its huge-page suffix."""
-    for suffix in HUGE_PAGE_SUFFIXES:
+    """``name`` without its environment suffix."""
+    for suffix in SUFFIX_ENV:
         if name.endswith(suffix):
             return name[:-len(suffix)]
     return name

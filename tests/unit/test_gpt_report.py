@@ -49,13 +49,17 @@ def test_each_repeat_is_divided_by_the_baseline_of_the_same_repeat():
     assert "| zt_zero2 | 1.3500 | 0.90 |" in text  # the main table: median step 1.35, CPU column next
 
 
-def test_a_huge_page_suffix_sets_the_ranks_environment(monkeypatch):
+def test_an_environment_suffix_sets_the_ranks_environment(monkeypatch):
     from zerotrain.bench import gpt_bench
 
     monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "1")  # the driver's shell does not leak into a run
-    args = gpt_bench.parse_args(["--systems", "ddp+thp,zt_zero1+nothp,zt_zero2"])
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.mmap_max=0")
+    args = gpt_bench.parse_args(["--systems", "ddp+thp,zt_zero1+nothp,zt_zero2,zt_zero3+heap"])
     assert gpt_bench.base_system("zt_pipe_m4+thp") == "zt_pipe_m4"
     assert gpt_bench.base_system("zt_zero3_qwqg") == "zt_zero3_qwqg"
     assert gpt_bench.child_env(args, "ddp+thp")["THP_MEM_ALLOC_ENABLE"] == "1"
+    assert gpt_bench.base_system("zt_zero3+heap") == "zt_zero3"
+    assert "mmap_max=0" in gpt_bench.child_env(args, "zt_zero3+heap")["GLIBC_TUNABLES"]
     assert gpt_bench.child_env(args, "zt_zero1+nothp")["THP_MEM_ALLOC_ENABLE"] == "0"
     assert "THP_MEM_ALLOC_ENABLE" not in gpt_bench.child_env(args, "zt_zero2")
+    assert "GLIBC_TUNABLES" not in gpt_bench.child_env(args, "zt_zero2")
