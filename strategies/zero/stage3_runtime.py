@@ -15,7 +15,9 @@ Events and what they do (``u`` is a unit, see ``unit.py``):
 * ``pre_backward(u)`` (the first gradient reaches an output of ``u``): gather ``u`` again and
   prefetch the units expected next in backward. ``post_backward(u)`` (gradients reached ``u``'s
   inputs): once every forward call of ``u`` in this step has been backpropagated, reduce its
-  gradients asynchronously into its gradient partition and free it.
+  gradients asynchronously into its gradient partition and free it. The flat gradient the
+  reduction sends is ``u``'s own gathered buffer, whose values backward no longer needs (when the
+  dtypes agree): no pooled buffer, and its memory is returned when the reduction lands.
 * ``before_backward``: prefetch the units backward needs first. Until ``after_backward``, gathers
   read the node's copy (``hierarchical_partition``, hpZ) where the forward left one.
 * ``after_backward``: reduce what is left (the root, persistent parameters, units whose inputs
@@ -264,8 +266,16 @@ class Stage3Runtime:
             return
         u.in_backward = False
         if u.has_grads():
-            u.reduce_grads(self.options.reduce_mode, self.pool, self.queue, self.group)
+            u.reduce_grads(self.options.reduce_mode, self.pool, self.queue, self.group,
+                           in_full=self._reduce_in_full(u))
         self._free(u)
+
+    def _reduce_in_full(self, u: Unit) -> bool:
+        """Whether ``u``'s gradients can be gathered into its own gathered buffer (its backward
+        is done with the values): the same dtype as the reduction's, and a buffer of its own
+        (not offload's file mapping that is the master itself)."""
+        return (not u.persistent and u.full.dtype == self.pool.dtype and u.state is ShardState.UNSHARDED
+                and not getattr(u, "mapped_full", False))
 
     def after_backward(self, sync: bool) -> None:
         """End of ``loss.backward()``: reduce what is left, wait for every reduction, free all.

@@ -36,7 +36,7 @@ from torch import nn
 
 from .comm import (BufferPool, all_gather_into, all_reduce_sum, gather_to, reduce_scatter_scratch,
                    reduce_scatter_sum)
-from .inflight import InFlight, InFlightQueue
+from .inflight import InFlight, InFlightQueue, Work
 from .layout import GroupLayout
 from .quantized import Quantization, exact_gather
 
@@ -78,6 +78,9 @@ def cast_gather(full: torch.Tensor, mine: torch.Tensor, group: object = None):
 
 
 class Unit:
+    #: a reduction in flight reads this unit's ``full`` (``reduce_grads(in_full=True)``)
+    reducing_in_full = False
+
     def __init__(self, index: int, name: str, params: Sequence[nn.Parameter], names: Sequence[str],
                  layout: GroupLayout, rank: int, dtype: torch.dtype, reduce_dtype: torch.dtype,
                  device: torch.device, persistent: bool = False,
@@ -170,6 +173,8 @@ class Unit:
         ``secondary``: from the node's copy (hpZ) when it holds this step's values."""
         if self.state is not ShardState.SHARDED:
             return False
+        if self.reducing_in_full:  # the last backward's reduction still reads ``full``
+            self.inflight.wait(Work.BUCKETS)
         self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
         if secondary and self.secondary_valid:
             handles, keep, arrive = exact_gather(self.full, self.secondary, self.node_group)
@@ -231,7 +236,8 @@ class Unit:
             p.data = placeholder(p.shape, self.dtype, self.device)
 
     def _free(self) -> None:
-        self.full.untyped_storage().resize_(0)
+        if not self.reducing_in_full:  # else the reduction's landing frees it
+            self.full.untyped_storage().resize_(0)
 
     # ------------------------------------------------------------------ values
     def load_full(self, flat: torch.Tensor) -> None:
@@ -281,7 +287,8 @@ class Unit:
             return 0
         return max(self.hi - self.lo, reduce_scatter_scratch(self.layout.padded_numel, group))
 
-    def reduce_grads(self, mode: str, pool: BufferPool, queue: InFlightQueue, group: object = None) -> None:
+    def reduce_grads(self, mode: str, pool: BufferPool, queue: InFlightQueue, group: object = None,
+                     in_full: bool = False) -> None:
         """Collective: sum every rank's gradients of this unit, keep my partition (averaged) and
         add it to ``grad``. The gradients are copied into a pooled flat buffer and ``p.grad`` is
         freed at once; the reduction is pushed to ``queue`` (it completes while backward goes on).
@@ -289,15 +296,26 @@ class Unit:
         ``comm.reduce_scatter_sum``) or ``quantized`` (qgZ: every rank's int8 copy of my
         partition through an all-to-all, summed here in fp32). A reduce-scatter whose scratch
         fits one partition (2 ranks on gloo, or none needed), and qgZ's fp32 sum, land in ``grad``
-        itself while ``grad_clean``: the pool's tail is not touched and no add follows."""
+        itself while ``grad_clean``: the pool's tail is not touched and no add follows.
+        ``in_full``: the gradients are gathered into ``full`` itself, whose values the unit's
+        backward has finished with (ZeRO-3's post-backward, when the dtypes agree), instead of a
+        pooled buffer: memory already touched, none taken. ``full``'s memory is then returned when
+        the reduction lands (:meth:`_free` leaves it until then), and a gather of the unit waits
+        for that first."""
         layout, world = self.layout, self.layout.world_size
         n, part = layout.padded_numel, self.hi - self.lo
         # into ``grad`` itself while it is zeros: no pooled piece to land in, no add afterwards
         direct = (self.grad_clean and self.grad_sink is None and self.grad.dtype == pool.dtype
                   and (mode == "reduce_scatter" and reduce_scatter_scratch(n, group) <= part
                        or mode == "quantized" and self.grad.dtype == torch.float32))
-        space = pool.acquire(n + (0 if direct else self.reduce_space(mode, group)))
-        flat = space[:n]
+        extra = 0 if direct else self.reduce_space(mode, group)
+        if in_full:
+            space = pool.acquire(extra) if extra else None
+            flat, tail = self.full[:n], space
+            self.reducing_in_full = True
+        else:
+            space = pool.acquire(n + extra)
+            flat, tail = space[:n], space[n:]
         for p, span in zip(self.params, layout.spans):
             dst = flat[span.offset:span.end]
             if p.grad is None:
@@ -314,8 +332,8 @@ class Unit:
         elif mode == "all_reduce":
             handles, mine = (all_reduce_sum(flat, group),), flat[self.lo:self.hi]
         elif mode == "reduce_scatter":
-            mine = space[n:n + part]  # gloo: the all-to-all lands from here on, summed into mine
-            handles = (reduce_scatter_sum(mine, flat, group, scratch=space[n:]),)
+            mine = tail[:part]  # gloo: the all-to-all lands from here on, summed into mine
+            handles = (reduce_scatter_sum(mine, flat, group, scratch=tail),)
         elif mode == "quantized":
             pieces = [(lo, hi - lo) for lo, hi in map(layout.partition_range, range(world))]
             handles, keep, summed = self.quant.reduce(flat, pieces, self.rank, group,
@@ -330,9 +348,15 @@ class Unit:
                 self.grad_sink(self, reduced)
             elif not direct:  # direct: the sum landed in ``grad`` itself
                 self.grad.add_(reduced)
-            pool.release(space)
+            if space is not None:
+                pool.release(space)
+            if in_full:
+                self.reducing_in_full = False
+                if self.state is ShardState.SHARDED:
+                    self._free()
 
-        queue.push(InFlight(handles, (space, *keep), add_mine, f"zero3 reduce {self.name or 'root'}"))
+        buffers = (flat,) + ((space,) if space is not None else ()) + tuple(keep)
+        queue.push(InFlight(handles, buffers, add_mine, f"zero3 reduce {self.name or 'root'}"))
 
     # ------------------------------------------------------------------ memory
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:

@@ -522,12 +522,18 @@ def test_hugging_face_gpt2_matches_single_process(tmp_path_factory):
     assert res["units"][1:3] == ["model.transformer.h.0", "model.transformer.h.1"]
     assert_params_close(res["params"], lm_reference(2, accum=2, hf=True))
     # gloo's reduce-scatter ("auto"): while a unit's gradient partition is zeros (the first
-    # micro-batch), its all-to-all lands in the partition itself and the pool gives only the flat
-    # gradient; once it holds a sum (the second) the piece lands in the pool after the gradient
+    # micro-batch), its all-to-all lands in the partition itself; once it holds a sum (the
+    # second) the piece lands in the pool. A block's flat gradient is its own gathered buffer
+    # (its backward is done with the values): the pool gives a block nothing in the first
+    # micro-batch and only the piece in the second. The root, reduced after backward, takes its
+    # flat gradient from the pool, and the piece after it in the second micro-batch
     assert res["mode"] == "reduce_scatter"
     flats, withpiece = {n for n, _ in res["sizes"]}, {n + part for n, part in res["sizes"]}
+    pieces = {part for _, part in res["sizes"]}
     assert res["taken"][0] and set(res["taken"][0]) <= flats, res
-    assert res["taken"][1] and set(res["taken"][1]) <= withpiece, res
+    assert len(res["taken"][0]) == 1, res  # the root only
+    assert set(res["taken"][1]) <= pieces | withpiece and len(res["taken"][1]) == 3, res
+    assert sum(t in withpiece for t in res["taken"][1]) == 1, res  # the root's flat and piece
 
 
 def test_hard_cases_match_single_process(tmp_path_factory):
