@@ -147,7 +147,7 @@ def _pl_fit(tmp_path, module, datamodule=None):
                          enable_checkpointing=False, accelerator="cpu", devices=1, default_root_dir=str(tmp_path))
     trainer.fit(module, datamodule=datamodule)
     trainer.save_checkpoint(str(tmp_path / "pl.ckpt"))
-    return rec, csv, torch.load(tmp_path / "pl.ckpt", weights_only=False)
+    return rec, csv, torch.load(tmp_path / "pl.ckpt", weights_only=True)
 
 
 def _zt_fit(tmp_path, module, datamodule=None):
