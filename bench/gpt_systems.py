@@ -9,7 +9,9 @@ DEFAULT_SYSTEMS = ["ddp", "fsdp2_zero2", "fsdp2", "ds_zero1", "ds_zero2", "ds_ze
 #: systems under a configured strategy rather than the name's defaults (only when named):
 #: ``_reuse`` keeps half the model gathered from forward to backward, ``_lean`` none (the
 #: default "auto" keeps what a quarter of the free memory holds), ``_glibc`` leaves glibc's
-#: sliding mmap threshold (``_mm32``: at glibc's 32 MiB maximum), ``_ovl`` overlaps the
+#: sliding mmap threshold (``_mm32``: at glibc's 32 MiB maximum), ``_nocache`` runs without the
+#: host allocator cache (``host_cache_min_bytes=0``; ``_s64``: the cache may keep 64 MiB above
+#: the peak, also ``_s32``, ``_s128``), ``_ovl`` overlaps the
 #: post-step all-gathers with the next forward,
 #: ``_rs`` / ``_ar`` reduce gradients by reduce-scatter (on gloo an all-to-all) / all-reduce,
 #: ``_qwqg`` is ZeRO++ (int8 weight gathers and gradient reductions; losses then differ slightly)
@@ -19,6 +21,9 @@ ZT_OPTIONS = {"zt_zero3_reuse": lambda spec: {"max_reuse_distance": spec.num_par
               "zt_zero2_glibc": lambda spec: {"host_mmap_threshold": 0},
               "zt_zero1_glibc": lambda spec: {"host_mmap_threshold": 0},
               **{f"zt_zero{k}_mm32": lambda spec: {"host_mmap_threshold": 32 << 20} for k in (1, 2, 3)},
+              **{f"zt_zero{k}_nocache": lambda spec: {"host_cache_min_bytes": 0} for k in (1, 2, 3)},
+              **{f"zt_zero{k}_s{m}": (lambda spec, m=m: {"host_cache_slack_bytes": m << 20})
+                 for k in (1, 2, 3) for m in (32, 64, 128)},
               "zt_zero1_ovl": lambda spec: {"overlap_param_gather": True},
               "zt_zero2_ovl": lambda spec: {"overlap_param_gather": True},
               "zt_zero3_qwqg": lambda spec: {"quantize_weights": True, "quantize_gradients": True},

@@ -9,7 +9,8 @@ strategy's options), and a callback reads the minor page faults (pages touched f
 time) of rank 0's main thread and of its whole process, its wall time and its main thread's CPU
 time, at each phase boundary: forward, backward, optimizer step. The warm-up steps are left out;
 the figures are means per step. Where a step's faults come from is what gpt_bench's
-"faults/step" column cannot say.
+"faults/step" column cannot say. Under a ZeRO stage a last line gives the host cache's hits,
+misses and evictions per step (``ops/host_cache.py``): every miss is a block faulted in afresh.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import time
 import torch
 
 from zerotrain.bench.common import MODELS, build_gpt, make_adamw, make_batches
+from zerotrain.ops import host_cache
 
 COLUMNS = ("faults main (k)", "faults process (k)", "wall ms", "main CPU ms")
 
@@ -80,6 +82,8 @@ def main() -> None:
     class Phases(Callback):
         def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
             last["step"] = batch_idx
+            if batch_idx == args.warmup:
+                last["cache"] = host_cache.stats()
             mark("batch start")
 
         def on_before_backward(self, trainer, module, loss) -> None:
@@ -104,6 +108,12 @@ def main() -> None:
         print(f"| phase | {' | '.join(COLUMNS)} |\n|---|{'---|' * len(COLUMNS)}")
         for phase, row in list(totals.items()) + [("step", [sum(c) for c in zip(*totals.values())])]:
             print(f"| {phase} | {' | '.join(f'{v / args.steps:.1f}' for v in row)} |")
+        before, after = last.get("cache"), host_cache.stats()
+        if before and after and after["installed"]:
+            per_step = {k: (after[k] - before[k]) / args.steps for k in ("hits", "misses", "evicted")}
+            print("host cache per step: {hits:.1f} hits, {misses:.1f} misses, {evicted:.1f} evicted; ".format(**per_step)
+                  + f"at the end {after['live_bytes'] / 2**20:.1f} MiB in use, {after['cached_bytes'] / 2**20:.1f} "
+                  f"MiB kept, high-water mark {after['peak_bytes'] / 2**20:.1f} MiB")
 
 
 if __name__ == "__main__":

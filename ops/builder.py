@@ -154,7 +154,15 @@ QUANTIZE_CUDA = OpSpec(
     fallback="zerotrain.ops.quantize_reference",
 )
 
-ALL_OPS = (CPU_ADAM, FUSED_ADAM_CUDA, QUANTIZE, QUANTIZE_CUDA)
+HOST_CACHE = OpSpec(
+    name="zerotrain_host_cache",
+    sources=("csrc/host_cache/host_cache.cpp",),
+    cflags=("-O2",),
+    build_estimate_s=45,
+    fallback="torch's own CPU allocator (zerotrain.ops.host_cache)",
+)
+
+ALL_OPS = (CPU_ADAM, FUSED_ADAM_CUDA, QUANTIZE, QUANTIZE_CUDA, HOST_CACHE)
 
 
 @dataclass
@@ -503,6 +511,12 @@ def load_error(spec: OpSpec) -> Optional[str]:
     return cached.error if cached is not None else None
 
 
+def loaded_module(spec: OpSpec) -> Optional[ModuleType]:
+    """The op if this process has already loaded it, else None (never builds)."""
+    cached = _CACHE.get(spec.name)
+    return cached.module if cached is not None else None
+
+
 def build_dir_of(spec: OpSpec) -> str:
     cached = _CACHE.get(spec.name)
     if cached is not None and cached.build_dir:
@@ -522,6 +536,10 @@ def cpu_adam_module() -> Optional[ModuleType]:
 
 def quantize_module() -> Optional[ModuleType]:
     return load_op(QUANTIZE)
+
+
+def host_cache_module() -> Optional[ModuleType]:
+    return load_op(HOST_CACHE)
 
 
 def build_all() -> dict[str, str]:

@@ -105,7 +105,7 @@ def _op_lines(spec: builder.OpSpec, policy: str) -> list[str]:
         f"  built      {'yes' if built else 'no'}",
         f"  toolchain  {missing or 'ok'}",
     ]
-    if not spec.cuda:
+    if not spec.cuda and spec.isa_env is not None:  # a SIMD kernel (the host cache has one path)
         supported, selected, source = cpu_isas(), None, "predicted from /proc/cpuinfo"
         if built:
             try:
@@ -114,7 +114,7 @@ def _op_lines(spec: builder.OpSpec, policy: str) -> list[str]:
                 selected = module.selected_isa("")
             except Exception as exc:  # noqa: BLE001 - e.g. a bad $ZEROTRAIN_ADAM_ISA
                 selected = f"error: {builder._first_line(str(exc))}"
-        lines.append(f"  ISA        {_isa_line(supported, selected, source, spec.isa_env or ISA_ENV)}")
+        lines.append(f"  ISA        {_isa_line(supported, selected, source, spec.isa_env)}")
     lines.append(f"  would use  {uses}")
     return lines
 

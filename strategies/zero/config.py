@@ -56,10 +56,19 @@ class ZeroConfig:
     #: 8 MiB: the 118M GPT's peak RSS per rank 0.11 GB lower at no measured cost; 1 MiB saved
     #: 0.2 GB but cost ~10% of the step in page faults. 0: glibc's own sliding threshold
     host_mmap_threshold: int = 8 << 20
+    #: on a CPU rank, keep freed host blocks of at least this many bytes for the next allocation
+    #: of the same size, never holding more than the rank's own peak (``ops/host_cache.py``;
+    #: compiled, else torch's allocator). 0 turns it off
+    host_cache_min_bytes: int = 1 << 20
+    #: bytes the host cache may keep above that peak, so that blocks freed before the step's peak
+    #: and needed after it are kept too (fewer page faults, up to this much more peak RSS)
+    host_cache_slack_bytes: int = 0
 
     def __post_init__(self) -> None:
         for f in ("partition_alignment", "quantize_block_size"):
             object.__setattr__(self, f, whole_number("ZeRO", f, getattr(self, f), 1))
+        for f in ("host_cache_min_bytes", "host_cache_slack_bytes"):
+            object.__setattr__(self, f, whole_number("ZeRO", f, getattr(self, f), 0))
         object.__setattr__(self, "host_mmap_threshold",
                            whole_number("ZeRO", "host_mmap_threshold", self.host_mmap_threshold, 0))
         if self.host_mmap_threshold > MAX_MMAP_THRESHOLD:

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from ..base import PROCESS_GROUP_TIMEOUT_S, ParamShard, ShardReader, Strategy
+from ...ops import host_cache
 from ..host_memory import set_mmap_threshold
 from ..memory import count_bytes
 from ..optimizers import group_indices
@@ -146,6 +147,8 @@ class ZeroStrategy(Strategy):
         this rank, before the model is built."""
         super().setup_environment()
         set_mmap_threshold(self.config.host_mmap_threshold)
+        if self.device.type == "cpu" and self.config.host_cache_min_bytes:
+            host_cache.enable(self.config.host_cache_min_bytes, self.config.host_cache_slack_bytes)
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         assert self.module is not None, "setup_module must run before setup_optimizer"
@@ -182,6 +185,7 @@ class ZeroStrategy(Strategy):
         self._slot_groups = [gi for gi, g in enumerate(self.optimizer.param_groups) for _ in g["params"]]
         self.stepper.log_setup(self.sharded, self.stage) if self.is_global_zero else None
         self._log_memory("at setup (optimizer state is allocated by the first step)")
+        host_cache.empty()  # set-up's transient blocks: training's own peak bounds the cache
 
     @contextlib.contextmanager
     def no_sync(self):

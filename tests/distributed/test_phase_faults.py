@@ -1,6 +1,7 @@
 """bench/phase_faults.py on 2 real gloo processes: the table has a row per phase of the step, and
 its 'step' row is the sum of the phases (the diagnostic's own arithmetic), with the forward and
-backward carrying the time. No assertion on speed or on a fault count."""
+backward carrying the time; and that the strategy's host cache served blocks in the timed steps.
+No assertion on speed or on a fault count."""
 from __future__ import annotations
 
 import os
@@ -12,11 +13,11 @@ def test_phase_table_adds_up(tmp_path):
     scale = float(os.environ.get("ZEROTRAIN_TEST_TIMEOUT_SCALE", "1"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            "-m", "zerotrain.bench.phase_faults", "--strategy", "zero3", "--model", "tiny_untied",
-           "--steps", "2", "--warmup", "1", "--options", '{"max_reuse_distance": 0}']
+           "--steps", "2", "--warmup", "1", "--options", '{"max_reuse_distance": 0, "host_cache_min_bytes": 4096}']
     proc = subprocess.run(cmd, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)},
                           capture_output=True, text=True, timeout=180 * scale)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    assert "zero3 {'max_reuse_distance': 0}, 2 ranks" in proc.stdout
+    assert "zero3 {'max_reuse_distance': 0, 'host_cache_min_bytes': 4096}, 2 ranks" in proc.stdout
     rows = {}
     for line in proc.stdout.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
@@ -27,3 +28,6 @@ def test_phase_table_adds_up(tmp_path):
     for i in range(4):  # each printed to 0.1: the sum within rounding
         assert abs(sum(p[i] for p in parts) - rows["step"][i]) <= 0.05 * len(parts) + 1e-9
     assert rows["forward -> forward end"][2] > 0 and rows["backward -> backward end"][2] > 0
+    # the strategy put the host cache in front of torch's allocator, and the timed steps reuse it
+    cache = next(line for line in proc.stdout.splitlines() if line.startswith("host cache per step: "))
+    assert float(cache.split(": ")[1].split(" hits")[0]) > 0, cache

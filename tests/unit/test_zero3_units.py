@@ -85,6 +85,8 @@ def test_optimizer_runs_cut_a_partition_by_param_group():
     ({"max_reuse_distance": -1}, "max_reuse_distance=-1"),
     ({"host_mmap_threshold": -1}, "host_mmap_threshold=-1"),
     ({"host_mmap_threshold": 64 << 20}, "host_mmap_threshold=67108864 exceeds glibc's limit; valid: 0"),
+    ({"host_cache_min_bytes": -1}, "host_cache_min_bytes=-1"),
+    ({"host_cache_slack_bytes": 1.5}, "host_cache_slack_bytes=1.5"),
 ])
 def test_stage3_options_are_validated(kw, match):
     with pytest.raises((TypeError, ValueError), match=match):
@@ -95,6 +97,7 @@ def test_zero3_is_registered_and_configurable():
     s = strategy_from_name("zero3")
     assert isinstance(s, ZeroStage3) and s.stage3.prefetch_bucket_size == 10_000_000
     assert s.stage3.max_reuse_distance == "auto" and s.config.host_mmap_threshold == 8 << 20
+    assert s.config.host_cache_min_bytes == 1 << 20 and s.config.host_cache_slack_bytes == 0
     assert Stage3Config(max_live_parameters=1e9).max_live_parameters == 10**9
     from hydra import compose, initialize_config_module
     from omegaconf import OmegaConf

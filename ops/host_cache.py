@@ -1,0 +1,47 @@
+"""A host allocator cache that never raises a rank's peak memory (csrc/host_cache/host_cache.cpp).
+
+:func:`enable` puts the compiled cache in front of torch's CPU allocator for blocks of at least
+``min_bytes``: a freed block is kept, keyed by its exact size, and the next allocation of that size
+takes it back with its pages already mapped. A training step repeats the same large allocations
+every step, so after the first step they stop costing page faults. The cache frees its oldest
+blocks whenever keeping them would take the large blocks in use plus those kept above the most
+ever in use at once, so the rank's peak stays what it was without the cache.
+
+Without the compiled op (no compiler, ``ZEROTRAIN_BUILD_OPS=0``) :func:`enable` returns False and
+torch's own allocator stays, after the builder's one warning.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from . import builder
+
+
+def _module():  # noqa: ANN202 - the compiled module or None
+    return builder.host_cache_module()
+
+
+def enable(min_bytes: int, slack_bytes: int = 0) -> bool:
+    """Cache freed host blocks of at least ``min_bytes``, holding at most ``slack_bytes`` above the
+    high-water mark of the blocks in use; False where the op is unavailable."""
+    module = _module()
+    return bool(module is not None and module.install(int(min_bytes), int(slack_bytes)))
+
+
+def disable() -> None:
+    """Restore the allocator that was there before and free every kept block."""
+    module = builder.loaded_module(builder.HOST_CACHE)
+    if module is not None:
+        module.uninstall()
+
+
+def empty() -> int:
+    """Free every kept block and restart the high-water mark; the bytes freed (0 if not loaded)."""
+    module = builder.loaded_module(builder.HOST_CACHE)
+    return int(module.empty()) if module is not None else 0
+
+
+def stats() -> Optional[dict[str, int]]:
+    """Counters (hits, misses, evicted) and bytes (live, cached, peak); None if not loaded."""
+    module = builder.loaded_module(builder.HOST_CACHE)
+    return dict(module.stats()) if module is not None else None

@@ -1,0 +1,134 @@
+"""The host allocator cache (csrc/host_cache/host_cache.cpp, zerotrain/ops/host_cache.py).
+
+It replaces torch's CPU allocator for the whole process, so every case runs in a fresh Python
+subprocess. Checked: a freed block comes back for the next allocation of its size (same address,
+no new page faults); the kept bytes never take the large blocks in use plus those kept above the
+high-water mark (plus the slack); small blocks, raw allocations and a fork still work; results
+of ops are unchanged; `empty()` and `disable()` hand everything back.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from zerotrain.ops import builder
+
+from native_ops import load_native  # tests/kernels/ is on sys.path (conftest)
+
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    load_native(builder.HOST_CACHE)  # builds it here once (or skips without a toolchain)
+
+
+def run(body: str, timeout: float = 120) -> dict:
+    """Run ``body`` in a fresh interpreter with ``cache`` (zerotrain.ops.host_cache) imported; it
+    prints one JSON object last, which is returned."""
+    code = "import json, os, resource, torch\nfrom zerotrain.ops import host_cache as cache\n" + textwrap.dedent(body)
+    scale = float(os.environ.get("ZEROTRAIN_TEST_TIMEOUT_SCALE", "1"))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout * scale,
+                          env={**os.environ, "ZEROTRAIN_BUILD_OPS": "1", "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_a_freed_block_is_reused_without_new_page_faults():
+    out = run("""
+        faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        def churn():  # 20 fresh 32 MiB tensors, each written in full
+            before = faults()
+            for _ in range(20):
+                t = torch.ones(8 << 20)
+                del t
+            return faults() - before
+        plain = churn()
+        assert cache.enable(1 << 20)
+        a = torch.empty(8 << 20); ptr = a.data_ptr(); del a
+        b = torch.empty(8 << 20); same = b.data_ptr() == ptr; del b
+        cached = churn()
+        print(json.dumps({"plain": plain, "cached": cached, "same": same, **cache.stats()}))
+    """)
+    assert out["installed"] == 1 and out["same"]
+    assert out["plain"] >= 20 * 8192 * 0.9  # each fresh 32 MiB faults its 8192 pages
+    assert out["cached"] < out["plain"] / 10, out
+    assert out["hits"] >= 21 and out["misses"] == 1
+
+
+@pytest.mark.parametrize("slack", [0, 3 * MiB])
+def test_kept_bytes_stay_within_the_high_water_mark(slack):
+    out = run(f"""
+        import random
+        assert cache.enable(1 << 20, {slack})
+        rng = random.Random(0)
+        held, worst, peak_seen = [], 0, 0
+        for i in range(3000):
+            if held and (rng.random() < 0.5 or len(held) > 12):
+                held.pop(rng.randrange(len(held)))
+            else:
+                held.append(torch.empty(rng.choice([1, 2, 3, 5, 8]) << 20, dtype=torch.uint8))
+            s = cache.stats()
+            peak_seen = max(peak_seen, s["live_bytes"])
+            assert s["peak_bytes"] == peak_seen, (s, peak_seen)
+            worst = max(worst, s["live_bytes"] + s["cached_bytes"] - s["peak_bytes"])
+        print(json.dumps({{"worst": worst, **cache.stats()}}))
+    """)
+    assert out["worst"] <= slack, out  # live + kept never above the high-water mark + slack
+    assert out["hits"] > 1000 and out["evicted"] > 0 and out["slack_bytes"] == slack
+
+
+def test_ops_small_blocks_raw_allocations_and_fork_work_unchanged():
+    out = run("""
+        torch.manual_seed(0)
+        x, w = torch.randn(512, 4096), torch.randn(4096, 1024)
+        def work():  # gelu frees through the allocator's raw deleter; small and large blocks mixed
+            y = torch.nn.functional.gelu(x @ w)
+            return [y.sum().item(), torch.log_softmax(y, -1).sum().item(), torch.randn(7).sum().item()]
+        torch.manual_seed(1); plain = work()
+        assert cache.enable(1 << 20)
+        torch.manual_seed(1); first = work()
+        torch.manual_seed(1); second = work()
+        small = torch.empty(1000); stats = cache.stats()
+        pid = os.fork()
+        if pid == 0:  # the child allocates through the inherited cache
+            t = torch.ones(4 << 20); os._exit(0 if t.sum().item() == 4 << 20 else 3)
+        _, status = os.waitpid(pid, 0)
+        print(json.dumps({"plain": plain, "first": first, "second": second, "child": status, **stats}))
+    """)
+    assert out["first"] == out["plain"] and out["second"] == out["plain"]
+    assert out["child"] == 0 and out["hits"] > 0
+
+
+def test_empty_and_uninstall_hand_everything_back():
+    out = run("""
+        assert cache.enable(1 << 20)
+        for _ in range(3):
+            t = torch.empty(4 << 20); u = torch.empty(2 << 20); del t, u
+        kept = cache.stats()["cached_bytes"]
+        freed = cache.empty()
+        after_empty = cache.stats()
+        v = torch.empty(4 << 20)  # in use across the uninstall: freed, not kept, afterwards
+        cache.disable()
+        w = torch.empty(4 << 20); del v, w
+        print(json.dumps({"kept": kept, "freed": freed, "after_empty": after_empty, **cache.stats()}))
+    """)
+    assert out["kept"] == 24 * MiB and out["freed"] == out["kept"]
+    assert out["after_empty"]["cached_bytes"] == 0 and out["after_empty"]["peak_bytes"] == 0
+    assert out["installed"] == 0 and out["cached_bytes"] == 0 and out["live_bytes"] == 0
+
+
+def test_without_the_compiled_op_torch_keeps_its_allocator():
+    env = {**os.environ, "ZEROTRAIN_BUILD_OPS": "0"}
+    code = ("import json, torch\nfrom zerotrain.ops import host_cache as cache\n"
+            "ok = cache.enable(1 << 20); t = torch.ones(4 << 20)\n"
+            "print(json.dumps({'enabled': ok, 'stats': cache.stats(), 'sum': t.sum().item()}))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out == {"enabled": False, "stats": None, "sum": float(4 << 20)}
