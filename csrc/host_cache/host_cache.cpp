@@ -19,15 +19,20 @@
 // across the peak, so those sizes are allocated afresh every step. `empty()` hands everything
 // back and restarts the high-water mark (a strategy calls it when its set-up is done).
 //
-// Blocks below `min_bytes` go to the allocator that was installed before (torch's default), with
-// its own deleter; so do all blocks while the cache is not installed.
+// Blocks of at least `min_bytes` are anonymous mappings of their own (mmap), so a block the cache
+// lets go of leaves the rank's resident memory at once and the bound holds for what the OS counts
+// (from glibc's heap, a freed block can stay resident; measured on the 118M GPT's zero3: peak RSS
+// 1.99 GB through glibc, 1.91 GB with mappings, 1.94 GB without the cache). Smaller blocks go to
+// the allocator that was installed before (torch's default), with its own deleter; so do all
+// blocks while the cache is not installed.
 #include <torch/extension.h>
 
 #include <c10/core/CPUAllocator.h>
-#include <c10/core/impl/alloc_cpu.h>
-
 #include <pthread.h>
+#include <sys/mman.h>
 
+#include <cerrno>
+#include <cstring>
 #include <atomic>
 #include <cstdint>
 #include <list>
@@ -37,6 +42,24 @@
 #include <vector>
 
 namespace {
+
+using Block = std::pair<size_t, void*>;  // (bytes, address)
+
+// Large blocks get their own anonymous mapping, so a block the cache lets go of (munmap) really
+// leaves the rank's resident memory; from glibc's heap it could stay resident there, and the
+// bound below would not hold for what the OS counts.
+void* map_block(size_t n) {
+  void* p = mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  TORCH_CHECK_WITH(OutOfMemoryError, p != MAP_FAILED, "zerotrain host cache: can't allocate memory: you tried to "
+                   "allocate ", n, " bytes (mmap: ", std::strerror(errno), ")");
+  return p;
+}
+
+void unmap_blocks(const std::vector<Block>& blocks) {
+  for (const Block& b : blocks) {
+    munmap(b.second, b.first);
+  }
+}
 
 class HostCache final : public c10::Allocator {
  public:
@@ -50,7 +73,7 @@ class HostCache final : public c10::Allocator {
       return previous_->allocate(n);
     }
     void* p = nullptr;
-    std::vector<void*> evicted;
+    std::vector<Block> evicted;
     {
       std::lock_guard<std::mutex> guard(mu_);
       auto it = by_size_.find(n);
@@ -70,11 +93,9 @@ class HostCache final : public c10::Allocator {
         }
       }
     }
-    for (void* e : evicted) {
-      c10::free_cpu(e);
-    }
+    unmap_blocks(evicted);
     if (p == nullptr) {
-      p = c10::alloc_cpu(n);  // throws on failure; nothing recorded yet
+      p = map_block(n);  // throws on failure; nothing recorded yet
     }
     {
       std::lock_guard<std::mutex> guard(mu_);
@@ -109,7 +130,7 @@ class HostCache final : public c10::Allocator {
   }
 
   void uninstall() {
-    std::vector<void*> freed;
+    std::vector<Block> freed;
     {
       std::lock_guard<std::mutex> guard(mu_);
       if (installed_ && previous_ != nullptr) {
@@ -120,13 +141,11 @@ class HostCache final : public c10::Allocator {
         freed.push_back(take_oldest());
       }
     }
-    for (void* e : freed) {
-      c10::free_cpu(e);
-    }
+    unmap_blocks(freed);
   }
 
   int64_t empty() {
-    std::vector<void*> freed;
+    std::vector<Block> freed;
     int64_t bytes = 0;
     {
       std::lock_guard<std::mutex> guard(mu_);
@@ -136,9 +155,7 @@ class HostCache final : public c10::Allocator {
       }
       peak_ = live_;  // the next phase sets its own high-water mark
     }
-    for (void* e : freed) {
-      c10::free_cpu(e);
-    }
+    unmap_blocks(freed);
     return bytes;
   }
 
@@ -167,6 +184,7 @@ class HostCache final : public c10::Allocator {
   void give_back(void* p) {
     enum { kKept, kFree, kForeign } what = kFree;
     c10::DeleterFnPtr foreign = nullptr;
+    size_t n = 0;
     {
       std::lock_guard<std::mutex> guard(mu_);
       auto it = sizes_.find(p);
@@ -176,7 +194,7 @@ class HostCache final : public c10::Allocator {
         what = kForeign;
         foreign = previous_ != nullptr ? previous_->raw_deleter() : nullptr;
       } else {
-        const size_t n = it->second;
+        n = it->second;
         sizes_.erase(it);
         live_ -= n;
         if (installed_) {
@@ -191,12 +209,12 @@ class HostCache final : public c10::Allocator {
       TORCH_CHECK(foreign != nullptr, "zerotrain host cache: a block it did not allocate, and no deleter for it");
       foreign(p);
     } else if (what == kFree) {
-      c10::free_cpu(p);
+      munmap(p, n);
     }
   }
 
-  // With mu_ held: drop the oldest kept block from the books and return it (to be freed unlocked).
-  void* take_oldest() {
+  // With mu_ held: drop the oldest kept block from the books and return it (to be unmapped unlocked).
+  Block take_oldest() {
     auto pos = aged_.begin();
     const size_t n = pos->first;
     void* p = pos->second;
@@ -213,7 +231,7 @@ class HostCache final : public c10::Allocator {
     aged_.erase(pos);
     cached_ -= n;
     ++evicted_;
-    return p;
+    return {n, p};
   }
 
   std::mutex mu_;

@@ -143,8 +143,9 @@ class ZeroStrategy(Strategy):
 
     # ------------------------------------------------------------------ set-up
     def setup_environment(self) -> None:
-        """The process group, then the host allocator's threshold (``host_mmap_threshold``) on
-        this rank, before the model is built."""
+        """The process group, then the host allocator's threshold (``host_mmap_threshold``) and,
+        on a CPU rank, the host cache (``host_cache_min_bytes``) on this rank, before the model is
+        built."""
         super().setup_environment()
         set_mmap_threshold(self.config.host_mmap_threshold)
         if self.device.type == "cpu" and self.config.host_cache_min_bytes:
