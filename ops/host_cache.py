@@ -17,14 +17,10 @@ from typing import Optional
 from . import builder
 
 
-def _module():  # noqa: ANN202 - the compiled module or None
-    return builder.host_cache_module()
-
-
 def enable(min_bytes: int, slack_bytes: int = 0) -> bool:
     """Cache freed host blocks of at least ``min_bytes``, holding at most ``slack_bytes`` above the
     high-water mark of the blocks in use; False where the op is unavailable."""
-    module = _module()
+    module = builder.host_cache_module()  # builds it on first use
     return bool(module is not None and module.install(int(min_bytes), int(slack_bytes)))
 
 

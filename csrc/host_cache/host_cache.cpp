@@ -31,10 +31,10 @@
 #include <pthread.h>
 #include <sys/mman.h>
 
-#include <cerrno>
-#include <cstring>
 #include <atomic>
+#include <cerrno>
 #include <cstdint>
+#include <cstring>
 #include <list>
 #include <mutex>
 #include <unordered_map>
@@ -72,7 +72,6 @@ class HostCache final : public c10::Allocator {
     if (n < min_bytes_.load(std::memory_order_relaxed) || !installed_.load(std::memory_order_relaxed)) {
       return previous_->allocate(n);
     }
-    void* p = nullptr;
     std::vector<Block> evicted;
     {
       std::lock_guard<std::mutex> guard(mu_);
@@ -80,32 +79,23 @@ class HostCache final : public c10::Allocator {
       if (it != by_size_.end() && !it->second.empty()) {
         auto pos = it->second.back();  // the most recently freed block of this size
         it->second.pop_back();
-        p = pos->second;
+        void* p = pos->second;
         aged_.erase(pos);
         cached_ -= n;
         ++hits_;
-      } else {
-        ++misses_;
-        const size_t need = live_ + n;
-        const size_t limit = (need > peak_ ? need : peak_) + slack_;
-        while (cached_ > 0 && need + cached_ > limit) {
-          evicted.push_back(take_oldest());
-        }
+        return in_use(p, n);
+      }
+      ++misses_;
+      const size_t need = live_ + n;
+      const size_t limit = (need > peak_ ? need : peak_) + slack_;
+      while (cached_ > 0 && need + cached_ > limit) {
+        evicted.push_back(take_oldest());
       }
     }
     unmap_blocks(evicted);
-    if (p == nullptr) {
-      p = map_block(n);  // throws on failure; nothing recorded yet
-    }
-    {
-      std::lock_guard<std::mutex> guard(mu_);
-      sizes_[p] = n;
-      live_ += n;
-      if (live_ > peak_) {
-        peak_ = live_;
-      }
-    }
-    return {p, p, &HostCache::release, c10::Device(c10::DeviceType::CPU)};
+    void* p = map_block(n);  // throws on failure; nothing recorded yet
+    std::lock_guard<std::mutex> guard(mu_);
+    return in_use(p, n);
   }
 
   c10::DeleterFnPtr raw_deleter() const override {
@@ -211,6 +201,16 @@ class HostCache final : public c10::Allocator {
     } else if (what == kFree) {
       munmap(p, n);
     }
+  }
+
+  // With mu_ held: book `p` (n bytes) as in use and hand it out.
+  c10::DataPtr in_use(void* p, size_t n) {
+    sizes_[p] = n;
+    live_ += n;
+    if (live_ > peak_) {
+      peak_ = live_;
+    }
+    return {p, p, &HostCache::release, c10::Device(c10::DeviceType::CPU)};
   }
 
   // With mu_ held: drop the oldest kept block from the books and return it (to be unmapped unlocked).

@@ -28,13 +28,13 @@ def built():
     load_native(builder.HOST_CACHE)  # builds it here once (or skips without a toolchain)
 
 
-def run(body: str, timeout: float = 120) -> dict:
-    """Run ``body`` in a fresh interpreter with ``cache`` (zerotrain.ops.host_cache) imported; it
-    prints one JSON object last, which is returned."""
+def run(body: str, timeout: float = 120, build_ops: str = "1") -> dict:
+    """Run ``body`` in a fresh interpreter with ``cache`` (zerotrain.ops.host_cache) imported, under
+    ``ZEROTRAIN_BUILD_OPS=build_ops``; it prints one JSON object last, which is returned."""
     code = "import json, os, resource, torch\nfrom zerotrain.ops import host_cache as cache\n" + textwrap.dedent(body)
     scale = float(os.environ.get("ZEROTRAIN_TEST_TIMEOUT_SCALE", "1"))
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout * scale,
-                          env={**os.environ, "ZEROTRAIN_BUILD_OPS": "1", "OMP_NUM_THREADS": "1"})
+                          env={**os.environ, "ZEROTRAIN_BUILD_OPS": build_ops, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -105,7 +105,7 @@ def test_ops_small_blocks_raw_allocations_and_fork_work_unchanged():
     assert out["child"] == 0 and out["hits"] > 0
 
 
-def test_empty_and_uninstall_hand_everything_back():
+def test_empty_and_disable_hand_everything_back():
     out = run("""
         assert cache.enable(1 << 20)
         for _ in range(3):
@@ -113,7 +113,7 @@ def test_empty_and_uninstall_hand_everything_back():
         kept = cache.stats()["cached_bytes"]
         freed = cache.empty()
         after_empty = cache.stats()
-        v = torch.empty(4 << 20)  # in use across the uninstall: freed, not kept, afterwards
+        v = torch.empty(4 << 20)  # in use across disable(): freed, not kept, afterwards
         cache.disable()
         w = torch.empty(4 << 20); del v, w
         print(json.dumps({"kept": kept, "freed": freed, "after_empty": after_empty, **cache.stats()}))
@@ -124,11 +124,8 @@ def test_empty_and_uninstall_hand_everything_back():
 
 
 def test_without_the_compiled_op_torch_keeps_its_allocator():
-    env = {**os.environ, "ZEROTRAIN_BUILD_OPS": "0"}
-    code = ("import json, torch\nfrom zerotrain.ops import host_cache as cache\n"
-            "ok = cache.enable(1 << 20); t = torch.ones(4 << 20)\n"
-            "print(json.dumps({'enabled': ok, 'stats': cache.stats(), 'sum': t.sum().item()}))")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = run("""
+        ok = cache.enable(1 << 20); t = torch.ones(4 << 20)
+        print(json.dumps({"enabled": ok, "stats": cache.stats(), "sum": t.sum().item()}))
+    """, timeout=60, build_ops="0")
     assert out == {"enabled": False, "stats": None, "sum": float(4 << 20)}
