@@ -26,15 +26,15 @@ from .arguments import (check_limit, check_lightning_args, default_callbacks, fa
                         make_loggers, positive_int)
 from .errors import ConfigError
 from .evaluation import TrainerEvaluation, split_datamodule, to_device
-from .hooks import BatchHooks, HookDispatcher, hook_owners, merge_callbacks, warn_not_called
+from .hooks import BatchHooks, HookDispatcher, hook_owners
 from .launcher import LocalLauncher
 from .loaders import TrainerData, len_or_none, with_last
 from .logging import MetricsConnector, TrainerLogging, hook_scope
 from .datamodule import DataModule
 from .module import TrainModule
-from .optimization import Optimization
+from .setup import TrainerSetup
 from .state import LoopState
-from .utilities import GLOBAL_SEED_ENV, seed_rngs
+from .utilities import GLOBAL_SEED_ENV
 from .watchdog import ProgressWatchdog, make_watchdog
 
 log = logging.getLogger("zerotrain")
@@ -50,7 +50,7 @@ class NonFiniteLossError(FloatingPointError):
     """The training loss is inf or nan (``Trainer(on_nonfinite="raise")``, the default)."""
 
 
-class Trainer(TrainerData, TrainerEvaluation, TrainerLogging):
+class Trainer(TrainerData, TrainerEvaluation, TrainerLogging, TrainerSetup):
     def __init__(
         self,
         *,
@@ -325,97 +325,6 @@ class Trainer(TrainerData, TrainerEvaluation, TrainerLogging):
         if dm is not None and getattr(type(dm), hook) is not getattr(DataModule, hook):
             return getattr(dm, hook)()
         return getattr(self.module, hook)()
-
-    # ------------------------------------------------------------------ set-up
-    def _setup(self, module: TrainModule, stage: str = "fit", datamodule: DataModule | None = None) -> None:
-        """Connect the processes, attach the data (``prepare_data``, ``setup(stage)``), then build
-        the model and optimizer under the strategy. A Trainer is set up once, for one module;
-        later stages only attach their data."""
-        if self._ready:
-            if module is not self.module:
-                raise ConfigError(f"Trainer.{stage}: this Trainer is set up for {type(self.module).__name__} "
-                                  f"(one module per Trainer); got another {type(module).__name__}: use a new "
-                                  "Trainer, or model=None")
-            self._setup_data(stage, datamodule)
-            self._stage_setup(stage)
-            return
-        if not isinstance(module, TrainModule):
-            raise ConfigError(f"Trainer.{stage}: expected a TrainModule, got {type(module).__name__}")
-        self._connect()
-        self._setup_data(stage, datamodule)
-        s = self._strategy
-        self.module = module
-        module._trainer = self
-        self.hooks.callbacks = self.callbacks = merge_callbacks(self.callbacks, module.configure_callbacks())
-        if self.is_global_zero:
-            warn_not_called(module)
-        self._stage_setup(stage)
-        self._configure_model(module)
-        s.setup_module(module)
-        self._configure_optimizers(module)
-        s.setup_optimizer(self.optimizer)
-        self._ready = True
-
-    _hooked_stage: str | None = None  # the stage whose setup hooks ran: its teardown hooks are due
-
-    def _stage_setup(self, stage: str) -> None:
-        """Lightning's ``setup(stage)`` on every stage: the callbacks', then the module's."""
-        self.hooks.both("setup", self, self.module, stage)
-        self._hooked_stage = stage
-
-    def _stage_teardown(self, stage: str) -> None:
-        """``teardown(stage)`` (callbacks', then the module's) for a stage whose setup hooks ran."""
-        if self._hooked_stage == stage:
-            self._hooked_stage = None
-            self.hooks.both("teardown", self, self.module, stage)
-
-    def _connect(self) -> None:
-        self._launcher = job.join_job(self._strategy, self.precision_plugin, self.accelerator, self.devices,
-                                      self.num_nodes)
-        if self.seed is not None:  # as Lightning: only a seed the user asked for
-            seed_rngs(self.seed)
-        if self.deterministic:
-            torch.use_deterministic_algorithms(True)
-
-    def _configure_model(self, module: TrainModule) -> None:
-        """``configure_model`` from global rank 0's torch RNG state on every rank, so a model
-        built there (ZeRO-3 partitions it as it is built, and no rank holds it whole to
-        broadcast) is one model even when the user seeded ranks differently; the rank's own
-        stream is restored afterwards. Ranks whose states already agree are left untouched."""
-        s = self._strategy
-        if not s.distributed:
-            s.configure_model(module)
-            return
-        own = torch.get_rng_state()
-        first = s.broadcast(own)
-        if torch.equal(first, own):
-            s.configure_model(module)
-            return
-        torch.set_rng_state(first)
-        try:
-            s.configure_model(module)
-        finally:
-            torch.set_rng_state(own)
-
-    def _configure_optimizers(self, module: TrainModule) -> None:
-        """``configure_optimizers`` read as Lightning reads it (``trainer/optimization.py``); the
-        strategy gets one optimizer, or an ``OptimizerSet`` of several (manual optimization)."""
-        self._optim = Optimization(self, module)
-        self.optimizer, self.lr_scheduler = self._optim.held, self._optim.scheduler
-        self.lr_scheduler_interval = self._optim.schedulers[0].interval if self._optim.schedulers else "step"
-
-    @property
-    def optimizers(self) -> list[torch.optim.Optimizer]:
-        """The optimizers ``configure_optimizers`` returned (Lightning's ``trainer.optimizers``)."""
-        return list(self._optim.optimizers) if self._optim is not None else []
-
-    @property
-    def lr_scheduler_configs(self) -> list:
-        """Each scheduler with its interval, frequency, monitor and name (Lightning's
-        ``trainer.lr_scheduler_configs``; ``trainer/optimization.py`` ``SchedulerConfig``)."""
-        return list(self._optim.schedulers) if self._optim is not None else []
-
-    _optim: Optimization | None = None
 
     # ------------------------------------------------------------------ the loop
     def _fit_loop(self) -> None:
