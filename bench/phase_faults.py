@@ -10,7 +10,8 @@ time) of rank 0's main thread and of its whole process, its wall time and its ma
 time, at each phase boundary: forward, backward, optimizer step. The warm-up steps are left out;
 the figures are means per step. Where a step's faults come from is what gpt_bench's
 "faults/step" column cannot say. Under a ZeRO stage a last line gives the host cache's hits,
-misses and evictions per step (``ops/host_cache.py``): every miss is a block faulted in afresh.
+misses and evictions per step, and the MiB it mapped afresh (``ops/host_cache.py``): a miss takes
+pages kept from other sizes, so only those fresh MiB are faulted in.
 """
 from __future__ import annotations
 
@@ -110,8 +111,9 @@ def main() -> None:
             print(f"| {phase} | {' | '.join(f'{v / args.steps:.1f}' for v in row)} |")
         before, after = last.get("cache"), host_cache.stats()
         if before and after and after["installed"]:
-            per_step = {k: (after[k] - before[k]) / args.steps for k in ("hits", "misses", "evicted")}
-            print("host cache per step: {hits:.1f} hits, {misses:.1f} misses, {evicted:.1f} evicted; ".format(**per_step)
+            per_step = {k: (after[k] - before[k]) / args.steps for k in ("hits", "misses", "evicted", "fresh_bytes")}
+            print("host cache per step: {hits:.1f} hits, {misses:.1f} misses, {evicted:.1f} evicted, "
+                  "{fresh:.1f} MiB mapped afresh; ".format(fresh=per_step.pop("fresh_bytes") / 2**20, **per_step)
                   + f"at the end {after['live_bytes'] / 2**20:.1f} MiB in use, {after['cached_bytes'] / 2**20:.1f} "
                   f"MiB kept, high-water mark {after['peak_bytes'] / 2**20:.1f} MiB")
 

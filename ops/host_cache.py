@@ -1,11 +1,12 @@
 """A host allocator cache that never raises a rank's peak memory (csrc/host_cache/host_cache.cpp).
 
 :func:`enable` puts the compiled cache in front of torch's CPU allocator for blocks of at least
-``min_bytes``: a freed block is kept, keyed by its exact size, and the next allocation of that size
-takes it back with its pages already mapped. A training step repeats the same large allocations
-every step, so after the first step they stop costing page faults. The cache frees its oldest
-blocks whenever keeping them would take the large blocks in use plus those kept above the most
-ever in use at once, so the rank's peak stays what it was without the cache.
+``min_bytes``: a freed block is kept, and the next large allocations take its pages: a kept block of
+their size, else the first pages of a larger one, else pages moved from kept blocks into a new
+mapping (``mremap``). Fresh pages are mapped only where the kept ones run out, that is when the
+blocks in use reach a new high, so after a training step's first pass its allocations stop costing
+page faults. The large blocks in use plus those kept never exceed the most ever in use at once
+(plus the slack), so the rank's peak stays what it was without the cache.
 
 Without the compiled op (no compiler, ``ZEROTRAIN_BUILD_OPS=0``) :func:`enable` returns False and
 torch's own allocator stays, after the builder's one warning.
@@ -38,6 +39,7 @@ def empty() -> int:
 
 
 def stats() -> Optional[dict[str, int]]:
-    """Counters (hits, misses, evicted) and bytes (live, cached, peak); None if not loaded."""
+    """Counters (hits, misses, carved, assembled, evicted) and bytes (live, cached, peak, fresh:
+    mapped afresh); None if not loaded."""
     module = builder.loaded_module(builder.HOST_CACHE)
     return dict(module.stats()) if module is not None else None

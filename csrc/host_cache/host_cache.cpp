@@ -1,23 +1,29 @@
-// A host (CPU) allocator that keeps large freed blocks for the next request of the same size,
-// without ever holding more than the rank's own high-water mark.
+// A host (CPU) allocator that keeps large freed blocks and hands their pages to the next large
+// allocations, without ever holding more than the rank's own high-water mark.
 //
-// A training step allocates and frees the same large tensors in the same order every step:
-// activations, their gradients, each parameter's gradient, ZeRO-3's gathered units, the logits.
-// glibc hands each freed block of at least its mmap threshold back to the OS, and serves smaller
-// ones from a heap that fragments, so every step touches fresh pages again (tens of thousands of
-// page faults per step on a 21M GPT; see bench/RESULTS.md). This allocator sits in front of
-// torch's CPU allocator (c10::SetCPUAllocator) and keeps every freed block of at least
-// `min_bytes`, keyed by its exact size; the next allocation of that size takes it back, pages
-// already mapped.
+// A training step allocates and frees the same large tensors every step: activations, their
+// gradients, each parameter's gradient, ZeRO-3's gathered units, the logits. glibc hands each
+// freed block of at least its mmap threshold back to the OS, and serves smaller ones from a heap
+// that fragments, so every step touches fresh pages again (tens of thousands of page faults per
+// step on a 21M GPT; see bench/RESULTS.md). This allocator sits in front of torch's CPU allocator
+// (c10::SetCPUAllocator) and keeps every freed block of at least `min_bytes`. An allocation takes,
+// in this order:
+//   - a kept block of its size (in pages), the most recently freed one: a hit;
+//   - else the first pages of the smallest larger kept block, whose rest stays kept (carved);
+//   - else a new mapping into which the largest kept blocks move their pages (mremap: the page
+//     tables change hands, nothing is copied or faulted), fresh pages only where they run out
+//     (assembled).
+// So pages are faulted in only when the blocks in use reach a new high, not when the sizes of a
+// step's allocations differ from those freed before them.
 //
 // The bound. Let `live` be the bytes of large blocks in use, `peak` the most `live` has ever been,
-// and `cached` the bytes kept. A free moves bytes from live to cached; a hit moves them back; a
-// miss first frees the oldest kept blocks while live + n + cached exceeds max(peak, live + n) +
-// `slack`. So live + cached never exceeds the high-water mark of live plus `slack`: with no slack
-// the cache never raises a rank's peak memory, it only keeps what the rank already needed at its
-// peak. The price of no slack: a block freed before the peak and needed after it cannot be kept
-// across the peak, so those sizes are allocated afresh every step. `empty()` hands everything
-// back and restarts the high-water mark (a strategy calls it when its set-up is done).
+// and `cached` the bytes kept. A free moves bytes from live to cached; an allocation moves kept
+// pages back to live and maps fresh ones only for what the kept ones lack, so live + cached never
+// exceeds the high-water mark of live. An assembled block takes pages from at most kMaxSegs
+// mappings; if that leaves pages kept, the oldest kept blocks are freed while live + n + cached
+// would exceed max(peak, live + n) + `slack`. With no slack the cache never raises a rank's peak
+// memory: it only keeps what the rank already needed at its peak. `empty()` hands everything back
+// and restarts the high-water mark (a strategy calls it when its set-up is done).
 //
 // Blocks of at least `min_bytes` are anonymous mappings of their own (mmap), so a block the cache
 // lets go of leaves the rank's resident memory at once and the bound holds for what the OS counts
@@ -30,12 +36,15 @@
 #include <c10/core/CPUAllocator.h>
 #include <pthread.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
 #include <list>
+#include <map>
 #include <mutex>
 #include <unordered_map>
 #include <utility>
@@ -43,22 +52,98 @@
 
 namespace {
 
-using Block = std::pair<size_t, void*>;  // (bytes, address)
+size_t page_size() {
+  static const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  return page;
+}
+
+size_t round_to_pages(size_t n) {
+  const size_t page = page_size();
+  return (n + page - 1) / page * page;
+}
+
+// A run of a block's pages that lies inside one kernel mapping. mremap moves a range that lies
+// inside one mapping, and a block made of moved pages spans several, so it remembers its runs.
+struct Seg {
+  size_t off, len;
+};
+
+struct Block {
+  char* p = nullptr;
+  size_t n = 0;  // bytes, a whole number of pages
+  std::vector<Seg> segs;
+};
+
+// An assembled block takes pages from at most this many runs; the rest of it is mapped afresh.
+// This bounds the mappings a rank holds (vm.max_map_count is 65530 by default).
+constexpr size_t kMaxSegs = 16;
 
 // Large blocks get their own anonymous mapping, so a block the cache lets go of (munmap) really
 // leaves the rank's resident memory; from glibc's heap it could stay resident there, and the
 // bound below would not hold for what the OS counts.
-void* map_block(size_t n) {
+char* map_block(size_t n) {
   void* p = mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  TORCH_CHECK_WITH(OutOfMemoryError, p != MAP_FAILED, "zerotrain host cache: can't allocate memory: you tried to "
-                   "allocate ", n, " bytes (mmap: ", std::strerror(errno), ")");
-  return p;
+  return p == MAP_FAILED ? nullptr : static_cast<char*>(p);
 }
 
 void unmap_blocks(const std::vector<Block>& blocks) {
   for (const Block& b : blocks) {
-    munmap(b.second, b.first);
+    munmap(b.p, b.n);
   }
+}
+
+// The first m bytes of b and the rest, each with its runs.
+std::pair<Block, Block> split(Block b, size_t m) {
+  Block head{b.p, m, {}}, tail{b.p + m, b.n - m, {}};
+  for (const Seg& s : b.segs) {
+    if (s.off + s.len <= m) {
+      head.segs.push_back(s);
+    } else if (s.off >= m) {
+      tail.segs.push_back({s.off - m, s.len});
+    } else {
+      head.segs.push_back({s.off, m - s.off});
+      tail.segs.push_back({0, s.off + s.len - m});
+    }
+  }
+  return {std::move(head), std::move(tail)};
+}
+
+// A new mapping of m bytes whose first pages are the pages of `pieces`, moved (mremap: page-table
+// entries change hands, nothing is copied or faulted); the rest is fresh. Null if mmap fails.
+Block assemble(std::vector<Block>& pieces, size_t m) {
+  Block out{map_block(m), m, {}};
+  if (out.p == nullptr) {
+    const int error = errno;
+    unmap_blocks(pieces);
+    errno = error;
+    return out;
+  }
+  std::vector<std::pair<Seg, bool>> runs;  // (run, moved); unmoved runs stay in out's first mapping
+  size_t base = 0;
+  for (const Block& b : pieces) {
+    for (const Seg& s : b.segs) {
+      void* moved = mremap(b.p + s.off, s.len, s.len, MREMAP_MAYMOVE | MREMAP_FIXED, out.p + base + s.off);
+      if (moved == MAP_FAILED) {
+        munmap(b.p + s.off, s.len);  // those pages are lost; out keeps fresh ones there
+      }
+      runs.push_back({{base + s.off, s.len}, moved != MAP_FAILED});
+    }
+    base += b.n;
+  }
+  if (base < m) {
+    runs.push_back({{base, m - base}, false});
+  }
+  // Each moved run is a mapping of its own; adjacent unmoved runs are one piece of out's mapping.
+  bool last_moved = true;
+  for (const auto& [run, moved] : runs) {
+    if (!moved && !last_moved && !out.segs.empty()) {
+      out.segs.back().len += run.len;
+    } else {
+      out.segs.push_back(run);
+    }
+    last_moved = moved;
+  }
+  return out;
 }
 
 class HostCache final : public c10::Allocator {
@@ -72,30 +157,63 @@ class HostCache final : public c10::Allocator {
     if (n < min_bytes_.load(std::memory_order_relaxed) || !installed_.load(std::memory_order_relaxed)) {
       return previous_->allocate(n);
     }
-    std::vector<Block> evicted;
+    const size_t m = round_to_pages(n);
+    std::vector<Block> pieces, evicted;
+    size_t have = 0;
     {
       std::lock_guard<std::mutex> guard(mu_);
-      auto it = by_size_.find(n);
-      if (it != by_size_.end() && !it->second.empty()) {
-        auto pos = it->second.back();  // the most recently freed block of this size
-        it->second.pop_back();
-        void* p = pos->second;
-        aged_.erase(pos);
-        cached_ -= n;
+      auto same = by_size_.find(m);
+      if (same != by_size_.end()) {  // the most recently freed block of this size
         ++hits_;
-        return in_use(p, n);
+        return in_use(take(same->second.back()));
       }
       ++misses_;
-      const size_t need = live_ + n;
+      auto larger = by_size_.lower_bound(m);
+      if (larger != by_size_.end()) {  // the smallest larger block: its first m bytes, no system call
+        auto [head, tail] = split(take(larger->second.back()), m);
+        keep(std::move(tail));
+        ++carved_;
+        return in_use(std::move(head));
+      }
+      // Every kept block is smaller: the largest ones give their pages to a new mapping.
+      size_t runs = 0;
+      while (have < m && !by_size_.empty()) {
+        Aged::iterator pos = std::prev(by_size_.end())->second.back();
+        if (runs + pos->segs.size() >= kMaxSegs) {
+          break;
+        }
+        Block b = take(pos);
+        if (have + b.n > m) {
+          auto [head, tail] = split(std::move(b), m - have);
+          keep(std::move(tail));
+          b = std::move(head);
+        }
+        have += b.n;
+        runs += b.segs.size();
+        pieces.push_back(std::move(b));
+      }
+      // Fresh pages only where the kept ones ran out, so this binds only when kMaxSegs stopped
+      // the loop above with pages still kept.
+      const size_t need = live_ + m;
       const size_t limit = (need > peak_ ? need : peak_) + slack_;
       while (cached_ > 0 && need + cached_ > limit) {
-        evicted.push_back(take_oldest());
+        evicted.push_back(take(aged_.begin()));
+        ++evicted_;
       }
+      if (!pieces.empty()) {
+        ++assembled_;
+      }
+      fresh_ += m - have;
+      live_ += m;  // booked now, so that the bound holds for another thread meanwhile
     }
     unmap_blocks(evicted);
-    void* p = map_block(n);  // throws on failure; nothing recorded yet
+    Block b = assemble(pieces, m);
+    const int error = errno;
     std::lock_guard<std::mutex> guard(mu_);
-    return in_use(p, n);
+    live_ -= m;
+    TORCH_CHECK_WITH(OutOfMemoryError, b.p != nullptr, "zerotrain host cache: can't allocate memory: you tried "
+                     "to allocate ", n, " bytes (mmap: ", std::strerror(error), ")");
+    return in_use(std::move(b));
   }
 
   c10::DeleterFnPtr raw_deleter() const override {
@@ -127,8 +245,8 @@ class HostCache final : public c10::Allocator {
         c10::SetCPUAllocator(previous_, /*priority=*/0);
       }
       installed_ = false;
-      while (cached_ > 0) {
-        freed.push_back(take_oldest());
+      while (!aged_.empty()) {
+        freed.push_back(take(aged_.begin()));
       }
     }
     unmap_blocks(freed);
@@ -140,8 +258,8 @@ class HostCache final : public c10::Allocator {
     {
       std::lock_guard<std::mutex> guard(mu_);
       bytes = static_cast<int64_t>(cached_);
-      while (cached_ > 0) {
-        freed.push_back(take_oldest());
+      while (!aged_.empty()) {
+        freed.push_back(take(aged_.begin()));
       }
       peak_ = live_;  // the next phase sets its own high-water mark
     }
@@ -155,15 +273,16 @@ class HostCache final : public c10::Allocator {
             {"slack_bytes", static_cast<int64_t>(slack_)},
             {"live_bytes", static_cast<int64_t>(live_)}, {"cached_bytes", static_cast<int64_t>(cached_)},
             {"peak_bytes", static_cast<int64_t>(peak_)}, {"hits", hits_},
-            {"misses", misses_},                        {"evicted", evicted_},
-            {"cached_blocks", static_cast<int64_t>(aged_.size())}};
+            {"misses", misses_},                        {"carved", carved_},
+            {"assembled", assembled_},                  {"evicted", evicted_},
+            {"fresh_bytes", fresh_},                    {"cached_blocks", static_cast<int64_t>(aged_.size())}};
   }
 
   void lock() { mu_.lock(); }
   void unlock() { mu_.unlock(); }
 
  private:
-  using Aged = std::list<std::pair<size_t, void*>>;
+  using Aged = std::list<Block>;
 
   HostCache() = default;
 
@@ -174,23 +293,21 @@ class HostCache final : public c10::Allocator {
   void give_back(void* p) {
     enum { kKept, kFree, kForeign } what = kFree;
     c10::DeleterFnPtr foreign = nullptr;
-    size_t n = 0;
+    Block b;
     {
       std::lock_guard<std::mutex> guard(mu_);
-      auto it = sizes_.find(p);
-      if (it == sizes_.end()) {
+      auto it = in_use_.find(p);
+      if (it == in_use_.end()) {
         // A small block from the previous allocator, handed back through raw_deallocate
         // (raw_allocate keeps the context and drops the DataPtr's own deleter).
         what = kForeign;
         foreign = previous_ != nullptr ? previous_->raw_deleter() : nullptr;
       } else {
-        n = it->second;
-        sizes_.erase(it);
-        live_ -= n;
+        b = std::move(it->second);
+        in_use_.erase(it);
+        live_ -= b.n;
         if (installed_) {
-          aged_.emplace_back(n, p);
-          by_size_[n].push_back(std::prev(aged_.end()));
-          cached_ += n;
+          keep(std::move(b));
           what = kKept;
         }
       }
@@ -199,39 +316,42 @@ class HostCache final : public c10::Allocator {
       TORCH_CHECK(foreign != nullptr, "zerotrain host cache: a block it did not allocate, and no deleter for it");
       foreign(p);
     } else if (what == kFree) {
-      munmap(p, n);
+      munmap(b.p, b.n);
     }
   }
 
-  // With mu_ held: book `p` (n bytes) as in use and hand it out.
-  c10::DataPtr in_use(void* p, size_t n) {
-    sizes_[p] = n;
-    live_ += n;
+  // With mu_ held: book `b` as in use and hand it out.
+  c10::DataPtr in_use(Block b) {
+    void* p = b.p;
+    live_ += b.n;
     if (live_ > peak_) {
       peak_ = live_;
     }
+    in_use_[p] = std::move(b);
     return {p, p, &HostCache::release, c10::Device(c10::DeviceType::CPU)};
   }
 
-  // With mu_ held: drop the oldest kept block from the books and return it (to be unmapped unlocked).
-  Block take_oldest() {
-    auto pos = aged_.begin();
-    const size_t n = pos->first;
-    void* p = pos->second;
-    auto& same = by_size_[n];
-    for (auto it = same.begin(); it != same.end(); ++it) {
-      if (*it == pos) {
-        same.erase(it);
-        break;
-      }
+  // With mu_ held: keep `b` as the newest block of its size.
+  void keep(Block b) {
+    const size_t n = b.n;
+    aged_.push_back(std::move(b));
+    by_size_[n].push_back(std::prev(aged_.end()));
+    cached_ += n;
+  }
+
+  // With mu_ held: take the kept block at `pos` off the books.
+  Block take(Aged::iterator pos) {
+    const size_t n = pos->n;
+    auto same = by_size_.find(n);
+    auto& list = same->second;
+    list.erase(std::find(list.begin(), list.end(), pos));
+    if (list.empty()) {
+      by_size_.erase(same);
     }
-    if (same.empty()) {
-      by_size_.erase(n);
-    }
+    Block b = std::move(*pos);
     aged_.erase(pos);
     cached_ -= n;
-    ++evicted_;
-    return {n, p};
+    return b;
   }
 
   std::mutex mu_;
@@ -239,11 +359,12 @@ class HostCache final : public c10::Allocator {
   std::atomic<bool> installed_{false};     // read unlocked on every allocation
   std::atomic<size_t> min_bytes_{1 << 20};
   size_t slack_ = 0;  // bytes the kept blocks may add above the high-water mark
-  std::unordered_map<void*, size_t> sizes_;  // blocks in use that came from this cache
+  std::unordered_map<void*, Block> in_use_;  // blocks in use that came from this cache
   Aged aged_;                                 // kept blocks, oldest first
-  std::unordered_map<size_t, std::vector<Aged::iterator>> by_size_;
+  std::map<size_t, std::vector<Aged::iterator>> by_size_;  // kept blocks by size, each oldest first
   size_t live_ = 0, cached_ = 0, peak_ = 0;
-  int64_t hits_ = 0, misses_ = 0, evicted_ = 0;
+  int64_t hits_ = 0, misses_ = 0, carved_ = 0, assembled_ = 0, evicted_ = 0;
+  int64_t fresh_ = 0;  // bytes mapped afresh (pages not taken from kept blocks)
 };
 
 // A fork (a DataLoader worker) must not copy the mutex while another thread holds it.

@@ -56,12 +56,12 @@ class ZeroConfig:
     #: 8 MiB: the 118M GPT's peak RSS per rank 0.11 GB lower at no measured cost; 1 MiB saved
     #: 0.2 GB but cost ~10% of the step in page faults. 0: glibc's own sliding threshold
     host_mmap_threshold: int = 8 << 20
-    #: on a CPU rank, keep freed host blocks of at least this many bytes for the next allocation
-    #: of the same size, never holding more than the rank's own peak (``ops/host_cache.py``;
-    #: compiled, else torch's allocator). 0 turns it off
+    #: on a CPU rank, keep freed host blocks of at least this many bytes and serve the next large
+    #: allocations from their pages, never holding more than the rank's own peak
+    #: (``ops/host_cache.py``; compiled, else torch's allocator). 0 turns it off
     host_cache_min_bytes: int = 1 << 20
-    #: bytes the host cache may keep above that peak, so that blocks freed before the step's peak
-    #: and needed after it are kept too (fewer page faults, up to this much more peak RSS)
+    #: bytes the host cache may keep above that peak (up to this much more peak RSS; since kept
+    #: pages serve any size, 0 already leaves few page faults)
     host_cache_slack_bytes: int = 0
 
     def __post_init__(self) -> None:

@@ -31,3 +31,4 @@ def test_phase_table_adds_up(tmp_path):
     # the strategy put the host cache in front of torch's allocator, and the timed steps reuse it
     cache = next(line for line in proc.stdout.splitlines() if line.startswith("host cache per step: "))
     assert float(cache.split(": ")[1].split(" hits")[0]) > 0, cache
+    assert " MiB mapped afresh; " in cache, cache
