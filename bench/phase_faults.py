@@ -115,7 +115,14 @@ def main() -> None:
             print("host cache per step: {hits:.1f} hits, {misses:.1f} misses, {evicted:.1f} evicted, "
                   "{fresh:.1f} MiB mapped afresh; ".format(fresh=per_step.pop("fresh_bytes") / 2**20, **per_step)
                   + f"at the end {after['live_bytes'] / 2**20:.1f} MiB in use, {after['cached_bytes'] / 2**20:.1f} "
-                  f"MiB kept, high-water mark {after['peak_bytes'] / 2**20:.1f} MiB")
+                  f"MiB kept, high-water mark {after['peak_bytes'] / 2**20:.1f} MiB, {after['cached_blocks']} blocks kept; "
+                  f"{mappings()} mappings in the process")
+
+
+def mappings() -> int:
+    """The process's memory mappings (the kernel caps them at vm.max_map_count, 65530 by default)."""
+    with open(f"/proc/{os.getpid()}/maps") as f:
+        return sum(1 for _ in f)
 
 
 if __name__ == "__main__":

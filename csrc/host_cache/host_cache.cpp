@@ -19,7 +19,7 @@
 // The bound. Let `live` be the bytes of large blocks in use, `peak` the most `live` has ever been,
 // and `cached` the bytes kept. A free moves bytes from live to cached; an allocation moves kept
 // pages back to live and maps fresh ones only for what the kept ones lack, so live + cached never
-// exceeds the high-water mark of live. An assembled block takes pages from at most kMaxSegs
+// exceeds the high-water mark of live. An assembled block takes pages from fewer than kMaxSegs
 // mappings; if that leaves pages kept, the oldest kept blocks are freed while live + n + cached
 // would exceed max(peak, live + n) + `slack`. With no slack the cache never raises a rank's peak
 // memory: it only keeps what the rank already needed at its peak. `empty()` hands everything back
@@ -74,9 +74,12 @@ struct Block {
   std::vector<Seg> segs;
 };
 
-// An assembled block takes pages from at most this many runs; the rest of it is mapped afresh.
-// This bounds the mappings a rank holds (vm.max_map_count is 65530 by default).
-constexpr size_t kMaxSegs = 16;
+// An assembled block takes pages from fewer than kMaxSegs runs, and none once the blocks in use
+// and kept hold kMaxRuns runs in all; the rest of it is mapped afresh. This bounds the mappings a
+// rank holds (vm.max_map_count is 65530 by default). On the 118M GPT's zero2, 16 runs per block
+// left 53 MiB per step to be mapped afresh, 64 none (660 mappings in the process).
+constexpr size_t kMaxSegs = 64;
+constexpr size_t kMaxRuns = 16384;
 
 // Large blocks get their own anonymous mapping, so a block the cache lets go of (munmap) really
 // leaves the rank's resident memory; from glibc's heap it could stay resident there, and the
@@ -179,7 +182,7 @@ class HostCache final : public c10::Allocator {
       size_t runs = 0;
       while (have < m && !by_size_.empty()) {
         Aged::iterator pos = std::prev(by_size_.end())->second.back();
-        if (runs + pos->segs.size() >= kMaxSegs) {
+        if (runs + pos->segs.size() >= kMaxSegs || runs_ + runs + pos->segs.size() >= kMaxRuns) {
           break;
         }
         Block b = take(pos);
@@ -192,8 +195,8 @@ class HostCache final : public c10::Allocator {
         runs += b.segs.size();
         pieces.push_back(std::move(b));
       }
-      // Fresh pages only where the kept ones ran out, so this binds only when kMaxSegs stopped
-      // the loop above with pages still kept.
+      // Fresh pages only where the kept ones ran out, so this binds only when kMaxSegs or
+      // kMaxRuns stopped the loop above with pages still kept.
       const size_t need = live_ + m;
       const size_t limit = (need > peak_ ? need : peak_) + slack_;
       while (cached_ > 0 && need + cached_ > limit) {
@@ -275,7 +278,8 @@ class HostCache final : public c10::Allocator {
             {"peak_bytes", static_cast<int64_t>(peak_)}, {"hits", hits_},
             {"misses", misses_},                        {"carved", carved_},
             {"assembled", assembled_},                  {"evicted", evicted_},
-            {"fresh_bytes", fresh_},                    {"cached_blocks", static_cast<int64_t>(aged_.size())}};
+            {"fresh_bytes", fresh_},                    {"cached_blocks", static_cast<int64_t>(aged_.size())},
+            {"runs", static_cast<int64_t>(runs_)}};
   }
 
   void lock() { mu_.lock(); }
@@ -305,6 +309,7 @@ class HostCache final : public c10::Allocator {
       } else {
         b = std::move(it->second);
         in_use_.erase(it);
+        runs_ -= b.segs.size();
         live_ -= b.n;
         if (installed_) {
           keep(std::move(b));
@@ -323,6 +328,7 @@ class HostCache final : public c10::Allocator {
   // With mu_ held: book `b` as in use and hand it out.
   c10::DataPtr in_use(Block b) {
     void* p = b.p;
+    runs_ += b.segs.size();
     live_ += b.n;
     if (live_ > peak_) {
       peak_ = live_;
@@ -334,6 +340,7 @@ class HostCache final : public c10::Allocator {
   // With mu_ held: keep `b` as the newest block of its size.
   void keep(Block b) {
     const size_t n = b.n;
+    runs_ += b.segs.size();
     aged_.push_back(std::move(b));
     by_size_[n].push_back(std::prev(aged_.end()));
     cached_ += n;
@@ -349,6 +356,7 @@ class HostCache final : public c10::Allocator {
       by_size_.erase(same);
     }
     Block b = std::move(*pos);
+    runs_ -= b.segs.size();
     aged_.erase(pos);
     cached_ -= n;
     return b;
@@ -363,6 +371,7 @@ class HostCache final : public c10::Allocator {
   Aged aged_;                                 // kept blocks, oldest first
   std::map<size_t, std::vector<Aged::iterator>> by_size_;  // kept blocks by size, each oldest first
   size_t live_ = 0, cached_ = 0, peak_ = 0;
+  size_t runs_ = 0;  // runs of the blocks in use and kept (each at least one mapping)
   int64_t hits_ = 0, misses_ = 0, carved_ = 0, assembled_ = 0, evicted_ = 0;
   int64_t fresh_ = 0;  // bytes mapped afresh (pages not taken from kept blocks)
 };

@@ -145,17 +145,17 @@ def test_without_the_compiled_op_torch_keeps_its_allocator():
     assert out == {"enabled": False, "stats": None, "sum": float(4 << 20)}
 
 
-def test_an_assembled_block_takes_pages_from_at_most_16_mappings():
+def test_an_assembled_block_takes_pages_from_at_most_63_mappings():
     out = run("""
         assert cache.enable(1 << 20)
-        pieces = [torch.full((1 << 20,), i, dtype=torch.uint8) for i in range(20)]
-        del pieces  # 20 kept blocks of 1 MiB, one mapping each
+        pieces = [torch.full((1 << 20,), i, dtype=torch.uint8) for i in range(80)]
+        del pieces  # 80 kept blocks of 1 MiB, one mapping each
         before = cache.stats()
-        big = torch.empty(20 << 20, dtype=torch.uint8)
+        big = torch.empty(80 << 20, dtype=torch.uint8)
         big.fill_(7)
         print(json.dumps({"before": before, "ok": bool(big[::4096].eq(7).all()), **cache.stats()}))
     """)
-    assert out["before"]["cached_bytes"] == 20 * MiB and out["ok"]
-    # 15 blocks move their pages in, 5 MiB are fresh, and the 5 blocks left are freed for the bound
-    assert out["assembled"] == 1 and out["evicted"] == 5 and out["cached_bytes"] == 0
-    assert out["fresh_bytes"] == 25 * MiB and out["peak_bytes"] == 20 * MiB
+    assert out["before"]["cached_bytes"] == 80 * MiB and out["before"]["runs"] == 80 and out["ok"]
+    # 63 blocks move their pages in, 17 MiB are fresh, and the 17 blocks left are freed for the bound
+    assert out["assembled"] == 1 and out["evicted"] == 17 and out["cached_bytes"] == 0
+    assert out["fresh_bytes"] == 97 * MiB and out["peak_bytes"] == 80 * MiB and out["runs"] == 64
