@@ -248,9 +248,7 @@ class HostCache final : public c10::Allocator {
         c10::SetCPUAllocator(previous_, /*priority=*/0);
       }
       installed_ = false;
-      while (!aged_.empty()) {
-        freed.push_back(take(aged_.begin()));
-      }
+      freed = take_all();
     }
     unmap_blocks(freed);
   }
@@ -261,9 +259,7 @@ class HostCache final : public c10::Allocator {
     {
       std::lock_guard<std::mutex> guard(mu_);
       bytes = static_cast<int64_t>(cached_);
-      while (!aged_.empty()) {
-        freed.push_back(take(aged_.begin()));
-      }
+      freed = take_all();
       peak_ = live_;  // the next phase sets its own high-water mark
     }
     unmap_blocks(freed);
@@ -360,6 +356,15 @@ class HostCache final : public c10::Allocator {
     aged_.erase(pos);
     cached_ -= n;
     return b;
+  }
+
+  // With mu_ held: take every kept block off the books (to be unmapped unlocked).
+  std::vector<Block> take_all() {
+    std::vector<Block> all;
+    while (!aged_.empty()) {
+      all.push_back(take(aged_.begin()));
+    }
+    return all;
   }
 
   std::mutex mu_;

@@ -67,10 +67,8 @@ class ZeroConfig:
     def __post_init__(self) -> None:
         for f in ("partition_alignment", "quantize_block_size"):
             object.__setattr__(self, f, whole_number("ZeRO", f, getattr(self, f), 1))
-        for f in ("host_cache_min_bytes", "host_cache_slack_bytes"):
+        for f in ("host_mmap_threshold", "host_cache_min_bytes", "host_cache_slack_bytes"):
             object.__setattr__(self, f, whole_number("ZeRO", f, getattr(self, f), 0))
-        object.__setattr__(self, "host_mmap_threshold",
-                           whole_number("ZeRO", "host_mmap_threshold", self.host_mmap_threshold, 0))
         if self.host_mmap_threshold > MAX_MMAP_THRESHOLD:
             raise ValueError(f"ZeRO: host_mmap_threshold={self.host_mmap_threshold!r} exceeds glibc's limit; "
                              f"valid: 0 (glibc's own) to {MAX_MMAP_THRESHOLD} bytes")
