@@ -33,6 +33,11 @@ Systems (``--systems``, a comma list; all by default):
                (``GPT.pipeline_cut``: the CLI's ``model.pipeline_cut=compute``);
                zt_pipe_zb_m8, zt_pipe_zb_bal_m8/_m4: the zero-bubble schedule (``schedule="zb_h1"``:
                each backward split, the linear weights' gradients where the stage would wait)
+  solo         (only when named) not a training system: each rank steps a model of its own on its
+               micro-batch, a plain torch loop without any communication: the step's compute
+               with every core busy, the floor a data-parallel step approaches here (it steps
+               the whole model, where ZeRO steps a shard; its losses leave DDP's after step 0).
+               solo+heap also takes no page fault (see +heap)
   <system>+thp, <system>+nothp   any system with torch's THP_MEM_ALLOC_ENABLE=1 / 0 in its ranks'
                environment (transparent huge pages for allocations of 2 MiB and more); without a
                suffix the variable is removed (torch's default: off)
@@ -135,6 +140,15 @@ def run_ddp(args: argparse.Namespace, spec: ModelSpec, batches: list, rec: Recor
     _init_torch_pg()
     model = DistributedDataParallel(build_gpt(spec.config(), args.seed, spec.tied), bucket_cap_mb=25,
                                     gradient_as_bucket_view=True)
+    opt, rec.optimizer = make_adamw(model)
+    _loop(_torch_step(model, opt, autocast=args.precision == "bf16-mixed"), batches, rec)
+
+
+def run_solo(args: argparse.Namespace, spec: ModelSpec, batches: list, rec: Record) -> None:
+    """``solo``: this rank alone, no collective in its steps (the group exists for the end's barrier)."""
+    rec.baseline()
+    _init_torch_pg()
+    model = build_gpt(spec.config(), args.seed, spec.tied)
     opt, rec.optimizer = make_adamw(model)
     _loop(_torch_step(model, opt, autocast=args.precision == "bf16-mixed"), batches, rec)
 
@@ -291,6 +305,8 @@ def rank_batches(args: argparse.Namespace, spec: ModelSpec, rank: int, world: in
 def _worker_runner(system: str) -> Callable:
     if system == "ddp":
         return run_ddp
+    if system == "solo":
+        return run_solo
     if system.startswith("fsdp2"):
         return functools.partial(run_fsdp2, reshard_after_forward=system == "fsdp2")
     if system.startswith("ds_zero"):

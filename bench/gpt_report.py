@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from zerotrain.bench.common import MODELS
+from zerotrain.bench.gpt_systems import FLOOR_SYSTEMS, base_system
 
 #: stages of every pipeline system (each replica's ranks are consecutive)
 PIPE_STAGES = 2
@@ -135,7 +136,8 @@ def render(args: argparse.Namespace, results: dict[str, list[RunSummary]], skipp
     opts = sorted({f"{s}: {runs[0].optimizer}" for s, runs in results.items() if runs})
     notes.append("optimizer per system: " + "; ".join(opts))
     return ("\n".join(lines) + "\n\n" + "\n".join(f"- {n}" for n in notes) + "\n"
-            + render_rounds(results, base_name) + render_pipeline(results, pipe_systems or {})
+            + render_rounds(results, base_name) + render_rounds(results, floor_system(results, base_name))
+            + render_pipeline(results, pipe_systems or {})
             + render_losses(results, base_name))
 
 
@@ -144,6 +146,13 @@ def round_ratios(results: dict[str, list[RunSummary]], base_name: str) -> dict[s
     completed (repeat i of each is its i-th run: a failed run ends a system's runs)."""
     base = [r.step_s for r in results.get(base_name, [])]
     return {s: [r.step_s / b for r, b in zip(runs, base)] for s, runs in results.items() if runs}
+
+
+def floor_system(results: dict[str, list[RunSummary]], base_name: str | None) -> str | None:
+    """The first ``solo`` system that ran (with any suffix), unless it is the baseline: the
+    step's compute floor, whose own table of ratios follows the baseline's."""
+    return next((s for s, runs in results.items() if runs and s != base_name
+                 and base_system(s) in FLOOR_SYSTEMS), None)
 
 
 def render_rounds(results: dict[str, list[RunSummary]], base_name: str | None) -> str:

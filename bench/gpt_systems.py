@@ -50,7 +50,11 @@ PIPE_SYSTEMS = {"zt_pipe_m4": PipeSystem(4), "zt_pipe_m8": PipeSystem(8), "zt_pi
                 "zt_pipe_bal_m8": PipeSystem(8, balanced=True), "zt_pipe_zb_m8": PipeSystem(8, schedule="zb_h1"),
                 "zt_pipe_zb_bal_m8": PipeSystem(8, balanced=True, schedule="zb_h1"),
                 "zt_pipe_zb_bal_m4": PipeSystem(4, balanced=True, schedule="zb_h1")}
-ALL_SYSTEMS = DEFAULT_SYSTEMS + list(ZT_OPTIONS) + list(PIPE_SYSTEMS)
+#: not a training system (only when named): each rank steps a model of its own on its micro-batch,
+#: no communication at all - what the step's compute costs with every core busy, the floor a
+#: data-parallel step approaches on this machine (its losses leave DDP's after the first step)
+FLOOR_SYSTEMS = ["solo"]
+ALL_SYSTEMS = DEFAULT_SYSTEMS + list(ZT_OPTIONS) + list(PIPE_SYSTEMS) + FLOOR_SYSTEMS
 #: a system's name may end in one of these: its ranks run with these environment variables set.
 #: ``+thp`` / ``+nothp``: torch's ``THP_MEM_ALLOC_ENABLE`` 1 / 0 (transparent huge pages for
 #: allocations of 2 MiB and more; without the suffix the variable is removed, torch's default:

@@ -49,6 +49,25 @@ def test_each_repeat_is_divided_by_the_baseline_of_the_same_repeat():
     assert "| zt_zero2 | 1.3500 | 0.90 |" in text  # the main table: median step 1.35, CPU column next
 
 
+def test_the_solo_floor_gets_a_table_of_ratios_of_its_own():
+    from zerotrain.bench.gpt_report import RunSummary, render
+
+    def run(step):
+        return RunSummary(step_s=step, rss_peak=1 << 30, rss_delta=0, losses=[2.0, 1.0], faults=0.0,
+                          optimizer="fused", threads=1, cpu_s=2 * step)
+
+    results = {"ddp": [run(1.0), run(2.0)], "solo+heap": [run(0.8), run(1.6)], "zt_zero3": [run(0.88), run(1.6)]}
+    text = render(argparse.Namespace(model="tiny", nproc=2, threads=1), results, {}, {})
+    assert "| solo+heap's step (s) | 0.800 | 1.600 | |" in text
+    assert "| zt_zero3 | 1.10 | 1.00 | 1.05 |" in text  # per repeat: 0.88 / 0.8, 1.6 / 1.6
+    assert "| ddp | 1.25 | 1.25 | 1.25 |" in text
+    assert "| zt_zero3 | 0.88 | 0.80 | 0.84 |" in text  # the table against ddp is still there
+    # without a solo run, one table of ratios
+    del results["solo+heap"]
+    assert "step (s) |" in render(argparse.Namespace(model="tiny", nproc=2, threads=1), results, {}, {})
+    assert "solo" not in render(argparse.Namespace(model="tiny", nproc=2, threads=1), results, {}, {})
+
+
 def test_an_environment_suffix_sets_the_ranks_environment(monkeypatch):
     from zerotrain.bench import gpt_bench
 
