@@ -3,7 +3,8 @@
 It replaces torch's CPU allocator for the whole process, so every case runs in a fresh Python
 subprocess. Checked: a freed block comes back for the next allocation of its size (same address,
 no new page faults); allocations of other sizes take kept pages (carved or moved) instead of
-faulting fresh ones, with their contents intact; the kept bytes never take the large blocks in use
+faulting fresh ones, with their contents intact, from fewer than 64 runs per block and none
+once the blocks hold 16384 runs (the mappings' bound); the kept bytes never take the large blocks in use
 plus those kept above the high-water mark (plus the slack); small blocks, raw allocations and a fork still work; results
 of ops are unchanged; `empty()` and `disable()` hand everything back.
 """
@@ -159,3 +160,32 @@ def test_an_assembled_block_takes_pages_from_at_most_63_mappings():
     # 63 blocks move their pages in, 17 MiB are fresh, and the 17 blocks left are freed for the bound
     assert out["assembled"] == 1 and out["evicted"] == 17 and out["cached_bytes"] == 0
     assert out["fresh_bytes"] == 97 * MiB and out["peak_bytes"] == 80 * MiB and out["runs"] == 64
+
+
+
+@pytest.mark.parametrize("kept", [16382, 16383])
+def test_no_pages_move_once_the_blocks_hold_16384_runs(kept):
+    out = run(f"""
+        page = 4096
+        assert cache.enable(page)
+        cache.empty()  # nothing kept: the single pages below are the only kept blocks
+        start = cache.stats()["runs"]  # blocks of a page or more already in use
+        pages = [torch.empty(page, dtype=torch.uint8) for _ in range({kept} - start)]
+        del pages  # kept, one run each: in use and kept, the blocks hold {kept} runs
+        before = cache.stats()
+        block = torch.empty(8 * page, dtype=torch.uint8)  # larger than any kept block: assembled
+        block.fill_(3)
+        after = cache.stats()
+        print(json.dumps({{"before": before, "after": after, "ok": bool(block.eq(3).all())}}))
+    """)
+    before, after = out["before"], out["after"]
+    assert before["runs"] == kept and out["ok"]
+    moved = before["cached_bytes"] - after["cached_bytes"] - (after["evicted"] - before["evicted"]) * 4096
+    fresh = after["fresh_bytes"] - before["fresh_bytes"]
+    if kept == 16382:  # the next page's run would make 16383 of 16384: all 8 pages move in
+        assert moved == 8 * 4096 and fresh == 0 and after["assembled"] - before["assembled"] == 1
+        assert after["runs"] == kept  # 8 runs moved into the new block, none added
+    else:  # 16384 with the next page's run: none moves; the 8 mapped afresh push 8 kept out
+        assert moved == 0 and fresh == 8 * 4096 and after["assembled"] == before["assembled"]
+        assert after["evicted"] - before["evicted"] == 8
+        assert after["runs"] == kept - 8 + 1
