@@ -58,7 +58,8 @@ class ZeroConfig:
     host_mmap_threshold: int = 8 << 20
     #: on a CPU rank, keep freed host blocks of at least this many bytes and serve the next large
     #: allocations from their pages, never holding more than the rank's own peak
-    #: (``ops/host_cache.py``; compiled, else torch's allocator). 0 turns it off
+    #: (``ops/host_cache.py``; compiled, else torch's allocator). 0 turns it off; so does
+    #: ``THP_MEM_ALLOC_ENABLE=1`` in the environment (torch's allocator then serves huge pages)
     host_cache_min_bytes: int = 1 << 20
     #: bytes the host cache may keep above that peak (up to this much more peak RSS; since kept
     #: pages serve any size, 0 already leaves few page faults)

@@ -32,3 +32,17 @@ def test_phase_table_adds_up(tmp_path):
     cache = next(line for line in proc.stdout.splitlines() if line.startswith("host cache per step: "))
     assert float(cache.split(": ")[1].split(" hits")[0]) > 0, cache
     assert " MiB mapped afresh; " in cache, cache
+
+
+def test_asking_torch_for_huge_pages_keeps_torchs_allocator(tmp_path):
+    """THP_MEM_ALLOC_ENABLE=1 is torch's allocator's setting; the host cache would replace that
+    allocator and drop it, so the strategy leaves the cache off (and says so in the log)."""
+    scale = float(os.environ.get("ZEROTRAIN_TEST_TIMEOUT_SCALE", "1"))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "zerotrain.bench.phase_faults", "--strategy", "zero2", "--model", "tiny_untied",
+           "--steps", "1", "--warmup", "1", "--options", '{"host_cache_min_bytes": 4096}']
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path), "THP_MEM_ALLOC_ENABLE": "1"}
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180 * scale)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert "host cache: not installed" in proc.stdout
+    assert "host cache per step" not in proc.stdout
