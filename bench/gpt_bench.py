@@ -37,10 +37,11 @@ Systems (``--systems``, a comma list; all by default):
                micro-batch, a plain torch loop without any communication: the step's compute
                with every core busy, the floor a data-parallel step approaches here (it steps
                the whole model, where ZeRO steps a shard; its losses leave DDP's after step 0).
-               solo+heap also takes no page fault (see +heap)
+               solo+heap takes almost no page fault (see +heap)
   <system>+thp, <system>+nothp   any system with torch's THP_MEM_ALLOC_ENABLE=1 / 0 in its ranks'
                environment (transparent huge pages for allocations of 2 MiB and more); without a
-               suffix the variable is removed (torch's default: off)
+               suffix the variable is removed (torch's default: off). With =1 a zerotrain ZeRO
+               rank also runs without its host cache (which would drop the request)
   <system>+heap  any system with glibc's heap serving every allocation, none returned
                (GLIBC_TUNABLES mmap_max=0 and trim_threshold=4 GiB in its ranks' environment;
                without the suffix GLIBC_TUNABLES is removed)

@@ -199,16 +199,19 @@ def render_pipeline(results: dict[str, list[RunSummary]], pipe_systems: Mapping[
 
 
 def render_losses(results: dict[str, list[RunSummary]], base_name: str | None) -> str:
-    """Every system's loss at every step (warm-up included; the first repeat), beside the baseline's."""
+    """Every system's loss at every step (warm-up included; the first repeat), beside the baseline's.
+    The last column's maximum leaves out the floor (``solo``), whose losses leave the baseline's by
+    design."""
     runs = {s: r[0].losses for s, r in results.items() if r}
     if not runs:
         return ""
     names = list(runs)
+    compared = [s for s in names if base_system(s) not in FLOOR_SYSTEMS]
     lines = ["\n| step | " + " | ".join(names) + f" | max abs dloss vs {base_name} |",
              "|---|" + "---|" * (len(names) + 1)]
     for i in range(max(len(v) for v in runs.values())):
         got = [v[i] if i < len(v) else float("nan") for v in runs.values()]
         base = runs[base_name][i] if base_name and i < len(runs[base_name]) else float("nan")
-        lines.append(f"| {i} | " + " | ".join(f"{x:.6f}" for x in got)
-                     + f" | {max(abs(x - base) for x in got):.2e} |")
+        worst = max((abs((runs[s][i] if i < len(runs[s]) else float("nan")) - base) for s in compared), default=0.0)
+        lines.append(f"| {i} | " + " | ".join(f"{x:.6f}" for x in got) + f" | {worst:.2e} |")
     return "\n".join(lines) + "\n"

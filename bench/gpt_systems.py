@@ -60,9 +60,11 @@ ALL_SYSTEMS = DEFAULT_SYSTEMS + list(ZT_OPTIONS) + list(PIPE_SYSTEMS) + FLOOR_SY
 #: allocations of 2 MiB and more; without the suffix the variable is removed, torch's default:
 #: off). Measured on model B (bench/RESULTS.md): faults per step fell 4.5-11x, CPU per step rose
 #: 10-25% in every system, and zerotrain's zero1 / zero3 got 19% / 28% slower, so zerotrain leaves
-#: it off. ``+heap``: glibc serves every allocation from its heap and never returns freed memory
-#: (no ``mmap`` at all, no trimming; it overrides zerotrain's ``host_mmap_threshold``): what a
-#: rank gains when nothing is page-faulted twice, and what that costs in peak RSS
+#: it off (those runs predate the host cache; with =1 a ZeRO rank now also leaves the cache off,
+#: so ``zt_zeroK`` against ``zt_zeroK+thp`` changes both). ``+heap``: glibc serves every
+#: allocation from its heap and never returns freed memory (no ``mmap`` at all, no trimming; it
+#: overrides zerotrain's ``host_mmap_threshold``): what a rank gains when nothing is page-faulted
+#: twice, and what that costs in peak RSS
 SUFFIX_ENV = {"+thp": {"THP_MEM_ALLOC_ENABLE": "1"}, "+nothp": {"THP_MEM_ALLOC_ENABLE": "0"},
               "+heap": {"GLIBC_TUNABLES": "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=4294967296"}}
 

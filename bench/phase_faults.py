@@ -117,7 +117,7 @@ def main() -> None:
                   + f"at the end {after['live_bytes'] / 2**20:.1f} MiB in use, {after['cached_bytes'] / 2**20:.1f} "
                   f"MiB kept, high-water mark {after['peak_bytes'] / 2**20:.1f} MiB, {after['cached_blocks']} blocks kept; "
                   f"{mappings()} mappings in the process")
-        elif args.strategy.startswith("zero"):
+        elif args.strategy.startswith("zero") and (after is None or not after["installed"]):
             print("host cache: not installed")
 
 

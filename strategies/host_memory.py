@@ -35,7 +35,7 @@ _applied: int | None = None
 
 def torch_thp_requested() -> bool:
     """Whether ``THP_MEM_ALLOC_ENABLE`` asks torch's CPU allocator for transparent huge pages."""
-    return os.environ.get("THP_MEM_ALLOC_ENABLE", "").strip().lower() in ("1", "true", "yes", "on")
+    return os.environ.get("THP_MEM_ALLOC_ENABLE") == "1"  # torch's own reading: "0" or "1"
 
 
 def set_mmap_threshold(nbytes: int) -> bool:

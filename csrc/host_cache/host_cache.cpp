@@ -182,7 +182,9 @@ class HostCache final : public c10::Allocator {
       size_t runs = 0;
       while (have < m && !by_size_.empty()) {
         Aged::iterator pos = std::prev(by_size_.end())->second.back();
-        if (runs + pos->segs.size() >= kMaxSegs || runs_ + runs + pos->segs.size() >= kMaxRuns) {
+        // runs_ + runs: every block's runs, the ones moved so far included (take() moved them
+        // off runs_); moving more leaves that total as it is.
+        if (runs + pos->segs.size() >= kMaxSegs || runs_ + runs >= kMaxRuns) {
           break;
         }
         Block b = take(pos);

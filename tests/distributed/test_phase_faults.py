@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 
 def test_phase_table_adds_up(tmp_path):
     scale = float(os.environ.get("ZEROTRAIN_TEST_TIMEOUT_SCALE", "1"))
@@ -37,6 +39,10 @@ def test_phase_table_adds_up(tmp_path):
 def test_asking_torch_for_huge_pages_keeps_torchs_allocator(tmp_path):
     """THP_MEM_ALLOC_ENABLE=1 is torch's allocator's setting; the host cache would replace that
     allocator and drop it, so the strategy leaves the cache off (and says so in the log)."""
+    from zerotrain.ops import builder
+
+    if builder.host_cache_module() is None:  # then the cache is off anyway: nothing to tell apart
+        pytest.skip("the host cache op is not built here")
     scale = float(os.environ.get("ZEROTRAIN_TEST_TIMEOUT_SCALE", "1"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            "-m", "zerotrain.bench.phase_faults", "--strategy", "zero2", "--model", "tiny_untied",

@@ -163,7 +163,7 @@ def test_an_assembled_block_takes_pages_from_at_most_63_mappings():
 
 
 
-@pytest.mark.parametrize("kept", [16382, 16383])
+@pytest.mark.parametrize("kept", [16383, 16384])
 def test_no_pages_move_once_the_blocks_hold_16384_runs(kept):
     out = run(f"""
         page = 4096
@@ -182,10 +182,10 @@ def test_no_pages_move_once_the_blocks_hold_16384_runs(kept):
     assert before["runs"] == kept and out["ok"]
     moved = before["cached_bytes"] - after["cached_bytes"] - (after["evicted"] - before["evicted"]) * 4096
     fresh = after["fresh_bytes"] - before["fresh_bytes"]
-    if kept == 16382:  # the next page's run would make 16383 of 16384: all 8 pages move in
+    if kept == 16383:  # under 16384 runs: all 8 pages move in
         assert moved == 8 * 4096 and fresh == 0 and after["assembled"] - before["assembled"] == 1
         assert after["runs"] == kept  # 8 runs moved into the new block, none added
-    else:  # 16384 with the next page's run: none moves; the 8 mapped afresh push 8 kept out
+    else:  # 16384 runs: none moves; the 8 pages mapped afresh push 8 kept ones out
         assert moved == 0 and fresh == 8 * 4096 and after["assembled"] == before["assembled"]
         assert after["evicted"] - before["evicted"] == 8
         assert after["runs"] == kept - 8 + 1

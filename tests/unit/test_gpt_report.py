@@ -62,6 +62,11 @@ def test_the_solo_floor_gets_a_table_of_ratios_of_its_own():
     assert "| zt_zero3 | 1.10 | 1.00 | 1.05 |" in text  # per repeat: 0.88 / 0.8, 1.6 / 1.6
     assert "| ddp | 1.25 | 1.25 | 1.25 |" in text
     assert "| zt_zero3 | 0.88 | 0.80 | 0.84 |" in text  # the table against ddp is still there
+    # the loss table's last column compares the training systems only, not the floor
+    results["solo+heap"] = [RunSummary(step_s=0.8, rss_peak=1 << 30, rss_delta=0, losses=[2.0, 1.5], faults=0.0,
+                                       optimizer="fused", threads=1, cpu_s=1.6)] * 2
+    text = render(argparse.Namespace(model="tiny", nproc=2, threads=1), results, {}, {})
+    assert "| 1 | 1.000000 | 1.500000 | 1.000000 | 0.00e+00 |" in text
     # without a solo run, one table of ratios
     del results["solo+heap"]
     assert "step (s) |" in render(argparse.Namespace(model="tiny", nproc=2, threads=1), results, {}, {})
