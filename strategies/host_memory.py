@@ -9,10 +9,6 @@
   gives every allocation of at least that many bytes its own mapping, returned to the OS when it
   is freed. The price is the page faults of touching a fresh mapping; for large tensors that is
   small beside the work done on them (``bench/RESULTS.md``: 8 MiB on the 118M GPT).
-* :func:`torch_thp_requested`: whether torch's CPU allocator was asked for transparent huge pages
-  (``THP_MEM_ALLOC_ENABLE``). ZeRO's host cache (``ops/host_cache.py``) replaces that allocator
-  for large blocks and maps 4 KiB pages, so a rank started with the variable keeps torch's
-  allocator: the request is honoured, not silently dropped.
 * :func:`free_bytes_per_rank`: what this rank may still allocate: the device's free memory on
   CUDA; on the host, the kernel's ``MemAvailable`` (within the cgroup's limit) shared by the
   node's ranks, within this process's ``RLIMIT_DATA``.
@@ -21,7 +17,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import platform
 import resource
 
@@ -31,11 +26,6 @@ log = logging.getLogger("zerotrain")
 
 M_MMAP_THRESHOLD = -3  # glibc's malloc.h
 _applied: int | None = None
-
-
-def torch_thp_requested() -> bool:
-    """Whether ``THP_MEM_ALLOC_ENABLE`` asks torch's CPU allocator for transparent huge pages."""
-    return os.environ.get("THP_MEM_ALLOC_ENABLE") == "1"  # torch's own reading: "0" or "1"
 
 
 def set_mmap_threshold(nbytes: int) -> bool:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from typing import Any, Protocol
 
 import torch
@@ -33,7 +32,7 @@ from torch import nn
 
 from ..base import PROCESS_GROUP_TIMEOUT_S, ParamShard, ShardReader, Strategy
 from ...ops import host_cache
-from ..host_memory import set_mmap_threshold, torch_thp_requested
+from ..host_memory import set_mmap_threshold
 from ..memory import count_bytes
 from ..optimizers import group_indices
 from .comm import all_reduce_sum, backend, broadcast_from, world_size
@@ -150,12 +149,7 @@ class ZeroStrategy(Strategy):
         super().setup_environment()
         set_mmap_threshold(self.config.host_mmap_threshold)
         if self.device.type == "cpu" and self.config.host_cache_min_bytes:
-            if torch_thp_requested():
-                log.info("zero: THP_MEM_ALLOC_ENABLE=%s asks torch's allocator for huge pages; the host cache "
-                         "(host_cache_min_bytes) stays off so that allocator serves them",
-                         os.environ["THP_MEM_ALLOC_ENABLE"])
-            else:
-                host_cache.enable(self.config.host_cache_min_bytes, self.config.host_cache_slack_bytes)
+            host_cache.enable(self.config.host_cache_min_bytes, self.config.host_cache_slack_bytes)
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         assert self.module is not None, "setup_module must run before setup_optimizer"

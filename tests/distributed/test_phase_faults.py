@@ -38,7 +38,7 @@ def test_phase_table_adds_up(tmp_path):
 
 def test_asking_torch_for_huge_pages_keeps_torchs_allocator(tmp_path):
     """THP_MEM_ALLOC_ENABLE=1 is torch's allocator's setting; the host cache would replace that
-    allocator and drop it, so the strategy leaves the cache off (and says so in the log)."""
+    allocator and drop it, so ``host_cache.enable`` declines and the strategy's ranks keep torch's."""
     from zerotrain.ops import builder
 
     if builder.host_cache_module() is None:  # then the cache is off anyway: nothing to tell apart

@@ -3,10 +3,11 @@
 It replaces torch's CPU allocator for the whole process, so every case runs in a fresh Python
 subprocess. Checked: a freed block comes back for the next allocation of its size (same address,
 no new page faults); allocations of other sizes take kept pages (carved or moved) instead of
-faulting fresh ones, with their contents intact, from fewer than 64 runs per block and none
-once the blocks hold 16384 runs (the mappings' bound); the kept bytes never take the large blocks in use
-plus those kept above the high-water mark (plus the slack); small blocks, raw allocations and a fork still work; results
-of ops are unchanged; `empty()` and `disable()` hand everything back.
+faulting fresh ones, with their contents intact, from fewer than 64 runs per block and none once
+the blocks hold 16384 runs (the mappings' bound); the kept bytes never take the large blocks in
+use plus those kept above the high-water mark (plus the slack); small blocks, raw allocations and
+a fork still work; results of ops are unchanged; `empty()` and `disable()` hand everything back;
+a process that asked torch for huge pages (THP_MEM_ALLOC_ENABLE=1) keeps torch's allocator.
 """
 from __future__ import annotations
 
@@ -162,7 +163,6 @@ def test_an_assembled_block_takes_pages_from_at_most_63_mappings():
     assert out["fresh_bytes"] == 97 * MiB and out["peak_bytes"] == 80 * MiB and out["runs"] == 64
 
 
-
 @pytest.mark.parametrize("kept", [16383, 16384])
 def test_no_pages_move_once_the_blocks_hold_16384_runs(kept):
     out = run(f"""
@@ -189,3 +189,14 @@ def test_no_pages_move_once_the_blocks_hold_16384_runs(kept):
         assert moved == 0 and fresh == 8 * 4096 and after["assembled"] == before["assembled"]
         assert after["evicted"] - before["evicted"] == 8
         assert after["runs"] == kept - 8 + 1
+
+
+def test_a_process_that_asks_torch_for_huge_pages_keeps_torchs_allocator():
+    out = run("""
+        os.environ["THP_MEM_ALLOC_ENABLE"] = "1"  # enable() reads it when called
+        declined = cache.enable(1 << 20)
+        os.environ["THP_MEM_ALLOC_ENABLE"] = "0"
+        print(json.dumps({"declined": declined, "stats": cache.stats(), "then": cache.enable(1 << 20)}))
+    """)
+    assert out["declined"] is False and out["stats"] is None  # not even loaded
+    assert out["then"] is True  # "0": the cache installs as usual
