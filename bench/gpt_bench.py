@@ -134,22 +134,16 @@ def _torch_step(model: torch.nn.Module, opt: torch.optim.Optimizer, autocast: bo
     return step
 
 
-def run_ddp(args: argparse.Namespace, spec: ModelSpec, batches: list, rec: Record) -> None:
+def run_ddp(args: argparse.Namespace, spec: ModelSpec, batches: list, rec: Record, *, ddp: bool = True) -> None:
+    """Torch DDP; ``ddp=False`` is ``solo``: the same loop on this rank's model alone, no collective
+    in its steps (the group exists for the end's barrier)."""
     from torch.nn.parallel import DistributedDataParallel
 
     rec.baseline()
     _init_torch_pg()
-    model = DistributedDataParallel(build_gpt(spec.config(), args.seed, spec.tied), bucket_cap_mb=25,
-                                    gradient_as_bucket_view=True)
-    opt, rec.optimizer = make_adamw(model)
-    _loop(_torch_step(model, opt, autocast=args.precision == "bf16-mixed"), batches, rec)
-
-
-def run_solo(args: argparse.Namespace, spec: ModelSpec, batches: list, rec: Record) -> None:
-    """``solo``: this rank alone, no collective in its steps (the group exists for the end's barrier)."""
-    rec.baseline()
-    _init_torch_pg()
     model = build_gpt(spec.config(), args.seed, spec.tied)
+    if ddp:
+        model = DistributedDataParallel(model, bucket_cap_mb=25, gradient_as_bucket_view=True)
     opt, rec.optimizer = make_adamw(model)
     _loop(_torch_step(model, opt, autocast=args.precision == "bf16-mixed"), batches, rec)
 
@@ -307,7 +301,7 @@ def _worker_runner(system: str) -> Callable:
     if system == "ddp":
         return run_ddp
     if system == "solo":
-        return run_solo
+        return functools.partial(run_ddp, ddp=False)
     if system.startswith("fsdp2"):
         return functools.partial(run_fsdp2, reshard_after_forward=system == "fsdp2")
     if system.startswith("ds_zero"):

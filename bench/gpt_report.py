@@ -206,12 +206,12 @@ def render_losses(results: dict[str, list[RunSummary]], base_name: str | None) -
     if not runs:
         return ""
     names = list(runs)
-    compared = [s for s in names if base_system(s) not in FLOOR_SYSTEMS]
+    compared = [base_system(s) not in FLOOR_SYSTEMS for s in names]
     lines = ["\n| step | " + " | ".join(names) + f" | max abs dloss vs {base_name} |",
              "|---|" + "---|" * (len(names) + 1)]
     for i in range(max(len(v) for v in runs.values())):
         got = [v[i] if i < len(v) else float("nan") for v in runs.values()]
         base = runs[base_name][i] if base_name and i < len(runs[base_name]) else float("nan")
-        worst = max((abs((runs[s][i] if i < len(runs[s]) else float("nan")) - base) for s in compared), default=0.0)
+        worst = max((abs(x - base) for x, c in zip(got, compared) if c), default=0.0)
         lines.append(f"| {i} | " + " | ".join(f"{x:.6f}" for x in got) + f" | {worst:.2e} |")
     return "\n".join(lines) + "\n"

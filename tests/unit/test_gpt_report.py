@@ -28,12 +28,19 @@ def test_summary_sums_cpu_over_ranks_and_keeps_the_slowest_rank():
     assert math.isnan(summarise_run([record([1.0, 1.0]), record([1.0, 1.0])], warmup=1).cpu_s)
 
 
-def test_each_repeat_is_divided_by_the_baseline_of_the_same_repeat():
-    from zerotrain.bench.gpt_report import RunSummary, render, round_ratios
+def run(step, losses=(2.0, 1.0)):
+    """One repeat's summary: ``step`` seconds, ``losses`` per step."""
+    from zerotrain.bench.gpt_report import RunSummary
 
-    def run(step):
-        return RunSummary(step_s=step, rss_peak=1 << 30, rss_delta=0, losses=[2.0, 1.0], faults=0.0,
-                          optimizer="fused", threads=1, cpu_s=2 * step)
+    return RunSummary(step_s=step, rss_peak=1 << 30, rss_delta=0, losses=list(losses), faults=0.0,
+                      optimizer="fused", threads=1, cpu_s=2 * step)
+
+
+ARGS = argparse.Namespace(model="tiny", nproc=2, threads=1)
+
+
+def test_each_repeat_is_divided_by_the_baseline_of_the_same_repeat():
+    from zerotrain.bench.gpt_report import render, round_ratios
 
     # the machine slows down 2x in repeat 1: the median of the ratios sees through it, the
     # ratio of the medians (1.5 / 1.5 = 1.0) does not
@@ -41,8 +48,7 @@ def test_each_repeat_is_divided_by_the_baseline_of_the_same_repeat():
     ratios = round_ratios(results, "ddp")
     assert ratios["zt_zero2"] == pytest.approx([0.9, 0.9])
     assert ratios["zt_zero3"] == pytest.approx([1.1])  # one completed repeat: one ratio
-    args = argparse.Namespace(model="tiny", nproc=2, threads=1)
-    text = render(args, results, {}, {})
+    text = render(ARGS, results, {}, {})
     assert "| zt_zero2 | 0.90 | 0.90 | 0.90 |" in text
     assert "| zt_zero3 | 1.10 | - | 1.10 |" in text
     assert "| ddp's step (s) | 1.000 | 2.000 | |" in text
@@ -50,27 +56,22 @@ def test_each_repeat_is_divided_by_the_baseline_of_the_same_repeat():
 
 
 def test_the_solo_floor_gets_a_table_of_ratios_of_its_own():
-    from zerotrain.bench.gpt_report import RunSummary, render
-
-    def run(step):
-        return RunSummary(step_s=step, rss_peak=1 << 30, rss_delta=0, losses=[2.0, 1.0], faults=0.0,
-                          optimizer="fused", threads=1, cpu_s=2 * step)
+    from zerotrain.bench.gpt_report import render
 
     results = {"ddp": [run(1.0), run(2.0)], "solo+heap": [run(0.8), run(1.6)], "zt_zero3": [run(0.88), run(1.6)]}
-    text = render(argparse.Namespace(model="tiny", nproc=2, threads=1), results, {}, {})
+    text = render(ARGS, results, {}, {})
     assert "| solo+heap's step (s) | 0.800 | 1.600 | |" in text
     assert "| zt_zero3 | 1.10 | 1.00 | 1.05 |" in text  # per repeat: 0.88 / 0.8, 1.6 / 1.6
     assert "| ddp | 1.25 | 1.25 | 1.25 |" in text
     assert "| zt_zero3 | 0.88 | 0.80 | 0.84 |" in text  # the table against ddp is still there
     # the loss table's last column compares the training systems only, not the floor
-    results["solo+heap"] = [RunSummary(step_s=0.8, rss_peak=1 << 30, rss_delta=0, losses=[2.0, 1.5], faults=0.0,
-                                       optimizer="fused", threads=1, cpu_s=1.6)] * 2
-    text = render(argparse.Namespace(model="tiny", nproc=2, threads=1), results, {}, {})
+    results["solo+heap"] = [run(0.8, losses=(2.0, 1.5))] * 2
+    text = render(ARGS, results, {}, {})
     assert "| 1 | 1.000000 | 1.500000 | 1.000000 | 0.00e+00 |" in text
     # without a solo run, one table of ratios
     del results["solo+heap"]
-    assert "step (s) |" in render(argparse.Namespace(model="tiny", nproc=2, threads=1), results, {}, {})
-    assert "solo" not in render(argparse.Namespace(model="tiny", nproc=2, threads=1), results, {}, {})
+    assert "step (s) |" in render(ARGS, results, {}, {})
+    assert "solo" not in render(ARGS, results, {}, {})
 
 
 def test_an_environment_suffix_sets_the_ranks_environment(monkeypatch):
