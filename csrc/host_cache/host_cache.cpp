@@ -113,7 +113,9 @@ std::pair<Block, Block> split(Block b, size_t m) {
 
 // A new mapping of m bytes whose first pages are the pages of `pieces`, moved (mremap: page-table
 // entries change hands, nothing is copied or faulted); the rest is fresh. Null if mmap fails.
-Block assemble(std::vector<Block>& pieces, size_t m) {
+// `unmoved`: the bytes of pieces whose move failed (fresh pages stand in for them).
+Block assemble(std::vector<Block>& pieces, size_t m, size_t& unmoved) {
+  unmoved = 0;
   Block out{map_block(m), m, {}};
   if (out.p == nullptr) {
     const int error = errno;
@@ -128,6 +130,7 @@ Block assemble(std::vector<Block>& pieces, size_t m) {
       void* moved = mremap(b.p + s.off, s.len, s.len, MREMAP_MAYMOVE | MREMAP_FIXED, out.p + base + s.off);
       if (moved == MAP_FAILED) {
         munmap(b.p + s.off, s.len);  // those pages are lost; out keeps fresh ones there
+        unmoved += s.len;
       }
       runs.push_back({{base + s.off, s.len}, moved != MAP_FAILED});
     }
@@ -212,10 +215,18 @@ class HostCache final : public c10::Allocator {
       live_ += m;  // booked now, so that the bound holds for another thread meanwhile
     }
     unmap_blocks(evicted);
-    Block b = assemble(pieces, m);
+    size_t unmoved = 0;
+    const bool assembling = !pieces.empty();
+    Block b = assemble(pieces, m, unmoved);
     const int error = errno;
     std::lock_guard<std::mutex> guard(mu_);
     live_ -= m;
+    if (b.p == nullptr) {  // nothing was mapped: un-book what the lock above counted
+      fresh_ -= m - have;
+      assembled_ -= assembling ? 1 : 0;
+    } else {
+      fresh_ += unmoved;
+    }
     TORCH_CHECK_WITH(OutOfMemoryError, b.p != nullptr, "zerotrain host cache: can't allocate memory: you tried "
                      "to allocate ", n, " bytes (mmap: ", std::strerror(error), ")");
     return in_use(std::move(b));

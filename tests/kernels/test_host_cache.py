@@ -6,8 +6,10 @@ no new page faults); allocations of other sizes take kept pages (carved or moved
 faulting fresh ones, with their contents intact, from fewer than 64 runs per block and none once
 the blocks hold 16384 runs (the mappings' bound); the kept bytes never take the large blocks in
 use plus those kept above the high-water mark (plus the slack); small blocks, raw allocations and
-a fork still work; results of ops are unchanged; `empty()` and `disable()` hand everything back;
-a process that asked torch for huge pages (THP_MEM_ALLOC_ENABLE=1) keeps torch's allocator.
+a fork still work; results of ops are unchanged; a mapping that fails raises torch's
+out-of-memory error and leaves the books (fresh, assembled, live bytes) as they were; `empty()`
+and `disable()` hand everything back; a process that asked torch for huge pages
+(THP_MEM_ALLOC_ENABLE=1) keeps torch's allocator.
 """
 from __future__ import annotations
 
@@ -189,6 +191,48 @@ def test_no_pages_move_once_the_blocks_hold_16384_runs(kept):
         assert moved == 0 and fresh == 8 * 4096 and after["assembled"] == before["assembled"]
         assert after["evicted"] - before["evicted"] == 8
         assert after["runs"] == kept - 8 + 1
+
+
+def test_a_failed_mapping_raises_and_leaves_the_books_as_they_were():
+    out = run("""
+        assert cache.enable(1 << 20)
+        cache.empty()
+        def vm():  # the process's address space now, bytes
+            with open("/proc/self/status") as f:
+                return next(int(line.split()[1]) for line in f if line.startswith("VmSize:")) * 1024
+        def fail(n):  # n bytes asked for with 32 MiB of address space left: mmap fails
+            soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+            resource.setrlimit(resource.RLIMIT_AS, (vm() + (32 << 20), hard))
+            try:
+                torch.empty(n, dtype=torch.uint8)
+                return "no error"
+            except RuntimeError as e:
+                return str(e)
+            finally:
+                resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+        start = cache.stats()
+        fresh_error = fail(256 << 20)  # nothing kept: all of it would be fresh pages
+        after_fresh = cache.stats()
+        kept = torch.ones(8 << 20, dtype=torch.uint8); del kept  # 8 MiB kept
+        before = cache.stats()
+        assembled_error = fail(256 << 20)  # would move the kept 8 MiB in, then fresh pages
+        after = cache.stats()
+        t = torch.ones(256 << 20, dtype=torch.uint8)  # the limit lifted: it maps
+        print(json.dumps({"start": start, "after_fresh": after_fresh, "before": before, "after": after,
+                          "errors": [fresh_error, assembled_error], "sum": t[::4096].sum().item(),
+                          "end": cache.stats()}))
+    """)
+    start, after_fresh, before, after, end = (out[k] for k in ("start", "after_fresh", "before", "after", "end"))
+    for error in out["errors"]:
+        assert "host cache: can't allocate memory" in error and str(256 * MiB) in error
+    for key in ("fresh_bytes", "assembled", "live_bytes", "cached_bytes"):
+        assert after_fresh[key] == start[key], key
+    # the failed assembly lost the kept block (unmapped with the error) and mapped nothing
+    assert before["cached_bytes"] == 8 * MiB and after["cached_bytes"] == 0
+    for key in ("fresh_bytes", "assembled", "live_bytes"):
+        assert after[key] == before[key], key
+    assert end["fresh_bytes"] == after["fresh_bytes"] + 256 * MiB and out["sum"] == 256 * MiB // 4096
+    assert end["misses"] == start["misses"] + 4  # the 8 MiB, the two failures, the last one
 
 
 def test_a_process_that_asks_torch_for_huge_pages_keeps_torchs_allocator():
