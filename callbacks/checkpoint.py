@@ -250,13 +250,19 @@ class ModelCheckpoint(Callback):
 
         scratch = os.path.join(self.dirpath, f".{os.path.basename(path)}.shards")
         trainer.save_checkpoint(scratch, update_latest=False)
+        error = None
         try:
             if trainer.is_global_zero:
-                consolidate(scratch, path)
+                try:
+                    consolidate(scratch, path)
+                except CheckpointError as exc:  # raised on every rank below, not on rank 0 alone
+                    error = f"rank 0: {exc}"
         finally:
             if trainer.is_global_zero:
                 shutil.rmtree(scratch, ignore_errors=True)
-            trainer.strategy.barrier()
+        error = trainer.strategy.broadcast(error)
+        if error:
+            raise CheckpointError(f"saving weights {path!r} failed: {error}")
 
     def _keep(self) -> set[str]:
         if self.save_top_k == -1:

@@ -35,6 +35,7 @@ import math
 import os
 import random
 import shutil
+import zipfile
 from pathlib import Path
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -42,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import CheckpointError
+from .hparams import loads_safely
 from .tensor_files import Entry, FileDigest, SafetensorsFile, file_digest, fsync_dir, write_safetensors
 
 META = "meta.pt"
@@ -49,6 +51,10 @@ LATEST = "latest"
 FORMAT = "zerotrain.sharded/1"
 #: the largest world size a checkpoint may claim (loading sizes per-rank work by it)
 MAX_WORLD_SIZE = 1 << 20
+#: the largest ``meta.pt`` a load reads (every rank reads it whole)
+MAX_META_BYTES = 2 << 30
+#: the largest ``latest`` pointer file (it holds one checkpoint name)
+MAX_LATEST_BYTES = 4096
 
 
 def rank_file(rank: int) -> str:
@@ -98,8 +104,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if "cuda" in state and torch.cuda.is_available():  # saved per visible device; this run may see fewer
+        for device, cuda_state in enumerate(state["cuda"][:torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(cuda_state, device)
     if "numpy" in state:
         import numpy as np
 
@@ -109,9 +116,25 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 # ---------------------------------------------------------------------------- small atomic files
 
+def _unloadable(obj: Any, where: str = "") -> str:
+    """The deepest key path under ``obj`` whose value ``torch.load(weights_only=True)`` refuses,
+    with its type (``obj`` as a whole when no single part is to blame)."""
+    parts = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (list, tuple)) else ()
+    for key, value in parts:
+        if not loads_safely(value):
+            return _unloadable(value, f"{where}[{key!r}]")
+    return f"{where or 'the whole'} ({type(obj).__module__}.{type(obj).__qualname__})"
+
+
 def _fsync_save(obj: Any, path: Path) -> None:
     buf = io.BytesIO()  # small (no tensors but RNG states); written by plain I/O, a full disk is an OSError
     torch.save(obj, buf)
+    try:  # a value that only full unpickling could read would make the checkpoint unloadable
+        torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+    except Exception:  # noqa: BLE001 - named below
+        raise ValueError(f"{path.name} would hold a value a safe load refuses: {_unloadable(obj)}. Store plain "
+                         "Python values (numbers, strings, lists, dicts) or tensors there, e.g. float(x) for a "
+                         "numpy scalar, str(p) for a path") from None
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
         f.write(buf.getbuffer())
@@ -136,12 +159,16 @@ def read_latest(directory: str | os.PathLike) -> Path | None:
     """The checkpoint ``directory/latest`` names, or None when there is no pointer."""
     pointer = Path(directory) / LATEST
     try:
-        name = pointer.read_text().strip()
+        with pointer.open("rb") as f:
+            raw = f.read(MAX_LATEST_BYTES + 1)
+        name = raw.decode().strip()
     except (FileNotFoundError, NotADirectoryError):
         return None
     except (OSError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"cannot read {str(pointer)!r}: {_why(exc)}") from None
-    if not name or "/" in name or name in (".", ".."):
+    if len(raw) > MAX_LATEST_BYTES:
+        raise CheckpointError(f"{str(pointer)!r} is over {MAX_LATEST_BYTES} bytes: not a pointer zerotrain wrote")
+    if not name or "/" in name or name in (".", "..", LATEST):
         raise CheckpointError(f"{str(pointer)!r} does not name a checkpoint (it holds {name!r})")
     return Path(directory) / name
 
@@ -255,24 +282,26 @@ def _write_shard(file: Path, entries: Sequence[Entry], rank: int) -> FileDigest:
 
 # ---------------------------------------------------------------------------- find and check
 
-def resolve(path: str | os.PathLike) -> Path:
+def resolve(path: str | os.PathLike, _hops: int = 0) -> Path:
     """The checkpoint directory ``path`` means: a checkpoint itself, a directory holding a
     ``latest`` pointer (or that pointer file), ``NAME`` while only ``NAME.old`` exists (a save
     killed between its renames), or ``DIR/last`` (earlier releases' name) when ``DIR/latest``
     exists."""
     p = Path(path)
+    if _hops > 8:
+        raise CheckpointError(f"{str(p)!r}: more than 8 {LATEST!r} pointers in a row (a loop?)")
     try:
         if p.name == LATEST and p.is_file():
-            return resolve(read_latest(p.parent))
+            return resolve(read_latest(p.parent), _hops + 1)
         if (p / META).is_file():
             return p
         if (p / LATEST).is_file():
-            return resolve(read_latest(p))
+            return resolve(read_latest(p), _hops + 1)
         old = p.with_name(p.name + ".old")
         if (old / META).is_file():
             return old
         if p.name == "last" and (p.parent / LATEST).is_file():
-            return resolve(read_latest(p.parent))
+            return resolve(read_latest(p.parent), _hops + 1)
     except OSError as exc:  # e.g. a directory this user may not read
         raise CheckpointError(f"cannot look for a checkpoint at {str(p)!r}: {_why(exc)}") from None
     raise CheckpointError(f"no checkpoint at {str(p)!r} (expected a directory holding {META}, or a "
@@ -283,15 +312,52 @@ def load_meta(path: str | os.PathLike) -> tuple[Path, dict[str, Any]]:
     """The checkpoint directory ``path`` means and its ``meta.pt``, checked by :func:`check_meta`."""
     root = resolve(path)
     file = root / META
+    check_archive(file)
     try:
         meta = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as exc:  # pickle payloads, truncation, wrong format
-        raise CheckpointError(f"cannot read checkpoint file {str(file)!r}: {exc}") from exc
+        raise CheckpointError(f"cannot read checkpoint file {str(file)!r}: {_load_error(exc)}") from exc
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         found = meta.get("format", "none (an earlier zerotrain layout)") if isinstance(meta, dict) else type(meta)
         raise CheckpointError(f"{str(file)!r} has format {found}; this zerotrain reads {FORMAT!r}")
     check_meta(root, meta)
     return root, meta
+
+
+def _load_error(exc: BaseException) -> str:
+    """torch.load's error, without its advice to load with weights_only=False (which would run
+    whatever the file holds): the refused global, when that is the reason."""
+    text = str(exc)
+    _, found, why = text.partition("WeightsUnpickler error:")
+    if found:
+        return "it holds a value a safe load refuses: " + why.strip().split(". ")[0]
+    return text
+
+
+def check_archive(file: Path, max_bytes: int | None = MAX_META_BYTES, crc: bool = True) -> None:
+    """A torch.save file, before torch reads it: at most ``max_bytes``, every record stored
+    uncompressed (torch never compresses, and a compressed record could unpack to any size in
+    memory) and, with ``crc``, matching its CRC-32 (torch's reader does not check them, so a
+    flipped byte would load). A file that is not a zip archive (torch's legacy format) is left
+    to torch.load."""
+    try:
+        size = file.stat().st_size
+        if max_bytes is not None and size > max_bytes:
+            raise CheckpointError(f"checkpoint file {str(file)!r} is {size} bytes, over the {max_bytes} a "
+                                  f"{file.name} may have")
+        if not zipfile.is_zipfile(file):
+            return
+        with zipfile.ZipFile(file) as archive:
+            packed = [i.filename for i in archive.infolist() if i.compress_type != zipfile.ZIP_STORED]
+            if packed:
+                raise CheckpointError(f"checkpoint file {str(file)!r} has compressed records ({_short(packed)}); "
+                                      "torch.save stores them uncompressed: not a file torch wrote")
+            broken = archive.testzip() if crc else None
+    except (OSError, zipfile.BadZipFile, EOFError) as exc:
+        raise CheckpointError(f"cannot read checkpoint file {str(file)!r}: {_why(exc)}") from None
+    if broken is not None:
+        raise CheckpointError(f"checkpoint file {str(file)!r} is damaged: record {broken!r} does not match its "
+                              "CRC-32")
 
 
 # ---------------------------------------------------------------------------- bounds of meta.pt

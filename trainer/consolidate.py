@@ -32,7 +32,7 @@ from . import checkpoint_io
 from .errors import CheckpointError
 from .hparams import hparams_metadata
 from .reshard import CheckpointReader
-from .tensor_files import Entry, dtype_from_name, write_safetensors, write_torch
+from .tensor_files import Entry, dtype_from_name, fsync_dir, write_safetensors, write_torch
 
 _TORCH_SUFFIXES = (".pt", ".pth", ".bin")
 
@@ -105,6 +105,7 @@ def consolidate(ckpt: str | os.PathLike, out: str | os.PathLike, *, bf16: bool =
             else:
                 write_torch(tmp, entries)
         os.replace(tmp, out)
+        fsync_dir(out.parent)  # the rename itself survives a power loss (callers may delete the source next)
     except BaseException as exc:
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)  # a failed write leaves nothing holding the space

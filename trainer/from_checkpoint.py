@@ -75,6 +75,7 @@ def _read_safetensors(path: Path) -> dict[str, Any]:
 
 
 def _read_torch_file(path: Path) -> dict[str, Any]:
+    checkpoint_io.check_archive(path, max_bytes=None, crc=False)  # weights may be large: no size cap, one read
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - pickled code, truncation, another format

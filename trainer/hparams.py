@@ -208,7 +208,7 @@ def plain(value: Any) -> Any:
     return value
 
 
-def _loads_safely(value: Any) -> bool:
+def loads_safely(value: Any) -> bool:
     """Does ``value`` come back from ``torch.save`` + ``torch.load(weights_only=True)``?"""
     buf = io.BytesIO()
     try:
@@ -229,7 +229,7 @@ def storable(hparams: MutableMapping, owner: str) -> dict[str, Any]:
     out = {}
     for name, value in hparams.items():
         value = plain(value)
-        if _loads_safely({name: value}):
+        if loads_safely({name: value}):
             out[name] = value
         elif (owner, str(name)) not in _warned:
             _warned.add((owner, str(name)))

@@ -196,6 +196,7 @@ class CheckpointReader:
     def __init__(self, root: str | Path, meta: Mapping[str, Any]) -> None:
         self.root, self.meta = Path(root), meta
         self._files: dict[int, SafetensorsFile] = {}
+        self._kinds: dict[str, list[str]] = {}
 
     def _file(self, rank: int) -> SafetensorsFile:
         if rank not in self._files:
@@ -212,7 +213,21 @@ class CheckpointReader:
         return list(self.meta["params"])
 
     def kinds(self, name: str) -> list[str]:
-        return list(self._param(name)["kinds"])
+        """The per-element kinds ``meta.pt`` lists for ``name``, each checked against the headers
+        of the files holding its ranges (there, at least the range's elements) before a loader
+        sizes a buffer per kind: a listing can't ask for more memory than the files hold."""
+        if name not in self._kinds:
+            info = self._param(name)
+            for rank, s, e in info["ranges"]:
+                f = self._file(rank) if e > s else None
+                for kind in info["kinds"] if f is not None else ():
+                    key = f"{kind}/{name}"
+                    held = math.prod(f.info(key)[1]) if key in f else 0
+                    if held < e - s:
+                        raise CheckpointError(f"checkpoint file {f.path!r} holds {held} elements of {key!r}; "
+                                              f"{META} places elements [{s}, {e}) of {name!r} there")
+            self._kinds[name] = list(info["kinds"])
+        return list(self._kinds[name])
 
     def read(self, name: str, kind: str, start: int, end: int, out: torch.Tensor | None = None) -> torch.Tensor:
         info = self._param(name)

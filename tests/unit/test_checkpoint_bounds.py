@@ -11,9 +11,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import struct
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -22,6 +24,7 @@ from torch import nn
 
 from zerotrain.strategies.base import ParamShard
 from zerotrain.trainer import checkpoint_io, reshard
+from zerotrain.trainer.errors import CheckpointError
 
 _SOLO = checkpoint_io.Comm(0, 1, lambda: None, lambda obj: [obj], lambda obj: obj)
 SHARD = checkpoint_io.rank_file(0)
@@ -104,6 +107,28 @@ def _header_shape(shape):
     return edit
 
 
+def _meta_records_compressed(ck: Path) -> None:
+    """meta.pt rewritten with deflate-compressed records (what a zip bomb needs: torch reads a
+    compressed record whole into memory, whatever size it unpacks to)."""
+    file = ck / checkpoint_io.META
+    with zipfile.ZipFile(file) as src:
+        items = [(i.filename, src.read(i)) for i in src.infolist()]
+    with zipfile.ZipFile(file, "w", compression=zipfile.ZIP_DEFLATED) as out:
+        for name, data in items:
+            out.writestr(name, data)
+
+
+def _meta_byte_flipped(ck: Path) -> None:
+    """One byte of a tensor record in meta.pt (an RNG state) flipped: torch's reader loads it."""
+    file = ck / checkpoint_io.META
+    with zipfile.ZipFile(file) as z:
+        info = next(i for i in z.infolist() if "/data/" in i.filename and i.file_size > 0)
+    raw = bytearray(file.read_bytes())
+    name_len, extra_len = struct.unpack("<HH", raw[info.header_offset + 26:info.header_offset + 30])
+    raw[info.header_offset + 30 + name_len + extra_len] ^= 0x01
+    file.write_bytes(bytes(raw))
+
+
 def _header_huge(h):
     h["param/weight"] = {"dtype": "F32", "shape": [2 ** 40], "data_offsets": [0, 2 ** 42]}
     return h
@@ -128,6 +153,8 @@ CASES = {
     "files_unlisted": (_edit_meta(lambda m: m.update(files={})), "meta.pt"),
     "no_loop": (_edit_meta(lambda m: m.pop("loop")), "meta.pt"),
     "rng_not_a_state": (_edit_meta(lambda m: m.update(rng=[{"torch": torch.zeros(3)}])), "meta.pt"),
+    "meta_records_compressed": (_meta_records_compressed, "meta.pt"),
+    "meta_byte_flipped": (_meta_byte_flipped, "meta.pt"),
     "header_huge_tensor": (lambda ck: _rewrite_header(ck, _header_huge), SHARD),
     "header_infinite_shape": (lambda ck: _rewrite_header(ck, _header_shape([float("inf")])), SHARD),
     "header_negative_shape": (lambda ck: _rewrite_header(ck, _header_shape([-3, -4])), SHARD),  # 12 elements
@@ -238,3 +265,71 @@ def test_hostile_meta_and_headers_fail_cleanly_with_bounded_memory(tmp_path):
     assert lines[-1]["rss_growth_kib"] < 512 * 1024  # nothing near what the files claim was allocated
     for d in dirs.values():  # no output, and no partial output, was left behind
         assert not os.path.exists(d + ".out") or os.listdir(d + ".out") == []
+
+
+@pytest.mark.timeout(60)
+def test_a_flipped_byte_loads_silently_without_the_crc_check(tmp_path):
+    """What the meta_byte_flipped case guards against: torch's own reader takes the flipped byte."""
+    ck = make_checkpoint(tmp_path / "ck")
+    before = _load(ck)
+    _meta_byte_flipped(ck)
+    after = _load(ck)  # no error from torch
+    assert any(not torch.equal(a, b) for a, b in zip(before["rng"][0].values(), after["rng"][0].values())
+               if torch.is_tensor(a))
+
+
+@pytest.mark.timeout(60)
+def test_optimizer_kinds_the_shards_do_not_hold_fail_before_any_buffer_is_sized(tmp_path):
+    """A meta.pt listing 3000 optimizer-state kinds for a weight would have a loader size 3000
+    buffers over its partition; the reader checks each against the shard's header first."""
+    ck = make_checkpoint(tmp_path / "ck")
+    root, meta = checkpoint_io.load_meta(ck)
+    assert reshard.CheckpointReader(root, meta).kinds("weight") == ["exp_avg", "exp_avg_sq", "param"]
+    meta["params"]["weight"]["kinds"] = ["exp_avg", "exp_avg_sq", "param"] + [f"k{i}" for i in range(3000)]
+    with pytest.raises(CheckpointError, match=re.escape(str(root / SHARD)) + r".*holds 0 elements of 'k0/weight'"):
+        reshard.CheckpointReader(root, meta).kinds("weight")
+
+
+@pytest.mark.timeout(60)
+def test_a_value_a_safe_load_refuses_fails_the_save_and_keeps_the_previous_checkpoint(tmp_path):
+    import numpy as np
+
+    good = make_checkpoint(tmp_path / "ck" / "step=1")
+    entries, local = reshard.shard_entries({}, {"count": torch.tensor(1)})
+
+    def meta(locals_):
+        return {"loop": {"global_step": 2, "extra": {"score": np.float64(0.5)}}, "files": {}}
+
+    with pytest.raises(CheckpointError, match=r"\['loop'\]\['extra'\]\['score'\] \(numpy\.[\w.]*float64\)"):
+        checkpoint_io.save(tmp_path / "ck" / "step=2", _SOLO, entries, local, meta)
+    assert checkpoint_io.resolve(tmp_path / "ck") == good  # latest still names the good one
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["latest", "step=1"]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("pointer", ["latest", "a" * 5000, "loop"])
+def test_a_bad_latest_pointer_is_a_checkpoint_error(tmp_path, pointer):
+    make_checkpoint(tmp_path / "ck" / "step=1")
+    if pointer == "loop":  # ck/latest -> a, a/latest -> b, and a/b is a link to a itself
+        (tmp_path / "ck" / "latest").write_text("a\n")
+        (tmp_path / "ck" / "a").mkdir()
+        (tmp_path / "ck" / "a" / "latest").write_text("b\n")
+        (tmp_path / "ck" / "a" / "b").symlink_to(".")
+        want = "pointers in a row"
+    else:
+        (tmp_path / "ck" / "latest").write_text(pointer + "\n")
+        want = "not a pointer zerotrain wrote" if len(pointer) > 4096 else "does not name a checkpoint"
+    with pytest.raises(CheckpointError, match=want):
+        checkpoint_io.load_meta(tmp_path / "ck")
+
+
+def test_cuda_rng_states_beyond_the_visible_devices_are_skipped(monkeypatch):
+    """Saved on a process that saw 2 GPUs, resumed on one that sees 1: device 0's state only."""
+    set_calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: set_calls.append((state, device)))
+    state = checkpoint_io.rng_state()
+    state["cuda"] = [torch.zeros(8, dtype=torch.uint8), torch.ones(8, dtype=torch.uint8)]
+    checkpoint_io.set_rng_state(state)
+    assert len(set_calls) == 1 and set_calls[0][1] == 0 and torch.equal(set_calls[0][0], state["cuda"][0])

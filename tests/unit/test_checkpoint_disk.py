@@ -248,7 +248,7 @@ def test_an_unreadable_checkpoint_directory_is_a_checkpoint_error(tmp_path, monk
     def denied(self, *args, **kwargs):
         raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(self))
 
-    monkeypatch.setattr(Path, "read_text", denied)  # the `latest` pointer
+    monkeypatch.setattr(Path, "open", denied)  # the `latest` pointer
     with pytest.raises(CheckpointError, match=re.escape(str(tmp_path / "latest")) + ".*Permission denied"):
         checkpoint_io.load_meta(tmp_path)
     monkeypatch.undo()

@@ -177,6 +177,28 @@ def test_checkpoint_tags_latest_and_client_state(tmp_path):
         engine.load_checkpoint(tmp_path, load_optimizer_states=False)
 
 
+def test_save_16bit_model_replaces_the_file_whole_or_not_at_all(tmp_path, monkeypatch):
+    model = _net()
+    engine, *_ = deepspeed.initialize(model=model, config={**LOOP_CONFIG, "zero_optimization": {"stage": 2}})
+    assert engine.save_16bit_model(tmp_path) is True
+    saved = torch.load(tmp_path / "pytorch_model.bin", weights_only=True)
+    assert saved.keys() == model.state_dict().keys()
+    assert all(torch.equal(saved[k], v) for k, v in model.state_dict().items())  # fp32: no 16-bit section
+    assert sorted(os.listdir(tmp_path)) == ["pytorch_model.bin"]  # no temporary file left
+    before = (tmp_path / "pytorch_model.bin").read_bytes()
+
+    def full_disk(obj, f, *args, **kwargs):
+        f.write(b"half a file")
+        raise OSError(28, "No space left on device", str(tmp_path / "pytorch_model.bin.tmp"))
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(zerotrain.CheckpointError, match=r"save_16bit_model\(.*\) failed: rank 0: writing "
+                                                         r".*pytorch_model\.bin\.tmp: No space left on device"):
+        engine.save_16bit_model(tmp_path)
+    assert (tmp_path / "pytorch_model.bin").read_bytes() == before  # the old file is whole
+    assert sorted(os.listdir(tmp_path)) == ["pytorch_model.bin"]
+
+
 # ---------------------------------------------------------------------------- deepspeed.checkpointing
 def test_activation_checkpointing_section_and_configure(tmp_path):
     c = cfg(activation_checkpointing={"partition_activations": True, "cpu_checkpointing": True,

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from zerotrain import ConfigError, Trainer, TrainModule
+from zerotrain import CheckpointError, ConfigError, Trainer, TrainModule
 from zerotrain.callbacks import (EarlyStopping, ModelCheckpoint, ModelSummary, ProgressBar, Timer,
                                  TQDMProgressBar)
 
@@ -184,6 +184,23 @@ def test_model_checkpoint_weights_only_is_one_safetensors_file(tmp_path):
     assert set(state) == set(want)
     for k in want:
         torch.testing.assert_close(state[k], want[k])
+
+
+def test_a_failed_weights_only_consolidation_is_a_checkpoint_error_after_the_scratch_is_removed(tmp_path,
+                                                                                                  monkeypatch):
+    """The consolidation runs on rank 0 alone; its failure is broadcast, so that every rank raises
+    it (here one process: the error surfaces through fit, and nothing is left in dirpath)."""
+    from zerotrain.trainer import consolidate
+
+    def full_disk(ckpt, out, **kwargs):
+        raise CheckpointError(f"writing {out}.partial (consolidate OUT={str(out)!r}) failed: No space left on device")
+
+    monkeypatch.setattr(consolidate, "consolidate", full_disk)
+    cb = ModelCheckpoint(dirpath=str(tmp_path / "ck"), every_n_train_steps=4, save_weights_only=True,
+                         filename="{step}", save_last=False)
+    with pytest.raises(CheckpointError, match=r"saving weights .*step=4\.safetensors' failed: rank 0: .*No space left"):
+        _fit(tmp_path, [cb])
+    assert os.listdir(tmp_path / "ck") == []  # the scratch shards were removed
 
 
 def test_model_checkpoint_old_arguments_unchanged():

@@ -34,7 +34,8 @@ from torch import nn
 from .. import checkpoint_io
 from . import comm
 from ..engine import Engine
-from ..errors import ConfigError
+from ..errors import CheckpointError, ConfigError
+from ..tensor_files import fsync_dir
 from .config import DeepSpeedConfig
 
 log = logging.getLogger("zerotrain")
@@ -370,13 +371,27 @@ class DeepSpeedEngine(nn.Module):
         """Collective: the whole model's weights as one ``torch.save``d state dict on global rank 0,
         in the config's 16-bit type (fp32 without fp16/bf16)."""
         full = self._model.full_state_dict()
+        error = None
         if self.global_rank == 0:
             dtype = torch.float16 if self.fp16_enabled() else torch.bfloat16 if self.bfloat16_enabled() else None
             if dtype is not None:
                 full = {k: v.to(dtype) if v.is_floating_point() else v for k, v in full.items()}
-            os.makedirs(save_dir, exist_ok=True)
-            torch.save(full, os.path.join(os.fspath(save_dir), save_filename))
-        self._zt.barrier()
+            target = os.path.join(os.fspath(save_dir), save_filename)
+            try:  # a temporary file, fsynced, renamed over the target: a crash leaves the old file whole
+                os.makedirs(save_dir, exist_ok=True)
+                with open(target + ".tmp", "wb") as f:
+                    torch.save(full, f)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(target + ".tmp", target)
+                fsync_dir(os.fspath(save_dir))
+            except OSError as exc:
+                with contextlib.suppress(OSError):
+                    os.unlink(target + ".tmp")
+                error = f"rank 0: writing {exc.filename or target}: {exc.strerror or exc}"
+        error = self._zt.broadcast(error)  # every rank learns the outcome: none waits on a failed one
+        if error:
+            raise CheckpointError(f"save_16bit_model({os.fspath(save_dir)!r}) failed: {error}")
         return True
 
     def destroy(self) -> None:
