@@ -16,6 +16,7 @@ since Hydra would read ``precision=16`` as a number and refuse it as a group opt
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
@@ -64,6 +65,21 @@ def normalize_overrides(overrides: list[str]) -> list[str]:
     return out
 
 
+def check_known_keys(node: DictConfig, path: str = "") -> None:
+    """Every key of every typed section is one of its schema's fields. Hydra's ``+key=value``
+    adds a key to a typed section without complaint, and building from the schema's fields would
+    then drop it (``+trainer.gradient_clip_algorithm=value`` would still clip by norm)."""
+    schema = OmegaConf.get_type(node)
+    fields = {f.name for f in dataclasses.fields(schema)} if dataclasses.is_dataclass(schema) else None
+    for key in node.keys():
+        child = node._get_node(key)
+        if fields is not None and key not in fields:
+            where = path.rstrip(".") or "the top level"
+            raise ConfigError(f"{path}{key}: no such key in {where}; valid keys: {', '.join(sorted(fields))}")
+        if isinstance(child, DictConfig):
+            check_known_keys(child, f"{path}{key}.")
+
+
 def validate(cfg: Config) -> None:
     """Every field of every section, then the demo's checks of the model against the data and the
     strategy. Raises ConfigError; builds nothing."""
@@ -105,6 +121,7 @@ def build(cfg: Config):
 
 def run(dcfg: DictConfig) -> None:
     try:
+        check_known_keys(dcfg)
         cfg: Config = OmegaConf.to_object(dcfg)  # runs the model schema's __post_init__ checks
         trainer, module = build(cfg)
     except (ConfigError, ValueError, OmegaConfBaseException) as exc:

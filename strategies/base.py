@@ -56,6 +56,7 @@ gradient reduction and norm over stages, and its own ``run_schedule``.
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Any, Callable, Iterator, NamedTuple, Protocol
 
 import torch
@@ -174,8 +175,10 @@ class Strategy:
     runs_own_schedule = False
 
     def __init__(self, process_group_timeout_s: float = PROCESS_GROUP_TIMEOUT_S) -> None:
-        if process_group_timeout_s <= 0:
-            raise ValueError(f"process_group_timeout_s={process_group_timeout_s!r} must be > 0")
+        if (isinstance(process_group_timeout_s, bool) or not isinstance(process_group_timeout_s, (int, float))
+                or not math.isfinite(process_group_timeout_s) or process_group_timeout_s <= 0):
+            raise ValueError(f"process_group_timeout_s={process_group_timeout_s!r} must be a finite number > 0 "
+                             "(seconds)")
         self.process_group_timeout_s = float(process_group_timeout_s)
         self.info = ProcessInfo()
         self.device = torch.device("cpu")

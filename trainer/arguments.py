@@ -4,6 +4,7 @@ callbacks and loggers. Each error reads ``Trainer: field=value ...``."""
 from __future__ import annotations
 
 import logging
+import math
 import os
 from typing import Any
 
@@ -31,6 +32,15 @@ def positive_int(name: str, value: Any, allow_none: bool = False, minimum: int =
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ConfigError(f"Trainer: {name}={value!r} must be an integer >= {minimum}")
+
+
+def positive_number(name: str, value: Any, what: str, allow_none: bool = True) -> None:
+    """A finite number > 0 (not a bool: True is no number of seconds), or None when allowed."""
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"Trainer: {name}={value!r} must be a finite number > 0 ({what})"
+                          + (", or None" if allow_none else ""))
 
 
 #: Lightning's ``gradient_clip_algorithm`` choices (None: "norm")

@@ -23,7 +23,7 @@ from ..strategies import Strategy, instrument, progress
 from ..strategies.environment import detect
 from . import checkpointing, elastic, hparams, job, signals
 from .arguments import (check_limit, check_lightning_args, default_callbacks, fast_dev_run_flags, lightning_callbacks,
-                        make_loggers, positive_int)
+                        make_loggers, positive_int, positive_number)
 from .errors import ConfigError
 from .evaluation import TrainerEvaluation, split_datamodule, to_device
 from .hooks import BatchHooks, HookDispatcher, hook_owners
@@ -110,12 +110,10 @@ class Trainer(TrainerData, TrainerEvaluation, TrainerLogging, TrainerSetup):
         positive_int("log_every_n_steps", log_every_n_steps, minimum=0)  # 0: never, as Lightning
         positive_int("max_epochs", max_epochs, allow_none=True)
         positive_int("max_restarts", max_restarts, minimum=0)
-        if collective_timeout_s is not None and not collective_timeout_s > 0:
-            raise ConfigError(f"Trainer: collective_timeout_s={collective_timeout_s!r} must be > 0 or None")
+        positive_number("collective_timeout_s", collective_timeout_s, "seconds")
         if not isinstance(max_steps, int) or max_steps < -1 or max_steps == 0:
             raise ConfigError(f"Trainer: max_steps={max_steps!r} must be -1 (no limit) or a positive integer")
-        if gradient_clip_val is not None and gradient_clip_val <= 0:
-            raise ConfigError(f"Trainer: gradient_clip_val={gradient_clip_val!r} must be > 0 or None")
+        positive_number("gradient_clip_val", gradient_clip_val, "the clipping threshold")
         if isinstance(val_check_interval, float) and not 0 < val_check_interval <= 1:
             raise ConfigError(f"Trainer: val_check_interval={val_check_interval!r} as a float is a "
                               "fraction of an epoch in (0, 1]; give an int for a number of steps")
@@ -130,9 +128,7 @@ class Trainer(TrainerData, TrainerEvaluation, TrainerLogging, TrainerSetup):
         if on_nonfinite not in NONFINITE_POLICIES:
             raise ConfigError(f"Trainer: on_nonfinite={on_nonfinite!r}; valid choices: "
                               f"{', '.join(NONFINITE_POLICIES)}")
-        if stall_timeout_s is not None and (isinstance(stall_timeout_s, bool) or not stall_timeout_s > 0):
-            raise ConfigError(f"Trainer: stall_timeout_s={stall_timeout_s!r} must be > 0 (seconds), or None "
-                              "to disable the progress watchdog")
+        positive_number("stall_timeout_s", stall_timeout_s, "seconds; None disables the progress watchdog")
         check_lightning_args(fast_dev_run, num_sanity_val_steps, check_val_every_n_epoch, min_epochs, min_steps,
                               overfit_batches, gradient_clip_algorithm)
         self.precision_plugin, self._strategy = job.plugins("Trainer", strategy, precision, devices * num_nodes)
@@ -278,6 +274,8 @@ class Trainer(TrainerData, TrainerEvaluation, TrainerLogging, TrainerSetup):
             self._watchdog = make_watchdog(self._strategy, self.stall_timeout_s,
                                            key=f"zerotrain/progress/{elastic.restart_count()}/{self._fits}")
             progress.set_sink(self._watchdog.mark if self._watchdog is not None else None)
+            if self._watchdog is not None:
+                self._watchdog.arm()
             self.hooks.both("on_fit_start", self, module)
             hparams.log_hyperparams(self)
             self._signals = signals.SignalCheckpoint(self)
@@ -442,7 +440,7 @@ class Trainer(TrainerData, TrainerEvaluation, TrainerLogging, TrainerSetup):
             self._nonfinite_in_step = False
             elastic.lower_after_first_step(s, self.collective_timeout_s)
             if self._watchdog is not None:
-                self._watchdog.arm()
+                self._watchdog.warmed()
             st.skipped_steps += not stepped
             st.global_step += 1
             if stepped:  # after the step is counted, as Lightning

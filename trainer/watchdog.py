@@ -17,8 +17,11 @@ the same under our launcher, torchrun, SLURM and a user's process group).
 When every rank stands still at the same tick (a long optimizer step with NVMe offload, a save),
 nobody waits for anybody: that is slow work, not a stall, and the watchdog leaves it alone.
 
-The watchdog arms after this rank's first optimizer step (the first step builds kernels and
-warms caches) and is disarmed when the fit loop ends.
+The watchdog arms when the fit loop begins (after set-up and checkpoint loading) and is disarmed
+when it ends. Until a rank's first optimizer step (the sanity check, fit-start hooks, the first
+step, which builds kernels and warms caches) that rank may stand still for ``first_timeout_s``
+(3x ``timeout_s``: 60 s by default) instead of ``timeout_s``: a rank stuck before its first step
+ends the job within a minute, not at the process group's timeout (minutes, naming no rank).
 """
 from __future__ import annotations
 
@@ -39,34 +42,44 @@ STALL_EXIT_CODE = 124
 _GRACE_S = 5.0
 
 
+#: before a rank's first optimizer step it may stand still this many times ``timeout_s``
+FIRST_STEP_FACTOR = 3.0
+
+
 class Progress(NamedTuple):
     ticks: int
     step: int
     phase: str
     idle_s: float  # seconds since this rank's last tick, measured by that rank
+    warm: bool = True  # this rank has made its first optimizer step of this fit
 
     def encode(self) -> bytes:
-        return f"{self.ticks}|{self.step}|{self.idle_s:.3f}|{self.phase}".encode()
+        return f"{self.ticks}|{self.step}|{self.idle_s:.3f}|{int(self.warm)}|{self.phase}".encode()
 
     @staticmethod
     def decode(raw: bytes) -> "Progress":
-        ticks, step, idle, phase = raw.decode().split("|", 3)
-        return Progress(int(ticks), int(step), phase, float(idle))
+        ticks, step, idle, warm, phase = raw.decode().split("|", 4)
+        return Progress(int(ticks), int(step), phase, float(idle), warm == "1")
 
 
-def find_stuck(progress: dict[int, Progress], timeout_s: float) -> int | None:
+def find_stuck(progress: dict[int, Progress], timeout_s: float, first_timeout_s: float | None = None) -> int | None:
     """The rank the others wait for, or None. Pure: the same answer on every rank.
 
-    A rank is stuck when it has been idle for longer than ``timeout_s`` and some rank that got
-    further (more ticks) has itself stood still for longer than ``timeout_s``: it has waited that
-    long. Among several, the one furthest behind (lowest rank on a tie). The rank ahead must have
-    waited too, not only the one behind: a pipeline stage spends its whole schedule (every
-    micro-batch's forward and backward) in one tick, and the other stage may issue the step's
-    first collective moments before the first one finishes its last backward."""
+    A rank is stuck when it has been idle for longer than its allowance and some rank that got
+    further (more ticks) has itself stood still for longer than that: it has waited that long.
+    The allowance is ``timeout_s``, or ``first_timeout_s`` (when given) for a rank before its
+    first optimizer step. Among several, the one furthest behind (lowest rank on a tie). The rank
+    ahead must have waited too, not only the one behind: a pipeline stage spends its whole
+    schedule (every micro-batch's forward and backward) in one tick, and the other stage may
+    issue the step's first collective moments before the first one finishes its last backward."""
     if len(progress) < 2:
         return None
-    late = [(p.ticks, r) for r, p in progress.items() if p.idle_s > timeout_s
-            and any(q.ticks > p.ticks and q.idle_s > timeout_s for q in progress.values())]
+
+    def allowed(p: Progress) -> float:
+        return timeout_s if p.warm or first_timeout_s is None else first_timeout_s
+
+    late = [(p.ticks, r) for r, p in progress.items() if p.idle_s > allowed(p)
+            and any(q.ticks > p.ticks and q.idle_s > allowed(p) for q in progress.values())]
     return min(late)[1] if late else None
 
 
@@ -82,6 +95,8 @@ class ProgressWatchdog:
                  hint: Callable[[], str] = lambda: "", interval_s: float = 1.0) -> None:
         self.rank, self.world_size, self.store = rank, world_size, store
         self.timeout_s, self.interval_s, self.hint = float(timeout_s), float(interval_s), hint
+        self.first_timeout_s = FIRST_STEP_FACTOR * self.timeout_s
+        self._warm = False
         self._keys = [f"{key}/{r}" for r in range(world_size)]
         self._count = itertools.count(1)  # next() is atomic: ticks may come from autograd threads
         self._ticks, self._step, self._phase = 0, 0, "start"
@@ -104,8 +119,12 @@ class ProgressWatchdog:
         self._phase = f"{self._phase.split(' (')[0]} (last collective issued: {collective})"
         self._last = time.monotonic()
 
+    def warmed(self) -> None:
+        """This rank made its first optimizer step: from now on ``timeout_s`` applies to it."""
+        self._warm = True
+
     def arm(self) -> None:
-        """Start watching (idempotent): after the first optimizer step."""
+        """Start watching (idempotent): when the fit loop begins."""
         if self._thread is not None:
             return
         self._publish()
@@ -119,7 +138,7 @@ class ProgressWatchdog:
 
     # ------------------------------------------------------------------ the thread's side
     def _mine(self) -> Progress:
-        return Progress(self._ticks, self._step, self._phase, time.monotonic() - self._last)
+        return Progress(self._ticks, self._step, self._phase, time.monotonic() - self._last, self._warm)
 
     def _publish(self) -> None:
         self.store.set(self._keys[self.rank], self._mine().encode())
@@ -146,7 +165,7 @@ class ProgressWatchdog:
             except Exception as exc:  # noqa: BLE001 - the store's host is gone: the job is ending anyway
                 log.debug("progress watchdog stopped: %s", exc)
                 return
-            stuck = find_stuck(progress, self.timeout_s)
+            stuck = find_stuck(progress, self.timeout_s, self.first_timeout_s)
             if stuck is not None and not self._stop.is_set():
                 self._end_job(stuck, progress)
 
@@ -155,11 +174,13 @@ class ProgressWatchdog:
         waiting = ", ".join(str(r) for r, q in sorted(progress.items()) if q.ticks > p.ticks)
         if stuck == self.rank:
             hint = self.hint()
+            first = "" if p.warm else ", before its first optimizer step"
             msg = (f"\n[zerotrain] rank {stuck} made no progress for {p.idle_s:.0f} s (last step {p.step}, "
-                   f"in {p.phase}) while rank(s) {waiting} wait for it; ending the job. "
+                   f"in {p.phase}{first}) while rank(s) {waiting} wait for it; ending the job. "
                    f"Stack of rank {stuck}:\n{_main_thread_stack()}"
                    + (f"[zerotrain] hint: {hint}\n" if hint else "")
-                   + f"[zerotrain] (a rank that legitimately works alone for longer than {self.timeout_s:g} s: "
+                   + f"[zerotrain] (a rank that legitimately works alone for longer than "
+                   f"{self.timeout_s if p.warm else self.first_timeout_s:g} s: "
                    "raise Trainer(stall_timeout_s=...), or None to disable this watchdog)\n")
         else:
             msg = (f"\n[zerotrain] rank {self.rank}: rank {stuck} made no progress for {p.idle_s:.0f} s "

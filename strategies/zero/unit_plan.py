@@ -21,12 +21,15 @@ partition of a unit onto the optimizer's param groups.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
 from torch import nn
 
 from .layout import GroupLayout
+
+log = logging.getLogger("zerotrain")
 
 UnitPolicy = Callable[[str, nn.Module], bool]
 ROOT = ""
@@ -75,7 +78,17 @@ def make_policy(unit_modules: "Sequence[str] | UnitPolicy | None") -> UnitPolicy
     if not names:
         raise ValueError("zero3: unit_modules=[] names no class: give class names, or None for the "
                          "default (the children of every nn.ModuleList)")
-    return lambda name, module: type(module).__name__ in names
+    return _ClassNames(names)
+
+
+class _ClassNames:
+    """The policy of ``unit_modules=[class names]``: a module of one of those classes is a unit."""
+
+    def __init__(self, names: frozenset[str]) -> None:
+        self.class_names = names
+
+    def __call__(self, name: str, module: nn.Module) -> bool:
+        return type(module).__name__ in self.class_names
 
 
 def plan_units(root: nn.Module, policy: UnitPolicy | None = None,
@@ -83,6 +96,15 @@ def plan_units(root: nn.Module, policy: UnitPolicy | None = None,
     """The unit plan of ``root`` (see the module docstring); ``policy=None`` is the default."""
     if persistence_threshold < 0:
         raise ValueError(f"persistence_threshold={persistence_threshold} must be >= 0")
+    named = getattr(policy, "class_names", None)
+    if named:  # misspelt classes would silently make the whole model one unit, gathered at once
+        present = {type(m).__name__ for m in root.modules()}
+        if not named & present:
+            raise ValueError(f"zero3: unit_modules={sorted(named)} names no module class of the model; its "
+                             f"module classes: {', '.join(sorted(present))}")
+        if named - present:  # a list written for several models: say which names found nothing
+            log.warning("zero3: unit_modules names %s, which no module of this model is",
+                        ", ".join(sorted(named - present)))
     if policy is None:
         in_lists = {id(c) for m in root.modules() if isinstance(m, nn.ModuleList) for c in m.children()}
         policy = lambda name, module: id(module) in in_lists  # noqa: E731

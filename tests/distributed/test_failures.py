@@ -35,9 +35,9 @@ SCRIPT = textwrap.dedent('''
     class Faulty(ToyModule):
         def training_step(self, batch, batch_idx):
             step, rank = self.trainer.global_step, self.trainer.global_rank
-            if step == AT_STEP and rank == 1:
-                if FAULT == "sleep":
-                    announce("sleep")
+            if step == (0 if FAULT == "sleep_first" else AT_STEP) and rank == 1:
+                if FAULT in ("sleep", "sleep_first"):
+                    announce(FAULT)
                     time.sleep(600)
                 if FAULT == "sigkill":
                     announce("sigkill")
@@ -106,6 +106,16 @@ def test_find_stuck_names_the_idle_rank_behind_the_others():
     # behind, but not yet idle for long enough
     assert find_stuck({0: Progress(11, 3, "all_reduce", idle), 1: Progress(10, 3, "training_step", 5.0)}, 20) is None
     assert Progress.decode(Progress(7, 2, "x|y", 1.5).encode()) == Progress(7, 2, "x|y", 1.5)
+    assert Progress.decode(Progress(7, 0, "x", 1.5, False).encode()) == Progress(7, 0, "x", 1.5, False)
+
+
+def test_before_its_first_step_a_rank_gets_the_longer_allowance():
+    ahead = Progress(5, 0, "all_reduce", 30.0)
+    behind = Progress(4, 0, "training_step", 30.0, warm=False)
+    assert find_stuck({0: ahead, 1: behind}, 20) == 1  # without a first-step allowance: 20 s
+    assert find_stuck({0: ahead, 1: behind}, 20, 60) is None  # 30 s of its 60 s
+    assert find_stuck({0: ahead._replace(idle_s=61.0), 1: behind._replace(idle_s=61.0)}, 20, 60) == 1
+    assert find_stuck({0: ahead, 1: behind._replace(warm=True)}, 20, 60) == 1  # warm: 20 s again
 
 
 # ---------------------------------------------------------------------------------------------- stalls
@@ -132,6 +142,19 @@ def test_a_rank_sleeping_in_training_step_ends_the_job_naming_it(tmp_path, strat
     assert after_fault is not None and after_fault < 30, (after_fault, err[-3000:])
     if launcher == "local":
         assert f"rank 1 was ended by the progress watchdog (exit code {STALL_EXIT_CODE}" in err
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_stuck_before_its_first_step_ends_the_job_naming_it(tmp_path):
+    """Before the first optimizer step the watchdog allows 3x stall_timeout_s (12 s here); the
+    job used to wait for the process group's timeout (5 minutes), naming no rank."""
+    proc, after_fault = run_job(tmp_path, "sleep_first", stall_timeout_s=4.0)
+    err = proc.stderr
+    assert proc.returncode != 0, err[-3000:]
+    assert "rank 1 made no progress" in err and "last step 0, in training_step, before its first optimizer step" \
+        in err, err[-3000:]
+    assert "Stack of rank 1:" in err and "time.sleep(600)" in err
+    assert after_fault is not None and 12 <= after_fault < 40, (after_fault, err[-3000:])
 
 
 @pytest.mark.slow

@@ -23,7 +23,7 @@ BAD = [
 #: each case starts a CLI process (~5 s of imports on 2 cores): these run by default, the rest are
 #: `slow`; test_every_section_checks_its_ranges checks every field's message in-process
 DEFAULT_CASES = {"strategy=zero9", "trainer.max_step=5", "strategy=offload_nvme strategy.nvme_path=/proc",
-                 "precision=fp8"}
+                 "precision=fp8", "+trainer.gradient_clip_algorithm=value", "strategy.process_group_timeout_s=inf"}
 
 
 def _cases(rows, name):
@@ -59,6 +59,14 @@ PRE_SPAWN = [
     (["trainer.val_check_interval=0"], ["trainer.val_check_interval=0", ">= 1"]),
     (["trainer.max_steps=-5"], ["trainer.max_steps=-5", ">= 1"]),
     (["precision=fp8"], ["precision='fp8'", "valid choices", "16-mixed", "bf16-true", "32-true"]),
+    # Hydra adds a key to a typed section without complaint; building from the schema dropped it
+    (["+trainer.gradient_clip_algorithm=value"], ["trainer.gradient_clip_algorithm: no such key in trainer",
+                                                  "valid keys: accelerator,", "gradient_clip_val"]),
+    (["+strategy.bogus=3"], ["strategy.bogus: no such key in strategy", "bucket_cap_mb"]),
+    (["+foo=1"], ["foo: no such key in the top level", "trainer"]),
+    (["strategy.process_group_timeout_s=inf"], ["strategy.process_group_timeout_s=inf", "finite number > 0"]),
+    (["trainer.collective_timeout_s=nan"], ["trainer.collective_timeout_s=nan", "finite number > 0"]),
+    (["trainer.gradient_clip_val=nan"], ["trainer.gradient_clip_val=nan", "finite number > 0"]),
 ]
 
 

@@ -75,6 +75,12 @@ def test_an_iterable_loader_that_yields_nothing_fails_at_once():
     ({"val_check_interval": -2}, "val_check_interval=-2"),
     ({"on_nonfinite": "ignore"}, "on_nonfinite='ignore'; valid choices: raise, skip, warn"),
     ({"stall_timeout_s": 0}, "stall_timeout_s=0"),
+    # not finite, not a number, a bool: each used to pass the > 0 check and fail after launch
+    ({"stall_timeout_s": float("nan")}, "stall_timeout_s=nan must be a finite number > 0"),
+    ({"stall_timeout_s": "5"}, "stall_timeout_s='5' must be a finite number > 0"),
+    ({"collective_timeout_s": float("inf")}, "collective_timeout_s=inf must be a finite number > 0"),
+    ({"gradient_clip_val": float("nan")}, "gradient_clip_val=nan must be a finite number > 0"),
+    ({"gradient_clip_val": True}, "gradient_clip_val=True must be a finite number > 0"),
 ])
 def test_out_of_range_settings_are_rejected_naming_the_field(kwargs, field):
     with pytest.raises(ConfigError, match=f"Trainer: {field}".replace("(", r"\(").replace(".", r"\.")):
@@ -125,3 +131,11 @@ def test_the_users_thread_count_is_kept(tmp_path):
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "threads 1" in out.stdout
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan"), "x", True, 0])
+def test_a_strategy_timeout_must_be_a_finite_number_of_seconds(value):
+    from zerotrain.strategies.zero import ZeroStage2
+
+    with pytest.raises(ValueError, match=r"process_group_timeout_s=.* must be a finite number > 0"):
+        ZeroStage2(process_group_timeout_s=value)

@@ -57,6 +57,17 @@ def test_a_parameter_used_by_two_units_goes_to_their_common_unit():
     assert [u.name for u in by_callable.units] == ["", "layers.1"]
 
 
+def test_unit_modules_that_name_no_class_of_the_model_are_an_error(caplog):
+    """A misspelt class list used to make the whole model one unit, gathered at once, silently."""
+    model = GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=8))
+    with pytest.raises(ValueError, match=r"unit_modules=\['Blok'\] names no module class of the model; its "
+                                         r"module classes: .*Block"):
+        plan_units(model, make_policy(["Blok"]))
+    with caplog.at_level("WARNING", logger="zerotrain"):
+        plan = plan_units(model, make_policy(["Block", "LlamaDecoderLayer"]))  # a list for several models
+    assert len(plan.units) == 3 and "LlamaDecoderLayer, which no module of this model is" in caplog.text
+
+
 @pytest.mark.parametrize("bad,err", [("Block", TypeError), ([], ValueError), ([3], TypeError), (",", ValueError)])
 def test_unit_modules_must_be_class_names_or_a_callable(bad, err):
     if bad != ",":  # make_policy takes a list; the option also takes one comma-separated string
