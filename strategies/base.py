@@ -194,6 +194,10 @@ class Strategy:
     def connect(self, info: ProcessInfo, device: torch.device, precision: Precision) -> None:
         self.info, self.device, self.precision = info, device, precision
 
+    def check_world_size(self, world_size: int) -> None:
+        """Raise ValueError when this strategy cannot run on ``world_size`` processes; called by
+        the Trainer (and Engine) before any rank starts. Every size by default."""
+
     def setup_environment(self) -> None:
         init_process_group(self.info, self.device, self.process_group_timeout_s)
 

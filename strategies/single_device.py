@@ -7,8 +7,11 @@ from .base import Strategy
 class SingleDevice(Strategy):
     name = "single"
 
-    def setup_environment(self) -> None:
-        if self.world_size != 1:
+    def check_world_size(self, world_size: int) -> None:
+        if world_size != 1:
             raise ValueError(
-                f"strategy='single' runs one process but {self.world_size} were requested; "
+                f"strategy='single' runs one process but {world_size} were requested; "
                 "use strategy='ddp' (or a zero stage) or devices=1")
+
+    def setup_environment(self) -> None:
+        self.check_world_size(self.world_size)

@@ -32,9 +32,11 @@ def plugins(owner: str, strategy: str | Strategy, precision: str | int, world_si
     if strategy == "auto":
         strategy = "ddp" if world_size > 1 else "single"
     try:
-        return precision_from_name(precision), strategy_from_name(strategy)
+        plugin, built = precision_from_name(precision), strategy_from_name(strategy)
+        built.check_world_size(world_size)  # before any rank starts
     except ValueError as exc:
         raise ConfigError(f"{owner}: {exc}") from None
+    return plugin, built
 
 
 def join_job(strategy: Strategy, precision: Precision, accelerator: str, devices: int,

@@ -27,7 +27,9 @@ What happens, in order:
    since the process was asked to end.
 
 A rank started by our launcher whose parent (rank 0) has died also gets SIGTERM (the launcher's
-parent-death signal): that one still ends the process at once, as before.
+parent-death signal): that one still ends the process at once, as before. So does a second
+SIGTERM before the step boundary came (a rank stuck in its step never reaches it): the rank
+forwards it to the ranks it started, says so, and ends without the checkpoint.
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ import logging
 import os
 import signal
 import subprocess
+import sys
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -88,6 +91,13 @@ class SignalCheckpoint:
             os.kill(os.getpid(), signum)
             return
         first = self.received is None
+        if not first and signum == signal.SIGTERM:  # again before a step boundary came: end now
+            sys.stderr.write(f"\n[zerotrain] rank {self.trainer.global_rank}: a second SIGTERM before the next "
+                             "step boundary; ending now, without the signal's checkpoint\n")
+            self._forward(signum)
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
         if first:
             self.received = signum
             self._forward(signum)

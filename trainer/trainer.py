@@ -102,9 +102,15 @@ class Trainer(TrainerData, TrainerEvaluation, TrainerLogging, TrainerSetup):
         accelerator = "cuda" if accelerator == "gpu" else accelerator  # Lightning's name for it
         if accelerator not in ("cpu", "cuda", "auto"):
             raise ConfigError(f"Trainer: accelerator={accelerator!r}; valid choices: cpu, cuda (or gpu), auto")
+        if accelerator == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("Trainer: accelerator='cuda' but this machine has no CUDA device torch can use "
+                              "(torch.cuda.is_available() is False); valid here: cpu, auto")
         if devices == "auto":
             devices = torch.cuda.device_count() if accelerator != "cpu" and torch.cuda.is_available() else 1
         positive_int("devices", devices)
+        if accelerator == "cuda" and devices > torch.cuda.device_count():
+            raise ConfigError(f"Trainer: devices={devices} with accelerator='cuda', but this machine has "
+                              f"{torch.cuda.device_count()} CUDA device(s)")
         positive_int("num_nodes", num_nodes)
         positive_int("accumulate_grad_batches", accumulate_grad_batches)
         positive_int("log_every_n_steps", log_every_n_steps, minimum=0)  # 0: never, as Lightning
@@ -114,6 +120,10 @@ class Trainer(TrainerData, TrainerEvaluation, TrainerLogging, TrainerSetup):
         if not isinstance(max_steps, int) or max_steps < -1 or max_steps == 0:
             raise ConfigError(f"Trainer: max_steps={max_steps!r} must be -1 (no limit) or a positive integer")
         positive_number("gradient_clip_val", gradient_clip_val, "the clipping threshold")
+        if val_check_interval is not None and (isinstance(val_check_interval, bool)
+                                               or not isinstance(val_check_interval, (int, float))):
+            raise ConfigError(f"Trainer: val_check_interval={val_check_interval!r}; valid: an int (steps), a float "
+                              "in (0, 1] (a fraction of an epoch), or None")
         if isinstance(val_check_interval, float) and not 0 < val_check_interval <= 1:
             raise ConfigError(f"Trainer: val_check_interval={val_check_interval!r} as a float is a "
                               "fraction of an epoch in (0, 1]; give an int for a number of steps")

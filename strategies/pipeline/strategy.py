@@ -127,6 +127,9 @@ class PipelineStrategy(Strategy):
         self.last_step_stats = StepStats()
 
     # ------------------------------------------------------------------ topology
+    def check_world_size(self, world_size: int) -> None:
+        self.config.check_grid(PipelineGrid(world_size, self.stages_option or world_size).stages)
+
     def setup_environment(self) -> None:
         self.grid = PipelineGrid(self.world_size, self.stages_option or self.world_size)  # validates first
         self.config.check_grid(self.grid.stages)

@@ -150,7 +150,11 @@ def test_ddp_spawn_runs_as_ddp_and_says_so(caplog):
 
 
 def test_gpu_is_lightnings_name_for_cuda():
-    assert Trainer(accelerator="gpu", devices=1, logger=False, enable_progress_bar=False,
-                   stall_timeout_s=None).accelerator == "cuda"
+    if torch.cuda.is_available():
+        assert Trainer(accelerator="gpu", devices=1, logger=False, enable_progress_bar=False,
+                       stall_timeout_s=None).accelerator == "cuda"
+    else:  # refused at construction, as Lightning's, not when the ranks start
+        with pytest.raises(ConfigError, match="accelerator='cuda' but this machine has no CUDA device"):
+            Trainer(accelerator="gpu", devices=1)
     with pytest.raises(ConfigError, match="accelerator='tpu'"):
         Trainer(accelerator="tpu")

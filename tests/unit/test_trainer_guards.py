@@ -139,3 +139,19 @@ def test_a_strategy_timeout_must_be_a_finite_number_of_seconds(value):
 
     with pytest.raises(ValueError, match=r"process_group_timeout_s=.* must be a finite number > 0"):
         ZeroStage2(process_group_timeout_s=value)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"strategy": "single", "devices": 2}, "strategy='single' runs one process but 2 were requested"),
+    ({"devices": 2, "strategy_stages": 3},
+     "world_size=2 is not a multiple of stages=3"),
+    ({"val_check_interval": "abc"}, "val_check_interval='abc'; valid: an int"),
+    ({"val_check_interval": True}, "val_check_interval=True; valid: an int"),
+])
+def test_settings_that_failed_after_the_ranks_started_are_refused_at_construction(kwargs, match):
+    from zerotrain.strategies.pipeline import PipelineStrategy
+
+    if kwargs.pop("strategy_stages", None):
+        kwargs["strategy"] = PipelineStrategy(stages=3)
+    with pytest.raises(ConfigError, match=match.replace("(", r"\(").replace(")", r"\)")):
+        Trainer(**kwargs)
