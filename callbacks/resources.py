@@ -35,6 +35,7 @@ global read when no monitor is attached, and never touch a tensor's values.
 """
 from __future__ import annotations
 
+import os
 import resource
 import time
 from typing import Any
@@ -42,6 +43,7 @@ from typing import Any
 import torch
 
 from ..strategies import instrument
+from ..strategies.paths import directory_problem
 from .base import Callback
 
 PARTS = ("data", "forward", "backward", "comm_wait", "io_wait", "optimizer", "refresh", "checkpoint", "validation",
@@ -99,6 +101,10 @@ class ResourceMonitor(Callback):
         if warmup_steps < 0:
             raise ValueError(f"ResourceMonitor: warmup_steps={warmup_steps!r} must be >= 0")
         self.log_every_n_steps, self.warmup_steps, self.print_summary = log_every_n_steps, warmup_steps, print_summary
+        if json_path is not None:  # found out at the end of fit otherwise, after all the training
+            problem = directory_problem(os.path.dirname(os.path.abspath(os.fspath(json_path))))
+            if problem:
+                raise ValueError(f"ResourceMonitor: json_path={json_path!r}: its directory {problem}")
         self.json_path = json_path
         self.steps: list[dict[str, float]] = []
         self.summary: dict[str, Any] = {}

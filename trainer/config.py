@@ -265,6 +265,9 @@ class CallbacksConfig:
         # root directory in Config.validate
         _int_at_least("callbacks.checkpoint_every_n_steps", self.checkpoint_every_n_steps, 1, allow_none=True)
         _int_at_least("callbacks.flops_profile_step", self.flops_profile_step, 0, allow_none=True)
+        if self.resources_json is not None:  # else found out at the end of fit, after the training
+            _check_dir("callbacks.resources_json (its directory)",
+                       os.path.dirname(os.path.abspath(self.resources_json)))
 
 
 @dataclass

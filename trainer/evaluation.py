@@ -171,7 +171,7 @@ class TrainerEvaluation:
                     break
                 self._val_logged = False
                 self._tick(spec.step)
-                batch = to_device(batch, s.device)
+                batch = s.precision.convert_input(to_device(batch, s.device))
                 self._logging.on_batch_start(batch, index if count > 1 else None)
                 self.hooks.both(f"on_{spec.hooks}_batch_start", self, self.module, batch, batch_idx,
                                 *kwargs.values())

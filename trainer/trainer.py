@@ -424,7 +424,7 @@ class Trainer(TrainerData, TrainerEvaluation, TrainerLogging, TrainerSetup):
         or None when the module's ``on_train_batch_start`` returned -1 (Lightning: the epoch ends
         before this batch)."""
         st, s, module = self.state, self._strategy, self.module
-        batch = to_device(batch, s.device)
+        batch = s.precision.convert_input(to_device(batch, s.device))
         self._tick("on_train_batch_start")
         self._logging.on_batch_start(batch)
         if self.hooks.both("on_train_batch_start", self, module, batch, batch_idx) == -1:

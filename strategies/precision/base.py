@@ -33,6 +33,11 @@ class Precision:
         only by ``Strategy.setup_module``."""
         return module
 
+    def convert_input(self, batch: Any) -> Any:
+        """The batch as the step should see it: unchanged here; "-true" precisions cast its
+        floating-point tensors to their dtype (as Lightning's ``convert_input``)."""
+        return batch
+
     def forward_context(self, device_type: str = "cpu") -> contextlib.AbstractContextManager:
         """What every forward runs under (autocast to ``autocast_dtype``, or nothing); entered
         only by ``Strategy.run_forward``."""
@@ -86,3 +91,17 @@ class Precision:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r})"
+
+
+def cast_floating(batch: Any, dtype: torch.dtype) -> Any:
+    """``batch`` with every floating-point tensor in it (through lists, tuples and dicts) cast
+    to ``dtype``; integer tensors (token ids, labels) and everything else as they are."""
+    if torch.is_tensor(batch):
+        return batch.to(dtype) if batch.is_floating_point() else batch
+    if isinstance(batch, (list, tuple)) and not hasattr(batch, "_fields"):
+        return type(batch)(cast_floating(b, dtype) for b in batch)
+    if isinstance(batch, tuple):  # a namedtuple
+        return type(batch)(*(cast_floating(b, dtype) for b in batch))
+    if isinstance(batch, dict):
+        return type(batch)((k, cast_floating(v, dtype)) for k, v in batch.items())
+    return batch

@@ -1,9 +1,11 @@
 """bfloat16 plugins. bf16 has fp32's exponent range, so no loss scaling is needed."""
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from .base import Precision
+from .base import Precision, cast_floating
 
 
 class BF16Mixed(Precision):
@@ -24,3 +26,6 @@ class BF16True(Precision):
 
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
         return module.to(torch.bfloat16)
+
+    def convert_input(self, batch: Any) -> Any:
+        return cast_floating(batch, torch.bfloat16)

@@ -151,6 +151,7 @@ FIELDS = [
     ("trainer.seed=-1", "trainer.seed=-1"),
     ("trainer.default_root_dir=/sys/zerotrain", "trainer.default_root_dir='/sys/zerotrain': is under /sys"),
     ("callbacks.checkpoint_every_n_steps=0", "callbacks.checkpoint_every_n_steps=0"),
+    ("callbacks.resources_json=/proc/zt.json", "callbacks.resources_json (its directory)='/proc': is under /proc"),
     ("sample_tokens=-1", "sample_tokens=-1"),
     ("sample_prompt=''", "sample_prompt='': must not be empty"),
     ("ckpt_path=/no/such/checkpoint", "ckpt_path='/no/such/checkpoint': is not a directory"),

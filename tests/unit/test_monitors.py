@@ -142,6 +142,11 @@ def test_resource_monitor_writes_every_step_as_json(tmp_path):
     assert {"step", "rss_peak", *PARTS} <= set(ranks[0][0]) and not (tmp_path / "sub" / "resources.json.tmp").exists()
 
 
+def test_resource_monitor_refuses_a_json_path_it_could_not_write_before_training():
+    with pytest.raises(ValueError, match=r"json_path='/proc/zt.json': its directory is under /proc"):
+        ResourceMonitor(json_path="/proc/zt.json")
+
+
 def test_resource_monitor_counts_the_nvme_swap_io_of_each_step(tmp_path):
     """NVMe offload: every step reads each sub-group's state from its swap file and writes it back
     before the step ends, so each step's ``io_read`` and ``io_written`` are the swap files' size;

@@ -56,3 +56,39 @@ def test_precision_names():
     assert precision_from_name("bf16-mixed").name == "bf16-mixed"
     with pytest.raises(ValueError, match="precision='fp8'.*valid choices: 32, bf16-mixed"):
         precision_from_name("fp8")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("precision", ["bf16-true", "32-true"])
+def test_a_true_precision_casts_the_floating_point_tensors_of_each_batch(precision):
+    """As Lightning's convert_input: under bf16-true a float batch reaches the step in bf16 (it
+    used to fail at the first matmul, Float against BFloat16); integer tensors are left alone."""
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from zerotrain import Trainer, TrainModule
+
+    seen = []
+
+    class Net(TrainModule):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 3)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            seen.append((x.dtype, y.dtype))
+            return nn.functional.cross_entropy(self.lin(x).float(), y)
+
+        def validation_step(self, batch, batch_idx):
+            seen.append((batch[0].dtype, batch[1].dtype))
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    data = TensorDataset(torch.randn(8, 4), torch.randint(0, 3, (8,)))
+    trainer = Trainer(accelerator="cpu", devices=1, precision=precision, max_steps=2, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, num_sanity_val_steps=0)
+    trainer.fit(Net(), DataLoader(data, batch_size=4), DataLoader(data, batch_size=4))
+    want = torch.bfloat16 if precision == "bf16-true" else torch.float32
+    assert seen and all(s == (want, torch.int64) for s in seen), seen
