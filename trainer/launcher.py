@@ -73,7 +73,9 @@ def describe_exit(rank: int, code: int) -> str:
         return f"rank {rank} was killed by signal {-code} ({name})"
     if code == STALL_EXIT_CODE:
         return f"rank {rank} was ended by the progress watchdog (exit code {code}; its message is above)"
-    return f"rank {rank} exited with code {code} (its traceback is above)"
+    if code == 0:
+        return f"rank {rank} exited with code 0 while rank 0 was still in fit (its script ended early)"
+    return f"rank {rank} exited with code {code} (its traceback, if Python raised one, is above)"
 
 
 class LocalLauncher:
@@ -119,16 +121,18 @@ class LocalLauncher:
         sys.stderr.write(f"\n[zerotrain] {describe_exit(rank, code)}; ending the job.\n")
         sys.stderr.flush()
 
-    def kill(self, report: bool = True) -> None:
+    def kill(self, report: bool = True, in_fit: bool = False) -> None:
         """End every rank this process started. ``report``: first say which ranks had already
         died and how (rank 0 usually fails *because* a peer died: a gloo "Connection reset by
-        peer" says nothing about who), waiting up to a second for a dying peer to be reaped."""
+        peer" says nothing about who), waiting up to a second for a dying peer to be reaped.
+        ``in_fit`` (rank 0 failed inside fit): a rank that exited with code 0 is named too, since
+        it left before the job's fit was over."""
         if report and not self._stop.is_set():
             deadline = time.monotonic() + 1.0
             while time.monotonic() < deadline and all(p.poll() is None for p in self.children):
                 time.sleep(0.05)
             for rank, proc in enumerate(self.children, start=1):
-                if proc.poll() not in (None, 0):
+                if proc.poll() is not None and (proc.returncode != 0 or in_fit):
                     self._report(rank, proc.returncode)
         self._stop.set()
         for proc in self.children:

@@ -298,7 +298,7 @@ class Trainer(TrainerData, TrainerEvaluation, TrainerLogging, TrainerSetup):
             self.hooks("on_exception", self, module, exc)
             # rank 0 failed: the ranks it started cannot finish (after a signal they exit by themselves)
             if self._launcher is not None and not isinstance(exc, signals.SIGTERMException):
-                self._launcher.kill()
+                self._launcher.kill(in_fit=True)
             raise
         finally:
             if self._signals is not None:

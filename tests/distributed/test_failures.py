@@ -42,6 +42,9 @@ SCRIPT = textwrap.dedent('''
                 if FAULT == "sigkill":
                     announce("sigkill")
                     os.kill(os.getpid(), signal.SIGKILL)
+                if FAULT == "exit0":  # a script that ends early on one rank, status 0
+                    announce("exit0")
+                    os._exit(0)
             loss = super().training_step(batch, batch_idx)
             if FAULT == "nan" and step == AT_STEP and rank == 1:
                 announce("nan")
@@ -172,10 +175,14 @@ def test_rank_zero_only_forward_under_zero3_ends_with_the_hint(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_sigkill_of_rank_1_is_reported_by_name(tmp_path):
-    proc, after_fault = run_job(tmp_path, "sigkill")
+@pytest.mark.parametrize("fault,said", [
+    ("sigkill", "rank 1 was killed by signal 9 (SIGKILL)"),
+    # a script that ends early on one rank, with status 0, while rank 0 is still training
+    ("exit0", "rank 1 exited with code 0 while rank 0 was still in fit")])
+def test_a_rank_that_leaves_is_reported_by_name(tmp_path, fault, said):
+    proc, after_fault = run_job(tmp_path, fault)
     assert proc.returncode != 0
-    assert "rank 1 was killed by signal 9 (SIGKILL)" in proc.stderr, proc.stderr[-3000:]
+    assert said in proc.stderr, proc.stderr[-3000:]
     assert after_fault is not None and after_fault < 30
 
 
