@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader
 from ..callbacks.base import Callback, Logger
 from ..strategies import Strategy, instrument, progress
 from ..strategies.environment import detect
+from ..strategies.paths import directory_problem
 from . import checkpointing, elastic, hparams, job, signals
 from .arguments import (check_limit, check_lightning_args, default_callbacks, fast_dev_run_flags, lightning_callbacks,
                         make_loggers, positive_int, positive_number)
@@ -153,6 +154,12 @@ class Trainer(TrainerData, TrainerEvaluation, TrainerLogging, TrainerSetup):
         self.limit_test_batches, self.limit_predict_batches = limit_test_batches, limit_predict_batches
         self.use_distributed_sampler = bool(use_distributed_sampler)
         self.log_every_n_steps = log_every_n_steps
+        if default_root_dir is not None:  # else found out at the first checkpoint, after training steps
+            problem = directory_problem(os.fspath(default_root_dir) if isinstance(default_root_dir, os.PathLike)
+                                        else default_root_dir)
+            if problem:
+                raise ConfigError(f"Trainer: default_root_dir={default_root_dir!r} {problem}; valid: a writable "
+                                  "directory on a real file system (created if missing)")
         self.default_root_dir = os.path.abspath(default_root_dir or os.getcwd())
         self.seed, self.deterministic = seed, deterministic
         self.on_nonfinite, self.stall_timeout_s = on_nonfinite, stall_timeout_s

@@ -147,6 +147,8 @@ def test_a_strategy_timeout_must_be_a_finite_number_of_seconds(value):
      "world_size=2 is not a multiple of stages=3"),
     ({"val_check_interval": "abc"}, "val_check_interval='abc'; valid: an int"),
     ({"val_check_interval": True}, "val_check_interval=True; valid: an int"),
+    ({"default_root_dir": "/proc/zt"}, "default_root_dir='/proc/zt' is under /proc"),
+    ({"default_root_dir": 123}, "default_root_dir=123 must name a directory"),
 ])
 def test_settings_that_failed_after_the_ranks_started_are_refused_at_construction(kwargs, match):
     from zerotrain.strategies.pipeline import PipelineStrategy
