@@ -257,6 +257,8 @@ class ModelCheckpoint(Callback):
                     consolidate(scratch, path)
                 except CheckpointError as exc:  # raised on every rank below, not on rank 0 alone
                     error = f"rank 0: {exc}"
+                except Exception as exc:  # noqa: BLE001 - the same: no rank may be left waiting below
+                    error = f"rank 0: {exc!r}"
         finally:
             if trainer.is_global_zero:
                 shutil.rmtree(scratch, ignore_errors=True)

@@ -101,7 +101,7 @@ class ResourceMonitor(Callback):
         if warmup_steps < 0:
             raise ValueError(f"ResourceMonitor: warmup_steps={warmup_steps!r} must be >= 0")
         self.log_every_n_steps, self.warmup_steps, self.print_summary = log_every_n_steps, warmup_steps, print_summary
-        if json_path is not None:  # found out at the end of fit otherwise, after all the training
+        if json_path:  # found out at the end of fit otherwise, after all the training
             problem = directory_problem(os.path.dirname(os.path.abspath(os.fspath(json_path))))
             if problem:
                 raise ValueError(f"ResourceMonitor: json_path={json_path!r}: its directory {problem}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 import os
 from typing import Any
 
@@ -38,7 +39,7 @@ def positive_number(name: str, value: Any, what: str, allow_none: bool = True) -
     """A finite number > 0 (not a bool: True is no number of seconds), or None when allowed."""
     if value is None and allow_none:
         return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
         raise ConfigError(f"Trainer: {name}={value!r} must be a finite number > 0 ({what})"
                           + (", or None" if allow_none else ""))
 

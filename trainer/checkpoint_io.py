@@ -128,7 +128,12 @@ def _unloadable(obj: Any, where: str = "") -> str:
 
 def _fsync_save(obj: Any, path: Path) -> None:
     buf = io.BytesIO()  # small (no tensors but RNG states); written by plain I/O, a full disk is an OSError
-    torch.save(obj, buf)
+    crc = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(True)  # a load checks them (check_archive), whatever the user chose
+    try:
+        torch.save(obj, buf)
+    finally:
+        torch.serialization.set_crc32_options(crc)
     try:  # a value that only full unpickling could read would make the checkpoint unloadable
         torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
     except Exception:  # noqa: BLE001 - named below

@@ -59,7 +59,7 @@ from ..strategies import Strategy, progress
 from ..strategies.optimizers import OptimizerSet
 from . import checkpoint_io, checkpointing, reshard
 from .errors import ConfigError
-from .job import distributed_loader, epoch_iterator, join_job, plugins
+from .job import check_cuda, distributed_loader, epoch_iterator, join_job, plugins
 from .launcher import LocalLauncher
 from .state import LoopState
 from .evaluation import to_device as _to_device
@@ -90,6 +90,7 @@ class Engine:
         if devices == "auto":
             devices = torch.cuda.device_count() if accelerator != "cpu" and torch.cuda.is_available() else 1
         self.devices, self.num_nodes = _count("Engine", "devices", devices), _count("Engine", "num_nodes", num_nodes)
+        check_cuda("Engine", accelerator, self.devices)
         self.accelerator, self.seed = accelerator, seed
         self.precision_plugin, self._strategy = plugins("Engine", strategy, precision, devices * num_nodes)
         if self._strategy.runs_own_schedule:
@@ -363,6 +364,7 @@ class EngineModule:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         s = self._strategy
+        args, kwargs = s.precision.convert_input((args, kwargs))  # bf16-true: float inputs in bf16, as Fabric's
         return s.run_forward(s.model, "__call__", *args, **kwargs)
 
     forward = __call__

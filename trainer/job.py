@@ -33,10 +33,23 @@ def plugins(owner: str, strategy: str | Strategy, precision: str | int, world_si
         strategy = "ddp" if world_size > 1 else "single"
     try:
         plugin, built = precision_from_name(precision), strategy_from_name(strategy)
-        built.check_world_size(world_size)  # before any rank starts
+        built.check_world_size(detect(world_size).world_size)  # before any rank starts; under torchrun, its world
     except ValueError as exc:
         raise ConfigError(f"{owner}: {exc}") from None
     return plugin, built
+
+
+def check_cuda(owner: str, accelerator: str, devices: int) -> None:
+    """``accelerator="cuda"`` needs a CUDA device torch can use, and ``devices`` at most as many
+    as there are: refused here, before any rank starts, as Lightning refuses it."""
+    if accelerator != "cuda":
+        return
+    if not torch.cuda.is_available():
+        raise ConfigError(f"{owner}: accelerator='cuda' but this machine has no CUDA device torch can use "
+                          "(torch.cuda.is_available() is False); valid here: cpu, auto")
+    if devices > torch.cuda.device_count():
+        raise ConfigError(f"{owner}: devices={devices} with accelerator='cuda', but this machine has "
+                          f"{torch.cuda.device_count()} CUDA device(s)")
 
 
 def join_job(strategy: Strategy, precision: Precision, accelerator: str, devices: int,

@@ -74,7 +74,7 @@ def describe_exit(rank: int, code: int) -> str:
     if code == STALL_EXIT_CODE:
         return f"rank {rank} was ended by the progress watchdog (exit code {code}; its message is above)"
     if code == 0:
-        return f"rank {rank} exited with code 0 while rank 0 was still in fit (its script ended early)"
+        return f"rank {rank} had exited with code 0 before rank 0's fit ended"
     return f"rank {rank} exited with code {code} (its traceback, if Python raised one, is above)"
 
 

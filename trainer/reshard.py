@@ -189,6 +189,10 @@ def check_compatible(root: Path, meta: Mapping[str, Any], model: Mapping[str, An
 
 # ---------------------------------------------------------------------------- reading
 
+#: the most per-element tensors one parameter may have saved ("param" and its optimizer states)
+MAX_KINDS = 64
+
+
 class CheckpointReader:
     """Any element range of any saved tensor, read from the shard files that hold it (positioned
     reads of those bytes only); implements ``strategies.base.ShardReader``."""
@@ -213,20 +217,24 @@ class CheckpointReader:
         return list(self.meta["params"])
 
     def kinds(self, name: str) -> list[str]:
-        """The per-element kinds ``meta.pt`` lists for ``name``, each checked against the headers
-        of the files holding its ranges (there, at least the range's elements) before a loader
-        sizes a buffer per kind: a listing can't ask for more memory than the files hold."""
+        """The per-element kinds ``meta.pt`` lists for ``name``, checked before a loader sizes a
+        buffer per kind: at most MAX_KINDS of them, each held (at least its range's elements) by
+        the file of the parameter's first non-empty range. (Each read checks its own file.)"""
         if name not in self._kinds:
             info = self._param(name)
-            for rank, s, e in info["ranges"]:
-                f = self._file(rank) if e > s else None
-                for kind in info["kinds"] if f is not None else ():
+            kinds = list(info["kinds"])
+            if len(kinds) > MAX_KINDS:
+                raise CheckpointError(f"checkpoint {str(self.root)!r}: {META} lists {len(kinds)} per-element "
+                                      f"kinds for {name!r} (at most {MAX_KINDS}: optimizer states)")
+            for rank, s, e in [r for r in info["ranges"] if r[2] > r[1]][:1]:
+                f = self._file(rank)
+                for kind in kinds:
                     key = f"{kind}/{name}"
                     held = math.prod(f.info(key)[1]) if key in f else 0
                     if held < e - s:
                         raise CheckpointError(f"checkpoint file {f.path!r} holds {held} elements of {key!r}; "
                                               f"{META} places elements [{s}, {e}) of {name!r} there")
-            self._kinds[name] = list(info["kinds"])
+            self._kinds[name] = kinds
         return list(self._kinds[name])
 
     def read(self, name: str, kind: str, start: int, end: int, out: torch.Tensor | None = None) -> torch.Tensor:

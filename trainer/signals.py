@@ -27,9 +27,11 @@ What happens, in order:
    since the process was asked to end.
 
 A rank started by our launcher whose parent (rank 0) has died also gets SIGTERM (the launcher's
-parent-death signal): that one still ends the process at once, as before. So does a second
-SIGTERM before the step boundary came (a rank stuck in its step never reaches it): the rank
-forwards it to the ranks it started, says so, and ends without the checkpoint.
+parent-death signal): that one still ends the process at once, as before. So does a SIGTERM
+that follows a first one by REPEAT_AFTER_S or more while no step boundary came (a rank stuck in
+its step never reaches one): the rank forwards it to the ranks it started, says so, and ends
+without the checkpoint. One sooner is taken for the first delivered again (a signal sent to the
+whole process group also reaches a rank through rank 0's forwarding).
 """
 from __future__ import annotations
 
@@ -37,14 +39,18 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .trainer import Trainer
 
 log = logging.getLogger("zerotrain")
+
+#: a SIGTERM this long (seconds) after the first one, while no step boundary has come, ends the
+#: rank at once; sooner, it is the first one again (sent to the process group and forwarded)
+REPEAT_AFTER_S = 5.0
 
 
 class SIGTERMException(SystemExit):
@@ -69,6 +75,8 @@ class SignalCheckpoint:
         self.received: int | None = None  # this rank's first signal
         self._previous: dict[int, Any] = {}
         self._parent = os.getppid()
+        self._first_at = 0.0  # when the first signal came (monotonic)
+        self._saving = False  # the signal's checkpoint is being written: a SIGTERM then waits for it
 
     # ------------------------------------------------------------------ the handlers
     def install(self) -> None:
@@ -91,15 +99,19 @@ class SignalCheckpoint:
             os.kill(os.getpid(), signum)
             return
         first = self.received is None
-        if not first and signum == signal.SIGTERM:  # again before a step boundary came: end now
-            sys.stderr.write(f"\n[zerotrain] rank {self.trainer.global_rank}: a second SIGTERM before the next "
-                             "step boundary; ending now, without the signal's checkpoint\n")
+        if (signum == signal.SIGTERM and self.received == signal.SIGTERM and not self._saving
+                and time.monotonic() - self._first_at >= REPEAT_AFTER_S):
+            # asked again, well after the first (not the same signal delivered twice, to the group
+            # and forwarded by rank 0), and no step boundary came: a stuck step; end now
+            os.write(2, f"\n[zerotrain] rank {self.trainer.global_rank}: SIGTERM again, {REPEAT_AFTER_S:g} s or "
+                        "more after the first, and no step boundary came; ending now, without the "
+                        "signal's checkpoint\n".encode())
             self._forward(signum)
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
         if first:
-            self.received = signum
+            self.received, self._first_at = signum, time.monotonic()
             self._forward(signum)
         previous = self._previous.get(signum)
         if callable(previous):  # the user's own handler, chained
@@ -137,6 +149,7 @@ class SignalCheckpoint:
     def checkpoint_and_exit(self, signum: int) -> None:
         """Every rank: save the checkpoint, requeue under SLURM after SIGUSR1, then raise."""
         t = self.trainer
+        self._saving = True
         name = signal.Signals(signum).name
         if self.received is not None:
             log.warning("rank %d: received %s", t.global_rank, signal.Signals(self.received).name)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import numbers
 import os
 import sys
 from datetime import timedelta
@@ -103,15 +104,10 @@ class Trainer(TrainerData, TrainerEvaluation, TrainerLogging, TrainerSetup):
         accelerator = "cuda" if accelerator == "gpu" else accelerator  # Lightning's name for it
         if accelerator not in ("cpu", "cuda", "auto"):
             raise ConfigError(f"Trainer: accelerator={accelerator!r}; valid choices: cpu, cuda (or gpu), auto")
-        if accelerator == "cuda" and not torch.cuda.is_available():
-            raise ConfigError("Trainer: accelerator='cuda' but this machine has no CUDA device torch can use "
-                              "(torch.cuda.is_available() is False); valid here: cpu, auto")
         if devices == "auto":
             devices = torch.cuda.device_count() if accelerator != "cpu" and torch.cuda.is_available() else 1
         positive_int("devices", devices)
-        if accelerator == "cuda" and devices > torch.cuda.device_count():
-            raise ConfigError(f"Trainer: devices={devices} with accelerator='cuda', but this machine has "
-                              f"{torch.cuda.device_count()} CUDA device(s)")
+        job.check_cuda("Trainer", accelerator, devices)
         positive_int("num_nodes", num_nodes)
         positive_int("accumulate_grad_batches", accumulate_grad_batches)
         positive_int("log_every_n_steps", log_every_n_steps, minimum=0)  # 0: never, as Lightning
@@ -122,7 +118,7 @@ class Trainer(TrainerData, TrainerEvaluation, TrainerLogging, TrainerSetup):
             raise ConfigError(f"Trainer: max_steps={max_steps!r} must be -1 (no limit) or a positive integer")
         positive_number("gradient_clip_val", gradient_clip_val, "the clipping threshold")
         if val_check_interval is not None and (isinstance(val_check_interval, bool)
-                                               or not isinstance(val_check_interval, (int, float))):
+                                               or not isinstance(val_check_interval, numbers.Real)):
             raise ConfigError(f"Trainer: val_check_interval={val_check_interval!r}; valid: an int (steps), a float "
                               "in (0, 1] (a fraction of an epoch), or None")
         if isinstance(val_check_interval, float) and not 0 < val_check_interval <= 1:
@@ -154,7 +150,7 @@ class Trainer(TrainerData, TrainerEvaluation, TrainerLogging, TrainerSetup):
         self.limit_test_batches, self.limit_predict_batches = limit_test_batches, limit_predict_batches
         self.use_distributed_sampler = bool(use_distributed_sampler)
         self.log_every_n_steps = log_every_n_steps
-        if default_root_dir is not None:  # else found out at the first checkpoint, after training steps
+        if default_root_dir:  # else found out at the first checkpoint, after training steps ("": the cwd)
             problem = directory_problem(os.fspath(default_root_dir) if isinstance(default_root_dir, os.PathLike)
                                         else default_root_dir)
             if problem:
@@ -291,12 +287,12 @@ class Trainer(TrainerData, TrainerEvaluation, TrainerLogging, TrainerSetup):
             self._watchdog = make_watchdog(self._strategy, self.stall_timeout_s,
                                            key=f"zerotrain/progress/{elastic.restart_count()}/{self._fits}")
             progress.set_sink(self._watchdog.mark if self._watchdog is not None else None)
-            if self._watchdog is not None:
-                self._watchdog.arm()
             self.hooks.both("on_fit_start", self, module)
             hparams.log_hyperparams(self)
             self._signals = signals.SignalCheckpoint(self)
             self._signals.install()
+            if self._watchdog is not None:  # after the fit-start hooks (rank-0-only set-up may run there)
+                self._watchdog.arm()
             with torch.autograd.set_detect_anomaly(self.detect_anomaly):
                 self._sanity_check()
                 self._fit_loop()

@@ -17,11 +17,12 @@ the same under our launcher, torchrun, SLURM and a user's process group).
 When every rank stands still at the same tick (a long optimizer step with NVMe offload, a save),
 nobody waits for anybody: that is slow work, not a stall, and the watchdog leaves it alone.
 
-The watchdog arms when the fit loop begins (after set-up and checkpoint loading) and is disarmed
-when it ends. Until a rank's first optimizer step (the sanity check, fit-start hooks, the first
-step, which builds kernels and warms caches) that rank may stand still for ``first_timeout_s``
-(3x ``timeout_s``: 60 s by default) instead of ``timeout_s``: a rank stuck before its first step
-ends the job within a minute, not at the process group's timeout (minutes, naming no rank).
+The watchdog arms when the fit loop begins (after set-up, checkpoint loading and the fit-start
+hooks, before the sanity check) and is disarmed when it ends. Until a rank's first optimizer step
+(the sanity check, the first step, which builds kernels, compiles and warms caches, at different
+speeds on different ranks) that rank may stand still for ``first_timeout_s`` (6x ``timeout_s``:
+2 minutes by default) instead of ``timeout_s``: a rank stuck before its first step ends the job
+then, named, not at the process group's timeout (5 minutes by default, naming no rank).
 """
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ _GRACE_S = 5.0
 
 
 #: before a rank's first optimizer step it may stand still this many times ``timeout_s``
-FIRST_STEP_FACTOR = 3.0
+FIRST_STEP_FACTOR = 6.0
 
 
 class Progress(NamedTuple):

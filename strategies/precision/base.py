@@ -10,6 +10,9 @@ autograd's backward.
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
+from collections.abc import Mapping
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
@@ -102,6 +105,12 @@ def cast_floating(batch: Any, dtype: torch.dtype) -> Any:
         return type(batch)(cast_floating(b, dtype) for b in batch)
     if isinstance(batch, tuple):  # a namedtuple
         return type(batch)(*(cast_floating(b, dtype) for b in batch))
-    if isinstance(batch, dict):
-        return type(batch)((k, cast_floating(v, dtype)) for k, v in batch.items())
+    if isinstance(batch, Mapping):  # dict, OrderedDict, defaultdict, UserDict (HF's BatchEncoding)
+        out = copy.copy(batch)
+        for k, v in batch.items():
+            out[k] = cast_floating(v, dtype)
+        return out
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        return dataclasses.replace(batch, **{f.name: cast_floating(getattr(batch, f.name), dtype)
+                                             for f in dataclasses.fields(batch) if f.init})
     return batch

@@ -149,9 +149,9 @@ def test_a_rank_sleeping_in_training_step_ends_the_job_naming_it(tmp_path, strat
 
 @pytest.mark.timeout(120)
 def test_a_rank_stuck_before_its_first_step_ends_the_job_naming_it(tmp_path):
-    """Before the first optimizer step the watchdog allows 3x stall_timeout_s (12 s here); the
+    """Before the first optimizer step the watchdog allows 6x stall_timeout_s (12 s here); the
     job used to wait for the process group's timeout (5 minutes), naming no rank."""
-    proc, after_fault = run_job(tmp_path, "sleep_first", stall_timeout_s=4.0)
+    proc, after_fault = run_job(tmp_path, "sleep_first", stall_timeout_s=2.0)
     err = proc.stderr
     assert proc.returncode != 0, err[-3000:]
     assert "rank 1 made no progress" in err and "last step 0, in training_step, before its first optimizer step" \
@@ -178,7 +178,7 @@ def test_rank_zero_only_forward_under_zero3_ends_with_the_hint(tmp_path):
 @pytest.mark.parametrize("fault,said", [
     ("sigkill", "rank 1 was killed by signal 9 (SIGKILL)"),
     # a script that ends early on one rank, with status 0, while rank 0 is still training
-    ("exit0", "rank 1 exited with code 0 while rank 0 was still in fit")])
+    ("exit0", "rank 1 had exited with code 0 before rank 0's fit ended")])
 def test_a_rank_that_leaves_is_reported_by_name(tmp_path, fault, said):
     proc, after_fault = run_job(tmp_path, fault)
     assert proc.returncode != 0

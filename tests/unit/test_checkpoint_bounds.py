@@ -279,6 +279,20 @@ def test_a_flipped_byte_loads_silently_without_the_crc_check(tmp_path):
 
 
 @pytest.mark.timeout(60)
+def test_a_checkpoint_saved_with_torchs_crc_turned_off_loads(tmp_path):
+    """torch.serialization.set_crc32_options(False) speeds up saves; meta.pt keeps its CRC-32s
+    anyway (the load checks them), and the user's setting is put back."""
+    torch.serialization.set_crc32_options(False)
+    try:
+        ck = make_checkpoint(tmp_path / "ck")
+        assert torch.serialization.get_crc32_options() is False
+    finally:
+        torch.serialization.set_crc32_options(True)
+    root, meta = checkpoint_io.load_meta(ck)
+    checkpoint_io.verify(root, meta)
+
+
+@pytest.mark.timeout(60)
 def test_optimizer_kinds_the_shards_do_not_hold_fail_before_any_buffer_is_sized(tmp_path):
     """A meta.pt listing 3000 optimizer-state kinds for a weight would have a loader size 3000
     buffers over its partition; the reader checks each against the shard's header first."""
@@ -286,6 +300,9 @@ def test_optimizer_kinds_the_shards_do_not_hold_fail_before_any_buffer_is_sized(
     root, meta = checkpoint_io.load_meta(ck)
     assert reshard.CheckpointReader(root, meta).kinds("weight") == ["exp_avg", "exp_avg_sq", "param"]
     meta["params"]["weight"]["kinds"] = ["exp_avg", "exp_avg_sq", "param"] + [f"k{i}" for i in range(3000)]
+    with pytest.raises(CheckpointError, match=r"lists 3003 per-element kinds for 'weight' \(at most 64"):
+        reshard.CheckpointReader(root, meta).kinds("weight")
+    meta["params"]["weight"]["kinds"] = ["exp_avg", "exp_avg_sq", "param", "k0"]
     with pytest.raises(CheckpointError, match=re.escape(str(root / SHARD)) + r".*holds 0 elements of 'k0/weight'"):
         reshard.CheckpointReader(root, meta).kinds("weight")
 

@@ -92,3 +92,40 @@ def test_a_true_precision_casts_the_floating_point_tensors_of_each_batch(precisi
     trainer.fit(Net(), DataLoader(data, batch_size=4), DataLoader(data, batch_size=4))
     want = torch.bfloat16 if precision == "bf16-true" else torch.float32
     assert seen and all(s == (want, torch.int64) for s in seen), seen
+
+
+def test_cast_floating_goes_through_every_container_a_batch_may_be():
+    import collections
+    import dataclasses
+    from collections import UserDict
+
+    from zerotrain.strategies.precision.base import cast_floating
+
+    @dataclasses.dataclass
+    class Batch:
+        x: torch.Tensor
+        ids: torch.Tensor
+
+    Pair = collections.namedtuple("Pair", "x ids")
+    x, ids = torch.randn(2, 3), torch.arange(2)
+    dd = collections.defaultdict(list, {"x": x, "ids": ids})
+    for batch in ([x, ids], (x, ids), Pair(x, ids), {"x": x, "ids": ids}, collections.OrderedDict(x=x, ids=ids),
+                  dd, UserDict(x=x, ids=ids), Batch(x, ids)):
+        out = cast_floating(batch, torch.bfloat16)
+        assert type(out) is type(batch)
+        got = out if isinstance(out, (list, tuple)) else (out.x, out.ids) if isinstance(out, Batch) \
+            else (out["x"], out["ids"])
+        assert got[0].dtype == torch.bfloat16 and got[1].dtype == torch.int64, type(batch)
+        assert x.dtype == torch.float32  # the caller's batch is not changed in place
+    assert cast_floating(dd, torch.bfloat16).default_factory is list
+
+
+def test_the_engine_casts_a_bf16_true_models_float_inputs():
+    from torch import nn
+
+    from zerotrain import Engine
+
+    engine = Engine(accelerator="cpu", devices=1, precision="bf16-true")
+    net = nn.Linear(3, 2)
+    model, _ = engine.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    assert model(torch.randn(4, 3)).dtype == torch.bfloat16  # a float input no longer fails (Float vs BFloat16)
