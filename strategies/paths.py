@@ -66,6 +66,8 @@ def directory_problem(path: object, create: bool = True) -> Optional[str]:
     directory (or, with ``create``, not exist yet under a directory that does), not on a pseudo
     file system, and writable, tested by creating and removing a small file (permission bits lie
     to root, and read-only mounts show only on writing)."""
+    if isinstance(path, os.PathLike):
+        path = os.fspath(path)
     if not isinstance(path, str) or not path:
         return "must name a directory"
     real = os.path.realpath(path)

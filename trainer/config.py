@@ -232,15 +232,6 @@ class TrainerConfig:
             raise _bad("trainer.seed", self.seed, "must be an integer in [0, 2**32)", "0 .. 4294967295")
         if self.default_root_dir is not None:
             _check_dir("trainer.default_root_dir", self.default_root_dir)
-        if self.accelerator == "cuda":
-            import torch
-
-            have = torch.cuda.device_count() if torch.cuda.is_available() else 0
-            if have == 0:
-                raise _bad("trainer.accelerator", self.accelerator, "torch sees no CUDA device", "cpu, auto")
-            if _is_int(self.devices) and self.devices > have:
-                raise _bad("trainer.devices", self.devices, f"is more than the {have} CUDA device(s) here",
-                           f"1 .. {have}")
 
 
 @dataclass

@@ -151,8 +151,7 @@ class Trainer(TrainerData, TrainerEvaluation, TrainerLogging, TrainerSetup):
         self.use_distributed_sampler = bool(use_distributed_sampler)
         self.log_every_n_steps = log_every_n_steps
         if default_root_dir:  # else found out at the first checkpoint, after training steps ("": the cwd)
-            problem = directory_problem(os.fspath(default_root_dir) if isinstance(default_root_dir, os.PathLike)
-                                        else default_root_dir)
+            problem = directory_problem(default_root_dir)
             if problem:
                 raise ConfigError(f"Trainer: default_root_dir={default_root_dir!r} {problem}; valid: a writable "
                                   "directory on a real file system (created if missing)")

@@ -31,11 +31,11 @@ from typing import Any, Iterator, Mapping
 import torch
 from torch import nn
 
+from ...strategies.offload.aio import atomic_file
 from .. import checkpoint_io
 from . import comm
 from ..engine import Engine
 from ..errors import CheckpointError, ConfigError
-from ..tensor_files import fsync_dir
 from .config import DeepSpeedConfig
 
 log = logging.getLogger("zerotrain")
@@ -377,17 +377,11 @@ class DeepSpeedEngine(nn.Module):
             if dtype is not None:
                 full = {k: v.to(dtype) if v.is_floating_point() else v for k, v in full.items()}
             target = os.path.join(os.fspath(save_dir), save_filename)
-            try:  # a temporary file, fsynced, renamed over the target: a crash leaves the old file whole
+            try:  # all or nothing (temporary file, fsync, rename): a crash leaves the old file whole
                 os.makedirs(save_dir, exist_ok=True)
-                with open(target + ".tmp", "wb") as f:
+                with atomic_file(target) as fd, open(fd, "wb", closefd=False) as f:
                     torch.save(full, f)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(target + ".tmp", target)
-                fsync_dir(os.fspath(save_dir))
             except OSError as exc:
-                with contextlib.suppress(OSError):
-                    os.unlink(target + ".tmp")
                 error = f"rank 0: writing {exc.filename or target}: {exc.strerror or exc}"
         error = self._zt.broadcast(error)  # every rank learns the outcome: none waits on a failed one
         if error:
