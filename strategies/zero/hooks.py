@@ -117,8 +117,9 @@ class Stage3Hooks:
     # ------------------------------------------------------------------ units
     def _pre_forward(self, u: Unit, module: nn.Module, args: tuple, kwargs: dict):
         with self.mode.silenced():
+            recomputing = self.runtime.recomputing(u)
             self.runtime.pre_forward(u)
-            if not torch.is_grad_enabled():
+            if not torch.is_grad_enabled() or recomputing:
                 return None
             flat, spec = tree_flatten((args, kwargs))
             at = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]

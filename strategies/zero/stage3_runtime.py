@@ -208,14 +208,33 @@ class Stage3Runtime:
         return True
 
     # ------------------------------------------------------------------ forward
+    @staticmethod
+    def recomputing(u: Unit) -> bool:
+        """Whether a forward of ``u`` starting now is the recomputation of one whose backward is
+        running (``torch.utils.checkpoint(..., use_reentrant=False)`` around the unit, or around
+        a region holding it, in the user's model): it runs inside an autograd pass while that
+        forward's post-backward is still pending. Its graph is never backpropagated: autograd only
+        takes the tensors it saves - views of the unit's gathered buffer - for the running
+        backward. (A reentrant checkpoint's recomputation follows a ``no_grad`` forward, so
+        nothing is pending: its graph is backpropagated and routed as usual.)"""
+        return u.pending_backward > 0 and torch._C._current_graph_task_id() != -1
+
     def pre_forward(self, u: Unit) -> None:
         u.active += 1
+        if torch._C._current_graph_task_id() != -1:  # a recomputation in backward: no forward order
+            self._use(u)
+            self._event("recompute_forward", u)
+            return
         self._fwd_pos = self._enter(u, "forward", self._recording_fwd, self.fwd_order,
                                     self._fwd_pos)
 
     def post_forward(self, u: Unit) -> None:
         u.active -= 1
         self._event("forward_done", u)
+        if torch._C._current_graph_task_id() != -1:
+            # a recomputation in backward: the values it saved are read by the backward that
+            # follows at once; its post-backward (or after_backward) frees the unit
+            return
         if u.active == 0 and not u.pinned and u is not self.root:
             if not torch.is_grad_enabled():
                 self._free(u)
