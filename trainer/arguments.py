@@ -110,14 +110,14 @@ def default_callbacks(strategy: Any, root_dir: str, callbacks: list, checkpointi
     ``root_dir/checkpoints``, a progress bar, and the strategy's comms logger when it asks for one."""
     from ..callbacks.checkpoint import ModelCheckpoint
     from ..callbacks.comms import comms_logger_for
-    from ..callbacks.progress import ProgressBar
+    from ..callbacks.progress import ProgressBar, TQDMProgressBar
 
     if checkpointing and not any(isinstance(c, ModelCheckpoint) for c in callbacks):
         default = ModelCheckpoint(dirpath=os.path.join(root_dir, "checkpoints"), save_last=True)
         default.made_by_trainer = True
         callbacks.append(default)
     if progress and not any(isinstance(c, ProgressBar) for c in callbacks):
-        callbacks.append(ProgressBar())
+        callbacks.append(TQDMProgressBar())
     return comms_logger_for(strategy, callbacks)  # strategy option comms_logger=True
 
 

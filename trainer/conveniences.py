@@ -15,13 +15,14 @@ def rank_zero_print(trainer: Any, *args: Any, **kwargs: Any) -> None:
     progress bar's ``tqdm.write`` while one is drawn, so the bar is not torn."""
     if trainer is not None and not trainer.is_global_zero:
         return
-    bar = next((getattr(cb, "_bar", None) for cb in (trainer.callbacks if trainer is not None else [])
-                if getattr(cb, "_bar", None) is not None), None)
+    from ..callbacks.progress import ProgressBar
+
+    bar = next((cb for cb in (trainer.callbacks if trainer is not None else [])
+                if isinstance(cb, ProgressBar) and getattr(cb, "is_enabled", False)), None)
     if bar is None or kwargs.get("file") not in (None, sys.stdout):
         print(*args, **kwargs)
         return
-    sep, end = kwargs.get("sep", " "), kwargs.get("end", "\n")
-    bar.write(sep.join(map(str, args)), end=end)
+    bar.print(*args, **kwargs)
 
 
 def _to_tensors(data: Any, device: torch.device) -> Any:

@@ -1,6 +1,6 @@
 """Lightning's callbacks under their names: EarlyStopping stops at Lightning's step for the same
 logged sequence (pytorch-lightning 2.6 runs the same module in the same test), ModelCheckpoint's
-Lightning arguments, Timer, ModelSummary and TQDMProgressBar."""
+Lightning arguments, Timer and ModelSummary."""
 from __future__ import annotations
 
 import logging
@@ -12,8 +12,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from zerotrain import CheckpointError, ConfigError, Trainer, TrainModule
-from zerotrain.callbacks import (EarlyStopping, ModelCheckpoint, ModelSummary, ProgressBar, Timer,
-                                 TQDMProgressBar)
+from zerotrain.callbacks import EarlyStopping, ModelCheckpoint, ModelSummary, Timer
 
 
 @pytest.fixture(autouse=True)
@@ -342,6 +341,3 @@ def test_model_summary_counts_parameters_and_bytes_per_rank(tmp_path):
     assert summary.bytes_per_rank["optimizer"] == 0  # plain SGD keeps no state
     assert "13 total params" in summary.table()
 
-
-def test_tqdm_progress_bar_is_lightnings_name_for_ours():
-    assert TQDMProgressBar is ProgressBar
