@@ -5,10 +5,12 @@ checks, building the GPTModule) come from ``examples/gpt_cli.py``: the library n
 
 Everything that can be wrong with the configuration is checked here, in the first process, before
 the Trainer starts any other rank: Hydra rejects unknown options, misspelt keys and wrong types at
-compose time; ``Config.validate()`` range-checks every field (see ``trainer/config.py``), the demo's
-checks relate the model to the data, and building the strategy, precision and Trainer objects
-checks the rest. A bad value ends the command with exit code 2 and one line
-``zerotrain-train: configuration error: field=value: ...; valid: ...``.
+compose time (reported in the same one line, see below); ``Config.validate()`` range-checks every
+field (see ``trainer/config.py``), the demo's checks relate the model to the data, and building
+the strategy, precision and Trainer objects checks the rest. A bad value ends the command with exit code 2 and one line
+``zerotrain-train: configuration error: field=value: ...; valid: ...``; what Hydra refuses at
+compose time is found by composing the command line once before Hydra's main runs
+(``trainer/compose_check.py``), so it reads the same.
 
 ``precision=`` takes Lightning's names and aliases (16, "16", 16-mixed, bf16, bf16-mixed, bf16-true,
 32, 32-true): they are mapped to the config group's option before Hydra sees the command line,
@@ -29,6 +31,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from .examples import gpt_cli as app  # the demo GPT: the model group's schema, its checks, its module
 from .strategies.precision import canonical_precision
+from .trainer.compose_check import check_compose, describe, unknown_key
 from .trainer.config import Config, build_precision, build_strategy, register_configs
 from .trainer.errors import ConfigError
 
@@ -74,8 +77,7 @@ def check_known_keys(node: DictConfig, path: str = "") -> None:
     for key in node.keys():
         child = node._get_node(key)
         if fields is not None and key not in fields:
-            where = path.rstrip(".") or "the top level"
-            raise ConfigError(f"{path}{key}: no such key in {where}; valid keys: {', '.join(sorted(fields))}")
+            raise unknown_key(f"{path}{key}", None, fields)
         if isinstance(child, DictConfig):
             check_known_keys(child, f"{path}{key}.")
 
@@ -124,7 +126,9 @@ def run(dcfg: DictConfig) -> None:
         check_known_keys(dcfg)
         cfg: Config = OmegaConf.to_object(dcfg)  # runs the model schema's __post_init__ checks
         trainer, module = build(cfg)
-    except (ConfigError, ValueError, OmegaConfBaseException) as exc:
+    except OmegaConfBaseException as exc:  # e.g. an interpolation that cannot be resolved: one line
+        _fail(str(describe(exc, sys.argv[1:])))
+    except (ConfigError, ValueError) as exc:
         _fail(str(exc))
     if trainer.is_global_zero and "RANK" not in os.environ:
         print(OmegaConf.to_yaml(dcfg), file=sys.stderr)
@@ -148,6 +152,7 @@ def _hydra_main(dcfg: DictConfig) -> None:
 def main() -> None:
     try:
         sys.argv[1:] = normalize_overrides(sys.argv[1:])  # the other ranks re-run this command line
+        check_compose(sys.argv[1:], "zerotrain.conf", "config")  # Hydra's compose errors, in one line
     except ConfigError as exc:
         _fail(str(exc))
     _hydra_main()

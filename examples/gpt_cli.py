@@ -11,13 +11,13 @@ import dataclasses
 
 from hydra.core.config_store import ConfigStore
 
-from ..trainer.config import Config, world_size
+from ..trainer.config import Config, schema_name, world_size
 from ..trainer.errors import ConfigError
 from .gpt import GPTConfig
 from .gpt_module import GPTModule
 
 
-#: the model group's sizes: ``conf/model/<name>.yaml`` selects ``base_<name>`` (written here once;
+#: the model group's sizes: ``conf/model/<name>.yaml`` selects ``/schema_model_<name>`` (written here once;
 #: the other fields keep GPTConfig's defaults)
 SIZES = {
     "gpt_tiny": dict(block_size=64, n_layer=2, n_head=2, n_embd=64),  # ~0.2M parameters: smoke tests
@@ -28,16 +28,16 @@ SIZES = {
 
 
 def register_schema() -> None:
-    """``model/base_gpt`` and one ``model/base_<size>`` per entry of :data:`SIZES` (GPTConfig with
+    """``schema_model_gpt`` and one ``schema_model_<size>`` per entry of :data:`SIZES` (GPTConfig with
     those defaults), which ``conf/model/*.yaml`` select, so Hydra rejects a misspelt or wrongly typed
     model key at compose time; ``GPTConfig.__post_init__`` checks the values when the composed config
     becomes objects."""
     cs = ConfigStore.instance()
-    cs.store(group="model", name="base_gpt", node=GPTConfig)
+    cs.store(name=schema_name("model", "gpt"), node=GPTConfig)
     for name, values in SIZES.items():
         node = dataclasses.make_dataclass(f"GPTConfig_{name}", [(k, int, dataclasses.field(default=v))
                                                                 for k, v in values.items()], bases=(GPTConfig,))
-        cs.store(group="model", name=f"base_{name}", node=node)
+        cs.store(name=schema_name("model", name), node=node)
 
 
 def _bad(field: str, value, problem: str, valid: str) -> ConfigError:

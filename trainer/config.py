@@ -1,10 +1,11 @@
 """Typed configuration for the ``zerotrain-train`` command, registered in Hydra's ConfigStore.
 
 Each config group (``strategy``, ``precision``, ``optimizer``, ``model``, ``data``, ``trainer``,
-``callbacks``) has a dataclass schema named ``base_<option>``; the YAML files in ``conf/`` extend
-them with ``defaults: [base_...]``. Hydra then rejects a misspelt key or a wrongly typed value at
-compose time, and an unknown option (``strategy=zero9``) with the list of valid ones (``precision=``
-also takes Lightning's aliases: ``train.py`` maps them to the group's options first).
+``callbacks``) has a dataclass schema, stored outside the groups as ``schema_<group>[_<option>]``;
+the YAML files in ``conf/`` extend them with ``defaults: [/schema_...]``. Hydra then rejects a
+misspelt key or a wrongly typed value at compose time, and an unknown option (``strategy=zero9``)
+(``train.py`` composes first and reports these in one line, naming the valid choices;
+``precision=`` also takes Lightning's aliases: ``train.py`` maps them to the group's options first).
 
 Every value is then range-checked before any process is started, in one place per schema: the
 ``validate()`` method of each dataclass below (``Config.validate()`` runs them all, plus the checks
@@ -15,7 +16,7 @@ reading ``section.field=value: what is wrong; valid: ...``.
 
 The ``model`` group belongs to the application, not to the library, which never imports
 ``examples/``: ``Config.model`` is untyped here, and ``train.py`` registers the demo GPT's schema
-(``base_gpt``) and runs its checks of the model against the data (``examples/gpt_cli.py``).
+(``schema_model_gpt``) and runs its checks of the model against the data (``examples/gpt_cli.py``).
 
 Every default is written once, in the library's option dataclasses: the strategy schemas are
 generated from each registered preset's dataclasses (``strategies/registry.py``) and the precision
@@ -307,18 +308,25 @@ def world_size(trainer: TrainerConfig) -> int:
     return trainer.devices * trainer.num_nodes if _is_int(trainer.devices) and _is_int(trainer.num_nodes) else 0
 
 
+def schema_name(group: str, option: str = "") -> str:
+    """The ConfigStore name of a group's schema: a top-level entry (``/schema_strategy_ddp``),
+    outside the config groups, so Hydra's ``--help`` and the CLI's list of valid options show only
+    the options a user can pick (``conf/<group>/<option>.yaml`` selects it in its defaults)."""
+    return f"schema_{group}_{option}" if option else f"schema_{group}"
+
+
 def register_configs() -> None:
     cs = ConfigStore.instance()
-    cs.store(name="base_config", node=Config)
+    cs.store(name=schema_name("config"), node=Config)
     for name in registry.available():
-        cs.store(group="strategy", name=f"base_{name}", node=strategy_schema(name))
-    for name in PRECISIONS:  # conf/precision/<name>.yaml selects base_<name>
-        cs.store(group="precision", name=f"base_{name}", node=precision_schema(name))
-    cs.store(group="optimizer", name="base_optimizer", node=OptimizerConfig)
+        cs.store(name=schema_name("strategy", name), node=strategy_schema(name))
+    for name in PRECISIONS:  # conf/precision/<name>.yaml selects /schema_precision_<name>
+        cs.store(name=schema_name("precision", name), node=precision_schema(name))
+    cs.store(name=schema_name("optimizer"), node=OptimizerConfig)
     # group "model": the application registers its schema (train.py: the demo GPT's)
-    cs.store(group="data", name="base_data", node=DataConfig)
-    cs.store(group="trainer", name="base_trainer", node=TrainerConfig)
-    cs.store(group="callbacks", name="base_callbacks", node=CallbacksConfig)
+    cs.store(name=schema_name("data"), node=DataConfig)
+    cs.store(name=schema_name("trainer"), node=TrainerConfig)
+    cs.store(name=schema_name("callbacks"), node=CallbacksConfig)
 
 
 # ---------------------------------------------------------------------- building the objects

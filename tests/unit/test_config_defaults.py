@@ -21,17 +21,17 @@ CONF = pathlib.Path(zerotrain.__file__).parent / "conf"
 YAMLS = sorted(p for p in CONF.rglob("*.yaml") if p.parent != CONF)
 
 
-def _schema_node(group: str, base: str):
-    return ConfigStore.instance().load(f"{group}/{base}.yaml").node
+def _schema_node(name: str):
+    return ConfigStore.instance().load(f"{name}.yaml").node
 
 
 @pytest.mark.parametrize("path", YAMLS, ids=[str(p.relative_to(CONF)) for p in YAMLS])
 def test_yaml_holds_no_literal_that_differs_from_its_schema(path):
     text = OmegaConf.load(path)
     defaults = list(text.pop("defaults", []))
-    bases = [d for d in defaults if isinstance(d, str) and d.startswith("base_")]
+    bases = [d for d in defaults if isinstance(d, str) and d.startswith("/schema_")]
     assert len(bases) == 1, f"{path}: selects no schema (defaults: {defaults})"
-    node = _schema_node(path.parent.name, bases[0])
+    node = _schema_node(bases[0][1:])
     for key, value in text.items():
         assert key in node, f"{path}: {key} is in no schema field"
         assert OmegaConf.to_container(OmegaConf.create({"v": value}))["v"] == node[key], (
@@ -44,7 +44,7 @@ def test_strategy_schema_defaults_are_the_option_dataclasses(name):
     """The schema of each preset holds exactly its dataclasses' fields, with their defaults except
     where the preset sets a value."""
     preset = registry.get(name)
-    node = _schema_node("strategy", f"base_{name}")
+    node = _schema_node(tc.schema_name("strategy", name))
     expected = {f.name: f.default for cls in preset.options for f in dataclasses.fields(cls)}
     expected.update(preset.values)
     for key, default in expected.items():
