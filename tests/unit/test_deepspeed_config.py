@@ -111,7 +111,9 @@ def test_inconsistent_batch_sizes_are_errors(given, world, match):
     ({"type": "Adam", "params": {"lr": 0.1, "torch_adam": True}}, torch.optim.AdamW, {"lr": 0.1}),
     ({"type": "Adam", "params": {"lr": 0.1, "adam_w_mode": False, "weight_decay": 0.1}}, torch.optim.Adam,
      {"lr": 0.1, "weight_decay": 0.1}),
-    ({"type": "adamw", "params": {"lr": 0.1, "adam_w_mode": False}}, torch.optim.AdamW, {"lr": 0.1}),
+    # without torch_adam DeepSpeed steps FusedAdam, whose weight_decay defaults to 0 (not AdamW's 0.01)
+    ({"type": "adamw", "params": {"lr": 0.1, "adam_w_mode": False}}, torch.optim.AdamW,
+     {"lr": 0.1, "weight_decay": 0.0}),
     ({"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}, torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
     ({"type": "Adagrad", "params": {"lr": 0.1}}, torch.optim.Adagrad, {"lr": 0.1}),
 ])

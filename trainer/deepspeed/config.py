@@ -25,6 +25,7 @@ import torch
 
 from ..errors import ConfigError
 from . import lr_schedules
+from .defaults import default
 from .ops.adam import DeepSpeedCPUAdam, FusedAdam
 
 log = logging.getLogger("zerotrain")
@@ -171,7 +172,7 @@ class DeepSpeedConfig:
     train_batch_size: int
     train_micro_batch_size_per_gpu: int
     gradient_accumulation_steps: int
-    gradient_clipping: float = 0.0
+    gradient_clipping: float = 1.0  # DeepSpeed 0.19.8's default (defaults.py)
     optimizer: OptimizerSpec | None = None
     scheduler: SchedulerSpec | None = None
     #: zerotrain's precision name: "32", "16-mixed" or "bf16-mixed"
@@ -256,15 +257,14 @@ def parse(config: "str | os.PathLike | Mapping[str, Any]", world_size: int) -> D
     reader = _Reader(raw)
     out: dict[str, Any] = dict(raw=raw, world_size=world_size)
     out.update(batch_sizes(raw, world_size))
-    if "gradient_clipping" in raw:
-        clip = raw["gradient_clipping"]
-        if isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip >= 0:
-            raise _fail("gradient_clipping", clip, "not a number >= 0", "0 (off) or a positive max norm")
-        out["gradient_clipping"] = float(clip)
+    clip = raw.get("gradient_clipping", default("gradient_clipping"))  # DeepSpeed's 1.0: clipping is on
+    if isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip >= 0:
+        raise _fail("gradient_clipping", clip, "not a number >= 0", "0 (off) or a positive max norm")
+    out["gradient_clipping"] = float(clip)
     out.update(_precision(raw, reader))
     out.update(_zero(raw, reader, world_size))
     out["zero_allow_untested_optimizer"] = _flag("zero_allow_untested_optimizer",
-                                                 raw.get("zero_allow_untested_optimizer", False))
+                                                 raw.get("zero_allow_untested_optimizer", default("zero_allow_untested_optimizer")))
     if raw.get("optimizer") is not None:
         out["optimizer"] = optimizer_spec(_section("optimizer", raw["optimizer"]), reader)
         probe = out["optimizer"].build([torch.zeros(1, requires_grad=True)])
@@ -273,7 +273,7 @@ def parse(config: "str | os.PathLike | Mapping[str, Any]", world_size: int) -> D
     if raw.get("scheduler") is not None:
         out["scheduler"] = scheduler_spec(_section("scheduler", raw["scheduler"]), reader)
     out.update(_monitoring(raw, reader))
-    out["dataloader_drop_last"] = _flag("dataloader_drop_last", raw.get("dataloader_drop_last", False))
+    out["dataloader_drop_last"] = _flag("dataloader_drop_last", raw.get("dataloader_drop_last", default("dataloader_drop_last")))
     known = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
              "optimizer", "scheduler", "fp16", "bf16", "bfloat16", "zero_optimization", "zero_allow_untested_optimizer",
              "activation_checkpointing", "steps_per_print", "wall_clock_breakdown", "tensorboard",
@@ -332,11 +332,11 @@ def _precision(raw: Mapping[str, Any], reader: _Reader) -> dict[str, Any]:
     if fp16.get("consecutive_hysteresis", False):
         raise _fail("fp16.consecutive_hysteresis", True, "not supported (hysteresis refills when the scale grows)",
                     "false")
-    power = _whole("fp16.initial_scale_power", fp16.get("initial_scale_power", 16), 0)
+    power = _whole("fp16.initial_scale_power", fp16.get("initial_scale_power", default("fp16.initial_scale_power")), 0)
     scaler = {"init_scale": 2.0 ** power,
-              "growth_interval": _whole("fp16.loss_scale_window", fp16.get("loss_scale_window", 1000), 1),
-              "hysteresis": _whole("fp16.hysteresis", fp16.get("hysteresis", 2), 1),
-              "min_scale": float(fp16.get("min_loss_scale", 1))}
+              "growth_interval": _whole("fp16.loss_scale_window", fp16.get("loss_scale_window", default("fp16.loss_scale_window")), 1),
+              "hysteresis": _whole("fp16.hysteresis", fp16.get("hysteresis", default("fp16.hysteresis")), 1),
+              "min_scale": float(fp16.get("min_loss_scale", default("fp16.min_loss_scale")))}
     if not scaler["min_scale"] > 0 or scaler["min_scale"] > scaler["init_scale"]:
         raise _fail("fp16.min_loss_scale", fp16.get("min_loss_scale"), "out of range",
                     f"a number in (0, 2**initial_scale_power = {scaler['init_scale']}]")
@@ -466,7 +466,10 @@ def optimizer_spec(section: dict[str, Any], reader: _Reader) -> OptimizerSpec:
     lower = name.lower()
     if lower in _ADAM_NAMES:
         adam_w = _flag("optimizer.params.adam_w_mode", params.pop("adam_w_mode", True))
-        params.pop("torch_adam", None)  # DeepSpeed's switch to torch's Adam: zerotrain always steps torch's
+        # DeepSpeed's switch to torch's Adam (zerotrain always steps torch's): without it DeepSpeed
+        # builds FusedAdam / DeepSpeedCPUAdam, whose weight_decay defaults to 0, not AdamW's 0.01
+        if not params.pop("torch_adam", False):
+            params.setdefault("weight_decay", default("optimizer.params.weight_decay (Adam, AdamW)"))
         params.pop("fp32_optimizer_states", None)
         if not _flag("optimizer.params.bias_correction", params.pop("bias_correction", True)):
             raise _fail("optimizer.params.bias_correction", False, "not supported (torch's Adam always corrects)",
@@ -515,7 +518,7 @@ def _monitoring(raw: Mapping[str, Any], reader: _Reader) -> dict[str, Any]:
     tb = _section("tensorboard", raw.get("tensorboard") or {})
     reader.take(tb, "tensorboard.", ("enabled", "output_path", "job_name"), "tensorboard")
     if _flag("tensorboard.enabled", tb.get("enabled", False)):
-        path, job = tb.get("output_path") or "", tb.get("job_name", "DeepSpeedJobName")
+        path, job = tb.get("output_path") or "", tb.get("job_name", default("tensorboard.job_name"))
         for key, value in (("output_path", path), ("job_name", job)):
             if not isinstance(value, str):
                 raise _fail(f"tensorboard.{key}", value, "not a string", "a directory name")
@@ -524,7 +527,7 @@ def _monitoring(raw: Mapping[str, Any], reader: _Reader) -> dict[str, Any]:
     reader.take(comms, "comms_logger.", ("enabled", "verbose", "prof_all"), "comms_logger")
     out["comms_logger"] = _flag("comms_logger.enabled", comms.get("enabled", False))
     out["comms_verbose"] = _flag("comms_logger.verbose", comms.get("verbose", False))
-    if not _flag("comms_logger.prof_all", comms.get("prof_all", True)):
+    if not _flag("comms_logger.prof_all", comms.get("prof_all", default("comms_logger.prof_all"))):
         reader.ignored.append("comms_logger.prof_all=false (every collective is recorded)")
     return out
 
