@@ -11,20 +11,20 @@ from .trainer import CheckpointError, ConfigError, DataModule, Engine, Trainer, 
 from .strategies import (DDP, DDPStrategy, Offload, PipelineStrategy, SingleDevice, SingleDeviceStrategy,  # noqa: E402
                          Strategy, ZeroStage1, ZeroStage2, ZeroStage3)
 from .callbacks import loggers  # noqa: E402
-from .trainer import core, deepspeed, utilities  # noqa: E402
+from .trainer import core, deepspeed, demos, lightning_paths, utilities  # noqa: E402
 
 # Lightning's module paths, so that ported code only renames `lightning.pytorch` to `zerotrain`:
-# zerotrain.loggers / .utilities / .core are modules of the existing packages, registered under
-# those names (the repository's top-level folders stay as they are).
-for _name, _module in (("loggers", loggers), ("utilities", utilities), ("core", core)):
-    _sys.modules[f"{__name__}.{_name}"] = _module
+# zerotrain.loggers / .utilities / .core / .demos and their deeper paths (zerotrain.core.module,
+# zerotrain.utilities.exceptions, ...) are modules of the existing packages, registered under those
+# names (trainer/lightning_paths.py; the repository's top-level folders stay as they are).
+lightning_paths.register(__name__)
 # DeepSpeed's module paths, so that a DeepSpeed script only renames its imports
 # (``import zerotrain.deepspeed as deepspeed``): trainer/deepspeed/ and every module in it, registered
 # eagerly so that either path gives the same module object.
 _sys.modules[f"{__name__}.deepspeed"] = deepspeed
 for _name, _module in deepspeed.SUBMODULES.items():
     _sys.modules[f"{__name__}.deepspeed.{_name}"] = _module
-del _name, _module
+del _name, _module, lightning_paths
 
 __all__ = ["Trainer", "Engine", "TrainModule", "DataModule", "Callback", "ModelCheckpoint", "EarlyStopping", "Timer",
            "ModelSummary", "LearningRateMonitor", "ThroughputMonitor", "ProgressBar", "TQDMProgressBar",

@@ -114,6 +114,26 @@ class _DummyExperiment:
     def __setitem__(self, *args: Any) -> None: ...
 
 
+class DummyLogger(Logger):
+    """Lightning's ``DummyLogger``: logs nothing; its ``experiment`` swallows every call; name and
+    version are empty strings (the Trainer uses none in ``fast_dev_run``: ``logger=False``)."""
+
+    @property
+    def experiment(self) -> _DummyExperiment:
+        return _DummyExperiment()
+
+    name = property(lambda self: "")
+    version = property(lambda self: "")
+
+    def __getitem__(self, idx: int) -> "DummyLogger":
+        return self
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _DummyExperiment().nop
+
+
 def rank_zero_experiment(fn: Any) -> Any:
     """Decorate a logger's ``experiment`` property body: the real object on global rank 0, a
     do-nothing stand-in elsewhere (Lightning's ``rank_zero_experiment``)."""

@@ -15,6 +15,7 @@ and ``teardown(stage)`` on every rank at the end of the stage.
 """
 from __future__ import annotations
 
+import inspect
 from typing import TYPE_CHECKING, Any
 
 from .hparams import HyperparametersMixin
@@ -25,7 +26,16 @@ if TYPE_CHECKING:
 
 class DataHooks:
     """The four loaders a stage asks for (TrainModule and DataModule both have them, as in
-    Lightning); None means "none here"."""
+    Lightning); None means "none here". And ``prepare_data``, which the Trainer runs on the
+    datamodule and on the module: once per node (``prepare_data_per_node = False``: once)."""
+
+    #: run ``prepare_data`` on local rank 0 of every node (True) or on global rank 0 only (False,
+    #: for a file system all nodes share)
+    prepare_data_per_node: bool = True
+
+    def prepare_data(self) -> None:
+        """Once per node (see the class attribute), before the other ranks go on: download,
+        tokenise, write to disk. Do not assign state here: the other ranks never run it."""
 
     def train_dataloader(self) -> Any:
         return None
@@ -45,19 +55,41 @@ class DataModule(HyperparametersMixin, DataHooks):
     ``save_hyperparameters()`` in ``__init__`` as Lightning's (trainer/hparams.py): they are
     logged with the module's and stored in checkpoints as ``datamodule_hyper_parameters``."""
 
-    #: run ``prepare_data`` on local rank 0 of every node (True) or on global rank 0 only (False,
-    #: for a file system all nodes share)
-    prepare_data_per_node: bool = True
-
     def __init__(self) -> None:
         self.trainer: Trainer | None = None
-
-    def prepare_data(self) -> None:
-        """Once per node (see the class attribute), before the other ranks go on: download,
-        tokenise, write to disk. Do not assign state here: the other ranks never run it."""
 
     def setup(self, stage: str) -> None:
         """On every rank, at the start of ``stage`` ("fit", "validate", "test" or "predict")."""
 
     def teardown(self, stage: str) -> None:
         """On every rank, at the end of ``stage``."""
+
+    @classmethod
+    def from_datasets(cls, train_dataset: Any = None, val_dataset: Any = None, test_dataset: Any = None,
+                      predict_dataset: Any = None, batch_size: int = 1, num_workers: int = 0,
+                      **datamodule_kwargs: Any) -> "DataModule":
+        """Lightning's ``from_datasets``: a datamodule whose loaders wrap the given datasets (each
+        a dataset or a list / dict of them) in ``DataLoader(batch_size, num_workers,
+        pin_memory=True)``, the training ones shuffled (unless iterable). ``batch_size`` and
+        ``num_workers`` also go to ``__init__`` where it takes them; the other keywords always do."""
+        from torch.utils.data import DataLoader, Dataset, IterableDataset
+
+        def loaders(data: Any, shuffle: bool) -> Any:
+            if isinstance(data, Dataset):
+                return DataLoader(data, batch_size=batch_size, num_workers=num_workers, pin_memory=True,
+                                  shuffle=shuffle and not isinstance(data, IterableDataset))
+            if isinstance(data, dict):
+                return {key: loaders(value, shuffle) for key, value in data.items()}
+            return type(data)(loaders(value, shuffle) for value in data)
+
+        params = inspect.signature(cls.__init__).parameters
+        extra = {"batch_size": batch_size, "num_workers": num_workers}
+        if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            extra = {key: value for key, value in extra.items() if key in params}
+        datamodule = cls(**datamodule_kwargs, **extra)
+        for stage, data in (("train", train_dataset), ("val", val_dataset), ("test", test_dataset),
+                            ("predict", predict_dataset)):
+            if data is not None:
+                setattr(datamodule, f"{stage}_dataloader",
+                        lambda data=data, shuffle=stage == "train": loaders(data, shuffle))
+        return datamodule

@@ -11,6 +11,7 @@ from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Sequ
 from . import job
 from .datamodule import DataModule
 from .errors import ConfigError
+from .utilities import is_overridden
 
 log = logging.getLogger("zerotrain")
 
@@ -18,20 +19,24 @@ log = logging.getLogger("zerotrain")
 class TrainerData:
     """Where the Trainer's batches come from, and how many of them a stage runs."""
 
-    def _setup_data(self, stage: str, datamodule: DataModule | None) -> None:
+    def _setup_data(self, stage: str, datamodule: DataModule | None, module: Any = None) -> None:
         """Attach the datamodule (a later stage without one keeps the previous, as Lightning) and
-        run its ``prepare_data`` once per node (or once, ``prepare_data_per_node=False``) while
-        the other ranks wait, then its ``setup(stage)`` on every rank."""
+        run its and the module's ``prepare_data`` once per node (or once, ``prepare_data_per_node
+        = False``) while the other ranks wait, then the datamodule's ``setup(stage)`` on every rank."""
         if datamodule is not None:
             self.datamodule = datamodule
         dm = self.datamodule
+        if dm is not None:
+            dm.trainer = self
+        s = self._strategy
+        preparing = [owner for owner in (dm, module) if is_overridden("prepare_data", owner)]
+        for owner in preparing:
+            if (s.local_rank if getattr(owner, "prepare_data_per_node", True) else s.global_rank) == 0:
+                owner.prepare_data()
+        if preparing:
+            s.barrier()
         if dm is None:
             return
-        dm.trainer = self
-        s = self._strategy
-        if (s.local_rank if dm.prepare_data_per_node else s.global_rank) == 0:
-            dm.prepare_data()
-        s.barrier()
         dm.setup(stage)
         self._dm_stage = stage
 

@@ -12,6 +12,7 @@ from ..callbacks.base import stage_hooks
 from . import conveniences
 from .datamodule import DataHooks
 from .hparams import HyperparametersMixin
+from .module_tools import ModuleTools
 
 if TYPE_CHECKING:
     from .trainer import Trainer
@@ -23,7 +24,7 @@ def _from_trainer(name: str, doc: str) -> property:
                     doc=f"The Trainer's ``{name}``: {doc}; 0 when not attached.")
 
 
-class TrainModule(HyperparametersMixin, nn.Module, DataHooks):
+class TrainModule(HyperparametersMixin, nn.Module, DataHooks, ModuleTools):
     """Subclass and implement ``training_step`` and ``configure_optimizers`` (and optionally the
     data hooks, ``validation_step`` / ``test_step`` / ``predict_step`` and ``configure_model``)."""
 
@@ -115,7 +116,7 @@ class TrainModule(HyperparametersMixin, nn.Module, DataHooks):
     # ---- what the Trainer provides
     @property
     def trainer(self) -> "Trainer":
-        if self._trainer is None:
+        if self._trainer is None and not self._jit_is_scripting:
             raise RuntimeError(f"{type(self).__name__} is not attached to a Trainer")
         return self._trainer
 

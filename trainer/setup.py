@@ -27,13 +27,13 @@ class TrainerSetup:
                 raise ConfigError(f"Trainer.{stage}: this Trainer is set up for {type(self.module).__name__} "
                                   f"(one module per Trainer); got another {type(module).__name__}: use a new "
                                   "Trainer, or model=None")
-            self._setup_data(stage, datamodule)
+            self._setup_data(stage, datamodule, module)
             self._stage_setup(stage)
             return
         if not isinstance(module, TrainModule):
             raise ConfigError(f"Trainer.{stage}: expected a TrainModule, got {type(module).__name__}")
         self._connect()
-        self._setup_data(stage, datamodule)
+        self._setup_data(stage, datamodule, module)
         s = self._strategy
         self.module = module
         module._trainer = self

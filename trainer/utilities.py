@@ -2,15 +2,17 @@
 Lightning names (``lightning.pytorch.utilities``), for code ported by renaming the import."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
 import random
 import warnings
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 
+from .hparams import AttributeDict
 
 log = logging.getLogger("zerotrain")
 F = TypeVar("F", bound=Callable[..., Any])
@@ -108,5 +110,51 @@ def seed_rngs(seed: int) -> None:
         pass
 
 
-__all__ = ["GLOBAL_SEED_ENV", "reset_seed", "seed_rngs", "rank_zero_only", "rank_zero_info", "rank_zero_debug", "rank_zero_warn", "seed_everything",
+@contextlib.contextmanager
+def isolate_rng(include_cuda: bool = True) -> Iterator[None]:
+    """Lightning's ``isolate_rng``: Python's, numpy's, torch's (and CUDA's) global RNG states are
+    put back as they were when the block ends."""
+    states: list[tuple[Callable[[Any], Any], Any]] = [(random.setstate, random.getstate()),
+                                                       (torch.set_rng_state, torch.get_rng_state())]
+    if include_cuda and torch.cuda.is_available():
+        states.append((torch.cuda.set_rng_state_all, torch.cuda.get_rng_state_all()))
+    try:
+        import numpy as np
+
+        states.append((np.random.set_state, np.random.get_state()))
+    except ImportError:
+        pass
+    try:
+        yield
+    finally:
+        for restore, state in states:
+            restore(state)
+
+
+def is_overridden(method_name: str, instance: Any = None, parent: "type | None" = None) -> bool:
+    """Lightning's ``is_overridden``: ``instance``'s class (or the class itself) defines
+    ``method_name`` otherwise than ``parent`` (by default the TrainModule, DataModule or Callback base
+    it derives from). ``None`` is never overridden."""
+    if instance is None:
+        return False
+    if parent is None:
+        from ..callbacks.base import Callback
+        from .datamodule import DataModule
+        from .module import TrainModule
+
+        cls = instance if isinstance(instance, type) else type(instance)
+        parent = next((base for base in (TrainModule, DataModule, Callback) if issubclass(cls, base)), None)
+        if parent is None:
+            raise ValueError("Expected a parent")
+    mine = getattr(instance, method_name, None)
+    if mine is None:
+        return False
+    theirs = getattr(parent, method_name, None)
+    if theirs is None:
+        raise ValueError(f"{parent.__name__} has no method {method_name!r}")
+    unwrap = lambda fn: getattr(getattr(fn, "__func__", fn), "__wrapped__", getattr(fn, "__func__", fn))  # noqa: E731
+    return unwrap(mine) is not unwrap(theirs)
+
+
+__all__ = ["GLOBAL_SEED_ENV", "is_overridden", "isolate_rng", "AttributeDict", "reset_seed", "seed_rngs", "rank_zero_only", "rank_zero_info", "rank_zero_debug", "rank_zero_warn", "seed_everything",
            "global_rank"]

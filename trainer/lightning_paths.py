@@ -1,0 +1,59 @@
+"""Lightning's module paths under ``zerotrain``: ported code renames ``lightning.pytorch`` (or
+``pytorch_lightning``) to ``zerotrain`` and keeps the rest of the path. Each path below is one of
+our modules registered under Lightning's name (``sys.modules`` and an attribute of its parent),
+so ``import zerotrain.core.module`` and ``from zerotrain.loggers.csv_logs import CSVLogger`` work
+while the repository's top-level folders stay as they are. README "Import paths" lists them."""
+from __future__ import annotations
+
+import importlib
+import sys
+
+#: Lightning's path (after ``lightning.pytorch.``) -> our module (relative to the package)
+PATHS = {
+    # the first-level ones
+    "loggers": "callbacks.loggers",
+    "utilities": "trainer.utilities",
+    "core": "trainer.core",
+    "demos": "trainer.demos",
+    # lightning.pytorch.core.*
+    "core.module": "trainer.module",
+    "core.datamodule": "trainer.datamodule",
+    "core.hooks": "trainer.datamodule",
+    "core.saving": "trainer.from_checkpoint",
+    "core.mixins": "trainer.hparams",
+    "core.mixins.hparams_mixin": "trainer.hparams",
+    # lightning.pytorch.demos.*
+    "demos.boring_classes": "trainer.demos",
+    # lightning.pytorch.loggers.*
+    "loggers.logger": "callbacks.base",
+    "loggers.csv_logs": "callbacks.loggers",
+    "loggers.tensorboard": "callbacks.tensorboard",
+    # lightning.pytorch.utilities.*
+    "utilities.exceptions": "trainer.errors",
+    "utilities.imports": "trainer.imports",
+    "utilities.model_helpers": "trainer.utilities",
+    "utilities.rank_zero": "trainer.utilities",
+    "utilities.seed": "trainer.utilities",
+    "utilities.parsing": "trainer.hparams",
+    # lightning.pytorch.callbacks.* (our callbacks/ modules have shorter names)
+    "callbacks.callback": "callbacks.base",
+    "callbacks.model_checkpoint": "callbacks.checkpoint",
+    "callbacks.lr_monitor": "callbacks.monitors",
+    "callbacks.throughput_monitor": "callbacks.monitors",
+    "callbacks.model_summary": "callbacks.summary",
+    "callbacks.progress.progress_bar": "callbacks.progress",
+    "callbacks.progress.tqdm_progress": "callbacks.progress",
+    # lightning.pytorch.trainer.*
+    "trainer.states": "trainer.state",
+}
+
+
+def register(package: str) -> None:
+    """Register every path of ``PATHS`` under ``package`` (``zerotrain``), parents first."""
+    for alias in sorted(PATHS, key=lambda a: a.count(".")):
+        module = importlib.import_module(f"{package}.{PATHS[alias]}")
+        name = f"{package}.{alias}"
+        sys.modules[name] = module
+        parent, _, leaf = name.rpartition(".")
+        if not hasattr(sys.modules[parent], leaf):
+            setattr(sys.modules[parent], leaf, module)
