@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from tolerance import backward_as_ranks
 from zerotrain import TrainModule
 
 
@@ -74,8 +75,10 @@ class ToyModule(TrainModule):
 
 
 def reference(steps: int, world_size: int, bs: int = 8, accum: int = 1, clip: float | None = None,
-              lr: float = 0.05, opt: str = "adamw", n: int = 640) -> dict:
-    """Plain single-process PyTorch over the same global batches."""
+              lr: float = 0.05, opt: str = "adamw", n: int = 640, as_ranks: bool = False) -> dict:
+    """Plain single-process PyTorch over the same global batches. ``as_ranks``: the peer for
+    ``tolerance.assert_no_worse_than_peer``, each gradient summed as torch DDP sums it on
+    ``world_size`` ranks (its losses are then the global batches' losses, computed alone)."""
     torch.manual_seed(0)
     net = build_net()
     optimizer, sched = make_optimizer(net, lr, opt)
@@ -83,15 +86,21 @@ def reference(steps: int, world_size: int, bs: int = 8, accum: int = 1, clip: fl
     it = iter(loader)
     losses, lrs = [], []
     for _ in range(steps):
+        micro = []
         for _ in range(accum):
             try:
-                x, y = next(it)
+                micro.append(next(it))
             except StopIteration:
                 it = iter(loader)
-                x, y = next(it)
-            loss = nn.functional.mse_loss(net(x), y)
+                micro.append(next(it))
+        for x, y in micro:
+            with torch.set_grad_enabled(not as_ranks):
+                loss = nn.functional.mse_loss(net(x), y)
             losses.append(float(loss.detach()))
-            (loss / accum).backward()
+            if not as_ranks:
+                (loss / accum).backward()
+        if as_ranks:
+            backward_as_ranks(net.parameters(), micro, lambda b: nn.functional.mse_loss(net(b[0]), b[1]), world_size)
         if clip:
             torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
         optimizer.step()
