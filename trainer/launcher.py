@@ -8,13 +8,15 @@ directory instead of creating their own.
 
 Failure handling: a watchdog thread in rank 0 polls the children. When one exits with an error its
 traceback is already on the shared stderr; the watchdog kills the other ranks and ends rank 0 with
-the same exit code, even if rank 0 sits blocked inside a collective. Children die with rank 0
+the same exit code, even if rank 0 sits blocked inside a collective. When rank 0's own error (a
+peer's socket closing) comes first, the failed rank is named and still gives the job its exit code. Children die with rank 0
 (``PR_SET_PDEATHSIG``), and rank 0 waits for them at exit, so a job never leaves ranks behind.
 """
 from __future__ import annotations
 
 import atexit
 import ctypes
+import logging
 import os
 import signal
 import subprocess
@@ -63,6 +65,11 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         pass
 
 
+def _job_code(code: int) -> int:
+    """The job's exit status for a rank's: its own, or 1 for a rank ended by a signal."""
+    return code if code > 0 else 1
+
+
 def describe_exit(rank: int, code: int) -> str:
     """``rank 1 was killed by signal 9 (SIGKILL)`` / ``rank 1 exited with code 3``."""
     if code < 0:
@@ -83,6 +90,8 @@ class LocalLauncher:
         self.info = info
         self.children: list[subprocess.Popen] = []
         self._stop = threading.Event()
+        #: the exit status of the first rank found to have failed: the job ends with it (at exit)
+        self.failed_code: int | None = None
 
     def launch(self) -> ProcessInfo:
         """Start ranks 1..N-1; returns rank 0's ProcessInfo."""
@@ -113,7 +122,7 @@ class LocalLauncher:
                 if code not in (None, 0):
                     self._report(rank, code)
                     self.kill(report=False)
-                    os._exit(code if code > 0 else 1)
+                    os._exit(_job_code(code))
             time.sleep(0.1)
 
     @staticmethod
@@ -134,6 +143,8 @@ class LocalLauncher:
             for rank, proc in enumerate(self.children, start=1):
                 if proc.poll() is not None and (proc.returncode != 0 or in_fit):
                     self._report(rank, proc.returncode)
+                    if proc.returncode != 0 and self.failed_code is None:
+                        self.failed_code = _job_code(proc.returncode)
         self._stop.set()
         for proc in self.children:
             if proc.poll() is None:
@@ -142,9 +153,16 @@ class LocalLauncher:
             proc.wait()
 
     def wait(self, timeout: float = 600.0) -> None:
-        """At rank 0's exit: let the other ranks finish the code after ``fit``, then reap them."""
+        """At rank 0's exit: let the other ranks finish the code after ``fit``, then reap them. A
+        rank that failed first gives the job its exit status, as when the watchdog thread sees it
+        first: rank 0's own error (gloo's "Connection reset by peer") only followed from it."""
         deadline = time.monotonic() + timeout
         for proc in self.children:
             while proc.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.05)
         self.kill()
+        if self.failed_code is not None:
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(self.failed_code)

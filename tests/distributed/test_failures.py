@@ -45,6 +45,9 @@ SCRIPT = textwrap.dedent('''
                 if FAULT == "exit0":  # a script that ends early on one rank, status 0
                     announce("exit0")
                     os._exit(0)
+                if FAULT == "exit3":  # a rank's own exit status, which the job must end with
+                    announce("exit3")
+                    os._exit(3)
             loss = super().training_step(batch, batch_idx)
             if FAULT == "nan" and step == AT_STEP and rank == 1:
                 announce("nan")
@@ -178,10 +181,12 @@ def test_rank_zero_only_forward_under_zero3_ends_with_the_hint(tmp_path):
 @pytest.mark.parametrize("fault,said", [
     ("sigkill", "rank 1 was killed by signal 9 (SIGKILL)"),
     # a script that ends early on one rank, with status 0, while rank 0 is still training
-    ("exit0", "rank 1 had exited with code 0 before rank 0's fit ended")])
+    ("exit0", "rank 1 had exited with code 0 before rank 0's fit ended"),
+    ("exit3", "rank 1 exited with code 3")])
 def test_a_rank_that_leaves_is_reported_by_name(tmp_path, fault, said):
     proc, after_fault = run_job(tmp_path, fault)
-    assert proc.returncode != 0
+    # the rank's own status: it lost the race to rank 0's gloo error ("Connection reset"), exit 1
+    assert proc.returncode == (3 if fault == "exit3" else 1), (proc.returncode, proc.stderr[-3000:])
     assert said in proc.stderr, proc.stderr[-3000:]
     assert after_fault is not None and after_fault < 30
 
