@@ -137,9 +137,10 @@ class BatchHooks(Protocol):
     #: the loss of each backward is divided by this (the Trainer's ``accumulate_grad_batches``)
     accumulation: int
 
-    def loss_of(self, out: Any) -> torch.Tensor:
+    def loss_of(self, out: Any) -> torch.Tensor | None:
         """The loss in a training step's output (a tensor, or a dict with ``"loss"``), checked:
-        raises for any other output and applies the Trainer's ``on_nonfinite``. Called once."""
+        raises for any other output and applies the Trainer's ``on_nonfinite``. Called once.
+        None when the step returned None: the strategy skips this batch's backward."""
 
     def before_backward(self, loss: torch.Tensor) -> None:
         """``on_before_backward`` with the loss about to be backwarded (not yet divided)."""
@@ -157,7 +158,13 @@ class StepWrapper(nn.Module):
         self.module = module
 
     def forward(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        return getattr(self.module, method)(*args, **kwargs)
+        from ..trainer.signature import STEP_METHODS, step_args  # trainer/ imports this package
+
+        fn = getattr(self.module, method)
+        if method in STEP_METHODS:  # Lightning's: a step without room for batch_idx gets the batch only
+            args = step_args(fn, args + tuple(kwargs.values()))
+            kwargs = {}
+        return fn(*args, **kwargs)
 
 
 #: the default timeout of every collective (seconds); the Trainer's watchdog usually ends a stuck
@@ -173,6 +180,10 @@ class Strategy:
     #: True where ``run_schedule`` drives every forward and backward itself (the pipeline): a loop
     #: written by the user (the Engine) cannot drive such a strategy
     runs_own_schedule = False
+    #: the evaluation loops may run under ``torch.inference_mode`` (``Trainer(inference_mode=True)``):
+    #: False where a forward gathers or swaps parameters into tensors that training reuses
+    #: (an inference tensor cannot be saved for backward), as Lightning uses no_grad under FSDP
+    inference_mode_evaluation = False
 
     def __init__(self, process_group_timeout_s: float = PROCESS_GROUP_TIMEOUT_S) -> None:
         if (isinstance(process_group_timeout_s, bool) or not isinstance(process_group_timeout_s, (int, float))
@@ -278,6 +289,8 @@ class Strategy:
         schedule of its own overrides this whole and lists the hooks it skips in ``skipped_hooks``."""
         out = self.training_step(batch, batch_idx)
         loss = hooks.loss_of(out)
+        if loss is None:  # the step returned None: no backward for this batch (Lightning's skip)
+            return out
         hooks.before_backward(loss)
         self.backward(loss / hooks.accumulation)
         hooks.after_backward()

@@ -9,6 +9,7 @@ it reads and sets the Trainer's state (strategy, module, hooks, logging connecto
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any, Iterable, NamedTuple
 
 import torch
@@ -19,6 +20,8 @@ from .datamodule import DataModule
 from .errors import ConfigError
 from .logging import hook_scope
 from .module import TrainModule
+from .state import RunningStage
+from .signature import overridden, required_without_default, takes
 
 log = logging.getLogger("zerotrain")
 
@@ -65,25 +68,29 @@ class TrainerEvaluation:
                 log.warning("Trainer.%s(ckpt_path=None) without a model: the best checkpoint of the previous "
                             "fit is used (pass ckpt_path='best' | 'last' | a directory to silence this)", fn)
                 ckpt_path = "best"
+        self._start(fn)
         try:
             self._setup(model if model is not None else self.module, fn, datamodule)
             hparams.log_hyperparams(self)
             spec = _EVAL_STAGES[fn]
             self._check_step_defined(spec)
-            loaders = _as_loader_list(self._source(spec.loader, dataloaders))
+            loaders = as_loader_list(self._source(spec.loader, dataloaders))
             if not loaders:
                 raise ConfigError(f"Trainer.{fn}: no data (pass dataloaders or a datamodule, or implement "
                                   f"{spec.loader}())")
             loaders = [self._prepare_loader(loader, fn) for loader in loaders]
-            path = checkpointing.resume_path(self, ckpt_path, fn)
+            path = self.ckpt_path = checkpointing.resume_path(self, ckpt_path, fn)
             if path:
                 self._load_weights(path)
             self._logging.reset_metrics()
             results = self._evaluate(spec, loaders)
+        except BaseException as exc:
+            raise self._interrupted(exc, self.module)
         finally:
             self._logging.stop()
             self._stage_teardown(fn)
             self._teardown_data(fn)
+        self._finish()
         if verbose and self.is_global_zero and fn != "predict":
             _print_results(fn, results)
         return results[0] if fn == "predict" and len(results) == 1 else results
@@ -93,7 +100,7 @@ class TrainerEvaluation:
         ``validation_step``); so do we, unless the strategy runs its own schedule (pipeline)."""
         if own_schedule(self._strategy) or spec.step == "predict_step":
             return
-        if getattr(type(self.module), spec.step) is getattr(TrainModule, spec.step):
+        if not overridden(self.module, spec.step, TrainModule):
             raise ConfigError(f"Trainer.{spec.fn}: {type(self.module).__name__} does not implement "
                               f"{spec.step}(batch, batch_idx)")
 
@@ -111,8 +118,7 @@ class TrainerEvaluation:
         ``trainer.sanity_checking`` is set meanwhile; its metrics are neither logged nor kept."""
         if self.val_dataloader is None or not self.num_sanity_val_steps or self.limit_val_batches == 0:
             return
-        if getattr(type(self.module), "validation_step") is getattr(TrainModule, "validation_step") and \
-                not own_schedule(self._strategy):
+        if not self._validation_defined():
             return
         kept = self._last_val_step
         self._logging.reset_metrics()
@@ -125,15 +131,59 @@ class TrainerEvaluation:
             self._last_val_step = kept
 
     # ------------------------------------------------------------------ evaluation
-    def _run_validation(self, loader: Any) -> dict[str, float]:
-        """The validation inside ``fit``: one loader, its epoch-level metrics."""
-        return self._evaluate(_EVAL_STAGES["validate"], [loader])[0]
+    def _val_loaders(self, given: Any) -> Any:
+        """``fit``'s validation data, each loader prepared as the training one: None, one loader, or
+        a list of several (a list or dict of loaders; ``validation_step`` gets ``dataloader_idx``)."""
+        loaders = [self._overfit(self._prepare_loader(d, "validate")) for d in as_loader_list(given)]
+        return None if not loaders else loaders[0] if len(loaders) == 1 else loaders
 
-    @torch.no_grad()
+    @property
+    def val_dataloaders(self) -> Any:
+        """Lightning's name: ``fit``'s validation loader, or the list of them."""
+        return self.val_dataloader
+
+    def _validation_defined(self) -> bool:
+        """The module has a ``validation_step`` (not the no-op, not set to None: Lightning's way of
+        switching validation off), or the strategy validates its own way (pipeline)."""
+        return overridden(self.module, "validation_step", TrainModule) or own_schedule(self._strategy)
+
+    def _run_validation(self, loaders: Any) -> list[dict[str, float]]:
+        """The validation inside ``fit``: its loader(s), their epoch-level metrics."""
+        if not self._validation_defined():
+            return []
+        return self._evaluate(_EVAL_STAGES["validate"], loaders if isinstance(loaders, list) else [loaders])
+
     def _evaluate(self, spec: "_EvalStage", loaders: list) -> list[Any]:
         """One evaluation epoch over ``loaders``, on every rank together (every rank runs every
-        forward: a sharded model gathers collectively). Returns per loader its epoch-level
-        logged metrics (validate, test: Lightning's return value) or its ``predict_step`` outputs."""
+        forward: a sharded model gathers collectively), under ``torch.inference_mode`` or, with
+        ``Trainer(inference_mode=False)``, ``torch.no_grad`` (as Lightning). Returns per loader its
+        epoch-level logged metrics (validate, test: Lightning's return value) or its
+        ``predict_step`` outputs."""
+        self._check_dataloader_idx(spec, len(loaders))
+        grad_off = torch.inference_mode if _inference_mode(self) else torch.no_grad
+        before = self.state.stage
+        self.state.stage = RunningStage.SANITY_CHECKING if self.sanity_checking else RunningStage(spec.fn)
+        try:
+            with grad_off():
+                return self._evaluate_epoch(spec, loaders)
+        finally:
+            self.state.stage = before
+
+    def _check_dataloader_idx(self, spec: "_EvalStage", count: int) -> None:
+        """Lightning's refusals: several loaders and a step without ``dataloader_idx``, or one loader
+        and a step that requires it (no default value)."""
+        if own_schedule(self._strategy) or spec.step == "predict_step":
+            return
+        fn, name = getattr(self.module, spec.step), f"{type(self.module).__name__}.{spec.step}()"
+        if count > 1 and not takes(fn, "dataloader_idx"):
+            raise RuntimeError(f"You provided multiple `{spec.loader}`, but no `dataloader_idx` argument in "
+                               f"`{name}`. Try adding `dataloader_idx=0` to its signature.")
+        if count == 1 and takes(fn, "dataloader_idx") and required_without_default(fn, "dataloader_idx"):
+            raise RuntimeError(f"You provided only a single `{spec.loader}`, but have included `dataloader_idx` "
+                               f"in `{name}`. Either remove the argument or give it a default value i.e. "
+                               "`dataloader_idx=0`.")
+
+    def _evaluate_epoch(self, spec: "_EvalStage", loaders: list) -> list[Any]:
         module = self.module
         was_training = module.training
         module.eval()
@@ -177,7 +227,7 @@ class TrainerEvaluation:
                                 *kwargs.values())
                 with hook_scope(self, spec.step):
                     out = self._eval_forward(spec, batch, batch_idx, kwargs)
-                    loss = out["loss"] if isinstance(out, dict) else out
+                    loss = out.get("loss") if isinstance(out, Mapping) else out  # any output is fine
                     if not self._predicting and torch.is_tensor(loss) and not self._val_logged:
                         self._log_loss(spec.loss_name, loss)  # nothing logged: track the loss
                 self.hooks.both(f"on_{spec.hooks}_batch_end", self, self.module, out, batch, batch_idx,
@@ -224,6 +274,15 @@ _EVAL_STAGES = {
 }
 
 
+def _inference_mode(trainer: Any) -> bool:
+    """Evaluate under ``torch.inference_mode``: asked for (the default), and, as Lightning, not with
+    the gloo backend (it misbehaves there) nor with a strategy that shards parameters."""
+    s = trainer.strategy
+    if not trainer.inference_mode or not s.inference_mode_evaluation:
+        return False
+    return not (s.distributed and torch.distributed.get_backend() == "gloo")
+
+
 def own_schedule(s: Any) -> bool:
     """The strategy runs every forward of a batch itself (the pipeline): the module's step
     methods never run as such."""
@@ -245,10 +304,13 @@ def split_datamodule(fn: str, dataloaders: Any, datamodule: DataModule | None,
     return dataloaders, datamodule
 
 
-def _as_loader_list(loaders: Any) -> list:
-    """A list/tuple of DataLoaders is several loaders (Lightning); anything else is one."""
+def as_loader_list(loaders: Any) -> list:
+    """A list/tuple of DataLoaders is several loaders, a dict of them too (in its order, as
+    Lightning's sequential CombinedLoader); anything else is one."""
     if loaders is None:
         return []
+    if isinstance(loaders, Mapping) and loaders and all(isinstance(d, DataLoader) for d in loaders.values()):
+        return list(loaders.values())
     if isinstance(loaders, (list, tuple)) and loaders and all(isinstance(d, DataLoader) for d in loaders):
         return list(loaders)
     return [loaders]

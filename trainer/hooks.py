@@ -3,6 +3,7 @@ the module's - Lightning's order for every hook the two share."""
 from __future__ import annotations
 
 import inspect
+from collections.abc import Mapping
 import logging
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -133,16 +134,25 @@ class BatchHooks:
         self.accumulation = trainer.accumulate_grad_batches
         self.loss: torch.Tensor | None = None
         self.step_logged = False
+        self.called = False  # loss_of ran (every run_schedule calls it once)
 
-    def loss_of(self, out: Any) -> torch.Tensor:
-        loss = out["loss"] if isinstance(out, dict) else out
+    def loss_of(self, out: Any) -> torch.Tensor | None:
+        self.called = True
+        if out is None:  # Lightning (automatic optimization): the batch is skipped, no backward
+            self.step_logged = self.trainer._train_logged
+            return None
+        if isinstance(out, Mapping) and "loss" not in out:
+            raise ConfigError("In automatic_optimization, when `training_step` returns a dict, the 'loss' key "
+                              f"needs to be present; got the keys {sorted(map(str, out))}")
+        loss = out["loss"] if isinstance(out, Mapping) else out
         if not torch.is_tensor(loss):
-            raise ConfigError(f"training_step must return a loss tensor or a dict with 'loss'; "
-                              f"got {type(out).__name__}")
+            raise ConfigError(f"training_step must return a loss tensor, a dict with 'loss', or None (skip the "
+                              f"batch); got {type(out).__name__}")
         self.trainer._check_finite(loss, self.batch_idx)
         if self.batch_idx % self.accumulation == 0:  # the first batch of an accumulation
             self._before_zero_grad()
         self.loss = loss
+        self.trainer._backward_in_step, self.trainer._step_loss = True, loss
         self.step_logged = self.trainer._train_logged  # by the step itself, not by the hooks after it
         return loss
 
@@ -152,6 +162,7 @@ class BatchHooks:
         right after that step, so here they are already gone: the hook marks a new accumulation."""
         t = self.trainer
         t.hooks.both("on_before_zero_grad", t, t.module, t.optimizer)
+        t._optim.zero_grad_hook(self.batch_idx)
 
     def before_backward(self, loss: torch.Tensor) -> None:
         t = self.trainer

@@ -289,11 +289,6 @@ class TrainerLogging:
     def progress_bar_metrics(self) -> dict[str, float]:
         return self._logging.progress_bar_metrics
 
-    @property
-    def logger(self) -> Any:
-        """The first logger, or None (Lightning's ``trainer.logger``)."""
-        return self.loggers[0] if self.loggers else None
-
     def _log(self, name: str, value: Any, **kwargs: Any) -> None:
         """``TrainModule.log``: Lightning's semantics, in the running hook's name."""
         self._train_logged = self._val_logged = True

@@ -56,6 +56,15 @@ class TrainModule(HyperparametersMixin, nn.Module, DataHooks, ModuleTools):
         (``trainer/optimization.py``)."""
         raise NotImplementedError(f"{type(self).__name__} must implement configure_optimizers()")
 
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+        """Automatic optimization calls it for every step (Lightning's hook): override it to act
+        around ``optimizer.step(closure=optimizer_closure)``, e.g. a learning-rate warm-up."""
+        optimizer.step(closure=optimizer_closure)
+
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:
+        """Lightning's hook, before the first backward of each accumulation."""
+        optimizer.zero_grad()
+
     def configure_model(self) -> None:
         """Build large layers here instead of ``__init__``: sharded strategies call it on the meta
         device and materialise it shard by shard."""
@@ -119,6 +128,11 @@ class TrainModule(HyperparametersMixin, nn.Module, DataHooks, ModuleTools):
         if self._trainer is None and not self._jit_is_scripting:
             raise RuntimeError(f"{type(self).__name__} is not attached to a Trainer")
         return self._trainer
+
+    @trainer.setter
+    def trainer(self, trainer: "Trainer | None") -> None:
+        """Attach (or with None detach) a Trainer, as Lightning's ``model.trainer = trainer``."""
+        self._trainer = trainer
 
     @property
     def global_rank(self) -> int:

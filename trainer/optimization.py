@@ -85,6 +85,17 @@ def parse_optimizers(cfg: Any) -> tuple[list[torch.optim.Optimizer], list[Schedu
                       "(and 'lr_scheduler', 'monitor') or a list of such dicts")
 
 
+def _or_no_op(cfg: Any, module: Any) -> Any:
+    """Lightning's ``configure_optimizers`` returning None: said, and the fit runs its steps and
+    backwards with an optimizer that changes nothing (SGD with learning rate 0 over the module's
+    parameters, standing in for Lightning's mock optimizer)."""
+    if cfg is not None:
+        return cfg
+    warnings.warn("`LightningModule.configure_optimizers` returned `None`, this fit will run with no optimizer",
+                  UserWarning, stacklevel=3)
+    return torch.optim.SGD([p for p in module.parameters() if p.requires_grad], lr=0.0)
+
+
 def _all_optimizers(items: Any) -> bool:
     return bool(items) and all(isinstance(o, torch.optim.Optimizer) for o in items)
 
@@ -134,7 +145,7 @@ class Optimization:
     def __init__(self, trainer: "Trainer", module: Any) -> None:
         self.trainer = trainer
         self.manual = not getattr(module, "automatic_optimization", True)
-        self.optimizers, self.schedulers = parse_optimizers(module.configure_optimizers())
+        self.optimizers, self.schedulers = parse_optimizers(_or_no_op(module.configure_optimizers(), module))
         if len(self.optimizers) > 1 and not self.manual:
             raise ConfigError(MULTIPLE_AUTOMATIC)
         known = {id(o) for o in self.optimizers}
@@ -209,6 +220,34 @@ class Optimization:
             t.module.configure_gradient_clipping(self.optimizers[0], t.gradient_clip_val, t._clip_algorithm_given)
         clip, wrapper.clip = wrapper.clip, None
         return clip or (None, "norm")
+
+    def optimizer_step(self, batch_idx: int) -> bool | None:
+        """Automatic optimization's step, through the module's ``optimizer_step(epoch, batch_idx,
+        optimizer, optimizer_closure)`` hook (Lightning's; an override such as a learning-rate
+        warm-up runs around ``optimizer.step(closure=optimizer_closure)``). The step's forwards
+        and backwards already ran, so the closure only returns the loss; ``optimizer.step`` is the
+        strategy's step, clipped as ``configure_gradient_clipping`` said. Returns whether it
+        stepped (False: an fp16 overflow skip), or None when the hook did not call ``step``
+        (the gradients are dropped; the step still counts, as Lightning's)."""
+        t = self.trainer
+        opt = AutomaticOptimizer(t, self.optimizers[0], self.clip_for_step())
+        loss = t._step_loss
+        with hook_scope(t, "optimizer_step"):
+            t.module.optimizer_step(t.current_epoch, batch_idx, opt, lambda: loss)
+        if opt.stepped is None:
+            t.strategy.skip_step()
+        return opt.stepped
+
+    def zero_grad_hook(self, batch_idx: int) -> None:
+        """The module's ``optimizer_zero_grad(epoch, batch_idx, optimizer)`` where Lightning calls it
+        (before the first backward of an accumulation). The strategies release the gradients
+        right after each step, so its ``zero_grad`` has nothing left to clear and does nothing (a
+        pipeline's schedule has already backwarded when this runs)."""
+        t = self.trainer
+        opt = AutomaticOptimizer(t, self.optimizers[0], None)
+        opt.zero_grad = lambda *args, **kwargs: None  # type: ignore[method-assign]
+        with hook_scope(t, "optimizer_zero_grad"):
+            t.module.optimizer_zero_grad(t.current_epoch, batch_idx, opt)
 
     def scheduler_state(self) -> Any:
         """For the checkpoint: one scheduler's state as before, a list for several, or None."""
@@ -343,3 +382,19 @@ class ManualOptimizer:
 
     def __repr__(self) -> str:
         return f"ManualOptimizer({self.optimizer!r})"
+
+
+class AutomaticOptimizer(ManualOptimizer):
+    """What the module's ``optimizer_step``/``optimizer_zero_grad`` hooks get in automatic
+    optimization (Lightning's ``LightningOptimizer`` there): ``step`` runs the closure, then the
+    strategy's step (the Trainer counts it); other attributes are the user's optimizer's."""
+
+    def __init__(self, trainer: "Trainer", optimizer: torch.optim.Optimizer, clip: Any) -> None:
+        super().__init__(trainer, optimizer, None)
+        self.clip, self.stepped = clip, None
+
+    def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
+        out = closure() if closure is not None else None
+        if self.stepped is None:
+            self.stepped = self._trainer.strategy.optimizer_step(*(self.clip or (None, "norm")))
+        return out

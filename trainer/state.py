@@ -1,8 +1,49 @@
-"""Loop counters, saved in every checkpoint so that a resumed run continues exactly."""
+"""Loop counters, saved in every checkpoint so that a resumed run continues exactly; and what the
+Trainer is doing now (Lightning's ``trainer.state.fn`` / ``.stage`` / ``.status``, not saved)."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from enum import Enum
 from typing import Any
+
+
+class _StrEnum(str, Enum):
+    """Compares equal to its value, as Lightning's enums: ``trainer.state.fn == "fit"``."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    __hash__ = str.__hash__
+
+    def __eq__(self, other: object) -> bool:
+        other = other.value if isinstance(other, Enum) else other
+        return isinstance(other, str) and self.value.lower() == other.lower()
+
+
+class TrainerFn(_StrEnum):
+    """The Trainer method running (Lightning's names)."""
+
+    FITTING = "fit"
+    VALIDATING = "validate"
+    TESTING = "test"
+    PREDICTING = "predict"
+
+
+class RunningStage(_StrEnum):
+    """The loop running inside it."""
+
+    TRAINING = "train"
+    SANITY_CHECKING = "sanity_check"
+    VALIDATING = "validate"
+    TESTING = "test"
+    PREDICTING = "predict"
+
+
+class TrainerStatus(_StrEnum):
+    INITIALIZING = "initializing"
+    RUNNING = "running"
+    FINISHED = "finished"
+    INTERRUPTED = "interrupted"
 
 
 @dataclass
@@ -12,11 +53,23 @@ class LoopState:
     epoch: int = 0
     batches_in_epoch: int = 0  # micro-batches of `epoch` already consumed
     total_batches: int = 0  # micro-batches consumed over the whole run
+    # not fields (never saved): what runs now, as Lightning's TrainerState
+    fn = None  # TrainerFn | None
+    stage = None  # RunningStage | None
+    status = TrainerStatus.INITIALIZING
+
+    @property
+    def finished(self) -> bool:
+        return self.status == TrainerStatus.FINISHED
+
+    @property
+    def stopped(self) -> bool:
+        return self.status == TrainerStatus.INTERRUPTED
 
     def state_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for key, value in state.items():
-            if hasattr(self, key):
+            if key in self.__dataclass_fields__:
                 setattr(self, key, int(value))

@@ -23,9 +23,10 @@ from ..callbacks.base import Callback, Logger
 from ..strategies import Strategy, instrument, progress
 from ..strategies.environment import detect
 from ..strategies.paths import directory_problem
-from . import checkpointing, elastic, hparams, job, signals
+from . import checkpointing, elastic, hparams, job, run_options, signals
 from .arguments import (check_limit, check_lightning_args, default_callbacks, fast_dev_run_flags, lightning_callbacks,
                         make_loggers, positive_int, positive_number)
+from .run_options import default_max_epochs
 from .errors import ConfigError
 from .evaluation import TrainerEvaluation, split_datamodule, to_device
 from .hooks import BatchHooks, HookDispatcher, hook_owners
@@ -34,6 +35,8 @@ from .loaders import TrainerData, len_or_none, with_last
 from .logging import MetricsConnector, TrainerLogging, hook_scope
 from .datamodule import DataModule
 from .module import TrainModule
+from .limits import TrainerLimits
+from .properties import TrainerProperties
 from .setup import TrainerSetup
 from .state import LoopState
 from .utilities import GLOBAL_SEED_ENV
@@ -52,7 +55,7 @@ class NonFiniteLossError(FloatingPointError):
     """The training loss is inf or nan (``Trainer(on_nonfinite="raise")``, the default)."""
 
 
-class Trainer(TrainerData, TrainerEvaluation, TrainerLogging, TrainerSetup):
+class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, TrainerLogging, TrainerSetup):
     def __init__(
         self,
         *,
@@ -70,11 +73,11 @@ class Trainer(TrainerData, TrainerEvaluation, TrainerLogging, TrainerSetup):
         limit_val_batches: int | float | None = None,
         limit_test_batches: int | float | None = None,
         limit_predict_batches: int | float | None = None,
-        log_every_n_steps: int = 10,
+        log_every_n_steps: int | None = None,
         callbacks: Sequence[Callback] | None = None,
-        logger: bool | Logger | Sequence[Logger] | None = True,
-        enable_checkpointing: bool = True,
-        enable_progress_bar: bool = True,
+        logger: bool | Logger | Sequence[Logger] | None = None,
+        enable_checkpointing: bool | None = None,
+        enable_progress_bar: bool | None = None,
         default_root_dir: str | None = None,
         seed: int | None = None,
         deterministic: bool = False,
@@ -84,15 +87,20 @@ class Trainer(TrainerData, TrainerEvaluation, TrainerLogging, TrainerSetup):
         stall_timeout_s: float | None = DEFAULT_STALL_TIMEOUT_S,
         use_distributed_sampler: bool = True,
         fast_dev_run: bool | int = False,
-        num_sanity_val_steps: int = 2,
+        num_sanity_val_steps: int | None = None,
         check_val_every_n_epoch: int | None = 1,
         min_epochs: int | None = None,
         min_steps: int | None = None,
         max_time: "str | timedelta | dict[str, int] | None" = None,
         overfit_batches: int | float = 0.0,
         gradient_clip_algorithm: str | None = None,
-        enable_model_summary: bool = True,
+        enable_model_summary: bool | None = None,
         detect_anomaly: bool = False,
+        inference_mode: bool = True,
+        reload_dataloaders_every_n_epochs: int = 0,
+        benchmark: bool | None = None,
+        profiler: None = None,
+        barebones: bool = False,
     ) -> None:
         """As Lightning's Trainer, plus zerotrain's own arguments. ``seed``: None (the default, as
         Lightning, which has no such argument) leaves the global RNGs as the user seeded them;
@@ -100,22 +108,33 @@ class Trainer(TrainerData, TrainerEvaluation, TrainerLogging, TrainerSetup):
         starts from the same weights (strategies broadcast global rank 0's, and a model built in
         ``configure_model`` is built from rank 0's RNG state on every rank). The debugging and
         stopping arguments (``fast_dev_run`` ... ``detect_anomaly``) are Lightning's, see
-        ``arguments.fast_dev_run_flags`` and ``_done``."""
+        ``arguments.fast_dev_run_flags`` and ``_done``; ``inference_mode`` ... ``barebones`` too
+        (``run_options.py``). None for a feature flag (logger, checkpointing, ...): on, unless
+        ``barebones``; ``log_every_n_steps`` None: 10."""
+        flags = run_options.feature_flags(
+            barebones, enable_checkpointing=enable_checkpointing, logger=logger,
+            enable_progress_bar=enable_progress_bar, log_every_n_steps=log_every_n_steps, enable_model_summary=enable_model_summary,
+            num_sanity_val_steps=num_sanity_val_steps, fast_dev_run=fast_dev_run, detect_anomaly=detect_anomaly,
+            profiler=profiler)
+        enable_checkpointing, logger, enable_progress_bar, log_every_n_steps, enable_model_summary, \
+            num_sanity_val_steps = (flags[k] for k in ("enable_checkpointing", "logger", "enable_progress_bar",
+                                                        "log_every_n_steps", "enable_model_summary",
+                                                        "num_sanity_val_steps"))
+        run_options.check_run_options(inference_mode, reload_dataloaders_every_n_epochs, profiler)
         accelerator = "cuda" if accelerator == "gpu" else accelerator  # Lightning's name for it
         if accelerator not in ("cpu", "cuda", "auto"):
             raise ConfigError(f"Trainer: accelerator={accelerator!r}; valid choices: cpu, cuda (or gpu), auto")
-        if devices == "auto":
-            devices = torch.cuda.device_count() if accelerator != "cpu" and torch.cuda.is_available() else 1
+        devices = run_options.device_count(devices, accelerator)
         positive_int("devices", devices)
         job.check_cuda("Trainer", accelerator, devices)
         positive_int("num_nodes", num_nodes)
         positive_int("accumulate_grad_batches", accumulate_grad_batches)
         positive_int("log_every_n_steps", log_every_n_steps, minimum=0)  # 0: never, as Lightning
-        positive_int("max_epochs", max_epochs, allow_none=True)
+        positive_int("max_epochs", max_epochs, allow_none=True, minimum=-1)  # -1: no limit, 0: no training
         positive_int("max_restarts", max_restarts, minimum=0)
         positive_number("collective_timeout_s", collective_timeout_s, "seconds")
-        if not isinstance(max_steps, int) or max_steps < -1 or max_steps == 0:
-            raise ConfigError(f"Trainer: max_steps={max_steps!r} must be -1 (no limit) or a positive integer")
+        if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < -1:
+            raise ConfigError(f"Trainer: max_steps={max_steps!r} must be -1 (no limit) or an integer >= 0")
         positive_number("gradient_clip_val", gradient_clip_val, "the clipping threshold")
         if val_check_interval is not None and (isinstance(val_check_interval, bool)
                                                or not isinstance(val_check_interval, numbers.Real)):
@@ -141,8 +160,6 @@ class Trainer(TrainerData, TrainerEvaluation, TrainerLogging, TrainerSetup):
         self.precision_plugin, self._strategy = job.plugins("Trainer", strategy, precision, devices * num_nodes)
         self.accelerator, self.devices, self.num_nodes = accelerator, int(devices), num_nodes
         self.max_steps, self.max_epochs = max_steps, max_epochs
-        if max_steps == -1 and max_epochs is None:
-            self.max_epochs = 1000  # Lightning's default bound
         self.accumulate_grad_batches = accumulate_grad_batches
         self.gradient_clip_val = gradient_clip_val
         self.val_check_interval = val_check_interval
@@ -150,6 +167,8 @@ class Trainer(TrainerData, TrainerEvaluation, TrainerLogging, TrainerSetup):
         self.limit_test_batches, self.limit_predict_batches = limit_test_batches, limit_predict_batches
         self.use_distributed_sampler = bool(use_distributed_sampler)
         self.log_every_n_steps = log_every_n_steps
+        if isinstance(default_root_dir, (str, os.PathLike)) and default_root_dir:
+            default_root_dir = os.path.expanduser(default_root_dir)  # as Lightning: "~/runs"
         if default_root_dir:  # else found out at the first checkpoint, after training steps ("": the cwd)
             problem = directory_problem(default_root_dir)
             if problem:
@@ -157,6 +176,9 @@ class Trainer(TrainerData, TrainerEvaluation, TrainerLogging, TrainerSetup):
                                   "directory on a real file system (created if missing)")
         self.default_root_dir = os.path.abspath(default_root_dir or os.getcwd())
         self.seed, self.deterministic = seed, deterministic
+        self.benchmark = run_options.set_benchmark(benchmark, deterministic)
+        self.inference_mode, self.barebones, self.profiler = inference_mode, barebones, None
+        self.reload_dataloaders_every_n_epochs = reload_dataloaders_every_n_epochs
         self.on_nonfinite, self.stall_timeout_s = on_nonfinite, stall_timeout_s
         self._watchdog: ProgressWatchdog | None = None
         self._signals: signals.SignalCheckpoint | None = None  # during fit (trainer/signals.py)
@@ -182,6 +204,7 @@ class Trainer(TrainerData, TrainerEvaluation, TrainerLogging, TrainerSetup):
         if overfit_batches:
             self.limit_train_batches = self.limit_val_batches = overfit_batches
         callbacks = lightning_callbacks(callbacks, max_time, enable_model_summary)
+        self.max_epochs = default_max_epochs(self.max_epochs, self.max_steps, callbacks)
         self.callbacks = default_callbacks(self._strategy, self.default_root_dir, callbacks, enable_checkpointing,
                                            enable_progress_bar)
         self.loggers = make_loggers(self.default_root_dir, logger)
@@ -266,15 +289,15 @@ class Trainer(TrainerData, TrainerEvaluation, TrainerLogging, TrainerSetup):
         #: set by a callback (EarlyStopping, Timer): fit ends at the next step boundary. Every
         #: rank must set it together (those callbacks decide collectively)
         self.should_stop = False
+        self._start("fit", train_dataloaders)
         try:
             self._setup(module, "fit", datamodule)
-            train = self._source("train_dataloader", train_dataloaders)
-            self.train_dataloader = self._overfit(self._prepare_loader(train, "fit"))
+            if self.train_dataloader is None:  # not already loaded by estimated_stepping_batches
+                self._load_train_loader()
             if self.train_dataloader is None:
                 raise ConfigError("Trainer.fit: no training data (pass train_dataloaders or a datamodule, or "
                                   "implement train_dataloader())")
-            val = self._source("val_dataloader", val_dataloaders)
-            self.val_dataloader = self._overfit(self._prepare_loader(val, "validate"))
+            self.val_dataloader = self._val_loaders(self._source("val_dataloader", val_dataloaders))
             ckpt_path = checkpointing.resume_path(self, ckpt_path)
             if ckpt_path:
                 checkpointing.load(self, ckpt_path)
@@ -297,11 +320,7 @@ class Trainer(TrainerData, TrainerEvaluation, TrainerLogging, TrainerSetup):
                 self._fit_loop()
             self.hooks.both("on_fit_end", self, module)
         except BaseException as exc:
-            self.hooks("on_exception", self, module, exc)
-            # rank 0 failed: the ranks it started cannot finish (after a signal they exit by themselves)
-            if self._launcher is not None and not isinstance(exc, signals.SIGTERMException):
-                self._launcher.kill(in_fit=True)
-            raise
+            raise self._interrupted(exc, module, in_fit=True)
         finally:
             if self._signals is not None:
                 self._signals.restore()
@@ -312,6 +331,7 @@ class Trainer(TrainerData, TrainerEvaluation, TrainerLogging, TrainerSetup):
             self._logging.stop()
             self._teardown()
             self._teardown_data("fit")
+        self._finish()
         done, self._signals = self._signals, None
         done.finished()  # a signal after the last step still ends the process
 
@@ -339,6 +359,8 @@ class Trainer(TrainerData, TrainerEvaluation, TrainerLogging, TrainerSetup):
     # ------------------------------------------------------------------ the loop
     def _fit_loop(self) -> None:
         st, module = self.state, self.module
+        if self.max_epochs == 0 or self.max_steps == 0:  # Lightning: nothing to train, no training hooks
+            return
         loader = self.train_dataloader
         n_batches = self._limit(loader, self.limit_train_batches)
         if n_batches == 0:
@@ -351,6 +373,9 @@ class Trainer(TrainerData, TrainerEvaluation, TrainerLogging, TrainerSetup):
         self._logging.start_training(n_batches)
         self.hooks.both("on_train_start", self, module)
         while not self._done():
+            if self._reload_due(st.epoch):  # reload_dataloaders_every_n_epochs
+                loader = self._reload_loaders(st.epoch)
+                self.num_training_batches = n_batches = self._limit(loader, self.limit_train_batches)
             job.set_sampler_epoch(loader, st.epoch)
             skip = st.batches_in_epoch  # > 0 only when resuming mid-epoch
             batches = job.epoch_iterator(loader, resuming=skip > 0)  # before the epoch's hooks, as Lightning
@@ -447,15 +472,18 @@ class Trainer(TrainerData, TrainerEvaluation, TrainerLogging, TrainerSetup):
             stepped = False
             if self.on_nonfinite == "skip" and s.any_rank(self._nonfinite_in_step):
                 s.skip_step()
+            elif not self._backward_in_step:  # every training_step of it returned None: nothing to step
+                s.skip_step()
+                stepped = None  # not an fp16 skip: counted, and the schedulers step, as Lightning
             else:
-                stepped = s.optimizer_step(*self._optim.clip_for_step())
-            self._nonfinite_in_step = False
+                stepped = self._optim.optimizer_step(batch_idx)
+            self._nonfinite_in_step = self._backward_in_step = False
             elastic.lower_after_first_step(s, self.collective_timeout_s)
             if self._watchdog is not None:
                 self._watchdog.warmed()
-            st.skipped_steps += not stepped
+            st.skipped_steps += stepped is False
             st.global_step += 1
-            if stepped:  # after the step is counted, as Lightning
+            if stepped is not False:  # after the step is counted, as Lightning
                 self._optim.step_schedulers("step", plateau=False, index=batch_idx)
         if self._epoch_complete():  # Lightning 2.6: the epoch's schedulers step here, before its validation
             self._optim.step_schedulers("epoch", plateau=False, index=st.epoch)
@@ -474,14 +502,16 @@ class Trainer(TrainerData, TrainerEvaluation, TrainerLogging, TrainerSetup):
             self._train_logged = False
             out = s.run_schedule(batch, batch_idx, batch_hooks)
             loss = batch_hooks.loss
-            if loss is None:
+            if not batch_hooks.called:
                 raise RuntimeError(f"strategy={s!r}: run_schedule returned without calling hooks.loss_of; "
                                    "valid: every run_schedule checks its loss through hooks.loss_of once")
-            if not batch_hooks.step_logged:  # the step logged nothing: track its loss (as val_loss in validation)
+            if loss is not None and not batch_hooks.step_logged:  # nothing logged: track the loss (val_loss too)
                 self._log_loss("train_loss", loss)
         return out
 
     _nonfinite_in_step = False
+    _step_loss: Any = None  # the last loss backwarded (what the optimizer_step hook's closure returns)
+    _backward_in_step = False  # a backward ran in this accumulation (training_step did not return None)
     _train_logged = False
 
     def _warn_skipped_hooks(self) -> None:
@@ -511,37 +541,6 @@ class Trainer(TrainerData, TrainerEvaluation, TrainerLogging, TrainerSetup):
         log.warning("%s; %s", where, "the step is skipped on every rank" if self.on_nonfinite == "skip"
                     else "training goes on (on_nonfinite='warn')")
         self._nonfinite_in_step = self.on_nonfinite == "skip"
-
-    def _done(self) -> bool:
-        st = self.state
-        if self.should_stop and self._can_stop_early():
-            return True
-        if self._max_steps_reached():
-            return True
-        return self.max_epochs is not None and st.epoch >= self.max_epochs
-
-    def _max_steps_reached(self) -> bool:
-        return self.max_steps != -1 and self.state.global_step >= self.max_steps
-
-    def _can_stop_early(self) -> bool:
-        """Lightning's ``min_epochs``/``min_steps``: a ``should_stop`` (EarlyStopping, Timer) is only
-        honoured once this many epochs have ended and steps were taken; until then training goes
-        on and the stop stays requested, so it ends at the first step boundary where both are met."""
-        st = self.state
-        met = st.epoch >= (self.min_epochs or 0) and st.global_step >= (self.min_steps or 0)
-        if not met and not self._said_min:
-            self._said_min = True
-            log.info("Trainer was signaled to stop but the required min_epochs=%r or min_steps=%r has not been "
-                     "met. Training will continue...", self.min_epochs, self.min_steps)
-        return met
-
-    _said_min = False
-
-    def _validates_this_epoch(self) -> bool:
-        """``check_val_every_n_epoch``: validation runs in every n-th epoch only (None: every epoch,
-        the validations placed by an int ``val_check_interval`` over global steps)."""
-        n = self.check_val_every_n_epoch
-        return self.val_dataloader is not None and (n is None or (self.state.epoch + 1) % n == 0)
 
     def _teardown(self) -> None:
         self._strategy.teardown()

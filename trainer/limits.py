@@ -1,0 +1,44 @@
+"""When the training loop stops and where it validates: ``max_epochs`` (-1 or None: no limit),
+``max_steps`` (-1: no limit), a ``should_stop`` held back by ``min_epochs``/``min_steps``, and
+``check_val_every_n_epoch`` (a mixin of :class:`~.trainer.Trainer`, as Lightning's fit loop's
+``done`` and ``_should_check_val_epoch``)."""
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger("zerotrain")
+
+
+class TrainerLimits:
+    """The fit loop's stopping conditions."""
+
+    def _done(self) -> bool:
+        st = self.state
+        if self.should_stop and self._can_stop_early():
+            return True
+        if self._max_steps_reached():
+            return True
+        return self.max_epochs not in (None, -1) and st.epoch >= self.max_epochs
+
+    def _max_steps_reached(self) -> bool:
+        return self.max_steps != -1 and self.state.global_step >= self.max_steps
+
+    def _can_stop_early(self) -> bool:
+        """Lightning's ``min_epochs``/``min_steps``: a ``should_stop`` (EarlyStopping, Timer) is only
+        honoured once this many epochs have ended and steps were taken; until then training goes
+        on and the stop stays requested, so it ends at the first step boundary where both are met."""
+        st = self.state
+        met = st.epoch >= (self.min_epochs or 0) and st.global_step >= (self.min_steps or 0)
+        if not met and not self._said_min:
+            self._said_min = True
+            log.info("Trainer was signaled to stop but the required min_epochs=%r or min_steps=%r has not been "
+                     "met. Training will continue...", self.min_epochs, self.min_steps)
+        return met
+
+    _said_min = False
+
+    def _validates_this_epoch(self) -> bool:
+        """``check_val_every_n_epoch``: validation runs in every n-th epoch only (None: every epoch,
+        the validations placed by an int ``val_check_interval`` over global steps)."""
+        n = self.check_val_every_n_epoch
+        return self.val_dataloader is not None and (n is None or (self.state.epoch + 1) % n == 0)

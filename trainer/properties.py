@@ -1,0 +1,185 @@
+"""Lightning's Trainer attributes that Lightning code reads (and a few it sets): the checkpoint and
+early-stopping callbacks, ``estimated_stepping_batches`` (what OneCycleLR schedules are built
+from, available inside ``configure_optimizers``), ``interrupted``, ``received_sigterm``,
+``model``/``lightning_module``, ``device_ids``, the stage flags, a settable ``logger``, and the
+training data loaded on demand and reloaded every ``reload_dataloaders_every_n_epochs``. A mixin
+of :class:`~.trainer.Trainer`."""
+from __future__ import annotations
+
+import logging
+import math
+import signal
+from typing import Any
+
+from .state import RunningStage, TrainerFn, TrainerStatus
+
+log = logging.getLogger("zerotrain")
+_UNSET = object()  # no fit is loading its training data
+
+
+class TrainerProperties:
+    """Lightning's read-only view of the Trainer, and the training data's loading."""
+
+    # ------------------------------------------------------------------ callbacks
+    @property
+    def checkpoint_callbacks(self) -> list:
+        from ..callbacks.checkpoint import ModelCheckpoint
+        return [cb for cb in self.callbacks if isinstance(cb, ModelCheckpoint)]
+
+    @property
+    def checkpoint_callback(self) -> Any:
+        """The first ModelCheckpoint, or None."""
+        return next(iter(self.checkpoint_callbacks), None)
+
+    @property
+    def early_stopping_callbacks(self) -> list:
+        from ..callbacks.early_stopping import EarlyStopping
+        return [cb for cb in self.callbacks if isinstance(cb, EarlyStopping)]
+
+    @property
+    def early_stopping_callback(self) -> Any:
+        return next(iter(self.early_stopping_callbacks), None)
+
+    # ------------------------------------------------------------------ loggers
+    @property
+    def logger(self) -> Any:
+        """The first logger, or None (Lightning's ``trainer.logger``); setting it replaces every
+        logger (None: no logging)."""
+        return self.loggers[0] if self.loggers else None
+
+    @logger.setter
+    def logger(self, logger: Any) -> None:
+        self.loggers = [] if logger is None else [logger]
+
+    # ------------------------------------------------------------------ the model, the run
+    @property
+    def lightning_module(self) -> Any:
+        return self.module
+
+    @property
+    def model(self) -> Any:
+        """What the strategy runs the module through (Lightning's ``trainer.model``), or the
+        module before set-up."""
+        wrapped = getattr(self._strategy, "model", None)
+        return wrapped if wrapped is not None else self.module
+
+    @property
+    def device_ids(self) -> list[int]:
+        """The device indices this node uses (0 .. devices-1 on CPU, as Lightning)."""
+        return list(range(self.devices))
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.device_ids)
+
+    @property
+    def interrupted(self) -> bool:
+        """``fit`` ended by a KeyboardInterrupt (or another exception): Lightning's flag."""
+        return self.state.status == TrainerStatus.INTERRUPTED
+
+    @property
+    def received_sigterm(self) -> bool:
+        return self._signals is not None and self._signals.received == signal.SIGTERM
+
+    @property
+    def fitting(self) -> bool:
+        return self.state.fn == TrainerFn.FITTING
+
+    @property
+    def training(self) -> bool:
+        return self.state.stage == RunningStage.TRAINING
+
+    @property
+    def validating(self) -> bool:
+        return self.state.stage == RunningStage.VALIDATING
+
+    @property
+    def testing(self) -> bool:
+        return self.state.stage == RunningStage.TESTING
+
+    @property
+    def predicting(self) -> bool:
+        return self.state.stage == RunningStage.PREDICTING
+
+    ckpt_path: str | None = None  # the checkpoint the running stage loaded (Lightning's)
+
+    # ------------------------------------------------------------------ a stage's start and end
+    def _start(self, fn: str, train_source: Any = _UNSET) -> None:
+        """A ``fit``/``validate``/``test``/``predict`` call begins: Lightning's ``state``; ``fit``
+        loads its training data on demand (``_load_train_loader``)."""
+        self.state.fn, self.state.status = TrainerFn(fn), TrainerStatus.RUNNING
+        self.state.stage = RunningStage.TRAINING if fn == "fit" else RunningStage(fn)
+        if fn == "fit":
+            self.train_dataloader, self._train_source, self._loaded_epoch = None, train_source, 0
+            self._fit_loaders_given = train_source is not None
+
+    def _finish(self) -> None:
+        self.state.status, self.state.stage = TrainerStatus.FINISHED, None
+
+    def _interrupted(self, exc: BaseException, module: Any, in_fit: bool = False) -> BaseException:
+        """An exception ends the stage, as Lightning's: ``interrupted`` is set and the callbacks'
+        ``on_exception`` run; in ``fit`` the ranks rank 0 started are ended (after a SIGTERM they
+        exit by themselves). Returns what to raise: a KeyboardInterrupt is a graceful shutdown that
+        exits with status 1 (SystemExit, as Lightning), anything else itself."""
+        from .signals import SIGTERMException
+
+        self.state.status = TrainerStatus.INTERRUPTED
+        self.hooks("on_exception", self, module, exc)
+        if in_fit and self._launcher is not None and not isinstance(exc, SIGTERMException):
+            self._launcher.kill(in_fit=True)
+        if isinstance(exc, KeyboardInterrupt):
+            if self.is_global_zero:
+                log.info("Detected KeyboardInterrupt, attempting graceful shutdown ...")
+            stop = SystemExit(1)
+            stop.__cause__ = exc
+            return stop
+        return exc
+
+    # ------------------------------------------------------------------ training data
+    @property
+    def estimated_stepping_batches(self) -> float:
+        """The optimizer steps ``fit`` will take at most (Lightning's formula): the training
+        loader's batches (after ``limit_train_batches``) per accumulation, times ``max_epochs``,
+        capped by ``max_steps``; ``inf`` for an endless run. Inside ``configure_optimizers`` it
+        loads the training data first, as Lightning does."""
+        if self.max_epochs in (None, -1):
+            return math.inf if self.max_steps == -1 else self.max_steps
+        if self.train_dataloader is None and self._train_source is not _UNSET:
+            log.info("Loading `train_dataloader` to estimate number of stepping batches.")
+            self._load_train_loader()
+        total = self.num_training_batches if self.train_dataloader is None else \
+            self._limit(self.train_dataloader, self.limit_train_batches)
+        if total == math.inf:
+            return math.inf if self.max_steps == -1 else self.max_steps
+        steps = math.ceil(total / self.accumulate_grad_batches) * max(self.max_epochs, 1)
+        return min(steps, self.max_steps) if self.max_steps != -1 else steps
+
+    _train_source: Any = _UNSET  # fit's train_dataloaders argument, until the loader is loaded
+
+    def _load_train_loader(self) -> None:
+        """``fit``'s training loader (the one given, the datamodule's or the module's), prepared."""
+        given, self._train_source = self._train_source, _UNSET
+        self.train_dataloader = self._overfit(self._prepare_loader(self._source("train_dataloader", given), "fit"))
+
+    def _reload_due(self, epoch: int) -> bool:
+        """``reload_dataloaders_every_n_epochs``: this epoch requests the loaders again."""
+        n = self.reload_dataloaders_every_n_epochs
+        return bool(n) and epoch > 0 and epoch - self._loaded_epoch >= n
+
+    _loaded_epoch = 0
+
+    def _reload_loaders(self, epoch: int) -> Any:
+        """Request the training and validation loaders again (from the datamodule or the module,
+        Lightning's rule: loaders passed to ``fit`` are kept as they are); returns the training one."""
+        log.info("epoch %d: reloading the dataloaders (reload_dataloaders_every_n_epochs=%d)", epoch,
+                 self.reload_dataloaders_every_n_epochs)
+        self._loaded_epoch = epoch
+        if not self._fit_loaders_given:
+            self._train_source = None
+            self._load_train_loader()
+            if self.val_dataloader is not None:
+                self.val_dataloader = self._val_loaders(self._source("val_dataloader", None))
+        return self.train_dataloader
+
+    _fit_loaders_given = False
+
