@@ -33,13 +33,18 @@ class ModelCheckpoint(Callback):
     Lightning's arguments, in Lightning's order: ``verbose`` (one line per save),
     ``auto_insert_metric_name``, ``save_on_train_epoch_end`` (None: Lightning's rule,
     ``_epoch_end_by_default``) and ``enable_version_counter`` (a name already taken gets
-    ``-v1``, ``-v2``, ...) work as Lightning's; ``train_time_interval``, ``save_on_exception``
-    and ``save_last="link"`` are refused (``_refuse`` says why). Where this callback differs
+    ``-v1``, ``-v2``, ...) work as Lightning's; so do ``save_on_exception`` (a checkpoint when an
+    exception ends fit after a step was taken since the last save) and ``save_last="link"``
+    (``dirpath/last.ckpt``, a relative symbolic link to the newest checkpoint, moved at every
+    save). ``train_time_interval`` is refused (``_refuse`` says why). Where this callback differs
     from Lightning's, ``_note_differences`` says so once at the start of fit.
     """
 
     #: the Trainer's own (``enable_checkpointing=True`` without one given): its differences are info only
     made_by_trainer = False
+    #: Lightning's name of the ``save_last="link"`` link (``.safetensors`` with ``save_weights_only``)
+    CHECKPOINT_NAME_LAST = "last"
+    FILE_EXTENSION = ".ckpt"
 
     def __init__(self, dirpath: str | None = None, filename: str | None = "step={step:06d}",
                  monitor: str | None = None, verbose: bool = False, save_last: bool | str | None = True,
@@ -50,28 +55,28 @@ class ModelCheckpoint(Callback):
         filename = "step={step:06d}" if filename is None else filename
         if mode not in ("min", "max"):
             raise ConfigError(f"ModelCheckpoint: mode={mode!r}; valid choices: min, max")
-        if every_n_train_steps is not None and every_n_train_steps < 1:
-            raise ConfigError(f"ModelCheckpoint: every_n_train_steps={every_n_train_steps!r} must be >= 1")
+        if every_n_train_steps is not None and every_n_train_steps < 0:
+            raise ConfigError(f"ModelCheckpoint: every_n_train_steps={every_n_train_steps!r} must be >= 0 (0: never)")
         if every_n_epochs is not None and every_n_epochs < 0:
             raise ConfigError(f"ModelCheckpoint: every_n_epochs={every_n_epochs!r} must be >= 0 (0: never)")
         if save_top_k < -1:
             raise ConfigError(f"ModelCheckpoint: save_top_k={save_top_k!r} must be >= -1")
-        if "/" in filename or filename in ("latest", "last"):
+        if monitor is None and save_top_k not in (-1, 0, 1):
+            raise ConfigError(f"ModelCheckpoint(save_top_k={save_top_k}, monitor=None) is not a valid configuration. "
+                              "No quantity for top_k to track.")
+        if "/" in filename or filename in ("latest", "last", "last.ckpt"):
             raise ConfigError(f"ModelCheckpoint: filename={filename!r} must be one directory name, not "
-                              "'latest' or 'last'")
+                              "'latest', 'last' or 'last.ckpt'")
         _refuse("train_time_interval", train_time_interval, None,
                 "saving by wall-clock time is not implemented; valid: every_n_train_steps, or a Timer callback "
                 "(it stops fit, and save_last then saves)")
-        _refuse("save_on_exception", save_on_exception, False,
-                "a save is a collective of every rank, and an exception may stop one rank only; SIGTERM and "
-                "SIGUSR1 already save on every rank (README, 'signals'); valid: False")
-        if save_last not in (True, False, None):
-            raise ConfigError(f"ModelCheckpoint: save_last={save_last!r} is not supported: the 'latest' pointer in "
-                              "dirpath already names the newest checkpoint without a copy or link; valid: True, "
-                              "False or None")
+        if save_last not in (True, False, None, "link"):
+            raise ConfigError(f"ModelCheckpoint: save_last={save_last!r}; valid choices: True, False, None, 'link'")
         if monitor is not None and every_n_train_steps is None and every_n_epochs is None:
             every_n_epochs = 1  # Lightning's trigger for a monitored checkpoint given none
-        self.dirpath, self.every_n_train_steps, self.save_last = dirpath, every_n_train_steps, bool(save_last)
+        self.dirpath, self.every_n_train_steps = dirpath, every_n_train_steps or None  # 0: never, as None
+        self.save_last = save_last if save_last == "link" else bool(save_last)
+        self.save_on_exception = save_on_exception
         self.monitor, self.mode, self.save_top_k, self.filename = monitor, mode, save_top_k, filename
         self.every_n_epochs, self.save_weights_only = every_n_epochs, save_weights_only
         self.auto_insert_metric_name, self.verbose = auto_insert_metric_name, verbose
@@ -83,6 +88,7 @@ class ModelCheckpoint(Callback):
         self._stage: str | None = None
         self._at_epoch_end: bool | None = None  # save_on_train_epoch_end, resolved at on_train_start
         self._noted = False
+        self._said_missing = False  # the monitored metric was not logged yet: warned once
 
     @property
     def best_model_path(self) -> str | None:
@@ -112,6 +118,9 @@ class ModelCheckpoint(Callback):
 
     @property
     def last_model_path(self) -> str | None:
+        """The newest checkpoint (with ``save_last="link"``: the ``last.ckpt`` link to it)."""
+        if self.save_last == "link" and self.last_path is not None:
+            return self._link_path()
         return self.last_path
 
     @property
@@ -156,8 +165,31 @@ class ModelCheckpoint(Callback):
             self._save(trainer)
 
     def on_fit_end(self, trainer, module) -> None:
-        if self.save_last and trainer.global_step != self._last_saved_step:
-            self._save(trainer)
+        """``save_last``: a checkpoint of the final state, unless this step was saved; with
+        ``"link"`` (as Lightning's) only when none was saved in this fit: the link names the newest."""
+        linked = self.save_last == "link" and self._last_saved_step >= 0
+        if self.save_last and trainer.global_step != self._last_saved_step and not linked:
+            self._save(trainer, last=True)
+
+    def on_exception(self, trainer, module, exception: BaseException) -> None:
+        """``save_on_exception``: a checkpoint of the state the exception left, when a step was
+        taken since the last save (not in the sanity check; not after SIGTERM/SIGUSR1, which saved
+        already). Saving is a collective: every rank must be here (an exception on one rank only
+        leaves this rank waiting until the watchdog ends the job). A failed save is logged and the
+        original exception goes on."""
+        from ..trainer.signals import SIGTERMException
+
+        if not self.save_on_exception or isinstance(exception, SIGTERMException) or trainer.sanity_checking \
+                or trainer.global_step in (0, self._last_saved_step) or self.dirpath is None:
+            return
+        try:
+            path = self._save(trainer, last=True)
+        except Exception as exc:  # noqa: BLE001 - the exception that ended fit is the one to raise
+            log.error("ModelCheckpoint(save_on_exception=True): saving failed: %r", exc)
+            return
+        if trainer.is_global_zero:
+            log.info("An %s was raised with message: %s, saved checkpoint to %s", type(exception).__name__,
+                     exception, path)
 
     def format_checkpoint_name(self, metrics: dict[str, float], epoch: int = 0, step: int = 0) -> str:
         """``filename`` filled in: Lightning's templates (``"{epoch}-{val_loss:.2f}"`` gives
@@ -175,17 +207,18 @@ class ModelCheckpoint(Callback):
         name = re.sub(r"\{([^{}:]+)(:[^{}]*)?\}", fill, self.filename)
         return name + ".safetensors" if self.save_weights_only else name
 
-    def _save(self, trainer) -> None:
+    def _save(self, trainer, last: bool = False) -> str | None:
+        """Save a checkpoint (``last``: the end of fit or an exception, which save whether or not the
+        monitored metric was logged, unranked then); returns its path, None when it waits for it."""
+        score = trainer.callback_metrics.get(self.monitor) if self.monitor is not None else None
+        if self.monitor is not None and score is None and not last and not self._monitor_missing(trainer):
+            return None
         self._last_saved_step = trainer.global_step
         path = os.path.join(self.dirpath, self.format_checkpoint_name(
             trainer.callback_metrics, epoch=trainer.current_epoch, step=trainer.global_step))
         if self.enable_version_counter:
             path = self._unused_name(trainer, path)
-        if self.monitor is not None:
-            score = trainer.callback_metrics.get(self.monitor)
-            if score is None:
-                raise KeyError(f"ModelCheckpoint: monitor={self.monitor!r} was never logged; logged: "
-                               f"{sorted(trainer.callback_metrics)}")
+        if score is not None:
             self.best_k[path] = float(score)  # before saving: the checkpoint's own state lists it
         try:
             if self.save_weights_only:
@@ -196,8 +229,43 @@ class ModelCheckpoint(Callback):
             raise CheckpointError(f"{exc} (ModelCheckpoint dirpath={self.dirpath!r})") from exc
         self.last_path = path
         self._prune(trainer)
+        if self.save_last == "link":
+            self._link(trainer, path)
         if self.verbose and trainer.is_global_zero:
             self._say_saved(trainer, path)
+        return path
+
+    def _monitor_missing(self, trainer) -> bool:
+        """The monitored metric is not logged (yet): as Lightning, an error once a validation of
+        this fit has run (it should have logged it by then), else a warning and no save until it is."""
+        keys = list(trainer.callback_metrics) + [k for k in ("epoch", "step") if k not in trainer.callback_metrics]
+        message = (f"`ModelCheckpoint(monitor={self.monitor!r})` could not find the monitored key in the returned "
+                   f"metrics: {keys}. HINT: Did you call `log({self.monitor!r}, value)` "
+                   "in the `LightningModule`?")
+        if getattr(trainer, "_last_val_step", -1) >= 0:
+            raise ConfigError(message)
+        if not self._said_missing and trainer.is_global_zero:
+            self._said_missing = True
+            import warnings
+
+            warnings.warn(message, stacklevel=2)
+        return False
+
+    def _link_path(self) -> str:
+        ext = ".safetensors" if self.save_weights_only else self.FILE_EXTENSION
+        return os.path.join(self.dirpath, self.CHECKPOINT_NAME_LAST + ext)
+
+    def _link(self, trainer, target: str) -> None:
+        """``save_last="link"``: ``dirpath/last.ckpt`` becomes a relative symbolic link to ``target``
+        (a copy where links cannot be made), written by global rank 0, then every rank goes on."""
+        link = self._link_path()
+        if trainer.is_global_zero and os.path.abspath(link) != os.path.abspath(target):
+            _remove(link)
+            try:
+                os.symlink(os.path.relpath(target, os.path.dirname(link)), link)
+            except OSError:
+                (shutil.copytree if os.path.isdir(target) else shutil.copy)(target, link)
+        trainer.strategy.barrier()
 
     def _unused_name(self, trainer, path: str) -> str:
         """Lightning's version counter: ``NAME-v1``, ``NAME-v2``, ... while ``path`` is taken (a
@@ -311,8 +379,10 @@ def _refuse(name: str, value: Any, default: Any, why: str) -> None:
 
 
 def _remove(path: str) -> None:
-    """A checkpoint directory, or a weights-only file."""
-    if os.path.isdir(path):
+    """A checkpoint directory, or a weights-only file (or a link to either: the link only)."""
+    if os.path.islink(path):
+        os.remove(path)
+    elif os.path.isdir(path):
         shutil.rmtree(path, ignore_errors=True)
     elif os.path.exists(path):
         os.remove(path)
