@@ -62,6 +62,15 @@ def _in_slurm_batch() -> bool:
         "bash", "interactive")
 
 
+def in_launched_job() -> bool:
+    """This process is already a rank of a job: a process group the user made, torchrun (or our
+    launcher's ranks), or a SLURM job step of several tasks. Where it is not, :func:`detect` makes
+    it a one-node job (and a multi-node one is refused)."""
+    env = os.environ
+    return (dist.is_available() and dist.is_initialized()) or "TORCHELASTIC_RUN_ID" in env \
+        or env.get("ZEROTRAIN_LAUNCHED") == "1" or _in_slurm_batch()
+
+
 def detect(devices: int, num_nodes: int = 1) -> ProcessInfo:
     """Work out this process's place; ``devices`` x ``num_nodes`` is the requested world size."""
     env = os.environ

@@ -59,7 +59,7 @@ from ..strategies import Strategy, progress
 from ..strategies.optimizers import OptimizerSet
 from . import checkpoint_io, checkpointing, reshard
 from .errors import ConfigError
-from .job import check_cuda, distributed_loader, epoch_iterator, join_job, plugins
+from .job import check_cuda, check_num_nodes, distributed_loader, epoch_iterator, join_job, plugins
 from .launcher import LocalLauncher
 from .state import LoopState
 from .evaluation import to_device as _to_device
@@ -91,6 +91,7 @@ class Engine:
             devices = torch.cuda.device_count() if accelerator != "cpu" and torch.cuda.is_available() else 1
         self.devices, self.num_nodes = _count("Engine", "devices", devices), _count("Engine", "num_nodes", num_nodes)
         check_cuda("Engine", accelerator, self.devices)
+        check_num_nodes("Engine", self.num_nodes)
         self.accelerator, self.seed = accelerator, seed
         self.precision_plugin, self._strategy = plugins("Engine", strategy, precision, devices * num_nodes)
         if self._strategy.runs_own_schedule:

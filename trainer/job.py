@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, Sampler, SequentialSampler
 
 from ..strategies import Precision, Strategy, precision_from_name, strategy_from_name
-from ..strategies.environment import detect, pick_device, set_cpu_threads
+from ..strategies.environment import detect, in_launched_job, pick_device, set_cpu_threads
 from . import elastic
 from .errors import ConfigError
 from .launcher import LocalLauncher
@@ -50,6 +50,15 @@ def check_cuda(owner: str, accelerator: str, devices: int) -> None:
     if devices > torch.cuda.device_count():
         raise ConfigError(f"{owner}: devices={devices} with accelerator='cuda', but this machine has "
                           f"{torch.cuda.device_count()} CUDA device(s)")
+
+
+def check_num_nodes(owner: str, num_nodes: int) -> None:
+    """``num_nodes > 1`` needs the other nodes' ranks started by torchrun or SLURM: refused when
+    built, before any rank starts (else the first collective at fit fails with a RuntimeError)."""
+    if num_nodes > 1 and not in_launched_job():
+        raise ConfigError(f"{owner}: num_nodes={num_nodes}: a multi-node job needs a multi-node launcher, and this "
+                          "process was started without torchrun or SLURM; valid: 1 here, or start every node with "
+                          "torchrun (--nnodes, --rdzv-backend c10d) or srun (see the README's multi-node section)")
 
 
 def join_job(strategy: Strategy, precision: Precision, accelerator: str, devices: int,

@@ -128,6 +128,7 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
         positive_int("devices", devices)
         job.check_cuda("Trainer", accelerator, devices)
         positive_int("num_nodes", num_nodes)
+        job.check_num_nodes("Trainer", num_nodes)
         positive_int("accumulate_grad_batches", accumulate_grad_batches)
         positive_int("log_every_n_steps", log_every_n_steps, minimum=0)  # 0: never, as Lightning
         positive_int("max_epochs", max_epochs, allow_none=True, minimum=-1)  # -1: no limit, 0: no training

@@ -51,6 +51,34 @@ def test_multi_node_without_a_launcher_is_a_clear_error():
         detect(devices=2, num_nodes=2)
 
 
+@pytest.mark.parametrize("owner", ["Trainer", "Engine"])
+def test_multi_node_without_a_launcher_is_refused_when_built(owner):
+    """Before any rank starts, as a configuration error naming num_nodes and the value (it failed
+    at fit, with a RuntimeError traceback from the first rank's process-group set-up)."""
+    from zerotrain import Trainer
+    from zerotrain.trainer.engine import Engine
+    from zerotrain.trainer.errors import ConfigError
+
+    build = (lambda: Trainer(num_nodes=2, devices=1, logger=False)) if owner == "Trainer" else \
+        (lambda: Engine(num_nodes=2, devices=1))
+    with pytest.raises(ConfigError) as info:
+        build()
+    msg = str(info.value)
+    assert msg.startswith(f"{owner}: num_nodes=2: a multi-node job needs") and "torchrun" in msg and "SLURM" in msg, msg
+
+
+def test_multi_node_under_torchrun_or_slurm_is_built(monkeypatch):
+    from zerotrain import Trainer
+
+    for k, v in dict(TORCHELASTIC_RUN_ID="x", RANK="0", LOCAL_RANK="0", WORLD_SIZE="2").items():
+        monkeypatch.setenv(k, v)
+    assert Trainer(num_nodes=2, devices=1, logger=False).num_nodes == 2
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+    for k, v in dict(SLURM_NTASKS="2", SLURM_PROCID="0", SLURM_JOB_NAME="train").items():
+        monkeypatch.setenv(k, v)
+    assert Trainer(num_nodes=2, devices=1, logger=False).num_nodes == 2
+
+
 @pytest.mark.parametrize("nodelist,first", [("node1", "node1"), ("n[3-5]", "n3"), ("a[01,04],b2", "a01")])
 def test_slurm_first_host(nodelist, first):
     assert env._slurm_first_host(nodelist) == first
