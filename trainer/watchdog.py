@@ -37,8 +37,11 @@ from typing import Any, Callable, NamedTuple
 
 log = logging.getLogger("zerotrain")
 
-#: exit status of a rank ended by the watchdog (as ``timeout(1)``'s)
-STALL_EXIT_CODE = 124
+#: exit status of a rank (and a job under our launcher) ended by the watchdog: its own, so that it
+#: is not mistaken for ``timeout(1)`` killing the job (124-127, 137), a signal (128 + n), Python's
+#: 1 / 120, the CLI's configuration error (2) or a sysexits.h code (64-78; 75 = "retry later" asks
+#: some schedulers to requeue)
+STALL_EXIT_CODE = 86
 #: how long the other ranks give the stuck rank to print its stack before they end too
 _GRACE_S = 5.0
 

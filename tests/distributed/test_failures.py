@@ -115,6 +115,13 @@ def test_find_stuck_names_the_idle_rank_behind_the_others():
     assert Progress.decode(Progress(7, 0, "x", 1.5, False).encode()) == Progress(7, 0, "x", 1.5, False)
 
 
+def test_the_watchdog_exit_code_is_its_own():
+    """Not timeout(1)'s (124; 125-127; 137 = 128 + SIGKILL for its -k), nor a signal's 128 + n,
+    Python's 1 / 120, the CLI's configuration error 2, or a sysexits.h code (64-78)."""
+    taken = {0, 1, 2, 120, 124, 125, 126, 127, 255, *range(64, 79), *range(128, 193)}
+    assert STALL_EXIT_CODE not in taken and 0 < STALL_EXIT_CODE < 256
+
+
 def test_before_its_first_step_a_rank_gets_the_longer_allowance():
     ahead = Progress(5, 0, "all_reduce", 30.0)
     behind = Progress(4, 0, "training_step", 30.0, warm=False)
@@ -148,6 +155,7 @@ def test_a_rank_sleeping_in_training_step_ends_the_job_naming_it(tmp_path, strat
     assert after_fault is not None and after_fault < 30, (after_fault, err[-3000:])
     if launcher == "local":
         assert f"rank 1 was ended by the progress watchdog (exit code {STALL_EXIT_CODE}" in err
+        assert proc.returncode == STALL_EXIT_CODE, proc.returncode
 
 
 @pytest.mark.timeout(120)
