@@ -110,7 +110,7 @@ def build(cfg: Config):
         callbacks.append(ResourceMonitor(json_path=cfg.callbacks.resources_json))
     if cfg.callbacks.flops_profile_step is not None:
         callbacks.append(FlopsProfiler(profile_step=cfg.callbacks.flops_profile_step))
-    logger = TensorBoardLogger(f"{root}/tensorboard", version="") if cfg.callbacks.tensorboard else False
+    logger = TensorBoardLogger(f"{root}/tensorboard", name="", version="") if cfg.callbacks.tensorboard else False
     tkw = {k: getattr(cfg.trainer, k) for k in cfg.trainer.__dataclass_fields__ if k != "default_root_dir"}
     try:
         trainer = Trainer(**tkw, strategy=strategy, precision=precision, callbacks=callbacks, logger=logger,

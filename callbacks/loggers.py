@@ -4,89 +4,116 @@ from __future__ import annotations
 
 import csv
 import os
+import warnings
 from typing import Any
 
 from .base import Logger, VersionedLogger, rank_zero_experiment
 from .tensorboard import TensorBoardLogger
 
 
-class CSVLogger(VersionedLogger):
-    """Metrics as rows of ``metrics.csv`` (one per ``log_metrics`` call, with its ``step``; the
-    header is every name seen so far, sorted, so a file read back by ``csv.DictReader`` has one
-    column per metric as Lightning's has) and hyperparameters as ``hparams.yaml``. Rows are
-    buffered and written every ``flush_logs_every_n_steps`` calls and at the end of fit."""
+class ExperimentWriter:
+    """Lightning's CSV writer (``CSVLogger.experiment``): rows of ``metrics.csv`` (one per
+    ``log_metrics`` call, with its ``step``; the header is every name seen so far, sorted, so a file
+    read back by ``csv.DictReader`` has one column per metric as Lightning's has) and
+    ``hparams.yaml``, both written by ``save``. A metric name not seen before rewrites the file
+    with the wider header (earlier rows get empty cells in the new columns)."""
 
-    METRICS_FILE, HPARAMS_FILE = "metrics.csv", "hparams.yaml"
+    NAME_METRICS_FILE, NAME_HPARAMS_FILE = "metrics.csv", "hparams.yaml"
 
-    def __init__(self, save_dir: str, name: str = "lightning_logs", version: int | str | None = None,
-                 prefix: str = "", flush_logs_every_n_steps: int = 100) -> None:
-        if flush_logs_every_n_steps < 1:
-            raise ValueError(f"CSVLogger: flush_logs_every_n_steps={flush_logs_every_n_steps!r} must be >= 1")
-        super().__init__(save_dir, name, version)
-        self.prefix = prefix
-        self.flush_logs_every_n_steps = flush_logs_every_n_steps
-        self._rows: list[dict[str, Any]] = []
-        self._keys: list[str] = []
+    def __init__(self, log_dir: str) -> None:
+        self.log_dir = log_dir
+        self.metrics_file_path = os.path.join(log_dir, self.NAME_METRICS_FILE)
         self.hparams: dict[str, Any] = {}
+        self.metrics: list[dict[str, Any]] = []
+        self.metrics_keys: list[str] = []
+        if os.path.isdir(log_dir) and os.listdir(log_dir):
+            warnings.warn(f"Experiment logs directory {log_dir} exists and is not empty. Previous log files in this "
+                          "directory will be deleted when the new ones are saved!", stacklevel=2)
+        os.makedirs(log_dir, exist_ok=True)
 
-    @property
-    @rank_zero_experiment
-    def experiment(self) -> "CSVLogger":
-        """Lightning's is its CSV writer (``log_metrics``, ``log_hparams``, ``save``); here the
-        logger itself plays that part."""
-        return self
+    def log_hparams(self, params: dict[str, Any]) -> None:
+        self.hparams.update(params)
 
-    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        row = {f"{self.prefix}-{k}" if self.prefix else k: _scalar(v) for k, v in metrics.items()}
-        row["step"] = step if step is not None else len(self._rows)
-        self._rows.append(row)
-        if len(self._rows) % self.flush_logs_every_n_steps == 0:
-            self.save()
-
-    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
-        self.hparams.update(params if isinstance(params, dict) else vars(params))
-        self._write_hparams()
-
-    log_hparams = log_hyperparams  # the name on Lightning's CSV writer (its ``experiment``)
+    def log_metrics(self, metrics_dict: dict[str, Any], step: int | None = None) -> None:
+        row = {k: _scalar(v) for k, v in metrics_dict.items()}
+        row["step"] = len(self.metrics) if step is None else step
+        self.metrics.append(row)
 
     def save(self) -> None:
-        """Append the buffered rows; a metric name not seen before rewrites the file with the
-        wider header (earlier rows get empty cells in the new columns)."""
-        if not self._rows:
+        from .tensorboard import save_hparams_to_yaml
+
+        save_hparams_to_yaml(os.path.join(self.log_dir, self.NAME_HPARAMS_FILE), self.hparams)
+        if not self.metrics:
             return
-        os.makedirs(self.log_dir, exist_ok=True)
-        path = os.path.join(self.log_dir, self.METRICS_FILE)
-        new = sorted({k for r in self._rows for k in r} - set(self._keys))
-        rows, self._rows = self._rows, []
-        exists = os.path.isfile(path)
+        new = sorted({k for r in self.metrics for k in r} - set(self.metrics_keys))
+        rows, self.metrics = self.metrics, []
+        exists = os.path.isfile(self.metrics_file_path)
         if new:
-            self._keys = sorted([*self._keys, *new])
+            self.metrics_keys = sorted([*self.metrics_keys, *new])
             if exists:
-                with open(path, newline="") as f:
+                with open(self.metrics_file_path, newline="") as f:
                     rows = list(csv.DictReader(f)) + rows
                 exists = False
-        with open(path, "a" if exists else "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=self._keys)
+        with open(self.metrics_file_path, "a" if exists else "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=self.metrics_keys)
             if not exists:
                 writer.writeheader()
             writer.writerows(rows)
 
+
+class CSVLogger(VersionedLogger):
+    """``CSVLogger(save_dir, name="lightning_logs", version=None, prefix="", flush_logs_every_n_steps=100)``:
+    ``<save_dir>/<name>/version_<n>/metrics.csv`` and ``hparams.yaml`` through its ``experiment``
+    (an ``ExperimentWriter``), written every ``flush_logs_every_n_steps`` steps and at the end of fit."""
+
+    LOGGER_JOIN_CHAR = "-"
+
+    def __init__(self, save_dir: "str | os.PathLike", name: str | None = "lightning_logs",
+                 version: int | str | None = None, prefix: str = "", flush_logs_every_n_steps: int = 100) -> None:
+        if flush_logs_every_n_steps < 1:
+            raise ValueError(f"CSVLogger: flush_logs_every_n_steps={flush_logs_every_n_steps!r} must be >= 1")
+        super().__init__(os.fspath(save_dir), name or "", version)
+        self._prefix = prefix
+        self._flush_logs_every_n_steps = flush_logs_every_n_steps
+        self._experiment: ExperimentWriter | None = None
+
+    prefix = property(lambda self: self._prefix)
+    flush_logs_every_n_steps = property(lambda self: self._flush_logs_every_n_steps)
+
+    @property
+    def hparams(self) -> dict[str, Any]:
+        return self.experiment.hparams
+
+    @property
+    @rank_zero_experiment
+    def experiment(self) -> ExperimentWriter:
+        """Lightning's: the CSV writer (``log_metrics``, ``log_hparams``, ``save``, ``metrics``)."""
+        if self._experiment is None:
+            os.makedirs(self.root_dir, exist_ok=True)
+            self._experiment = ExperimentWriter(self.log_dir)
+        return self._experiment
+
+    def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
+        metrics = {f"{self._prefix}{self.LOGGER_JOIN_CHAR}{k}" if self._prefix else k: v for k, v in metrics.items()}
+        if step is None:
+            step = len(self.experiment.metrics)
+        self.experiment.log_metrics(metrics, step)
+        if (step + 1) % self._flush_logs_every_n_steps == 0:
+            self.save()
+
+    def log_hyperparams(self, params: Any = None, *args: Any, **kwargs: Any) -> None:
+        self.experiment.log_hparams({} if params is None else params if isinstance(params, dict) else vars(params))
+
+    def save(self) -> None:
+        self.experiment.save()
+
     def finalize(self, status: str = "success") -> None:
-        self.save()
-        self._write_hparams()
-
-    def _write_hparams(self) -> None:
-        import yaml
-
-        os.makedirs(self.log_dir, exist_ok=True)
-        plain = {k: v if isinstance(v, (int, float, str, bool, type(None), list, dict)) else repr(v)
-                 for k, v in self.hparams.items()}
-        with open(os.path.join(self.log_dir, self.HPARAMS_FILE), "w") as f:
-            yaml.safe_dump(plain, f)
+        if self._experiment is not None:
+            self.save()
 
 
 def _scalar(value: Any) -> Any:
     return value.item() if hasattr(value, "item") else value
 
 
-__all__ = ["Logger", "CSVLogger", "TensorBoardLogger"]
+__all__ = ["Logger", "CSVLogger", "TensorBoardLogger", "ExperimentWriter"]

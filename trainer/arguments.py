@@ -122,11 +122,11 @@ def default_callbacks(strategy: Any, root_dir: str, callbacks: list, checkpointi
 
 
 def make_loggers(root_dir: str, logger: Any) -> list:
-    """``Trainer(logger=)``: True is a TensorBoardLogger under ``root_dir/zerotrain_logs`` (as
-    Lightning's default), False/None none, else the logger or loggers given."""
+    """``Trainer(logger=)``: True is a TensorBoardLogger under ``root_dir/lightning_logs/version_<n>``
+    (Lightning's default), False/None none, else the logger or loggers given."""
     if logger is False or logger is None:
         return []
     if logger is True:
         from ..callbacks.tensorboard import TensorBoardLogger
-        return [TensorBoardLogger(os.path.join(root_dir, "zerotrain_logs"))]
+        return [TensorBoardLogger(root_dir)]
     return list(logger) if isinstance(logger, (list, tuple)) else [logger]

@@ -309,6 +309,8 @@ def log_hyperparams(trainer: Any) -> None:
     for lg in trainer.loggers:
         if hparams is not None:
             lg.log_hyperparams(hparams)
+        if callable(getattr(lg, "log_graph", None)):
+            lg.log_graph(trainer.module)
         save = getattr(lg, "save", None)
         if callable(save):
             save()

@@ -109,7 +109,7 @@ def test_fast_dev_run_suppresses_checkpointing_and_logging(tmp_path):
                    enable_progress_bar=False,
                    callbacks=[ModelCheckpoint(dirpath=str(tmp_path / "ck"))], stall_timeout_s=None)
     ours.fit(make_module(TrainModule))
-    assert not os.path.exists(tmp_path / "ck") and not os.path.exists(tmp_path / "zerotrain_logs")
+    assert not os.path.exists(tmp_path / "ck") and not os.path.exists(tmp_path / "lightning_logs")
 
 
 @pytest.mark.parametrize("steps", [0, 1, 2, -1])
