@@ -60,7 +60,9 @@ class HookDispatcher:
         if hook not in HOOKS:
             raise ValueError(f"unknown hook {hook!r}")
         for cb in self.callbacks:
-            fn = getattr(cb, hook)
+            fn = getattr(cb, hook, None)  # a duck-typed callback may define only the hooks it uses
+            if fn is None:
+                continue
             with hook_scope(trainer, hook):  # a callback's pl_module.log logs under the hook's name
                 if hook in ("setup", "teardown") and not _takes_stage(fn):
                     self._warn_legacy(cb, hook)
@@ -85,12 +87,18 @@ class HookDispatcher:
                         "stage) as Lightning's", key, hook)
 
     def state_dict(self) -> dict[str, Any]:
-        return {cb.state_key: cb.state_dict() for cb in self.callbacks}
+        return {_state_key(cb): cb.state_dict() for cb in self.callbacks if hasattr(cb, "state_dict")}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for cb in self.callbacks:
-            if cb.state_key in state:
-                cb.load_state_dict(state[cb.state_key])
+            if _state_key(cb) in state and hasattr(cb, "load_state_dict"):
+                cb.load_state_dict(state[_state_key(cb)])
+
+
+def _state_key(cb: Any) -> str:
+    """A callback's key in a checkpoint: its ``state_key``, or its class's qualified name (as
+    Lightning's default) for a duck-typed one without it."""
+    return getattr(cb, "state_key", None) or type(cb).__qualname__
 
 
 def _takes_stage(fn: Any) -> bool:

@@ -23,7 +23,7 @@ from ..callbacks.base import Callback, Logger
 from ..strategies import Strategy, instrument, progress
 from ..strategies.environment import detect
 from ..strategies.paths import directory_problem
-from . import checkpointing, elastic, hparams, job, run_options, signals
+from . import checkpointing, elastic, hparams, job, plugin_checks, run_options, signals
 from .arguments import (check_limit, check_lightning_args, default_callbacks, fast_dev_run_flags, lightning_callbacks,
                         make_loggers, positive_int, positive_number)
 from .run_options import default_max_epochs
@@ -198,7 +198,8 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
         self.sanity_checking = False
         self.overfit_batches = overfit_batches
         self.fast_dev_run = fast_dev_run
-        callbacks = [callbacks] if isinstance(callbacks, Callback) else list(callbacks or [])
+        callbacks = plugin_checks.check_callbacks(callbacks)  # TypeError for callbacks=[1], logger='x'
+        plugin_checks.check_logger(logger)
         if fast_dev_run:
             callbacks = fast_dev_run_flags(self, int(fast_dev_run), callbacks)
             enable_checkpointing, logger = False, False
