@@ -7,7 +7,7 @@ import sys as _sys
 
 from .callbacks import (Callback, CSVLogger, EarlyStopping, LearningRateMonitor, ModelCheckpoint,  # noqa: E402
                         ModelSummary, ProgressBar, TensorBoardLogger, ThroughputMonitor, Timer, TQDMProgressBar)
-from .trainer import CheckpointError, ConfigError, DataModule, Engine, Trainer, TrainModule, seed_everything  # noqa: E402
+from .trainer import CheckpointError, ConfigError, DataModule, Engine, Fabric, Trainer, TrainModule, seed_everything  # noqa: E402
 from .strategies import (DDP, DDPStrategy, Offload, PipelineStrategy, SingleDevice, SingleDeviceStrategy,  # noqa: E402
                          Strategy, ZeroStage1, ZeroStage2, ZeroStage3)
 from .callbacks import loggers  # noqa: E402
@@ -26,7 +26,7 @@ for _name, _module in deepspeed.SUBMODULES.items():
     _sys.modules[f"{__name__}.deepspeed.{_name}"] = _module
 del _name, _module, lightning_paths
 
-__all__ = ["Trainer", "Engine", "TrainModule", "DataModule", "Callback", "ModelCheckpoint", "EarlyStopping", "Timer",
+__all__ = ["Trainer", "Engine", "Fabric", "TrainModule", "DataModule", "Callback", "ModelCheckpoint", "EarlyStopping", "Timer",
            "ModelSummary", "LearningRateMonitor", "ThroughputMonitor", "ProgressBar", "TQDMProgressBar",
            "TensorBoardLogger", "CSVLogger", "ConfigError", "CheckpointError", "seed_everything",
            # the strategies (zerotrain.strategies has them all)

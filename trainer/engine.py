@@ -63,6 +63,7 @@ from .job import check_cuda, check_num_nodes, distributed_loader, epoch_iterator
 from .launcher import LocalLauncher
 from .state import LoopState
 from .evaluation import to_device as _to_device
+from .utilities import sampler_seed
 
 log = logging.getLogger("zerotrain")
 
@@ -82,9 +83,10 @@ class Engine:
     """One rank of a job running the user's own loop; see the module docstring."""
 
     def __init__(self, *, accelerator: str = "auto", devices: int | str = "auto", num_nodes: int = 1,
-                 strategy: str | Strategy = "auto", precision: str | int = "32", seed: int = 0) -> None:
+                 strategy: str | Strategy = "auto", precision: str | int = "32", seed: int | None = None) -> None:
         """``seed`` orders the DistributedSamplers of ``setup_dataloaders`` (as the Trainer's
-        ``seed`` does); it seeds nothing else: the loop seeds its own model and data."""
+        ``seed`` does); None (the default): the seed ``seed_everything`` recorded, else 0, as
+        Fabric. It seeds nothing else: the loop seeds its own model and data."""
         if accelerator not in ("cpu", "cuda", "auto"):
             raise ConfigError(f"Engine: accelerator={accelerator!r}; valid choices: cpu, cuda, auto")
         if devices == "auto":
@@ -180,7 +182,10 @@ class Engine:
         out = []
         for loader in loaders:
             tracked = self._train_loader is None
-            wrapped = EngineLoader(distributed_loader(loader, self._strategy, self.seed),
+            # one data-parallel rank: the loader as it is (its own sampler and order), as Fabric
+            sharded = (loader if self._strategy.data_parallel_world_size == 1
+                       else distributed_loader(loader, self._strategy, sampler_seed(self.seed)))
+            wrapped = EngineLoader(sharded,
                                    self.device if move_to_device else None, self.progress if tracked else None)
             if tracked:
                 self._train_loader = wrapped
@@ -330,7 +335,11 @@ class Engine:
                         self.global_rank, len(rng))
 
     def _is_setup_object(self, obj: Any) -> bool:
-        return obj is self._model or any(obj is o for o in self._optimizers)
+        return self._resolve(obj) is self._model or any(obj is o for o in self._optimizers)
+
+    def _resolve(self, model: Any) -> Any:
+        """The model wrapper ``model`` stands for (Fabric's ``setup_module`` returns a stand-in)."""
+        return model
 
     def _saved_value(self, key: str, value: Any) -> Any:
         if isinstance(value, (EngineModule, EngineOptimizer, nn.Module, torch.optim.Optimizer)):
@@ -347,7 +356,7 @@ class Engine:
 
     def _check_model(self, model: Any, what: str) -> None:
         self._require_setup(what)
-        if model is not self._model:
+        if self._resolve(model) is not self._model:
             raise ConfigError(f"Engine.{what}: model is not the one engine.setup returned; valid: the model "
                               "wrapper from engine.setup(model, optimizer)")
 
@@ -385,14 +394,21 @@ class EngineModule:
         return f"EngineModule({self._strategy.name}, {self.module!r})"
 
 
-class EngineOptimizer:
+class EngineOptimizer(torch.optim.Optimizer):
     """The optimizer as ``Engine.setup`` returns it: ``step()`` is the strategy's whole step
     (``Strategy.optimizer_step``: gradients ready, unscale and overflow check, the clipping
     ``clip_gradients`` asked for, the inner step of the user's optimizer, parameter refresh, zeroed
     gradients); returns whether it stepped (False: an fp16 overflow skipped it). ``param_groups``
     and every other attribute are the user's optimizer's, so setting ``lr`` and LR schedulers built
     on it work as in plain PyTorch. One of several (``which``): its step and zeroing touch its own
-    parameters only; the others' gradients keep accumulating."""
+    parameters only; the others' gradients keep accumulating. It is a ``torch.optim.Optimizer``
+    (torch's LR schedulers check that) whose ``param_groups``, ``state`` and ``defaults`` are the
+    user's optimizer's own (``Optimizer.__init__`` is not run: nothing is copied)."""
+
+    param_groups = property(lambda self: self.optimizer.param_groups,
+                            lambda self, groups: setattr(self.optimizer, "param_groups", groups))
+    state = property(lambda self: self.optimizer.state)
+    defaults = property(lambda self: self.optimizer.defaults)
 
     def __init__(self, engine: Engine, optimizer: torch.optim.Optimizer, which: int | None = None) -> None:
         self.engine, self.optimizer, self.which = engine, optimizer, which
@@ -418,6 +434,12 @@ class EngineOptimizer:
             self.engine.strategy.zero_grad(self.which)
             self.dirty = False
 
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self.optimizer, name)
 
@@ -439,6 +461,12 @@ class EngineLoader:
     @property
     def batch_size(self) -> int | None:
         return getattr(self.loader, "batch_size", None)
+
+    def __getattr__(self, name: str) -> Any:
+        """The loader's own attributes (``dataset``, ``sampler``, ``num_workers`` ...), as Fabric's."""
+        if name == "loader":
+            raise AttributeError(name)
+        return getattr(self.loader, name)
 
     def __len__(self) -> int:
         return len(self.loader)

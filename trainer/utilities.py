@@ -89,6 +89,14 @@ def seed_everything(seed: int | None = None, workers: bool = False) -> int:
     return seed
 
 
+def sampler_seed(seed: int | None) -> int:
+    """The DistributedSampler's seed: ``seed`` when given, else the one ``seed_everything`` recorded
+    (ours, else Lightning's ``PL_GLOBAL_SEED``, as Fabric reads it), else 0."""
+    if seed is not None:
+        return seed
+    return int(os.environ.get(GLOBAL_SEED_ENV, os.environ.get("PL_GLOBAL_SEED", 0)))
+
+
 def reset_seed() -> None:
     """Lightning's ``reset_seed``: a distributed run re-seeds each rank's global RNGs, as it joins
     the job, from the seed ``seed_everything`` recorded (nothing when none was), so every rank

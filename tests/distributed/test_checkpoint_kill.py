@@ -148,8 +148,9 @@ def test_kill_9_of_a_rank_mid_save_leaves_latest_loadable(tmp_path):
     from safetensors.torch import load_file
 
     got = load_file(consolidate(ck / "latest", tmp_path / "step4.safetensors"))
+    # tolerance: no worse than torch DDP's order of the same sums (tolerance.PEER_FACTOR x its error + 4 ulps)
     assert_params_close({k.removeprefix("net."): v for k, v in got.items()},
-                        reference(4, world_size=2, bs=8, n=96)["params"], rtol=1e-5)
+                        *(reference(4, world_size=2, bs=8, n=96, as_ranks=k)["params"] for k in (0, 2)))
 
 
 if __name__ == "__main__":

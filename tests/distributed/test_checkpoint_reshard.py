@@ -1,6 +1,7 @@
 """Online resharding: a checkpoint saved by one strategy on N ranks resumes on another strategy on
 M ranks, with the same global batch, and 10 more steps give the parameters of an uninterrupted
-run (plain single-process PyTorch over the same global batches), fp32, relative error <= 1e-5.
+run (plain single-process PyTorch over the same global batches), fp32, no worse than torch DDP's
+order of the same sums on 4 ranks (tolerance.assert_no_worse_than_peer).
 
 The grid: save at (zero3, 4) -> resume at (zero2, 2), (zero1, 3), (single, 1), (ddp, 2) and
 (offload, 2); save at (zero2, 2) -> resume at (zero3, 4). Where zero3 is not registered, zero2 on 4
@@ -81,10 +82,12 @@ def _target(tmp_path_factory, strategy: str, world: int) -> dict:
 
 
 def _check(got: dict, steps: int) -> None:
-    ref = reference(steps, world_size=1, bs=GLOBAL_BATCH, n=N_SAMPLES)
+    ref, peer = (reference(steps, world_size=1, bs=GLOBAL_BATCH, n=N_SAMPLES, as_ranks=k) for k in (0, 4))
     assert got["step"] == steps
+    # tolerance: a few ulps of 0.025 / (1 + 0.1 s): the same few float64 operations in another order
     assert abs(got["lr"] - 0.025 / (1 + 0.1 * steps)) < 1e-12  # the scheduler resumed too
-    assert_params_close(got["params"], ref["params"], rtol=1e-5)
+    # tolerance: no worse than torch DDP's order on 4 ranks (the source's; each run's ranks reorder as much)
+    assert_params_close(got["params"], ref["params"], peer["params"])
 
 
 @pytest.mark.parametrize("target,world", [("zero2", 2), ("zero1", 3), ("single", 1), ("ddp", 2),

@@ -11,6 +11,7 @@ import os
 import torch
 
 from harness import run_ranks
+from tolerance import mean_rtol, peer_bound, rel_err
 from toy import ToyModule, assert_params_close, reference
 from zerotrain import ModelCheckpoint, Trainer
 from zerotrain.strategies.offload import Offload
@@ -103,20 +104,27 @@ def _results(tmp_path_factory) -> list[dict]:
 
 def test_offload_matches_the_stage_without_offload(tmp_path_factory):
     ranks = _results(tmp_path_factory)
-    ref = reference(STEPS, world_size=2, clip=CLIP)
+    ref, peer = (reference(STEPS, world_size=2, clip=CLIP, as_ranks=k) for k in (0, 2))
+    moved = rel_err(*(torch.cat([r["params"][k].reshape(-1) for k in sorted(r["params"])]) for r in (peer, ref)))
+    moved_losses = rel_err(torch.tensor(peer["losses"]), torch.tensor(ref["losses"]))
     for kind, (twin_kind, opts) in KINDS.items():
         full, twin_full = case_full(ranks[0], kind), case_full(ranks[0], twin_kind)
-        err = float((full - twin_full).norm() / twin_full.norm())
-        assert err <= 1e-5, f"{kind}: parameters differ from {twin_kind} by {err:.2e} (relative)"
+        # tolerance: the fused CPU Adam against torch's AdamW is another valid fp32 arithmetic of the same
+        # steps: its gap to the twin may be at most PEER_FACTOR x what torch DDP's order moves the weights + 4 ulps
+        err = rel_err(full, twin_full)
+        assert err <= peer_bound(moved), f"{kind}: parameters differ from {twin_kind} by {err:.2e} (relative)"
         for rank, res in enumerate(ranks):
             case, twin = res[f"{kind}-32"], res[f"{twin_kind}-32"]
             if opts.get("stage", 2) == 2:  # (ZeRO-3's module parameters are placeholders between steps)
                 assert torch.equal(case["flat"], ranks[0][f"{kind}-32"]["flat"]), f"{kind}: rank {rank} differs"
-            torch.testing.assert_close(case["losses"], twin["losses"], rtol=1e-5, atol=1e-7)
+            # tolerance: no worse than DDP's order moves the losses, + 2 mean_rtol(n): n = 8 x 2 samples x 3 outputs
+            err = rel_err(case["losses"], twin["losses"])
+            assert err <= peer_bound(moved_losses, floor=2 * mean_rtol(48)), f"{kind} losses: {err:.2e}"
             assert case["lr"] == twin["lr"] == ref["lrs"][-1] * 0.5  # the scheduler drove the step
             assert case["report"]["fused_adam"] and case["report"]["subgroups"] >= 2
         full = {k.removeprefix("net."): v for k, v in ranks[0][f"{kind}-32"]["full"].items()}
-        assert_params_close(full, ref["params"], rtol=1e-5)  # and plain single-process PyTorch
+        # tolerance: no worse than torch DDP's order of the same sums (tolerance.PEER_FACTOR x its error + 4 ulps)
+        assert_params_close(full, ref["params"], peer["params"])  # and plain single-process PyTorch
         assert ranks[1][f"{kind}-32"]["full"] == {}
     for kind in ("nvme", "s3nvme"):
         rep = ranks[0][f"{kind}-32"]["report"]
