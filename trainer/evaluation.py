@@ -9,6 +9,7 @@ it reads and sets the Trainer's state (strategy, module, hooks, logging connecto
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
 from typing import Any, Iterable, NamedTuple
 
@@ -193,7 +194,7 @@ class TrainerEvaluation:
             results = [self._evaluate_loader(spec, loader, i, len(loaders), outputs)
                        for i, loader in enumerate(loaders)]
             if spec.fn == "validate":
-                self._last_val_step = self.state.global_step
+                self._last_val_step, self._last_val_time = self.state.global_step, time.monotonic()
             self._tick(f"on_{spec.hooks}_epoch_end")
             self._logging.eval_epoch_end_reached()
             self.hooks.both(f"on_{spec.hooks}_epoch_end", self, module)

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 log = logging.getLogger("zerotrain")
 
@@ -42,3 +43,18 @@ class TrainerLimits:
         the validations placed by an int ``val_check_interval`` over global steps)."""
         n = self.check_val_every_n_epoch
         return self.val_dataloader is not None and (n is None or (self.state.epoch + 1) % n == 0)
+
+    _val_check_time: float | None = None  # a time-based val_check_interval, in seconds
+    _last_val_time = 0.0
+
+    def _validation_due(self, val_every: int | None) -> bool:
+        """After a step: a validation is due by ``val_check_interval`` - every ``val_every`` steps,
+        or once its time passed since the last validation (time-based; every rank decides
+        together: one small all-reduce per step, only then)."""
+        if not self._validates_this_epoch():
+            return False
+        if self._val_check_time is not None:
+            late = time.monotonic() - self._last_val_time >= self._val_check_time
+            return bool(self._strategy.any_rank(late))
+        return bool(val_every) and self._optim.trained_steps(self.state) % val_every == 0
+

@@ -136,8 +136,8 @@ class TrainerData:
 
     def _val_every_steps(self, n_batches: float) -> int | None:
         v = self.val_check_interval
-        if v is None or (isinstance(v, float) and v == 1.0):
-            return None
+        if v is None or (isinstance(v, float) and v == 1.0) or self._val_check_time is not None:
+            return None  # each epoch's end, or time-based (``_validation_due``)
         if isinstance(v, float):
             if n_batches == math.inf:
                 raise ConfigError("val_check_interval as a fraction needs a loader with a length")

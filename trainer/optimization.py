@@ -227,8 +227,9 @@ class Optimization:
         warm-up runs around ``optimizer.step(closure=optimizer_closure)``). The step's forwards
         and backwards already ran, so the closure only returns the loss; ``optimizer.step`` is the
         strategy's step, clipped as ``configure_gradient_clipping`` said. Returns whether it
-        stepped (False: an fp16 overflow skip), or None when the hook did not call ``step``
-        (the gradients are dropped; the step still counts, as Lightning's)."""
+        stepped (False: an fp16 overflow skip), or None when the hook did not call ``step`` or
+        every ``training_step`` of the accumulation returned None (the hook is still called, as
+        Lightning's; the gradients are dropped; the step still counts and the schedulers step)."""
         t = self.trainer
         opt = AutomaticOptimizer(t, self.optimizers[0], self.clip_for_step())
         loss = t._step_loss
@@ -395,6 +396,6 @@ class AutomaticOptimizer(ManualOptimizer):
 
     def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
         out = closure() if closure is not None else None
-        if self.stepped is None:
+        if self.stepped is None and self._trainer._backward_in_step:  # else nothing to step on
             self.stepped = self._trainer.strategy.optimizer_step(*(self.clip or (None, "norm")))
         return out

@@ -5,6 +5,8 @@ Each refusal reads as Lightning's (a ConfigError, which is a ValueError as Light
 from __future__ import annotations
 
 import logging
+import numbers
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -116,3 +118,32 @@ def device_count(devices: Any, accelerator: str) -> Any:
     if isinstance(devices, (list, tuple)) and devices and all(isinstance(d, int) for d in devices):
         return len(devices)
     return every if devices == -1 and not isinstance(devices, bool) else devices
+
+
+_VALID_INTERVAL = ("valid: an int (steps), a float in (0, 1] (a fraction of an epoch), a duration ('DD:HH:MM:SS', "
+                   "a datetime.timedelta or a dict of timedelta keywords) or None")
+
+
+def val_check_seconds(value: Any) -> float | None:
+    """``val_check_interval``: None, an int >= 1 (steps), a float in (0, 1] (a fraction of the
+    epoch), or - Lightning 2.6's time-based forms - ``"DD:HH:MM:SS"``, a ``timedelta`` or a dict
+    of ``timedelta`` keywords: its seconds are returned (validation once that much wall-clock time
+    passed since the last one, checked after each step); None for the other forms."""
+    from ..callbacks.timer import parse_duration
+
+    if isinstance(value, (str, timedelta, dict)):
+        try:
+            seconds = parse_duration(value).total_seconds()
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"Trainer: val_check_interval={value!r}; {_VALID_INTERVAL}") from exc
+        if seconds <= 0:
+            raise ConfigError(f"Trainer: val_check_interval={value!r} is no time; valid: a duration > 0")
+        return seconds
+    if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
+        raise ConfigError(f"Trainer: val_check_interval={value!r}; {_VALID_INTERVAL}")
+    if isinstance(value, float) and not 0 < value <= 1:
+        raise ConfigError(f"Trainer: val_check_interval={value!r} as a float is a fraction of an epoch in (0, 1]; "
+                          "give an int for a number of steps")
+    if isinstance(value, int) and value < 1:
+        raise ConfigError(f"Trainer: val_check_interval={value!r} must be an integer >= 1")
+    return None

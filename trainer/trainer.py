@@ -10,9 +10,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import numbers
 import os
 import sys
+import time
 from datetime import timedelta
 from typing import Any, Iterable, Sequence
 
@@ -68,7 +68,7 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
         max_epochs: int | None = None,
         accumulate_grad_batches: int = 1,
         gradient_clip_val: float | None = None,
-        val_check_interval: int | float | None = None,
+        val_check_interval: "int | float | str | timedelta | dict[str, int] | None" = None,
         limit_train_batches: int | float | None = None,
         limit_val_batches: int | float | None = None,
         limit_test_batches: int | float | None = None,
@@ -137,15 +137,7 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
         if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < -1:
             raise ConfigError(f"Trainer: max_steps={max_steps!r} must be -1 (no limit) or an integer >= 0")
         positive_number("gradient_clip_val", gradient_clip_val, "the clipping threshold")
-        if val_check_interval is not None and (isinstance(val_check_interval, bool)
-                                               or not isinstance(val_check_interval, numbers.Real)):
-            raise ConfigError(f"Trainer: val_check_interval={val_check_interval!r}; valid: an int (steps), a float "
-                              "in (0, 1] (a fraction of an epoch), or None")
-        if isinstance(val_check_interval, float) and not 0 < val_check_interval <= 1:
-            raise ConfigError(f"Trainer: val_check_interval={val_check_interval!r} as a float is a "
-                              "fraction of an epoch in (0, 1]; give an int for a number of steps")
-        if isinstance(val_check_interval, int) and not isinstance(val_check_interval, bool):
-            positive_int("val_check_interval", val_check_interval)
+        self._val_check_time = run_options.val_check_seconds(val_check_interval)  # None unless time-based
         check_limit("limit_train_batches", limit_train_batches, allow_zero=False)
         check_limit("limit_val_batches", limit_val_batches, allow_zero=True)
         check_limit("limit_test_batches", limit_test_batches, allow_zero=True)
@@ -372,6 +364,7 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
         self.num_training_batches = n_batches
         val_every = self._val_every_steps(n_batches)
         module.train()
+        self._last_val_time = time.monotonic()  # a time-based val_check_interval counts from here
         self._logging.start_training(n_batches)
         self.hooks.both("on_train_start", self, module)
         while not self._done():
@@ -394,8 +387,7 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
                 cut = stepped is None  # the module's on_train_batch_start returned -1
                 if cut:  # the epoch ends here, without its end-of-epoch validation (as Lightning)
                     break
-                if stepped and val_every and self._validates_this_epoch() and \
-                        self._optim.trained_steps(st) % val_every == 0:
+                if stepped and self._validation_due(val_every):
                     self._run_validation(self.val_dataloader)
                 if stepped:  # ReduceLROnPlateau on steps: after the metrics of this step's validation
                     self._optim.step_schedulers("step", plateau=True, index=batch_idx)
@@ -412,9 +404,10 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
                 batch_idx = None
             if self._max_steps_reached() and batch_idx is not None and batch_idx < n_batches:
                 break  # stopped mid-epoch by max_steps: the epoch is not over (a should_stop ends it, as Lightning)
-            self._end_epoch(validate=not val_every and self._validates_this_epoch() and not cut)
+            self._end_epoch(validate=not val_every and self._val_check_time is None and self._validates_this_epoch()
+                            and not cut)
         if self.val_dataloader is not None and self._last_val_step != st.global_step and \
-                (self.check_val_every_n_epoch or 1) == 1:
+                (self.check_val_every_n_epoch or 1) == 1 and self._val_check_time is None:
             self._run_validation(self.val_dataloader)
         self.hooks.both("on_train_end", self, module)
 
@@ -474,12 +467,10 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
             stepped = False
             if self.on_nonfinite == "skip" and s.any_rank(self._nonfinite_in_step):
                 s.skip_step()
-            elif not self._backward_in_step:  # every training_step of it returned None: nothing to step
-                s.skip_step()
-                stepped = None  # not an fp16 skip: counted, and the schedulers step, as Lightning
-            else:
+            else:  # None: the module's optimizer_step did not step, or every training_step returned None
                 stepped = self._optim.optimizer_step(batch_idx)
             self._nonfinite_in_step = self._backward_in_step = False
+            self._step_loss = None
             elastic.lower_after_first_step(s, self.collective_timeout_s)
             if self._watchdog is not None:
                 self._watchdog.warmed()

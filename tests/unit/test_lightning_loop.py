@@ -368,3 +368,41 @@ def test_dropout_losses_match_lightning_one_process(tmp_path, lightning_env):
     ours = build(TrainModule)()
     _trainer(tmp_path, max_epochs=2).fit(ours, _data())
     assert ours.losses == pytest.approx(theirs.losses, rel=1e-6, abs=1e-7)
+
+
+@pytest.mark.parametrize("interval", ["00:00:00:03", {"seconds": 3}])
+def test_time_based_val_check_interval_as_lightning(tmp_path, monkeypatch, lightning_env, interval):
+    """Lightning 2.6: validate once the interval passed since the last validation, checked after
+    each step (no end-of-epoch validation besides). A fake clock advances 1 s per training step."""
+    pl = pytest.importorskip("pytorch_lightning")
+    import time
+
+    clock = [1000.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+
+    def build(base):
+        class M(base):
+            def __init__(self):
+                super().__init__()
+                self.layer = torch.nn.Linear(3, 1)
+                self.validated_at = []
+
+            def training_step(self, batch, batch_idx):
+                clock[0] += 1.0
+                return torch.nn.functional.mse_loss(self.layer(batch[0]), batch[1])
+
+            def validation_step(self, batch, batch_idx):
+                if batch_idx == 0:
+                    self.validated_at.append(self.trainer.global_step)
+
+            def configure_optimizers(self):
+                return torch.optim.SGD(self.parameters(), lr=0.1)
+        return M
+
+    theirs, ours = build(pl.LightningModule)(), build(TrainModule)()
+    pl.Trainer(accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_checkpointing=False,
+               enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+               val_check_interval=interval).fit(theirs, _data(28), _data(8))
+    _trainer(tmp_path, max_epochs=2, num_sanity_val_steps=0, val_check_interval=interval).fit(ours, _data(28),
+                                                                                               _data(8))
+    assert theirs.validated_at and ours.validated_at == theirs.validated_at
