@@ -131,15 +131,31 @@ def load(trainer: "Trainer", path: str) -> None:
     trainer.hooks.load_state_dict(meta.get("callbacks", {}))
     trainer.module.on_load_checkpoint(meta)  # Lightning's order: the module, then the callbacks
     trainer.hooks("on_load_checkpoint", trainer, trainer.module, meta)
-    if s.global_rank < len(meta["rng"]):
-        checkpoint_io.set_rng_state(meta["rng"][s.global_rank])
-    else:  # a rank the saved job did not have: a fresh stream of its own
+    if not restore_rng(s, meta["rng"], path):  # a rank the saved job did not have: a fresh stream of its own
         from .utilities import seed_rngs
 
         seed_rngs(trainer.data_seed + 1_000_003 * s.global_rank + trainer.state.global_step)
         log.warning("resume: rank %d has no saved RNG state (saved on %d ranks); re-seeded",
                     s.global_rank, meta["world_size"])
     s.barrier()
+
+
+def restore_rng(s: Any, states: list, path: str | os.PathLike) -> bool:
+    """Collective: this rank's saved generator states, restored on every rank together; False
+    where the saved job had no such rank. A state that cannot be restored (a malformed RNG state
+    in meta.pt) is a CheckpointError on every rank at once, naming the rank and the cause; else
+    the others would wait for that rank in their next collective until its timeout."""
+    def restore() -> bool:
+        if s.global_rank >= len(states):
+            return False
+        try:
+            checkpoint_io.set_rng_state(states[s.global_rank])
+        except (RuntimeError, ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:
+            raise CheckpointError(f"checkpoint {path}: {checkpoint_io.META}: rank {s.global_rank}'s saved RNG "
+                                  f"state cannot be restored ({type(exc).__name__}: {exc})") from exc
+        return True
+
+    return reshard.agree(s, restore)
 
 
 def load_strategy(s: Any, optimizer: Any, path: str | os.PathLike) -> dict[str, Any]:

@@ -57,7 +57,7 @@ from torch import nn
 
 from ..strategies import Strategy, progress
 from ..strategies.optimizers import OptimizerSet
-from . import checkpoint_io, checkpointing, reshard
+from . import checkpointing, reshard
 from .errors import ConfigError
 from .job import check_cuda, check_num_nodes, distributed_loader, epoch_iterator, join_job, plugins
 from .launcher import LocalLauncher
@@ -320,17 +320,16 @@ class Engine:
                 obj.load_state_dict(value)
             else:
                 state[key] = value
-        self._restore_rng(meta)
+        self._restore_rng(meta, path)
         s.barrier()
         return {k: v for k, v in saved.items() if k not in state}
 
-    def _restore_rng(self, meta: dict[str, Any]) -> None:
-        """This rank's saved generator states; a rank the saved job did not have keeps its own
-        (the Trainer re-seeds it from its seed, which the Engine does not own)."""
+    def _restore_rng(self, meta: dict[str, Any], path: Any) -> None:
+        """This rank's saved generator states (collective: a malformed one fails every rank at
+        once); a rank the saved job did not have keeps its own (the Trainer re-seeds it from its
+        seed, which the Engine does not own)."""
         rng = meta.get("rng", [])
-        if self.global_rank < len(rng):
-            checkpoint_io.set_rng_state(rng[self.global_rank])
-        else:
+        if not checkpointing.restore_rng(self._strategy, rng, path):
             log.warning("resume: rank %d has no saved RNG state (saved on %d ranks); it keeps its own",
                         self.global_rank, len(rng))
 

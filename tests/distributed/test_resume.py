@@ -84,3 +84,39 @@ def test_interrupted_save_leaves_previous_checkpoint_loadable(tmp_path):
     assert checkpoint_io.resolve(final) == tmp_path / "last.old"
     (tmp_path / "last.partial").mkdir()  # a save killed while ranks were writing
     assert checkpoint_io.load_meta(final)[1]["world_size"] == 1
+
+
+def _malformed_rng_case(root):
+    """A checkpoint whose meta.pt holds a malformed RNG state for rank 1 only (a uint8 tensor of
+    the wrong length: the file checks pass, torch.set_rng_state refuses it), then a resume."""
+    import time
+
+    ck = os.path.join(root, "b", "step=000002")
+    _train(2, 2, os.path.join(root, "b"), every=2)
+    edited = os.path.join(root, "edited")
+    if int(os.environ["RANK"]) == 0:
+        from zerotrain.trainer import checkpoint_io
+
+        meta = torch.load(os.path.join(ck, checkpoint_io.META), weights_only=True)
+        meta["rng"][1]["torch"] = torch.zeros(10, dtype=torch.uint8)
+        torch.save(meta, os.path.join(ck, checkpoint_io.META))
+        open(edited, "w").close()
+    while not os.path.exists(edited):
+        time.sleep(0.05)
+    start = time.monotonic()
+    try:
+        _train(2, 4, os.path.join(root, "c"), resume_from=ck)
+    except Exception as exc:  # noqa: BLE001 - the test checks which
+        return {"error": f"{type(exc).__name__}: {exc}", "s": time.monotonic() - start}
+    return {"error": None, "s": time.monotonic() - start}
+
+
+def test_a_malformed_rng_state_fails_every_rank_promptly(tmp_path):
+    """It failed on rank 1 alone (RuntimeError from torch.set_rng_state) and left rank 0 in its
+    next collective: the ranks now agree on the failure first and all raise, naming the cause."""
+    out = run_ranks("test_resume:_malformed_rng_case", 2, tmp_path, timeout=150, root=str(tmp_path))
+    for r in range(2):
+        err = out[r]["error"]
+        assert err is not None and err.startswith("CheckpointError: "), (r, err)
+        assert "meta.pt: rank 1's saved RNG state cannot be restored (RuntimeError" in err, (r, err)
+        assert out[r]["s"] < 60, out[r]
