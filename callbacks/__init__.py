@@ -3,15 +3,18 @@ from .base import Callback, Logger
 from .checkpoint import ModelCheckpoint
 from .comms import CommsLogger
 from .early_stopping import EarlyStopping
+from .finetuning import BackboneFinetuning, BaseFinetuning
 from .flops import FlopsProfiler
 from .loggers import CSVLogger
 from .monitors import LearningRateMonitor, ThroughputMonitor
 from .progress import ProgressBar, TQDMProgressBar
 from .resources import ResourceMonitor
+from .schedules import DeviceStatsMonitor, GradientAccumulationScheduler, OnExceptionCheckpoint
 from .summary import ModelSummary
 from .tensorboard import TensorBoardLogger
 from .timer import Timer
 
 __all__ = ["Callback", "Logger", "ModelCheckpoint", "EarlyStopping", "LearningRateMonitor", "ThroughputMonitor",
            "ModelSummary", "ProgressBar", "TQDMProgressBar", "Timer", "TensorBoardLogger", "CSVLogger",
-           "ResourceMonitor", "CommsLogger", "FlopsProfiler"]
+           "ResourceMonitor", "CommsLogger", "FlopsProfiler", "BaseFinetuning", "BackboneFinetuning",
+           "GradientAccumulationScheduler", "OnExceptionCheckpoint", "DeviceStatsMonitor"]

@@ -41,6 +41,10 @@ PATHS = {
     "callbacks.lr_monitor": "callbacks.monitors",
     "callbacks.throughput_monitor": "callbacks.monitors",
     "callbacks.model_summary": "callbacks.summary",
+    "callbacks.finetuning": "callbacks.finetuning",
+    "callbacks.gradient_accumulation_scheduler": "callbacks.schedules",
+    "callbacks.on_exception_checkpoint": "callbacks.schedules",
+    "callbacks.device_stats_monitor": "callbacks.schedules",
     "callbacks.progress.progress_bar": "callbacks.progress",
     "callbacks.progress.tqdm_progress": "callbacks.progress",
     # lightning.pytorch.trainer.*
