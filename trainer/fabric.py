@@ -64,6 +64,12 @@ class Fabric(Engine):
         self._pending_module: nn.Module | None = None
 
     # ------------------------------------------------------------------ Fabric's names
+    def launch(self, function: Any = None, *args: Any, **kwargs: Any) -> Any:
+        """Join the job (the Engine's ``launch``); with ``function``, then run
+        ``function(fabric, *args, **kwargs)`` on every rank and return this rank's result."""
+        super().launch()
+        return function(self, *args, **kwargs) if function is not None else None
+
     @property
     def loggers(self) -> list[Any]:
         return list(self._loggers)
@@ -114,6 +120,18 @@ class Fabric(Engine):
             method = getattr(callback, hook_name, None)
             if callable(method):
                 method(*args, **kwargs)
+
+    def clip_gradients(self, module: Any, optimizer: Any, clip_val: float | None = None,
+                       max_norm: float | None = None, norm_type: float = 2.0,
+                       error_if_nonfinite: bool = True) -> None:
+        """Fabric's signature: ``max_norm`` bounds the next ``optimizer.step()``'s global L2 norm
+        (the Engine's ``clip_gradients``; the step clips, so nothing is returned). Clipping by
+        value and other norms are refused: the sharded strategies hold no whole gradient to clamp."""
+        if clip_val is not None or norm_type != 2.0 or max_norm is None:
+            raise ConfigError(f"Fabric.clip_gradients: clip_val={clip_val!r}, max_norm={max_norm!r}, "
+                              f"norm_type={norm_type!r}; valid: max_norm=<number > 0> with norm_type=2.0 "
+                              "(clipping by value is not supported)")
+        super().clip_gradients(module, optimizer, max_norm)
 
     def _resolve(self, model: Any) -> Any:
         return model._target() if isinstance(model, _PendingModule) else model

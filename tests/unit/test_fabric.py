@@ -99,6 +99,7 @@ def test_fabric_surface(tmp_path, monkeypatch):
     assert moved["x"][0].device == fabric.device
     with fabric.rank_zero_first():
         pass
+    assert fabric.launch(lambda f, k: (f is fabric, k), 3) == (True, 3)
     # setup_module then setup_optimizers, as Fabric's two-step set-up
     net = nn.Linear(3, 1)
     model = fabric.setup_module(net)
@@ -124,3 +125,13 @@ def test_fabric_reads_fabric_runs_variables(monkeypatch):
         Fabric(plugins=["x"])
     with pytest.raises(ConfigError, match="setup_optimizers: no module"):
         _fabric().setup_optimizers(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1))
+
+
+def test_clip_gradients_takes_fabrics_keywords():
+    fabric = _fabric()
+    net = nn.Linear(3, 1)
+    model, opt = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    fabric.clip_gradients(model, opt, max_norm=0.5)
+    assert opt.clip_at == 0.5
+    with pytest.raises(ConfigError, match="clip_val=0.25"):
+        fabric.clip_gradients(model, opt, clip_val=0.25)
