@@ -32,6 +32,12 @@ class TrainerProperties:
         return next(iter(self.checkpoint_callbacks), None)
 
     @property
+    def progress_bar_callback(self) -> Any:
+        """The progress bar (Lightning's ``ProgressBar``) among the callbacks, or None."""
+        from ..callbacks.progress import ProgressBar
+        return next((cb for cb in self.callbacks if isinstance(cb, ProgressBar)), None)
+
+    @property
     def early_stopping_callbacks(self) -> list:
         from ..callbacks.early_stopping import EarlyStopping
         return [cb for cb in self.callbacks if isinstance(cb, EarlyStopping)]
