@@ -9,6 +9,7 @@ from .loggers import CSVLogger
 from .monitors import LearningRateMonitor, ThroughputMonitor
 from .progress import ProgressBar, TQDMProgressBar
 from .resources import ResourceMonitor
+from .rich_progress import RichModelSummary, RichProgressBar, RichProgressBarTheme
 from .schedules import DeviceStatsMonitor, GradientAccumulationScheduler, OnExceptionCheckpoint
 from .summary import ModelSummary
 from .tensorboard import TensorBoardLogger
@@ -17,4 +18,5 @@ from .timer import Timer
 __all__ = ["Callback", "Logger", "ModelCheckpoint", "EarlyStopping", "LearningRateMonitor", "ThroughputMonitor",
            "ModelSummary", "ProgressBar", "TQDMProgressBar", "Timer", "TensorBoardLogger", "CSVLogger",
            "ResourceMonitor", "CommsLogger", "FlopsProfiler", "BaseFinetuning", "BackboneFinetuning",
-           "GradientAccumulationScheduler", "OnExceptionCheckpoint", "DeviceStatsMonitor"]
+           "GradientAccumulationScheduler", "OnExceptionCheckpoint", "DeviceStatsMonitor", "RichProgressBar",
+           "RichProgressBarTheme", "RichModelSummary"]

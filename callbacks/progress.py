@@ -152,7 +152,30 @@ class Tqdm(_tqdm):  # type: ignore[misc,valid-type]
         return text.ljust(5, "0")
 
 
-class TQDMProgressBar(ProgressBar):
+class SwitchedBar(ProgressBar):
+    """A bar drawn every ``refresh_rate`` (0: never) unless ``disable()``d (the Trainer disables
+    it off global rank 0); what the tqdm and Rich bars share."""
+
+    _enabled = True
+    _refresh_rate = 1
+    refresh_rate = property(lambda self: self._refresh_rate)
+
+    @property
+    def is_enabled(self) -> bool:
+        return self._enabled and self.refresh_rate > 0
+
+    @property
+    def is_disabled(self) -> bool:
+        return not self.is_enabled
+
+    def disable(self) -> None:
+        self._enabled = False
+
+    def enable(self) -> None:
+        self._enabled = True
+
+
+class TQDMProgressBar(SwitchedBar):
     """Lightning's default bar: ``refresh_rate`` batches between redraws (0 disables the bar; the
     ``TQDM_MINITERS`` environment variable raises it), ``process_position`` to stack several
     bars, ``leave=True`` keeps each epoch's bar on screen."""
@@ -189,22 +212,7 @@ class TQDMProgressBar(ProgressBar):
     test_progress_bar, predict_progress_bar = _set("test"), _set("predict")
     del _set
 
-    refresh_rate = property(lambda self: self._refresh_rate)
     process_position = property(lambda self: self._process_position)
-
-    @property
-    def is_enabled(self) -> bool:
-        return self._enabled and self.refresh_rate > 0
-
-    @property
-    def is_disabled(self) -> bool:
-        return not self.is_enabled
-
-    def disable(self) -> None:
-        self._enabled = False
-
-    def enable(self) -> None:
-        self._enabled = True
 
     # ---- the bars, as Lightning makes them (override to change one)
     def _tqdm(self, desc: str, position: int, leave: bool, **kwargs: Any) -> Tqdm:

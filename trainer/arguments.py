@@ -116,7 +116,14 @@ def default_callbacks(strategy: Any, root_dir: str, callbacks: list, checkpointi
         default = ModelCheckpoint(dirpath=os.path.join(root_dir, "checkpoints"), save_last=True)
         default.made_by_trainer = True
         callbacks.append(default)
-    if progress and not any(isinstance(c, ProgressBar) for c in callbacks):
+    bars = [c for c in callbacks if isinstance(c, ProgressBar)]
+    if len(bars) > 1:
+        raise ConfigError("You added multiple progress bar callbacks to the Trainer, but currently only one progress "
+                          "bar is supported.")
+    if bars and not progress:
+        raise ConfigError(f"Trainer was configured with `enable_progress_bar=False` but found "
+                          f"`{type(bars[0]).__name__}` in callbacks list.")
+    if progress and not bars:
         callbacks.append(TQDMProgressBar())
     return comms_logger_for(strategy, callbacks)  # strategy option comms_logger=True
 

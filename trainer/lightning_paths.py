@@ -46,6 +46,8 @@ PATHS = {
     "callbacks.on_exception_checkpoint": "callbacks.schedules",
     "callbacks.device_stats_monitor": "callbacks.schedules",
     "callbacks.progress.progress_bar": "callbacks.progress",
+    "callbacks.progress.rich_progress": "callbacks.rich_progress",
+    "callbacks.rich_model_summary": "callbacks.rich_progress",
     "callbacks.progress.tqdm_progress": "callbacks.progress",
     # lightning.pytorch.trainer.*
     "trainer.states": "trainer.state",

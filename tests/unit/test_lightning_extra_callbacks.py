@@ -51,12 +51,12 @@ def _module(base, fail_at=None):
     return M()
 
 
-def _fit(lib, callbacks, tmp_path, max_epochs=3, logger=False, **module_kw):
+def _fit(lib, callbacks, tmp_path, max_epochs=3, logger=False, enable_progress_bar=False, **module_kw):
     trainer_cls, base = (Trainer, TrainModule) if lib is zerotrain else (lib.Trainer, lib.LightningModule)
     model = _module(base, **module_kw)
     trainer = trainer_cls(accelerator="cpu", devices=1, max_epochs=max_epochs, logger=logger, callbacks=callbacks,
-                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                          default_root_dir=str(tmp_path), log_every_n_steps=1)
+                          enable_checkpointing=False, enable_progress_bar=enable_progress_bar,
+                          enable_model_summary=False, default_root_dir=str(tmp_path), log_every_n_steps=1)
     error = None
     try:
         trainer.fit(model)
@@ -146,3 +146,54 @@ def test_device_stats_monitor_logs_lightnings_names(tmp_path):
     assert any(n == "DeviceStatsMonitor.on_train_batch_end/cpu_percent" for n in names[0])
     with pytest.raises(MisconfigurationException, match=r"Trainer\(logger=False\)"):
         zerotrain.callbacks.DeviceStatsMonitor().setup(type("T", (), {"loggers": []})(), None, "fit")
+
+
+def _epoch_tasks(lib, tmp_path):
+    """(description, completed, total) of the Rich training task at each epoch's end."""
+    seen = []
+
+    class Spy(lib.callbacks.Callback):
+        def on_train_epoch_end(self, trainer, module):
+            task = trainer.progress_bar_callback.train_progress_bar
+            seen.append((task.description, task.completed, task.total))
+
+    bar = lib.callbacks.RichProgressBar(console_kwargs={"force_terminal": False, "width": 120})
+    _, _, error = _fit(lib, [bar, Spy()], tmp_path, max_epochs=2, enable_progress_bar=True)
+    assert error is None and bar.is_enabled
+    return seen
+
+
+def test_rich_progress_bar_tracks_the_epoch_as_lightnings(tmp_path):
+    pl = _pl()
+    assert _epoch_tasks(zerotrain, tmp_path / "ours") == _epoch_tasks(pl, tmp_path / "theirs") == \
+        [("Epoch 0/1 ", 4, 4), ("Epoch 1/1 ", 4, 4)]
+    assert zerotrain.callbacks.RichProgressBar(refresh_rate=0).is_disabled
+    theme = pl.callbacks.progress.rich_progress.RichProgressBarTheme()
+    assert zerotrain.callbacks.RichProgressBarTheme().__dict__ == theme.__dict__ or \
+        zerotrain.callbacks.RichProgressBarTheme().progress_bar == theme.progress_bar
+
+
+def test_a_progress_bar_with_the_bar_off_is_lightnings_error(tmp_path):
+    with pytest.raises(MisconfigurationException, match="configured with `enable_progress_bar=False` but found "
+                                                        "`RichProgressBar` in callbacks list"):
+        Trainer(callbacks=[zerotrain.callbacks.RichProgressBar()], enable_progress_bar=False)
+    with pytest.raises(MisconfigurationException, match="multiple progress bar callbacks"):
+        Trainer(callbacks=[zerotrain.callbacks.TQDMProgressBar(), zerotrain.callbacks.TQDMProgressBar()])
+
+
+def test_rich_needs_rich(monkeypatch):
+    from zerotrain.callbacks import rich_progress
+
+    monkeypatch.setattr(rich_progress, "version_at_least", lambda *a: False)
+    with pytest.raises(ModuleNotFoundError, match=r"`RichProgressBar` requires `rich` >= 10.2.2"):
+        rich_progress.RichProgressBar()
+    with pytest.raises(ModuleNotFoundError, match=r"`RichModelSummary` requires `rich`"):
+        rich_progress.RichModelSummary()
+
+
+def test_rich_model_summary_prints_a_table(tmp_path, capsys):
+    summary = zerotrain.callbacks.RichModelSummary(max_depth=2)
+    _fit(zerotrain, [summary], tmp_path, max_epochs=1)
+    out = capsys.readouterr().out
+    assert "backbone.0" in out and "Trainable params" in out and "Total params" in out
+    assert summary.totals["total"] == 4 * 4 + 4 + 4 * 2 + 4 + 1
