@@ -5,6 +5,7 @@ from .comms import CommsLogger
 from .early_stopping import EarlyStopping
 from .finetuning import BackboneFinetuning, BaseFinetuning
 from .flops import FlopsProfiler
+from .lambda_function import LambdaCallback
 from .loggers import CSVLogger
 from .monitors import LearningRateMonitor, ThroughputMonitor
 from .progress import ProgressBar, TQDMProgressBar
@@ -19,4 +20,4 @@ __all__ = ["Callback", "Logger", "ModelCheckpoint", "EarlyStopping", "LearningRa
            "ModelSummary", "ProgressBar", "TQDMProgressBar", "Timer", "TensorBoardLogger", "CSVLogger",
            "ResourceMonitor", "CommsLogger", "FlopsProfiler", "BaseFinetuning", "BackboneFinetuning",
            "GradientAccumulationScheduler", "OnExceptionCheckpoint", "DeviceStatsMonitor", "RichProgressBar",
-           "RichProgressBarTheme", "RichModelSummary"]
+           "RichProgressBarTheme", "RichModelSummary", "LambdaCallback"]

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import math
+from enum import Enum
 from typing import Any
 
 from .base import Callback
@@ -10,6 +11,16 @@ from .base import Callback
 log = logging.getLogger("zerotrain")
 
 MODES = ("min", "max")
+
+
+class EarlyStoppingReason(Enum):
+    """Why ``EarlyStopping`` stopped (``stopping_reason``), Lightning's values."""
+
+    NOT_STOPPED = 0
+    STOPPING_THRESHOLD = 1
+    DIVERGENCE_THRESHOLD = 2
+    PATIENCE_EXHAUSTED = 3
+    NON_FINITE_METRIC = 4
 
 
 class EarlyStopping(Callback):
@@ -41,7 +52,8 @@ class EarlyStopping(Callback):
         self.best_score = math.inf if mode == "min" else -math.inf
         self.wait_count = 0
         self.stopped_epoch = 0
-        self.stopping_reason: str | None = None
+        self.stopping_reason = EarlyStoppingReason.NOT_STOPPED
+        self.stopping_reason_message: str | None = None
 
     @property
     def state_key(self) -> str:
@@ -82,31 +94,44 @@ class EarlyStopping(Callback):
             log.info("EarlyStopping: %s", reason)
 
     def evaluate(self, current: float) -> tuple[bool, str | None]:
-        """One check of the monitored value: (stop?, why). Updates ``best_score``/``wait_count``."""
-        name = self.monitor
+        """One check of the monitored value: (stop?, why). Updates ``best_score``/``wait_count`` and,
+        on a stop, ``stopping_reason`` (Lightning's ``EarlyStoppingReason``) and its message."""
+        stop, reason, kind = self._decide(current)
+        if stop:
+            self.stopping_reason, self.stopping_reason_message = kind, reason
+        return stop, reason
+
+    def _decide(self, current: float) -> tuple[bool, str | None, "EarlyStoppingReason"]:
+        name, R = self.monitor, EarlyStoppingReason
         if self.check_finite and not math.isfinite(current):
-            return True, f"{name}={current} is not finite; previous best {self.best_score:.3f}: stopping"
+            return True, f"{name}={current} is not finite; previous best {self.best_score:.3f}: stopping", \
+                R.NON_FINITE_METRIC
         if self.stopping_threshold is not None and self._better(current, self.stopping_threshold):
-            return True, f"{name}={current:.3f} reached stopping_threshold={self.stopping_threshold}: stopping"
+            return True, f"{name}={current:.3f} reached stopping_threshold={self.stopping_threshold}: stopping", \
+                R.STOPPING_THRESHOLD
         if self.divergence_threshold is not None and self._better(-current, -self.divergence_threshold):
-            return True, f"{name}={current:.3f} passed divergence_threshold={self.divergence_threshold}: stopping"
+            return True, f"{name}={current:.3f} passed divergence_threshold={self.divergence_threshold}: stopping", \
+                R.DIVERGENCE_THRESHOLD
         if self._better(current - self.min_delta, self.best_score):
             improved = f"{name} improved to {current:.3f}" + (
                 f" (by {abs(self.best_score - current):.3f})" if math.isfinite(self.best_score) else "")
             self.best_score, self.wait_count = current, 0
-            return False, improved
+            return False, improved, R.NOT_STOPPED
         self.wait_count += 1
         if self.wait_count >= self.patience:
             return True, (f"{name} did not improve for {self.wait_count} checks; best {self.best_score:.3f}: "
-                          "stopping")
-        return False, None
+                          "stopping"), R.PATIENCE_EXHAUSTED
+        return False, None, R.NOT_STOPPED
 
     def state_dict(self) -> dict[str, Any]:
         return {"wait_count": self.wait_count, "stopped_epoch": self.stopped_epoch,
-                "best_score": self.best_score, "patience": self.patience}
+                "best_score": self.best_score, "patience": self.patience,
+                "stopping_reason": self.stopping_reason.value, "stopping_reason_message": self.stopping_reason_message}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.wait_count = int(state["wait_count"])
         self.stopped_epoch = int(state["stopped_epoch"])
         self.best_score = float(state["best_score"])
         self.patience = int(state["patience"])
+        self.stopping_reason = EarlyStoppingReason(state.get("stopping_reason", 0))
+        self.stopping_reason_message = state.get("stopping_reason_message")

@@ -40,7 +40,7 @@ class ExperimentWriter:
         self.metrics.append(row)
 
     def save(self) -> None:
-        from .tensorboard import save_hparams_to_yaml
+        from ..trainer.saving import save_hparams_to_yaml
 
         save_hparams_to_yaml(os.path.join(self.log_dir, self.NAME_HPARAMS_FILE), self.hparams)
         if not self.metrics:

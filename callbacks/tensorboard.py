@@ -8,7 +8,12 @@ import warnings
 from argparse import Namespace
 from typing import Any
 
+from ..trainer.imports import package_available
+from ..trainer.saving import save_hparams_to_yaml
 from .base import VersionedLogger, rank_zero_experiment
+
+_TENSORBOARD_AVAILABLE = package_available("tensorboard")
+_TENSORBOARDX_AVAILABLE = package_available("tensorboardX")
 
 
 class TensorBoardLogger(VersionedLogger):
@@ -164,20 +169,3 @@ def _shown(value: Any) -> Any:
     if isinstance(value, (bool, int, float, str)) or torch.is_tensor(value):
         return value
     return str(value)
-
-
-def save_hparams_to_yaml(path: str, hparams: dict) -> None:
-    """``hparams.yaml``: plain values as they are, the others as their ``repr``."""
-    import yaml
-
-    def plain(value: Any) -> Any:
-        if isinstance(value, (int, float, str, bool, type(None))):
-            return value
-        if isinstance(value, (list, tuple)):
-            return [plain(v) for v in value]
-        if isinstance(value, dict):
-            return {k: plain(v) for k, v in value.items()}
-        return repr(value)
-
-    with open(path, "w") as f:
-        yaml.safe_dump({k: plain(v) for k, v in hparams.items()}, f, sort_keys=False)

@@ -19,7 +19,8 @@ PATHS = {
     "core.module": "trainer.module",
     "core.datamodule": "trainer.datamodule",
     "core.hooks": "trainer.datamodule",
-    "core.saving": "trainer.from_checkpoint",
+    "core.saving": "trainer.saving",
+    "core.optimizer": "trainer.optimization",
     "core.mixins": "trainer.hparams",
     "core.mixins.hparams_mixin": "trainer.hparams",
     # lightning.pytorch.demos.*
@@ -42,6 +43,7 @@ PATHS = {
     "callbacks.throughput_monitor": "callbacks.monitors",
     "callbacks.model_summary": "callbacks.summary",
     "callbacks.finetuning": "callbacks.finetuning",
+    "callbacks.lambda_function": "callbacks.lambda_function",
     "callbacks.gradient_accumulation_scheduler": "callbacks.schedules",
     "callbacks.on_exception_checkpoint": "callbacks.schedules",
     "callbacks.device_stats_monitor": "callbacks.schedules",

@@ -399,3 +399,7 @@ class AutomaticOptimizer(ManualOptimizer):
         if self.stepped is None and self._trainer._backward_in_step:  # else nothing to step on
             self.stepped = self._trainer.strategy.optimizer_step(*(self.clip or (None, "norm")))
         return out
+
+
+#: Lightning's name (``zerotrain.core.optimizer.LightningOptimizer``) for what ``self.optimizers()`` returns
+LightningOptimizer = ManualOptimizer

@@ -207,3 +207,76 @@ def test_module_prepare_data_runs_before_setup(tmp_path):
     trainer.fit(module)
     trainer.predict(module, DataLoader(TensorDataset(torch.ones(2, 1))))
     assert calls == ["prepare_data", "setup:fit", "prepare_data", "setup:predict"]
+
+
+def test_lambda_callback_calls_the_functions_given(tmp_path):
+    from zerotrain.callbacks import LambdaCallback
+    from zerotrain.demos import BoringModel
+
+    calls = []
+    cb = LambdaCallback(on_fit_start=lambda trainer, module: calls.append("fit_start"),
+                        on_train_epoch_end=lambda trainer, module: calls.append(f"epoch_end:{trainer.current_epoch}"))
+    Trainer(accelerator="cpu", devices=1, max_epochs=2, limit_train_batches=2, limit_val_batches=0, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[cb],
+            default_root_dir=str(tmp_path)).fit(BoringModel())
+    assert calls == ["fit_start", "epoch_end:0", "epoch_end:1"]
+    with pytest.raises(TypeError, match="unknown hook"):
+        LambdaCallback(on_everything=print)
+
+
+@pytest.mark.parametrize("kw, seq", [({"patience": 2}, [1.0, 1.0, 1.0]), ({"stopping_threshold": 0.5}, [1.0, 0.4]),
+                                     ({"divergence_threshold": 5.0}, [1.0, 6.0]), ({}, [1.0, float("nan")]),
+                                     ({"patience": 5}, [3.0, 2.0])])
+def test_early_stopping_reason_is_lightnings(kw, seq):
+    pl = pytest.importorskip("pytorch_lightning")
+    from pytorch_lightning.callbacks.early_stopping import EarlyStoppingReason as Theirs
+
+    from zerotrain.callbacks import EarlyStopping
+    from zerotrain.callbacks.early_stopping import EarlyStoppingReason
+
+    ours, theirs = EarlyStopping("m", **kw), pl.callbacks.EarlyStopping("m", **kw)
+    for value in seq:
+        ours.evaluate(value)
+        theirs._evaluate_stopping_criteria(torch.tensor(value))
+        if theirs.stopping_reason != Theirs.NOT_STOPPED:
+            break
+    assert ours.stopping_reason.name == theirs.stopping_reason.name
+    assert isinstance(ours.stopping_reason, EarlyStoppingReason)
+    restored = EarlyStopping("m", **kw)
+    restored.load_state_dict(ours.state_dict())
+    assert restored.stopping_reason is ours.stopping_reason
+
+
+def test_hparams_yaml_round_trips_with_lightnings(tmp_path):
+    pl = pytest.importorskip("pytorch_lightning")
+    from pytorch_lightning.core import saving as theirs
+
+    from zerotrain.core.saving import load_hparams_from_yaml, save_hparams_to_yaml
+
+    hparams = {"lr": 0.1, "layers": [1, 2], "name": "x", "nested": {"a": 1}}
+    save_hparams_to_yaml(tmp_path / "ours.yaml", hparams)
+    theirs.save_hparams_to_yaml(tmp_path / "theirs.yaml", hparams)
+    assert (tmp_path / "ours.yaml").read_text() == (tmp_path / "theirs.yaml").read_text()
+    assert load_hparams_from_yaml(tmp_path / "theirs.yaml", use_omegaconf=False) == hparams
+    assert theirs.load_hparams_from_yaml(tmp_path / "ours.yaml", use_omegaconf=False) == hparams
+    with pytest.warns(UserWarning, match="Missing Tags"):
+        assert load_hparams_from_yaml(tmp_path / "none.yaml") == {}
+    with pytest.raises(RuntimeError, match="Missing folder"):
+        save_hparams_to_yaml(tmp_path / "no" / "h.yaml", hparams)
+    assert pl is not None
+
+
+def test_manual_optimizers_are_lightning_optimizers(tmp_path):
+    from zerotrain.core.optimizer import LightningOptimizer
+    from zerotrain.demos import ManualOptimBoringModel
+
+    seen = []
+
+    class Model(ManualOptimBoringModel):
+        def training_step(self, batch, batch_idx):
+            seen.append(isinstance(self.optimizers(), LightningOptimizer))
+            return super().training_step(batch, batch_idx)
+
+    Trainer(accelerator="cpu", devices=1, max_steps=2, limit_val_batches=0, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path)).fit(Model())
+    assert seen == [True, True]
