@@ -80,7 +80,8 @@ def describe(exc: BaseException, overrides: Sequence[str]) -> ConfigError:
         if expected is None:
             return ConfigError(f"{full_key}={value}: {_first_line(cause)}; valid: see zerotrain-train --help")
         default = {f.name: f.default for f in dataclasses.fields(schema)}.get(key)
-        example = f", e.g. {default} (the default)" if isinstance(default, (int, float, str)) else ""
+        shown = str(default).lower() if isinstance(default, bool) else default  # YAML's true/false
+        example = f", e.g. {shown} (the default)" if isinstance(default, (int, float, str)) else ""
         return ConfigError(f"{full_key}={value}: is not {expected}; valid: {expected}{example}")
     where = (full_key if value is None else f"{full_key}={value}") + ": " if full_key else ""
     return ConfigError(f"{where}{_first_line(cause) or type(cause).__name__}; valid: see zerotrain-train --help")

@@ -112,6 +112,44 @@ def test_hydra_compose_errors_are_one_line_with_code_2(tmp_path, overrides, expe
     assert "base_" not in lines[0] and "schema_" not in lines[0]  # only options a user can pick
 
 
+@pytest.mark.parametrize("argv,said", [
+    (["trainer.enable_checkpointing=maybe"], "trainer.enable_checkpointing=maybe: is not true or false; valid: "
+                                             "true or false, e.g. true (the default)"),
+    (["trainer.max_epochs=x"], "trainer.max_epochs=x: is not an integer or null; valid: an integer or null"),
+    (["strategy=zero3", "strategy.prefetch_bucket_size=x"], "strategy.prefetch_bucket_size=x: is not an integer"),
+    (["model.n_embd=x"], "model.n_embd=x: is not an integer; valid: an integer, e.g. 256 (the default)"),
+    (["model=gpt_huge"], "model=gpt_huge: no such option; valid: gpt_118m, gpt_21m, gpt_small, gpt_tiny"),
+    (["nosuch=3"], "nosuch=3: no such key in the top level; valid keys: callbacks, ckpt_path, data,"),
+    (["-m", "trainer.devices=1,x"], "trainer.devices=x: is not an integer"),
+    (["trainer.devices=${oc.env:ZT_NO_SUCH_VARIABLE}", "--cfg", "job"], None),  # resolved later, in run()
+])
+def test_compose_check_in_process(argv, said):
+    from zerotrain.train import normalize_overrides  # noqa: F401  (registers the schemas)
+    from zerotrain.trainer.compose_check import check_compose
+    from zerotrain.trainer.errors import ConfigError
+
+    if said is None:
+        check_compose(argv, "zerotrain.conf", "config")
+        return
+    with pytest.raises(ConfigError) as info:
+        check_compose(argv, "zerotrain.conf", "config")
+    msg = str(info.value)
+    assert said in msg and "\n" not in msg and "schema_" not in msg, msg
+
+
+def test_compose_check_reads_a_tuned_config_dir(tmp_path):
+    """``zerotrain-train --config-dir OUT +tuned=NAME`` (zerotrain-tune's output) composes with it."""
+    from zerotrain.train import normalize_overrides  # noqa: F401
+    from zerotrain.trainer.compose_check import check_compose
+    from zerotrain.trainer.errors import ConfigError
+
+    (tmp_path / "tuned").mkdir()
+    (tmp_path / "tuned" / "best.yaml").write_text("# @package _global_\ntrainer:\n  devices: 1\n")
+    check_compose(["--config-dir", str(tmp_path), "+tuned=best"], "zerotrain.conf", "config")
+    with pytest.raises(ConfigError, match="tuned=bst: no such option; valid: best"):
+        check_compose(["--config-dir", str(tmp_path), "+tuned=bst"], "zerotrain.conf", "config")
+
+
 def test_help_lists_only_selectable_options(tmp_path):
     proc, _ = _run_cli(tmp_path, "--help")
     assert proc.returncode == 0, proc.stderr[-3000:]
