@@ -22,6 +22,7 @@ from .errors import ConfigError
 from .logging import hook_scope
 from .module import TrainModule
 from .state import RunningStage
+from .utilities import isolate_rng
 from .signature import overridden, required_without_default, takes
 
 log = logging.getLogger("zerotrain")
@@ -125,7 +126,8 @@ class TrainerEvaluation:
         self._logging.reset_metrics()
         self.sanity_checking = True
         try:
-            self._run_validation(self.val_dataloader)
+            with isolate_rng():  # as Lightning: the check leaves the RNG streams (dropout, loader seeds) as they were
+                self._run_validation(self.val_dataloader)
         finally:
             self.sanity_checking = False
             self._logging.reset_metrics()

@@ -64,10 +64,9 @@ class TrainerProperties:
 
     @property
     def model(self) -> Any:
-        """What the strategy runs the module through (Lightning's ``trainer.model``), or the
-        module before set-up."""
-        wrapped = getattr(self._strategy, "model", None)
-        return wrapped if wrapped is not None else self.module
+        """The module being trained (Lightning's ``trainer.model`` is the strategy's wrapper of it
+        under DDP; zerotrain's wrappers route the step methods and are no user-facing model)."""
+        return self.module
 
     @property
     def device_ids(self) -> list[int]:

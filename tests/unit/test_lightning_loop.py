@@ -341,7 +341,8 @@ def test_configure_optimizers_none_trains_without_an_optimizer(tmp_path):
 
 
 def test_dropout_losses_match_lightning_one_process(tmp_path, lightning_env):
-    """Same seed, same module with dropout, unshuffled loader: the same per-step losses."""
+    """Same seed, same module with dropout, unshuffled loader, a validation loader: the same
+    per-step losses (the sanity check leaves the RNG streams as they were, as Lightning's)."""
     pl = pytest.importorskip("pytorch_lightning")
 
     def build(base):
@@ -356,6 +357,9 @@ def test_dropout_losses_match_lightning_one_process(tmp_path, lightning_env):
                 self.losses.append(loss.item())
                 return loss
 
+            def validation_step(self, batch, batch_idx):
+                self.log("v", torch.nn.functional.mse_loss(self.layer(batch[0]), batch[1]))
+
             def configure_optimizers(self):
                 return torch.optim.SGD(self.parameters(), lr=0.1)
         return M
@@ -363,10 +367,10 @@ def test_dropout_losses_match_lightning_one_process(tmp_path, lightning_env):
     pl.seed_everything(7)
     theirs = build(pl.LightningModule)()
     pl.Trainer(accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_checkpointing=False,
-               enable_progress_bar=False, enable_model_summary=False).fit(theirs, _data())
+               enable_progress_bar=False, enable_model_summary=False).fit(theirs, _data(), _data(8))
     zerotrain.seed_everything(7)
     ours = build(TrainModule)()
-    _trainer(tmp_path, max_epochs=2).fit(ours, _data())
+    _trainer(tmp_path, max_epochs=2).fit(ours, _data(), _data(8))
     assert ours.losses == pytest.approx(theirs.losses, rel=1e-6, abs=1e-7)
 
 
