@@ -64,11 +64,19 @@ def test_loaders_are_transparent_and_one_process_keeps_its_sampler():
     assert all(torch.equal(a, b) for a, b in zip(got, want)) and len(got) == len(want)
 
 
-def test_the_sampler_seed_is_seed_everythings():
+def test_the_sampler_seed_is_seed_everythings(monkeypatch):
     assert sampler_seed(None) == 0
     seed_everything(42)
     assert sampler_seed(None) == 42 and sampler_seed(7) == 7
-    assert Engine(accelerator="cpu", devices=1, strategy="single").seed is None  # no Engine(seed=0) default
+    engine = Engine(accelerator="cpu", devices=1, strategy="single")
+    # this rank as one of two data-parallel ranks: the loader goes over a DistributedSampler
+    monkeypatch.setattr(type(engine.strategy), "data_parallel_world_size", property(lambda s: 2))
+    monkeypatch.setattr(type(engine.strategy), "data_parallel_rank", property(lambda s: 0))
+    loader = engine.setup_dataloaders(DataLoader(_data(), batch_size=2, shuffle=True))
+    assert type(loader.sampler).__name__ == "DistributedSampler" and loader.sampler.shuffle
+    assert loader.sampler.seed == 42  # Engine(seed=0) seeded it with 0 before, whatever seed_everything said
+    assert Engine(accelerator="cpu", devices=1, strategy="single", seed=7).setup_dataloaders(
+        DataLoader(_data(), batch_size=2, shuffle=True)).sampler.seed == 7
 
 
 def test_fabric_surface(tmp_path, monkeypatch):
