@@ -108,13 +108,20 @@ def backward_as_ranks(params, micro_batches, loss_fn, world: int) -> None:
     accumulates its shard of the micro-batches locally (loss / len(micro_batches)), then the ranks'
     gradients are divided by ``world`` and summed in rank order. A parameter no rank's loss
     reaches keeps ``.grad`` None, as in PyTorch."""
+    backward_per_rank(params, [[shard(b, r, world) for b in micro_batches] for r in range(world)], loss_fn)
+
+
+def backward_per_rank(params, rank_micro_batches, loss_fn) -> None:
+    """``backward_as_ranks`` with each rank's micro-batches given (a pipeline's replicas: each
+    its own batch, cut into micro-batches): rank-local sums of loss / len(micro), then the mean
+    over the ranks, summed in rank order, added to ``.grad``."""
     params = [p for p in params if p.requires_grad]
-    accum = len(micro_batches)
+    world = len(rank_micro_batches)
     local = []
-    for r in range(world):
+    for micro_batches in rank_micro_batches:
         acc: list = [None] * len(params)
         for batch in micro_batches:
-            grads = torch.autograd.grad(loss_fn(shard(batch, r, world)) / accum, params, allow_unused=True)
+            grads = torch.autograd.grad(loss_fn(batch) / len(micro_batches), params, allow_unused=True)
             acc = [a if g is None else g if a is None else a + g for a, g in zip(acc, grads)]
         local.append(acc)
     for i, p in enumerate(params):
