@@ -19,10 +19,10 @@ def rank_zero_print(trainer: Any, *args: Any, **kwargs: Any) -> None:
 
     bar = next((cb for cb in (trainer.callbacks if trainer is not None else [])
                 if isinstance(cb, ProgressBar) and getattr(cb, "is_enabled", False)), None)
-    if bar is None or kwargs.get("file") not in (None, sys.stdout):
+    if bar is None:
         print(*args, **kwargs)
         return
-    bar.print(*args, **kwargs)
+    bar.print(*args, **kwargs)  # file= too (tqdm.write writes there), as Lightning
 
 
 def _to_tensors(data: Any, device: torch.device) -> Any:

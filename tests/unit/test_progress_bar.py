@@ -103,3 +103,30 @@ def test_module_print_goes_through_the_bar(tmp_path, capsys):
                       enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=str(tmp_path))
     trainer.fit(Printing())
     assert "hello 0" in capsys.readouterr().out
+
+
+def test_module_print_reaches_tqdm_write_as_lightnings(tmp_path, monkeypatch):
+    """self.print(..., file=sys.stderr) too goes through the bar's tqdm.write, with its keywords."""
+    import sys
+    from unittest import mock
+
+    pl = pytest.importorskip("pytorch_lightning")
+    monkeypatch.chdir(tmp_path)
+    calls = []
+    for trainer_cls, base, bar in ((Trainer, TrainModule, TQDMProgressBar),
+                                   (pl.Trainer, pl.LightningModule, pl.callbacks.TQDMProgressBar)):
+        class Printing(type(_module(base))):
+            def training_step(self, batch, batch_idx):
+                self.print("training_step", end="")
+                return super().training_step(batch, batch_idx)
+
+            def validation_step(self, batch, batch_idx):
+                self.print("validation_step", file=sys.stderr)
+
+        with mock.patch("tqdm.tqdm.write") as write:
+            trainer_cls(accelerator="cpu", devices=1, max_steps=1, limit_val_batches=1, num_sanity_val_steps=0,
+                        logger=False, enable_checkpointing=False, enable_model_summary=False,
+                        val_check_interval=1, callbacks=[bar()]).fit(Printing())
+        calls.append(write.call_args_list)
+    assert calls[0] == calls[1] == [mock.call("training_step", end=""),
+                                    mock.call("validation_step", file=sys.stderr)]
