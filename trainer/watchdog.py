@@ -29,6 +29,8 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import signal
+import socket
 import sys
 import threading
 import time
@@ -131,6 +133,7 @@ class ProgressWatchdog:
         """Start watching (idempotent): when the fit loop begins."""
         if self._thread is not None:
             return
+        self.store.set(self._where_key(self.rank), f"{socket.gethostname()}|{os.getpid()}")
         self._publish()
         self._thread = threading.Thread(target=self._run, name="zerotrain-progress-watchdog", daemon=True)
         self._thread.start()
@@ -160,6 +163,31 @@ class ProgressWatchdog:
             p = Progress.decode(raw)
             out[r] = p._replace(idle_s=p.idle_s + now - self._seen[r][1])
         return out
+
+    def _where_key(self, rank: int) -> str:
+        return f"{self._keys[rank]}/process"
+
+    def _end_frozen(self, stuck: int) -> str:
+        """SIGKILL the stuck rank when it cannot end itself: its own watchdog thread has published
+        nothing for ``timeout_s`` (the process is stopped, ``SIGSTOP``, or its thread starved) and
+        it runs on this host. A stopped process ignores everything else, even its launcher's
+        SIGTERM or parent-death signal, and would outlive the job or keep it from ending (our
+        launcher's rank 0 is the job's main process). Returns what was done, for the message."""
+        seen = self._seen.get(stuck)
+        if seen is None or time.monotonic() - seen[1] < self.timeout_s:
+            return ""
+        try:
+            host, pid = bytes(self.store.get(self._where_key(stuck))).decode().split("|")
+        except Exception:  # noqa: BLE001 - no record (an older rank) or the store is gone
+            return ""
+        if host != socket.gethostname() or int(pid) == os.getpid():
+            return ""
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except OSError:  # already gone
+            return ""
+        return (f"[zerotrain] rank {self.rank}: rank {stuck} (pid {pid}) published nothing for "
+                f"{time.monotonic() - seen[1]:.0f} s (stopped?) and cannot end itself: killed it (SIGKILL).\n")
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -191,6 +219,7 @@ class ProgressWatchdog:
                    f"(last step {p.step}, in {p.phase}) while this rank waits for it; ending (rank "
                    f"{stuck} prints its stack).\n")
             time.sleep(_GRACE_S)  # let the stuck rank print first; a launcher may end us before
+            msg += self._end_frozen(stuck)
         sys.stderr.write(msg)
         sys.stderr.flush()
         os._exit(STALL_EXIT_CODE)
