@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from harness import load_checkpoint, run_ranks, save_checkpoint
+from tolerance import backward_per_rank, mean_rtol, peer_bound, rel_err
 
 STEPS = 10
 VOCAB, DIM, SEQ = 13, 8, 6
@@ -110,6 +111,22 @@ def _same(a: dict, b: dict) -> bool:
                for k, v in a.items())
 
 
+def _ratio(got: dict, ref_state: dict, peer_state: dict, prefix: str = "") -> float:
+    """The worst tensor's relative error against the plain loop over its bound: no worse than the
+    peer (the plain loop summed as the pipeline's replicas and micro-batches sum), PEER_FACTOR x
+    the peer's error + 4 ulps (``tolerance.peer_bound``); at most 1 passes."""
+    return max(rel_err(got[prefix + k], v) / peer_bound(rel_err(peer_state[k], v)) for k, v in ref_state.items()
+               if prefix + k in got)
+
+
+def _val_ok(r: dict, key: str) -> bool:
+    """An evaluation loss of the trained weights: no worse than the peer's, + 2 mean_rtol(n) for
+    two orders of one n-term mean (``r["terms"]``: the global batch's loss terms)."""
+    want = r[f"ref_{key}"]
+    bound = peer_bound(abs(r[f"peer_{key}"] - want) / want, floor=2 * mean_rtol(r["terms"]))
+    return abs(r[key] - want) <= bound * want
+
+
 def _run_case(case: dict, ck_name: str) -> dict:
     import torch.distributed as dist
 
@@ -122,6 +139,7 @@ def _run_case(case: dict, ck_name: str) -> dict:
     world = int(os.environ["WORLD_SIZE"])
     torch.manual_seed(0)
     ref = {"lm": _lm_reference, "mlp": _mlp_reference, "tuple": _tuple_reference, "deep": _deep_reference}[kind]()
+    peer = copy.deepcopy(ref)  # the plain loop summed as the replicas and micro-batches sum
     loss_fn = _lm_loss if kind in ("lm", "deep") else F.mse_loss
 
     class Model(TrainModule):
@@ -158,9 +176,9 @@ def _run_case(case: dict, ck_name: str) -> dict:
         return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
 
     strategy.setup_optimizer(make_opt(strategy.parameters_for_optimizer()))
-    ref_opt = make_opt(ref.parameters())
+    ref_opt, peer_opt = make_opt(ref.parameters()), make_opt(peer.parameters())
     clip, replicas = case.get("clip"), strategy.data_parallel_world_size
-    losses, ref_losses, clipped = [], [], 0
+    losses, ref_losses, peer_losses, clipped = [], [], [], 0
     for step in range(STEPS):
         loss = strategy.run_schedule(_batch(kind, step, replica, rows), step, _Hooks())
         strategy.optimizer_step(clip)
@@ -173,12 +191,21 @@ def _run_case(case: dict, ck_name: str) -> dict:
         ref_opt.step()
         ref_opt.zero_grad()
         ref_losses.append(float(ref_loss))
+        with torch.no_grad():
+            peer_losses.append(float(loss_fn(peer(torch.cat(xs)), torch.cat(ys))))
+        backward_per_rank(peer.parameters(), [list(zip(x.chunk(m), y.chunk(m))) for x, y in zip(xs, ys)],
+                          lambda b: loss_fn(peer(b[0]), b[1]))
+        if clip:
+            torch.nn.utils.clip_grad_norm_(peer.parameters(), clip)
+        peer_opt.step()
+        peer_opt.zero_grad()
 
-    ref_state = ref.state_dict()
+    ref_state, peer_state = ref.state_dict(), peer.state_dict()
     mine = {k[len("pipe."):]: v for k, v in model.state_dict().items()}
-    rel = max(float((v - ref_state[k]).norm() / ref_state[k].norm()) for k, v in mine.items())
-    out = {"rank": dist.get_rank(), "stage": stage, "replica": replica, "rel": rel, "losses": losses,
-           "ref_losses": ref_losses, "peak": strategy.live_activation_peak, "clipped": clipped,
+    out = {"rank": dist.get_rank(), "stage": stage, "replica": replica, "ratio": _ratio(mine, ref_state, peer_state),
+           "losses": losses, "ref_losses": ref_losses, "peer_losses": peer_losses,
+           "terms": replicas * rows * (SEQ if kind in ("lm", "deep") else 4),
+           "peak": strategy.live_activation_peak, "clipped": clipped,
            "keys": sorted(mine), "writes_shard": strategy.writes_shard()}
     shards, numel = strategy.param_shards(), {n: p.numel() for n, p in model.named_parameters()}
     out["shard_ranges"] = {n: (sh.start, sh.end) for n, sh in shards.items()}
@@ -192,26 +219,28 @@ def _run_case(case: dict, ck_name: str) -> dict:
     full = strategy.full_state_dict()
     if dist.get_rank() == 0:
         out["full_keys"] = sorted(full)
-        out["full_rel"] = max(float((full["pipe." + k] - v).norm() / v.norm()) for k, v in ref_state.items())
+        out["full_ratio"] = _ratio(full, ref_state, peer_state, "pipe.")
     if case.get("validate"):
         x, y = _batch(kind, 99, replica, rows)
         out["val"] = float(strategy.validation_step((x, y), 0))
         xs, ys = zip(*[_batch(kind, 99, r, rows) for r in range(replicas)])
         with torch.no_grad():
             out["ref_val"] = float(loss_fn(ref(torch.cat(xs)), torch.cat(ys)))
+            out["peer_val"] = float(loss_fn(peer(torch.cat(xs)), torch.cat(ys)))
         # a short last batch: micro_batches does not divide its rows, so its parts differ in size
         x, y = _batch(kind, 98, replica, rows - 3)
         out["val_short"] = float(strategy.validation_step((x, y), 0))
         xs, ys = zip(*[_batch(kind, 98, r, rows - 3) for r in range(replicas)])
         with torch.no_grad():
             out["ref_val_short"] = float(loss_fn(ref(torch.cat(xs)), torch.cat(ys)))
+            out["peer_val_short"] = float(loss_fn(peer(torch.cat(xs)), torch.cat(ys)))
     # a checkpoint round trip through the Trainer's format: every rank (replicas > 0 too, which
     # write nothing) gets its stage's weights and optimizer state back from the files
     params = {k: v.detach().clone() for k, v in model.state_dict().items()}
     opt_state = copy.deepcopy(strategy.optimizer.state_dict()["state"])
     ck = save_checkpoint(strategy, Path.cwd() / ck_name)  # the spawn's shared tmp_path
     if case.get("consolidate") and dist.get_rank() == 0:
-        out.update(_consolidated(ck, ref_state, ck_name))
+        out.update(_consolidated(ck, ref_state, peer_state, ck_name))
     with torch.no_grad():
         for p in model.parameters():
             p.add_(1.0)
@@ -223,7 +252,7 @@ def _run_case(case: dict, ck_name: str) -> dict:
     return out
 
 
-def _consolidated(ck: Path, ref_state: dict, ck_name: str) -> dict:
+def _consolidated(ck: Path, ref_state: dict, peer_state: dict, ck_name: str) -> dict:
     """The checkpoint as one plain state dict (``zerotrain-consolidate``): the plain model's keys,
     the tied head under both its names, its values the reference's. That is what any strategy
     reshards from, so it shows a checkpoint written under ZeRO-1 or virtual stages is the
@@ -231,8 +260,7 @@ def _consolidated(ck: Path, ref_state: dict, ck_name: str) -> dict:
     from zerotrain.trainer.consolidate import consolidate
 
     full = torch.load(consolidate(ck, Path.cwd() / f"{ck_name}.pt"), weights_only=True)
-    rel = max(float((full["pipe." + k] - v).norm() / v.norm()) for k, v in ref_state.items())
-    return {"consolidated_keys": sorted(full), "consolidated_rel": rel}
+    return {"consolidated_keys": sorted(full), "consolidated_ratio": _ratio(full, ref_state, peer_state, "pipe.")}
 
 
 def _run_trainer_case(case: dict) -> dict:
@@ -272,19 +300,25 @@ def _run_trainer_case(case: dict) -> dict:
 
     # the plain loop: each accumulation micro-step sees every replica's batch at once
     order = [list(DistributedSampler(data, num_replicas=replicas, rank=r, shuffle=False)) for r in range(replicas)]
-    opt = torch.optim.SGD(ref.parameters(), lr=0.2, momentum=0.9)
+    peer, m = copy.deepcopy(ref), case["micro_batches"]  # peer: summed as replicas, micro-steps, micro-batches sum
+    opt, peer_opt = (torch.optim.SGD(net.parameters(), lr=0.2, momentum=0.9) for net in (ref, peer))
     for step in range(steps):
+        mine_of = [[] for _ in range(replicas)]
         for j in range(accumulate):
             b = step * accumulate + j
             idx = torch.tensor([i for r in range(replicas) for i in order[r][b * rows:(b + 1) * rows]])
             (_lm_loss(ref(data.tensors[0][idx]), data.tensors[1][idx]) / accumulate).backward()
-        opt.step()
-        opt.zero_grad()
-    ref_state = ref.state_dict()
+            for r in range(replicas):
+                part = torch.tensor(order[r][b * rows:(b + 1) * rows])
+                mine_of[r] += zip(data.tensors[0][part].chunk(m), data.tensors[1][part].chunk(m))
+        backward_per_rank(peer.parameters(), mine_of, lambda b: _lm_loss(peer(b[0]), b[1]))
+        for o in (opt, peer_opt):
+            o.step()
+            o.zero_grad()
     mine = {k[len("pipe."):]: v for k, v in model.state_dict().items()}
-    rel = max(float((v - ref_state[k]).norm() / ref_state[k].norm()) for k, v in mine.items())
     loss = trainer.callback_metrics.get("train_loss")  # a tensor, as Lightning's: compared as a number
-    return {"rank": dist.get_rank(), "rel": rel, "losses": [], "ref_losses": [], "steps": trainer.global_step,
+    return {"rank": dist.get_rank(), "ratio": _ratio(mine, ref.state_dict(), peer.state_dict()), "losses": [],
+            "ref_losses": [], "peer_losses": [], "terms": 1, "steps": trainer.global_step,
             "train_loss": None if loss is None else float(loss), "ties": [t.key for t in model.pipe.ties]}
 
 
@@ -293,11 +327,13 @@ def run_cases(cases: list) -> list:
 
 
 # ---------------------------------------------------------------------------- checks
-def _check_equivalent(results: list[dict], tol: float = 1e-5) -> None:
+def _check_equivalent(results: list[dict]) -> None:
     for r in results:
-        assert r["rel"] <= tol, f"rank {r['rank']}: parameters differ from the plain loop by {r['rel']:.2e}"
-        for a, b in zip(r["losses"], r["ref_losses"]):
-            assert abs(a - b) <= tol * abs(b), f"rank {r['rank']}: loss {a} vs plain {b}"
+        # tolerance: no worse than the plain loop summed as the replicas and micro-batches sum (PEER_FACTOR x + 4 ulps)
+        assert r["ratio"] <= 1, f"rank {r['rank']}: parameters off the plain loop by {r['ratio']:.2f} x their bound"
+        if r["losses"]:  # tolerance: as the parameters, + 2 mean_rtol(n) for the first step's two orders of one mean
+            err, peer = (rel_err(torch.tensor(r[k]), torch.tensor(r["ref_losses"])) for k in ("losses", "peer_losses"))
+            assert err <= peer_bound(peer, floor=2 * mean_rtol(r["terms"])), f"rank {r['rank']}: losses off by {err:.2e}"
     assert len({tuple(r["losses"]) for r in results}) == 1, "ranks returned different losses"
 
 
@@ -333,21 +369,28 @@ def test_two_stages_match_a_plain_loop(tmp_path):
     for results in (mlp, lm, lm_gpipe, tup, inter, zb):
         _check_equivalent(results)
     assert zb[0]["clipped"] > 0 and [r["peak"] for r in zb] == [2, 1]  # 1F1B's live activations
-    assert all(r["restored"] for r in zb) and abs(zb[0]["val"] - zb[0]["ref_val"]) <= 1e-5 * zb[0]["ref_val"]
+    # tolerance: no worse than the plain loop summed as the pipeline sums (_ratio, _val_ok: PEER_FACTOR x + floor)
+    assert all(r["restored"] for r in zb) and _val_ok(zb[0], "val")
     for a, b in zip(zb_bf16[0]["losses"], bf16[0]["losses"]):  # the same bf16 training as 1F1B's
+        # tolerance: not an equivalence (bf16/fp16 training against fp32): a sanity bound, a few x 2^-8
         assert abs(a - b) <= 1e-2 * b, (a, b)
     assert inter[0]["clipped"] > 0 and [r["peak"] for r in inter] == [5, 3]  # chunk activations (simulator's)
-    assert all(r["restored"] for r in inter) and inter[0]["full_rel"] <= 1e-5
-    assert abs(inter[0]["val"] - inter[0]["ref_val"]) <= 1e-5 * inter[0]["ref_val"]
+    # tolerance: no worse than the plain loop summed as the pipeline sums (_ratio, _val_ok: PEER_FACTOR x + floor)
+    assert all(r["restored"] for r in inter) and inter[0]["full_ratio"] <= 1
+    # tolerance: no worse than the plain loop summed as the pipeline sums (_ratio, _val_ok: PEER_FACTOR x + floor)
+    assert _val_ok(inter[0], "val")
     # a short evaluation batch (5 rows in 4 unequal parts) round the ring of chunks
     assert inter[0]["val_short"] == inter[1]["val_short"]
-    assert abs(inter[0]["val_short"] - inter[0]["ref_val_short"]) <= 1e-5 * inter[0]["ref_val_short"]
+    # tolerance: no worse than the plain loop summed as the pipeline sums (_ratio, _val_ok: PEER_FACTOR x + floor)
+    assert _val_ok(inter[0], "val_short")
     # the tie between chunks 0 and 3 saved once, by stage 0; the checkpoint consolidates to the plain model
     assert "pipe.0.weight" in inter[0]["shard_names"] and "pipe.0.weight" not in inter[1]["shard_names"]
     assert inter[0]["consolidated_keys"] == ["pipe." + k for k in _REF_KEYS["lm"]]
-    assert inter[0]["consolidated_rel"] <= 1e-5
+    # tolerance: no worse than the plain loop summed as the pipeline sums (_ratio, _val_ok: PEER_FACTOR x + floor)
+    assert inter[0]["consolidated_ratio"] <= 1
     for results in (bf16, fp16):  # same training, to reduced-precision accuracy
         for a, b in zip(results[0]["losses"], results[0]["ref_losses"]):
+            # tolerance: not an equivalence (bf16/fp16 training against fp32): a sanity bound, a few x 2^-8
             assert abs(a - b) <= 0.03 * b, (a, b)
     # clipping was active, and the tie spans both stages: each holds its own copy under its name
     assert lm[0]["clipped"] > 0
@@ -362,11 +405,14 @@ def test_two_stages_match_a_plain_loop(tmp_path):
         assert r["shard_kinds"] == ["exp_avg", "exp_avg_sq", "param"] and r["shards_have_optimizer_state"]
         assert r["writes_shard"]
     assert all(r["restored"] for results in (mlp, lm, lm_gpipe, tup, bf16, fp16) for r in results)
-    assert lm[0]["full_keys"] == ["pipe." + k for k in _REF_KEYS["lm"]] and lm[0]["full_rel"] <= 1e-5
+    # tolerance: no worse than the plain loop summed as the pipeline sums (_ratio, _val_ok: PEER_FACTOR x + floor)
+    assert lm[0]["full_keys"] == ["pipe." + k for k in _REF_KEYS["lm"]] and lm[0]["full_ratio"] <= 1
     assert mlp[0]["full_keys"] == ["pipe." + k for k in _REF_KEYS["mlp"]]
-    assert lm[0]["val"] == lm[1]["val"] and abs(lm[0]["val"] - lm[0]["ref_val"]) <= 1e-5 * lm[0]["ref_val"]
+    # tolerance: no worse than the plain loop summed as the pipeline sums (_ratio, _val_ok: PEER_FACTOR x + floor)
+    assert lm[0]["val"] == lm[1]["val"] and _val_ok(lm[0], "val")
     assert lm[0]["val_short"] == lm[1]["val_short"]
-    assert abs(lm[0]["val_short"] - lm[0]["ref_val_short"]) <= 1e-5 * lm[0]["ref_val_short"]
+    # tolerance: no worse than the plain loop summed as the pipeline sums (_ratio, _val_ok: PEER_FACTOR x + floor)
+    assert _val_ok(lm[0], "val_short")
     # live activations: 1F1B holds at most (stages - stage) micro-batches, GPipe all of them
     assert [r["peak"] for r in lm] == [2, 1] and [r["peak"] for r in lm_gpipe] == [4, 4]
 
@@ -391,7 +437,8 @@ def test_four_stages_two_by_two_and_the_trainer_match_a_plain_loop(tmp_path):
     assert all(r["steps"] == 3 and r["ties"] == ["shared:0.weight"] for r in fit)
     assert len({r["train_loss"] for r in fit}) == 1 and fit[0]["train_loss"] is not None
     assert [r["peak"] for r in four] == [4, 3, 2, 1] and max(r["peak"] for r in four) <= 4
-    assert four[0]["full_rel"] <= 1e-5 and grid[0]["full_rel"] <= 1e-5
+    # tolerance: no worse than the plain loop summed as the pipeline sums (_ratio, _val_ok: PEER_FACTOR x + floor)
+    assert four[0]["full_ratio"] <= 1 and grid[0]["full_ratio"] <= 1
     # 2 stages x 2 replicas: replica r is ranks 2r, 2r+1; replica 0 writes, replica 1 reads its files
     assert [(r["stage"], r["replica"]) for r in grid] == [(0, 0), (1, 0), (0, 1), (1, 1)]
     assert [r["writes_shard"] for r in grid] == [True, True, False, False]
@@ -400,9 +447,11 @@ def test_four_stages_two_by_two_and_the_trainer_match_a_plain_loop(tmp_path):
                for r in (0, 1))  # the tied head is saved once, as the embedding (0.weight), by stage 0
     assert all(r["restored"] for results in (four, grid) for r in results)
     assert grid[0]["full_keys"] == ["pipe." + k for k in _REF_KEYS["lm"]]
-    assert len({r["val"] for r in grid}) == 1 and abs(grid[0]["val"] - grid[0]["ref_val"]) <= 1e-5 * grid[0]["ref_val"]
+    # tolerance: no worse than the plain loop summed as the pipeline sums (_ratio, _val_ok: PEER_FACTOR x + floor)
+    assert len({r["val"] for r in grid}) == 1 and _val_ok(grid[0], "val")
     assert len({r["val_short"] for r in grid}) == 1
-    assert abs(grid[0]["val_short"] - grid[0]["ref_val_short"]) <= 1e-5 * grid[0]["ref_val_short"]
+    # tolerance: no worse than the plain loop summed as the pipeline sums (_ratio, _val_ok: PEER_FACTOR x + floor)
+    assert _val_ok(grid[0], "val_short")
 
 
 @pytest.mark.slow
@@ -432,6 +481,7 @@ def test_zero1_two_stages_by_two_replicas_match_a_plain_loop(tmp_path):
     for results in (bf16, fp16):  # same training, to reduced-precision accuracy
         for r in results:
             for a, b in zip(r["losses"], r["ref_losses"]):
+                # tolerance: not an equivalence (bf16/fp16 training against fp32): a sanity bound, a few x 2^-8
                 assert abs(a - b) <= 0.03 * b, (a, b)
     # each replica holds half of its stage's optimizer state (padded to an even split)
     for r in zero:
@@ -444,14 +494,18 @@ def test_zero1_two_stages_by_two_replicas_match_a_plain_loop(tmp_path):
             pieces = sorted(x for x in (a.get(name), b.get(name)) if x)
             assert pieces[0][0] == 0 and all(p[1] == q[0] for p, q in zip(pieces, pieces[1:])), (name, pieces)
     assert all(r["restored"] for results in (zero, bf16, fp16) for r in results)
-    assert zero[0]["full_rel"] <= 1e-5
-    assert len({r["val"] for r in zero}) == 1 and abs(zero[0]["val"] - zero[0]["ref_val"]) <= 1e-5 * zero[0]["ref_val"]
+    # tolerance: no worse than the plain loop summed as the pipeline sums (_ratio, _val_ok: PEER_FACTOR x + floor)
+    assert zero[0]["full_ratio"] <= 1
+    # tolerance: no worse than the plain loop summed as the pipeline sums (_ratio, _val_ok: PEER_FACTOR x + floor)
+    assert len({r["val"] for r in zero}) == 1 and _val_ok(zero[0], "val")
     assert len({r["val_short"] for r in zero}) == 1
-    assert abs(zero[0]["val_short"] - zero[0]["ref_val_short"]) <= 1e-5 * zero[0]["ref_val_short"]
+    # tolerance: no worse than the plain loop summed as the pipeline sums (_ratio, _val_ok: PEER_FACTOR x + floor)
+    assert _val_ok(zero[0], "val_short")
     # the tied head saved once, as the embedding (0.weight), by stage 0's two replicas; the
     # partitioned checkpoint consolidates to the plain model's names and values
     assert all("pipe.6.weight" not in r["shard_names"] for r in zero)
     assert not any("pipe.0.weight" in zero[r]["shard_names"] for r in (1, 3))
     assert any("pipe.0.weight" in zero[r]["shard_names"] for r in (0, 2))
     assert zero[0]["consolidated_keys"] == ["pipe." + k for k in _REF_KEYS["lm"]]
-    assert zero[0]["consolidated_rel"] <= 1e-5
+    # tolerance: no worse than the plain loop summed as the pipeline sums (_ratio, _val_ok: PEER_FACTOR x + floor)
+    assert zero[0]["consolidated_ratio"] <= 1
