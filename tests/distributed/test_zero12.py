@@ -29,6 +29,8 @@ OPTIM_BY_WORLD = {2: "adamw", 3: "adam", 4: "sgd"}
 #: Mixed precision against fp32, worst relative loss gap over 20 steps. Measured on 2 ranks:
 #: 1.0e-3 / 1.2e-3 (bf16, stage 1 / 2) and 1.3e-4 (fp16, both); the bounds allow ~8x that, far
 #: below what one wrong or skipped step does (the loss moves 3-30% between steps here).
+# tolerance: not an fp32 equivalence (bf16/fp16 against fp32): sanity bounds, ~2.6 x bf16's and ~4 x fp16's unit
+# roundoff (2^-8, 2^-11), that one wrong or skipped step exceeds
 BF16_LOSS_RTOL, FP16_LOSS_RTOL = 1e-2, 2e-3
 
 
