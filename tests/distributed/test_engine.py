@@ -299,8 +299,8 @@ def test_engine_checkpoint_resumes_in_the_engine_with_user_state(tmp_path_factor
 
 # ---------------------------------------------------------------------------- the process model and errors
 LAUNCH_SCRIPT = textwrap.dedent('''
-    import sys
-    sys.path.insert(0, {tests!r})
+    import os, sys
+    sys.path[:0] = [{tests!r}, os.path.dirname({tests!r})]  # tests/distributed and tests/ (tolerance)
     import torch
     from test_engine import TinyGPT, token_data
     from torch.utils.data import DataLoader
