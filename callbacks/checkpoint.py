@@ -130,8 +130,8 @@ class ModelCheckpoint(Callback):
         return str(latest) if latest is not None else None
 
     def setup(self, trainer, module, stage: str | None = None) -> None:
-        if self.dirpath is None:
-            self.dirpath = os.path.join(trainer.default_root_dir, "checkpoints")
+        if self.dirpath is None:  # Lightning's rule; rank 0 decides (a new logger version is picked there)
+            self.dirpath = trainer.strategy.broadcast(_default_dirpath(trainer))
         self._stage = stage  # validation ends save during fit only, as Lightning's
 
     def on_train_start(self, trainer, module) -> None:
@@ -359,6 +359,17 @@ class ModelCheckpoint(Callback):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.best_k = dict(state.get("best_k", {}))
         self.last_path = state.get("last_path")
+
+
+def _default_dirpath(trainer) -> str:
+    """Lightning's checkpoint folder when none is given: ``<save_dir>/<name>/<version>/checkpoints``
+    of the first logger (``version_<n>`` for a number), else ``default_root_dir/checkpoints``."""
+    if not trainer.loggers:
+        return os.path.join(trainer.default_root_dir, "checkpoints")
+    first = trainer.loggers[0]
+    save_dir = first.save_dir if first.save_dir is not None else trainer.default_root_dir
+    version = first.version if isinstance(first.version, str) else f"version_{first.version}"
+    return os.path.join(save_dir, str(first.name), version, "checkpoints")
 
 
 def _epoch_end_by_default(trainer) -> bool:

@@ -29,6 +29,8 @@ class ExperimentWriter:
         if os.path.isdir(log_dir) and os.listdir(log_dir):
             warnings.warn(f"Experiment logs directory {log_dir} exists and is not empty. Previous log files in this "
                           "directory will be deleted when the new ones are saved!", stacklevel=2)
+            if os.path.isfile(self.metrics_file_path):  # an earlier run's rows would mix with these
+                os.remove(self.metrics_file_path)
         os.makedirs(log_dir, exist_ok=True)
 
     def log_hparams(self, params: dict[str, Any]) -> None:

@@ -101,3 +101,32 @@ def test_csv_logger_experiment_is_lightnings_writer(tmp_path):
                         dict(exp.hparams), lg.version, lg.name, os.path.relpath(lg.log_dir, tmp_path / sub)))
     assert results[0] == results[1]
     assert results[0][0] == "ExperimentWriter"
+
+
+def test_csv_writer_replaces_an_earlier_runs_metrics_file(tmp_path):
+    pl_loggers = _pl_loggers()
+    for cls, sub in ((CSVLogger, "ours"), (pl_loggers.CSVLogger, "theirs")):
+        old = tmp_path / sub / "exp" / "version_0" / "metrics.csv"
+        old.parent.mkdir(parents=True)
+        old.write_text("step,x\n0,1\n")
+        lg = cls(save_dir=str(tmp_path / sub), name="exp", version=0)
+        with pytest.warns(UserWarning, match="Experiment logs directory .* exists and is not empty"):
+            lg.experiment  # noqa: B018
+        assert not old.exists()
+
+
+def test_model_checkpoint_without_dirpath_saves_in_the_loggers_folder(tmp_path):
+    pl = pytest.importorskip("pytorch_lightning")
+    from pytorch_lightning.demos.boring_classes import BoringModel as Theirs
+
+    from zerotrain.callbacks import ModelCheckpoint
+
+    found = []
+    for trainer_cls, model, cb, sub in ((Trainer, BoringModel(), ModelCheckpoint(), "ours"),
+                                        (pl.Trainer, Theirs(), pl.callbacks.ModelCheckpoint(), "theirs")):
+        root = tmp_path / sub
+        trainer_cls(accelerator="cpu", devices=1, max_steps=2, limit_val_batches=1, logger=CSVLogger(str(root))
+                    if trainer_cls is Trainer else pl.loggers.CSVLogger(str(root)), callbacks=[cb],
+                    enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(root)).fit(model)
+        found.append(os.path.relpath(cb.dirpath, root))
+    assert found[0] == found[1] == os.path.join("lightning_logs", "version_0", "checkpoints")
