@@ -122,12 +122,12 @@ class ProgressBar(Callback):
 
 
 def standard_metrics(trainer: Any) -> dict[str, Any]:
-    """``v_num``: the loggers' version (the last 4 characters of a string one), when they agree on one."""
-    versions = {str(getattr(lg, "version", "")) if isinstance(getattr(lg, "version", ""), str)
-                else getattr(lg, "version", None) for lg in getattr(trainer, "loggers", [])}
-    if len(versions) != 1:
-        versions = {"_".join(str(v) for v in versions)} if versions else set()
-    version = next(iter(versions), None)
+    """``v_num``: the logger's version (several loggers: their distinct versions as text joined by
+    ``_``), the last 4 characters of a string one; nothing without loggers or with an empty version."""
+    loggers = list(getattr(trainer, "loggers", []))
+    if not loggers:
+        return {}
+    version = loggers[0].version if len(loggers) == 1 else "_".join(dict.fromkeys(str(lg.version) for lg in loggers))
     if version in ("", None):
         return {}
     return {"v_num": version[-4:] if isinstance(version, str) else version}

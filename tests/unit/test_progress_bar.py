@@ -130,3 +130,19 @@ def test_module_print_reaches_tqdm_write_as_lightnings(tmp_path, monkeypatch):
         calls.append(write.call_args_list)
     assert calls[0] == calls[1] == [mock.call("training_step", end=""),
                                     mock.call("validation_step", file=sys.stderr)]
+
+
+def test_v_num_is_lightnings():
+    pl = pytest.importorskip("pytorch_lightning")
+    from pytorch_lightning.callbacks.progress.progress_bar import get_standard_metrics
+
+    from zerotrain.callbacks.progress import standard_metrics
+
+    class Lg:
+        def __init__(self, version):
+            self.version = version
+
+    for versions in ([], [3], ["abcdefgh"], [1, 2], [1, 1], [""], ["x", 5]):
+        trainer = type("T", (), {"loggers": [Lg(v) for v in versions]})()
+        assert standard_metrics(trainer) == get_standard_metrics(trainer), versions
+    assert pl is not None
