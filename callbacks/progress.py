@@ -380,3 +380,13 @@ def _move(bar: Any, n: int) -> None:
     if not bar.disable:
         bar.n = n
         bar.refresh()
+
+
+def __getattr__(name: str) -> Any:
+    """``zerotrain.callbacks.progress`` is also Lightning's ``callbacks.progress`` package, which
+    exports the Rich bar too (imported when asked: ``rich_progress`` imports this module)."""
+    if name in ("RichProgressBar", "RichProgressBarTheme"):
+        from . import rich_progress
+
+        return getattr(rich_progress, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

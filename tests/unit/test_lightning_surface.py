@@ -26,7 +26,10 @@ PATHS = {"core.module": "TrainModule", "core.datamodule": "DataModule", "demos":
          "utilities.parsing": "AttributeDict", "utilities": "AttributeDict", "callbacks.callback": "Callback",
          "callbacks.model_checkpoint": "ModelCheckpoint", "callbacks.lr_monitor": "LearningRateMonitor",
          "callbacks.progress.tqdm_progress": "Tqdm", "callbacks.progress.progress_bar": "ProgressBar",
-         "callbacks.model_summary": "ModelSummary", "callbacks.early_stopping": "EarlyStopping"}
+         "callbacks.model_summary": "ModelSummary", "callbacks.early_stopping": "EarlyStopping",
+         "callbacks.progress": "RichProgressBar", "callbacks.progress.rich_progress": "RichProgressBarTheme",
+         "callbacks.lambda_function": "LambdaCallback", "callbacks.finetuning": "BackboneFinetuning",
+         "core.optimizer": "LightningOptimizer", "core.saving": "load_hparams_from_yaml"}
 
 
 @pytest.fixture(autouse=True)
