@@ -190,3 +190,18 @@ def hook_owners(callbacks: list, module: "TrainModule | None") -> list[tuple[Any
     from .module import TrainModule
 
     return [(cb, Callback) for cb in callbacks] + ([(module, TrainModule)] if module is not None else [])
+
+
+def batch_end_outputs(out: Any, manual: bool, accumulation: int) -> dict[str, Any]:
+    """What ``on_train_batch_end`` gets as ``outputs``, as Lightning builds it from the training
+    step's return: a dict with the loss detached (automatic optimization: divided by
+    ``accumulate_grad_batches``, as the loss that is backwarded) and the step's other keys; ``{}``
+    when the step returned None."""
+    if out is None:
+        return {}
+    extra = dict(out) if isinstance(out, Mapping) else {"loss": out}
+    loss = extra.get("loss")
+    if torch.is_tensor(loss):
+        extra["loss"] = loss.detach() if manual else (loss / accumulation).detach().clone()
+    return extra
+

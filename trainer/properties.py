@@ -11,6 +11,7 @@ import math
 import signal
 from typing import Any
 
+from .run_options import default_max_epochs
 from .state import RunningStage, TrainerFn, TrainerStatus
 
 log = logging.getLogger("zerotrain")
@@ -115,6 +116,7 @@ class TrainerProperties:
         self.state.fn, self.state.status = TrainerFn(fn), TrainerStatus.RUNNING
         self.state.stage = RunningStage.TRAINING if fn == "fit" else RunningStage(fn)
         if fn == "fit":
+            self.max_epochs = default_max_epochs(self.max_epochs, self.max_steps, self.callbacks)  # at fit, as Lightning
             self.train_dataloader, self._train_source, self._loaded_epoch = None, train_source, 0
             self._fit_loaders_given = train_source is not None
 

@@ -46,6 +46,24 @@ class TrainerStatus(_StrEnum):
     INTERRUPTED = "interrupted"
 
 
+@dataclass(eq=False)
+class TrainerState:
+    """Lightning's ``TrainerState`` (status, fn, stage); equal to any state with those values, so
+    ``trainer.state == TrainerState(...)`` compares what Lightning compares."""
+
+    status: TrainerStatus = TrainerStatus.INITIALIZING
+    fn: TrainerFn | None = None
+    stage: RunningStage | None = None
+
+    def __eq__(self, other: object) -> bool:
+        keys = ("status", "fn", "stage")
+        if not all(hasattr(other, k) for k in keys):
+            return NotImplemented
+        return all(getattr(self, k) == getattr(other, k) for k in keys)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
 @dataclass
 class LoopState:
     global_step: int = 0  # optimizer steps taken (skipped fp16 overflow steps included)

@@ -26,10 +26,9 @@ from ..strategies.paths import directory_problem
 from . import checkpointing, elastic, hparams, job, plugin_checks, run_options, signals
 from .arguments import (check_limit, check_lightning_args, default_callbacks, fast_dev_run_flags, lightning_callbacks,
                         make_loggers, positive_int, positive_number)
-from .run_options import default_max_epochs
 from .errors import ConfigError
 from .evaluation import TrainerEvaluation, split_datamodule, to_device
-from .hooks import BatchHooks, HookDispatcher, hook_owners
+from .hooks import BatchHooks, HookDispatcher, batch_end_outputs, hook_owners
 from .launcher import LocalLauncher
 from .loaders import TrainerData, len_or_none, with_last
 from .logging import MetricsConnector, TrainerLogging, hook_scope
@@ -198,7 +197,6 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
         if overfit_batches:
             self.limit_train_batches = self.limit_val_batches = overfit_batches
         callbacks = lightning_callbacks(callbacks, max_time, enable_model_summary)
-        self.max_epochs = default_max_epochs(self.max_epochs, self.max_steps, callbacks)
         self.callbacks = default_callbacks(self._strategy, self.default_root_dir, callbacks, enable_checkpointing,
                                            enable_progress_bar)
         self.loggers = make_loggers(self.default_root_dir, logger)
@@ -347,8 +345,10 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
             return given
         dm = self.datamodule
         if dm is not None and getattr(type(dm), hook) is not getattr(DataModule, hook):
-            return getattr(dm, hook)()
-        return getattr(self.module, hook)()
+            source = getattr(dm, hook)
+        else:
+            source = getattr(self.module, hook)
+        return source() if source is not None else None  # a hook set to None (Lightning's way): no data
 
     # ------------------------------------------------------------------ the loop
     def _fit_loop(self) -> None:
@@ -481,6 +481,7 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
         if self._epoch_complete():  # Lightning 2.6: the epoch's schedulers step here, before its validation
             self._optim.step_schedulers("epoch", plateau=False, index=st.epoch)
         self._tick("on_train_batch_end")
+        out = batch_end_outputs(out, manual, self.accumulate_grad_batches)  # Lightning's outputs
         self.hooks.both("on_train_batch_end", self, module, out, batch, batch_idx)
         self._logging.on_batch_end()
         self._logging.update_train_step_metrics(accumulating=not last_micro)

@@ -323,7 +323,17 @@ def test_epoch_and_step_limits_as_lightning(tmp_path):
     t = _trainer(tmp_path, max_epochs=-1, max_steps=6)
     t.fit(Net(), _data())
     assert t.global_step == 6
-    assert _trainer(tmp_path, max_epochs=None).max_epochs == 1000
+    seen = []
+
+    class Stop(Net):
+        def on_train_start(self):
+            seen.append(self.trainer.max_epochs)
+            self.trainer.should_stop = True
+
+    t = _trainer(tmp_path, max_epochs=None)
+    assert t.max_epochs is None  # decided at fit, as Lightning
+    t.fit(Stop(), _data())
+    assert seen == [1000]
     home = Trainer(accelerator="cpu", default_root_dir="~/zt-issue41-probe", logger=False, enable_checkpointing=False)
     assert not home.default_root_dir.startswith("~") and "~" not in home.default_root_dir
 
@@ -410,3 +420,39 @@ def test_time_based_val_check_interval_as_lightning(tmp_path, monkeypatch, light
     _trainer(tmp_path, max_epochs=2, num_sanity_val_steps=0, val_check_interval=interval).fit(ours, _data(28),
                                                                                                _data(8))
     assert theirs.validated_at and ours.validated_at == theirs.validated_at
+
+
+def test_train_batch_end_outputs_as_lightning(tmp_path, lightning_env):
+    """outputs: the loss detached and divided by accumulate_grad_batches, the other keys kept, {}
+    for a skipped step - what pytorch_lightning hands on_train_batch_end."""
+    pl = pytest.importorskip("pytorch_lightning")
+
+    def build(base):
+        class M(base):
+            def __init__(self):
+                super().__init__()
+                self.layer = torch.nn.Linear(3, 1)
+                self.seen = []
+
+            def training_step(self, batch, batch_idx):
+                if batch_idx == 3:
+                    return None
+                loss = torch.nn.functional.mse_loss(self.layer(batch[0]), batch[1])
+                return loss if batch_idx == 0 else {"loss": loss, "extra": batch_idx}
+
+            def on_train_batch_end(self, outputs, batch, batch_idx):
+                self.seen.append({k: (v.requires_grad, round(float(v), 5)) if torch.is_tensor(v) else v
+                                  for k, v in outputs.items()})
+
+            def configure_optimizers(self):
+                return torch.optim.SGD(self.parameters(), lr=0.1)
+        return M
+
+    torch.manual_seed(0)
+    theirs = build(pl.LightningModule)()
+    torch.manual_seed(0)
+    ours = build(TrainModule)()
+    pl.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
+               enable_progress_bar=False, enable_model_summary=False, accumulate_grad_batches=2).fit(theirs, _data())
+    _trainer(tmp_path, accumulate_grad_batches=2).fit(ours, _data())
+    assert ours.seen == theirs.seen and ours.seen[-1] == {}
