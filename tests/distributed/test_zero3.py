@@ -422,7 +422,7 @@ def test_matches_single_process_pytorch(world, tmp_path_factory):
     ranks = [r["equivalence"] for r in spawned(world, tmp_path_factory)]
     got = ranks[0]
     assert all(r["toy"] == {} and r["lm"] == {} for r in ranks[1:])  # full_state_dict: rank 0 only
-    toy = {as_ranks: toy_reference(STEPS, world, accum=2, clip=CLIP, n=384, as_ranks=k)["params"]
+    toy = {k: toy_reference(STEPS, world, accum=2, clip=CLIP, n=384, as_ranks=k)["params"]
            for k in (0, world)}
     # tolerance: no worse than torch DDP's order of the same sums (tolerance.PEER_FACTOR x its error + 4 ulps)
     assert_no_worse_than_peer(got["toy"], toy[0], toy[world], "toy ")
