@@ -30,7 +30,8 @@ happens inside that sequence, after the gradients are unscaled and checked, wher
 format, written and read by the same functions (``checkpointing.save_strategy`` /
 ``load_strategy``) with the Trainer's loop counters, so a checkpoint of either resumes in the other.
 
-Limits, each from the Strategy interface: one model per Engine; several optimizers are held by
+Limits, each from the Strategy interface: one model per strategy (a further ``setup`` gets a
+strategy of its own, ``engine_models.py``; one checkpoint holds one model); several optimizers are held by
 the strategy as one ``OptimizerSet`` (every trainable parameter in exactly one of them), each
 wrapper's ``step()`` stepping and zeroing its own parameters only; the pipeline strategy is refused (it runs its own
 forward/backward schedule, which a user's loop cannot express). Every rank must build the model
@@ -62,6 +63,7 @@ from .errors import ConfigError
 from .job import check_cuda, check_num_nodes, distributed_loader, epoch_iterator, join_job, plugins
 from .launcher import LocalLauncher
 from .state import LoopState
+from .engine_models import another_strategy, backward_across
 from .evaluation import to_device as _to_device
 from .utilities import sampler_seed
 
@@ -96,6 +98,7 @@ class Engine:
         check_num_nodes("Engine", self.num_nodes)
         self.accelerator, self.seed = accelerator, seed
         self.precision_plugin, self._strategy = plugins("Engine", strategy, precision, devices * num_nodes)
+        self._specs = (strategy, precision)  # for the strategies of further models (engine_models.py)
         if self._strategy.runs_own_schedule:
             raise ConfigError(f"Engine: strategy={self._strategy.name!r} runs its own forward/backward "
                               "schedule, which a loop written by the user cannot drive; valid: a strategy "
@@ -110,6 +113,7 @@ class Engine:
         self._optimizer: EngineOptimizer | None = None
         self._train_loader: EngineLoader | None = None
         self._optimizers: list[EngineOptimizer] = []  # one wrapper per optimizer given to setup
+        self._models: list[EngineModule] = []  # every model set up (the first is ``_model``)
 
     # ------------------------------------------------------------------ the job
     def launch(self) -> None:
@@ -148,28 +152,31 @@ class Engine:
         stepped) to the strategy; returns ``(model, optimizer)`` wrappers to use from now on: the
         model's forward runs through the strategy, the optimizer's ``step()`` is the strategy's."""
         self.launch()
-        if self._model is not None:
-            raise ConfigError("Engine.setup: called twice; valid: one model per Engine (a strategy holds one "
-                              "model and the checkpoint format one model): put several networks in one "
-                              "nn.Module")
         if not isinstance(model, nn.Module):
             raise ConfigError(f"Engine.setup: model={type(model).__name__}; valid: an nn.Module")
         if not optimizers or not all(isinstance(o, torch.optim.Optimizer) for o in optimizers):
             raise ConfigError(
                 f"Engine.setup: {len(optimizers)} optimizers given ({', '.join(type(o).__name__ for o in optimizers)}); "
                 "valid: one or more torch.optim.Optimizer, built on the model's parameters")
+        if any(m.module is model for m in self._models):
+            raise ConfigError("Engine.setup: called twice with the same model; valid: each model once (several "
+                              "models: one setup call each)")
         s = self._strategy
+        if self._model is not None:  # one more model (Fabric's GAN): a strategy of its own
+            s = another_strategy(s, *self._specs, self.precision_plugin, self.world_size)
         try:
             held = optimizers[0] if len(optimizers) == 1 else OptimizerSet(optimizers)
             s.setup_module(model)
             s.setup_optimizer(held)
         except ValueError as exc:  # the strategy's checks (parameters outside the optimizer, ...)
             raise ConfigError(f"Engine.setup: {exc}") from None
-        self._model = EngineModule(s, model)
-        self._optimizers = [EngineOptimizer(self, o, k if len(optimizers) > 1 else None)
-                            for k, o in enumerate(optimizers)]
-        self._optimizer = self._optimizers[0]
-        return (self._model, *self._optimizers)
+        wrapped = EngineModule(s, model)
+        opts = [EngineOptimizer(self, o, k if len(optimizers) > 1 else None, s) for k, o in enumerate(optimizers)]
+        self._models.append(wrapped)
+        self._optimizers.extend(opts)
+        if self._model is None:
+            self._model, self._optimizer = wrapped, opts[0]
+        return (wrapped, *opts)
 
     def setup_dataloaders(self, *loaders: Any, move_to_device: bool = True) -> Any:
         """Each loader over a DistributedSampler (the Trainer's, same shuffle and ``seed``), its
@@ -198,8 +205,13 @@ class Engine:
         reductions). Divide the loss by the accumulation count yourself, as in plain PyTorch."""
         self._require_setup("backward")
         s = self._strategy
+        if len(self._models) > 1:
+            backward_across(loss, [(m._strategy, m.module) for m in self._models])
         # several optimizers: a forward may be followed by several backwards (DDP re-arms per loss)
-        s.backward(loss) if len(self._optimizers) == 1 else s.manual_backward(loss)
+        elif len(self._optimizers) == 1:
+            s.backward(loss)
+        else:
+            s.manual_backward(loss)
         for o in self._optimizers:
             o.dirty = True
 
@@ -224,7 +236,7 @@ class Engine:
         (``enabled``): the strategy skips or defers the gradient communication (DDP's
         ``no_sync``, ZeRO's deferred reduction)."""
         self._check_model(model, "no_backward_sync")
-        with self._strategy.no_sync() if enabled else contextlib.nullcontext():
+        with self._resolve(model)._strategy.no_sync() if enabled else contextlib.nullcontext():
             yield
 
     def clip_gradients(self, model: Any, optimizer: Any, max_norm: float) -> None:
@@ -279,6 +291,7 @@ class Engine:
         objects with ``state_dict()`` (an LR scheduler: the Trainer resumes it too) and plain
         values (numbers, strings, tensors, lists and dicts of them)."""
         self._require_setup("save")
+        self._one_model("save")
         user = {k: self._saved_value(k, v) for k, v in state.items() if not self._is_setup_object(v)}
         scheds = [v for v in state.values() if isinstance(v, torch.optim.lr_scheduler.LRScheduler)]
         loader = self._train_loader
@@ -299,6 +312,7 @@ class Engine:
         training loader resumes at the saved position, the RNG states are restored. Returns the
         saved entries ``state`` did not ask for."""
         self._require_setup("load")
+        self._one_model("load")
         s = self._strategy
         meta = checkpointing.load_strategy(s, s.optimizer, path)
         loop, note = reshard.resume_position(meta.get("loop", {}), meta.get("data"),
@@ -334,7 +348,7 @@ class Engine:
                         self.global_rank, len(rng))
 
     def _is_setup_object(self, obj: Any) -> bool:
-        return self._resolve(obj) is self._model or any(obj is o for o in self._optimizers)
+        return any(self._resolve(obj) is m for m in self._models) or any(obj is o for o in self._optimizers)
 
     def _resolve(self, model: Any) -> Any:
         """The model wrapper ``model`` stands for (Fabric's ``setup_module`` returns a stand-in)."""
@@ -353,9 +367,14 @@ class Engine:
             raise ConfigError(f"Engine.{what}: called before engine.setup(model, optimizer); valid: set up "
                               "the model and optimizer first")
 
+    def _one_model(self, what: str) -> None:
+        if len(self._models) > 1:
+            raise ConfigError(f"Engine.{what}: {len(self._models)} models set up; valid: one (the checkpoint "
+                              "format holds one strategy's model: put the networks in one nn.Module to save them)")
+
     def _check_model(self, model: Any, what: str) -> None:
         self._require_setup(what)
-        if self._resolve(model) is not self._model:
+        if not any(self._resolve(model) is m for m in self._models):
             raise ConfigError(f"Engine.{what}: model is not the one engine.setup returned; valid: the model "
                               "wrapper from engine.setup(model, optimizer)")
 
@@ -409,8 +428,10 @@ class EngineOptimizer(torch.optim.Optimizer):
     state = property(lambda self: self.optimizer.state)
     defaults = property(lambda self: self.optimizer.defaults)
 
-    def __init__(self, engine: Engine, optimizer: torch.optim.Optimizer, which: int | None = None) -> None:
+    def __init__(self, engine: Engine, optimizer: torch.optim.Optimizer, which: int | None = None,
+                 strategy: Strategy | None = None) -> None:
         self.engine, self.optimizer, self.which = engine, optimizer, which
+        self.strategy = strategy if strategy is not None else engine.strategy  # its model's
         self.clip_at: float | None = None  # set by Engine.clip_gradients for the next step
         self.dirty = False  # a backward ran since this optimizer's gradients were last zeroed
 
@@ -419,7 +440,7 @@ class EngineOptimizer(torch.optim.Optimizer):
             raise ConfigError("EngineOptimizer.step: closure given; valid: step() without a closure (the "
                               "strategy runs the forward and backward through the engine, not the optimizer)")
         e = self.engine
-        stepped = e.strategy.optimizer_step(self.clip_at, which=self.which)
+        stepped = self.strategy.optimizer_step(self.clip_at, which=self.which)
         self.clip_at = None
         self.dirty = False
         e.progress.global_step += 1
@@ -430,7 +451,7 @@ class EngineOptimizer(torch.optim.Optimizer):
         """The strategy's gradients dropped (it decides how they are kept; ``set_to_none`` is
         accepted for plain PyTorch's signature). A no-op right after ``step()``, which zeroes."""
         if self.dirty:
-            self.engine.strategy.zero_grad(self.which)
+            self.strategy.zero_grad(self.which)
             self.dirty = False
 
     def state_dict(self) -> dict[str, Any]:
