@@ -11,20 +11,22 @@ from .trainer import CheckpointError, ConfigError, DataModule, Engine, Fabric, T
 from .strategies import (DDP, DDPStrategy, Offload, PipelineStrategy, SingleDevice, SingleDeviceStrategy,  # noqa: E402
                          Strategy, ZeroStage1, ZeroStage2, ZeroStage3)
 from .callbacks import loggers  # noqa: E402
-from .trainer import core, deepspeed, demos, lightning_paths, utilities  # noqa: E402
+from .trainer import core, deepspeed, demos, fabric_paths, lightning_paths, utilities  # noqa: E402
 
 # Lightning's module paths, so that ported code only renames `lightning.pytorch` to `zerotrain`:
 # zerotrain.loggers / .utilities / .core / .demos and their deeper paths (zerotrain.core.module,
 # zerotrain.utilities.exceptions, ...) are modules of the existing packages, registered under those
 # names (trainer/lightning_paths.py; the repository's top-level folders stay as they are).
 lightning_paths.register(__name__)
+# Lightning Fabric's (``lightning.fabric`` -> ``zerotrain.fabric``): trainer/fabric_paths.py
+fabric_paths.register(__name__)
 # DeepSpeed's module paths, so that a DeepSpeed script only renames its imports
 # (``import zerotrain.deepspeed as deepspeed``): trainer/deepspeed/ and every module in it, registered
 # eagerly so that either path gives the same module object.
 _sys.modules[f"{__name__}.deepspeed"] = deepspeed
 for _name, _module in deepspeed.SUBMODULES.items():
     _sys.modules[f"{__name__}.deepspeed.{_name}"] = _module
-del _name, _module, lightning_paths
+del _name, _module, lightning_paths, fabric_paths
 
 __all__ = ["Trainer", "Engine", "Fabric", "TrainModule", "DataModule", "Callback", "ModelCheckpoint", "EarlyStopping", "Timer",
            "ModelSummary", "LearningRateMonitor", "ThroughputMonitor", "ProgressBar", "TQDMProgressBar",

@@ -59,6 +59,21 @@ def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     return {**meta, "state_dict": state}
 
 
+def load_checkpoint(path: str | os.PathLike, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
+    """Lightning's ``lightning.fabric.utilities.cloud_io._load`` for the checkpoints zerotrain reads:
+    ``read_checkpoint(path)`` (a checkpoint directory or a consolidated file, as Lightning's dict),
+    its tensors on ``map_location`` (None: the CPU; a device or device name). Always read
+    weights-only (a checkpoint never runs code here), whatever ``weights_only`` says: a file that
+    needs pickled code is a CheckpointError. URLs and file objects are not read (a ConfigError)."""
+    from .evaluation import to_device
+
+    if not isinstance(path, (str, os.PathLike)) or str(path).startswith(("http://", "https://")):
+        raise ConfigError(f"load_checkpoint: path={path!r}; valid: a local checkpoint directory or file path")
+    device = _device(map_location)
+    checkpoint = read_checkpoint(path)
+    return to_device(checkpoint, device) if device is not None else checkpoint
+
+
 def _read_safetensors(path: Path) -> dict[str, Any]:
     with SafetensorsFile(path) as f:
         state = {k: f.read(k) for k in f.keys()}

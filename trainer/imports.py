@@ -1,8 +1,10 @@
-"""``zerotrain.utilities.imports``: which optional packages and versions are present, under
-Lightning's names (``lightning.pytorch.utilities.imports``), for code that checks them."""
+"""``zerotrain.utilities.imports`` (and ``zerotrain.fabric.utilities.imports``): which optional
+packages and versions are present, under Lightning's names (``lightning.pytorch.utilities.imports``
+and ``lightning.fabric.utilities.imports``), for code that checks them."""
 from __future__ import annotations
 
 import importlib.util
+import platform
 import sys
 from importlib import metadata
 
@@ -27,8 +29,18 @@ def version_at_least(distribution: str, minimum: str) -> bool:
 
 
 _TORCH_VERSION = Version(Version(torch.__version__).base_version)
+_IS_WINDOWS = platform.system() == "Windows"
+_IS_INTERACTIVE = hasattr(sys, "ps1") or bool(sys.flags.interactive)
+_NUMPY_AVAILABLE = package_available("numpy")
+_PYTHON_GREATER_EQUAL_3_10_0 = sys.version_info >= (3, 10)
 _PYTHON_GREATER_EQUAL_3_11_0 = sys.version_info >= (3, 11)
+_TORCH_GREATER_EQUAL_2_2 = _TORCH_VERSION >= Version("2.2.0")
+_TORCH_GREATER_EQUAL_2_3 = _TORCH_VERSION >= Version("2.3.0")
+_TORCH_GREATER_EQUAL_2_4 = _TORCH_VERSION >= Version("2.4.0")
+_TORCH_GREATER_EQUAL_2_4_1 = _TORCH_VERSION >= Version("2.4.1")
+_TORCH_GREATER_EQUAL_2_5 = _TORCH_VERSION >= Version("2.5.0")
 _TORCH_GREATER_EQUAL_2_6 = _TORCH_VERSION >= Version("2.6.0")
+_TORCH_LESS_EQUAL_2_6 = _TORCH_VERSION <= Version("2.6.0")
 _TORCH_GREATER_EQUAL_2_8 = _TORCH_VERSION >= Version("2.8.0")
 _TORCH_EQUAL_2_8 = Version("2.8.0") <= _TORCH_VERSION < Version("2.9.0")
 _TORCH_EQUAL_2_9 = Version("2.9.0") <= _TORCH_VERSION < Version("2.10.0")

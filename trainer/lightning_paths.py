@@ -36,6 +36,7 @@ PATHS = {
     "utilities.rank_zero": "trainer.utilities",
     "utilities.seed": "trainer.utilities",
     "utilities.parsing": "trainer.hparams",
+    "utilities.warnings": "trainer.utilities",
     # lightning.pytorch.callbacks.* (our callbacks/ modules have shorter names)
     "callbacks.callback": "callbacks.base",
     "callbacks.model_checkpoint": "callbacks.checkpoint",

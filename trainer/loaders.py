@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Sequ
 from . import job
 from .datamodule import DataModule
 from .errors import ConfigError
-from .utilities import is_overridden
+from .utilities import PossibleUserWarning, is_overridden, rank_zero_warn
 
 log = logging.getLogger("zerotrain")
 
@@ -89,8 +89,8 @@ class TrainerData:
                      "(seed %d, epoch), so a resumed run continues it exactly; Lightning keeps the loader's "
                      "RandomSampler (global RNG) here", self.data_seed)
         elif stage != "fit" and shuffle:
-            log.warning("the %s DataLoader shuffles: it is recommended that you turn shuffling off for "
-                        "evaluation (as Lightning warns)", stage)
+            rank_zero_warn(f"the {stage} DataLoader shuffles: it is recommended that you turn shuffling off for "
+                           "evaluation (as Lightning warns)", PossibleUserWarning)
         if stage == "predict" and world > 1 and n_samples and n_samples % world:
             log.warning("predict: %d samples on %d ranks: the DistributedSampler repeats %d sample(s) so every "
                         "rank runs the same number of forwards (sharded strategies gather collectively); "

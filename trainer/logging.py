@@ -19,6 +19,7 @@ import torch
 
 from .errors import ConfigError
 from .metrics import Meta, ResultCollection, as_value, log_levels, reduce_name, warn_once
+from .utilities import PossibleUserWarning, rank_zero_warn
 
 log = logging.getLogger("zerotrain")
 
@@ -133,9 +134,9 @@ class MetricsConnector:
         t = self.trainer
         every = t.log_every_n_steps
         if t.loggers and every and n_batches < every and t.is_global_zero:
-            log.warning("The number of training batches (%s) is smaller than the logging interval "
-                        "Trainer(log_every_n_steps=%d). Set a lower value for log_every_n_steps if you want to see "
-                        "logs for the training epoch.", n_batches, every)
+            rank_zero_warn(f"The number of training batches ({n_batches}) is smaller than the logging interval "
+                           f"Trainer(log_every_n_steps={every}). Set a lower value for log_every_n_steps if you want "
+                           "to see logs for the training epoch.", PossibleUserWarning)
 
     def stop(self) -> None:
         """A stage ended: the dicts keep their values; nothing is active."""

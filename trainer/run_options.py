@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from .errors import ConfigError
+from .utilities import PossibleUserWarning, rank_zero_warn
 
 log = logging.getLogger("zerotrain")
 
@@ -95,8 +96,8 @@ def default_max_epochs(max_epochs: int | None, max_steps: int, callbacks: list) 
     if max_epochs is not None:
         return max_epochs
     if max_steps == -1 and not any(isinstance(cb, Timer) for cb in callbacks):
-        log.warning("`max_epochs` was not set. Setting it to 1000 epochs. To train without an epoch limit, set "
-                    "`max_epochs=-1`.")
+        rank_zero_warn("`max_epochs` was not set. Setting it to 1000 epochs. To train without an epoch limit, set "
+                       "`max_epochs=-1`.", PossibleUserWarning)
         return 1000
     return -1
 

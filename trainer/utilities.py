@@ -7,15 +7,23 @@ import functools
 import logging
 import os
 import random
-import warnings
+import warnings as _warnings  # the name ``warnings`` is Lightning's path here (utilities.warnings)
 from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 
+from .errors import ConfigError
 from .hparams import AttributeDict
 
 log = logging.getLogger("zerotrain")
 F = TypeVar("F", bound=Callable[..., Any])
+
+
+def distributed_is_initialized() -> bool:
+    """A default process group exists (torch built with distributed support, and it was initialized)."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
 
 
 def global_rank() -> int:
@@ -23,7 +31,7 @@ def global_rank() -> int:
     rank 0 only when ``fit`` starts): the process group's, else ``RANK``, ``SLURM_PROCID``, 0."""
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
+    if distributed_is_initialized():
         return dist.get_rank()
     for var in ("RANK", "SLURM_PROCID"):
         if os.environ.get(var, "").isdigit():
@@ -60,31 +68,47 @@ def rank_zero_debug(*args: Any, **kwargs: Any) -> None:
     log.debug(*args, **kwargs)
 
 
+class PossibleUserWarning(UserWarning):
+    """A warning that may be a false positive (Lightning's class of the same name, under both its
+    paths): zerotrain warns with it where Lightning does, e.g. ``max_epochs`` defaulted to 1000."""
+
+
+def disable_possible_user_warnings(module: str = "") -> None:
+    """Ignore ``PossibleUserWarning`` (from the modules matching the regex ``module``; all by default)."""
+    _warnings.filterwarnings("ignore", category=PossibleUserWarning, module=module)
+
+
 @rank_zero_only
 def rank_zero_warn(message: str, category: type[Warning] = UserWarning, stacklevel: int = 4) -> None:
-    warnings.warn(message, category, stacklevel=stacklevel)
+    _warnings.warn(message, category, stacklevel=stacklevel)
 
 
 #: where ``seed_everything`` records its seed, for the DistributedSampler (``Trainer.data_seed``);
 #: an environment variable so the ranks a launcher starts inherit it (Lightning's PL_GLOBAL_SEED)
 GLOBAL_SEED_ENV = "ZEROTRAIN_GLOBAL_SEED"
+#: the largest seed ``seed_everything`` takes (numpy's RNG takes 32 bits)
+MAX_SEED = 2**32 - 1
 
 
-def seed_everything(seed: int | None = None, workers: bool = False) -> int:
+def seed_everything(seed: int | None = None, workers: bool = False, verbose: bool = True) -> int:
     """Lightning's ``seed_everything``: seed Python's, torch's (every device) and numpy's global
     RNGs and record the seed as the DistributedSampler's, in the environment, so that launched ranks
     inherit it. ``None`` takes the recorded seed (ours, else Lightning's ``PL_GLOBAL_SEED``), else 0
-    with a warning. ``workers=True`` is not applied (it warns): Lightning then seeds each data-loader
-    worker's numpy and ``random``; pass a ``worker_init_fn`` that does. Returns the seed."""
+    with a warning (not with ``verbose=False``). A seed numpy cannot take (outside 0 .. 2**32 - 1)
+    is a ValueError, as Lightning's. ``workers=True`` is not applied (it warns): Lightning then seeds
+    each data-loader worker's numpy and ``random``; pass a ``worker_init_fn`` that does. Returns the seed."""
     if workers:
-        warnings.warn("seed_everything(workers=True): zerotrain installs no worker_init_fn that seeds "
+        _warnings.warn("seed_everything(workers=True): zerotrain installs no worker_init_fn that seeds "
                       "numpy/random in data-loader workers; pass your own worker_init_fn", stacklevel=2)
     if seed is None:
         env = os.environ.get(GLOBAL_SEED_ENV, os.environ.get("PL_GLOBAL_SEED"))
-        if env is None:
-            warnings.warn("seed_everything(): no seed given or recorded; seed set to 0", stacklevel=2)
+        if env is None and verbose:
+            _warnings.warn("seed_everything(): no seed given or recorded; seed set to 0", stacklevel=2)
         seed = int(env) if env is not None else 0
-    os.environ[GLOBAL_SEED_ENV] = str(int(seed))
+    seed = int(seed)
+    if not 0 <= seed <= MAX_SEED:
+        raise ConfigError(f"seed_everything: seed={seed}; valid: an integer from 0 to {MAX_SEED} (numpy's range)")
+    os.environ[GLOBAL_SEED_ENV] = str(seed)
     seed_rngs(seed)
     return seed
 
@@ -165,4 +189,4 @@ def is_overridden(method_name: str, instance: Any = None, parent: "type | None" 
 
 
 __all__ = ["GLOBAL_SEED_ENV", "is_overridden", "isolate_rng", "AttributeDict", "reset_seed", "seed_rngs", "rank_zero_only", "rank_zero_info", "rank_zero_debug", "rank_zero_warn", "seed_everything",
-           "global_rank"]
+           "global_rank", "distributed_is_initialized", "PossibleUserWarning", "disable_possible_user_warnings"]
