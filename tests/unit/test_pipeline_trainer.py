@@ -42,7 +42,8 @@ class Counting(Callback):
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         self.calls["on_train_batch_end"] += 1
-        self.outputs.append(float(outputs.detach()))
+        # Lightning's outputs: {"loss": the loss / accumulate_grad_batches, detached}
+        self.outputs.append(float(outputs["loss"]) * trainer.accumulate_grad_batches)
 
 
 class Recorder(Logger):
