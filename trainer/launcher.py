@@ -70,6 +70,17 @@ def _job_code(code: int) -> int:
     return code if code > 0 else 1
 
 
+#: how long rank 0, failing because a peer closed its connection, waits for that peer to exit
+PEER_EXIT_WAIT_S = 10.0
+#: what gloo's error says when the rank at the other end of a connection went away
+_PEER_LOSS = ("closed by peer", "reset by peer", "Broken pipe")
+
+
+def is_peer_loss(exc: BaseException) -> bool:
+    """Whether ``exc`` is a collective failing because another rank's process went away."""
+    return isinstance(exc, RuntimeError) and any(s in str(exc) for s in _PEER_LOSS)
+
+
 def describe_exit(rank: int, code: int) -> str:
     """``rank 1 was killed by signal 9 (SIGKILL)`` / ``rank 1 exited with code 3``."""
     if code < 0:
@@ -130,14 +141,17 @@ class LocalLauncher:
         sys.stderr.write(f"\n[zerotrain] {describe_exit(rank, code)}; ending the job.\n")
         sys.stderr.flush()
 
-    def kill(self, report: bool = True, in_fit: bool = False) -> None:
+    def kill(self, report: bool = True, in_fit: bool = False, peer_lost: bool = False) -> None:
         """End every rank this process started. ``report``: first say which ranks had already
         died and how (rank 0 usually fails *because* a peer died: a gloo "Connection reset by
-        peer" says nothing about who), waiting up to a second for a dying peer to be reaped.
-        ``in_fit`` (rank 0 failed inside fit): a rank that exited with code 0 is named too, since
-        it left before the job's fit was over."""
+        peer" says nothing about who), waiting up to a second for a dying peer to be reaped, or
+        up to PEER_EXIT_WAIT_S when rank 0's own error says a peer closed its connection
+        (``peer_lost``): that peer is on its way out, and a loaded machine can take seconds
+        between its closing the group's sockets at exit and the process ending. ``in_fit`` (rank
+        0 failed inside fit): a rank that exited with code 0 is named too, since it left before
+        the job's fit was over."""
         if report and not self._stop.is_set():
-            deadline = time.monotonic() + 1.0
+            deadline = time.monotonic() + (PEER_EXIT_WAIT_S if peer_lost else 1.0)
             while time.monotonic() < deadline and all(p.poll() is None for p in self.children):
                 time.sleep(0.05)
             for rank, proc in enumerate(self.children, start=1):

@@ -11,6 +11,7 @@ import math
 import signal
 from typing import Any
 
+from .launcher import is_peer_loss
 from .run_options import default_max_epochs
 from .state import RunningStage, TrainerFn, TrainerStatus
 
@@ -133,7 +134,7 @@ class TrainerProperties:
         self.state.status = TrainerStatus.INTERRUPTED
         self.hooks("on_exception", self, module, exc)
         if in_fit and self._launcher is not None and not isinstance(exc, SIGTERMException):
-            self._launcher.kill(in_fit=True)
+            self._launcher.kill(in_fit=True, peer_lost=is_peer_loss(exc))
         if isinstance(exc, KeyboardInterrupt):
             if self.is_global_zero:
                 log.info("Detected KeyboardInterrupt, attempting graceful shutdown ...")

@@ -7,6 +7,7 @@ import textwrap
 import time
 
 import pytest
+from harness import timeout_scale
 
 SCRIPT = textwrap.dedent('''
     import os, sys
@@ -52,9 +53,49 @@ def test_raising_child_rank_ends_job_fast_with_traceback(tmp_path):
     assert elapsed < 30
 
 
+@pytest.mark.parametrize("peer_lost", [True, False])
+def test_rank_zero_failing_on_a_lost_peer_waits_for_it_to_exit_and_names_it(capfd, peer_lost):
+    """Rank 0 fails because a peer closed its connections (gloo's "Connection closed by peer"),
+    and that peer's process ends seconds later (a loaded machine tearing down a big process):
+    rank 0 waits for it, names it and takes its exit code. Any other error of rank 0's own waits
+    a second, as before, since its peers are alive, blocked in a collective."""
+    from zerotrain.strategies.environment import ProcessInfo
+    from zerotrain.trainer.launcher import LocalLauncher, is_peer_loss
+
+    gloo = RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:30416.")
+    assert is_peer_loss(gloo) and not is_peer_loss(RuntimeError("boom")) and not is_peer_loss(KeyError("x"))
+    launcher = LocalLauncher(ProcessInfo(0, 0, 2, 2, 0, "127.0.0.1", 0, source="local"))
+    launcher.children.append(subprocess.Popen([sys.executable, "-c", "import sys, time; time.sleep(3); sys.exit(3)"]))
+    t0 = time.monotonic()
+    launcher.kill(in_fit=True, peer_lost=peer_lost)
+    err = capfd.readouterr().err
+    if peer_lost:
+        assert "rank 1 exited with code 3" in err and launcher.failed_code == 3, err
+        assert time.monotonic() - t0 < 10
+    else:
+        assert "rank 1" not in err and launcher.failed_code is None, err
+        assert launcher.children[0].returncode == -9  # ended by rank 0 after its second
+
+
 @pytest.mark.slow
 def test_raising_rank_zero_ends_job_fast_with_traceback(tmp_path):
     proc, elapsed = _run(tmp_path, bad_rank=0)
     assert proc.returncode != 0
     assert "RuntimeError: boom on rank 0" in proc.stderr
     assert elapsed < 30
+
+
+def test_the_trainer_tells_its_launcher_when_rank_zero_failed_on_a_lost_peer():
+    from zerotrain import Trainer
+
+    class Launcher:
+        def kill(self, **kwargs):
+            calls.append(kwargs)
+
+    calls = []
+    trainer = Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    trainer._launcher = Launcher()
+    gloo = RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection reset by peer [127.0.0.1]:30416.")
+    assert trainer._interrupted(gloo, None, in_fit=True) is gloo
+    trainer._interrupted(ValueError("own"), None, in_fit=True)
+    assert calls == [{"in_fit": True, "peer_lost": True}, {"in_fit": True, "peer_lost": False}]
