@@ -17,6 +17,7 @@ are lower bounds. On CUDA the completion is when the host learns of it.
 What each strategy moves per optimizer step (Psi: trainable elements; ``expected_step_bytes``):
 
 * ddp: all_reduce Psi x gradient bytes (the reducer's buckets; ``no_sync`` micro-batches none);
+  on gloo beyond 2 ranks all_gather of world x Psi x gradient bytes (summed in rank order);
 * zero1 / zero2: the gradient buckets, Psi x reduce bytes, as reduce to each owner (the default
   ``reduce_scatter``; ``all_reduce`` on gloo beyond 2 ranks or when asked), once per step in
   zero1, every micro-batch in zero2;
@@ -230,6 +231,8 @@ def expected_step_bytes(strategy: Any, trainer: Any = None, first: bool = False)
 
 def _ddp_bytes(strategy: Any) -> dict[str, int]:
     grads = sum(p.numel() * p.element_size() for p in strategy.module.parameters() if p.requires_grad)
+    if getattr(strategy, "sums_in_rank_order", False):
+        return {"all_gather": grads * strategy.world_size}
     return {"all_reduce": grads}
 
 

@@ -18,6 +18,7 @@ from . import instrument
 from .environment import release_at_exit
 from .base import PROCESS_GROUP_TIMEOUT_S, StepWrapper, Strategy
 from .options import check_bool, config_from
+from .zero.comm import all_gather_into
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,14 @@ class DDP(Strategy):
         self.model.register_forward_pre_hook(self._forward_starts)
         self.model.module.register_forward_hook(self._inner_forward_done)
         self.model.register_forward_hook(self._forward_done)
-        self._buckets = _BucketWatch.attach(self.model) if instrument.active() else None
+        world, watch = dist.get_world_size(), instrument.active()
+        # gloo sums a bucket's values in an order that depends on their place in the bucket with
+        # more than 2 ranks, and DDP's first step after a start uses its unrebuilt buckets: a
+        # resume would round that step differently from a run that never stopped (the fault
+        # campaign, issue 40). There the sum is taken in rank order, whatever the layout.
+        ordered = self.sums_in_rank_order = world > 2 and dist.get_backend() == "gloo"
+        hook = _BucketHook.attach(self.model, ordered, watch) if ordered or watch else None
+        self._buckets = hook if watch else None
         release_at_exit(self)
 
     def release_at_exit(self) -> None:
@@ -106,7 +114,9 @@ class DDP(Strategy):
             return self.model.no_sync()
         return contextlib.nullcontext()
 
-    _buckets: "_BucketWatch | None" = None
+    _buckets: "_BucketHook | None" = None
+    #: gradients are summed in rank order (every rank's bucket all-gathered), not all-reduced
+    sums_in_rank_order = False
 
     def _after_backward(self) -> None:
         if self._buckets is not None:
@@ -132,37 +142,66 @@ class DDP(Strategy):
         model.reducer.prepare_for_backward(list(_find_tensors(loss)) if searches else [])
 
 
-class _BucketWatch:
-    """DDP's gradient all-reduce as a comm hook, attached only while a monitor listens
-    (``strategies/instrument.py``), so that each bucket's collective is reported. The math is the
-    reducer's own (the bucket divided by the world size, then summed). The reducer waits for the
-    buckets in C++, out of sight: the time backward sat blocked is estimated as the stretch from
-    the last bucket's launch (autograd is done by then) to the last bucket's completion."""
+class _BucketHook:
+    """DDP's gradient all-reduce as a comm hook: the bucket divided by the world size, then summed
+    over ranks, as the reducer does.
 
-    def __init__(self, world: int) -> None:
-        self.world = world
+    ``ordered``: the sum is taken in rank order (every rank's bucket is all-gathered, then added
+    rank 0 first), so that a value's rounding does not depend on its place in the bucket: DDP
+    builds different buckets for its first step than for the later ones (it rebuilds them in the
+    order backward produced the gradients), and a run resumed from a checkpoint must round its
+    first step as the uninterrupted run rounded that step. Moves ``world - 1`` buckets per rank
+    instead of the ring's ``2 (world - 1) / world``.
+
+    ``watch`` (only while a monitor listens, ``strategies/instrument.py``): each bucket's
+    collective is reported. The reducer waits for the buckets in C++, out of sight: the time
+    backward sat blocked is estimated as the stretch from the last bucket's launch (autograd is
+    done by then) to the last bucket's completion."""
+
+    def __init__(self, world: int, ordered: bool = False, watch: bool = True) -> None:
+        self.world, self.ordered, self.watch = world, ordered, watch
         self.last_issue: float | None = None
         self.last_done: float | None = None
 
     @classmethod
-    def attach(cls, model: DistributedDataParallel) -> "_BucketWatch":
-        watch = cls(dist.get_world_size())
-        model.register_comm_hook(None, watch.hook)
-        return watch
+    def attach(cls, model: DistributedDataParallel, ordered: bool = False, watch: bool = True) -> "_BucketHook":
+        hook = cls(dist.get_world_size(), ordered, watch)
+        model.register_comm_hook(None, hook.hook)
+        return hook
 
     def hook(self, state, bucket):  # unannotated: DDP checks real annotations, these would be strings
         buf = bucket.buffer().div_(self.world)
-        work = dist.all_reduce(buf, async_op=True)
-        instrument.issued("all_reduce", work, None, buf)
+        if self.ordered:
+            fut = _sum_in_rank_order(buf, self.world)  # all_gather_into reports its collective
+        else:
+            work = dist.all_reduce(buf, async_op=True)
+            if self.watch:
+                instrument.issued("all_reduce", work, None, buf)
+            fut = work.get_future().then(lambda f: f.value()[0])
         self.last_issue = time.perf_counter()
-        return work.get_future().then(self._landed)
+        return fut.then(self._landed)
 
     def _landed(self, fut: torch.futures.Future) -> torch.Tensor:
         self.last_done = time.perf_counter()
-        return fut.value()[0]
+        return fut.value()
 
     def settle(self) -> None:
         """After backward (the reducer has waited for every bucket): report the blocked time."""
         if self.last_issue is not None and self.last_done is not None:
             instrument.blocked_for(self.last_done - self.last_issue)
         self.last_issue = self.last_done = None
+
+
+def _sum_in_rank_order(buf: torch.Tensor, world: int) -> torch.futures.Future:
+    """A future of ``buf`` holding the sum over ranks of their ``buf``, added in rank order."""
+    gathered = torch.empty(world * buf.numel(), dtype=buf.dtype, device=buf.device)
+    handle = all_gather_into(gathered, buf)
+    pieces = gathered.view(world, -1)
+
+    def add(_: torch.futures.Future) -> torch.Tensor:
+        torch.add(pieces[0], pieces[1], out=buf)
+        for piece in pieces[2:]:
+            buf.add_(piece)
+        return buf
+
+    return handle.get_future().then(add)

@@ -31,7 +31,11 @@ def _resume_case(devices, root, strategy="ddp"):
     return {"full": full, "first": first, "second": second}
 
 
-@pytest.mark.parametrize("devices,strategy", [(1, "single"), (2, "ddp"), (2, "zero2"), (3, "zero1")])
+# ddp on 3 and 4 ranks: torch DDP's first step after a start uses other buckets than its later
+# steps, and gloo's sum over more than 2 ranks depends on a value's place in its bucket; the
+# strategy sums in rank order there (strategies/ddp.py, issue 40: within 1 ulp before)
+@pytest.mark.parametrize("devices,strategy", [(1, "single"), (2, "ddp"), (2, "zero2"), (3, "zero1"), (3, "ddp"),
+                                              pytest.param(4, "ddp", marks=pytest.mark.slow)])
 def test_resume_continues_exactly(tmp_path, devices, strategy):
     out = run_ranks("test_resume:_resume_case", devices, tmp_path, timeout=180, devices=devices,
                     root=str(tmp_path), strategy=strategy)
