@@ -254,7 +254,8 @@ def run_zerotrain(args: argparse.Namespace, spec: ModelSpec, batches: list, rec:
             rec.start()
 
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
-            rec.step_end(outputs)  # after the optimizer step
+            # after the optimizer step; outputs is Lightning's dict, its loss divided by the accumulation
+            rec.step_end(outputs["loss"] * trainer.accumulate_grad_batches)
             stats = getattr(trainer.strategy, "last_step_stats", None)  # the pipeline's schedule
             if stats is not None:
                 rec.schedule.append({"compute_s": stats.compute_s, "comm_s": stats.comm_s, "wall_s": stats.wall_s})
