@@ -37,6 +37,8 @@ import time
 import traceback
 from typing import Any, Callable, NamedTuple
 
+from .stopped_parent import StoppedParentGuard, under_our_launcher
+
 log = logging.getLogger("zerotrain")
 
 #: exit status of a rank (and a job under our launcher) ended by the watchdog: its own, so that it
@@ -110,6 +112,8 @@ class ProgressWatchdog:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._seen: dict[int, tuple[bytes, float]] = {}  # rank -> (last value read, when first read)
+        self._round_at = time.monotonic()  # when the thread last completed a round with the store
+        self._guard: StoppedParentGuard | None = None  # a stopped rank 0 under our launcher
 
     # ------------------------------------------------------------------ the loop's side
     def tick(self, phase: str, step: int) -> None:
@@ -137,9 +141,15 @@ class ProgressWatchdog:
         self._publish()
         self._thread = threading.Thread(target=self._run, name="zerotrain-progress-watchdog", daemon=True)
         self._thread.start()
+        if under_our_launcher(self.rank):  # rank 0 hosts the store: its stop stops our store calls
+            self._guard = StoppedParentGuard(self.rank, self.timeout_s, STALL_EXIT_CODE,
+                                             lambda: self._round_at, self.interval_s)
+            self._guard.start()
 
     def disarm(self) -> None:
         self._stop.set()
+        if self._guard is not None:
+            self._guard.stop()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=2 * self.interval_s + 1)
 
@@ -194,6 +204,7 @@ class ProgressWatchdog:
             try:
                 self._publish()
                 progress = self._read()
+                self._round_at = time.monotonic()
             except Exception as exc:  # noqa: BLE001 - the store's host is gone: the job is ending anyway
                 log.debug("progress watchdog stopped: %s", exc)
                 return
