@@ -67,6 +67,7 @@ from . import instrument, progress
 from .environment import ProcessInfo, init_process_group
 from .optimizers import group_indices, selecting
 from .precision import Precision
+from .step_wrapper import StepCall, StepWrapper
 
 
 class ParamShard(NamedTuple):
@@ -149,24 +150,6 @@ class BatchHooks(Protocol):
         """``on_after_backward``: the batch's gradients are accumulated."""
 
 
-class StepWrapper(nn.Module):
-    """Routes ``forward`` to the TrainModule's step methods, so that wrappers which act on
-    ``forward`` (DDP's gradient hooks, ZeRO-3's gather hooks) see the user's training step."""
-
-    def __init__(self, module: nn.Module) -> None:
-        super().__init__()
-        self.module = module
-
-    def forward(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        from ..trainer.signature import STEP_METHODS, step_args  # trainer/ imports this package
-
-        fn = getattr(self.module, method)
-        if method in STEP_METHODS:  # Lightning's: a step without room for batch_idx gets the batch only
-            args = step_args(fn, args + tuple(kwargs.values()))
-            kwargs = {}
-        return fn(*args, **kwargs)
-
-
 #: the default timeout of every collective (seconds); the Trainer's watchdog usually ends a stuck
 #: job much sooner (``stall_timeout_s``)
 PROCESS_GROUP_TIMEOUT_S = 300.0
@@ -184,6 +167,8 @@ class Strategy:
     #: False where a forward gathers or swaps parameters into tensors that training reuses
     #: (an inference tensor cannot be saved for backward), as Lightning uses no_grad under FSDP
     inference_mode_evaluation = False
+    #: given to ``StepWrapper``: the Trainer sets Lightning's signature rule (``trainer/signature.py``)
+    step_call: StepCall | None = None
 
     def __init__(self, process_group_timeout_s: float = PROCESS_GROUP_TIMEOUT_S) -> None:
         if (isinstance(process_group_timeout_s, bool) or not isinstance(process_group_timeout_s, (int, float))
@@ -260,7 +245,7 @@ class Strategy:
         built (fp32 unless "-true") until ``setup_optimizer``, so master weights start exact."""
         module = self.precision.convert_module(module).to(self.device)
         self.module = module
-        self.model = StepWrapper(module)
+        self.model = StepWrapper(module, self.step_call)
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer

@@ -16,7 +16,8 @@ from torch.nn.parallel.distributed import _find_tensors
 
 from . import instrument
 from .environment import release_at_exit
-from .base import PROCESS_GROUP_TIMEOUT_S, StepWrapper, Strategy
+from .base import PROCESS_GROUP_TIMEOUT_S, Strategy
+from .step_wrapper import StepWrapper
 from .options import check_bool, config_from
 from .zero.comm import all_gather_into
 
@@ -60,7 +61,7 @@ class DDP(Strategy):
             return  # one process: DDP would only add overhead
         ids = [self.device.index] if self.device.type == "cuda" else None
         self.model = DistributedDataParallel(
-            StepWrapper(self.module), device_ids=ids, bucket_cap_mb=self.config.bucket_cap_mb,
+            StepWrapper(self.module, self.step_call), device_ids=ids, bucket_cap_mb=self.config.bucket_cap_mb,
             find_unused_parameters=self.config.find_unused_parameters,
             gradient_as_bucket_view=self.config.gradient_as_bucket_view, static_graph=self.config.static_graph)
         self._armed = False  # the last forward armed DDP's reducer and no backward has used that yet

@@ -43,6 +43,15 @@ def step_args(fn: Callable, args: tuple) -> tuple:
     return args
 
 
+def step_call(fn: Callable, method: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The strategies' ``StepWrapper`` calls a step method with these arguments (the Trainer hands
+    it this as ``Strategy.step_call``): a step method's keywords (``dataloader_idx``) go after its
+    positional arguments, less those it has no room for; any other method is called unchanged."""
+    if method in STEP_METHODS:
+        return step_args(fn, args + tuple(kwargs.values())), {}
+    return args, kwargs
+
+
 def required_without_default(fn: Callable, name: str) -> bool:
     """``fn`` names ``name`` with no default value (Lightning refuses that for ``dataloader_idx``
     with a single loader)."""

@@ -37,6 +37,7 @@ from .module import TrainModule
 from .limits import TrainerLimits
 from .properties import TrainerProperties
 from .setup import TrainerSetup
+from .signature import step_call
 from .state import LoopState
 from .utilities import GLOBAL_SEED_ENV
 from .watchdog import ProgressWatchdog, make_watchdog
@@ -150,6 +151,7 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
         check_lightning_args(fast_dev_run, num_sanity_val_steps, check_val_every_n_epoch, min_epochs, min_steps,
                               overfit_batches, gradient_clip_algorithm)
         self.precision_plugin, self._strategy = job.plugins("Trainer", strategy, precision, devices * num_nodes)
+        self._strategy.step_call = step_call  # Lightning's rule: which arguments each step method takes
         self.accelerator, self.devices, self.num_nodes = accelerator, int(devices), num_nodes
         self.max_steps, self.max_epochs = max_steps, max_epochs
         self.accumulate_grad_batches = accumulate_grad_batches

@@ -56,7 +56,8 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from ..base import ParamShard, ShardReader, StepWrapper
+from ..base import ParamShard, ShardReader
+from ..step_wrapper import StepWrapper
 from ..environment import release_at_exit
 from ..host_memory import free_bytes_per_rank
 from .comm import backend, broadcast_from, least_over_ranks, new_group, world_size
@@ -128,7 +129,7 @@ class ZeroStage3(ZeroStrategy):
         with torch.no_grad():
             for t in [*module.buffers(), *(p for p in module.parameters() if id(p) not in managed)]:
                 t.data = t.data.to(self.device)
-        self.model = StepWrapper(module)
+        self.model = StepWrapper(module, self.step_call)
         self.reduce_mode = self.config.resolved_reduce_mode(backend(self.group), world_size(self.group),
                                                             even_pieces=True)
         options = RuntimeOptions(self.stage3.reshard_after_forward, self.stage3.prefetch_bucket_size,
