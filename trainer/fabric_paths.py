@@ -8,8 +8,9 @@ for a path whose names live in several of ours. Paths and names not listed are n
 from __future__ import annotations
 
 import importlib
-import sys
 import types
+
+from .lightning_paths import install
 
 #: Lightning's path (after ``lightning.fabric.``) -> our module, whose names it shows
 MODULES = {
@@ -49,7 +50,4 @@ def register(package: str) -> None:
             module = _namespace(name, NAMESPACES[alias], package)
         else:
             module = importlib.import_module(f"{package}.{MODULES[alias]}")
-        sys.modules[name] = module
-        parent, _, leaf = name.rpartition(".")
-        if not hasattr(sys.modules[parent], leaf):
-            setattr(sys.modules[parent], leaf, module)
+        install(name, module)

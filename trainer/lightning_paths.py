@@ -57,12 +57,16 @@ PATHS = {
 }
 
 
+def install(name: str, module: object) -> None:
+    """``module`` importable as ``name`` (``sys.modules``) and, unless the parent (registered
+    first) already has that attribute, reachable as its attribute."""
+    sys.modules[name] = module
+    parent, _, leaf = name.rpartition(".")
+    if not hasattr(sys.modules[parent], leaf):
+        setattr(sys.modules[parent], leaf, module)
+
+
 def register(package: str) -> None:
     """Register every path of ``PATHS`` under ``package`` (``zerotrain``), parents first."""
     for alias in sorted(PATHS, key=lambda a: a.count(".")):
-        module = importlib.import_module(f"{package}.{PATHS[alias]}")
-        name = f"{package}.{alias}"
-        sys.modules[name] = module
-        parent, _, leaf = name.rpartition(".")
-        if not hasattr(sys.modules[parent], leaf):
-            setattr(sys.modules[parent], leaf, module)
+        install(f"{package}.{alias}", importlib.import_module(f"{package}.{PATHS[alias]}"))
