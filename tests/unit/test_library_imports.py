@@ -86,3 +86,23 @@ def test_importing_every_library_module_loads_no_example():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == "[]", proc.stdout
+
+
+#: the strategies' imports of trainer/ that predate the rule below (the pipeline's ConfigError)
+STRATEGIES_MAY_IMPORT = {"zerotrain.trainer.errors", "zerotrain.trainer.errors.ConfigError"}
+
+
+def _trainer_imports(source: str, path: pathlib.Path) -> list[str]:
+    return [f"{path.relative_to(ROOT)}:{line}: imports {name}"
+            for line, name in _imported_names(source, _package_of(path))
+            if (name == "zerotrain.trainer" or name.startswith("zerotrain.trainer.")) and name not in STRATEGIES_MAY_IMPORT]
+
+
+def test_strategies_do_not_import_the_trainer():
+    """strategies/ sits below trainer/: what the Trainer decides for a strategy (Lightning's rule for
+    a step method's arguments, ``Strategy.step_call``) is handed to it, not imported from trainer/,
+    not even lazily inside a method."""
+    bad = [b for p in sorted((ROOT / "strategies").rglob("*.py")) for b in _trainer_imports(p.read_text(), p)]
+    assert not bad, "strategies/ imports trainer/:\n" + "\n".join(bad)
+    lazy = "def forward(self):\n    from ..trainer.signature import step_args\n"  # the check sees this form
+    assert _trainer_imports(lazy, ROOT / "strategies" / "base.py")
