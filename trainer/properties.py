@@ -132,9 +132,11 @@ class TrainerProperties:
         from .signals import SIGTERMException
 
         self.state.status = TrainerStatus.INTERRUPTED
-        self.hooks("on_exception", self, module, exc)
-        if in_fit and self._launcher is not None and not isinstance(exc, SIGTERMException):
-            self._launcher.kill(in_fit=True, peer_lost=is_peer_loss(exc))
+        try:
+            self.hooks("on_exception", self, module, exc)
+        finally:  # an on_exception that raises still ends the ranks (they would wait in a collective)
+            if in_fit and self._launcher is not None and not isinstance(exc, SIGTERMException):
+                self._launcher.kill(in_fit=True, peer_lost=is_peer_loss(exc))
         if isinstance(exc, KeyboardInterrupt):
             if self.is_global_zero:
                 log.info("Detected KeyboardInterrupt, attempting graceful shutdown ...")

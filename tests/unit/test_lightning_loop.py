@@ -4,6 +4,7 @@ arguments and attributes (issue 41). Compared with pytorch_lightning where it he
 from __future__ import annotations
 
 import math
+import types
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import zerotrain
 from zerotrain import Trainer, TrainModule
+from zerotrain.trainer import properties
 from zerotrain.trainer.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(120)
@@ -456,3 +458,19 @@ def test_train_batch_end_outputs_as_lightning(tmp_path, lightning_env):
                enable_progress_bar=False, enable_model_summary=False, accumulate_grad_batches=2).fit(theirs, _data())
     _trainer(tmp_path, accumulate_grad_batches=2).fit(ours, _data())
     assert ours.seen == theirs.seen and ours.seen[-1] == {}
+
+
+@pytest.mark.timeout(30)
+def test_an_on_exception_that_raises_still_ends_the_ranks_rank_0_started():
+    """A callback's on_exception raising inside fit: the ranks our launcher started are still
+    ended (else they sit in their next collective until the group's timeout)."""
+    killed = []
+
+    def hooks(name, *args):
+        raise ValueError("on_exception failed")
+
+    trainer = types.SimpleNamespace(state=types.SimpleNamespace(status=None), hooks=hooks, is_global_zero=True,
+                                    _launcher=types.SimpleNamespace(kill=lambda **kw: killed.append(kw)))
+    with pytest.raises(ValueError, match="on_exception failed"):
+        properties.TrainerProperties._interrupted(trainer, RuntimeError("Connection reset by peer"), None, in_fit=True)
+    assert killed == [{"in_fit": True, "peer_lost": True}]
