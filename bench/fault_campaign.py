@@ -321,6 +321,9 @@ def judge(job: dict, row: dict, text: str) -> tuple[bool, bool]:
         m = _torchrun_failure(text, r)
         return m is not None, m is not None and "SIGKILL" in m
     if f == "sigstop":
+        if ours and r == 0:  # the launching process: a rank it started sees it stopped in /proc
+            said = re.search(r"rank 0 \(pid \d+, the launching process.*\) has been stopped for", text)
+            return bool(said), bool(said) and "killed it (SIGKILL)" in text
         return f"rank {r} made no progress" in text, "made no progress" in text
     if f in ("exception_step", "exception_callback"):
         where = "training_step" if f == "exception_step" else "on_train_batch_end"
