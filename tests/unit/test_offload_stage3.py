@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from harness import load_checkpoint, save_checkpoint, set_up_like_trainer
+from tolerance import assert_no_worse_than_peer
 
 from zerotrain.strategies import instrument
 from zerotrain.strategies.environment import ProcessInfo
@@ -22,9 +23,10 @@ from zerotrain.trainer.module import TrainModule
 class Deep(TrainModule):
     """Units: the root (inp, out) and one per block of the ModuleList."""
 
-    def __init__(self, width=16, depth=3, seed=0):
+    def __init__(self, width=16, depth=3, seed=0, foreach=None):
         super().__init__()
         torch.manual_seed(seed)
+        self.foreach = foreach  # True: torch's other AdamW arithmetic (the peer of the tolerances)
         self.inp = nn.Linear(5, width)
         self.layers = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.LayerNorm(width))
                                     for _ in range(depth))
@@ -41,7 +43,7 @@ class Deep(TrainModule):
         decay = [p for p in self.parameters() if p.ndim >= 2]
         rest = [p for p in self.parameters() if p.ndim < 2]
         opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
-                                 {"params": rest, "lr": 2e-2, "weight_decay": 0.0}], lr=1e-2)
+                                 {"params": rest, "lr": 2e-2, "weight_decay": 0.0}], lr=1e-2, foreach=self.foreach)
         return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.2 * s))
 
 
@@ -67,10 +69,6 @@ def weights(strategy):
     return torch.cat([full[k].float().reshape(-1) for k in sorted(full)])
 
 
-def rel(a, b):
-    return float((a - b).norm() / b.norm())
-
-
 CASES = {"cpu": {}, "nvme": {"optimizer_device": "nvme"},
          "nvme+params": {"optimizer_device": "nvme", "param_device": "nvme"},
          "cpu+params": {"param_device": "nvme"}, "params_cpu": {"param_device": "cpu"}}
@@ -92,7 +90,10 @@ def test_matches_zero3_without_offload(tmp_path, case, prec):
     s, sched = make(offload(case, tmp_path), Deep(), mk())
     train(s, sched, batches())
     assert type(s).__name__ == "ZeroStage3" and s.offload is not None and s.offload_report()["fused_adam"]
-    assert rel(weights(s), weights(ref)) < 1e-6
+    peer, sched = make(ZeroStage3(), Deep(foreach=True), mk())
+    train(peer, sched, batches())
+    # tolerance: no worse than torch's own two AdamW implementations differ (PEER_FACTOR x + 4 ulps)
+    assert_no_worse_than_peer(weights(s), weights(ref), weights(peer))
     rep = s.offload_report()
     assert rep["swapped_kinds"] == (["exp_avg", "exp_avg_sq"] if "nvme" in rep["optimizer_device"] else [])
     assert (rep["param_disk_bytes"] > 0) == (rep["param_device"] == "nvme")
