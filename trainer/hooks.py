@@ -202,6 +202,6 @@ def batch_end_outputs(out: Any, manual: bool, accumulation: int) -> dict[str, An
     extra = dict(out) if isinstance(out, Mapping) else {"loss": out}
     loss = extra.get("loss")
     if torch.is_tensor(loss):
-        extra["loss"] = loss.detach() if manual else (loss / accumulation).detach().clone()
+        extra["loss"] = loss.detach() if manual else (loss / accumulation).detach()  # the division is a new tensor
     return extra
 

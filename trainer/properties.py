@@ -23,10 +23,13 @@ class TrainerProperties:
     """Lightning's read-only view of the Trainer, and the training data's loading."""
 
     # ------------------------------------------------------------------ callbacks
+    def _callbacks_of(self, kind: type) -> list:
+        return [cb for cb in self.callbacks if isinstance(cb, kind)]
+
     @property
     def checkpoint_callbacks(self) -> list:
         from ..callbacks.checkpoint import ModelCheckpoint
-        return [cb for cb in self.callbacks if isinstance(cb, ModelCheckpoint)]
+        return self._callbacks_of(ModelCheckpoint)
 
     @property
     def checkpoint_callback(self) -> Any:
@@ -37,12 +40,12 @@ class TrainerProperties:
     def progress_bar_callback(self) -> Any:
         """The progress bar (Lightning's ``ProgressBar``) among the callbacks, or None."""
         from ..callbacks.progress import ProgressBar
-        return next((cb for cb in self.callbacks if isinstance(cb, ProgressBar)), None)
+        return next(iter(self._callbacks_of(ProgressBar)), None)
 
     @property
     def early_stopping_callbacks(self) -> list:
         from ..callbacks.early_stopping import EarlyStopping
-        return [cb for cb in self.callbacks if isinstance(cb, EarlyStopping)]
+        return self._callbacks_of(EarlyStopping)
 
     @property
     def early_stopping_callback(self) -> Any:
