@@ -96,6 +96,16 @@ def assert_within_sum_bound(got: torch.Tensor, want: torch.Tensor, n: int, scale
                                          f"{float(bound.flatten()[worst]):.3e} (2 gamma({n - 1}) x sum|terms|)")
 
 
+@torch.no_grad()
+def nudge_one_ulp(tensors, gen: torch.Generator) -> None:
+    """Move each element of each fp32 tensor one ulp up or down (signs drawn from ``gen``), in
+    place: a result as valid as the one computed, which rounds each element at least once. A peer
+    for a computation with no other equally valid order (an optimizer step against its reference)."""
+    for t in tensors:
+        up = torch.randint(0, 2, t.shape, generator=gen, dtype=torch.bool)
+        t.copy_(torch.nextafter(t, torch.where(up, float("inf"), float("-inf"))))
+
+
 # ---------------------------------------------------------------------------- the peer's order
 def shard(batch, rank: int, world: int):
     """Rank ``rank``'s part of a global batch under DistributedSampler(shuffle=False): every
