@@ -102,7 +102,7 @@ def nudge_one_ulp(tensors, gen: torch.Generator) -> None:
     place: a result as valid as the one computed, which rounds each element at least once. A peer
     for a computation with no other equally valid order (an optimizer step against its reference)."""
     for t in tensors:
-        up = torch.randint(0, 2, t.shape, generator=gen, dtype=torch.bool)
+        up = torch.randint(0, 2, t.shape, generator=gen, dtype=torch.bool).to(t.device)  # a CPU generator
         t.copy_(torch.nextafter(t, torch.where(up, float("inf"), float("-inf"))))
 
 
