@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import time
+import warnings
 
+from ..trainer.errors import ConfigError
 from .base import Callback
 
 
@@ -22,22 +24,31 @@ class LearningRateMonitor(Callback):
     def __init__(self, logging_interval: str | None = None, log_momentum: bool = False,
                  log_weight_decay: bool = False) -> None:
         if logging_interval not in (None, "step", "epoch"):
-            raise ValueError(f"LearningRateMonitor: logging_interval={logging_interval!r}; valid: None, step, epoch")
+            raise ConfigError("logging_interval should be `step` or `epoch` or `None`.")
         self.logging_interval = logging_interval
         self.log_momentum, self.log_weight_decay = log_momentum, log_weight_decay
         self.lrs: dict[str, list[float]] = {}
+        #: the last momentum / weight decay logged per name (``<name>-momentum``), None before any
+        self.last_momentum_values: dict[str, float | None] = {}
+        self.last_weight_decay_values: dict[str, float | None] = {}
 
-    def on_train_start(self, trainer, module) -> None:
+    def on_train_start(self, trainer, pl_module) -> None:
         if not trainer.loggers:
-            raise ValueError("LearningRateMonitor: the Trainer has no logger (logger=False); valid: a Trainer "
-                             "with a logger")
-        self.lrs = {name: [] for _, names, _ in self._named(trainer) for name in names}
+            raise ConfigError("Cannot use `LearningRateMonitor` callback with `Trainer` that has no logger.")
+        named = self._named(trainer)
+        if self.log_momentum and any(not ({"momentum", "betas"} & set(opt.defaults)) for opt, _, _ in named):
+            warnings.warn("You have set log_momentum=True, but some optimizers do not have momentum. This will "
+                          "log a value 0 for the momentum.", RuntimeWarning)
+        names = [name for _, group_names, _ in named for name in group_names]
+        self.lrs = {name: [] for name in names}
+        self.last_momentum_values = {f"{name}-momentum": None for name in names}
+        self.last_weight_decay_values = {f"{name}-weight_decay": None for name in names}
 
-    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self.logging_interval != "epoch" and trainer._logging.step_row_due():
             self._emit(trainer, "step" if self.logging_interval is None else "any")
 
-    def on_train_epoch_start(self, trainer, module) -> None:
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
         if self.logging_interval != "step":
             self._emit(trainer, "epoch" if self.logging_interval is None else "any")
 
@@ -45,7 +56,8 @@ class LearningRateMonitor(Callback):
     def _named(trainer) -> list[tuple[object, list[str], str | None]]:
         """(optimizer, a name per param group, its scheduler's interval or None), schedulers'
         optimizers first. An optimizer class's n-th occurrence is suffixed ``-(n-1)``; a
-        scheduler named by its dict keeps its name and is not counted."""
+        scheduler named by its dict keeps its name and is not counted. Two param groups of one
+        optimizer with the same name are Lightning's error."""
         out, counts = [], {}
         configs = [(c.scheduler.optimizer, c.name, c.interval) for c in trainer.lr_scheduler_configs]
         rest = [(o, None, None) for o in trainer.optimizers if not any(o is c[0] for c in configs)]
@@ -54,10 +66,15 @@ class LearningRateMonitor(Callback):
             if given is None:
                 counts[cls] = counts.get(cls, 0) + 1
             name = given or f"lr-{cls.__name__}"
+            groups = opt.param_groups
+            default = [g.get("name", f"pg{i}") for i, g in enumerate(groups, start=1)]
+            duplicated = {n for n in default if default.count(n) > 1}
+            if duplicated:
+                raise ConfigError("A single `Optimizer` cannot have multiple parameter groups with identical `name` "
+                                  f"values. {name} has duplicated parameter group names {duplicated}")
             if counts.get(cls, 0) > 1:
                 name += f"-{counts[cls] - 1}"
-            groups = opt.param_groups
-            labels = [g.get("name", f"pg{i + 1}") if len(groups) > 1 else g.get("name") for i, g in enumerate(groups)]
+            labels = default if len(groups) > 1 else [g.get("name") for g in groups]
             out.append((opt, [f"{name}/{label}" if label else name for label in labels], interval))
         return out
 
@@ -68,13 +85,22 @@ class LearningRateMonitor(Callback):
                 continue
             betas = "betas" in opt.defaults
             for g, name in zip(opt.param_groups, names):
+                self._regrouped(name)
                 metrics[name] = float(g["lr"])
                 self.lrs.setdefault(name, []).append(metrics[name])
                 if self.log_momentum:
-                    metrics[f"{name}-momentum"] = float(g["betas"][0] if betas else g.get("momentum", 0))
+                    value = float(g["betas"][0] if betas else g.get("momentum", 0))
+                    metrics[f"{name}-momentum"] = self.last_momentum_values[f"{name}-momentum"] = value
                 if self.log_weight_decay:
-                    metrics[f"{name}-weight_decay"] = float(g["weight_decay"])
+                    value = float(g["weight_decay"])
+                    metrics[f"{name}-weight_decay"] = self.last_weight_decay_values[f"{name}-weight_decay"] = value
         trainer._emit(metrics, callback=True)
+
+    def _regrouped(self, name: str) -> None:
+        """An optimizer that gained param groups (``BaseFinetuning``): its values logged so far
+        under ``lr-X`` continue under ``lr-X/pg1``, as Lightning's."""
+        if name.endswith("/pg1") and name not in self.lrs and name[:-4] in self.lrs:
+            self.lrs[name] = self.lrs.pop(name[:-4])
 
 
 class ThroughputMonitor(Callback):

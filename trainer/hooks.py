@@ -55,11 +55,14 @@ class HookDispatcher:
         self.callbacks = list(callbacks)
         self._legacy_warned: set[str] = set()
 
-    def __call__(self, hook: str, trainer: Any, module: Any, *args: Any) -> None:
-        """The callbacks' ``hook`` only (a callback-only hook, or one the module gets elsewhere)."""
+    def __call__(self, hook: str, trainer: Any, module: Any, *args: Any, only: Any = None) -> None:
+        """The callbacks' ``hook`` only (a callback-only hook, or one the module gets elsewhere);
+        ``only(cb)`` picks which callbacks (None: all)."""
         if hook not in HOOKS:
             raise ValueError(f"unknown hook {hook!r}")
         for cb in self.callbacks:
+            if only is not None and not only(cb):
+                continue
             fn = getattr(cb, hook, None)  # a duck-typed callback may define only the hooks it uses
             if fn is None:
                 continue
@@ -72,10 +75,16 @@ class HookDispatcher:
 
     def both(self, hook: str, trainer: Any, module: Any, *args: Any) -> Any:
         """Lightning's order: every callback's ``hook``, then the module's; returns the module's
-        result (``on_train_batch_start`` returning -1 ends the epoch)."""
-        self(hook, trainer, module, *args)
+        result (``on_train_batch_start`` returning -1 ends the epoch). As Lightning, the monitoring
+        callbacks (``EarlyStopping``, ``ModelCheckpoint``) get ``on_train_epoch_end`` after the
+        module, so they see what the module's ``on_train_epoch_end`` logged."""
+        last = _monitoring if hook == "on_train_epoch_end" else None
+        self(hook, trainer, module, *args, only=None if last is None else (lambda cb: not last(cb)))
         with hook_scope(trainer, hook):
-            return getattr(module, hook)(*args)
+            result = getattr(module, hook)(*args)
+        if last is not None:
+            self(hook, trainer, module, *args, only=last)
+        return result
 
     def _warn_legacy(self, cb: "Callback", hook: str) -> None:
         """A callback written before ``setup``/``teardown`` took ``stage``: still called, without
@@ -93,6 +102,14 @@ class HookDispatcher:
         for cb in self.callbacks:
             if _state_key(cb) in state and hasattr(cb, "load_state_dict"):
                 cb.load_state_dict(state[_state_key(cb)])
+
+
+def _monitoring(cb: Any) -> bool:
+    """Lightning's 'monitoring callbacks': early stopping and checkpointing."""
+    from ..callbacks.checkpoint import ModelCheckpoint
+    from ..callbacks.early_stopping import EarlyStopping
+
+    return isinstance(cb, (EarlyStopping, ModelCheckpoint))
 
 
 def _state_key(cb: Any) -> str:

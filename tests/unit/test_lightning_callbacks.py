@@ -110,14 +110,14 @@ def test_early_stopping_default_check_point_follows_lightning():
 
 def test_early_stopping_strict_and_state():
     cb = EarlyStopping("missing")
-    with pytest.raises(RuntimeError, match="monitor='missing' was never logged"):
-        cb._run_check(type("T", (), {"callback_metrics": {"x": 1.0}})())
+    with pytest.raises(RuntimeError, match="metric `missing` which is not available.*`x`"):
+        cb._run_early_stopping_check(type("T", (), {"callback_metrics": {"x": 1.0}})())
     cb = EarlyStopping("m", patience=2)
     cb.evaluate(1.0), cb.evaluate(2.0)
     again = EarlyStopping("m", patience=2)
     again.load_state_dict(cb.state_dict())
     assert (again.best_score, again.wait_count) == (1.0, 1)
-    with pytest.raises(ValueError, match="mode='median'"):
+    with pytest.raises(ValueError, match="`mode` can be min, max, got median"):
         EarlyStopping("m", mode="median")
 
 
