@@ -20,6 +20,13 @@ MODULES = {
     "utilities.warnings": "trainer.utilities",
     "utilities.imports": "trainer.imports",
     "utilities.exceptions": "trainer.errors",
+    "utilities.data": "trainer.compat.data",
+    "utilities.logger": "trainer.compat.params",
+    "utilities.types": "trainer.compat.types",
+    "plugins": "trainer.compat.plugins",
+    "plugins.io": "trainer.compat.plugins",
+    "plugins.io.checkpoint_io": "trainer.compat.plugins",
+    "plugins.io.torch_io": "trainer.compat.plugins",
 }
 #: Lightning's path -> {Lightning's name: "our module:our name"}; "" is ``zerotrain.fabric`` itself
 NAMESPACES = {

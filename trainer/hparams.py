@@ -220,6 +220,18 @@ def loads_safely(value: Any) -> bool:
     return True
 
 
+def is_picklable(obj: object) -> bool:
+    """Lightning's ``is_picklable``: ``pickle.dumps(obj)`` succeeds (False where pickling raises a
+    pickling, attribute, runtime or type error; other errors propagate)."""
+    import pickle
+
+    try:
+        pickle.dumps(obj)
+    except (pickle.PickleError, AttributeError, RuntimeError, TypeError):
+        return False
+    return True
+
+
 _warned: set[tuple[str, str]] = set()
 
 

@@ -54,6 +54,60 @@ PATHS = {
     "callbacks.progress.tqdm_progress": "callbacks.progress",
     # lightning.pytorch.trainer.*
     "trainer.states": "trainer.state",
+    # Lightning's modules zerotrain has no counterpart of: trainer/compat/ (small honest shims;
+    # Lightning's loop, connector and launcher objects are importable names only)
+    "accelerators": "trainer.compat.accelerators",
+    "accelerators.accelerator": "trainer.compat.accelerators",
+    "accelerators.cpu": "trainer.compat.accelerators",
+    "accelerators.cuda": "trainer.compat.accelerators",
+    "profilers": "trainer.compat.profilers",
+    "profilers.profiler": "trainer.compat.profilers",
+    "profilers.base": "trainer.compat.profilers",
+    "profilers.simple": "trainer.compat.profilers",
+    "tuner": "trainer.compat.tuner",
+    "tuner.tuning": "trainer.compat.tuner",
+    "loops": "trainer.compat.internals",
+    "loops.loop": "trainer.compat.internals",
+    "loops.fit_loop": "trainer.compat.internals",
+    "loops.training_epoch_loop": "trainer.compat.internals",
+    "loops.evaluation_loop": "trainer.compat.internals",
+    "loops.prediction_loop": "trainer.compat.internals",
+    "loops.utilities": "trainer.compat.internals",
+    "loops.optimization": "trainer.compat.internals",
+    "loops.optimization.automatic": "trainer.compat.internals",
+    "loops.progress": "trainer.compat.internals",
+    "overrides": "trainer.compat.internals",
+    "overrides.distributed": "trainer.compat.internals",
+    "strategies.launchers": "trainer.compat.internals",
+    "strategies.launchers.multiprocessing": "trainer.compat.internals",
+    "strategies.launchers.subprocess_script": "trainer.compat.internals",
+    "trainer.connectors": "trainer.compat.data",
+    "trainer.connectors.data_connector": "trainer.compat.data",
+    "trainer.connectors.logger_connector": "trainer.compat.internals",
+    "trainer.connectors.logger_connector.fx_validator": "trainer.compat.internals",
+    "trainer.connectors.logger_connector.result": "trainer.compat.internals",
+    "trainer.configuration_validator": "trainer.compat.validator",
+    "utilities.data": "trainer.compat.data",
+    "utilities.types": "trainer.compat.types",
+    "utilities.combined_loader": "trainer.compat.combined_loader",
+    "loggers.utilities": "trainer.compat.params",
+    "loggers.comet": "trainer.compat.service_loggers",
+    "loggers.mlflow": "trainer.compat.service_loggers",
+    "loggers.neptune": "trainer.compat.service_loggers",
+    "loggers.wandb": "trainer.compat.service_loggers",
+    "loggers.litlogger": "trainer.compat.service_loggers",
+}
+
+#: names Lightning has in a module where ours has none (set on the module at registration):
+#: Lightning's path -> {Lightning's name: "our module:our name"}
+NAMES = {
+    "utilities": {"CombinedLoader": "trainer.compat.combined_loader:CombinedLoader"},
+    "strategies": {"SingleDeviceXLAStrategy": "trainer.compat.internals:SingleDeviceXLAStrategy"},
+    "callbacks": {"BasePredictionWriter": "callbacks.prediction_writer:BasePredictionWriter"},
+    "core.module": {"_TrainerFabricShim": "trainer.compat.internals:_TrainerFabricShim"},
+    "loggers.logger": {"DummyExperiment": "callbacks.base:_DummyExperiment"},
+    "loggers": {name: f"trainer.compat.service_loggers:{name}"
+                for name in ("CometLogger", "MLFlowLogger", "NeptuneLogger", "WandbLogger")},
 }
 
 
@@ -70,3 +124,9 @@ def register(package: str) -> None:
     """Register every path of ``PATHS`` under ``package`` (``zerotrain``), parents first."""
     for alias in sorted(PATHS, key=lambda a: a.count(".")):
         install(f"{package}.{alias}", importlib.import_module(f"{package}.{PATHS[alias]}"))
+    for alias, names in NAMES.items():
+        module = sys.modules.get(f"{package}.{alias}") or importlib.import_module(f"{package}.{alias}")
+        for leaf, target in names.items():
+            where, _, attr = target.partition(":")
+            if not hasattr(module, leaf):
+                setattr(module, leaf, getattr(importlib.import_module(f"{package}.{where}"), attr))

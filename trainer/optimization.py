@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
@@ -30,59 +29,15 @@ import torch
 from ..strategies.optimizers import OptimizerSet
 from .errors import ConfigError
 from .logging import hook_scope
+from .optimizer_config import (MULTIPLE_AUTOMATIC, LRSchedulerConfig, _configure_optimizers,  # noqa: F401
+                               _configure_schedulers_automatic_opt, _configure_schedulers_manual_opt,
+                               _init_optimizers_and_lr_schedulers, init_optimizers, parse_optimizers)
+
+#: zerotrain's earlier name of Lightning's LRSchedulerConfig
+SchedulerConfig = LRSchedulerConfig
 
 if TYPE_CHECKING:
     from .trainer import Trainer
-
-#: Lightning's error for several optimizers under automatic optimization (its wording)
-MULTIPLE_AUTOMATIC = ("Training with multiple optimizers is only supported with manual optimization. Set "
-                      "`self.automatic_optimization = False`, then access your optimizers in `training_step` "
-                      "with `opt1, opt2, ... = self.optimizers()`.")
-
-
-@dataclass
-class SchedulerConfig:
-    """One LR scheduler and when the Trainer steps it (automatic optimization only)."""
-
-    scheduler: Any
-    interval: str = "epoch"
-    #: step every ``frequency`` intervals (Lightning's key)
-    frequency: int = 1
-    #: ReduceLROnPlateau: the ``callback_metrics`` name it steps on, and whether a missing one is
-    #: an error (``strict``) or a skipped step with a warning
-    monitor: str | None = None
-    strict: bool = True
-    #: Lightning's ``name``: what the LearningRateMonitor calls this scheduler's optimizer
-    name: str | None = None
-
-    @property
-    def reduce_on_plateau(self) -> bool:
-        return isinstance(self.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
-
-
-def parse_optimizers(cfg: Any) -> tuple[list[torch.optim.Optimizer], list[SchedulerConfig]]:
-    """``configure_optimizers()``'s output as (optimizers, scheduler configs); see the module
-    docstring for the accepted forms."""
-    if isinstance(cfg, torch.optim.Optimizer):
-        return [cfg], []
-    if isinstance(cfg, dict):
-        return _from_dicts([cfg])
-    if isinstance(cfg, (list, tuple)) and cfg:
-        if all(isinstance(o, torch.optim.Optimizer) for o in cfg):
-            return list(cfg), []
-        if all(isinstance(d, dict) for d in cfg):
-            return _from_dicts(list(cfg))
-        first, rest = cfg[0], list(cfg[1:])
-        if isinstance(first, (list, tuple)) and len(rest) == 1 and _all_optimizers(first):
-            scheds = rest[0] if isinstance(rest[0], (list, tuple)) else [rest[0]]
-            return list(first), [_scheduler(s, "epoch") for s in scheds]
-        if isinstance(first, torch.optim.Optimizer) and len(rest) == 1 and rest[0] is not None:
-            return [first], [_scheduler(rest[0], "step")]  # zerotrain's (optimizer, scheduler)
-        if isinstance(first, torch.optim.Optimizer) and rest == [None]:
-            return [first], []
-    raise ConfigError(f"configure_optimizers() returned {type(cfg).__name__}; valid: an optimizer, a list of "
-                      "optimizers, ([optimizers], [schedulers]), (optimizer, scheduler), a dict with 'optimizer' "
-                      "(and 'lr_scheduler', 'monitor') or a list of such dicts")
 
 
 def _or_no_op(cfg: Any, module: Any) -> Any:
@@ -96,63 +51,13 @@ def _or_no_op(cfg: Any, module: Any) -> Any:
     return torch.optim.SGD([p for p in module.parameters() if p.requires_grad], lr=0.0)
 
 
-def _all_optimizers(items: Any) -> bool:
-    return bool(items) and all(isinstance(o, torch.optim.Optimizer) for o in items)
-
-
-def _from_dicts(dicts: list[dict]) -> tuple[list[torch.optim.Optimizer], list[SchedulerConfig]]:
-    opts, scheds = [], []
-    for d in dicts:
-        extra = set(d) - {"optimizer", "lr_scheduler", "monitor"}
-        if extra:  # Lightning 2.x's warning: "frequency" and the like are not supported any more
-            warnings.warn(f"Found unsupported keys in the optimizer configuration: {extra}", RuntimeWarning,
-                          stacklevel=3)
-        if not isinstance(d.get("optimizer"), torch.optim.Optimizer):
-            raise ConfigError(f"configure_optimizers(): optimizer={type(d.get('optimizer')).__name__} in "
-                              f"{sorted(d)}; valid: a torch.optim.Optimizer under 'optimizer'")
-        opts.append(d["optimizer"])
-        if d.get("lr_scheduler") is not None:
-            scheds.append(_scheduler(d["lr_scheduler"], "epoch", d.get("monitor")))
-    return opts, scheds
-
-
-def _scheduler(entry: Any, default_interval: str, monitor: str | None = None) -> SchedulerConfig:
-    """One scheduler, or Lightning's scheduler dict (``scheduler``, ``interval``, ``frequency``,
-    ``monitor``, ``strict``); ``monitor``: the optimizer dict's, which the scheduler dict's overrides."""
-    if not isinstance(entry, dict):
-        entry = {"scheduler": entry}
-    if entry.get("scheduler") is None:
-        raise ConfigError(f"lr_scheduler={sorted(entry)}: no 'scheduler'; valid: a dict with 'scheduler' "
-                          "(and 'interval', 'frequency', 'monitor', 'strict', 'name')")
-    frequency = entry.get("frequency", 1)
-    if not isinstance(frequency, int) or isinstance(frequency, bool) or frequency < 1:
-        raise ConfigError(f"lr_scheduler frequency={frequency!r}; valid: an integer >= 1")
-    interval = entry.get("interval", default_interval)
-    if interval not in ("step", "epoch"):
-        raise ConfigError(f"lr_scheduler interval={interval!r}; valid choices: step, epoch")
-    config = SchedulerConfig(entry["scheduler"], interval, frequency, entry.get("monitor", monitor),
-                             bool(entry.get("strict", True)), entry.get("name"))
-    if config.reduce_on_plateau and config.monitor is None:  # Lightning's message
-        raise ConfigError("`configure_optimizers` must include a monitor when a `ReduceLROnPlateau` scheduler is "
-                          'used. For example: {"optimizer": optimizer, "lr_scheduler": scheduler, "monitor": '
-                          '"metric_to_track"}')
-    return config
-
-
 class Optimization:
     """What the Trainer knows about the module's optimizers: built once at set-up."""
 
     def __init__(self, trainer: "Trainer", module: Any) -> None:
         self.trainer = trainer
         self.manual = not getattr(module, "automatic_optimization", True)
-        self.optimizers, self.schedulers = parse_optimizers(_or_no_op(module.configure_optimizers(), module))
-        if len(self.optimizers) > 1 and not self.manual:
-            raise ConfigError(MULTIPLE_AUTOMATIC)
-        known = {id(o) for o in self.optimizers}
-        for c in self.schedulers:
-            if id(getattr(c.scheduler, "optimizer", None)) not in known:
-                raise ConfigError("Some schedulers are attached with an optimizer that wasn't returned from "
-                                  "`configure_optimizers`.")
+        self.optimizers, self.schedulers = init_optimizers(module)
         #: each optimizer's module parameters, before a strategy re-targets its groups
         self.params = [[p for g in o.param_groups for p in g["params"]] for o in self.optimizers]
         #: what the strategy holds

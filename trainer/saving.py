@@ -1,7 +1,10 @@
 """``hparams.yaml`` read and written as Lightning's ``lightning.pytorch.core.saving`` does
-(``zerotrain.core.saving``): the loggers write it, ``load_hparams_from_yaml`` reads it back."""
+(``zerotrain.core.saving``): the loggers write it, ``load_hparams_from_yaml`` reads it back; and
+the older ``key,value`` CSV form (``save_hparams_to_tags_csv`` / ``load_hparams_from_tags_csv``)."""
 from __future__ import annotations
 
+import ast
+import csv
 import os
 import warnings
 from argparse import Namespace
@@ -60,3 +63,35 @@ def load_hparams_from_yaml(config_yaml: "str | os.PathLike", use_omegaconf: bool
         except ImportError:
             pass
     return hparams
+
+
+def save_hparams_to_tags_csv(tags_csv: "str | os.PathLike", hparams: Any) -> None:
+    """Write ``hparams`` (a dict or Namespace) to ``tags_csv`` as a ``key,value`` header and one row
+    per hyperparameter. The folder must exist."""
+    folder = os.path.dirname(os.fspath(tags_csv))
+    if folder and not os.path.isdir(folder):
+        raise RuntimeError(f"Missing folder: {folder}.")
+    if isinstance(hparams, Namespace):
+        hparams = vars(hparams)
+    with open(tags_csv, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["key", "value"])
+        writer.writerows([key, value] for key, value in hparams.items())
+
+
+def load_hparams_from_tags_csv(tags_csv: "str | os.PathLike") -> dict[str, Any]:
+    """The hyperparameters in a ``key,value`` CSV ({} with a RuntimeWarning when the file is
+    missing); each value a Python literal where it reads as one (``32`` an int), else the string."""
+    if not os.path.isfile(tags_csv):
+        warnings.warn(f"Missing Tags: {tags_csv}.", RuntimeWarning, stacklevel=2)
+        return {}
+    with open(tags_csv, newline="") as f:
+        rows = list(csv.reader(f))[1:]
+    return {row[0]: _literal(row[1]) for row in rows}
+
+
+def _literal(text: str) -> Any:
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text

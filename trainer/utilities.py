@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterator, TypeVar
 import torch
 
 from .errors import ConfigError
-from .hparams import AttributeDict
+from .hparams import AttributeDict, is_picklable
 
 log = logging.getLogger("zerotrain")
 F = TypeVar("F", bound=Callable[..., Any])
@@ -188,5 +188,5 @@ def is_overridden(method_name: str, instance: Any = None, parent: "type | None" 
     return unwrap(mine) is not unwrap(theirs)
 
 
-__all__ = ["GLOBAL_SEED_ENV", "is_overridden", "isolate_rng", "AttributeDict", "reset_seed", "seed_rngs", "rank_zero_only", "rank_zero_info", "rank_zero_debug", "rank_zero_warn", "seed_everything",
+__all__ = ["GLOBAL_SEED_ENV", "is_overridden", "is_picklable", "isolate_rng", "AttributeDict", "reset_seed", "seed_rngs", "rank_zero_only", "rank_zero_info", "rank_zero_debug", "rank_zero_warn", "seed_everything",
            "global_rank", "distributed_is_initialized", "PossibleUserWarning", "disable_possible_user_warnings"]
