@@ -35,12 +35,14 @@ def positive_int(name: str, value: Any, allow_none: bool = False, minimum: int =
         raise ConfigError(f"Trainer: {name}={value!r} must be an integer >= {minimum}")
 
 
-def positive_number(name: str, value: Any, what: str, allow_none: bool = True) -> None:
-    """A finite number > 0 (not a bool: True is no number of seconds), or None when allowed."""
+def positive_number(name: str, value: Any, what: str, allow_none: bool = True, allow_zero: bool = False) -> None:
+    """A finite number > 0 (>= 0 with ``allow_zero``; not a bool: True is no number of seconds), or
+    None when allowed."""
     if value is None and allow_none:
         return
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
-        raise ConfigError(f"Trainer: {name}={value!r} must be a finite number > 0 ({what})"
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0
+            or (value == 0 and not allow_zero)):
+        raise ConfigError(f"Trainer: {name}={value!r} must be a finite number {'>=' if allow_zero else '>'} 0 ({what})"
                           + (", or None" if allow_none else ""))
 
 

@@ -136,7 +136,8 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
         positive_number("collective_timeout_s", collective_timeout_s, "seconds")
         if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < -1:
             raise ConfigError(f"Trainer: max_steps={max_steps!r} must be -1 (no limit) or an integer >= 0")
-        positive_number("gradient_clip_val", gradient_clip_val, "the clipping threshold")
+        positive_number("gradient_clip_val", gradient_clip_val, "the clipping threshold; 0: off, as Lightning",
+                        allow_zero=True)
         self._val_check_time = run_options.val_check_seconds(val_check_interval)  # None unless time-based
         check_limit("limit_train_batches", limit_train_batches, allow_zero=False)
         check_limit("limit_val_batches", limit_val_batches, allow_zero=True)
