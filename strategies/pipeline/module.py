@@ -49,6 +49,11 @@ class LayerSpec:
     def build(self) -> nn.Module:
         return self.cls(*self.args, **self.kwargs)
 
+    # DeepSpeed's names for the same fields (``deepspeed.pipe.LayerSpec``)
+    typename = property(lambda self: self.cls)
+    module_args = property(lambda self: self.args)
+    module_kwargs = property(lambda self: self.kwargs)
+
     def __repr__(self) -> str:
         name = getattr(self.cls, "__name__", repr(self.cls))
         return f"{type(self).__name__}({name}, args={self.args}, kwargs={self.kwargs})"

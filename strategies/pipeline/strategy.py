@@ -313,8 +313,16 @@ class PipelineStrategy(Strategy):
         return (self._schedule if train else inference)(self.stage, p, m)
 
     def _run(self, batch: Any, train: bool, accumulation: int = 1) -> torch.Tensor:
-        assert self.executor is not None, "pipeline: setup_module() has not run yet"
         micro_inputs, micro_targets = self.split_batch(batch, train)
+        return self.run_micro_batches(micro_inputs, micro_targets, train, accumulation)
+
+    def run_micro_batches(self, micro_inputs: list[Any], micro_targets: list[Any], train: bool,
+                          accumulation: int = 1) -> torch.Tensor:
+        """The schedule over micro-batches given already split (on this rank's device; a stage
+        that neither loads inputs nor computes the loss may pass placeholders such as None, one
+        per micro-batch): DeepSpeed's ``train_batch`` draws them from an iterator. Returns the
+        mean loss over the micro-batches and replicas, the same on every rank."""
+        assert self.executor is not None, "pipeline: setup_module() has not run yet"
         with torch.set_grad_enabled(train):
             loss = self.executor.run(self._instructions(train, len(micro_inputs)), micro_inputs, micro_targets,
                                      train=train, grad_scale=1.0 / accumulation)

@@ -25,7 +25,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
 from ..errors import ConfigError
-from . import accelerator, checkpointing, comm, lr_schedules, moe, ops, utils, zero  # noqa: F401  (deepspeed.<module>)
+from . import accelerator, checkpointing, comm, lr_schedules, moe, ops, pipe, runtime, utils, zero  # noqa: F401  (deepspeed.<module>)
 from .comm import init_distributed
 from .config import DeepSpeedConfig, parse, report_ignored
 from .engine import DeepSpeedEngine
@@ -154,6 +154,8 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     source = _config_source(args, config, config_params)
     _local_rank_from_args(args)
     comm.init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
+    if isinstance(model, pipe.PipelineModule):  # DeepSpeed's PipelineEngine, on the pipeline strategy
+        return pipe.engine.initialize(source, model, optimizer, model_parameters, training_data, lr_scheduler, collate_fn)
     cfg = parse(source, comm.get_world_size())
     engine = zero.take_pending(cfg) or zero.new_engine(cfg)
     engine.launch()
@@ -191,4 +193,5 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
 
 
 __all__ = ["initialize", "init_distributed", "add_config_arguments", "DeepSpeedEngine", "DeepSpeedConfig",
-           "ConfigError", "comm", "accelerator", "zero", "moe", "lr_schedules", "checkpointing", "ops", "utils"]
+           "ConfigError", "comm", "accelerator", "zero", "moe", "lr_schedules", "checkpointing", "ops", "pipe", "runtime",
+           "utils"]

@@ -145,7 +145,35 @@ class _DirectCallsUnderAutocast:
         self.handles.clear()
 
 
-class DeepSpeedEngine(nn.Module):
+class ConfigAccessors(nn.Module):
+    """DeepSpeed's config accessors (methods, as DeepSpeed's), for both engines (this module's and
+    ``pipe/engine.py``'s), each holding the parsed config as ``_cfg`` and its ``optimizer``."""
+
+    _cfg: DeepSpeedConfig
+    optimizer: Any
+
+    @property
+    def config(self) -> dict[str, Any]:
+        return self._cfg.raw
+
+    train_batch_size = _config_value("train_batch_size")
+    train_micro_batch_size_per_gpu = _config_value("train_micro_batch_size_per_gpu")
+    gradient_accumulation_steps = _config_value("gradient_accumulation_steps")
+    gradient_clipping = _config_value("gradient_clipping")
+    zero_optimization_stage = _config_value("zero_stage")
+    fp16_enabled = _config_value("fp16_enabled")
+    bfloat16_enabled = _config_value("bf16_enabled")
+    steps_per_print = _config_value("steps_per_print")
+    wall_clock_breakdown = _config_value("wall_clock_breakdown")
+
+    def zero_optimization(self) -> bool:
+        return self._cfg.zero_stage > 0
+
+    def get_lr(self) -> list[float]:
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+
+class DeepSpeedEngine(ConfigAccessors):
     """What ``deepspeed.initialize`` returns first. An ``nn.Module`` holding the user's model as
     ``module`` (so ``engine.parameters()``, ``engine.train()``/``eval()`` work as DeepSpeed's)."""
 
@@ -172,32 +200,11 @@ class DeepSpeedEngine(nn.Module):
         """The :class:`zerotrain.Engine` underneath (its strategy, ``full_state_dict``, ...)."""
         return self._zt
 
-    @property
-    def config(self) -> dict[str, Any]:
-        return self._cfg.raw
-
     global_rank = property(lambda self: self._zt.global_rank)
     local_rank = property(lambda self: self._zt.local_rank)
     world_size = property(lambda self: self._zt.world_size)
     dp_world_size = property(lambda self: self._zt.strategy.data_parallel_world_size)
     device = property(lambda self: self._zt.device)
-
-    # DeepSpeed's config accessors (methods, as DeepSpeed's)
-    train_batch_size = _config_value("train_batch_size")
-    train_micro_batch_size_per_gpu = _config_value("train_micro_batch_size_per_gpu")
-    gradient_accumulation_steps = _config_value("gradient_accumulation_steps")
-    gradient_clipping = _config_value("gradient_clipping")
-    zero_optimization_stage = _config_value("zero_stage")
-    fp16_enabled = _config_value("fp16_enabled")
-    bfloat16_enabled = _config_value("bf16_enabled")
-    steps_per_print = _config_value("steps_per_print")
-    wall_clock_breakdown = _config_value("wall_clock_breakdown")
-
-    def zero_optimization(self) -> bool:
-        return self._cfg.zero_stage > 0
-
-    def get_lr(self) -> list[float]:
-        return [g["lr"] for g in self.optimizer.param_groups]
 
     @property
     def loss_scale(self) -> float:
