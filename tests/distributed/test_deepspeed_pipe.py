@@ -77,7 +77,16 @@ def pipe_rank(case: str) -> dict:
     import zerotrain.deepspeed as deepspeed
     from zerotrain.deepspeed.pipe import PipelineModule
 
+    from zerotrain.trainer.errors import ConfigError
+
     rank, world = init_dist()
+    if case == "two_stages":  # bad input: refused with the field, the value and what is valid
+        with pytest.raises(ConfigError, match="num_stages=3; valid: a divisor of the world size 2"):
+            PipelineModule(layers=_layers(case), loss_fn=nn.CrossEntropyLoss(), num_stages=3)
+        with pytest.raises(ConfigError, match="zero_optimization.stage=2 .* valid: stage 0 or 1"):
+            deepspeed.initialize(model=PipelineModule(layers=_layers(case), loss_fn=nn.CrossEntropyLoss(),
+                                                      num_stages=2),
+                                 config={"train_batch_size": 8, "zero_optimization": {"stage": 2}})
     torch.manual_seed(1234)
     net = PipelineModule(layers=_layers(case), loss_fn=nn.CrossEntropyLoss(), num_stages=_stages(case),
                          partition_method="uniform" if case == "tied" else "parameters")
@@ -94,6 +103,8 @@ def pipe_rank(case: str) -> dict:
     it = None if data is not None else iter(_micro_batches(case, replica, world // _stages(case)))
     losses = [engine.train_batch(it) for _ in range(STEPS)]
     eval_loss = engine.eval_batch(iter(_data(999, GAS)))
+    with pytest.raises(ConfigError, match="return_logits=True; valid: False"):
+        engine.eval_batch(iter(_data(999, GAS)), return_logits=True)
     final = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
     with pytest.raises(Exception, match="only train_batch"):
         engine(torch.zeros(1))
