@@ -54,8 +54,8 @@ class MetricsConnector:
         fx = self.fx
         on_step, on_epoch = log_levels(fx, on_step, on_epoch)
         if add_dataloader_idx and "/dataloader_idx_" in name:
-            raise ConfigError(f"self.log({name!r}): the name must not hold /dataloader_idx_ while "
-                              "add_dataloader_idx=True (it is added for you)")
+            raise ConfigError(f"You called `self.log` with the key `{name}` but it should not contain information "
+                              "about `dataloader_idx` when `add_dataloader_idx=True`")
         results = self.active
         if results is None:
             raise ConfigError(f"self.log({name!r}): no loop is running (predict logs nothing, as Lightning)")
@@ -267,7 +267,7 @@ class MetricsConnector:
             row.setdefault("epoch", t.current_epoch)
             step = self.logging_step
         for lg in t.loggers:
-            lg.log_metrics(row, step)
+            lg.log_metrics(metrics=row, step=step)
             lg.save()
 
 
@@ -313,7 +313,7 @@ class TrainerLogging:
             self._logging.callback_metrics.update({k: torch.tensor(v) for k, v in metrics.items()})
         if self.is_global_zero and metrics and not self.sanity_checking:
             for lg in self.loggers:
-                lg.log_metrics(metrics, self._logging.logging_step)
+                lg.log_metrics(metrics=metrics, step=self._logging.logging_step)
 
 
 def _reduce_in_group(value: torch.Tensor, op: str, group: Any) -> torch.Tensor:

@@ -93,8 +93,8 @@ def as_value(name: str, value: Any, device: torch.device | None = None) -> torch
     """A loggable value as Lightning takes it: a number or a one-element tensor, detached later.
     Dicts, strings, several elements and other objects are refused as Lightning refuses them."""
     if isinstance(value, dict):
-        raise ValueError(f"self.log({name!r}, {value!r}): nested dictionaries cannot be logged; valid: "
-                         "self.log_dict for a flat dict")
+        raise ValueError(f"`self.log({name}, {value})` was called, but nested dictionaries cannot be logged; "
+                         "valid: self.log_dict for a flat dict")
     if hasattr(value, "compute") and hasattr(value, "update") and not torch.is_tensor(value):
         raise ValueError(f"self.log({name!r}, <{type(value).__name__}>): torchmetrics Metric objects are not "
                          f"supported by zerotrain (a deliberate difference); valid: log metric.compute() or the "
@@ -104,8 +104,8 @@ def as_value(name: str, value: Any, device: torch.device | None = None) -> torch
     elif isinstance(value, numbers.Number):
         t = torch.tensor(value, device=device, dtype=_default_dtype())
     else:
-        raise ValueError(f"self.log({name!r}, {value!r}): {type(value).__name__} values cannot be logged; valid: "
-                         "a number or a one-element tensor")
+        raise ValueError(f"`self.log({name}, {value})` was called, but `{type(value).__name__}` values cannot be "
+                         "logged; valid: a number or a one-element tensor")
     if t.numel() != 1:
         raise ValueError(f"self.log({name!r}, <tensor of shape {tuple(t.shape)}>): the tensor must have a single "
                          f"element; valid: self.log({name!r}, value.mean()) or another reduction")
@@ -175,8 +175,8 @@ class Meta:
 
     def __post_init__(self) -> None:
         if not self.on_step and not self.on_epoch:
-            raise ConfigError(f"self.log({self.name!r}, on_step=False, on_epoch=False): logs nothing; valid: "
-                              "at least one of them True")
+            raise ConfigError(f"`self.log({self.name}, on_step=False, on_epoch=False)` is not useful: it logs "
+                              "nothing; valid: at least one of them True")
 
     def names(self, on_step: bool) -> tuple[str, str]:
         """(the plain name, the name at this level: ``_step``/``_epoch`` added when logged at
@@ -253,8 +253,8 @@ class ResultCollection(dict):
         if key not in self:
             self[key] = _Result(meta)
         elif meta != self[key].meta:
-            raise ConfigError(f"self.log({meta.name!r}, ...) twice in {meta.fx} with different arguments; valid: "
-                              "the same arguments every time a name is logged in a hook")
+            raise ConfigError(f"You called `self.log({meta.name}, ...)` twice in `{meta.fx}` with different arguments. "
+                              "This is not allowed")
         self[key].update(value, self._batch_size(meta, batch_size), self._sync)
 
     def _batch_size(self, meta: Meta, given: int | None) -> int:

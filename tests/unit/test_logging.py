@@ -215,7 +215,7 @@ class _Bad(TrainModule):
 
 @pytest.mark.parametrize("how, error, words", [
     ("vector", ValueError, "single element"), ("reduce", ConfigError, "reduce_fx='median'"),
-    ("string", ValueError, "str values cannot be logged"), ("nested", ValueError, "nested dictionaries"),
+    ("string", ValueError, "`str` values cannot be logged"), ("nested", ValueError, "nested dictionaries"),
     ("neither", ConfigError, "on_step=False, on_epoch=False"), ("twice", ConfigError, "different arguments"),
     ("suffix", ConfigError, "dataloader_idx"), ("epoch_hook_step", ConfigError, "on_step=True inside on_train_epoch_end"),
     ("fit_start", ConfigError, "inside on_fit_start"),
