@@ -16,9 +16,10 @@ and ``teardown(stage)`` on every rank at the end of the stage.
 from __future__ import annotations
 
 import inspect
+import os
 from typing import TYPE_CHECKING, Any
 
-from .hparams import HyperparametersMixin
+from .hparams import DATAMODULE_KEYS, HyperparametersMixin
 
 if TYPE_CHECKING:
     from .trainer import Trainer
@@ -55,6 +56,9 @@ class DataModule(HyperparametersMixin, DataHooks):
     ``save_hyperparameters()`` in ``__init__`` as Lightning's (trainer/hparams.py): they are
     logged with the module's and stored in checkpoints as ``datamodule_hyper_parameters``."""
 
+    #: Lightning's names of a checkpoint's datamodule hyperparameter keys
+    CHECKPOINT_HYPER_PARAMS_KEY, CHECKPOINT_HYPER_PARAMS_NAME, CHECKPOINT_HYPER_PARAMS_TYPE = DATAMODULE_KEYS
+
     def __init__(self) -> None:
         self.trainer: Trainer | None = None
 
@@ -63,6 +67,17 @@ class DataModule(HyperparametersMixin, DataHooks):
 
     def teardown(self, stage: str) -> None:
         """On every rank, at the end of ``stage``."""
+
+    @classmethod
+    def load_from_checkpoint(cls, checkpoint_path: "str | os.PathLike", map_location: Any = None,
+                             hparams_file: "str | os.PathLike | None" = None, weights_only: bool | None = None,
+                             **overrides: Any) -> "DataModule":
+        """This class rebuilt from the datamodule hyperparameters a checkpoint saved (updated with
+        ``overrides``; ``hparams_file``'s instead when given), as Lightning's."""
+        from .from_checkpoint import load_from_checkpoint
+
+        return load_from_checkpoint(cls, checkpoint_path, map_location=map_location, hparams_file=hparams_file,
+                                    weights_only=weights_only, **overrides)
 
     @classmethod
     def from_datasets(cls, train_dataset: Any = None, val_dataset: Any = None, test_dataset: Any = None,

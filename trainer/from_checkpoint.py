@@ -105,20 +105,34 @@ def _read_torch_file(path: Path) -> dict[str, Any]:
 
 
 def init_kwargs(cls: type, hparams: dict[str, Any], hparams_name: str | None,
-                overrides: dict[str, Any]) -> dict[str, Any]:
+                overrides: dict[str, Any], hparams_type: str | None = None) -> dict[str, Any]:
     """The keyword arguments ``cls(...)`` gets, by Lightning's rule: the saved hyperparameters
     updated with the overrides, passed whole under their argument name when they were one config
-    object (``save_hyperparameters(config)``), else spread; filtered to the ``__init__``
-    signature unless it takes ``**kwargs``."""
+    object (``save_hyperparameters(config)``; an OmegaConf ``DictConfig`` again when
+    ``hparams_type`` says it was one), else spread; filtered to the ``__init__`` signature unless
+    it takes ``**kwargs``."""
     params = list(inspect.signature(cls.__init__).parameters.values())[1:]
     names = [p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
     loaded: dict[str, Any] = {**hparams, **overrides}
     if hparams_name and hparams_name != "kwargs" and hparams_name in names:
-        loaded = {hparams_name: AttributeDict(loaded)}
+        loaded = {hparams_name: _container(loaded, hparams_type)}
     kwargs = {**loaded, **overrides}
     if not any(p.kind == p.VAR_KEYWORD for p in params):
         kwargs = {k: v for k, v in kwargs.items() if k in names}
     return kwargs
+
+
+def _container(hparams: dict[str, Any], hparams_type: str | None) -> Any:
+    """The saved hyperparameters as the container they were saved from: a ``DictConfig`` when
+    that was its type (and omegaconf is installed), else an AttributeDict."""
+    if hparams_type == "DictConfig":
+        try:
+            from omegaconf import OmegaConf
+
+            return OmegaConf.create(hparams)
+        except ImportError:
+            pass
+    return AttributeDict(hparams)
 
 
 def _device(map_location: Any) -> torch.device | None:
@@ -130,21 +144,46 @@ def _device(map_location: Any) -> torch.device | None:
                       "a device name")
 
 
+def _hparams_from_file(hparams_file: str | os.PathLike) -> dict[str, Any]:
+    """Lightning's ``hparams_file``: the hyperparameters of a ``.yaml``/``.yml`` or tags ``.csv`` file."""
+    from .saving import load_hparams_from_tags_csv, load_hparams_from_yaml
+
+    extension = str(hparams_file).rsplit(".", 1)[-1].lower()
+    if extension == "csv":
+        return dict(load_hparams_from_tags_csv(hparams_file))
+    if extension in ("yml", "yaml"):
+        return dict(load_hparams_from_yaml(hparams_file, use_omegaconf=False))
+    raise ValueError(".csv, .yml or .yaml is required for `hparams_file`")
+
+
 def load_from_checkpoint(cls: type, checkpoint_path: str | os.PathLike, map_location: Any = None,
-                         strict: bool = True, **overrides: Any) -> Any:
-    """``TrainModule.load_from_checkpoint`` (see the module docstring)."""
+                         strict: bool = True, hparams_file: str | os.PathLike | None = None,
+                         weights_only: bool | None = None, **overrides: Any) -> Any:
+    """``TrainModule.load_from_checkpoint`` and ``DataModule.load_from_checkpoint`` (see the module
+    docstring): the class's hyperparameters (``cls.CHECKPOINT_HYPER_PARAMS_KEY``; those of
+    ``hparams_file`` instead when given) updated with ``overrides``. ``weights_only`` is accepted
+    for Lightning's signature: zerotrain always reads a checkpoint weights-only."""
     from .module import TrainModule
 
     device = _device(map_location)
     checkpoint = read_checkpoint(checkpoint_path)
-    hparams = dict(checkpoint.get(HPARAMS_KEY) or {})
-    checkpoint[HPARAMS_KEY] = {**hparams, **overrides}
+    key = getattr(cls, "CHECKPOINT_HYPER_PARAMS_KEY", HPARAMS_KEY)
+    if hparams_file is not None:
+        checkpoint[key] = _hparams_from_file(hparams_file)
+    hparams = dict(checkpoint.get(key) or {})
+    checkpoint[key] = {**hparams, **overrides}
+    hparams_name = checkpoint.get(getattr(cls, "CHECKPOINT_HYPER_PARAMS_NAME", HPARAMS_NAME_KEY))
+    hparams_type = checkpoint.get(getattr(cls, "CHECKPOINT_HYPER_PARAMS_TYPE", "hparams_type"))
     try:
-        module = cls(**init_kwargs(cls, hparams, checkpoint.get(HPARAMS_NAME_KEY), overrides))
+        module = cls(**init_kwargs(cls, hparams, hparams_name, overrides, hparams_type))
     except TypeError as exc:
         raise ConfigError(f"{cls.__name__}.load_from_checkpoint({str(checkpoint_path)!r}): building the module "
                           f"from the saved hyperparameters {sorted(hparams)} failed: {exc}; pass the missing "
                           "arguments as keyword overrides") from exc
+    if not isinstance(module, TrainModule):  # a DataModule: its own state, when it saved one
+        if type(module).__qualname__ in checkpoint and hasattr(module, "load_state_dict"):
+            module.load_state_dict(checkpoint[type(module).__qualname__])
+        return module
     if type(module).configure_model is not TrainModule.configure_model:
         module.configure_model()
     module.on_load_checkpoint(checkpoint)

@@ -24,6 +24,7 @@ import io
 import json
 import logging
 import types
+import warnings
 from argparse import Namespace
 from collections.abc import MutableMapping
 from typing import Any, Sequence
@@ -37,6 +38,9 @@ log = logging.getLogger("zerotrain")
 HPARAMS_KEY = "hyper_parameters"
 HPARAMS_NAME_KEY = "hparams_name"
 DATAMODULE_HPARAMS_KEY = "datamodule_hyper_parameters"
+HPARAMS_TYPE_KEY = "hparams_type"
+#: the datamodule's hyperparameters, their argument name and their container's type
+DATAMODULE_KEYS = (DATAMODULE_HPARAMS_KEY, "datamodule_hparams_name", "datamodule_hparams_type")
 
 _PRIMITIVES = (bool, int, float, str)
 
@@ -105,16 +109,17 @@ class HyperparametersMixin:
         for name in ignored:
             self.hparams.pop(name, None)
         for name, value in self.hparams.items():
-            if isinstance(value, nn.Module):
-                log.warning("hparam %r is an nn.Module, and its weights are already saved in the checkpoint; "
-                            "save_hyperparameters(ignore=[%r]) is recommended (as Lightning warns)", name, name)
+            if isinstance(value, nn.Module):  # Lightning's warning
+                warnings.warn(f"Attribute {name!r} is an instance of `nn.Module` and is already saved during "
+                              f"checkpointing. It is recommended to ignore them using "
+                              f"`self.save_hyperparameters(ignore=[{name!r}])`.", UserWarning, stacklevel=2)
         self._hparams_initial = copy.deepcopy(self._hparams)
 
     def _set_hparams(self, hp: Any) -> None:
         if isinstance(hp, Namespace):
             hp = vars(hp)
         if isinstance(hp, _PRIMITIVES):
-            raise ValueError(f"save_hyperparameters: {hp!r}: primitives {_PRIMITIVES} are not allowed; valid: "
+            raise ValueError(f"Primitives {_PRIMITIVES} are not allowed. save_hyperparameters({hp!r}): valid: "
                              "argument names, or one dict / Namespace")
         if not isinstance(hp, MutableMapping):
             raise ValueError(f"save_hyperparameters: unsupported config type {type(hp).__name__}; valid: "
@@ -195,10 +200,14 @@ def _collect_init_args(frame: types.FrameType, classes: tuple[type, ...]) -> dic
 # ---------------------------------------------------------------------------- checkpoints
 
 def plain(value: Any) -> Any:
-    """``value`` with AttributeDicts and Namespaces as plain dicts (what a weights-only load
-    rebuilds), containers walked."""
+    """``value`` with AttributeDicts, Namespaces and OmegaConf containers as plain dicts and lists
+    (what a weights-only load rebuilds; interpolations resolved), containers walked."""
     if isinstance(value, Namespace):
         value = vars(value)
+    if type(value).__module__.startswith("omegaconf"):
+        from omegaconf import OmegaConf
+
+        value = OmegaConf.to_container(value, resolve=True)
     if isinstance(value, dict):
         return {k: plain(v) for k, v in value.items()}
     if isinstance(value, list):
@@ -218,6 +227,16 @@ def loads_safely(value: Any) -> bool:
     except Exception:  # noqa: BLE001 - any failure means: not storable in the metadata
         return False
     return True
+
+
+def clean_namespace(hparams: MutableMapping) -> None:
+    """Lightning's ``clean_namespace``, run as each stage starts: every hyperparameter that cannot
+    be pickled (``is_picklable``) is removed, with Lightning's warning naming it."""
+    for name in [k for k, v in hparams.items() if not is_picklable(v)]:
+        warnings.warn(f"Attribute '{name}' removed from hparams because it cannot be pickled. You can suppress "
+                      f"this warning by setting `self.save_hyperparameters(ignore=['{name}'])`.", UserWarning,
+                      stacklevel=3)
+        del hparams[name]
 
 
 def is_picklable(obj: object) -> bool:
@@ -254,14 +273,16 @@ def storable(hparams: MutableMapping, owner: str) -> dict[str, Any]:
 
 def checkpoint_entries(module: Any, datamodule: Any) -> dict[str, Any]:
     """What a save adds to the metadata: the module's hyperparameters and how they were given
-    (``hparams_name``: ``"kwargs"``, or the ``__init__`` argument that was the config object),
-    and the datamodule's, as Lightning's checkpoint keys."""
+    (``hparams_name``: ``"kwargs"``, or the ``__init__`` argument that was the config object;
+    ``hparams_type``: the container's class name, so a DictConfig comes back as one), and the
+    datamodule's, under Lightning's checkpoint keys (TrainModule's and DataModule's ``CHECKPOINT_HYPER_PARAMS_*``)."""
     out: dict[str, Any] = {}
-    if module is not None and module.hparams:
-        out[HPARAMS_KEY] = storable(module.hparams, type(module).__name__)
-        out[HPARAMS_NAME_KEY] = getattr(module, "_hparams_name", None)
-    if datamodule is not None and isinstance(datamodule, HyperparametersMixin) and datamodule.hparams:
-        out[DATAMODULE_HPARAMS_KEY] = storable(datamodule.hparams, type(datamodule).__name__)
+    for owner, keys in ((module, (HPARAMS_KEY, HPARAMS_NAME_KEY, HPARAMS_TYPE_KEY)),
+                        (datamodule, DATAMODULE_KEYS)):
+        if owner is not None and isinstance(owner, HyperparametersMixin) and owner.hparams:
+            out[keys[0]] = storable(owner.hparams, type(owner).__name__)
+            out[keys[1]] = getattr(owner, "_hparams_name", None)
+            out[keys[2]] = type(owner.hparams).__name__
     return out
 
 

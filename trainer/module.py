@@ -11,7 +11,7 @@ from torch import nn
 from ..callbacks.base import stage_hooks
 from . import conveniences
 from .datamodule import DataHooks
-from .hparams import HyperparametersMixin
+from .hparams import HPARAMS_KEY, HPARAMS_NAME_KEY, HPARAMS_TYPE_KEY, HyperparametersMixin
 from .module_tools import ModuleTools
 
 if TYPE_CHECKING:
@@ -27,6 +27,10 @@ def _from_trainer(name: str, doc: str) -> property:
 class TrainModule(HyperparametersMixin, nn.Module, DataHooks, ModuleTools):
     """Subclass and implement ``training_step`` and ``configure_optimizers`` (and optionally the
     data hooks, ``validation_step`` / ``test_step`` / ``predict_step`` and ``configure_model``)."""
+
+    #: Lightning's names of a checkpoint's hyperparameter keys
+    CHECKPOINT_HYPER_PARAMS_KEY, CHECKPOINT_HYPER_PARAMS_NAME = HPARAMS_KEY, HPARAMS_NAME_KEY
+    CHECKPOINT_HYPER_PARAMS_TYPE = HPARAMS_TYPE_KEY
 
     def __init__(self) -> None:
         super().__init__()
@@ -239,14 +243,18 @@ class TrainModule(HyperparametersMixin, nn.Module, DataHooks, ModuleTools):
     # ---- Lightning's module conveniences (hyperparameters: HyperparametersMixin, trainer/hparams.py)
     @classmethod
     def load_from_checkpoint(cls, checkpoint_path: "str | os.PathLike", map_location: Any = None,
-                             strict: bool = True, **overrides: Any) -> "TrainModule":
+                             hparams_file: "str | os.PathLike | None" = None, strict: bool = True,
+                             weights_only: bool | None = None, **overrides: Any) -> "TrainModule":
         """This class rebuilt from a checkpoint's saved hyperparameters (updated with
         ``overrides``) and its weights loaded, in this process, for inference: from a sharded
         checkpoint of any strategy and world size, or a consolidated / weights-only file
-        (``trainer/from_checkpoint.py``). ``map_location``: the device to move it to."""
+        (``trainer/from_checkpoint.py``). ``map_location``: the device to move it to; ``hparams_file``:
+        a ``.yaml``/``.csv`` whose hyperparameters replace the saved ones; ``weights_only``: accepted
+        (zerotrain always reads weights-only)."""
         from .from_checkpoint import load_from_checkpoint
 
-        return load_from_checkpoint(cls, checkpoint_path, map_location=map_location, strict=strict, **overrides)
+        return load_from_checkpoint(cls, checkpoint_path, map_location=map_location, strict=strict,
+                                    hparams_file=hparams_file, weights_only=weights_only, **overrides)
 
     @property
     def device(self) -> torch.device:

@@ -4,12 +4,15 @@ stage, and building the model and optimizers under the strategy (a mixin of
 ``predict``)."""
 from __future__ import annotations
 
+from collections.abc import MutableMapping
+
 import torch
 
 from . import job
 from .datamodule import DataModule
 from .errors import ConfigError
 from .hooks import merge_callbacks, warn_not_called
+from .hparams import clean_namespace
 from .module import TrainModule
 from .optimization import Optimization
 from .utilities import seed_rngs
@@ -21,7 +24,10 @@ class TrainerSetup:
     def _setup(self, module: TrainModule, stage: str = "fit", datamodule: DataModule | None = None) -> None:
         """Connect the processes, attach the data (``prepare_data``, ``setup(stage)``), then build
         the model and optimizer under the strategy. A Trainer is set up once, for one module;
-        later stages only attach their data."""
+        later stages only attach their data. Unpicklable hyperparameters are dropped first, with
+        Lightning's warning (``hparams.clean_namespace``)."""
+        if isinstance(getattr(module, "hparams", None), MutableMapping):
+            clean_namespace(module.hparams)
         if self._ready:
             if module is not self.module:
                 raise ConfigError(f"Trainer.{stage}: this Trainer is set up for {type(self.module).__name__} "

@@ -114,7 +114,7 @@ def test_a_primitive_is_refused_as_lightning():
             super().__init__()
             self.save_hyperparameters(3)
 
-    with pytest.raises(ValueError, match="primitives"):
+    with pytest.raises(ValueError, match="Primitives"):
         Bad()
 
 
