@@ -202,7 +202,8 @@ def _clip_run(lib, algorithm):
 def test_gradient_clip_algorithm_matches_lightning(algorithm):
     ours, theirs = _clip_run("zt", algorithm), _clip_run("pl", algorithm)
     for a, b in zip(ours, theirs):
-        torch.testing.assert_close(a, b)
+        # tolerance: exact: one process, Lightning's ops in Lightning's order (bit-equal under ATEN_CPU_CAPABILITY default, avx2, avx512)
+        assert torch.equal(a, b)
 
 
 def test_value_clipping_clamps_every_element():
@@ -211,9 +212,11 @@ def test_value_clipping_clamps_every_element():
                 max_steps=1, stall_timeout_s=None, **QUIET)
     before = [p.detach().clone() for p in module.parameters()]
     t.fit(module, DataLoader(_data(2), batch_size=2))  # one step of SGD(lr=0.1): |delta| <= 0.1 * 0.01
+    u = torch.finfo(torch.float32).eps / 2
     for b, p in zip(before, module.parameters()):
         delta = (p.detach() - b).abs()
-        assert float(delta.max()) == pytest.approx(0.001, rel=1e-5)
+        # tolerance: the step 0.1 x 0.01 rounds 3 times (3u x 0.001), p - step once (u |p|), the difference back once (u x 0.001)
+        assert abs(float(delta.max()) - 0.001) <= u * float(b.abs().max()) + 4 * u * 0.001
 
 
 def test_model_summary_is_added_unless_disabled_or_given():
