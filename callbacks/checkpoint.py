@@ -9,7 +9,9 @@ import re
 import shutil
 from typing import Any
 
-from ..trainer.checkpoint_io import read_latest
+import torch
+
+from ..trainer.checkpoint_file import newest
 from ..trainer.errors import CheckpointError, ConfigError
 from .base import Callback
 
@@ -53,14 +55,17 @@ class ModelCheckpoint(Callback):
                  train_time_interval: Any = None, every_n_epochs: int | None = None,
                  save_on_train_epoch_end: bool | None = None, enable_version_counter: bool = True) -> None:
         filename = "step={step:06d}" if filename is None else filename
-        if mode not in ("min", "max"):
-            raise ConfigError(f"ModelCheckpoint: mode={mode!r}; valid choices: min, max")
-        if every_n_train_steps is not None and every_n_train_steps < 0:
-            raise ConfigError(f"ModelCheckpoint: every_n_train_steps={every_n_train_steps!r} must be >= 0 (0: never)")
-        if every_n_epochs is not None and every_n_epochs < 0:
-            raise ConfigError(f"ModelCheckpoint: every_n_epochs={every_n_epochs!r} must be >= 0 (0: never)")
+        if mode not in ("min", "max"):  # Lightning's messages, ConfigError being its MisconfigurationException
+            raise ConfigError(f"`mode` can be min, max but got {mode}")
         if save_top_k < -1:
-            raise ConfigError(f"ModelCheckpoint: save_top_k={save_top_k!r} must be >= -1")
+            raise ConfigError(f"Invalid value for save_top_k={save_top_k}. Must be >= -1")
+        for name, value in (("every_n_train_steps", every_n_train_steps), ("every_n_epochs", every_n_epochs)):
+            if value is not None and value < 0:
+                raise ConfigError(f"Invalid value for {name}={value}. Must be >= 0")
+        if sum(bool(v) for v in (every_n_train_steps, every_n_epochs, train_time_interval)) > 1:
+            raise ConfigError(f"Combination of parameters every_n_train_steps={every_n_train_steps or 0}, "
+                              f"every_n_epochs={every_n_epochs or 0} and train_time_interval={train_time_interval} "
+                              "should be mutually exclusive.")
         if monitor is None and save_top_k not in (-1, 0, 1):
             raise ConfigError(f"ModelCheckpoint(save_top_k={save_top_k}, monitor=None) is not a valid configuration. "
                               "No quantity for top_k to track.")
@@ -89,6 +94,14 @@ class ModelCheckpoint(Callback):
         self._at_epoch_end: bool | None = None  # save_on_train_epoch_end, resolved at on_train_start
         self._noted = False
         self._said_missing = False  # the monitored metric was not logged yet: warned once
+        self.current_score: Any = None  # the monitored value at the last save, a tensor (NaN: the worst)
+
+    @property
+    def state_key(self) -> str:
+        """Lightning's key of this callback's state in a checkpoint's ``callbacks``."""
+        triggers = {"monitor": self.monitor, "mode": self.mode, "every_n_train_steps": self.every_n_train_steps or 0,
+                    "every_n_epochs": self.every_n_epochs or 0, "train_time_interval": None}
+        return f"{type(self).__qualname__}{triggers}"
 
     @property
     def best_model_path(self) -> str | None:
@@ -125,8 +138,8 @@ class ModelCheckpoint(Callback):
 
     @property
     def latest_path(self) -> str | None:
-        """The checkpoint ``dirpath/latest`` names (read from disk), or None."""
-        latest = read_latest(self.dirpath) if self.dirpath else None
+        """The newest checkpoint in ``dirpath`` (its ``latest`` pointer, else its newest .ckpt file), or None."""
+        latest = newest(self.dirpath) if self.dirpath else None
         return str(latest) if latest is not None else None
 
     def setup(self, trainer, module, stage: str | None = None) -> None:
@@ -191,35 +204,49 @@ class ModelCheckpoint(Callback):
             log.info("An %s was raised with message: %s, saved checkpoint to %s", type(exception).__name__,
                      exception, path)
 
-    def format_checkpoint_name(self, metrics: dict[str, float], epoch: int = 0, step: int = 0) -> str:
-        """``filename`` filled in: Lightning's templates (``"{epoch}-{val_loss:.2f}"`` gives
-        ``epoch=3-val_loss=0.12`` with ``auto_insert_metric_name``; a name already written before
-        its brace, as in ``"step={step:06d}"``, is not written twice) and Python format specs.
-        A metric not logged yet reads 0, as in Lightning. Weights-only files end in .safetensors."""
-        values = {**metrics, "epoch": epoch, "step": step}
+    def format_checkpoint_name(self, metrics: dict[str, Any], filename: str | None = None, ver: int | None = None,
+                               prefix: str | None = None, *, epoch: int | None = None, step: int | None = None) -> str:
+        """``filename`` (default: this callback's) filled in, as Lightning's: its templates
+        (``"{epoch}-{val_loss:.2f}"`` gives ``epoch=3-val_loss=0.12`` with
+        ``auto_insert_metric_name``; a name already written before its brace, as in
+        ``"step={step:06d}"``, is not written twice) and Python format specs; a value not in
+        ``metrics`` (nor given as ``epoch``/``step``) reads 0. ``prefix`` goes first, ``-v{ver}``
+        last, then ``.ckpt`` (``.safetensors`` for weights only), inside ``dirpath`` when set."""
+        values = {**metrics, **({"epoch": epoch} if epoch is not None else {}),
+                  **({"step": step} if step is not None else {})}
 
         def fill(m: re.Match) -> str:
             name, spec = m.group(1), m.group(2) or ""
-            prefix = f"{name}=" if self.auto_insert_metric_name and not m.string[:m.start()].endswith(
+            prefix_ = f"{name}=" if self.auto_insert_metric_name and not m.string[:m.start()].endswith(
                 f"{name}=") else ""
-            return prefix + format(values.get(name, 0), spec[1:])
+            return prefix_ + format(values.get(name, 0), spec[1:])
 
-        name = re.sub(r"\{([^{}:]+)(:[^{}]*)?\}", fill, self.filename)
-        return name + ".safetensors" if self.save_weights_only else name
+        name = re.sub(r"\{([^{}:]+)(:[^{}]*)?\}", fill, filename or self.filename)
+        name = f"{prefix}-{name}" if prefix else name
+        name = f"{name}-v{ver}" if ver is not None else name
+        name += self._extension()
+        return os.path.join(self.dirpath, name) if self.dirpath else name
+
+    def _extension(self) -> str:
+        return ".safetensors" if self.save_weights_only else self.FILE_EXTENSION
 
     def _save(self, trainer, last: bool = False) -> str | None:
         """Save a checkpoint (``last``: the end of fit or an exception, which save whether or not the
         monitored metric was logged, unranked then); returns its path, None when it waits for it."""
-        score = trainer.callback_metrics.get(self.monitor) if self.monitor is not None else None
+        metrics = self._monitor_candidates(trainer)
+        score = metrics.get(self.monitor) if self.monitor is not None else None
         if self.monitor is not None and score is None and not last and not self._monitor_missing(trainer):
             return None
         self._last_saved_step = trainer.global_step
-        path = os.path.join(self.dirpath, self.format_checkpoint_name(
-            trainer.callback_metrics, epoch=trainer.current_epoch, step=trainer.global_step))
+        path = os.path.join(self.dirpath, os.path.basename(self.format_checkpoint_name(metrics)))
         if self.enable_version_counter:
             path = self._unused_name(trainer, path)
-        if score is not None:
-            self.best_k[path] = float(score)  # before saving: the checkpoint's own state lists it
+        if score is not None:  # before saving: the checkpoint's own state lists it
+            score = score.detach().cpu() if isinstance(score, torch.Tensor) else torch.tensor(float(score))
+            if torch.isnan(score):  # Lightning's: NaN ranks as the worst
+                score = torch.tensor(math.inf if self.mode == "min" else -math.inf)
+            self.current_score = score  # a tensor, as Lightning's
+            self.best_k[path] = float(score)
         try:
             if self.save_weights_only:
                 self._save_weights(trainer, path)
@@ -234,6 +261,21 @@ class ModelCheckpoint(Callback):
         if self.verbose and trainer.is_global_zero:
             self._say_saved(trainer, path)
         return path
+
+    def _monitor_candidates(self, trainer) -> dict[str, Any]:
+        """What ``monitor`` and ``filename`` may name, as Lightning's: the logged metrics, with
+        ``epoch`` and ``step`` (the current counters) where not logged."""
+        return {**trainer.callback_metrics, "epoch": trainer.callback_metrics.get("epoch", trainer.current_epoch),
+                "step": trainer.callback_metrics.get("step", trainer.global_step)}
+
+    def to_yaml(self, filepath: str | os.PathLike | None = None) -> None:
+        """Lightning's: write ``best_k_models`` (path -> score) to ``filepath`` (default
+        ``dirpath/best_k_models.yaml``)."""
+        import yaml
+
+        filepath = filepath if filepath is not None else os.path.join(self.dirpath, "best_k_models.yaml")
+        with open(filepath, "w") as f:
+            yaml.dump({k: float(v) for k, v in self.best_k_models.items()}, f)
 
     def _monitor_missing(self, trainer) -> bool:
         """The monitored metric is not logged (yet): as Lightning, an error once a validation of
@@ -252,8 +294,7 @@ class ModelCheckpoint(Callback):
         return False
 
     def _link_path(self) -> str:
-        ext = ".safetensors" if self.save_weights_only else self.FILE_EXTENSION
-        return os.path.join(self.dirpath, self.CHECKPOINT_NAME_LAST + ext)
+        return os.path.join(self.dirpath, self.CHECKPOINT_NAME_LAST + self._extension())
 
     def _link(self, trainer, target: str) -> None:
         """``save_last="link"``: ``dirpath/last.ckpt`` becomes a relative symbolic link to ``target``
@@ -270,7 +311,7 @@ class ModelCheckpoint(Callback):
     def _unused_name(self, trainer, path: str) -> str:
         """Lightning's version counter: ``NAME-v1``, ``NAME-v2``, ... while ``path`` is taken (a
         collective: every rank must pick the same name, so any rank seeing it taken counts)."""
-        ext = ".safetensors" if self.save_weights_only else ""
+        ext = self._extension()
         stem, candidate, version = path[:len(path) - len(ext)], path, 1
         while trainer.strategy.any_rank(os.path.exists(candidate)):
             candidate, version = f"{stem}-v{version}{ext}", version + 1
@@ -292,8 +333,9 @@ class ModelCheckpoint(Callback):
     def _note_differences(self) -> None:
         """Say once, at the start of the first fit (global rank 0), where this callback saves
         differently from Lightning's with the same arguments."""
-        notes = ["a checkpoint is " + ("one consolidated .safetensors file of the weights" if self.save_weights_only
-                                       else "a sharded directory") + ", not a .ckpt file"]
+        notes = ["a checkpoint is " + ("one consolidated .safetensors file of the weights, not a .ckpt file"
+                                       if self.save_weights_only else "a folder NAME.ckpt (one shard file per "
+                                       "rank) under a sharded strategy, as Lightning's DeepSpeed strategy")]
         if self.save_last:
             notes.append("save_last saves once at the end of fit (default True here; Lightning's None saves no "
                          "last.ckpt), and dirpath/latest always names the newest checkpoint")
@@ -354,11 +396,17 @@ class ModelCheckpoint(Callback):
         trainer.strategy.barrier()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"best_k": dict(self.best_k), "last_path": self.last_path}
+        """Lightning's keys (scores as floats), and this callback's own (``best_k``, ``last_path``)."""
+        return {"monitor": self.monitor, "best_model_score": self.best_model_score,
+                "best_model_path": self.best_model_path or "", "current_score": self.current_score,
+                "dirpath": None if self.dirpath is None else str(self.dirpath), "best_k_models": dict(self.best_k),
+                "kth_best_model_path": self.kth_best_model_path or "", "last_model_path": self.last_model_path or "",
+                "best_k": dict(self.best_k), "last_path": self.last_path}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.best_k = dict(state.get("best_k", {}))
         self.last_path = state.get("last_path")
+        self.current_score = state.get("current_score")
 
 
 def _default_dirpath(trainer) -> str:

@@ -14,7 +14,8 @@ Layout of a checkpoint ``DIR/NAME/`` (``NAME`` is e.g. ``step=000100``)::
                              its shape, dtype and which rank holds which range), and the size and
                              sha256 of every shard file
 
-and beside it ``DIR/latest``, a small file naming the newest complete checkpoint.
+and beside it ``DIR/latest``, a small file naming the newest complete checkpoint. (A save of
+unsharded state to ``NAME.ckpt`` is one Lightning-style file instead: ``checkpoint_file.py``.)
 
 Saving (collective): rank 0 makes ``NAME.partial/``; every rank writes its shard file there,
 computing its sha256 while writing, and fsyncs it; the ranks' layouts, RNG states and digests are
@@ -42,6 +43,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 import torch
 import torch.distributed as dist
 
+from . import checkpoint_file
 from .errors import CheckpointError
 from .hparams import loads_safely
 from .tensor_files import Entry, FileDigest, SafetensorsFile, file_digest, fsync_dir, write_safetensors
@@ -201,6 +203,12 @@ def save(path: str | os.PathLike, comm: Comm, entries: Sequence[Entry], local: d
     checkpoint in place. Rank 0 first removes stale ``*.partial`` checkpoint folders beside it (a
     killed job's)."""
     final = Path(path).absolute()
+    if checkpoint_file.wants_file(final) and checkpoint_file.unsharded(comm, len(entries)):
+        def pointer() -> None:  # Lightning's folder holds checkpoints only: a pointer only where one is
+            if update_latest and (final.parent / LATEST).exists():  # (a sharded save's), kept true
+                write_latest(final.parent, final.name)
+
+        return checkpoint_file.save(final, comm, entries, local, meta, _unloadable, pointer)
     partial = final.with_name(final.name + ".partial")
     mine = partial / rank_file(comm.rank)
     error = None
@@ -298,6 +306,8 @@ def resolve(path: str | os.PathLike, _hops: int = 0) -> Path:
     try:
         if p.name == LATEST and p.is_file():
             return resolve(read_latest(p.parent), _hops + 1)
+        if checkpoint_file.is_file_checkpoint(p):
+            return p
         if (p / META).is_file():
             return p
         if (p / LATEST).is_file():
@@ -307,15 +317,23 @@ def resolve(path: str | os.PathLike, _hops: int = 0) -> Path:
             return old
         if p.name == "last" and (p.parent / LATEST).is_file():
             return resolve(read_latest(p.parent), _hops + 1)
+        folder = p if p.is_dir() else p.parent if p.name in (LATEST, "last") and not p.exists() else None
+        if folder is not None and checkpoint_file.newest(folder) is not None:  # a folder of .ckpt files
+            return checkpoint_file.newest(folder)
     except OSError as exc:  # e.g. a directory this user may not read
         raise CheckpointError(f"cannot look for a checkpoint at {str(p)!r}: {_why(exc)}") from None
-    raise CheckpointError(f"no checkpoint at {str(p)!r} (expected a directory holding {META}, or a "
-                          f"directory with a {LATEST!r} pointer)")
+    raise CheckpointError(f"no checkpoint at {str(p)!r} (expected a .ckpt file, a directory holding {META}, "
+                          f"or a directory with a {LATEST!r} pointer)")
 
 
 def load_meta(path: str | os.PathLike) -> tuple[Path, dict[str, Any]]:
     """The checkpoint directory ``path`` means and its ``meta.pt``, checked by :func:`check_meta`."""
     root = resolve(path)
+    if root.is_file():  # one .ckpt file: its own metadata, its tensors bounding the layout
+        checkpoint = checkpoint_file.load(root)
+        meta = checkpoint_file.check_meta_of(root, checkpoint)
+        check_meta(root, meta)
+        return root, meta
     file = root / META
     check_archive(file)
     try:
@@ -336,6 +354,9 @@ def _load_error(exc: BaseException) -> str:
     _, found, why = text.partition("WeightsUnpickler error:")
     if found:
         return "it holds a value a safe load refuses: " + why.strip().split(". ")[0]
+    refused = [line for line in text.splitlines() if "unsupported GLOBAL" in line or "Unsupported global" in line]
+    if "Weights only load failed" in text and refused:  # torch >= 2.6's wording
+        return "it holds a value a safe load refuses: " + refused[0].strip().split(". ")[0]
     return text
 
 
@@ -507,6 +528,8 @@ def verify(root: Path, meta: dict[str, Any], ranks: Sequence[int] | None = None)
     """Check that every shard file exists with its recorded size, and the sha256 of the files of
     ``ranks`` (default: all). Raises CheckpointError naming the first bad file."""
     check_meta(root, meta)  # bounded world size and listing before anything is sized by them
+    if meta.get("format") == checkpoint_file.FORMAT:  # one .ckpt file: its CRC-32s were checked by
+        return  # load_meta, its tensors against the layout by the reader
     files, world = meta["files"], meta["world_size"]
     if len(files) != world:
         missing = next((rank_file(r) for r in range(world) if rank_file(r) not in files), None)

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from .. import __version__
-from . import checkpoint_io, elastic, hparams, reshard
+from . import checkpoint_file, checkpoint_io, elastic, hparams, reshard
 from .errors import CheckpointError, ConfigError
 
 if TYPE_CHECKING:
@@ -80,7 +80,7 @@ def resume_path(trainer: "Trainer", ckpt_path: str | None, fn: str = "fit") -> s
         return ckpt_path
     dirs = [cb.dirpath for cb in _model_checkpoints(trainer) if cb.dirpath]
     for d in dirs:
-        if checkpoint_io.read_latest(d):
+        if checkpoint_file.newest(d):
             log.info("Trainer.%s: the latest checkpoint in %s (restart %d)", fn, d, elastic.restart_count())
             return d
     if ckpt_path in ("latest", "last") and not dirs:

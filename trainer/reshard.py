@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from ..strategies import progress
 from ..strategies.base import ParamShard
+from . import checkpoint_file
 from .checkpoint_io import META, rank_file
 from .errors import CheckpointError
 from .tensor_files import Entry, SafetensorsFile, dtype_name
@@ -199,12 +200,15 @@ class CheckpointReader:
 
     def __init__(self, root: str | Path, meta: Mapping[str, Any]) -> None:
         self.root, self.meta = Path(root), meta
-        self._files: dict[int, SafetensorsFile] = {}
+        self._files: dict[int, Any] = {}
+        is_file = meta.get("format") == checkpoint_file.FORMAT  # one .ckpt file, already read
+        self._flat = checkpoint_file.tensors(self.root, dict(meta)) if is_file else None
         self._kinds: dict[str, list[str]] = {}
 
     def _file(self, rank: int) -> SafetensorsFile:
         if rank not in self._files:
-            self._files[rank] = SafetensorsFile(self.root / rank_file(rank))
+            self._files[rank] = (SafetensorsFile(self.root / rank_file(rank)) if self._flat is None
+                                 else checkpoint_file.TensorFile(self.root, self._flat))
         return self._files[rank]
 
     def _param(self, name: str) -> Mapping[str, Any]:

@@ -84,7 +84,7 @@ def _worker(root: str) -> dict:
     module = Tied()
     trainer.fit(module)
     out = {"full": trainer.full_state_dict()}
-    ckpt = os.path.join(root, "ck", "step=000004")
+    ckpt = os.path.join(root, "ck", "step=000004.ckpt")
     # ckpt_path="latest": the ModelCheckpoint directory's newest (saves nothing more here)
     start = StartStep()
     _trainer(6, [ModelCheckpoint(dirpath=os.path.join(root, "ck"), save_last=False), start]).fit(
@@ -115,7 +115,7 @@ def test_consolidated_weights_equal_full_state_dict_and_load_strictly(saved, tmp
     from zerotrain.trainer.consolidate import consolidate
 
     st = consolidate(root / "ck", tmp_path / "model.safetensors")  # the ModelCheckpoint dir: its latest
-    pt = consolidate(root / "ck" / "step=000004", tmp_path / "model.pt")
+    pt = consolidate(root / "ck" / "step=000004.ckpt", tmp_path / "model.pt")
     for got in (load_file(st), torch.load(pt, weights_only=True)):
         assert list(got) == list(full)  # module.state_dict() keys and order, tied names included
         for k, v in full.items():
@@ -152,7 +152,7 @@ def test_pickled_code_in_place_of_a_shard_or_meta_is_refused(saved, tmp_path):
     from zerotrain.trainer.consolidate import consolidate
 
     ck = tmp_path / "ck"
-    shutil.copytree(root / "ck" / "step=000004", ck)
+    shutil.copytree(root / "ck" / "step=000004.ckpt", ck)
 
     class Payload:
         def __reduce__(self):

@@ -139,9 +139,9 @@ def test_kill_9_of_a_rank_mid_save_leaves_latest_loadable(tmp_path):
     with pytest.raises(RankFailed, match="exited with code"):
         run_ranks("test_checkpoint_kill:_kill_during_second_save", 2, tmp_path, timeout=120, root=str(tmp_path))
     ck = tmp_path / "ck"
-    assert (ck / "step=000008.partial").is_dir() and not (ck / "step=000008").exists()
+    assert (ck / "step=000008.ckpt.partial").is_dir() and not (ck / "step=000008.ckpt").exists()
     root, meta = checkpoint_io.load_meta(ck / "latest")
-    assert root == ck / "step=000004" and meta["loop"]["global_step"] == 4
+    assert root == ck / "step=000004.ckpt" and meta["loop"]["global_step"] == 4
     checkpoint_io.verify(root, meta)
     # every tensor of it reads back: its weights are those of 4 uninterrupted steps
     from zerotrain.trainer.consolidate import consolidate

@@ -77,7 +77,7 @@ def _target(tmp_path_factory, strategy: str, world: int) -> dict:
     _source(tmp_path_factory)
     names = _TARGETS[world]
     runs = _spawn(tmp_path_factory, world, *[dict(strategy=n, steps=20, save_as=f"to-{n}-{world}",
-                                                 resume="src/step=000010") for n in names])
+                                                 resume="src/step=000010.ckpt") for n in names])
     return runs[names.index(strategy)]
 
 
@@ -103,5 +103,5 @@ def test_zero3_on_4_ranks_resumes_elsewhere(tmp_path_factory, target, world):
 @pytest.mark.slow
 def test_zero2_on_2_ranks_resumes_as_zero3_on_4(tmp_path_factory):
     _target(tmp_path_factory, "zero2", 2)
-    resumed = _spawn(tmp_path_factory, 4, dict(strategy=_zero3(), steps=30, resume="to-zero2-2/step=000020"))[0]
+    resumed = _spawn(tmp_path_factory, 4, dict(strategy=_zero3(), steps=30, resume="to-zero2-2/step=000020.ckpt"))[0]
     _check(resumed, 30)

@@ -79,7 +79,7 @@ def _worker(root: str) -> dict:
     # fresh strategy for 5 more
     for kind in ("nvme", "s3nvme"):
         _fit(kind, root, steps=5, ckpt_every=5, tag="-resume")
-        out[f"{kind}-resumed"] = _fit(kind, root, resume=os.path.join(root, f"ck-{kind}-resume", "step=000005"),
+        out[f"{kind}-resumed"] = _fit(kind, root, resume=os.path.join(root, f"ck-{kind}-resume", "step=000005.ckpt"),
                                       tag="-unused")
     gc.collect()  # the strategies are garbage now: their scratch files must be gone
     out["scratch_left"] = [d for d in _SCRATCH if os.path.exists(d)]

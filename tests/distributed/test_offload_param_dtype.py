@@ -103,7 +103,7 @@ def _worker(root: str) -> dict:
     out = {dtype: _fit(dtype, root) for dtype in ("auto", "bf16")}
     ck = os.path.join(root, "ck")
     _fit("bf16", root, steps=STEPS // 2, save=ck, tag="-first")
-    out["resumed"] = _fit("bf16", root, resume=os.path.join(ck, f"step={STEPS // 2:06d}"), tag="-resumed")
+    out["resumed"] = _fit("bf16", root, resume=os.path.join(ck, f"step={STEPS // 2:06d}.ckpt"), tag="-resumed")
     return out
 
 

@@ -75,7 +75,7 @@ def _worker(root: str) -> dict:
     for case, src, dst in RESUMES:
         ck = os.path.join(root, f"ck-{case}-{src}-{dst}")
         _fit(case, src, root, steps=10, save=ck)
-        out[f"{case}:{src}->{dst}"] = _fit(case, dst, root, resume=os.path.join(ck, "step=000010"))
+        out[f"{case}:{src}->{dst}"] = _fit(case, dst, root, resume=os.path.join(ck, "step=000010.ckpt"))
     return out
 
 

@@ -63,7 +63,7 @@ def _root(tmp_path_factory) -> Path:
 
 
 def _checkpoint(run_dir: Path, step: int) -> str:
-    return f"ckpt_path='{run_dir / 'checkpoints' / f'step={step:06d}'}'"
+    return f"ckpt_path='{run_dir / 'checkpoints' / f'step={step:06d}.ckpt'}'"
 
 
 # ---------------------------------------------------------------------------- the plain loop
@@ -129,7 +129,7 @@ def _final_params(run_dir: Path) -> dict[str, torch.Tensor]:
     """The step-STEPS checkpoint through ``zerotrain-consolidate`` (the installed command's module)."""
     out = run_dir / "consolidated.pt"
     if not out.exists():
-        ckpt = run_dir / "checkpoints" / f"step={STEPS:06d}"
+        ckpt = run_dir / "checkpoints" / f"step={STEPS:06d}.ckpt"
         proc = subprocess.run([sys.executable, "-m", "zerotrain.trainer.consolidate", str(ckpt), str(out)],
                               capture_output=True, text=True, timeout=60 * TIMEOUT_SCALE)
         assert proc.returncode == 0, proc.stderr[-3000:]
@@ -177,7 +177,7 @@ def test_two_stages_from_the_cli_match_a_plain_loop(tmp_path_factory):
     _check_continues_exactly(run_dir)
     stdout = (run_dir / "stdout.txt").read_text()
     assert stdout.count("----- sample -----") == 1 and "done: 4 steps" in stdout, stdout[-2000:]
-    meta = torch.load(run_dir / "checkpoints" / "step=000004" / "meta.pt", weights_only=True)
+    meta = torch.load(run_dir / "checkpoints" / "step=000004.ckpt" / "meta.pt", weights_only=True)
     # the per-parameter layout of the plain GPT: the tied head saved once, by stage 0, as wte
     assert meta["strategy"] == "pipeline" and meta["world_size"] == 2
     assert meta["aliases"] == {"model.lm_head.weight": "model.wte.weight"}
@@ -215,7 +215,7 @@ def test_two_stages_by_two_replicas_with_zero1_match_a_plain_loop(tmp_path_facto
     run_dir = _cli(_root(tmp_path_factory), "pipe2x2-zero1", 4, 2, "strategy=pipeline", "strategy.stages=2",
                    "strategy.micro_batches=2", "strategy.zero_stage=1", timeout=240)
     _check_continues_exactly(run_dir)
-    meta = torch.load(run_dir / "checkpoints" / f"step={STEPS:06d}" / "meta.pt", weights_only=True)
+    meta = torch.load(run_dir / "checkpoints" / f"step={STEPS:06d}.ckpt" / "meta.pt", weights_only=True)
     writers = {r[0] for entry in meta["params"].values() for r in entry["ranges"]}
     assert writers == {0, 1, 2, 3}, writers  # replica 1 (ranks 2, 3) saved its own partitions
 
@@ -247,7 +247,7 @@ def test_compute_balanced_cut_from_the_cli_splits_a_block_and_matches_a_plain_lo
     run_dir = _cli(_root(tmp_path_factory), "pipe2-compute-zb", 2, 1, "strategy=pipeline", "strategy.stages=2",
                    "strategy.schedule=zb_h1", *model)
     _check_continues_exactly(run_dir, model=model)
-    meta = torch.load(run_dir / "checkpoints" / f"step={STEPS:06d}" / "meta.pt", weights_only=True)
+    meta = torch.load(run_dir / "checkpoints" / f"step={STEPS:06d}.ckpt" / "meta.pt", weights_only=True)
     writer = {key: [r[0] for r in meta["params"][key]["ranges"]] for key in
               ("model.blocks.1.ln_1.weight", "model.blocks.1.attn.c_attn.weight", "model.blocks.1.ln_2.weight",
                "model.blocks.1.mlp.c_fc.weight")}

@@ -27,7 +27,7 @@ def _resume_case(devices, root, strategy="ddp"):
     full = _train(devices, 20, os.path.join(root, "a"), strategy=strategy)
     first = _train(devices, 10, os.path.join(root, "b"), every=10, strategy=strategy)
     second = _train(devices, 20, os.path.join(root, "c"), strategy=strategy,
-                    resume_from=os.path.join(root, "b", "step=000010"))
+                    resume_from=os.path.join(root, "b", "step=000010.ckpt"))
     return {"full": full, "first": first, "second": second}
 
 
@@ -50,10 +50,10 @@ def test_resume_continues_exactly(tmp_path, devices, strategy):
 
 
 def test_checkpoint_refuses_pickled_code_and_detects_truncation(tmp_path):
-    out = run_ranks("test_resume:_train", 1, tmp_path, timeout=120, devices=1, steps=2,
-                    ckpt_dir=str(tmp_path / "ck"), every=2)
+    out = run_ranks("test_resume:_train", 2, tmp_path, timeout=120, devices=2, steps=2,
+                    ckpt_dir=str(tmp_path / "ck"), every=2, strategy="zero2")  # sharded: a directory
     assert out[0]["params"]
-    ck = tmp_path / "ck" / "step=000002"
+    ck = tmp_path / "ck" / "step=000002.ckpt"
     from zerotrain.trainer import checkpoint_io
     from zerotrain.trainer.tensor_files import SafetensorsFile
 
@@ -95,8 +95,8 @@ def _malformed_rng_case(root):
     the wrong length: the file checks pass, torch.set_rng_state refuses it), then a resume."""
     import time
 
-    ck = os.path.join(root, "b", "step=000002")
-    _train(2, 2, os.path.join(root, "b"), every=2)
+    ck = os.path.join(root, "b", "step=000002.ckpt")
+    _train(2, 2, os.path.join(root, "b"), every=2, strategy="zero2")  # sharded: a directory with meta.pt
     edited = os.path.join(root, "edited")
     if int(os.environ["RANK"]) == 0:
         from zerotrain.trainer import checkpoint_io
@@ -109,7 +109,7 @@ def _malformed_rng_case(root):
         time.sleep(0.05)
     start = time.monotonic()
     try:
-        _train(2, 4, os.path.join(root, "c"), resume_from=ck)
+        _train(2, 4, os.path.join(root, "c"), resume_from=ck, strategy="zero2")
     except Exception as exc:  # noqa: BLE001 - the test checks which
         return {"error": f"{type(exc).__name__}: {exc}", "s": time.monotonic() - start}
     return {"error": None, "s": time.monotonic() - start}

@@ -20,7 +20,7 @@ from zerotrain.strategies.offload import aio, param_swap, swapper
 from zerotrain.strategies.offload.aio import AsyncFileIO, OffloadIOError
 from zerotrain.strategies.offload.plan import plan_subgroups
 from zerotrain.strategies.offload.swapper import KINDS, SwappedStates
-from zerotrain.trainer import checkpoint_io, tensor_files
+from zerotrain.trainer import checkpoint_file, checkpoint_io, tensor_files
 from zerotrain.trainer.tensor_files import Entry
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -221,8 +221,8 @@ def test_model_checkpoint_errors_name_the_path_and_dirpath(tmp_path, monkeypatch
     trainer.global_step = 1
     cb.on_train_batch_end(trainer, None, None, None, 0)
     if disk == "full":
-        _fill_disk(monkeypatch, tensor_files)
-        want = [str(tmp_path / "ck" / "step=000002.partial" / checkpoint_io.rank_file(0)), ENOSPC]
+        _fill_disk(monkeypatch, checkpoint_file, room=100)  # one process: the .ckpt is one file
+        want = [str(tmp_path / "ck" / "step=000002.ckpt"), ENOSPC]
     else:
         real_mkdir = Path.mkdir
 
@@ -232,13 +232,13 @@ def test_model_checkpoint_errors_name_the_path_and_dirpath(tmp_path, monkeypatch
             return real_mkdir(self, *args, **kwargs)
 
         monkeypatch.setattr(Path, "mkdir", read_only)
-        want = [str(tmp_path / "ck" / "step=000002.partial"), EROFS]
+        want = [str(tmp_path / "ck" / "step=000002.ckpt"), EROFS]
     trainer.global_step = 2
     with pytest.raises(CheckpointError) as err:
         cb.on_train_batch_end(trainer, None, None, None, 0)
     msg = str(err.value)
     assert all(w in msg for w in want) and f"ModelCheckpoint dirpath={str(tmp_path / 'ck')!r}" in msg, msg
-    assert _dirs(tmp_path / "ck") == ["latest", "step=000001"]
+    assert _dirs(tmp_path / "ck") == ["step=000001.ckpt"]  # no step=000002.ckpt.tmp left, no pointer needed
 
 
 @pytest.mark.timeout(60)

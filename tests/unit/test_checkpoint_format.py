@@ -169,12 +169,13 @@ def test_model_checkpoint_keeps_top_k_and_never_the_latest(tmp_path):
     for step, loss in enumerate([3.0, 1.0, 2.0, 5.0], start=1):
         trainer.global_step, trainer.callback_metrics = step, {"loss": loss}
         cb.on_train_batch_end(trainer, None, None, None, 0)
-    kept = sorted(p.name for p in tmp_path.iterdir() if p.is_dir())
-    assert kept == ["step=000002", "step=000004"]  # the best, and the latest though it is worst
-    assert cb.best_model_path.endswith("step=000002") and cb.latest_path.endswith("step=000004")
+    kept = sorted(p.name for p in tmp_path.iterdir() if p.name != "latest")
+    assert kept == ["step=000002.ckpt", "step=000004.ckpt"]  # the best, and the latest though it is worst
+    assert cb.best_model_path.endswith("step=000002.ckpt") and cb.latest_path.endswith("step=000004.ckpt")
     trainer.global_step, trainer.callback_metrics = 5, {"loss": 4.0}
     cb.on_train_batch_end(trainer, None, None, None, 0)
-    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["step=000002", "step=000005"]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != "latest") == ["step=000002.ckpt",
+                                                                                "step=000005.ckpt"]
 
 
 # ---------------------------------------------------------------------------- rules

@@ -1,6 +1,6 @@
 """ModelCheckpoint's Lightning options beside pytorch-lightning 2.6: save_on_exception,
-save_last="link", every_n_train_steps=0 and a monitored metric that is not logged yet. Our
-checkpoints are directories (Lightning's ``NAME.ckpt`` files are ``NAME`` here)."""
+save_last="link", every_n_train_steps=0 and a monitored metric that is not logged yet. Names
+are compared without their ``.ckpt``."""
 from __future__ import annotations
 
 import os
@@ -82,7 +82,7 @@ def test_save_on_exception_saves_where_lightning_does(tmp_path):
     # the saved state resumes
     resumed = Trainer(accelerator="cpu", devices=1, max_steps=4, logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
-    resumed.fit(_module(TrainModule), ckpt_path=str(tmp_path / "ours" / "epoch=0-step=3"))
+    resumed.fit(_module(TrainModule), ckpt_path=str(tmp_path / "ours" / "epoch=0-step=3.ckpt"))
     assert resumed.global_step == 4
 
 
@@ -91,7 +91,7 @@ def test_save_last_link_points_at_the_newest_checkpoint(tmp_path):
     theirs = _run("lightning", tmp_path, every_n_train_steps=3, save_last="link")
     assert ours[1] == theirs[1] == "epoch=1-step=6"  # no new save at the end: the link names the newest
     assert set(theirs[0]) - {"last"} <= set(ours[0])  # ours keeps every one without monitor
-    assert os.path.isdir(tmp_path / "ours" / "last.ckpt")  # the link resolves to the checkpoint
+    assert os.path.isfile(tmp_path / "ours" / "last.ckpt")  # the link resolves to the checkpoint file
     assert ours[2].last_model_path == str(tmp_path / "ours" / "last.ckpt")
 
 

@@ -153,10 +153,10 @@ def test_model_checkpoint_filename_template_and_top_k(tmp_path):
                          save_top_k=2, filename="{epoch}-{step}-{val_loss:.2f}", save_last=False)
     _fit(tmp_path, [cb])
     names = sorted(os.path.basename(p) for p in cb.best_k_models)
-    assert names == ["epoch=1-step=6-val_loss=0.17", "epoch=1-step=8-val_loss=0.12"], names
-    assert os.path.basename(cb.best_model_path) == "epoch=1-step=8-val_loss=0.12"
+    assert names == ["epoch=1-step=6-val_loss=0.17.ckpt", "epoch=1-step=8-val_loss=0.12.ckpt"], names
+    assert os.path.basename(cb.best_model_path) == "epoch=1-step=8-val_loss=0.12.ckpt"
     assert cb.best_model_score == pytest.approx(1 / 8)
-    assert os.path.basename(cb.kth_best_model_path) == "epoch=1-step=6-val_loss=0.17"
+    assert os.path.basename(cb.kth_best_model_path) == "epoch=1-step=6-val_loss=0.17.ckpt"
     on_disk = sorted(d for d in os.listdir(tmp_path / "ck") if d.startswith("epoch="))
     assert on_disk == names
 
@@ -166,7 +166,7 @@ def test_model_checkpoint_every_n_epochs_and_lightning_default_trigger(tmp_path)
                          filename="{step}")
     _fit(tmp_path, [cb], max_steps=-1, max_epochs=4)  # 4 batches of 2 per epoch
     assert sorted(os.path.basename(p) for p in os.listdir(tmp_path / "ck") if p.startswith("step=")) == [
-        "step=16", "step=8"]
+        "step=16.ckpt", "step=8.ckpt"]
     assert ModelCheckpoint(monitor="val_loss").every_n_epochs == 1  # Lightning's trigger when none is given
     assert ModelCheckpoint().every_n_epochs is None  # no monitor: only save_last, as before
 
@@ -206,7 +206,7 @@ def test_model_checkpoint_old_arguments_unchanged():
     cb = ModelCheckpoint()
     assert (cb.filename, cb.save_last, cb.every_n_train_steps, cb.every_n_epochs) == ("step={step:06d}", True,
                                                                                       None, None)
-    assert cb.format_checkpoint_name({}, epoch=1, step=12) == "step=000012"
+    assert cb.format_checkpoint_name({}, epoch=1, step=12) == "step=000012.ckpt"
 
 
 def test_model_checkpoint_takes_every_lightning_argument_in_lightnings_order():
@@ -230,9 +230,9 @@ def test_model_checkpoint_takes_every_lightning_argument_in_lightnings_order():
 
 def test_model_checkpoint_auto_insert_metric_name():
     name = "{epoch}-{val_loss:.2f}"
-    assert ModelCheckpoint(filename=name).format_checkpoint_name({"val_loss": 0.5}, 3, 7) == "epoch=3-val_loss=0.50"
+    assert ModelCheckpoint(filename=name).format_checkpoint_name({"val_loss": 0.5}, epoch=3, step=7) == "epoch=3-val_loss=0.50.ckpt"
     assert ModelCheckpoint(filename=name, auto_insert_metric_name=False).format_checkpoint_name(
-        {"val_loss": 0.5}, 3, 7) == "3-0.50"
+        {"val_loss": 0.5}, epoch=3, step=7) == "3-0.50.ckpt"
 
 
 def test_model_checkpoint_verbose_and_its_differences_are_said(tmp_path, caplog):
@@ -244,11 +244,11 @@ def test_model_checkpoint_verbose_and_its_differences_are_said(tmp_path, caplog)
     said = [(r.levelno, r.getMessage()) for r in caplog.records]
     saved = [m for _, m in said if "saving model to" in m]
     assert saved == [f"Epoch 0, global step 4: 'val_loss' reached 0.25000 (best 0.25000), saving model to "
-                     f"{str(tmp_path / 'ck' / 'step=4')!r} as top 1",
+                     f"{str(tmp_path / 'ck' / 'step=4.ckpt')!r} as top 1",
                      f"Epoch 1, global step 8: 'val_loss' reached 0.12500 (best 0.12500), saving model to "
-                     f"{str(tmp_path / 'ck' / 'step=8')!r} as top 1"]
+                     f"{str(tmp_path / 'ck' / 'step=8.ckpt')!r} as top 1"]
     notes = [(level, m) for level, m in said if "differs from Lightning's" in m]
-    assert len(notes) == 2 and notes[0][0] == logging.INFO and "a sharded directory, not a .ckpt file" in notes[0][1]
+    assert len(notes) == 2 and notes[0][0] == logging.INFO and "a folder NAME.ckpt (one shard file per rank) under a sharded strategy" in notes[0][1]
     assert notes[1][0] == logging.WARNING and "nothing is saved during training (Lightning saves every epoch)" in \
         notes[1][1]
 

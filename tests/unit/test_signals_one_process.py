@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from zerotrain import Trainer, TrainModule
-from zerotrain.trainer import checkpoint_io
+from zerotrain.trainer import checkpoint_file, checkpoint_io
 from zerotrain.trainer.signals import SIGTERMException, handled_signals, slurm_job_id
 
 
@@ -60,7 +60,7 @@ def test_a_signal_after_the_last_step_ends_the_process_after_a_complete_fit(tmp_
     with pytest.raises(SIGTERMException):
         trainer.fit(Net(send=signal.SIGTERM, in_train_end=True))
     assert trainer.global_step == 6
-    assert checkpoint_io.read_latest(tmp_path / "checkpoints").name == "step=000006"  # save_last, no extra save
+    assert checkpoint_file.newest(tmp_path / "checkpoints").name == "step=000006.ckpt"  # save_last, no extra save
 
 
 def test_sigusr1_under_slurm_saves_and_requeues(tmp_path, monkeypatch):
