@@ -21,9 +21,10 @@ log = logging.getLogger("zerotrain")
 class ModelCheckpoint(Callback):
     """Save every ``every_n_train_steps`` optimizer steps (and at the end of fit if ``save_last``).
 
-    Each save is a new checkpoint directory ``dirpath/filename`` (a sharded, atomically written
-    directory: ``trainer/checkpoint_io.py``) and then moves the pointer ``dirpath/latest`` to it.
-    Resume with ``fit(ckpt_path="latest")`` (or ``ckpt_path=dirpath``); a worker restarted by the
+    Each save is a new checkpoint ``dirpath/filename.ckpt``, written atomically: one Lightning-style
+    file for unsharded state (``trainer/checkpoint_file.py``), a sharded directory (with the
+    pointer ``dirpath/latest`` moved to it) otherwise (``trainer/checkpoint_io.py``). Resume with
+    ``fit(ckpt_path="latest")`` (or ``ckpt_path=dirpath``: its newest); a worker restarted by the
     elastic agent does so by itself.
 
     With ``monitor`` set, the ``save_top_k`` best checkpoints by that metric (``mode`` "min" or
