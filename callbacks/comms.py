@@ -80,7 +80,7 @@ class CommsLogger(Callback):
         self._kind = "setup"
         self._outer: list[str] = []
 
-    def setup(self, trainer, module, stage: str) -> None:
+    def setup(self, trainer, pl_module, stage: str) -> None:
         if stage == "fit":
             instrument.add_sink(self)
 
@@ -91,23 +91,23 @@ class CommsLogger(Callback):
             log.info("comm %s: %d bytes over %d ranks (step %s, %s)", event.op, event.nbytes, event.group_size,
                      event.step, event.kind)
 
-    def on_train_start(self, trainer, module) -> None:
+    def on_train_start(self, trainer, pl_module) -> None:
         self._step, self._kind = trainer.global_step, "train"
 
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self._step = trainer.global_step  # what follows belongs to the next step
 
-    def on_validation_start(self, trainer, module) -> None:
+    def on_validation_start(self, trainer, pl_module) -> None:
         self._outer.append(self._kind)
         self._kind = "eval"
 
-    def on_validation_end(self, trainer, module) -> None:
+    def on_validation_end(self, trainer, pl_module) -> None:
         self._kind = self._outer.pop() if self._outer else "train"
 
-    def on_train_end(self, trainer, module) -> None:
+    def on_train_end(self, trainer, pl_module) -> None:
         self._kind = "end"
 
-    def teardown(self, trainer, module, stage: str) -> None:
+    def teardown(self, trainer, pl_module, stage: str) -> None:
         if stage != "fit":
             return
         instrument.remove_sink(self)

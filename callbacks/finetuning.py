@@ -45,10 +45,10 @@ class BaseFinetuning(Callback):
         self._restarting = True
         self._internal_optimizer_metadata = state_dict.get("internal_optimizer_metadata", state_dict)
 
-    def on_fit_start(self, trainer: Any, module: Any) -> None:
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         """A resumed run gets back the parameter groups added before (by parameter name)."""
         if self._restarting and self._internal_optimizer_metadata:
-            named = dict(module.named_parameters())
+            named = dict(pl_module.named_parameters())
             for idx, optimizer in enumerate(_optimizers(trainer)):
                 if idx in self._internal_optimizer_metadata:
                     optimizer.param_groups = _named_groups(self._internal_optimizer_metadata[idx], named)
@@ -128,21 +128,21 @@ class BaseFinetuning(Callback):
             optimizer.add_param_group({"params": params, "lr": group_lr})
 
     # ---- the hooks
-    def setup(self, trainer: Any, module: Any, stage: str) -> None:
-        self.freeze_before_training(module)
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self.freeze_before_training(pl_module)
 
-    def on_train_epoch_start(self, trainer: Any, module: Any) -> None:
+    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         from ..strategies.base import Strategy
 
         for idx, optimizer in enumerate(_optimizers(trainer)):
             before = len(optimizer.param_groups)
-            self.finetune_function(module, trainer.current_epoch, optimizer)
+            self.finetune_function(pl_module, trainer.current_epoch, optimizer)
             if len(optimizer.param_groups) != before and \
                     type(trainer.strategy).setup_optimizer is not Strategy.setup_optimizer:
                 raise ConfigError(f"{type(self).__name__}: a parameter group was added to the optimizer during "
                                   f"training, and strategy {trainer.strategy.name!r} partitions the optimizer at "
                                   "set-up; valid: strategy='single' or 'ddp' for fine-tuning callbacks")
-            self._store(module, idx, before, optimizer.param_groups)
+            self._store(pl_module, idx, before, optimizer.param_groups)
 
     def _store(self, module: Any, idx: int, before: int, groups: list[dict[str, Any]]) -> None:
         names = {p: n for n, p in module.named_parameters()}
@@ -188,10 +188,10 @@ class BackboneFinetuning(BaseFinetuning):
         self.previous_backbone_lr = state_dict["previous_backbone_lr"]
         super().load_state_dict(state_dict)
 
-    def on_fit_start(self, trainer: Any, module: Any) -> None:
-        if not isinstance(getattr(module, "backbone", None), Module):
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        if not isinstance(getattr(pl_module, "backbone", None), Module):
             raise ConfigError("The LightningModule should have a nn.Module `backbone` attribute")
-        super().on_fit_start(trainer, module)
+        super().on_fit_start(trainer, pl_module)
 
     def freeze_before_training(self, pl_module: Any) -> None:
         self.freeze(pl_module.backbone)

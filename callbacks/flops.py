@@ -112,7 +112,7 @@ class FlopsProfiler(Callback):
         self._t0 = 0.0
         self._device = torch.device("cpu")
 
-    def on_fit_start(self, trainer, module) -> None:
+    def on_fit_start(self, trainer, pl_module) -> None:
         self._device = trainer.strategy.device
         if self.peak_flops is None:
             if self._device.type == "cuda":
@@ -120,25 +120,25 @@ class FlopsProfiler(Callback):
             else:
                 self.peak_flops = cpu_peak_flops()
 
-    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         step = trainer.global_step
         if self._state == "idle" and step == self.profile_step:
-            self._count(module)
+            self._count(pl_module)
         elif self._state == "counted" and step == self.profile_step + 1:
-            self._time(module)
+            self._time(pl_module)
 
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
         if self._state == "counting" and step > self.profile_step:
             self._stop_counting()
         elif self._state == "timing" and step > self.profile_step + 1:
-            self._finish(trainer, module)
+            self._finish(trainer, pl_module)
 
-    def on_train_end(self, trainer, module) -> None:
+    def on_train_end(self, trainer, pl_module) -> None:
         if self._state in ("counted", "timing"):  # fit ended before a plain step was timed
-            self._finish(trainer, module)
+            self._finish(trainer, pl_module)
 
-    def on_exception(self, trainer, module, exception: BaseException) -> None:
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         if self._mode is not None:
             self._mode.__exit__(None, None, None)
             self._mode = None

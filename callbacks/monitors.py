@@ -113,11 +113,11 @@ class ThroughputMonitor(Callback):
         self._samples = 0
         self.last: dict[str, float] = {}
 
-    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self._t is None:
             self._t = time.perf_counter()
 
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         bs = _batch_size(batch)
         self._samples += bs * trainer.strategy.data_parallel_world_size
         if trainer.global_step == 0 or trainer.global_step % self.window or self._t is None:
@@ -126,10 +126,10 @@ class ThroughputMonitor(Callback):
             return
         dt = time.perf_counter() - self._t
         m = {"throughput/samples_per_sec": self._samples / dt}
-        tps = module.tokens_per_sample()
+        tps = pl_module.tokens_per_sample()
         if tps:
             m["throughput/tokens_per_sec"] = m["throughput/samples_per_sec"] * tps
-        fps = module.flops_per_sample()
+        fps = pl_module.flops_per_sample()
         if fps and self.peak_flops:
             m["throughput/mfu"] = m["throughput/samples_per_sec"] * fps / (self.peak_flops * trainer.world_size)
         self.last = m

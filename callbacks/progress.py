@@ -100,7 +100,7 @@ class ProgressBar(Callback):
         """Print without tearing the bar (the base class simply prints)."""
         print(*args, **kwargs)
 
-    def setup(self, trainer: Any, module: Any, stage: str) -> None:
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         self._trainer = trainer
         if not trainer.is_global_zero:
             self.disable()
@@ -236,7 +236,7 @@ class TQDMProgressBar(SwitchedBar):
         return self._tqdm("Testing", 2 * self.process_position, True)
 
     # ---- training
-    def on_train_start(self, trainer: Any, module: Any) -> None:
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         self.train_progress_bar = self.init_train_tqdm()
         self._t0, self._step0 = time.perf_counter(), trainer.global_step
 
@@ -245,11 +245,11 @@ class TQDMProgressBar(SwitchedBar):
             self.train_progress_bar = self.init_train_tqdm()
         _restart(self.train_progress_bar, _finite(self.total_train_batches), f"Epoch {trainer.current_epoch}")
 
-    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         bar = self._bars["train"]
         if bar is not None and self._should_update(batch_idx + 1, bar.total):
             _move(bar, batch_idx + 1)
-            bar.set_postfix({**self.get_metrics(trainer, module), **self._throughput(trainer, module)})
+            bar.set_postfix({**self.get_metrics(trainer, pl_module), **self._throughput(trainer, pl_module)})
 
     def _throughput(self, trainer: Any, module: Any) -> dict[str, str]:
         """zerotrain's ``tok/s`` (all ranks), when the module says how many tokens a sample has."""
@@ -261,10 +261,10 @@ class TQDMProgressBar(SwitchedBar):
         tokens = (trainer.global_step - self._step0) * trainer.accumulate_grad_batches * batch_size * tps
         return {"tok/s": f"{tokens * trainer.strategy.data_parallel_world_size / elapsed:.0f}"}
 
-    def on_train_epoch_end(self, trainer: Any, module: Any) -> None:
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         bar = self._bars["train"]
         if bar is not None and not bar.disable:
-            bar.set_postfix(self.get_metrics(trainer, module))
+            bar.set_postfix(self.get_metrics(trainer, pl_module))
         if bar is not None and self._leave:
             bar.close()
 
@@ -273,16 +273,16 @@ class TQDMProgressBar(SwitchedBar):
             self._bars["train"].close()
 
     # ---- evaluation (validation, its sanity check, test and predict)
-    def on_validation_start(self, trainer: Any, module: Any) -> None:
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
         if getattr(trainer, "sanity_checking", False):
             self.val_progress_bar = self.init_sanity_tqdm()
         else:
             self.val_progress_bar = self.init_validation_tqdm()
 
-    def on_test_start(self, trainer: Any, module: Any) -> None:
+    def on_test_start(self, trainer: Any, pl_module: Any) -> None:
         self.test_progress_bar = self.init_test_tqdm()
 
-    def on_predict_start(self, trainer: Any, module: Any) -> None:
+    def on_predict_start(self, trainer: Any, pl_module: Any) -> None:
         self.predict_progress_bar = self.init_predict_tqdm()
 
     def _eval_batch_start(self, stage: str, dataloader_idx: int) -> None:
@@ -303,27 +303,27 @@ class TQDMProgressBar(SwitchedBar):
         if bar is not None and self._should_update(batch_idx + 1, bar.total):
             _move(bar, batch_idx + 1)
 
-    def on_validation_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int,
+    def on_validation_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int,
                                   dataloader_idx: int = 0) -> None:
         self._eval_batch_start("val", dataloader_idx)
 
-    def on_test_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int,
+    def on_test_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int,
                             dataloader_idx: int = 0) -> None:
         self._eval_batch_start("test", dataloader_idx)
 
-    def on_predict_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int,
+    def on_predict_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int,
                                dataloader_idx: int = 0) -> None:
         self._eval_batch_start("predict", dataloader_idx)
 
-    def on_validation_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int,
+    def on_validation_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int,
                                 dataloader_idx: int = 0) -> None:
         self._eval_batch_end("val", batch_idx)
 
-    def on_test_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int,
+    def on_test_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int,
                           dataloader_idx: int = 0) -> None:
         self._eval_batch_end("test", batch_idx)
 
-    def on_predict_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int,
+    def on_predict_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int,
                              dataloader_idx: int = 0) -> None:
         self._eval_batch_end("predict", batch_idx)
 
@@ -332,18 +332,18 @@ class TQDMProgressBar(SwitchedBar):
             self._bars[stage].close()
         self.reset_dataloader_idx_tracker()
 
-    def on_validation_end(self, trainer: Any, module: Any) -> None:
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
         self._eval_end("val")
         if self._bars["train"] is not None and _fn(trainer, True) == "fit" and not getattr(trainer, "sanity_checking", 0):
-            self._bars["train"].set_postfix(self.get_metrics(trainer, module))
+            self._bars["train"].set_postfix(self.get_metrics(trainer, pl_module))
 
-    def on_test_end(self, trainer: Any, module: Any) -> None:
+    def on_test_end(self, trainer: Any, pl_module: Any) -> None:
         self._eval_end("test")
 
-    def on_predict_end(self, trainer: Any, module: Any) -> None:
+    def on_predict_end(self, trainer: Any, pl_module: Any) -> None:
         self._eval_end("predict")
 
-    def teardown(self, trainer: Any, module: Any, stage: str | None = None) -> None:
+    def teardown(self, trainer: Any, pl_module: Any, stage: str | None = None) -> None:
         for bar in self._bars.values():
             if bar is not None:
                 bar.close()

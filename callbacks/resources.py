@@ -114,11 +114,11 @@ class ResourceMonitor(Callback):
         self._seen_step = 0
 
     # ---------------------------------------------------------------- attach / detach
-    def setup(self, trainer, module, stage: str) -> None:
+    def setup(self, trainer, pl_module, stage: str) -> None:
         if stage == "fit":  # before the strategy sets up: DDP attaches its bucket watch
             instrument.add_sink(self)
 
-    def on_train_start(self, trainer, module) -> None:
+    def on_train_start(self, trainer, pl_module) -> None:
         self.steps, self._events, self._disk = [], [], []
         self._seen_step = trainer.global_step
         if torch.cuda.is_available() and trainer.strategy.device.type == "cuda":
@@ -140,15 +140,15 @@ class ResourceMonitor(Callback):
             self._timer = None
         instrument.remove_sink(self)
 
-    def teardown(self, trainer, module, stage: str) -> None:
+    def teardown(self, trainer, pl_module, stage: str) -> None:
         if stage == "fit":
             self._detach()
 
-    def on_exception(self, trainer, module, exception: BaseException) -> None:
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         self._detach()
 
     # ---------------------------------------------------------------- per step
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self._timer is None or trainer.global_step == self._seen_step:
             return  # accumulating: the step goes on
         self._seen_step = trainer.global_step
@@ -187,7 +187,7 @@ class ResourceMonitor(Callback):
                 "io_busy": _covered([(e.t_start, e.t_done) for e in mine], 0.0)}
 
     # ---------------------------------------------------------------- end of fit
-    def on_train_end(self, trainer, module) -> None:
+    def on_train_end(self, trainer, pl_module) -> None:
         if self._timer is not None:
             instrument.attach_timer(None)
             self._timer = None

@@ -95,10 +95,10 @@ class RichProgressBar(SwitchedBar):
         return self.progress.add_task(description, total=_finite(total), metrics="")
 
     # ---- training
-    def on_train_start(self, trainer: Any, module: Any) -> None:
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         self._start()
 
-    def on_train_epoch_start(self, trainer: Any, module: Any) -> None:
+    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         if self.progress is None:
             return
         description = f"Epoch {trainer.current_epoch}"
@@ -113,27 +113,27 @@ class RichProgressBar(SwitchedBar):
             self.progress.reset(self.train_progress_bar_id, total=_finite(self.total_train_batches),
                                 description=description, visible=True)
 
-    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self.progress is not None and self.train_progress_bar_id is not None:
             self.progress.update(self.train_progress_bar_id, completed=batch_idx + 1,
-                                 metrics=self._metrics_text(trainer, module))
+                                 metrics=self._metrics_text(trainer, pl_module))
 
-    def on_train_epoch_end(self, trainer: Any, module: Any) -> None:
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         if self.progress is not None and self.train_progress_bar_id is not None:
-            self.progress.update(self.train_progress_bar_id, metrics=self._metrics_text(trainer, module))
+            self.progress.update(self.train_progress_bar_id, metrics=self._metrics_text(trainer, pl_module))
 
     # ---- evaluation
     def _eval_start(self, attribute: str) -> None:
         self._start()
         setattr(self, attribute, None)
 
-    def on_validation_start(self, trainer: Any, module: Any) -> None:
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
         self._eval_start("val_sanity_progress_bar_id" if trainer.sanity_checking else "val_progress_bar_id")
 
-    def on_test_start(self, trainer: Any, module: Any) -> None:
+    def on_test_start(self, trainer: Any, pl_module: Any) -> None:
         self._eval_start("test_progress_bar_id")
 
-    def on_predict_start(self, trainer: Any, module: Any) -> None:
+    def on_predict_start(self, trainer: Any, pl_module: Any) -> None:
         self._eval_start("predict_progress_bar_id")
 
     def _eval_batch_start(self, attribute: str, total: Any, description: str, dataloader_idx: int) -> None:
@@ -144,18 +144,18 @@ class RichProgressBar(SwitchedBar):
             self.progress.update(task_id, visible=False)
         setattr(self, attribute, self._add(total, f"{description} DataLoader {dataloader_idx}"))
 
-    def on_validation_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int,
+    def on_validation_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int,
                                   dataloader_idx: int = 0) -> None:
         sanity = trainer.sanity_checking
         self._eval_batch_start("val_sanity_progress_bar_id" if sanity else "val_progress_bar_id",
                                self.total_val_batches_current_dataloader,
                                self.sanity_check_description if sanity else self.validation_description, dataloader_idx)
 
-    def on_test_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+    def on_test_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         self._eval_batch_start("test_progress_bar_id", self.total_test_batches_current_dataloader,
                                self.test_description, dataloader_idx)
 
-    def on_predict_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int,
+    def on_predict_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int,
                                dataloader_idx: int = 0) -> None:
         self._eval_batch_start("predict_progress_bar_id", self.total_predict_batches_current_dataloader,
                                self.predict_description, dataloader_idx)
@@ -165,15 +165,15 @@ class RichProgressBar(SwitchedBar):
         if self.progress is not None and task_id is not None:
             self.progress.update(task_id, completed=batch_idx + 1)
 
-    def on_validation_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int,
+    def on_validation_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int,
                                 dataloader_idx: int = 0) -> None:
         self._advance("val_sanity_progress_bar_id" if trainer.sanity_checking else "val_progress_bar_id", batch_idx)
 
-    def on_test_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int,
+    def on_test_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int,
                           dataloader_idx: int = 0) -> None:
         self._advance("test_progress_bar_id", batch_idx)
 
-    def on_predict_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int,
+    def on_predict_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int,
                              dataloader_idx: int = 0) -> None:
         self._advance("predict_progress_bar_id", batch_idx)
 
@@ -183,27 +183,27 @@ class RichProgressBar(SwitchedBar):
             self.progress.update(task_id, visible=False)
         self.reset_dataloader_idx_tracker()
 
-    def on_validation_end(self, trainer: Any, module: Any) -> None:
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
         self._eval_end("val_sanity_progress_bar_id" if trainer.sanity_checking else "val_progress_bar_id")
         if _fn(trainer, self.train_progress_bar_id is not None) == "fit" and self.train_progress_bar_id is not None \
                 and self.progress is not None:
-            self.progress.update(self.train_progress_bar_id, metrics=self._metrics_text(trainer, module))
+            self.progress.update(self.train_progress_bar_id, metrics=self._metrics_text(trainer, pl_module))
 
-    def on_test_end(self, trainer: Any, module: Any) -> None:
+    def on_test_end(self, trainer: Any, pl_module: Any) -> None:
         self._eval_end("test_progress_bar_id")
 
-    def on_predict_end(self, trainer: Any, module: Any) -> None:
+    def on_predict_end(self, trainer: Any, pl_module: Any) -> None:
         self._eval_end("predict_progress_bar_id")
 
-    def teardown(self, trainer: Any, module: Any, stage: str | None = None) -> None:
+    def teardown(self, trainer: Any, pl_module: Any, stage: str | None = None) -> None:
         if self.progress is not None:
             self.progress.stop()
         self.progress = None
         self.train_progress_bar_id = self.val_progress_bar_id = self.val_sanity_progress_bar_id = None
         self.test_progress_bar_id = self.predict_progress_bar_id = None
 
-    def on_exception(self, trainer: Any, module: Any, exception: BaseException) -> None:
-        self.teardown(trainer, module)
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self.teardown(trainer, pl_module)
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         if self.progress is not None:
@@ -225,11 +225,11 @@ class RichModelSummary(ModelSummary):
         self.header_style = header_style
         self._summarize_kwargs = summarize_kwargs
 
-    def on_fit_start(self, trainer: Any, module: Any) -> None:
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         from ..callbacks.summary import max_bytes_per_rank, module_rows, parameter_totals
 
-        self.rows = module_rows(module, self.max_depth)
-        self.totals = parameter_totals(module)
+        self.rows = module_rows(pl_module, self.max_depth)
+        self.totals = parameter_totals(pl_module)
         self.bytes_per_rank = max_bytes_per_rank(trainer.strategy)
         if trainer.is_global_zero:
             self.render()

@@ -35,15 +35,15 @@ class GradientAccumulationScheduler(Callback):
     def get_accumulate_grad_batches(self, epoch: int) -> int:
         return self.scheduling[max(e for e in self.epochs if e <= epoch)]
 
-    def on_train_start(self, trainer: Any, module: Any) -> None:
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         from ..trainer.utilities import is_overridden
 
-        if not module.automatic_optimization:
+        if not pl_module.automatic_optimization:
             raise RuntimeError("Automatic gradient accumulation and the `GradientAccumulationScheduler` is not "
                                "supported for manual optimization. Please remove the callback or switch to automatic "
                                "optimization.")
-        if self.going_to_accumulate_grad_batches() and (is_overridden("optimizer_step", module)
-                                                         or is_overridden("optimizer_zero_grad", module)):
+        if self.going_to_accumulate_grad_batches() and (is_overridden("optimizer_step", pl_module)
+                                                         or is_overridden("optimizer_zero_grad", pl_module)):
             warnings.warn("When using `Trainer(accumulate_grad_batches != 1)` and overriding "
                           "`LightningModule.optimizer_{step,zero_grad}`, the hooks will not be called on every batch "
                           "(rather, they are called on every optimization step).", stacklevel=2)
@@ -55,7 +55,7 @@ class GradientAccumulationScheduler(Callback):
     def on_train_epoch_start(self, trainer: Any, *_: Any) -> None:
         trainer.accumulate_grad_batches = self.get_accumulate_grad_batches(trainer.current_epoch)
 
-    def on_train_end(self, trainer: Any, module: Any) -> None:
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         trainer.accumulate_grad_batches = 1  # the Trainer's own value (on_train_start refused any other)
 
 
@@ -76,14 +76,14 @@ class OnExceptionCheckpoint(Callback):
     def ckpt_path(self) -> str:
         return os.path.join(self.dirpath, self.filename + self.FILE_EXTENSION)
 
-    def on_exception(self, trainer: Any, module: Any, exception: BaseException) -> None:
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         self._failed = True
         if trainer.is_global_zero:
             _remove(self.ckpt_path)
         trainer.strategy.barrier()
         trainer.save_checkpoint(self.ckpt_path, update_latest=False)
 
-    def teardown(self, trainer: Any, module: Any, stage: str) -> None:
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if stage == "fit" and not self._failed and trainer.is_global_zero:
             _remove(self.ckpt_path)
 
@@ -104,7 +104,7 @@ class DeviceStatsMonitor(Callback):
     def __init__(self, cpu_stats: bool | None = None) -> None:
         self._cpu_stats = cpu_stats
 
-    def setup(self, trainer: Any, module: Any, stage: str) -> None:
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if stage != "fit":
             return
         if not trainer.loggers:
@@ -135,10 +135,10 @@ class DeviceStatsMonitor(Callback):
             sep = getattr(lg, "group_separator", "/")
             lg.log_metrics({f"{type(self).__qualname__}.{key}{sep}{k}": v for k, v in stats.items()}, step=step)
 
-    def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self._log(trainer, "on_train_batch_start")
 
-    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         self._log(trainer, "on_train_batch_end")
 
 

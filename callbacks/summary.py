@@ -26,9 +26,9 @@ class ModelSummary(Callback):
         self.totals: dict[str, int] = {}
         self.bytes_per_rank: dict[str, int] = {}
 
-    def on_fit_start(self, trainer, module) -> None:
-        self.rows = module_rows(module, self.max_depth)
-        self.totals = parameter_totals(module)
+    def on_fit_start(self, trainer, pl_module) -> None:
+        self.rows = module_rows(pl_module, self.max_depth)
+        self.totals = parameter_totals(pl_module)
         self.bytes_per_rank = max_bytes_per_rank(trainer.strategy)
         if trainer.is_global_zero:
             log.info("%s", self.table())

@@ -82,7 +82,7 @@ def lightning_callbacks(callbacks: list, max_time: Any, enable_model_summary: bo
             raise ConfigError(f"Trainer: max_time={max_time!r}; valid: 'DD:HH:MM:SS', a datetime.timedelta or "
                               "a dict of timedelta keywords") from exc
         if any(isinstance(c, Timer) for c in callbacks):
-            log.info("Ignoring Trainer(max_time=%r): the callbacks already contain a Timer", max_time)
+            log.info("Ignoring `Trainer(max_time=%r)`, callbacks list already contains a Timer.", max_time)
         else:
             callbacks.append(Timer(duration=duration, interval="step"))
     if enable_model_summary and not any(isinstance(c, ModelSummary) for c in callbacks):

@@ -178,3 +178,68 @@ def test_lr_monitor_errors_are_lightnings(tmp_path):
                                                         "that has no logger"):
         Trainer(default_root_dir=tmp_path, callbacks=[LearningRateMonitor()], logger=False, max_epochs=1,
                 enable_progress_bar=False, enable_model_summary=False).fit(_TwoGroups())
+
+
+def test_callback_hooks_take_lightnings_pl_module_keyword():
+    """Lightning's hooks name their second argument ``pl_module``; code calls them by keyword."""
+    import inspect
+
+    from zerotrain import callbacks as ours
+
+    for cls in (ours.Callback, ours.Timer, ours.TQDMProgressBar, ours.LearningRateMonitor, ours.EarlyStopping,
+                ours.ModelSummary):
+        for hook in ("on_train_start", "on_train_epoch_end", "on_validation_end", "setup"):
+            assert list(inspect.signature(getattr(cls, hook)).parameters)[1:3] == ["trainer", "pl_module"], (cls, hook)
+    ours.Timer().on_train_start(trainer=mock.Mock(), pl_module=mock.Mock())
+
+
+def test_timer_arguments_as_lightnings():
+    from datetime import timedelta
+
+    from zerotrain.callbacks import Timer
+
+    assert Timer({"seconds": 1337})._duration == 1337 and Timer()._duration is None
+    with pytest.raises(MisconfigurationException, match="format DD:HH:MM:SS"):
+        Timer("6:00:00")
+    with pytest.raises(MisconfigurationException, match="Unsupported parameter value `Timer.interval=invalid.`"):
+        Timer(timedelta(), interval="invalid")
+
+
+@pytest.mark.parametrize("interval", ["step", "epoch"])
+def test_timer_with_no_time_left_stops_before_the_first_step(tmp_path, interval):
+    """Lightning checks the budget at fit start (a resumed, spent Timer trains nothing) and counts
+    training time from ``on_train_start``."""
+    from datetime import timedelta
+
+    from zerotrain.callbacks import Timer
+
+    trainer = Trainer(default_root_dir=tmp_path, callbacks=[Timer(timedelta(0), interval=interval)], **_QUIET)
+    trainer.fit(_module(TrainModule, range(10)))
+    pl = pytest.importorskip("pytorch_lightning")
+    theirs = pl.Trainer(default_root_dir=tmp_path, callbacks=[pl.callbacks.Timer(timedelta(0), interval=interval)],
+                        accelerator="cpu", **_QUIET)
+    theirs.fit(_module(pl.LightningModule, range(10)))
+    assert (trainer.global_step, trainer.current_epoch) == (theirs.global_step, theirs.current_epoch) == (0, 0)
+
+
+def test_timer_tracks_the_test_stage(tmp_path):
+    from zerotrain.callbacks import Timer
+
+    class M(TrainModule):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Linear(2, 1)
+
+        def test_step(self, batch, batch_idx):
+            return self.net(batch[0]).sum()
+
+        def test_dataloader(self):
+            return DataLoader(TensorDataset(torch.randn(4, 2)), batch_size=2)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    timer = Timer()
+    Trainer(default_root_dir=tmp_path, callbacks=[timer], **_QUIET).test(M())
+    assert timer.time_elapsed("test") > 0 and timer.end_time("test") is not None
+    assert set(timer.state_dict()["time_elapsed"]) == {"train", "sanity_check", "validate", "test", "predict"}
