@@ -24,6 +24,7 @@ import inspect
 import json
 import logging
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -62,16 +63,12 @@ def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
 def load_checkpoint(path: str | os.PathLike, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
     """Lightning's ``lightning.fabric.utilities.cloud_io._load`` for the checkpoints zerotrain reads:
     ``read_checkpoint(path)`` (a checkpoint directory or a consolidated file, as Lightning's dict),
-    its tensors on ``map_location`` (None: the CPU; a device or device name). Always read
+    its tensors on ``map_location`` (None: the CPU; else as ``torch.load``'s: :func:`map_tensors`). Always read
     weights-only (a checkpoint never runs code here), whatever ``weights_only`` says: a file that
     needs pickled code is a CheckpointError. URLs and file objects are not read (a ConfigError)."""
-    from .evaluation import to_device
-
     if not isinstance(path, (str, os.PathLike)) or str(path).startswith(("http://", "https://")):
         raise ConfigError(f"load_checkpoint: path={path!r}; valid: a local checkpoint directory or file path")
-    device = _device(map_location)
-    checkpoint = read_checkpoint(path)
-    return to_device(checkpoint, device) if device is not None else checkpoint
+    return map_tensors(read_checkpoint(path), map_location)
 
 
 def _read_safetensors(path: Path) -> dict[str, Any]:
@@ -144,6 +141,28 @@ def _device(map_location: Any) -> torch.device | None:
                       "a device name")
 
 
+def map_tensors(obj: Any, map_location: Any) -> Any:
+    """``torch.load``'s ``map_location`` on a checkpoint read to the CPU: None (stay), a device or
+    device name, a dict of location names (``{"cpu": "cuda:0"}``), or a function
+    ``(storage, "cpu") -> storage or None`` (each tensor goes where its storage was put)."""
+    if map_location is None:
+        return obj
+    if isinstance(map_location, dict):
+        return map_tensors(obj, map_location.get("cpu"))
+    if not callable(map_location) or isinstance(map_location, torch.device):
+        from .evaluation import to_device
+
+        return to_device(obj, _device(map_location))
+    if isinstance(obj, torch.Tensor):
+        moved = map_location(obj.untyped_storage(), "cpu")
+        return obj if moved is None or moved.device == obj.device else obj.to(moved.device)
+    if isinstance(obj, dict):
+        return {k: map_tensors(v, map_location) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(map_tensors(v, map_location) for v in obj)
+    return obj
+
+
 def _hparams_from_file(hparams_file: str | os.PathLike) -> dict[str, Any]:
     """Lightning's ``hparams_file``: the hyperparameters of a ``.yaml``/``.yml`` or tags ``.csv`` file."""
     from .saving import load_hparams_from_tags_csv, load_hparams_from_yaml
@@ -157,7 +176,7 @@ def _hparams_from_file(hparams_file: str | os.PathLike) -> dict[str, Any]:
 
 
 def load_from_checkpoint(cls: type, checkpoint_path: str | os.PathLike, map_location: Any = None,
-                         strict: bool = True, hparams_file: str | os.PathLike | None = None,
+                         strict: bool | None = None, hparams_file: str | os.PathLike | None = None,
                          weights_only: bool | None = None, **overrides: Any) -> Any:
     """``TrainModule.load_from_checkpoint`` and ``DataModule.load_from_checkpoint`` (see the module
     docstring): the class's hyperparameters (``cls.CHECKPOINT_HYPER_PARAMS_KEY``; those of
@@ -165,8 +184,8 @@ def load_from_checkpoint(cls: type, checkpoint_path: str | os.PathLike, map_loca
     for Lightning's signature: zerotrain always reads a checkpoint weights-only."""
     from .module import TrainModule
 
-    device = _device(map_location)
     checkpoint = read_checkpoint(checkpoint_path)
+    checkpoint["state_dict"] = map_tensors(checkpoint.get("state_dict", {}), map_location)
     key = getattr(cls, "CHECKPOINT_HYPER_PARAMS_KEY", HPARAMS_KEY)
     if hparams_file is not None:
         checkpoint[key] = _hparams_from_file(hparams_file)
@@ -187,9 +206,20 @@ def load_from_checkpoint(cls: type, checkpoint_path: str | os.PathLike, map_loca
     if type(module).configure_model is not TrainModule.configure_model:
         module.configure_model()
     module.on_load_checkpoint(checkpoint)
+    given = getattr(module, "_strict_loading", None)  # Lightning's: `strict` and `strict_loading` must agree
+    if given is not None and strict is not None and strict != module.strict_loading:
+        raise ValueError(f"You set `.load_from_checkpoint(..., strict={strict!r})` which is in conflict with "
+                         f"`{cls.__name__}.strict_loading={module.strict_loading!r}. Please set the same value for "
+                         "both of them.")
+    strict = module.strict_loading if strict is None else strict
     keys = module.load_state_dict(checkpoint["state_dict"], strict=strict)
-    if not strict and keys.missing_keys:
+    if not strict and keys and keys.missing_keys:
         log.warning("Found keys that are in the model state dict but not in the checkpoint: %s", keys.missing_keys)
-    if not strict and keys.unexpected_keys:
+    if not strict and keys and keys.unexpected_keys:
         log.warning("Found keys that are not in the model state dict but in the checkpoint: %s", keys.unexpected_keys)
-    return module.to(device) if device is not None else module
+    state = checkpoint["state_dict"]
+    if not state:
+        warnings.warn(f"The state dict in {str(checkpoint_path)!r} contains no parameters.", UserWarning, stacklevel=3)
+        return module
+    first = next((t for t in state.values() if isinstance(t, torch.Tensor)), None)
+    return module.to(first.device) if first is not None else module  # Lightning's: where the weights are

@@ -156,6 +156,15 @@ class TrainModule(HyperparametersMixin, nn.Module, DataHooks, ModuleTools):
         """The first of the Trainer's loggers, or None (Lightning's ``self.logger``)."""
         return next(iter(self.loggers), None)
 
+    @property
+    def strict_loading(self) -> bool:
+        """Lightning's: ``load_state_dict``'s ``strict`` in ``load_from_checkpoint`` (default True)."""
+        return getattr(self, "_strict_loading", None) in (None, True)
+
+    @strict_loading.setter
+    def strict_loading(self, value: bool) -> None:
+        self._strict_loading = value
+
     # ---- manual optimization (Lightning's API; the logic is trainer/optimization.py)
     #: False: ``training_step`` backwards and steps itself (``manual_backward``, ``optimizers()``)
     automatic_optimization = True
@@ -243,14 +252,14 @@ class TrainModule(HyperparametersMixin, nn.Module, DataHooks, ModuleTools):
     # ---- Lightning's module conveniences (hyperparameters: HyperparametersMixin, trainer/hparams.py)
     @classmethod
     def load_from_checkpoint(cls, checkpoint_path: "str | os.PathLike", map_location: Any = None,
-                             hparams_file: "str | os.PathLike | None" = None, strict: bool = True,
+                             hparams_file: "str | os.PathLike | None" = None, strict: bool | None = None,
                              weights_only: bool | None = None, **overrides: Any) -> "TrainModule":
         """This class rebuilt from a checkpoint's saved hyperparameters (updated with
         ``overrides``) and its weights loaded, in this process, for inference: from a sharded
         checkpoint of any strategy and world size, or a consolidated / weights-only file
         (``trainer/from_checkpoint.py``). ``map_location``: the device to move it to; ``hparams_file``:
         a ``.yaml``/``.csv`` whose hyperparameters replace the saved ones; ``weights_only``: accepted
-        (zerotrain always reads weights-only)."""
+        (zerotrain always reads weights-only); ``strict`` (None: ``self.strict_loading``)."""
         from .from_checkpoint import load_from_checkpoint
 
         return load_from_checkpoint(cls, checkpoint_path, map_location=map_location, strict=strict,

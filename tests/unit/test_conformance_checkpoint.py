@@ -283,3 +283,51 @@ def test_its_state_in_the_checkpoint_has_lightnings_keys_and_to_yaml(tmp_path):
     cb.to_yaml()
     with open(tmp_path / "ck" / "best_k_models.yaml") as f:
         assert yaml.safe_load(f) == cb.best_k_models
+
+
+# ---------------------------------------------------------------------------- load_from_checkpoint
+
+@pytest.mark.parametrize("map_location", [None, "cpu", torch.device("cpu"), {"cpu": "cpu"},
+                                          lambda storage, loc: storage, lambda storage, loc: None])
+def test_load_from_checkpoint_takes_torch_loads_map_locations(tmp_path, map_location):
+    _, _, path = _fit_and_save(tmp_path)
+    loaded = type(_module(TrainModule)).load_from_checkpoint(str(path), map_location=map_location)
+    assert loaded.device.type == "cpu"
+    assert torch.equal(loaded.net.weight, torch.load(path, weights_only=True)["state_dict"]["net.weight"])
+
+
+@pytest.mark.parametrize("strict,strict_loading", [(s, sl) for s in (None, True, False) for sl in (None, True, False)])
+def test_strict_and_strict_loading_as_lightning(tmp_path, strict, strict_loading):
+    pl = pytest.importorskip("pytorch_lightning")
+    outcome = {}
+    for lib, base in (("ours", TrainModule), ("pl", pl.LightningModule)):
+        module, _, path = _fit_and_save(tmp_path, lib=lib)
+        cls = type(module)
+        calls = []
+
+        def load_state_dict(self, state, strict=True, **kw):
+            calls.append(strict)
+            return torch.nn.Module.load_state_dict(self, state, strict=strict)
+
+        class Loading(cls):
+            def __init__(self, width: int = 3):
+                super().__init__(width)
+                if strict_loading is not None:
+                    self.strict_loading = strict_loading
+
+        Loading.load_state_dict = load_state_dict
+        try:
+            Loading.load_from_checkpoint(str(path), strict=strict)
+            outcome[lib] = calls
+        except ValueError as exc:
+            outcome[lib] = str(exc).replace("Loading", "M")
+    assert outcome["ours"] == outcome["pl"]
+
+
+def test_an_empty_state_dict_warns_as_lightning(tmp_path):
+    _, _, path = _fit_and_save(tmp_path)
+    ckpt = torch.load(path, weights_only=True)
+    ckpt["state_dict"] = {}
+    torch.save(ckpt, path)
+    with pytest.warns(UserWarning, match="contains no parameters"):
+        type(_module(TrainModule)).load_from_checkpoint(path, strict=False)
