@@ -11,6 +11,8 @@ from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Sequ
 from . import job
 from .datamodule import DataModule
 from .errors import ConfigError
+from .compat import data as _data
+from .compat.data import _auto_add_worker_init_fn
 from .utilities import PossibleUserWarning, is_overridden, rank_zero_warn
 
 log = logging.getLogger("zerotrain")
@@ -56,7 +58,12 @@ class TrainerData:
         (``data_seed``, epoch), as Lightning's; on one process it is kept). Kept as given: not a
         DataLoader, an iterable dataset, a ``batch_sampler`` of the user's own, or
         ``use_distributed_sampler=False``. Where Lightning differs, a warning says so
-        (``_note_sampler_differences``)."""
+        (``_note_sampler_differences``). As Lightning: a loader with few workers for this machine
+        warns (``worker_check``), and after ``seed_everything(workers=True)`` one without a
+        ``worker_init_fn`` gets Lightning's worker seeding."""
+        if isinstance(loader, DataLoader):
+            worker_check(loader, stage, self._strategy.world_size)
+            _auto_add_worker_init_fn(loader, self._strategy.global_rank)  # seed_everything(workers=True)
         if loader is None or not isinstance(loader, DataLoader) or not self.use_distributed_sampler:
             return loader
         if not job.shardable(loader):  # an iterable dataset (Lightning keeps it too) or the user's batch_sampler
@@ -172,3 +179,27 @@ def len_or_none(loader: Any) -> int | None:
         return len(loader)
     except TypeError:
         return None
+
+
+#: the stage a loader is prepared for -> Lightning's name of its hook
+_HOOK_NAMES = {"fit": "train_dataloader", "validate": "val_dataloader", "test": "test_dataloader",
+               "predict": "predict_dataloader"}
+
+
+def worker_check(loader: DataLoader, stage: str, local_world_size: int) -> None:
+    """Lightning's hint about ``num_workers``: workers started by spawn without
+    ``persistent_workers`` restart every epoch; fewer than the CPUs allow (``suggested_max_num_workers``,
+    at most 2, or below 2) may leave the loop waiting for data (a PossibleUserWarning)."""
+    import multiprocessing
+
+    name = _HOOK_NAMES.get(stage, f"{stage}_dataloader")
+    upper = _data.suggested_max_num_workers(max(1, local_world_size))
+    context = loader.multiprocessing_context
+    method = context.get_start_method() if context is not None else multiprocessing.get_start_method()
+    if loader.num_workers > 0 and method == "spawn" and not loader.persistent_workers:
+        rank_zero_warn(f"Consider setting `persistent_workers=True` in '{name}' to speed up the dataloader worker "
+                       "initialization.")
+    elif loader.num_workers <= 2 < upper or loader.num_workers < 2 <= upper:
+        rank_zero_warn(f"The '{name}' does not have many workers which may be a bottleneck. Consider increasing the "
+                       f"value of the `num_workers` argument` to `num_workers={upper}` in the `DataLoader` to improve "
+                       "performance.", PossibleUserWarning)

@@ -38,6 +38,18 @@ class RunningStage(_StrEnum):
     TESTING = "test"
     PREDICTING = "predict"
 
+    @property
+    def evaluating(self) -> bool:
+        return self in (RunningStage.VALIDATING, RunningStage.TESTING, RunningStage.SANITY_CHECKING)
+
+    @property
+    def dataloader_prefix(self) -> str | None:
+        """Lightning's: the ``*_dataloader`` hook this stage's data comes from (``val`` for validation
+        and the sanity check)."""
+        if self in (RunningStage.VALIDATING, RunningStage.SANITY_CHECKING):
+            return "val"
+        return self.value
+
 
 class TrainerStatus(_StrEnum):
     INITIALIZING = "initializing"

@@ -84,8 +84,11 @@ def rank_zero_warn(message: str, category: type[Warning] = UserWarning, stacklev
 
 
 #: where ``seed_everything`` records its seed, for the DistributedSampler (``Trainer.data_seed``);
-#: an environment variable so the ranks a launcher starts inherit it (Lightning's PL_GLOBAL_SEED)
-GLOBAL_SEED_ENV = "ZEROTRAIN_GLOBAL_SEED"
+#: an environment variable so the ranks a launcher starts inherit it (Lightning's name)
+GLOBAL_SEED_ENV = "PL_GLOBAL_SEED"
+#: ``seed_everything(workers=True)`` recorded (Lightning's name): the Trainer then gives each loader
+#: without a ``worker_init_fn`` Lightning's worker seeding (trainer/compat/data.py)
+SEED_WORKERS_ENV = "PL_SEED_WORKERS"
 #: the largest seed ``seed_everything`` takes (numpy's RNG takes 32 bits)
 MAX_SEED = 2**32 - 1
 
@@ -93,15 +96,13 @@ MAX_SEED = 2**32 - 1
 def seed_everything(seed: int | None = None, workers: bool = False, verbose: bool = True) -> int:
     """Lightning's ``seed_everything``: seed Python's, torch's (every device) and numpy's global
     RNGs and record the seed as the DistributedSampler's, in the environment, so that launched ranks
-    inherit it. ``None`` takes the recorded seed (ours, else Lightning's ``PL_GLOBAL_SEED``), else 0
+    inherit it (``PL_GLOBAL_SEED``, Lightning's variable). ``None`` takes the recorded seed, else 0
     with a warning (not with ``verbose=False``). A seed numpy cannot take (outside 0 .. 2**32 - 1)
-    is a ValueError, as Lightning's. ``workers=True`` is not applied (it warns): Lightning then seeds
-    each data-loader worker's numpy and ``random``; pass a ``worker_init_fn`` that does. Returns the seed."""
-    if workers:
-        _warnings.warn("seed_everything(workers=True): zerotrain installs no worker_init_fn that seeds "
-                      "numpy/random in data-loader workers; pass your own worker_init_fn", stacklevel=2)
+    is a ValueError, as Lightning's. ``workers`` is recorded too (``PL_SEED_WORKERS``): with True,
+    the Trainer gives each DataLoader without a ``worker_init_fn`` one that seeds each worker's
+    torch, numpy and ``random`` as Lightning's does. Returns the seed."""
     if seed is None:
-        env = os.environ.get(GLOBAL_SEED_ENV, os.environ.get("PL_GLOBAL_SEED"))
+        env = os.environ.get(GLOBAL_SEED_ENV)
         if env is None and verbose:
             _warnings.warn("seed_everything(): no seed given or recorded; seed set to 0", stacklevel=2)
         seed = int(env) if env is not None else 0
@@ -109,6 +110,7 @@ def seed_everything(seed: int | None = None, workers: bool = False, verbose: boo
     if not 0 <= seed <= MAX_SEED:
         raise ConfigError(f"seed_everything: seed={seed}; valid: an integer from 0 to {MAX_SEED} (numpy's range)")
     os.environ[GLOBAL_SEED_ENV] = str(seed)
+    os.environ[SEED_WORKERS_ENV] = str(int(workers))
     seed_rngs(seed)
     return seed
 
@@ -118,7 +120,7 @@ def sampler_seed(seed: int | None) -> int:
     (ours, else Lightning's ``PL_GLOBAL_SEED``, as Fabric reads it), else 0."""
     if seed is not None:
         return seed
-    return int(os.environ.get(GLOBAL_SEED_ENV, os.environ.get("PL_GLOBAL_SEED", 0)))
+    return int(os.environ.get(GLOBAL_SEED_ENV, 0))
 
 
 def reset_seed() -> None:

@@ -18,7 +18,7 @@ from zerotrain.trainer.utilities import GLOBAL_SEED_ENV, sampler_seed
 
 @pytest.fixture(autouse=True)
 def _no_recorded_seed(monkeypatch):
-    for name in (GLOBAL_SEED_ENV, "PL_GLOBAL_SEED", "LT_STRATEGY", "LT_DEVICES", "LT_ACCELERATOR", "LT_PRECISION"):
+    for name in (GLOBAL_SEED_ENV, "PL_SEED_WORKERS", "LT_STRATEGY", "LT_DEVICES", "LT_ACCELERATOR", "LT_PRECISION"):
         monkeypatch.setenv(name, "")  # recorded, so that what a test sets is undone after it
         monkeypatch.delenv(name)
 

@@ -105,8 +105,7 @@ def test_seed_everything_seeds_as_lightning_fabrics():
             theirs.seed_everything(bad)
         with pytest.raises(ValueError, match=f"seed={bad}; valid: an integer from 0 to {2**32 - 1}"):
             seed_everything(bad)
-    os.environ.pop("PL_GLOBAL_SEED")
-    os.environ.pop(zerotrain.trainer.utilities.GLOBAL_SEED_ENV)
+    os.environ.pop(zerotrain.trainer.utilities.GLOBAL_SEED_ENV)  # PL_GLOBAL_SEED, both libraries' variable
     with pytest.warns(UserWarning, match="seed set to 0"):  # none given nor recorded: 0, said (both)
         assert seed_everything() == 0
     with warnings.catch_warnings():

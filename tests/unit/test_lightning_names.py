@@ -46,8 +46,8 @@ def test_rank_zero_only_reads_the_rank_when_called(monkeypatch):
     assert f() is None and rank_zero_only.rank == 1
     monkeypatch.setenv("RANK", "0")
     assert f() == "ran"
-    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
-    monkeypatch.setenv("ZEROTRAIN_GLOBAL_SEED", "0")  # restored after: seed_everything records its seed
+    for name in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS"):  # restored after: seed_everything records them
+        monkeypatch.setenv(name, "0")
     assert seed_everything(7) == 7 and torch.initial_seed() == 7
 
 

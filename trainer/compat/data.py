@@ -11,10 +11,7 @@ from typing import Any
 import torch
 from torch.utils.data import IterableDataset
 
-from ..utilities import rank_zero_warn
-
-#: the environment variable ``seed_everything(workers=True)`` sets (Lightning's name)
-SEED_WORKERS_ENV = "PL_SEED_WORKERS"
+from ..utilities import SEED_WORKERS_ENV, rank_zero_warn
 
 
 def has_iterable_dataset(dataloader: object) -> bool:

@@ -1,0 +1,86 @@
+"""The Trainer's data loaders as Lightning's own tests (trainer/test_dataloaders.py) expect them
+(issue 41): ``seed_everything`` records Lightning's variables and ``workers=True`` gives a loader
+Lightning's worker seeding, a loader with few workers warns as Lightning's, and
+``RunningStage.dataloader_prefix``."""
+from __future__ import annotations
+
+import os
+from unittest import mock
+
+import pytest
+from torch.utils.data import DataLoader
+
+from zerotrain import Trainer, seed_everything
+from zerotrain.demos.boring_classes import BoringModel, RandomDataset
+from zerotrain.trainer.states import RunningStage
+
+
+@pytest.fixture(autouse=True)
+def _env(monkeypatch):
+    for name in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS"):  # recorded, so that what seed_everything sets is undone
+        monkeypatch.setenv(name, "0")
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK", "1"))
+
+
+def _fit(loader, **kw):
+    trainer = Trainer(max_steps=1, limit_val_batches=0, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, **kw)
+    trainer.fit(BoringModel(), train_dataloaders=loader)
+    return trainer
+
+
+def test_seed_everything_records_lightnings_variables():
+    pytest.importorskip("lightning_fabric")
+    from lightning_fabric.utilities.seed import seed_everything as theirs
+
+    for workers in (False, True):
+        theirs(3, workers=workers, verbose=False)
+        want = {k: os.environ[k] for k in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS")}
+        os.environ.pop("PL_GLOBAL_SEED"), os.environ.pop("PL_SEED_WORKERS")
+        seed_everything(3, workers=workers)
+        assert {k: os.environ[k] for k in want} == want == {"PL_GLOBAL_SEED": "3", "PL_SEED_WORKERS": str(int(workers))}
+
+
+def test_workers_true_gives_a_loader_lightnings_worker_seeding():
+    loader = DataLoader(RandomDataset(32, 8), batch_size=4)
+    seed_everything(1, workers=False)
+    _fit(loader)
+    assert loader.worker_init_fn is None
+    seed_everything(1, workers=True)
+    trainer = _fit(loader)
+    assert loader.worker_init_fn is not None and loader.worker_init_fn.keywords == {"rank": 0}
+    assert trainer.train_dataloader.worker_init_fn is loader.worker_init_fn
+
+
+@pytest.mark.parametrize("workers, warns", [(0, True), (2, True), (3, False)])
+def test_few_workers_warn_as_lightning(workers, warns):
+    import warnings
+
+    from zerotrain.trainer.loaders import worker_check
+    from zerotrain.utilities.warnings import PossibleUserWarning
+
+    loader = DataLoader(RandomDataset(32, 8), batch_size=4, num_workers=workers, persistent_workers=workers > 0)
+    with mock.patch("zerotrain.fabric.utilities.data._num_cpus_available", return_value=5), \
+            warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        worker_check(loader, "validate", 1)
+    hits = [r for r in record if "The 'val_dataloader' does not have many workers" in str(r.message)]
+    assert len(hits) == warns
+    assert all(issubclass(r.category, PossibleUserWarning) and "num_workers=4" in str(r.message) for r in hits)
+
+
+def test_the_trainer_checks_its_loaders_workers():
+    with mock.patch("zerotrain.fabric.utilities.data._num_cpus_available", return_value=5), \
+            pytest.warns(UserWarning, match="The 'train_dataloader' does not have many workers"):
+        _fit(DataLoader(RandomDataset(32, 8), batch_size=4))
+
+
+def test_running_stage_dataloader_prefix_is_lightnings():
+    pl = pytest.importorskip("pytorch_lightning")
+    from pytorch_lightning.trainer.states import RunningStage as Theirs
+
+    for stage in Theirs:
+        ours = RunningStage(stage.value)
+        assert ours.dataloader_prefix == stage.dataloader_prefix and ours.evaluating == stage.evaluating, stage
+    assert pl is not None
