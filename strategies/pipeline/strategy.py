@@ -125,6 +125,10 @@ class PipelineStrategy(Strategy):
         self.live_activation_peak = 0
         #: the last training step's timings and peak on this stage
         self.last_step_stats = StepStats()
+        #: the stages whose gradients the clipping norm counts (None: all, each tied weight once).
+        #: ``zerotrain.deepspeed.pipe`` sets (0,): DeepSpeed 0.19.8's fp32 pipeline norm counts the
+        #: first stage's gradients only (its model-parallel rank 0) and clips every stage by it
+        self.norm_stages: tuple[int, ...] | None = None
 
     # ------------------------------------------------------------------ topology
     def check_world_size(self, world_size: int) -> None:
@@ -383,7 +387,10 @@ class PipelineStrategy(Strategy):
         return {id(p) for tg in self._tie_groups if tg.ranks[0] != self.global_rank for p in tg.params}
 
     def _counted_here(self) -> list[torch.Tensor]:
-        """Gradients for the global norm."""
+        """Gradients for the global norm (``norm_stages``: all of a listed stage's, none elsewhere)."""
+        if self.norm_stages is not None:
+            wanted = self.stage in self.norm_stages
+            return [p.grad for p in self.module.parameters() if p.grad is not None and wanted]
         skip = self._uncounted()
         return [p.grad for p in self.module.parameters() if p.grad is not None and id(p) not in skip]
 

@@ -20,9 +20,14 @@ DeepSpeed 0.19.8's semantics, as this engine keeps them:
   and returns their mean loss on every rank; the training iterator is kept;
 * ``forward``/``backward``/``step`` are refused: the schedule runs them (DeepSpeed raises too).
 
-Deliberate differences (README "Coming from DeepSpeed"): the global gradient norm counts a tied
-weight once (DeepSpeed adds its norm on every stage that holds it); ``eval_batch`` weighs
-micro-batches of unequal size by their rows; no checkpoints yet (``save_checkpoint`` refuses).
+Clipping follows DeepSpeed's norm: in fp32 without ZeRO, DeepSpeed's ``clip_fp32_gradients``
+counts only the parameters of model-parallel rank 0, which for a pipeline is the first stage, and
+scales every stage's gradients by that norm's coefficient; so does this engine
+(``PipelineStrategy.norm_stages``). Under ZeRO-1 or fp16/bf16 the strategy's norm over all stages
+is used (DeepSpeed's optimizers there are not checked against it).
+
+Deliberate differences (README "Coming from DeepSpeed"): ``eval_batch`` weighs micro-batches of
+unequal size by their rows; no checkpoints yet (``save_checkpoint`` refuses).
 """
 from __future__ import annotations
 
@@ -235,6 +240,8 @@ def initialize(source: Any, model: PipelineModule, optimizer: Any, model_paramet
     strategy = PipelineStrategy(stages=model.num_stages, micro_batches=cfg.gradient_accumulation_steps,
                                 activation_checkpointing=bool(interval or model.activation_checkpoint_interval),
                                 zero_stage=cfg.zero_stage)
+    if cfg.precision == "32" and cfg.zero_stage == 0:  # DeepSpeed's clip_fp32_gradients: the first stage's norm
+        strategy.norm_stages = (0,)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     join_job(strategy, cfg.make_precision(), get_accelerator().device_name(), local, max(1, world // local))
     if strategy.is_global_zero:
