@@ -81,6 +81,8 @@ class TrainerEvaluation:
                 raise ConfigError(f"Trainer.{fn}: no data (pass dataloaders or a datamodule, or implement "
                                   f"{spec.loader}())")
             loaders = [self._prepare_loader(loader, fn) for loader in loaders]
+            if fn in ("test", "predict"):  # Lightning's trainer.test_dataloaders / predict_dataloaders
+                setattr(self, f"{fn}_dataloaders", loaders[0] if len(loaders) == 1 else loaders)
             path = self.ckpt_path = checkpointing.resume_path(self, ckpt_path, fn)
             if path:
                 self._load_weights(path)
@@ -127,7 +129,9 @@ class TrainerEvaluation:
         self.sanity_checking = True
         try:
             with isolate_rng():  # as Lightning: the check leaves the RNG streams (dropout, loader seeds) as they were
+                self.hooks("on_sanity_check_start", self, self.module)
                 self._run_validation(self.val_dataloader)
+                self.hooks("on_sanity_check_end", self, self.module)
         finally:
             self.sanity_checking = False
             self._logging.reset_metrics()
@@ -144,6 +148,10 @@ class TrainerEvaluation:
     def val_dataloaders(self) -> Any:
         """Lightning's name: ``fit``'s validation loader, or the list of them."""
         return self.val_dataloader
+
+    #: Lightning's: the loader (or list of them) the last ``test`` / ``predict`` ran on
+    test_dataloaders: Any = None
+    predict_dataloaders: Any = None
 
     def _validation_defined(self) -> bool:
         """The module has a ``validation_step`` (not the no-op, not set to None: Lightning's way of
@@ -163,6 +171,8 @@ class TrainerEvaluation:
         epoch-level logged metrics (validate, test: Lightning's return value) or its
         ``predict_step`` outputs."""
         self._check_dataloader_idx(spec, len(loaders))
+        if not sum(self._count_batches(spec, loaders)):  # as Lightning: no batch, no evaluation hooks
+            return []
         grad_off = torch.inference_mode if _inference_mode(self) else torch.no_grad
         before = self.state.stage
         self.state.stage = RunningStage.SANITY_CHECKING if self.sanity_checking else RunningStage(spec.fn)
@@ -171,6 +181,21 @@ class TrainerEvaluation:
                 return self._evaluate_epoch(spec, loaders)
         finally:
             self.state.stage = before
+
+    #: Lightning's per-loader batch counts of the last (or running) evaluation of each kind, what
+    #: the progress bars' totals read (inf: a loader without a length)
+    num_sanity_val_batches: list = []
+    num_val_batches: list = []
+    num_test_batches: list = []
+    num_predict_batches: list = []
+
+    def _count_batches(self, spec: "_EvalStage", loaders: list) -> list:
+        counts = [self._limit(loader, getattr(self, spec.limit)) for loader in loaders]
+        setattr(self, {"validate": "num_val_batches", "test": "num_test_batches",
+                       "predict": "num_predict_batches"}[spec.fn], counts)
+        if self.sanity_checking:
+            self.num_sanity_val_batches = counts = [min(n, self.num_sanity_val_steps) for n in counts]
+        return counts
 
     def _check_dataloader_idx(self, spec: "_EvalStage", count: int) -> None:
         """Lightning's refusals: several loaders and a step without ``dataloader_idx``, or one loader

@@ -28,10 +28,11 @@ HOOKS = (
     "on_train_epoch_end", "on_train_batch_start", "on_train_batch_end", "on_before_backward",
     "on_after_backward", "on_before_optimizer_step", "on_before_zero_grad", *_STAGE_HOOKS,
     "on_save_checkpoint", "on_load_checkpoint", "on_exception", "teardown",
+    "on_sanity_check_start", "on_sanity_check_end",
 )
 
 #: hooks called on the module as ``hook(*args)`` (after the callbacks' where both have one)
-MODULE_HOOKS = tuple(h for h in HOOKS if h != "on_exception") + ("configure_callbacks",)
+MODULE_HOOKS = tuple(h for h in HOOKS if h != "on_exception" and "sanity" not in h) + ("configure_callbacks",)
 
 
 #: Lightning module hooks zerotrain never calls, with why; a module overriding one is told once

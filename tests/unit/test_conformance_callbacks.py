@@ -243,3 +243,64 @@ def test_timer_tracks_the_test_stage(tmp_path):
     Trainer(default_root_dir=tmp_path, callbacks=[timer], **_QUIET).test(M())
     assert timer.time_elapsed("test") > 0 and timer.end_time("test") is not None
     assert set(timer.state_dict()["time_elapsed"]) == {"train", "sanity_check", "validate", "test", "predict"}
+
+
+class _Recorder:
+    """A callback (for either library) recording the evaluation hooks it sees."""
+
+    def __init__(self, base):
+        class Recorder(base):
+            def __init__(self):
+                self.seen = []
+
+            def on_sanity_check_start(self, trainer, pl_module):
+                self.seen.append(("sanity_start", trainer.sanity_checking))
+
+            def on_sanity_check_end(self, trainer, pl_module):
+                self.seen.append(("sanity_end", list(trainer.num_sanity_val_batches)))
+
+            def on_validation_epoch_end(self, trainer, pl_module):
+                self.seen.append(("val_end", list(trainer.num_val_batches)))
+
+        self.callback = Recorder()
+
+
+def _val_module(base):
+    class WithVal(base):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Linear(2, 1)
+
+        def training_step(self, batch, batch_idx):
+            return self.net(batch[0]).pow(2).mean()
+
+        def validation_step(self, batch, batch_idx):
+            return self.net(batch[0]).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+        def train_dataloader(self):
+            return DataLoader(TensorDataset(torch.randn(4, 2)), batch_size=2)
+
+        def val_dataloader(self):
+            return DataLoader(TensorDataset(torch.randn(10, 2)), batch_size=2)
+
+    return WithVal()
+
+
+@pytest.mark.parametrize("limit_val_batches", [0, 3])
+def test_sanity_check_hooks_and_evaluation_batch_counts_as_lightning(tmp_path, limit_val_batches):
+    """``on_sanity_check_start/end`` reach the callbacks, ``num_sanity_val_batches`` /
+    ``num_val_batches`` hold the per-loader counts (the bars' totals), and a validation without
+    batches runs no hook, as Lightning."""
+    kw = dict(_QUIET, max_epochs=1, num_sanity_val_steps=2, limit_val_batches=limit_val_batches)
+    ours = _Recorder(__import__("zerotrain").Callback).callback
+    Trainer(default_root_dir=tmp_path, callbacks=[ours], **kw).fit(_val_module(TrainModule))
+    pl = pytest.importorskip("pytorch_lightning")
+    theirs = _Recorder(pl.Callback).callback
+    pl.Trainer(default_root_dir=tmp_path, callbacks=[theirs], accelerator="cpu", **kw).fit(
+        _val_module(pl.LightningModule))
+    assert ours.seen == theirs.seen
+    assert ours.seen == ([] if not limit_val_batches else
+                         [("sanity_start", True), ("val_end", [3]), ("sanity_end", [2]), ("val_end", [3])])
