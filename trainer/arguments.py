@@ -14,6 +14,11 @@ from .errors import ConfigError
 log = logging.getLogger("zerotrain")
 
 
+def invalid_value(name: str, value: Any) -> str:
+    """Lightning's sentence for a batch limit or interval out of range (its tests match it)."""
+    return f"You have passed invalid value {value} for {name}, it has to be in [0.0, 1.0] or an int."
+
+
 def check_limit(name: str, value: Any, allow_zero: bool) -> None:
     """``limit_*_batches``: None, a count (int >= 0) or a fraction of the loader (float in [0, 1])."""
     if value is None:
@@ -21,8 +26,8 @@ def check_limit(name: str, value: Any, allow_zero: bool) -> None:
     ok = (isinstance(value, int) and not isinstance(value, bool) and value >= 0) or (
         isinstance(value, float) and 0.0 <= value <= 1.0)
     if not ok:
-        raise ConfigError(f"Trainer: {name}={value!r}; valid: None, an int >= 0 (batches) or a float "
-                          "in [0.0, 1.0] (fraction of the loader)")
+        raise ConfigError(f"{invalid_value(name, value)} Trainer: {name}={value!r}; valid: None, an int >= 0 "
+                          "(batches) or a float in [0.0, 1.0] (fraction of the loader)")
     if not allow_zero and value == 0:
         raise ConfigError(f"Trainer: {name}={value!r} leaves no batch to train on; valid: an int >= 1 "
                           "or a float in (0.0, 1.0]")

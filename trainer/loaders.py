@@ -62,6 +62,7 @@ class TrainerData:
         warns (``worker_check``), and after ``seed_everything(workers=True)`` one without a
         ``worker_init_fn`` gets Lightning's worker seeding."""
         if isinstance(loader, DataLoader):
+            _data.has_len_all_ranks(loader, self._strategy)  # Lightning's warnings: zero length, IterableDataset + len
             worker_check(loader, stage, self._strategy.world_size)
             _auto_add_worker_init_fn(loader, self._strategy.global_rank)  # seed_everything(workers=True)
         if loader is None or not isinstance(loader, DataLoader) or not self.use_distributed_sampler:

@@ -80,8 +80,8 @@ def check_run_options(inference_mode: Any, reload_every: Any, profiler: Any) -> 
         raise ConfigError(f"Trainer: inference_mode={inference_mode!r}; valid: True (torch.inference_mode) or False "
                           "(torch.no_grad) for evaluation")
     if isinstance(reload_every, bool) or not isinstance(reload_every, int) or reload_every < 0:
-        raise ConfigError(f"Trainer: reload_dataloaders_every_n_epochs={reload_every!r}; valid: an int >= 0 "
-                          "(0: never)")
+        raise ConfigError(f"`reload_dataloaders_every_n_epochs` should be an int >= 0, got {reload_every}. Trainer: "
+                          f"reload_dataloaders_every_n_epochs={reload_every!r}; valid: an int >= 0 (0: never)")
     if profiler is not None:
         raise ConfigError(f"Trainer: profiler={profiler!r}; valid: None. zerotrain has no profiler (Lightning's "
                           "'simple', 'advanced', 'pytorch' or a Profiler object): use the ResourceMonitor callback "
@@ -131,6 +131,7 @@ def val_check_seconds(value: Any) -> float | None:
     of ``timedelta`` keywords: its seconds are returned (validation once that much wall-clock time
     passed since the last one, checked after each step); None for the other forms."""
     from ..callbacks.timer import parse_duration
+    from .arguments import invalid_value
 
     if isinstance(value, (str, timedelta, dict)):
         try:
@@ -143,8 +144,8 @@ def val_check_seconds(value: Any) -> float | None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
         raise ConfigError(f"Trainer: val_check_interval={value!r}; {_VALID_INTERVAL}")
     if isinstance(value, float) and not 0 < value <= 1:
-        raise ConfigError(f"Trainer: val_check_interval={value!r} as a float is a fraction of an epoch in (0, 1]; "
-                          "give an int for a number of steps")
+        raise ConfigError(f"{invalid_value('val_check_interval', value)} Trainer: val_check_interval={value!r} as a "
+                          "float is a fraction of an epoch in (0, 1]; give an int for a number of steps")
     if isinstance(value, int) and value < 1:
         raise ConfigError(f"Trainer: val_check_interval={value!r} must be an integer >= 1")
     return None

@@ -84,3 +84,45 @@ def test_running_stage_dataloader_prefix_is_lightnings():
         ours = RunningStage(stage.value)
         assert ours.dataloader_prefix == stage.dataloader_prefix and ours.evaluating == stage.evaluating, stage
     assert pl is not None
+
+
+@pytest.mark.parametrize("options", [{"limit_train_batches": -0.1}, {"limit_val_batches": 1.2},
+                                     {"limit_test_batches": 1.2}, {"overfit_batches": -0.1},
+                                     {"val_check_interval": 1.2}, {"val_check_interval": -0.1}])
+def test_an_out_of_range_limit_says_lightnings_sentence(options):
+    from zerotrain.utilities.exceptions import MisconfigurationException
+
+    (name, value), = options.items()
+    with pytest.raises(MisconfigurationException, match=f"You have passed invalid value {value} for {name}, it has to "
+                                                        r"be in \[0.0, 1.0\] or an int. Trainer: "):
+        Trainer(**options)
+
+
+@pytest.mark.parametrize("value", [-1, "test"])
+def test_a_bad_reload_interval_says_lightnings_sentence(value):
+    with pytest.raises(ValueError, match=f"`reload_dataloaders_every_n_epochs` should be an int >= 0, got {value}"):
+        Trainer(reload_dataloaders_every_n_epochs=value)
+
+
+def test_test_and_predict_dataloaders_are_the_last_runs():
+    model = BoringModel()
+    trainer = Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    assert trainer.test_dataloaders is None and trainer.predict_dataloaders is None
+    trainer.test(model, dataloaders=DataLoader(RandomDataset(32, 4)), verbose=False)
+    assert isinstance(trainer.test_dataloaders, DataLoader) and len(trainer.test_dataloaders.dataset) == 4
+    trainer.predict(model, dataloaders=[DataLoader(RandomDataset(32, 2)), DataLoader(RandomDataset(32, 3))])
+    assert [len(d.dataset) for d in trainer.predict_dataloaders] == [2, 3]
+
+
+def test_an_iterable_dataset_with_a_length_warns_as_lightning():
+    from torch.utils.data import IterableDataset
+
+    class WithLen(IterableDataset):
+        def __iter__(self):
+            return iter(RandomDataset(32, 8))
+
+        def __len__(self):
+            return 8
+
+    with pytest.warns(UserWarning, match="Your `IterableDataset` has `__len__` defined."):
+        _fit(DataLoader(WithLen(), batch_size=4))
