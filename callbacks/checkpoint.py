@@ -106,6 +106,9 @@ class ModelCheckpoint(Callback):
 
     @property
     def best_model_path(self) -> str | None:
+        """The best kept checkpoint by ``monitor``; without ``monitor``, the newest save (Lightning's)."""
+        if self.monitor is None:
+            return self.last_path
         scored = {p: s for p, s in self.best_k.items() if not math.isnan(s)}
         if not scored:
             return None
@@ -120,7 +123,7 @@ class ModelCheckpoint(Callback):
     @property
     def best_model_score(self) -> float | None:
         best = self.best_model_path
-        return self.best_k[best] if best is not None else None
+        return self.best_k.get(best) if best is not None else None  # without monitor: None
 
     @property
     def kth_best_model_path(self) -> str | None:

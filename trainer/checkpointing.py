@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from .. import __version__
 from . import checkpoint_file, checkpoint_io, elastic, hparams, reshard
-from .errors import CheckpointError, ConfigError
+from .errors import CheckpointError, CheckpointNotFoundError, ConfigError
 
 if TYPE_CHECKING:
     from .trainer import Trainer
@@ -77,6 +77,8 @@ def resume_path(trainer: "Trainer", ckpt_path: str | None, fn: str = "fit") -> s
     if ckpt_path == "best":
         return _best_path(trainer, fn)
     if ckpt_path not in ("latest", "last") and not (fn == "fit" and elastic.restart_count() > 0):
+        if ckpt_path is not None and not _exists(ckpt_path):
+            raise CheckpointNotFoundError(f"Checkpoint file not found: {ckpt_path}")
         return ckpt_path
     dirs = [cb.dirpath for cb in _model_checkpoints(trainer) if cb.dirpath]
     for d in dirs:
@@ -93,6 +95,14 @@ def resume_path(trainer: "Trainer", ckpt_path: str | None, fn: str = "fit") -> s
             "starting from the beginning" if fn == "fit" else "using the current weights")
         return None
     return ckpt_path
+
+
+def _exists(path: str | os.PathLike) -> bool:
+    """Something ``checkpoint_io.resolve`` could read is there: the path, its ``.old`` (a save
+    killed between its renames) or, for ``DIR/latest`` / ``DIR/last``, the folder."""
+    p = Path(path)
+    return p.exists() or p.with_name(p.name + ".old").exists() or (
+        p.name in (checkpoint_io.LATEST, "last") and p.parent.is_dir())
 
 
 def _model_checkpoints(trainer: "Trainer") -> list:

@@ -13,3 +13,7 @@ class ConfigError(MisconfigurationException, ValueError):
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, corrupt, or does not match this run."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """``ckpt_path`` names nothing on disk (a ``FileNotFoundError`` too, as Lightning raises)."""

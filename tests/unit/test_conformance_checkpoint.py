@@ -331,3 +331,22 @@ def test_an_empty_state_dict_warns_as_lightning(tmp_path):
     torch.save(ckpt, path)
     with pytest.warns(UserWarning, match="contains no parameters"):
         type(_module(TrainModule)).load_from_checkpoint(path, strict=False)
+
+
+def test_a_ckpt_path_that_is_not_there_is_lightnings_file_not_found(tmp_path):
+    with pytest.raises(FileNotFoundError, match="Checkpoint file not found") as info:
+        _trainer(tmp_path, max_steps=1).fit(_module(TrainModule), ckpt_path=str(tmp_path / "non_existing.ckpt"))
+    assert isinstance(info.value, CheckpointError)  # still a CheckpointError too
+
+
+def test_best_model_path_without_monitor_is_the_newest_save(tmp_path):
+    pl = pytest.importorskip("pytorch_lightning")
+    paths = {}
+    for lib, base, cls in (("ours", TrainModule, ModelCheckpoint), ("pl", pl.LightningModule,
+                                                                     pl.callbacks.ModelCheckpoint)):
+        cb = cls(dirpath=str(tmp_path / lib), every_n_train_steps=2, save_last=False, filename="{step}")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _trainer(tmp_path, lib, max_steps=4, callbacks=[cb]).fit(_module(base))
+        paths[lib] = os.path.basename(cb.best_model_path)
+    assert paths["ours"] == paths["pl"] == "step=4.ckpt"
