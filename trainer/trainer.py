@@ -330,10 +330,13 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
         done, self._signals = self._signals, None
         done.finished()  # a signal after the last step still ends the process
 
-    def save_checkpoint(self, path: str, update_latest: bool = True) -> None:
-        """Collective: every rank writes its shard of the checkpoint directory ``path`` in parallel;
-        rank 0 then publishes it atomically and points ``latest`` (beside it) at it
-        (``trainer/checkpointing.py``; ``trainer/checkpoint_io.py`` describes the format)."""
+    def save_checkpoint(self, filepath: str, weights_only: bool = False, storage_options: Any = None, *,
+                        update_latest: bool = True) -> None:
+        """Collective, Lightning's signature: unsharded state to ``*.ckpt`` is one file in Lightning's
+        layout, else every rank writes its shard of the checkpoint directory in parallel and rank 0
+        publishes it atomically (``trainer/checkpointing.py``, ``checkpoint_io.py``, ``checkpoint_file.py``)."""
+        checkpointing.refuse_save_options(weights_only, storage_options)
+        path = filepath
         with instrument.section("checkpoint"):
             checkpointing.save(self, path, update_latest)
 

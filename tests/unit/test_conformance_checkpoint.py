@@ -350,3 +350,17 @@ def test_best_model_path_without_monitor_is_the_newest_save(tmp_path):
             _trainer(tmp_path, lib, max_steps=4, callbacks=[cb]).fit(_module(base))
         paths[lib] = os.path.basename(cb.best_model_path)
     assert paths["ours"] == paths["pl"] == "step=4.ckpt"
+
+
+def test_save_checkpoint_has_lightnings_signature(tmp_path):
+    pl = pytest.importorskip("pytorch_lightning")
+    import inspect
+
+    ours = list(inspect.signature(Trainer.save_checkpoint).parameters)[:4]
+    assert ours == list(inspect.signature(pl.Trainer.save_checkpoint).parameters)[:4]
+    _, trainer, path = _fit_and_save(tmp_path)
+    with pytest.raises(TypeError, match=r"storage_options=...\)` with `storage_options` arg is not supported"):
+        trainer.save_checkpoint(str(path), False, "options")
+    with pytest.raises(MisconfigurationException, match="weights_only=True"):
+        trainer.save_checkpoint(str(tmp_path / "w.ckpt"), True)  # not taken for update_latest
+    assert not (tmp_path / "w.ckpt").exists()
