@@ -41,6 +41,24 @@ def _recorder(base):
     return Record()
 
 
+def _nudger(base, seed: int):
+    """The peer run's callback: after every optimizer step (a new ``global_step``) each parameter
+    moves one fp32 ulp up or down, signs drawn from ``seed`` (the same on every rank): a step as
+    valid as the optimizer's own, which rounds each element (tests/tolerance.py)."""
+    from tolerance import nudge_one_ulp
+
+    class Nudge(base):
+        def __init__(self):
+            self.gen, self.step = torch.Generator().manual_seed(seed), 0
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step != self.step:
+                self.step = trainer.global_step
+                nudge_one_ulp(list(pl_module.parameters()), self.gen)
+
+    return Nudge()
+
+
 def _final_params(lib: str, trainer, model) -> dict:
     """The whole model on global rank 0 (zerotrain gathers a sharded one collectively)."""
     state = trainer.full_state_dict() if lib == "zerotrain" else model.state_dict()
@@ -55,8 +73,10 @@ def main(example: str, lib: str, strategy: str, out: str) -> None:
         from zerotrain import Callback
         from zerotrain.loggers import CSVLogger
     record, logger = _recorder(Callback), CSVLogger(os.path.join(out, "logs"), version=0)
+    seed = os.environ.get("ZEROTRAIN_TEST_NUDGE_SEED")
+    callbacks = [record] if seed is None else [record, _nudger(Callback, int(seed))]
     trainer, model, results = _load(example).main(
-        accelerator="cpu", devices=2, strategy=strategy, callbacks=[record], logger=logger,
+        accelerator="cpu", devices=2, strategy=strategy, callbacks=callbacks, logger=logger,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     rank = trainer.global_rank
     params = _final_params(lib, trainer, model)
