@@ -4,7 +4,8 @@ Fabric``, ``from zerotrain.fabric.utilities.seed import seed_everything``). Each
 own objects under Lightning's names: ``MODULES`` registers one of our modules under the path
 (as ``lightning_paths.py`` does for ``lightning.pytorch``); ``NAMESPACES`` makes a small module
 for a path whose names live in several of ours. Paths and names not listed are not provided
-(README "Import paths": cluster environments, checkpoint-IO plugins, accelerators, strategies)."""
+(README "Import paths": Fabric's accelerators and strategies); cluster environments and precision
+plugins are names only (trainer/compat/plugins.py)."""
 from __future__ import annotations
 
 import importlib
@@ -27,6 +28,8 @@ MODULES = {
     "plugins.io": "trainer.compat.plugins",
     "plugins.io.checkpoint_io": "trainer.compat.plugins",
     "plugins.io.torch_io": "trainer.compat.plugins",
+    "plugins.environments": "trainer.compat.plugins",
+    "plugins.precision": "trainer.compat.plugins",
 }
 #: Lightning's path -> {Lightning's name: "our module:our name"}; "" is ``zerotrain.fabric`` itself
 NAMESPACES = {

@@ -49,6 +49,11 @@ NEEDED = [
     ("trainer.connectors.logger_connector.result", "_ResultCollection"), ("tuner.tuning", "Tuner"),
     ("utilities", "is_picklable"), ("utilities", "CombinedLoader"), ("utilities.combined_loader", "CombinedLoader"),
     ("utilities.data", "has_len_all_ranks"), ("utilities.types", "LRSchedulerConfig"),
+    ("plugins", "HalfPrecision"), ("plugins", "DoublePrecision"), ("plugins", "MixedPrecision"),
+    ("plugins", "Precision"), ("plugins", "CheckpointIO"), ("plugins.precision", "DeepSpeedPrecision"),
+    ("plugins.io.async_plugin", "AsyncCheckpointIO"), ("plugins.layer_sync", "TorchSyncBatchNorm"),
+    ("plugins.environments", "LightningEnvironment"), ("fabric.plugins.environments", "SLURMEnvironment"),
+    ("fabric.plugins.environments", "TorchElasticEnvironment"), ("fabric.plugins", "ClusterEnvironment"),
 ]
 
 
@@ -88,7 +93,11 @@ def test_lightnings_internal_objects_import_but_say_zerotrain_has_none():
     from zerotrain.strategies import SingleDeviceXLAStrategy
     from zerotrain.tuner.tuning import Tuner
 
-    for cls in (_FitLoop, SingleDeviceXLAStrategy, zerotrain.loggers.WandbLogger):
+    from zerotrain.fabric.plugins.environments import SLURMEnvironment
+    from zerotrain.plugins import HalfPrecision, Precision
+
+    assert issubclass(HalfPrecision, Precision)
+    for cls in (_FitLoop, SingleDeviceXLAStrategy, zerotrain.loggers.WandbLogger, HalfPrecision, SLURMEnvironment):
         with pytest.raises(NotImplementedError, match="zerotrain has no such object"):
             cls()
     with pytest.raises(NotImplementedError, match="learning-rate finder"):

@@ -1,6 +1,9 @@
-"""Lightning's checkpoint-IO plugins (``lightning.fabric.plugins``): ``TorchCheckpointIO`` writes
-and reads one checkpoint dict as one ``torch.save`` file, as Lightning's does. zerotrain's Trainer
-writes its own checkpoint layout (README "Checkpoints") and does not route through these."""
+"""Lightning's plugins (``lightning.pytorch.plugins``, ``lightning.fabric.plugins``):
+``TorchCheckpointIO`` writes and reads one checkpoint dict as one ``torch.save`` file, as
+Lightning's does (zerotrain's Trainer writes its own checkpoint layout, README "Checkpoints", and
+does not route through it). Precision plugins, cluster environments and layer-sync plugins are
+names only: zerotrain takes ``Trainer(precision=...)`` and detects torchrun/SLURM/its launcher
+itself; constructing one raises ``NotImplementedError`` saying so."""
 from __future__ import annotations
 
 import os
@@ -9,7 +12,7 @@ from typing import Any, Callable
 
 import torch
 
-from .internals import XLACheckpointIO  # noqa: F401  (Lightning's name, importable only)
+from .internals import XLACheckpointIO, _internal
 
 
 class CheckpointIO:
@@ -54,4 +57,21 @@ class TorchCheckpointIO(CheckpointIO):
             os.remove(path)
 
 
-__all__ = ["CheckpointIO", "TorchCheckpointIO", "XLACheckpointIO"]
+_PRECISION = "pass Trainer(precision='32-true' | 'bf16-mixed' | '16-mixed' | ...) instead"
+_ENVIRONMENT = "zerotrain reads torchrun's, SLURM's or its own launcher's variables itself"
+Precision = _internal("Precision", "precision plugin", why=_PRECISION)
+for _name in ("HalfPrecision", "DoublePrecision", "MixedPrecision", "DeepSpeedPrecision", "FSDPPrecision",
+              "XLAPrecision", "TransformerEnginePrecision", "BitsandbytesPrecision"):
+    globals()[_name] = _internal(_name, "precision plugin", Precision, why=_PRECISION)
+ClusterEnvironment = _internal("ClusterEnvironment", "cluster environment", why=_ENVIRONMENT)
+for _name in ("LightningEnvironment", "SLURMEnvironment", "TorchElasticEnvironment", "KubeflowEnvironment",
+              "LSFEnvironment", "MPIEnvironment", "XLAEnvironment"):
+    globals()[_name] = _internal(_name, "cluster environment", ClusterEnvironment, why=_ENVIRONMENT)
+LayerSync = _internal("LayerSync", "layer-sync plugin", why="zerotrain has no SyncBatchNorm conversion plugin")
+TorchSyncBatchNorm = _internal("TorchSyncBatchNorm", "layer-sync plugin", LayerSync,
+                               why="convert with torch.nn.SyncBatchNorm.convert_sync_batchnorm yourself")
+AsyncCheckpointIO = _internal("AsyncCheckpointIO", "asynchronous checkpoint IO", CheckpointIO,
+                              why="zerotrain's checkpoints are written by every rank in parallel")
+del _name
+
+__all__ = ["CheckpointIO", "TorchCheckpointIO", "XLACheckpointIO", "Precision", "ClusterEnvironment"]
