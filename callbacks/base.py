@@ -163,7 +163,9 @@ class VersionedLogger(Logger):
 
     @property
     def version(self) -> "int | str":
-        self.log_dir  # noqa: B018  (fixes the version)
+        """Fixed the first time it is asked for (None: the next free number under ``root_dir``)."""
+        if self._version is None:
+            _, self._version = version_dir(self.save_dir, self.name, None)
         return self._version
 
     @property
@@ -172,12 +174,14 @@ class VersionedLogger(Logger):
 
     @property
     def root_dir(self) -> str:
-        return os.path.join(self._save_dir, self._name)
+        return os.path.join(self.save_dir, self.name)
 
     @property
     def log_dir(self) -> str:
-        path, self._version = version_dir(self._save_dir, self._name, self._version)
-        return path
+        """``root_dir/version_<n>`` (a string version as it is), from the ``name`` and ``version``
+        properties, so a subclass overriding them moves the directory, as Lightning's."""
+        version = self.version
+        return os.path.join(self.root_dir, version if isinstance(version, str) else f"version_{version}")
 
 
 def version_dir(save_dir: str, name: str, version: "int | str | None") -> tuple[str, "int | str"]:

@@ -15,7 +15,7 @@ class ExperimentWriter:
     """Lightning's CSV writer (``CSVLogger.experiment``): rows of ``metrics.csv`` (one per
     ``log_metrics`` call, with its ``step``; the header is every name seen so far, sorted, so a file
     read back by ``csv.DictReader`` has one column per metric as Lightning's has) and
-    ``hparams.yaml``, both written by ``save``. A metric name not seen before rewrites the file
+    ``hparams.yaml`` (also at each ``log_hparams``), both written by ``save``. A metric name not seen before rewrites the file
     with the wider header (earlier rows get empty cells in the new columns)."""
 
     NAME_METRICS_FILE, NAME_HPARAMS_FILE = "metrics.csv", "hparams.yaml"
@@ -34,7 +34,11 @@ class ExperimentWriter:
         os.makedirs(log_dir, exist_ok=True)
 
     def log_hparams(self, params: dict[str, Any]) -> None:
+        """Record ``params`` and write ``hparams.yaml`` at once, as Lightning's writer."""
+        from ..trainer.saving import save_hparams_to_yaml
+
         self.hparams.update(params)
+        save_hparams_to_yaml(os.path.join(self.log_dir, self.NAME_HPARAMS_FILE), self.hparams)
 
     def log_metrics(self, metrics_dict: dict[str, Any], step: int | None = None) -> None:
         row = {k: _scalar(v) for k, v in metrics_dict.items()}

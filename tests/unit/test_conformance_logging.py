@@ -101,3 +101,29 @@ def test_loggers_get_metrics_and_step_by_keyword(tmp_path):
     Trainer(default_root_dir=tmp_path, logger=logger, log_every_n_steps=1, **_QUIET).fit(
         _module(TrainModule, lambda m: m.log("foo", 3.0)))
     assert [(row["foo"], step) for row, step in logger.rows] == [(3.0, 0), (3.0, 1)]
+
+
+def test_csv_logger_writes_hparams_yaml_at_log_hyperparams(tmp_path):
+    """Lightning's CSV writer writes ``hparams.yaml`` as soon as hyperparameters are logged."""
+    from zerotrain.loggers import CSVLogger
+
+    logger = CSVLogger(tmp_path, name="exp", version="2020-02-05")
+    logger.log_hyperparams({"a": 1, "b": 2})
+    assert os.listdir(tmp_path / "exp") == ["2020-02-05"]
+    assert os.listdir(tmp_path / "exp" / "2020-02-05") == ["hparams.yaml"]
+    CSVLogger(tmp_path / "none", name=None).log_hyperparams()
+    assert os.listdir(tmp_path / "none" / "version_0") == ["hparams.yaml"]
+
+
+def test_log_dir_follows_overridden_name_and_version(tmp_path):
+    """A logger subclass overriding ``name``/``version`` writes there, as Lightning's ``log_dir``."""
+    from zerotrain.loggers import CSVLogger, TensorBoardLogger
+
+    for base in (CSVLogger, TensorBoardLogger):
+        class Renamed(base):
+            name = property(lambda self: "name")
+            version = property(lambda self: "version")
+
+        assert Renamed(tmp_path).log_dir == os.path.join(tmp_path, "name", "version")
+        assert Renamed(tmp_path).root_dir == os.path.join(tmp_path, "name")
+    assert TensorBoardLogger(tmp_path, sub_dir="s").log_dir == os.path.join(tmp_path, "lightning_logs", "version_0", "s")
