@@ -6,8 +6,50 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 log = logging.getLogger("zerotrain")
+#: the logger Lightning's own lines of the fit loop come from (ported tests capture it by name)
+trainer_log = logging.getLogger("zerotrain.trainer.trainer")
+
+#: what a limit of exactly one (the int 1 or the float 1.0) means, said at construction as Lightning
+#: does, since 1 (one batch) and 1.0 (every batch) are easy to confuse
+_ONE_MEANS = {
+    "limit_train_batches": ("1 batch per epoch will be used.", "100% of the batches per epoch will be used."),
+    "val_check_interval": ("validation will run after every batch.",
+                           "validation will run at the end of the training epoch."),
+}
+_ONE_MEANS_OTHER = ("1 batch will be used.", "100% of the batches will be used.")
+
+
+def announce_limits(fast_dev_run: Any, **given: Any) -> None:
+    """Lightning's info line for each limit set to exactly 1 or 1.0 by the user (None: not said;
+    under ``fast_dev_run``, which sets the limits itself, only ``overfit_batches``)."""
+    for name, value in given.items():
+        if (fast_dev_run and name != "overfit_batches") or isinstance(value, bool) or not isinstance(value, (int, float)) or value != 1:
+            continue
+        whole = isinstance(value, float)
+        what = _ONE_MEANS.get(name, _ONE_MEANS_OTHER)[whole]
+        log.info("`Trainer(%s=%r)` was configured so %s", name, value, what)
+
+
+def check_max_limits(max_epochs: Any, max_steps: Any) -> None:
+    """``max_epochs``: None, -1 (no limit) or an int >= 0; ``max_steps``: -1 or an int >= 0; refused
+    in Lightning's words (its tests match them), then ours."""
+    from .errors import ConfigError
+
+    for name, value, none_ok in (("max_epochs", max_epochs, True), ("max_steps", max_steps, False)):
+        if value is None and none_ok:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < -1:
+            raise ConfigError(f"`{name}` must be a non-negative integer or -1. You passed in {value!r}. Trainer: "
+                              f"{name}={value!r}; valid: -1 (no limit) or an integer >= 0")
+
+
+def no_training(trainer: Any) -> bool:
+    """Lightning's skipped fit loop: nothing to train (``max_epochs=0``, ``max_steps=0`` or
+    ``limit_train_batches=0``), so no training hooks run; the sanity check still does."""
+    return trainer.max_epochs == 0 or trainer.max_steps == 0 or trainer.limit_train_batches == 0
 
 
 class TrainerLimits:
@@ -32,8 +74,8 @@ class TrainerLimits:
         met = st.epoch >= (self.min_epochs or 0) and st.global_step >= (self.min_steps or 0)
         if not met and not self._said_min:
             self._said_min = True
-            log.info("Trainer was signaled to stop but the required min_epochs=%r or min_steps=%r has not been "
-                     "met. Training will continue...", self.min_epochs, self.min_steps)
+            trainer_log.info("Trainer was signaled to stop but the required `min_epochs=%r` or `min_steps=%r` has not "
+                             "been met. Training will continue...", self.min_epochs, self.min_steps)
         return met
 
     _said_min = False

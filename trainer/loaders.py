@@ -138,6 +138,8 @@ class TrainerData:
             total = math.inf
         if limit is None:
             return total
+        if limit == 0:  # 0 or 0.0: this stage is off (Lightning's limit_*_batches=0)
+            return 0
         if isinstance(limit, float) and limit <= 1.0:
             return max(1, int(total * limit)) if total != math.inf else math.inf
         return min(total, int(limit))

@@ -34,7 +34,7 @@ _OPT_INS = (
 )
 #: the opt-out features' values when not given (None) outside barebones, as Lightning's
 _DEFAULTS = {"enable_checkpointing": True, "logger": True, "enable_progress_bar": True, "enable_model_summary": True,
-             "num_sanity_val_steps": 2, "log_every_n_steps": 10}  # 10: zerotrain's (Lightning's is 50)
+             "num_sanity_val_steps": 2, "log_every_n_steps": 50}
 
 
 def feature_flags(barebones: bool, **given: Any) -> dict[str, Any]:

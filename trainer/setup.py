@@ -37,7 +37,7 @@ class TrainerSetup:
             self._stage_setup(stage)
             return
         if not isinstance(module, TrainModule):
-            raise ConfigError(f"Trainer.{stage}: expected a TrainModule, got {type(module).__name__}")
+            raise TypeError(f"Trainer.{stage}: `model` must be a `TrainModule`, got `{type(module).__qualname__}`")
         self._connect()
         self._setup_data(stage, datamodule, module)
         s = self._strategy

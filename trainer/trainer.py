@@ -34,7 +34,7 @@ from .loaders import TrainerData, len_or_none, with_last
 from .logging import MetricsConnector, TrainerLogging, hook_scope
 from .datamodule import DataModule
 from .module import TrainModule
-from .limits import TrainerLimits
+from .limits import TrainerLimits, announce_limits, check_max_limits, no_training
 from .properties import TrainerProperties
 from .setup import TrainerSetup
 from .signature import step_call
@@ -110,7 +110,7 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
         stopping arguments (``fast_dev_run`` ... ``detect_anomaly``) are Lightning's, see
         ``arguments.fast_dev_run_flags`` and ``_done``; ``inference_mode`` ... ``barebones`` too
         (``run_options.py``). None for a feature flag (logger, checkpointing, ...): on, unless
-        ``barebones``; ``log_every_n_steps`` None: 10."""
+        ``barebones``; ``log_every_n_steps`` None: 50."""
         flags = run_options.feature_flags(
             barebones, enable_checkpointing=enable_checkpointing, logger=logger,
             enable_progress_bar=enable_progress_bar, log_every_n_steps=log_every_n_steps, enable_model_summary=enable_model_summary,
@@ -131,15 +131,13 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
         job.check_num_nodes("Trainer", num_nodes)
         positive_int("accumulate_grad_batches", accumulate_grad_batches)
         positive_int("log_every_n_steps", log_every_n_steps, minimum=0)  # 0: never, as Lightning
-        positive_int("max_epochs", max_epochs, allow_none=True, minimum=-1)  # -1: no limit, 0: no training
         positive_int("max_restarts", max_restarts, minimum=0)
         positive_number("collective_timeout_s", collective_timeout_s, "seconds")
-        if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < -1:
-            raise ConfigError(f"Trainer: max_steps={max_steps!r} must be -1 (no limit) or an integer >= 0")
+        check_max_limits(max_epochs, max_steps)
         positive_number("gradient_clip_val", gradient_clip_val, "the clipping threshold; 0: off, as Lightning",
                         allow_zero=True)
         self._val_check_time = run_options.val_check_seconds(val_check_interval)  # None unless time-based
-        check_limit("limit_train_batches", limit_train_batches, allow_zero=False)
+        check_limit("limit_train_batches", limit_train_batches, allow_zero=True)  # 0: no training, as Lightning
         check_limit("limit_val_batches", limit_val_batches, allow_zero=True)
         check_limit("limit_test_batches", limit_test_batches, allow_zero=True)
         check_limit("limit_predict_batches", limit_predict_batches, allow_zero=True)
@@ -151,6 +149,9 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
         positive_number("stall_timeout_s", stall_timeout_s, "seconds; None disables the progress watchdog")
         check_lightning_args(fast_dev_run, num_sanity_val_steps, check_val_every_n_epoch, min_epochs, min_steps,
                               overfit_batches, gradient_clip_algorithm)
+        announce_limits(fast_dev_run, limit_train_batches=limit_train_batches, limit_val_batches=limit_val_batches,
+                        limit_test_batches=limit_test_batches, limit_predict_batches=limit_predict_batches,
+                        val_check_interval=val_check_interval, overfit_batches=overfit_batches)
         self.precision_plugin, self._strategy = job.plugins("Trainer", strategy, precision, devices * num_nodes)
         self._strategy.step_call = step_call  # Lightning's rule: which arguments each step method takes
         self.accelerator, self.devices, self.num_nodes = accelerator, int(devices), num_nodes
@@ -359,7 +360,7 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
     # ------------------------------------------------------------------ the loop
     def _fit_loop(self) -> None:
         st, module = self.state, self.module
-        if self.max_epochs == 0 or self.max_steps == 0:  # Lightning: nothing to train, no training hooks
+        if no_training(self):  # Lightning: nothing to train, no training hooks
             return
         loader = self.train_dataloader
         n_batches = self._limit(loader, self.limit_train_batches)

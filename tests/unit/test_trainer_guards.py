@@ -67,7 +67,6 @@ def test_an_iterable_loader_that_yields_nothing_fails_at_once():
 
 
 @pytest.mark.parametrize("kwargs, field", [
-    ({"limit_train_batches": 0}, "limit_train_batches=0"),
     ({"limit_train_batches": -3}, "limit_train_batches=-3"),
     ({"limit_train_batches": 1.5}, "limit_train_batches=1.5"),
     ({"limit_val_batches": -1}, "limit_val_batches=-1"),

@@ -1,0 +1,137 @@
+"""The Trainer's arguments as Lightning's own Trainer tests expect them (issue 41): the info line
+for a limit of exactly 1 or 1.0, a limit of 0 switching a stage off, Lightning's refusals of
+max_epochs/max_steps and of a model that is no TrainModule, log_every_n_steps' default, and the
+min_epochs line on the Trainer's logger. Compared with pytorch_lightning where it helps."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from zerotrain import Callback, Trainer, TrainModule
+from zerotrain.trainer.errors import MisconfigurationException
+
+pytestmark = pytest.mark.timeout(120)
+
+LIMITS = ("limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches",
+          "overfit_batches", "val_check_interval")
+
+
+@pytest.fixture
+def lightning_env(monkeypatch):
+    """pytorch_lightning sets these; they are put back after the test."""
+    for key in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS", "PYTORCH_NVML_BASED_CUDA_CHECK"):
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
+
+
+def _trainer(tmp_path, **kw) -> Trainer:
+    kw.setdefault("max_epochs", 1)
+    return Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                   enable_model_summary=False, default_root_dir=str(tmp_path), **kw)
+
+
+def _data(n: int = 16) -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    return DataLoader(TensorDataset(torch.randn(n, 3, generator=g), torch.randn(n, 1, generator=g)), batch_size=4)
+
+
+class Net(TrainModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(3, 1)
+        self.steps = {"train": 0, "val": 0}
+
+    def training_step(self, batch, batch_idx):
+        self.steps["train"] += 1
+        return torch.nn.functional.mse_loss(self.layer(batch[0]), batch[1])
+
+    def validation_step(self, batch, batch_idx):
+        self.steps["val"] += 1
+        return torch.nn.functional.mse_loss(self.layer(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _info_lines(caplog, make) -> list[str]:
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        make()
+    return [r.getMessage() for r in caplog.records if "was configured so" in r.getMessage()]
+
+
+@pytest.mark.parametrize("name", LIMITS)
+@pytest.mark.parametrize("value", [1, 1.0])
+def test_a_limit_of_one_is_said_as_lightning(caplog, lightning_env, name, value):
+    mine = _info_lines(caplog, lambda: Trainer(logger=False, **{name: value}))
+    assert len(mine) == 1 and mine[0].startswith(f"`Trainer({name}={value})` was configured so ")
+    assert not _info_lines(caplog, lambda: Trainer(logger=False))  # not said when not set
+    pl = pytest.importorskip("pytorch_lightning")
+    theirs = _info_lines(caplog, lambda: pl.Trainer(logger=False, **{name: value}))
+    assert [line.rstrip(".") for line in mine] == [line.rstrip(".") for line in theirs]
+
+
+def test_limit_train_batches_zero_trains_nothing(tmp_path):
+    """Lightning skips the fit loop: no training step and no training hooks; the sanity check runs."""
+    seen = []
+
+    class Hooks(Callback):
+        def on_train_start(self, trainer, pl_module):
+            seen.append("on_train_start")
+
+        def on_sanity_check_start(self, trainer, pl_module):
+            seen.append("on_sanity_check_start")
+
+    model = Net()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = _trainer(tmp_path, max_epochs=2, limit_train_batches=0.0, callbacks=[Hooks()])
+    trainer.fit(model, _data(), _data())
+    assert model.steps["train"] == 0 and trainer.global_step == 0 and trainer.current_epoch == 0
+    assert seen == ["on_sanity_check_start"] and model.steps["val"] == 2
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_limit_val_batches_zero_point_zero_validates_nothing(tmp_path):
+    model = Net()
+    trainer = _trainer(tmp_path, max_epochs=2, limit_val_batches=0.0)
+    trainer.fit(model, _data(), _data())
+    assert model.steps == {"train": 8, "val": 0} and trainer.current_epoch == 2
+
+
+@pytest.mark.parametrize(("kw", "name"), [({"max_epochs": -100}, "max_epochs"), ({"max_steps": -2}, "max_steps"),
+                                          ({"max_epochs": 1.5}, "max_epochs")])
+def test_max_epochs_and_max_steps_refused_in_lightnings_words(kw, name):
+    with pytest.raises(MisconfigurationException, match=f"`{name}` must be a non-negative integer or -1") as e:
+        Trainer(logger=False, **kw)
+    assert isinstance(e.value, ValueError) and f"{name}={kw[name]!r}" in str(e.value)
+
+
+@pytest.mark.parametrize("method", ["fit", "validate", "test", "predict"])
+def test_a_model_that_is_no_train_module_is_a_type_error(method):
+    with pytest.raises(TypeError, match=f"Trainer.{method}: `model` must be a `TrainModule`, got `Linear`"):
+        getattr(Trainer(logger=False, enable_checkpointing=False), method)(torch.nn.Linear(2, 2))
+
+
+def test_log_every_n_steps_default_is_lightnings(lightning_env):
+    assert Trainer(logger=False).log_every_n_steps == 50
+    pl = pytest.importorskip("pytorch_lightning")
+    assert pl.Trainer(logger=False).log_every_n_steps == 50
+
+
+def test_min_epochs_line_comes_from_the_trainers_logger(tmp_path, caplog):
+    """Lightning's tests capture the 'min_epochs not met' line on the Trainer module's logger."""
+
+    class StopAtOnce(Callback):
+        def on_train_batch_end(self, trainer, *args):
+            trainer.should_stop = True
+
+    model = Net()
+    with caplog.at_level(logging.INFO, logger="zerotrain.trainer.trainer"):
+        _trainer(tmp_path, max_epochs=5, min_epochs=3, callbacks=[StopAtOnce()]).fit(model, _data())
+    lines = [r.getMessage() for r in caplog.records if "has not been met" in r.getMessage()]
+    assert lines == ["Trainer was signaled to stop but the required `min_epochs=3` or `min_steps=None` has not been "
+                     "met. Training will continue..."]
+    assert model.steps["train"] == 3 * 4  # three whole epochs; the stop held back ends the run then
