@@ -21,6 +21,9 @@ AlexNet pipeline differs from DeepSpeed by 1.8e-3 at its third step without this
 """
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -110,13 +113,21 @@ def pipe_rank(case: str) -> dict:
     with pytest.raises(ConfigError, match="return_logits=True; valid: False"):
         engine.eval_batch(iter(_data(999, GAS)), return_logits=True)
     final = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+    # save, train a step, load, train the same step again: the same loss, counters and client state
+    ckpt = Path(os.environ["ZT_TEST_RESULT"]).parent / f"ckpt_{case}"
+    engine.save_checkpoint(ckpt, client_state={"epoch": 7})
+    after_save = engine.train_batch(iter(_data(555, GAS)))
+    path, client = engine.load_checkpoint(ckpt)
+    assert Path(path).name == f"global_step{STEPS}" and client == {"epoch": 7} and engine.global_steps == STEPS
+    after_load = engine.train_batch(iter(_data(555, GAS)))
     with pytest.raises(Exception, match="only train_batch"):
         engine(torch.zeros(1))
     return {"rank": rank, "stage": engine.stage_id, "replica": replica, "built": torch.tensor(built),
             "first": engine.is_first_stage(), "last": engine.is_last_stage(), "micro_batches": engine.micro_batches,
             "gas": engine.gradient_accumulation_steps(), "train_batch_size": engine.train_batch_size(),
             "losses": torch.stack([torch.as_tensor(x).reshape(()) for x in losses]),
-            "eval": torch.as_tensor(eval_loss).reshape(()), "start": start, "final": final}
+            "eval": torch.as_tensor(eval_loss).reshape(()), "start": start, "final": final,
+            "resumed": torch.stack([after_save.reshape(()), after_load.reshape(())])}
 
 
 # ---------------------------------------------------------------------------- the reference
@@ -252,6 +263,14 @@ def test_clipping_uses_the_first_stages_norm(tmp_path_factory):
     CLIPPED.pop(case, None)
     _reference(case, _start(results), 1, reverse=False)
     assert any(first < 1.0 and abs(first - full) > 1e-3 * first for first, full in CLIPPED[case]), CLIPPED[case]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", ["two_stages", "tied"])
+def test_checkpoint_round_trip(case, tmp_path_factory):
+    """save_checkpoint, a step, load_checkpoint, the same step: the same loss, bit for bit."""
+    for r in _results(case, tmp_path_factory):
+        assert r["resumed"][0].item() == r["resumed"][1].item(), r["resumed"]
 
 
 @pytest.mark.timeout(300)

@@ -27,7 +27,7 @@ scales every stage's gradients by that norm's coefficient; so does this engine
 is used (DeepSpeed's optimizers there are not checked against it).
 
 Deliberate differences (README "Coming from DeepSpeed"): ``eval_batch`` weighs micro-batches of
-unequal size by their rows; no checkpoints yet (``save_checkpoint`` refuses).
+unequal size by their rows; checkpoints are zerotrain's sharded format, as for the other engine.
 """
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
+from ... import checkpoint_io, checkpointing
 from ...errors import ConfigError
 from ...job import join_job
 from ....strategies.pipeline import PipelineStrategy
@@ -210,11 +211,43 @@ class PipelineEngine(ConfigAccessors):
     def step(self, *args: Any, **kwargs: Any) -> Any:
         raise ConfigError(_ONLY_BATCHES.format(call="step"))
 
-    def save_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
-        raise ConfigError("PipelineEngine.save_checkpoint: not supported yet under zerotrain.deepspeed.pipe; valid: "
-                          "the Trainer with strategy='pipeline' for checkpointed pipeline training")
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, save_dir: str | os.PathLike, tag: Any = None, client_state: dict[str, Any] = {},
+                        save_latest: bool = True) -> bool:
+        """Collective: zerotrain's sharded checkpoint (the Trainer's format, the plain model's
+        names: it resumes on other stage counts and strategies) in ``save_dir/tag`` (default
+        ``global_step<N>``), ``save_dir/latest`` naming it unless ``save_latest`` is False; the
+        counters, the LR scheduler and ``client_state`` (plain values) go with it."""
+        tag = f"global_step{self.global_steps}" if tag is None else str(tag)
+        sched = self.lr_scheduler if hasattr(self.lr_scheduler, "state_dict") else None
+        counters = {"global_steps": self.global_steps, "global_samples": self.global_samples,
+                    "skipped_steps": self.skipped_steps}
 
-    load_checkpoint = save_checkpoint
+        def meta(m: dict[str, Any]) -> None:
+            m.update(loop={}, scheduler=sched.state_dict() if sched is not None else None,
+                     engine={"client_state": dict(client_state), "deepspeed_counters": counters})
+
+        checkpointing.save_strategy(self._s, self._s.optimizer, os.path.join(os.fspath(save_dir), tag), meta,
+                                    update_latest=save_latest)
+        return True
+
+    def load_checkpoint(self, load_dir: str | os.PathLike, tag: Any = None) -> tuple[str | None, Any]:
+        """Collective: load ``load_dir/tag`` (default: what ``latest`` names; none: a warning and
+        ``(None, None)``, as DeepSpeed). Returns ``(checkpoint directory, client_state)``."""
+        path = checkpoint_io.read_latest(load_dir) if tag is None else os.path.join(os.fspath(load_dir), str(tag))
+        if path is None:
+            log.warning("load_checkpoint: %s has no 'latest' file; nothing loaded", load_dir)
+            return None, None
+        meta = checkpointing.load_strategy(self._s, self._s.optimizer, os.fspath(path))
+        if hasattr(self.lr_scheduler, "load_state_dict") and meta.get("scheduler") is not None:
+            self.lr_scheduler.load_state_dict(meta["scheduler"])
+        saved = meta.get("engine") or {}
+        counters = saved.get("deepspeed_counters", {})
+        self.global_steps = counters.get("global_steps", 0)
+        self.global_samples = counters.get("global_samples", self.global_steps * self.train_batch_size())
+        self.skipped_steps = counters.get("skipped_steps", 0)
+        self._s.barrier()
+        return os.fspath(path), saved.get("client_state", {})
 
     def destroy(self) -> None:
         self._s.teardown()
