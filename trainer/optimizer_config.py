@@ -76,8 +76,8 @@ def split_config(conf: Any) -> tuple[list, list, str | None]:
     if seq and conf and all(isinstance(d, dict) for d in conf):
         for d in conf:
             _check_dict(d)
-        schedulers = [dict(d["lr_scheduler"]) if isinstance(d["lr_scheduler"], dict) else {"scheduler": d["lr_scheduler"]}
-                      for d in conf if "lr_scheduler" in d]
+        schedulers = [dict(s) if isinstance(s, dict) else {"scheduler": s}
+                      for s in (d["lr_scheduler"] for d in conf if "lr_scheduler" in d)]
         return [d["optimizer"] for d in conf], schedulers, None
     if seq and conf and all(_is_optimizer(o) for o in conf):
         return list(conf), [], None
@@ -95,9 +95,9 @@ def automatic_configs(schedulers: list, monitor: str | None) -> list[LRScheduler
     for entry in schedulers:
         if not isinstance(entry, dict):
             if isinstance(entry, _PLATEAU) and monitor is None:
-                raise ConfigError("`configure_optimizers` must include a monitor when a `ReduceLROnPlateau` scheduler "
-                                  'is used. For example: {"optimizer": optimizer, "lr_scheduler": scheduler, "monitor": '
-                                  '"metric_to_track"}')
+                raise ConfigError("`configure_optimizers` must include a monitor when a `ReduceLROnPlateau` "
+                                  'scheduler is used. For example: {"optimizer": optimizer, "lr_scheduler": '
+                                  'scheduler, "monitor": "metric_to_track"}')
             plateau = isinstance(entry, _PLATEAU)
             configs.append(LRSchedulerConfig(entry, reduce_on_plateau=plateau, monitor=monitor if plateau else None))
             continue
@@ -119,7 +119,8 @@ def automatic_configs(schedulers: list, monitor: str | None) -> list[LRScheduler
             raise ConfigError("The lr scheduler dict must include a monitor when a `ReduceLROnPlateau` scheduler is "
                               'used. For example: {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, '
                               '"monitor": "your_loss"}}')
-        if isinstance(entry["scheduler"], torch.optim.lr_scheduler.OneCycleLR) and entry.get("interval", "epoch") == "epoch":
+        one_cycle = isinstance(entry["scheduler"], torch.optim.lr_scheduler.OneCycleLR)
+        if one_cycle and entry.get("interval", "epoch") == "epoch":
             warnings.warn("A `OneCycleLR` scheduler is using 'interval': 'epoch'. Are you sure you didn't mean "
                           "'interval': 'step'?", RuntimeWarning, stacklevel=3)
         configs.append(LRSchedulerConfig(**entry))
@@ -158,7 +159,7 @@ def check_configs(optimizers: list, configs: list[LRSchedulerConfig], module: An
             raise ConfigError("Some schedulers are attached with an optimizer that wasn't returned from "
                               "`configure_optimizers`.")
         name = type(c.scheduler).__name__
-        if not (callable(getattr(c.scheduler, "state_dict", None)) and callable(getattr(c.scheduler, "load_state_dict", None))):
+        if not all(callable(getattr(c.scheduler, m, None)) for m in ("state_dict", "load_state_dict")):
             raise TypeError(f"The provided lr scheduler `{name}` is invalid. It should have `state_dict` and "
                             "`load_state_dict` methods defined.")
         torch_api = isinstance(c.scheduler, (torch.optim.lr_scheduler.LRScheduler, _PLATEAU))

@@ -230,7 +230,8 @@ def test_logger_param_helpers_as_lightnings():
 
     def params():
         return {"f": 0.3, "i": 1, "s": "abc", "b": True, "l": [1, 2], "ns": Namespace(foo=3), "cls": torch.nn.Linear,
-                "np": np.float32(0.5), "n": None, "t": torch.tensor(1.0), "nested": {"a": {"b": 1}, "c": Namespace(d=2)}}
+                "np": np.float32(0.5), "n": None, "t": torch.tensor(1.0),
+                "nested": {"a": {"b": 1}, "c": Namespace(d=2)}}
 
     for fn in ("_convert_params", "_sanitize_params", "_flatten_dict"):
         assert repr(getattr(ours, fn)(params())) == repr(getattr(theirs, fn)(params())), fn
@@ -253,7 +254,8 @@ def test_scan_checkpoints_as_lightnings(tmp_path):
                    last_model_path=files[2], current_score=0.7)
     assert _scan_checkpoints(cb, {}) == theirs(cb, {}) and len(_scan_checkpoints(cb, {})) == 3
     logged = {files[0]: 200.0, files[1]: 50.0}
-    assert _scan_checkpoints(cb, logged) == theirs(cb, logged) and [c[1] for c in _scan_checkpoints(cb, logged)] == files[1:]
+    assert _scan_checkpoints(cb, logged) == theirs(cb, logged)
+    assert [c[1] for c in _scan_checkpoints(cb, logged)] == files[1:]
 
 
 def test_dummy_experiment_is_the_dummy_loggers():

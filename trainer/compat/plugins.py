@@ -14,14 +14,16 @@ import torch
 
 from .internals import XLACheckpointIO, _internal
 
+_PATH = "str | os.PathLike"
+
 
 class CheckpointIO:
     """Writes, reads and removes checkpoint dicts at paths."""
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: "str | os.PathLike", storage_options: Any = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any = None) -> None:
         raise NotImplementedError
 
-    def load_checkpoint(self, path: "str | os.PathLike", map_location: Any = None, weights_only: bool | None = None) -> Any:
+    def load_checkpoint(self, path: _PATH, map_location: Any = None, weights_only: bool | None = None) -> Any:
         raise NotImplementedError
 
     def remove_checkpoint(self, path: "str | os.PathLike") -> None:
@@ -34,7 +36,7 @@ class CheckpointIO:
 class TorchCheckpointIO(CheckpointIO):
     """``torch.save`` / ``torch.load`` of the whole dict at a local path (parent folders made)."""
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: "str | os.PathLike", storage_options: Any = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any = None) -> None:
         if storage_options is not None:
             raise TypeError("`Trainer.save_checkpoint(..., storage_options=...)` with `storage_options` arg is not "
                             f"supported for `{type(self).__name__}`. Please implement your custom `CheckpointIO` "
