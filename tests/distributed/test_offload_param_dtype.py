@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from harness import run_ranks
-from tolerance import assert_no_worse_than_peer, backward_as_ranks, mean_rtol, rel_err
+from tolerance import assert_no_worse_than_peer, backward_as_ranks, mean_rtol, nudge_one_ulp, rel_err
 from toy import ToyModule, assert_params_close, build_net, make_data, make_optimizer
 from zerotrain import Callback, ModelCheckpoint, Trainer
 from zerotrain.strategies.offload import Offload
@@ -61,17 +61,11 @@ def reference_bf16_weights(steps: int, world_size: int, bs: int = 8, clip: float
             torch.nn.utils.clip_grad_norm_(master.parameters(), clip)
         optimizer.step()
         if nudge_seed is not None:
-            _nudge_one_ulp(master.parameters(), gen)
+            with torch.no_grad():
+                nudge_one_ulp(master.parameters(), gen)
         optimizer.zero_grad()
         sched.step()
     return {"params": {k: v.detach().clone() for k, v in master.state_dict().items()}, "losses": losses}
-
-
-@torch.no_grad()
-def _nudge_one_ulp(params, gen: torch.Generator) -> None:
-    for p in params:
-        up = torch.randint(0, 2, p.shape, generator=gen, dtype=torch.bool)
-        p.copy_(torch.nextafter(p, torch.where(up, float("inf"), float("-inf"))))
 
 
 def _fit(dtype: str, root: str, steps: int = STEPS, save: str | None = None, resume: str | None = None,
