@@ -19,6 +19,7 @@ The Trainer then
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 import io
 import json
@@ -95,7 +96,11 @@ class HyperparametersMixin:
         if not isinstance(frame, types.FrameType):
             raise AttributeError("save_hyperparameters: no frame to read the __init__ arguments from")
         ignored = _ignored(ignore)
-        init_args = {k: v for k, v in _collect_init_args(frame, (HyperparametersMixin,)).items() if k not in ignored}
+        if dataclasses.is_dataclass(self):  # as Lightning: a dataclass module's init fields (from __post_init__)
+            collected = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+        else:
+            collected = _collect_init_args(frame, (HyperparametersMixin,))
+        init_args = {k: v for k, v in collected.items() if k not in ignored}
         strings = [a for a in args if isinstance(a, str)]
         objects = [a for a in args if not isinstance(a, str)]
         if not args:

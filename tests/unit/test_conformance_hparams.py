@@ -127,3 +127,21 @@ def test_lightning_reads_the_hparams_zerotrain_saved(tmp_path):
         pytest.skip("this strategy saves a sharded checkpoint folder, which Lightning's loader does not read")
     assert Theirs.load_from_checkpoint(path, weights_only=True).hparams.width == 5
     assert pl.LightningModule.CHECKPOINT_HYPER_PARAMS_KEY in torch.load(path, weights_only=True)
+
+
+def test_a_dataclass_module_saves_its_init_fields():
+    import dataclasses
+
+    @dataclasses.dataclass(eq=False)
+    class DataClassModel(BoringModel):
+        mandatory: int
+        optional: str = "optional"
+        ignore_me: bool = False
+        derived: int = dataclasses.field(default=999, init=False)
+
+        def __post_init__(self):
+            super().__init__()
+            self.save_hyperparameters(ignore=("ignore_me",))
+
+    model = DataClassModel(33, optional="cocofruit")
+    assert model.hparams == {"mandatory": 33, "optional": "cocofruit"} and model.derived == 999
