@@ -127,6 +127,12 @@ class DummyLogger(Logger):
     name = property(lambda self: "")
     version = property(lambda self: "")
 
+    def log_metrics(self, *args: Any, **kwargs: Any) -> None:
+        """Takes any arguments and does nothing, as Lightning's."""
+
+    def log_hyperparams(self, *args: Any, **kwargs: Any) -> None:
+        """Takes any arguments and does nothing, as Lightning's."""
+
     def __getitem__(self, idx: int) -> "DummyLogger":
         return self
 

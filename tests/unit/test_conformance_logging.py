@@ -127,3 +127,12 @@ def test_log_dir_follows_overridden_name_and_version(tmp_path):
         assert Renamed(tmp_path).log_dir == os.path.join(tmp_path, "name", "version")
         assert Renamed(tmp_path).root_dir == os.path.join(tmp_path, "name")
     assert TensorBoardLogger(tmp_path, sub_dir="s").log_dir == os.path.join(tmp_path, "lightning_logs", "version_0", "s")
+
+
+def test_dummy_logger_takes_any_arguments():
+    from zerotrain.loggers.logger import DummyLogger
+
+    logger = DummyLogger()
+    logger.log_hyperparams("1", 2, three="three")
+    logger.log_metrics("1", 2, three="three")
+    assert callable(logger.log_text)
