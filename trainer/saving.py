@@ -8,12 +8,13 @@ import csv
 import os
 import warnings
 from argparse import Namespace
+from enum import Enum
 from typing import Any
 
 
 def save_hparams_to_yaml(config_yaml: "str | os.PathLike", hparams: Any, use_omegaconf: bool = True) -> None:
-    """Write ``hparams`` (a dict, Namespace or OmegaConf container) to ``config_yaml``; a value
-    YAML cannot write is left out with a warning. The folder must exist."""
+    """Write ``hparams`` (a dict, Namespace or OmegaConf container) to ``config_yaml``; an Enum
+    value as its name, a value YAML cannot write left out with a warning. The folder must exist."""
     import yaml
 
     folder = os.path.dirname(os.fspath(config_yaml))
@@ -34,6 +35,7 @@ def save_hparams_to_yaml(config_yaml: "str | os.PathLike", hparams: Any, use_ome
         raise TypeError("hparams must be dictionary")
     kept = {}
     for key, value in dict(hparams).items():
+        value = value.name if isinstance(value, Enum) else value  # as Lightning: an Enum by its name
         try:
             yaml.dump(value)
         except Exception:  # noqa: BLE001 - yaml raises many kinds

@@ -145,3 +145,15 @@ def test_a_dataclass_module_saves_its_init_fields():
 
     model = DataClassModel(33, optional="cocofruit")
     assert model.hparams == {"mandatory": 33, "optional": "cocofruit"} and model.derived == 999
+
+
+def test_an_enum_hparam_is_written_to_yaml_by_its_name(tmp_path):
+    import enum
+
+    from zerotrain.core.saving import load_hparams_from_yaml
+
+    class Options(str, enum.Enum):
+        option1name = "option1val"
+
+    save_hparams_to_yaml(tmp_path / "h.yaml", {"opt": Options.option1name, "n": 1})
+    assert load_hparams_from_yaml(tmp_path / "h.yaml", use_omegaconf=False) == {"opt": "option1name", "n": 1}
