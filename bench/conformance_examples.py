@@ -15,7 +15,7 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tests", "lightning_examples"))
+sys.path[:0] = [os.path.join(ROOT, "tests", "lightning_examples"), os.path.join(ROOT, "tests")]  # its tolerance
 from test_lightning_examples import port  # noqa: E402  (the README's rule, one definition)
 
 
@@ -30,6 +30,23 @@ EXAMPLES = {
 #: what the harness sets on every Trainer the script builds (both libraries): the processes, the
 #: strategy and a short run (the scripts train 10-20 epochs; the first EXAMPLE_STEPS steps compare)
 EXAMPLE_STEPS = 20
+#: Lightning's run once more with the total gradient norm taken in another valid fp32 order (the
+#: square root of the sum of per-tensor sums of squares, where torch takes the norm of per-tensor
+#: norms): what an equally valid clip does to the example. A ZeRO stage cannot take torch's order
+#: (a tensor's gradient is split over ranks), so where a script clips, zero2/zero3 are held to
+#: "no worse than this peer" (PEER_FACTOR x its difference from Lightning + 1e-5); ddp must be within 1e-5.
+PEER_CLIP = """
+import torch as _torch
+def _clip_other_order(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+    ps = [p for p in ([parameters] if isinstance(parameters, _torch.Tensor) else parameters) if p.grad is not None]
+    total = _torch.stack([p.grad.float().pow(2).sum() for p in ps]).sum().sqrt()
+    coef = _torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for p in ps:
+        p.grad.mul_(coef)
+    return total
+_torch.nn.utils.clip_grad_norm_ = _clip_other_order
+"""
+PEER_FACTOR = 4.0
 
 
 def _wikitext(path: str, tokens: int = 2_088_628, vocab: int = 33_278) -> None:
@@ -60,7 +77,9 @@ def examples(upstream: str, work: str, strategies: list[str], reuse: bool = Fals
         with open(os.path.join(src, script)) as f:
             text = f.read()
         runs = {}
-        for lib, strategy in [("lightning", "ddp")] + [("zerotrain", s) for s in strategies]:
+        clips = "gradient_clip_val" in text
+        peer = [("lightning", "ddp-peer")] if clips else []
+        for lib, strategy in [("lightning", "ddp")] + peer + [("zerotrain", s) for s in strategies]:
             out = os.path.join(base, f"{script[:-3]}-{lib}-{strategy}")
             if lib == "lightning" and reuse and os.path.exists(os.path.join(out, "rank1.json")):
                 runs[(lib, strategy)] = {"rc": 0, "error": None, "records": [
@@ -71,9 +90,9 @@ def examples(upstream: str, work: str, strategies: list[str], reuse: bool = Fals
             os.symlink(os.path.dirname(data), os.path.join(out, "data"))
             copy = os.path.join(out, script)
             with open(copy, "w") as f:
-                f.write(port(text) if lib == "zerotrain" else text)
+                f.write(port(text) if lib == "zerotrain" else PEER_CLIP + text if strategy == "ddp-peer" else text)
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                   os.path.abspath(__file__), "_example", lib, copy, strategy, work]
+                   os.path.abspath(__file__), "_example", lib, copy, strategy.removesuffix("-peer"), work]
             start = time.time()
             proc = subprocess.run(cmd, cwd=out, capture_output=True, text=True, timeout=1800,
                                   env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})
@@ -87,9 +106,15 @@ def examples(upstream: str, work: str, strategies: list[str], reuse: bool = Fals
         ref = runs[("lightning", "ddp")]
         row = {"lightning": "ok" if ref["rc"] == 0 else ref["error"],
                "stand_ins": sorted({n for r in runs.values() for rr in r["records"] if rr for n in rr.get("stand_ins", [])})}
+        if clips:
+            row["peer"] = _compare(ref, runs[("lightning", "ddp-peer")])
         for s_ in strategies:
             mine = runs[("zerotrain", s_)]
             row[s_] = _compare(ref, mine)
+            if clips and s_ != "ddp" and "error" not in row[s_] and "error" not in row["peer"]:
+                bound = PEER_FACTOR * max(row["peer"]["max_dloss"], row["peer"]["max_dweight"]) + 1e-5
+                row[s_]["peer_bound"] = bound
+                row[s_]["ok"] = max(row[s_]["max_dloss"], row[s_]["max_dweight"], row[s_]["max_dtest"]) <= bound
         table[script] = row
     with open(os.path.join(work, "examples.json"), "w") as f:
         json.dump(table, f, indent=1)
