@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import Any
 
@@ -82,21 +83,28 @@ class TrainerLimits:
 
     def _validates_this_epoch(self) -> bool:
         """``check_val_every_n_epoch``: validation runs in every n-th epoch only (None: every epoch,
-        the validations placed by an int ``val_check_interval`` over global steps)."""
+        the batches of the whole run counted by ``val_check_interval``)."""
         n = self.check_val_every_n_epoch
         return self.val_dataloader is not None and (n is None or (self.state.epoch + 1) % n == 0)
 
     _val_check_time: float | None = None  # a time-based val_check_interval, in seconds
     _last_val_time = 0.0
 
-    def _validation_due(self, val_every: int | None) -> bool:
-        """After a step: a validation is due by ``val_check_interval`` - every ``val_every`` steps,
-        or once its time passed since the last validation (time-based; every rank decides
-        together: one small all-reduce per step, only then)."""
+    def _validation_due(self, val_batch: float | None, batch_idx: int) -> bool:
+        """After a training batch, Lightning's rule: in an epoch that validates, when a stop is
+        requested that may end the run now, once its time passed since the last validation
+        (time-based; every rank decides together: one small all-reduce per batch, only then), else
+        every ``val_batch`` batches of the epoch (of the run with ``check_val_every_n_epoch=None``),
+        or at the last batch of a loader without a length."""
         if not self._validates_this_epoch():
             return False
+        if self.should_stop and self._can_stop_early():
+            return True
         if self._val_check_time is not None:
             late = time.monotonic() - self._last_val_time >= self._val_check_time
             return bool(self._strategy.any_rank(late))
-        return bool(val_every) and self._optim.trained_steps(self.state) % val_every == 0
+        if val_batch == math.inf:
+            return bool(self.is_last_batch)
+        done = self.state.total_batches if self.check_val_every_n_epoch is None else batch_idx + 1
+        return done % val_batch == 0
 

@@ -144,20 +144,25 @@ class TrainerData:
             return max(1, int(total * limit)) if total != math.inf else math.inf
         return min(total, int(limit))
 
-    def _val_every_steps(self, n_batches: float) -> int | None:
+    def _val_check_batch(self, n_batches: float) -> float | None:
+        """Lightning's ``val_check_batch``: validation after every this many training batches of
+        the epoch (of the run with ``check_val_every_n_epoch=None``): an int ``val_check_interval``
+        itself, a fraction that share of the epoch's batches (at least 1; 1.0 or None: the last
+        batch, inf for a loader without a length); None when time-based (``_validation_due``)."""
         v = self.val_check_interval
-        if v is None or (isinstance(v, float) and v == 1.0) or self._val_check_time is not None:
-            return None  # each epoch's end, or time-based (``_validation_due``)
-        if isinstance(v, float):
-            if n_batches == math.inf:
-                raise ConfigError("val_check_interval as a fraction needs a loader with a length")
-            return max(1, int(n_batches * v / self.accumulate_grad_batches))
-        if self.check_val_every_n_epoch is not None and n_batches != math.inf and n_batches % v and \
-                self.is_global_zero:
-            log.warning("val_check_interval=%d counts global steps across epochs; Lightning (with "
-                        "check_val_every_n_epoch=%d) counts the batches of each epoch, which differs when an "
-                        "epoch (%d batches) is not a multiple of it", v, self.check_val_every_n_epoch, n_batches)
-        return int(v)
+        if self._val_check_time is not None:
+            return None
+        if isinstance(v, int) and not isinstance(v, bool):
+            if v > n_batches and self.check_val_every_n_epoch is not None:
+                raise ConfigError(f"`val_check_interval` ({v}) must be less than or equal to the number of the "
+                                  f"training batches ({n_batches}). Set limit_val_batches=0 to disable validation, or "
+                                  "check_val_every_n_epoch=None to count the batches of the whole run")
+            return v
+        if n_batches == math.inf:
+            if v is None or v == 1.0:
+                return math.inf
+            raise ConfigError(f"Trainer: val_check_interval={v!r} as a fraction needs a training loader with a length")
+        return max(1, int(n_batches * (1.0 if v is None else v)))
 
 
 def with_last(batches: Iterable, n_batches: float) -> Iterator[tuple[Any, bool]]:

@@ -170,11 +170,6 @@ class Optimization:
         for c, s in zip(self.schedulers, saved):
             c.scheduler.load_state_dict(s)
 
-    def trained_steps(self, state: Any) -> int:
-        """What ``val_check_interval`` counts: optimizer steps, or in manual optimization batches
-        (Lightning's count there; a batch may step several optimizers, or none)."""
-        return state.total_batches if self.manual else state.global_step
-
     # ------------------------------------------------------------------ manual optimization
     def require_manual(self, what: str) -> None:
         if not self.manual:

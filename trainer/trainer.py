@@ -369,7 +369,7 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
                               f"{len_or_none(loader)}, limit_train_batches={self.limit_train_batches!r}): an "
                               "epoch without a training step would never end the run")
         self.num_training_batches = n_batches
-        val_every = self._val_every_steps(n_batches)
+        val_batch = self._val_check_batch(n_batches)
         module.train()
         self._last_val_time = time.monotonic()  # a time-based val_check_interval counts from here
         self._logging.start_training(n_batches)
@@ -378,6 +378,7 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
             if self._reload_due(st.epoch):  # reload_dataloaders_every_n_epochs
                 loader = self._reload_loaders(st.epoch)
                 self.num_training_batches = n_batches = self._limit(loader, self.limit_train_batches)
+                val_batch = self._val_check_batch(n_batches)
             job.set_sampler_epoch(loader, st.epoch)
             skip = st.batches_in_epoch  # > 0 only when resuming mid-epoch
             batches = job.epoch_iterator(loader, resuming=skip > 0)  # before the epoch's hooks, as Lightning
@@ -394,7 +395,7 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
                 cut = stepped is None  # the module's on_train_batch_start returned -1
                 if cut:  # the epoch ends here, without its end-of-epoch validation (as Lightning)
                     break
-                if stepped and self._validation_due(val_every):
+                if self._validation_due(val_batch, batch_idx):  # after every batch, as Lightning
                     self._run_validation(self.val_dataloader)
                 if stepped:  # ReduceLROnPlateau on steps: after the metrics of this step's validation
                     self._optim.step_schedulers("step", plateau=True, index=batch_idx)
@@ -411,23 +412,17 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
                 batch_idx = None
             if self._max_steps_reached() and batch_idx is not None and batch_idx < n_batches:
                 break  # stopped mid-epoch by max_steps: the epoch is not over (a should_stop ends it, as Lightning)
-            self._end_epoch(validate=not val_every and self._val_check_time is None and self._validates_this_epoch()
-                            and not cut)
-        if self.val_dataloader is not None and self._last_val_step != st.global_step and \
-                (self.check_val_every_n_epoch or 1) == 1 and self._val_check_time is None:
-            self._run_validation(self.val_dataloader)
+            self._end_epoch()
         self.hooks.both("on_train_end", self, module)
 
     _last_val_step = -1
 
-    def _end_epoch(self, validate: bool) -> None:
-        """Lightning's order at the end of a training epoch: the epoch's validation, then
-        ``on_train_epoch_end`` (``current_epoch`` is still the epoch that is ending), then the
+    def _end_epoch(self) -> None:
+        """Lightning's order at the end of a training epoch (its validation ran after the last
+        batch): ``on_train_epoch_end`` (``current_epoch`` is still the epoch that is ending), then the
         ReduceLROnPlateau schedulers of epochs, and only then the epoch counter moves on. (The
         other per-epoch schedulers stepped after the epoch's last batch, as Lightning 2.6 does.)"""
         st = self.state
-        if validate:
-            self._run_validation(self.val_dataloader)
         self._tick("on_train_epoch_end")
         self._logging.epoch_end_reached()
         self.hooks.both("on_train_epoch_end", self, self.module)

@@ -135,3 +135,51 @@ def test_min_epochs_line_comes_from_the_trainers_logger(tmp_path, caplog):
     assert lines == ["Trainer was signaled to stop but the required `min_epochs=3` or `min_steps=None` has not been "
                      "met. Training will continue..."]
     assert model.steps["train"] == 3 * 4  # three whole epochs; the stop held back ends the run then
+
+
+def _validations(lib, tmp_path, **kw) -> tuple[list, int]:
+    """The global steps at which ``lib``'s fit validated (sanity check left out), and its steps."""
+
+    class M(lib.LightningModule if hasattr(lib, "LightningModule") else TrainModule):
+        def __init__(self):
+            super().__init__()
+            self.layer, self.at = torch.nn.Linear(3, 1), []
+
+        def training_step(self, batch, batch_idx):
+            return torch.nn.functional.mse_loss(self.layer(batch[0]), batch[1])
+
+        def validation_step(self, batch, batch_idx):
+            self.log("v", torch.nn.functional.mse_loss(self.layer(batch[0]), batch[1]))
+
+        def on_validation_epoch_start(self):
+            if not self.trainer.sanity_checking:
+                self.at.append((self.trainer.current_epoch, self.trainer.global_step))
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    m = M()
+    t = lib.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                    enable_model_summary=False, default_root_dir=str(tmp_path), **kw)
+    t.fit(m, _data(40), _data(8))
+    return m.at, t.global_step
+
+
+@pytest.mark.parametrize("kw", [
+    {"max_steps": 3},  # stopped mid-epoch by max_steps: no validation at the end of fit
+    {"max_epochs": 2, "val_check_interval": 1 / 3},  # int(10 / 3) = 3 batches: 3 per epoch, none at fit's end
+    {"max_epochs": 2, "val_check_interval": 4},  # every 4 batches of each epoch (4, 8), not of the run
+    {"max_epochs": 2, "val_check_interval": 4, "check_val_every_n_epoch": None},  # of the run: 4, 8, 12, 16, 20
+    {"max_epochs": 2, "val_check_interval": 0.5, "accumulate_grad_batches": 3},  # batches, not optimizer steps
+    {"max_epochs": 4, "check_val_every_n_epoch": 2},
+])
+def test_validation_placed_as_lightning(tmp_path, lightning_env, kw):
+    mine = _validations(__import__("zerotrain"), tmp_path, **kw)
+    pl = pytest.importorskip("pytorch_lightning")
+    assert mine == _validations(pl, tmp_path, **kw)
+
+
+def test_val_check_interval_longer_than_the_epoch_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"must be less than or equal to the number of the training batches \(10\)"):
+        _trainer(tmp_path, val_check_interval=11).fit(Net(), _data(40), _data(8))
+    _trainer(tmp_path, max_epochs=2, val_check_interval=11, check_val_every_n_epoch=None).fit(Net(), _data(40), _data(8))
