@@ -1,7 +1,6 @@
 """ModelCheckpoint: periodic and best-k checkpoints, each written atomically, and a ``latest``
-pointer to the newest."""
-from __future__ import annotations
-
+pointer to the newest. (No ``from __future__ import annotations``: the CLI builds its arguments from
+this signature's real types.)"""
 import logging
 import math
 import os

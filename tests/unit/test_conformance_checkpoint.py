@@ -364,3 +364,12 @@ def test_save_checkpoint_has_lightnings_signature(tmp_path):
     with pytest.raises(MisconfigurationException, match="weights_only=True"):
         trainer.save_checkpoint(str(tmp_path / "w.ckpt"), True)  # not taken for update_latest
     assert not (tmp_path / "w.ckpt").exists()
+
+
+def test_model_checkpoints_signature_has_real_types_for_the_cli():
+    """LightningCLI builds ModelCheckpoint's arguments from its signature (save_last: bool | str | None)."""
+    import inspect
+
+    params = inspect.signature(ModelCheckpoint).parameters
+    assert not any(isinstance(p.annotation, str) for p in params.values())
+    assert params["save_last"].annotation == (bool | str | None)
