@@ -61,8 +61,13 @@ class Precision:
                  grad_tensors: Sequence[torch.Tensor] | None = None) -> None:
         """Run autograd from ``tensor``: a (pre-backward) loss, or a pipeline stage's outputs with
         the gradients the next stage sent for them (``grad_tensors``, already scaled). ``model``
-        is the module the gradients flow into, for plugins that need it."""
-        torch.autograd.backward(tensor, grad_tensors)
+        is the module the gradients flow into, for plugins that need it. A single loss goes
+        through ``Tensor.backward``, as Lightning's plugins call it (code that wraps or counts it
+        sees every backward)."""
+        if torch.is_tensor(tensor) and grad_tensors is None:
+            tensor.backward()
+        else:
+            torch.autograd.backward(tensor, grad_tensors)
 
     def post_backward(self, loss: torch.Tensor) -> torch.Tensor:
         """After autograd has run (gradients are still scaled: ``unscale_and_check`` unscales them
