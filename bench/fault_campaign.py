@@ -216,10 +216,18 @@ def _announced(text: str) -> float | None:
     return float(m.group(1)) if m else None
 
 
+def _checkpoint(ck: Path, step: int) -> Path:
+    """Step ``step``'s checkpoint in ``ck``: a folder (sharded state) or one ``.ckpt`` file."""
+    found = [p for p in ck.iterdir() if p.name in (f"step={step:06d}", f"step={step:06d}.ckpt")]
+    if len(found) != 1:
+        raise FileNotFoundError(f"no single checkpoint of step {step} in {ck}: {sorted(p.name for p in ck.iterdir())}")
+    return found[0]
+
+
 def _corrupt(ck: Path, job: dict, rng: random.Random) -> Path:
     """Truncate or flip one byte of one file of the newest checkpoint; returns the file."""
-    newest = ck / f"step={job['step']:06d}"
-    files = sorted(p for p in newest.iterdir() if p.suffix in (".safetensors", ".pt"))
+    newest = _checkpoint(ck, job["step"])
+    files = [newest] if newest.is_file() else sorted(p for p in newest.iterdir() if p.suffix in (".safetensors", ".pt"))
     target = rng.choice(files)
     size = target.stat().st_size
     if job["fault"] == "truncate":
@@ -287,7 +295,7 @@ def run_job(job: dict, workdir: Path, stall_timeout_s: float, refs: dict) -> dic
     # the resume, without the fault
     resume = "latest"
     if fault in ("truncate", "flip"):
-        resume = str(root / "ck" / f"step={job['step'] - 1:06d}")
+        resume = str(_checkpoint(root / "ck", job["step"] - 1))
     if (root / "final.pt").exists():
         os.unlink(root / "final.pt")
     code, rtext = _finish(Run(root, "resume", _cfg(job, root, stall_timeout_s, resume=resume), launcher), 300)
