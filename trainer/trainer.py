@@ -34,7 +34,7 @@ from .loaders import TrainerData, len_or_none, with_last
 from .logging import MetricsConnector, TrainerLogging, hook_scope
 from .datamodule import DataModule
 from .module import TrainModule
-from .limits import TrainerLimits, announce_limits, check_max_limits, no_training
+from .limits import TrainerLimits, announce_limits, check_max_limits, check_val_schedule, no_training
 from .properties import TrainerProperties
 from .setup import TrainerSetup
 from .signature import step_call
@@ -134,6 +134,7 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
         positive_int("max_restarts", max_restarts, minimum=0)
         positive_number("collective_timeout_s", collective_timeout_s, "seconds")
         check_max_limits(max_epochs, max_steps)
+        check_val_schedule(val_check_interval, check_val_every_n_epoch)
         positive_number("gradient_clip_val", gradient_clip_val, "the clipping threshold; 0: off, as Lightning",
                         allow_zero=True)
         self._val_check_time = run_options.val_check_seconds(val_check_interval)  # None unless time-based

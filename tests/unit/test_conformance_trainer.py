@@ -183,3 +183,10 @@ def test_val_check_interval_longer_than_the_epoch_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"must be less than or equal to the number of the training batches \(10\)"):
         _trainer(tmp_path, val_check_interval=11).fit(Net(), _data(40), _data(8))
     _trainer(tmp_path, max_epochs=2, val_check_interval=11, check_val_every_n_epoch=None).fit(Net(), _data(40), _data(8))
+
+
+def test_a_fraction_interval_without_epochs_is_refused():
+    """With check_val_every_n_epoch=None validation counts the run's batches: a fraction of an epoch is refused."""
+    with pytest.raises(MisconfigurationException, match="should be an integer or a time-based duration"):
+        Trainer(logger=False, val_check_interval=0.5, check_val_every_n_epoch=None)
+    Trainer(logger=False, val_check_interval=5, check_val_every_n_epoch=None)
