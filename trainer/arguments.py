@@ -59,7 +59,8 @@ def check_lightning_args(fast_dev_run: Any, num_sanity_val_steps: Any, check_val
                           min_epochs: Any, min_steps: Any, overfit_batches: Any, clip_algorithm: Any) -> None:
     """Lightning's debugging and stopping arguments, refused as Lightning refuses them."""
     if not isinstance(fast_dev_run, (bool, int)) or fast_dev_run < 0:
-        raise ConfigError(f"Trainer: fast_dev_run={fast_dev_run!r}; valid: a bool or an int >= 0 (batches)")
+        raise ConfigError(f"fast_dev_run={fast_dev_run!r} is not a valid configuration. It should be >= 0. "
+                          f"Trainer: fast_dev_run={fast_dev_run!r}; valid: a bool or an int >= 0 (batches)")
     if isinstance(num_sanity_val_steps, bool) or not isinstance(num_sanity_val_steps, int) or \
             num_sanity_val_steps < -1:
         raise ConfigError(f"Trainer: num_sanity_val_steps={num_sanity_val_steps!r}; valid: an int >= 0 "

@@ -126,3 +126,8 @@ def test_an_iterable_dataset_with_a_length_warns_as_lightning():
 
     with pytest.warns(UserWarning, match="Your `IterableDataset` has `__len__` defined."):
         _fit(DataLoader(WithLen(), batch_size=4))
+
+
+def test_a_negative_fast_dev_run_says_lightnings_sentence():
+    with pytest.raises(ValueError, match="fast_dev_run=-1 is not a valid configuration. It should be >= 0."):
+        Trainer(fast_dev_run=-1)
