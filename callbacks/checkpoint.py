@@ -79,6 +79,8 @@ class ModelCheckpoint(Callback):
             raise ConfigError(f"ModelCheckpoint: save_last={save_last!r}; valid choices: True, False, None, 'link'")
         if monitor is not None and every_n_train_steps is None and every_n_epochs is None:
             every_n_epochs = 1  # Lightning's trigger for a monitored checkpoint given none
+        if isinstance(dirpath, (str, os.PathLike)):
+            dirpath = os.path.expanduser(dirpath)  # Lightning's: ~ is the home folder
         self.dirpath, self.every_n_train_steps = dirpath, every_n_train_steps or None  # 0: never, as None
         self.save_last = save_last if save_last == "link" else bool(save_last)
         self.save_on_exception = save_on_exception
@@ -145,32 +147,32 @@ class ModelCheckpoint(Callback):
         latest = newest(self.dirpath) if self.dirpath else None
         return str(latest) if latest is not None else None
 
-    def setup(self, trainer, module, stage: str | None = None) -> None:
+    def setup(self, trainer, pl_module, stage: str | None = None) -> None:
         if self.dirpath is None:  # Lightning's rule; rank 0 decides (a new logger version is picked there)
             self.dirpath = trainer.strategy.broadcast(_default_dirpath(trainer))
         self._stage = stage  # validation ends save during fit only, as Lightning's
 
-    def on_train_start(self, trainer, module) -> None:
+    def on_train_start(self, trainer, pl_module) -> None:
         given = self.save_on_train_epoch_end
         self._at_epoch_end = _epoch_end_by_default(trainer) if given is None else bool(given)
         if not self._noted and trainer.is_global_zero:
             self._noted = True
             self._note_differences()
 
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         n = self.every_n_train_steps
         step = trainer.global_step
         if n and step > 0 and step % n == 0 and step != self._last_saved_step:
             self._save(trainer)
 
-    def on_train_epoch_start(self, trainer, module) -> None:
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
         self._epoch = trainer.current_epoch  # the epoch that on_train_epoch_end ends
 
-    def on_train_epoch_end(self, trainer, module) -> None:
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
         if self._at_epoch_end:
             self._save_for_epoch(trainer, self._epoch)
 
-    def on_validation_end(self, trainer, module) -> None:
+    def on_validation_end(self, trainer, pl_module) -> None:
         """``save_on_train_epoch_end=False``: the epoch trigger is checked after each validation of fit."""
         if self._at_epoch_end is False and self._stage == "fit" and not trainer.sanity_checking:
             self._save_for_epoch(trainer, trainer.current_epoch)
@@ -180,14 +182,14 @@ class ModelCheckpoint(Callback):
         if n and (epoch + 1) % n == 0 and trainer.global_step != self._last_saved_step:
             self._save(trainer)
 
-    def on_fit_end(self, trainer, module) -> None:
+    def on_fit_end(self, trainer, pl_module) -> None:
         """``save_last``: a checkpoint of the final state, unless this step was saved; with
         ``"link"`` (as Lightning's) only when none was saved in this fit: the link names the newest."""
         linked = self.save_last == "link" and self._last_saved_step >= 0
         if self.save_last and trainer.global_step != self._last_saved_step and not linked:
             self._save(trainer, last=True)
 
-    def on_exception(self, trainer, module, exception: BaseException) -> None:
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         """``save_on_exception``: a checkpoint of the state the exception left, when a step was
         taken since the last save (not in the sanity check; not after SIGTERM/SIGUSR1, which saved
         already). Saving is a collective: every rank must be here (an exception on one rank only

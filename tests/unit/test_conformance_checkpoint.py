@@ -373,3 +373,11 @@ def test_model_checkpoints_signature_has_real_types_for_the_cli():
     params = inspect.signature(ModelCheckpoint).parameters
     assert not any(isinstance(p.annotation, str) for p in params.values())
     assert params["save_last"].annotation == (bool | str | None)
+
+
+def test_hooks_take_lightnings_keywords_and_dirpath_expands_home(tmp_path):
+    cb = ModelCheckpoint(dirpath="~/checkpoints")
+    assert cb.dirpath == os.path.expanduser("~/checkpoints")
+    cb = ModelCheckpoint(dirpath=str(tmp_path))
+    trainer = _trainer(tmp_path, max_steps=1)
+    cb.setup(trainer=trainer, pl_module=None, stage="fit")  # Lightning's keyword names
