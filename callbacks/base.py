@@ -118,7 +118,7 @@ class _DummyExperiment:
 
 class DummyLogger(Logger):
     """Lightning's ``DummyLogger``: logs nothing; its ``experiment`` swallows every call; name and
-    version are empty strings (the Trainer uses none in ``fast_dev_run``: ``logger=False``)."""
+    version are empty strings (the Trainer's only logger under ``fast_dev_run``, as Lightning's)."""
 
     @property
     def experiment(self) -> _DummyExperiment:

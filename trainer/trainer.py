@@ -19,7 +19,7 @@ from typing import Any, Iterable, Sequence
 import torch
 from torch.utils.data import DataLoader
 
-from ..callbacks.base import Callback, Logger
+from ..callbacks.base import Callback, DummyLogger, Logger
 from ..strategies import Strategy, instrument, progress
 from ..strategies.environment import detect
 from ..strategies.paths import directory_problem
@@ -198,7 +198,7 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
         plugin_checks.check_logger(logger)
         if fast_dev_run:
             callbacks = fast_dev_run_flags(self, int(fast_dev_run), callbacks)
-            enable_checkpointing, logger = False, False
+            enable_checkpointing, logger = False, (DummyLogger() if logger else False)  # Lightning's: logs nothing
         if overfit_batches:
             self.limit_train_batches = self.limit_val_batches = overfit_batches
         callbacks = lightning_callbacks(callbacks, max_time, enable_model_summary)

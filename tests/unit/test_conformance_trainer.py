@@ -190,3 +190,21 @@ def test_a_fraction_interval_without_epochs_is_refused():
     with pytest.raises(MisconfigurationException, match="should be an integer or a time-based duration"):
         Trainer(logger=False, val_check_interval=0.5, check_val_every_n_epoch=None)
     Trainer(logger=False, val_check_interval=5, check_val_every_n_epoch=None)
+
+
+def test_fast_dev_run_keeps_a_dummy_logger(tmp_path):
+    """Lightning replaces the loggers by one DummyLogger under fast_dev_run (none when logging was off):
+    a step that writes to ``self.logger.experiment`` runs, and nothing is written."""
+    from zerotrain.loggers.logger import DummyLogger
+
+    class M(Net):
+        def training_step(self, batch, batch_idx):
+            self.logger.experiment.add_histogram("w", self.layer.weight, batch_idx)
+            return super().training_step(batch, batch_idx)
+
+    trainer = Trainer(accelerator="cpu", devices=1, default_root_dir=str(tmp_path), fast_dev_run=2,
+                      enable_progress_bar=False, enable_model_summary=False)
+    assert len(trainer.loggers) == 1 and isinstance(trainer.logger, DummyLogger)
+    trainer.fit(M(), _data())
+    assert trainer.global_step == 2 and not list(tmp_path.iterdir())
+    assert Trainer(fast_dev_run=True, logger=False).loggers == []
