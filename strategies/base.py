@@ -287,13 +287,13 @@ class Strategy:
     def validation_step(self, batch: Any, batch_idx: int) -> Any:
         return self.run_forward(self.model, "validation_step", batch, batch_idx)
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, **backward_kwargs: Any) -> None:
         """The precision plugin's pre-backward (loss scaling), backward and post-backward, between
         the strategy's own ``_before_backward``/``_after_backward`` (ZeRO: gradient buffers and
-        bucketed reductions)."""
+        bucketed reductions). ``backward_kwargs`` (``retain_graph``, ...) go to ``Tensor.backward``."""
         self._before_backward()
         loss = self.precision.pre_backward(loss)
-        self.precision.backward(loss, self.model)
+        self.precision.backward(loss, self.model, **backward_kwargs)
         self.precision.post_backward(loss)
         self._after_backward()
 
@@ -359,13 +359,13 @@ class Strategy:
         """After the inner step, taken or not, before any zeroing: forget what belonged to this
         step only (a stepper's gradient copies, a folded clip coefficient)."""
 
-    def manual_backward(self, loss: torch.Tensor) -> None:
+    def manual_backward(self, loss: torch.Tensor, **backward_kwargs: Any) -> None:
         """A backward the user calls in a training step (Lightning's manual optimization): as
         ``backward``, after ``_before_manual_backward`` (DDP: re-arm its reducer for this loss, as
         several backwards may follow one forward). Always synchronising: the gradients of every
         backward accumulate until the user zeroes them."""
         self._before_manual_backward(loss)
-        self.backward(loss)
+        self.backward(loss, **backward_kwargs) if backward_kwargs else self.backward(loss)
 
     def _before_manual_backward(self, loss: torch.Tensor) -> None:
         """Before a user-called backward."""

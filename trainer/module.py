@@ -181,10 +181,10 @@ class TrainModule(HyperparametersMixin, nn.Module, DataHooks, ModuleTools):
         scheds = [c.scheduler for c in self.trainer._optim.schedulers]
         return None if not scheds else scheds[0] if len(scheds) == 1 else scheds
 
-    def manual_backward(self, loss: torch.Tensor) -> None:
-        """``loss.backward()`` as the strategy does it (loss scaling, gradient reduction), with
-        the ``on_before_backward``/``on_after_backward`` hooks."""
-        self.trainer._optim.manual_backward(loss)
+    def manual_backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        """``loss.backward(*args, **kwargs)`` as the strategy does it (loss scaling, gradient
+        reduction), with the ``on_before_backward``/``on_after_backward`` hooks."""
+        self.trainer._optim.manual_backward(loss, *args, **kwargs)
 
     def toggle_optimizer(self, optimizer: Any) -> None:
         """Only ``optimizer``'s parameters require grad until ``untoggle_optimizer``."""

@@ -51,6 +51,12 @@ def _or_no_op(cfg: Any, module: Any) -> Any:
     return torch.optim.SGD([p for p in module.parameters() if p.requires_grad], lr=0.0)
 
 
+def _backward_kwargs(args: tuple, kwargs: dict) -> dict:
+    """``Tensor.backward``'s positional arguments (gradient, retain_graph, create_graph, inputs)
+    by name, merged with ``kwargs``."""
+    return {**dict(zip(("gradient", "retain_graph", "create_graph", "inputs"), args)), **kwargs}
+
+
 class Optimization:
     """What the Trainer knows about the module's optimizers: built once at set-up."""
 
@@ -198,12 +204,13 @@ class Optimization:
             t._log_loss("train_loss", loss)
         return out
 
-    def manual_backward(self, loss: torch.Tensor) -> None:
-        """The strategy's backward (loss scaling included) between the Trainer's backward hooks."""
+    def manual_backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        """The strategy's backward (loss scaling included) between the Trainer's backward hooks;
+        ``args``/``kwargs`` (``retain_graph``, ...) go to ``Tensor.backward`` as Lightning's."""
         self.require_manual("manual_backward")
         t = self.trainer
         t.hooks.both("on_before_backward", t, t.module, loss)
-        t.strategy.manual_backward(loss)
+        t.strategy.manual_backward(loss, **_backward_kwargs(args, kwargs))
         t.hooks.both("on_after_backward", t, t.module)
 
     def toggle(self, optimizer: Any) -> None:

@@ -58,16 +58,16 @@ class Precision:
         return self.scale_loss(loss)
 
     def backward(self, tensor: torch.Tensor | Sequence[torch.Tensor], model: torch.nn.Module | None,
-                 grad_tensors: Sequence[torch.Tensor] | None = None) -> None:
+                 grad_tensors: Sequence[torch.Tensor] | None = None, **backward_kwargs: Any) -> None:
         """Run autograd from ``tensor``: a (pre-backward) loss, or a pipeline stage's outputs with
         the gradients the next stage sent for them (``grad_tensors``, already scaled). ``model``
         is the module the gradients flow into, for plugins that need it. A single loss goes
         through ``Tensor.backward``, as Lightning's plugins call it (code that wraps or counts it
         sees every backward)."""
         if torch.is_tensor(tensor) and grad_tensors is None:
-            tensor.backward()
+            tensor.backward(**backward_kwargs)
         else:
-            torch.autograd.backward(tensor, grad_tensors)
+            torch.autograd.backward(tensor, grad_tensors, **backward_kwargs)
 
     def post_backward(self, loss: torch.Tensor) -> torch.Tensor:
         """After autograd has run (gradients are still scaled: ``unscale_and_check`` unscales them

@@ -52,3 +52,33 @@ def test_each_micro_batch_backward_goes_through_tensor_backward(tmp_path, accumu
         pl.Trainer(default_root_dir=tmp_path, accumulate_grad_batches=accumulate, accelerator="cpu", **_QUIET).fit(
             _module(pl.LightningModule))
     assert ours.call_count == theirs.call_count == 6
+
+
+def _twice(base):
+    """Manual optimization backwarding one graph twice: needs ``retain_graph=True`` the first time."""
+
+    class Twice(_module(base).__class__):
+        def __init__(self):
+            super().__init__()
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            opt = self.optimizers()
+            loss = self.net(batch[0]).pow(2).mean()
+            self.manual_backward(loss, None, True)  # Tensor.backward's positional (gradient, retain_graph)
+            self.manual_backward(loss)
+            opt.step()
+            opt.zero_grad()
+
+    return Twice()
+
+
+def test_manual_backward_passes_its_arguments_to_tensor_backward(tmp_path):
+    torch.manual_seed(0)
+    ours = _twice(TrainModule)
+    Trainer(default_root_dir=tmp_path, **_QUIET).fit(ours)
+    pl = pytest.importorskip("pytorch_lightning")
+    torch.manual_seed(0)
+    theirs = _twice(pl.LightningModule)
+    pl.Trainer(default_root_dir=tmp_path, accelerator="cpu", **_QUIET).fit(theirs)
+    torch.testing.assert_close(ours.net.weight, theirs.net.weight, rtol=0, atol=0)

@@ -78,8 +78,8 @@ def test_an_iterable_loader_that_yields_nothing_fails_at_once():
     ({"stall_timeout_s": float("nan")}, "stall_timeout_s=nan must be a finite number > 0"),
     ({"stall_timeout_s": "5"}, "stall_timeout_s='5' must be a finite number > 0"),
     ({"collective_timeout_s": float("inf")}, "collective_timeout_s=inf must be a finite number > 0"),
-    ({"gradient_clip_val": float("nan")}, "gradient_clip_val=nan must be a finite number > 0"),
-    ({"gradient_clip_val": True}, "gradient_clip_val=True must be a finite number > 0"),
+    ({"gradient_clip_val": float("nan")}, "gradient_clip_val=nan must be a finite number >= 0"),
+    ({"gradient_clip_val": True}, "gradient_clip_val=True must be a finite number >= 0"),
 ])
 def test_out_of_range_settings_are_rejected_naming_the_field(kwargs, field):
     with pytest.raises(ConfigError, match=f"Trainer: {field}".replace("(", r"\(").replace(".", r"\.")):
