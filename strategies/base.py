@@ -309,7 +309,7 @@ class Strategy:
 
     def optimizer_step(self, gradient_clip_val: float | None = None,
                        gradient_clip_algorithm: str = "norm", which: int | None = None,
-                       zero_grad: bool = True) -> bool:
+                       zero_grad: bool = True, error_if_nonfinite: bool = False) -> bool:
         """Gradients ready -> unscale and check overflow (every rank together) -> clip (by global
         norm, or by value: ``gradient_clip_algorithm``) -> inner step -> refresh the working
         parameters -> zero the gradients. On overflow the step is skipped on every rank (the
@@ -318,7 +318,11 @@ class Strategy:
         ``which``: step optimizer ``which`` of an ``OptimizerSet`` only - every piece (unscale,
         overflow, clip, inner step, zeroing) sees that optimizer's param groups only, as a plain
         PyTorch ``opt.step()`` touches only its parameters. ``zero_grad=False`` (manual
-        optimization) keeps the gradients: the user zeroes them, and until then they accumulate."""
+        optimization) keeps the gradients: the user zeroes them, and until then they accumulate.
+        Clipping by norm leaves the norm before clipping in ``last_grad_norm`` (None otherwise);
+        ``error_if_nonfinite``: a non-finite norm raises before any gradient changes, as
+        ``torch.nn.utils.clip_grad_norm_(error_if_nonfinite=True)``."""
+        self.last_grad_norm: torch.Tensor | None = None
         with self._selecting(which):
             self._gradients_ready()
             loss_scale = self.precision.loss_scale  # what backward scaled by (update() may change it)
@@ -328,7 +332,7 @@ class Strategy:
                 if gradient_clip_val and gradient_clip_algorithm == "value":
                     self.clip_grad_value_(gradient_clip_val, loss_scale)
                 elif gradient_clip_val:
-                    self.clip_grad_norm_(gradient_clip_val)
+                    self.last_grad_norm = self.clip_grad_norm_(gradient_clip_val, error_if_nonfinite)
                 self._inner_step(loss_scale)
                 instrument.phase("refresh")  # the step-time breakdown's parameter refresh
                 self._refresh_params()
@@ -387,10 +391,14 @@ class Strategy:
         mine = self._selected_params()
         return [p.grad for p in self.module.parameters() if p.grad is not None and (mine is None or id(p) in mine)]
 
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+    def clip_grad_norm_(self, max_norm: float, error_if_nonfinite: bool = False) -> torch.Tensor:
         """Clip the step gradients to a global L2 norm of ``max_norm``; returns the norm before
-        clipping (collective where the gradients are spread over ranks)."""
+        clipping (collective where the gradients are spread over ranks). ``error_if_nonfinite``:
+        a NaN or infinite norm raises (every rank holds the same global norm, so all raise)."""
         total = self._grad_norm()
+        if error_if_nonfinite and not torch.isfinite(total):
+            raise RuntimeError(f"clip_gradients: the gradients' total 2-norm is non-finite ({total.item()}); "
+                               "nothing was clipped or stepped (error_if_nonfinite=False clips anyway)")
         self._scale_grads(torch.clamp(max_norm / (total + 1e-6), max=1.0))
         return total
 

@@ -243,13 +243,21 @@ class Engine:
         """Clip the next ``optimizer.step()``'s gradients to a global L2 norm of ``max_norm``. The
         step clips, after it unscaled the gradients and checked them for overflow (the strategy's
         sequence): so this returns nothing, and is called once per step, before ``step()``."""
+        self._clip_next_step(model, optimizer, "max_norm", max_norm)
+
+    def _clip_next_step(self, model: Any, optimizer: Any, name: str, bound: Any,
+                        error_if_nonfinite: bool = False) -> None:
+        """Set ``optimizer``'s next step to clip: by global L2 norm (``name="max_norm"``) or
+        element-wise by value (``name="clip_val"``), to ``bound``."""
         self._check_model(model, "clip_gradients")
         if not any(optimizer is o for o in self._optimizers):
-            raise ConfigError("Engine.clip_gradients: optimizer is not one engine.setup returned; valid: "
-                              "an optimizer wrapper from engine.setup(model, optimizer, ...)")
-        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
-            raise ConfigError(f"Engine.clip_gradients: max_norm={max_norm!r}; valid: a number > 0")
-        optimizer.clip_at = float(max_norm)
+            raise ConfigError(f"{type(self).__name__}.clip_gradients: optimizer is not one engine.setup "
+                              "returned; valid: an optimizer wrapper from engine.setup(model, optimizer, ...)")
+        if isinstance(bound, bool) or not isinstance(bound, (int, float)) or not bound > 0:
+            raise ConfigError(f"{type(self).__name__}.clip_gradients: {name}={bound!r}; valid: a number > 0")
+        optimizer.clip_at = float(bound)
+        optimizer.clip_by = "value" if name == "clip_val" else "norm"
+        optimizer.clip_error_if_nonfinite = bool(error_if_nonfinite)
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """The precision's forward context (autocast under the mixed precisions) for computation
@@ -433,6 +441,9 @@ class EngineOptimizer(torch.optim.Optimizer):
         self.engine, self.optimizer, self.which = engine, optimizer, which
         self.strategy = strategy if strategy is not None else engine.strategy  # its model's
         self.clip_at: float | None = None  # set by Engine.clip_gradients for the next step
+        self.clip_by, self.clip_error_if_nonfinite = "norm", False  # how it clips ("norm" / "value")
+        self.last_grad_norm: torch.Tensor | None = None  # the last step's norm before clipping by norm
+        self.clip_norm_out: torch.Tensor | None = None  # what Fabric.clip_gradients returned, filled by step()
         self.dirty = False  # a backward ran since this optimizer's gradients were last zeroed
 
     def step(self, closure: Any = None) -> bool:
@@ -440,8 +451,15 @@ class EngineOptimizer(torch.optim.Optimizer):
             raise ConfigError("EngineOptimizer.step: closure given; valid: step() without a closure (the "
                               "strategy runs the forward and backward through the engine, not the optimizer)")
         e = self.engine
-        stepped = self.strategy.optimizer_step(self.clip_at, which=self.which)
-        self.clip_at = None
+        try:
+            stepped = self.strategy.optimizer_step(self.clip_at, self.clip_by, which=self.which,
+                                                   error_if_nonfinite=self.clip_error_if_nonfinite)
+        finally:
+            self.clip_at, self.clip_by, self.clip_error_if_nonfinite = None, "norm", False
+        self.last_grad_norm = getattr(self.strategy, "last_grad_norm", None)
+        out, self.clip_norm_out = self.clip_norm_out, None
+        if out is not None and self.last_grad_norm is not None:  # Fabric.clip_gradients' returned norm
+            out.copy_(self.last_grad_norm.detach())
         self.dirty = False
         e.progress.global_step += 1
         e.progress.skipped_steps += not stepped

@@ -123,15 +123,29 @@ class Fabric(Engine):
 
     def clip_gradients(self, module: Any, optimizer: Any, clip_val: float | None = None,
                        max_norm: float | None = None, norm_type: float = 2.0,
-                       error_if_nonfinite: bool = True) -> None:
-        """Fabric's signature: ``max_norm`` bounds the next ``optimizer.step()``'s global L2 norm
-        (the Engine's ``clip_gradients``; the step clips, so nothing is returned). Clipping by
-        value and other norms are refused: the sharded strategies hold no whole gradient to clamp."""
-        if clip_val is not None or norm_type != 2.0 or max_norm is None:
-            raise ConfigError(f"Fabric.clip_gradients: clip_val={clip_val!r}, max_norm={max_norm!r}, "
-                              f"norm_type={norm_type!r}; valid: max_norm=<number > 0> with norm_type=2.0 "
-                              "(clipping by value is not supported)")
-        super().clip_gradients(module, optimizer, max_norm)
+                       error_if_nonfinite: bool = True) -> torch.Tensor | None:
+        """Fabric's signature and rules: exactly one of ``clip_val`` (every gradient element
+        clamped to ``[-clip_val, clip_val]``, as ``torch.nn.utils.clip_grad_value_``; under ZeRO
+        each rank clamps its partition, which is exact as the clamp is element-wise) and
+        ``max_norm`` (global 2-norm; ``error_if_nonfinite``: a NaN/inf norm raises in the step,
+        before anything changes). The clipping happens in the next ``optimizer.step()``, after
+        the unscale and overflow check (the Engine's ``clip_gradients``), so for ``max_norm`` the
+        returned scalar tensor is NaN until that step writes the norm before clipping into it;
+        ``clip_val`` returns None, as Fabric. Norms other than 2 are refused."""
+        if clip_val is not None and max_norm is not None:
+            raise ConfigError(f"Fabric.clip_gradients: clip_val={clip_val!r} and max_norm={max_norm!r}; valid: "
+                              "only one of them (each names the clipping algorithm)")
+        if clip_val is None and max_norm is None:
+            raise ConfigError("Fabric.clip_gradients: neither clip_val nor max_norm given; valid: one of them")
+        if clip_val is not None:
+            self._clip_next_step(module, optimizer, "clip_val", clip_val)
+            return None
+        if isinstance(norm_type, bool) or norm_type != 2.0:
+            raise ConfigError(f"Fabric.clip_gradients: norm_type={norm_type!r}; valid: 2.0 (the strategies "
+                              "compute the global 2-norm over partitioned gradients)")
+        self._clip_next_step(module, optimizer, "max_norm", max_norm, error_if_nonfinite)
+        optimizer.clip_norm_out = torch.full((), float("nan"))
+        return optimizer.clip_norm_out
 
     def _resolve(self, model: Any) -> Any:
         return model._target() if isinstance(model, _PendingModule) else model
