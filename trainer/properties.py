@@ -51,6 +51,11 @@ class TrainerProperties:
     def early_stopping_callback(self) -> Any:
         return next(iter(self.early_stopping_callbacks), None)
 
+    @property
+    def _detect_anomaly(self) -> bool:
+        """Lightning's name for ``detect_anomaly`` (its barebones tests read it)."""
+        return self.detect_anomaly
+
     # ------------------------------------------------------------------ loggers
     @property
     def logger(self) -> Any:

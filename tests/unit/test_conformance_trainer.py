@@ -208,3 +208,13 @@ def test_fast_dev_run_keeps_a_dummy_logger(tmp_path):
     trainer.fit(M(), _data())
     assert trainer.global_step == 2 and not list(tmp_path.iterdir())
     assert Trainer(fast_dev_run=True, logger=False).loggers == []
+
+
+def test_barebones_attributes_as_lightning():
+    """Lightning's Trainer holds a PassThroughProfiler when no profiler is given; its barebones
+    test reads ``_detect_anomaly``."""
+    from zerotrain.profilers import PassThroughProfiler
+
+    trainer = Trainer(barebones=True)
+    assert isinstance(trainer.profiler, PassThroughProfiler) and trainer._detect_anomaly is False
+    assert Trainer(logger=False, detect_anomaly=True)._detect_anomaly is True

@@ -290,7 +290,8 @@ def test_new_trainer_arguments(tmp_path):
         torch.backends.cudnn.benchmark = kept
     with pytest.raises(ConfigError, match="profiler"):
         _trainer(tmp_path, profiler="simple")
-    assert _trainer(tmp_path, profiler=None).profiler is None
+    from zerotrain.profilers import PassThroughProfiler
+    assert isinstance(_trainer(tmp_path, profiler=None).profiler, PassThroughProfiler)  # Lightning's: records nothing
 
 
 def test_barebones_as_lightning(tmp_path):
