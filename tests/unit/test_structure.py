@@ -53,6 +53,8 @@ def test_the_step_sequence_is_written_once():
     calls = _calls("scale_loss", "backward", "unscale_and_check", "clip_grad_norm_", "_inner_step")
     assert calls["scale_loss"] == ["precision/base.py:self"], calls["scale_loss"]
     autograd = [c for c in calls["backward"] if not c.endswith(("self.precision", ":self", "schedule.py:b"))]
-    assert autograd == ["precision/base.py:torch.autograd"], autograd
+    # a single loss through Tensor.backward (as Lightning's plugins call it), a stage's outputs with their
+    # incoming gradients through torch.autograd.backward: both in the plugin, nowhere else
+    assert sorted(autograd) == ["precision/base.py:tensor", "precision/base.py:torch.autograd"], autograd
     for name in ("unscale_and_check", "clip_grad_norm_", "_inner_step"):
         assert [c.split(":")[0] for c in calls[name]] == ["base.py"], (name, calls[name])
