@@ -175,7 +175,12 @@ class SamplerShard(Sampler):
 def set_sampler_epoch(loader: Any, epoch: int) -> None:
     """``set_epoch(epoch)`` on the loader's sampler and its batch sampler's sampler, each once (as
     Lightning does before every training epoch and every evaluation run: a DistributedSampler
-    reshuffles, a ``SamplerShard`` forwards it to the user's sampler)."""
+    reshuffles, a ``SamplerShard`` forwards it to the user's sampler); for several loaders
+    combined (``flattened``: a CombinedLoader), on each of them."""
+    if isinstance(getattr(loader, "flattened", None), list):
+        for each in loader.flattened:
+            set_sampler_epoch(each, epoch)
+        return
     samplers = {id(s): s for s in (getattr(loader, "sampler", None),
                                    getattr(getattr(loader, "batch_sampler", None), "sampler", None)) if s is not None}
     for sampler in samplers.values():

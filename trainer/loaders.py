@@ -9,6 +9,7 @@ from typing import Any, Iterable, Iterator
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 
 from . import job
+from .data_fit import FitLoaders
 from .datamodule import DataModule
 from .errors import ConfigError
 from .compat import data as _data
@@ -132,6 +133,8 @@ class TrainerData:
         return loader
 
     def _limit(self, loader: Any, limit: int | float | None) -> float:
+        if isinstance(loader, FitLoaders):  # several training loaders: each limited, then combined
+            return loader.limited_len(lambda d: self._limit(d, limit))
         try:
             total = len(loader)
         except TypeError:

@@ -11,6 +11,7 @@ import math
 import signal
 from typing import Any
 
+from .data_fit import FitLoaders, fit_loaders
 from .launcher import is_peer_loss
 from .run_options import default_max_epochs
 from .state import RunningStage, TrainerFn, TrainerStatus
@@ -166,7 +167,7 @@ class TrainerProperties:
             log.info("Loading `train_dataloader` to estimate number of stepping batches.")
             self._load_train_loader()
         total = self.num_training_batches if self.train_dataloader is None else \
-            self._limit(self.train_dataloader, self.limit_train_batches)
+            self._limit(self._train_loader, self.limit_train_batches)
         if total == math.inf:
             return math.inf if self.max_steps == -1 else self.max_steps
         steps = math.ceil(total / self.accumulate_grad_batches) * max(self.max_epochs, 1)
@@ -177,7 +178,20 @@ class TrainerProperties:
     def _load_train_loader(self) -> None:
         """``fit``'s training loader (the one given, the datamodule's or the module's), prepared."""
         given, self._train_source = self._train_source, _UNSET
-        self.train_dataloader = self._overfit(self._prepare_loader(self._source("train_dataloader", given), "fit"))
+        self._train_loader = fit_loaders(self._source("train_dataloader", given),
+                                         lambda loader: self._overfit(self._prepare_loader(loader, "fit")))
+
+    _train_loader: Any = None  # what the fit loop iterates: the loader, or several as a FitLoaders
+
+    @property
+    def train_dataloader(self) -> Any:
+        """Lightning's: ``fit``'s training loader, or the list/dict of them (``trainer/data_fit.py``)."""
+        loader = self._train_loader
+        return loader.iterables if isinstance(loader, FitLoaders) else loader
+
+    @train_dataloader.setter
+    def train_dataloader(self, loader: Any) -> None:
+        self._train_loader = loader
 
     def _reload_due(self, epoch: int) -> bool:
         """``reload_dataloaders_every_n_epochs``: this epoch requests the loaders again."""
@@ -197,7 +211,7 @@ class TrainerProperties:
             self._load_train_loader()
             if self.val_dataloader is not None:
                 self.val_dataloader = self._val_loaders(self._source("val_dataloader", None))
-        return self.train_dataloader
+        return self._train_loader
 
     _fit_loaders_given = False
 

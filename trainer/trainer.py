@@ -364,7 +364,7 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
         st, module = self.state, self.module
         if no_training(self):  # Lightning: nothing to train, no training hooks
             return
-        loader = self.train_dataloader
+        loader = self._train_loader  # the loader, or several combined (trainer/data_fit.py)
         n_batches = self._limit(loader, self.limit_train_batches)
         if n_batches == 0:
             raise ConfigError(f"Trainer.fit: the training loader has no batch (len(train_dataloader)="

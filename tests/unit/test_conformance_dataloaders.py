@@ -131,3 +131,76 @@ def test_an_iterable_dataset_with_a_length_warns_as_lightning():
 def test_a_negative_fast_dev_run_says_lightnings_sentence():
     with pytest.raises(ValueError, match="fast_dev_run=-1 is not a valid configuration. It should be >= 0."):
         Trainer(fast_dev_run=-1)
+
+
+# ---------------------------------------------------------------- several training loaders
+def _numbered(n, batch_size=2):
+    import torch
+    from torch.utils.data import TensorDataset
+
+    return DataLoader(TensorDataset(torch.arange(n, dtype=torch.float32)[:, None]), batch_size=batch_size)
+
+
+def _seen_batches(trainer_cls, base, source, **kw):
+    """The batch structure each training_step gets (each tensor by its first value), and the run's
+    ``num_training_batches`` / ``train_dataloader``, under ``trainer_cls`` with a ``base`` module."""
+    import torch
+    from torch.utils._pytree import tree_map
+
+    class Recorder(base):
+        def __init__(self):
+            super().__init__()
+            self.w, self.seen = torch.nn.Linear(1, 1), []
+
+        def training_step(self, batch, batch_idx):
+            self.seen.append((batch_idx, tree_map(lambda t: int(t[0, 0]) if torch.is_tensor(t) else t, batch)))
+            return self.w(torch.ones(1, 1)).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    trainer = trainer_cls(max_epochs=1, limit_val_batches=0, logger=False, enable_checkpointing=False,
+                          enable_progress_bar=False, enable_model_summary=False, **kw)
+    model = Recorder()
+    trainer.fit(model, train_dataloaders=source())
+    return model.seen, trainer.num_training_batches, trainer.train_dataloader
+
+
+@pytest.mark.parametrize("case", ["list", "dict", "nested", "max_size_cycle", "min_size", "max_size", "limited"])
+def test_several_training_loaders_give_lightnings_combined_batches(case):
+    """A list/dict of training loaders is Lightning's CombinedLoader(mode='max_size_cycle'); a
+    CombinedLoader keeps its mode; training_step gets the combined batch only, limit_train_batches
+    limits each loader, and trainer.train_dataloader is the collection (compared with Lightning)."""
+    pl = pytest.importorskip("pytorch_lightning")
+    from pytorch_lightning.utilities.combined_loader import CombinedLoader as Theirs
+
+    from zerotrain import TrainModule
+    from zerotrain.utilities.combined_loader import CombinedLoader as Ours
+
+    def source(combined):
+        def make():
+            if case == "list":
+                return [_numbered(6), _numbered(2)]
+            if case == "nested":
+                return {"a": [_numbered(6), _numbered(4)], "b": _numbered(2)}
+            if case in ("dict", "limited"):
+                return {"a": _numbered(2), "b": _numbered(6)}
+            return combined({"a": _numbered(6), "b": _numbered(2, batch_size=1)}, mode=case)
+        return make
+
+    kw = {"limit_train_batches": 2} if case == "limited" else {}
+    theirs = _seen_batches(pl.Trainer, pl.LightningModule, source(Theirs), **kw)
+    ours = _seen_batches(Trainer, TrainModule, source(Ours), **kw)
+    assert ours[:2] == theirs[:2]
+    assert type(ours[2]) is type(theirs[2]) and len(ours[2]) == len(theirs[2])
+
+
+def test_a_sequential_combined_training_loader_is_refused_as_lightning():
+    from zerotrain.utilities.combined_loader import CombinedLoader
+
+    trainer = Trainer(max_epochs=1, limit_val_batches=0, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(ValueError, match=r'`_FitLoop` does not support the `CombinedLoader\(mode="sequential"\)` mode. '
+                                         r"The available modes are: \['min_size', 'max_size_cycle', 'max_size'\]"):
+        trainer.fit(BoringModel(), CombinedLoader([_numbered(4), _numbered(2)], mode="sequential"))
+    assert trainer.num_training_batches == 3

@@ -64,26 +64,32 @@ class CombinedLoader:
                 for i, batch in enumerate(iterable):
                     yield batch, i, k
             return
-        lengths = [_len(d) for d in self._flattened]
         if self._mode == "min_size":
             batches: Iterator = zip(*self._flattened)
         elif self._mode == "max_size":
             batches = itertools.zip_longest(*self._flattened)
-        else:  # max_size_cycle: the longest one sets the length, the others start again
-            longest = max(lengths, default=0)
-            batches = itertools.islice(zip(*(self._cycle(d) for d in self._flattened)), longest)
+        else:
+            batches = self._cycled()
         for i, parts in enumerate(batches):
             yield tree_unflatten(list(parts), self._spec), i, 0
 
-    @staticmethod
-    def _cycle(iterable: Any) -> Iterator:
-        while True:
-            empty = True
-            for batch in iterable:
-                empty = False
-                yield batch
-            if empty:
-                return
+    def _cycled(self) -> Iterator[list]:
+        """max_size_cycle: an iterable that ends starts again, until every one has ended once
+        (the longest sets the length; works for iterables without a length too)."""
+        iterators = [iter(d) for d in self._flattened]
+        ended = [False] * len(iterators)
+        while iterators:
+            parts = []
+            for i, d in enumerate(self._flattened):
+                try:
+                    parts.append(next(iterators[i]))
+                except StopIteration:
+                    ended[i] = True
+                    if all(ended):
+                        return
+                    iterators[i] = iter(d)
+                    parts.append(next(iterators[i]))
+            yield parts
 
     def __iter__(self) -> "CombinedLoader":
         self._iterator = self._steps()
