@@ -33,7 +33,7 @@ class TensorBoardLogger(VersionedLogger):
         self._log_graph, self._default_hp_metric, self._prefix = log_graph, default_hp_metric, prefix
         self._sub_dir = None if sub_dir is None else os.fspath(sub_dir)
         self._kwargs = kwargs
-        self._writer = None
+        self._experiment = None
         self.hparams: dict[str, Any] = {}
 
     @property
@@ -55,10 +55,10 @@ class TensorBoardLogger(VersionedLogger):
 
     @property
     def writer(self):
-        if self._writer is None:
+        if self._experiment is None:
             from torch.utils.tensorboard import SummaryWriter
-            self._writer = SummaryWriter(log_dir=self.log_dir, **self._kwargs)
-        return self._writer
+            self._experiment = SummaryWriter(log_dir=self.log_dir, **self._kwargs)
+        return self._experiment
 
     def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
         for name, value in metrics.items():
@@ -129,15 +129,20 @@ class TensorBoardLogger(VersionedLogger):
         if os.path.isdir(self.log_dir) and not os.path.isfile(path):
             save_hparams_to_yaml(path, self.hparams)
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Picklable (a Trainer holding this logger too): the SummaryWriter is left out and made
+        again when next needed, as Lightning's."""
+        return {**self.__dict__, "_experiment": None}
+
     def finalize(self, status: str = "success") -> None:
-        if self._writer is not None:
-            self._writer.flush()
-            self._writer.close()
+        if self._experiment is not None:
+            self._experiment.flush()
+            self._experiment.close()
         if status == "success":
             self.save()
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+        if self._experiment is not None:
+            self._experiment.close()
+            self._experiment = None
 
 
 def _as_dict(params: Any) -> dict:

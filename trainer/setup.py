@@ -56,7 +56,10 @@ class TrainerSetup:
     _hooked_stage: str | None = None  # the stage whose setup hooks ran: its teardown hooks are due
 
     def _stage_setup(self, stage: str) -> None:
-        """Lightning's ``setup(stage)`` on every stage: the callbacks', then the module's."""
+        """Lightning's ``setup(stage)`` on every stage: the callbacks', then the module's. As
+        Lightning, the loggers' experiments are made first (their run directories exist then)."""
+        for logger in self.loggers:
+            getattr(logger, "experiment", None)
         self.hooks.both("setup", self, self.module, stage)
         self._hooked_stage = stage
 

@@ -136,3 +136,27 @@ def test_dummy_logger_takes_any_arguments():
     logger.log_hyperparams("1", 2, three="three")
     logger.log_metrics("1", 2, three="three")
     assert callable(logger.log_text)
+
+
+def test_loggers_experiments_exist_at_setup_and_pickle(tmp_path):
+    """Lightning makes each logger's experiment before the ``setup`` hooks, and a Trainer holding a
+    TensorBoardLogger whose writer exists pickles (the writer is left out)."""
+    import pickle
+
+    from zerotrain import Callback
+    from zerotrain.loggers import CSVLogger, TensorBoardLogger
+
+    seen = []
+
+    class AtSetup(Callback):
+        def setup(self, trainer, pl_module, stage):
+            seen.extend(lg._experiment is not None for lg in trainer.loggers)
+
+    loggers = [CSVLogger(tmp_path), TensorBoardLogger(tmp_path)]
+    trainer = Trainer(default_root_dir=tmp_path, logger=loggers, callbacks=[AtSetup()], **_QUIET)
+    trainer.fit(_module(TrainModule, lambda m: None))
+    assert seen == [True, True]
+    loggers[1].log_metrics({"a": 1.0})
+    again = pickle.loads(pickle.dumps(loggers[1]))
+    again.log_metrics({"a": 2.0})
+    assert again.log_dir == loggers[1].log_dir
