@@ -64,8 +64,8 @@ class TrainerEvaluation:
         dataloaders, datamodule = split_datamodule(fn, dataloaders, datamodule)
         if model is None:
             if self.module is None:
-                raise ConfigError(f"Trainer.{fn}: model=None, and this Trainer has no model yet; pass the "
-                                  "TrainModule")
+                raise TypeError(f"`Trainer.{fn}()` requires a `TrainModule` when it hasn't been passed in a previous "
+                                f"run: model=None, and this Trainer has no model yet")
             if ckpt_path is None:  # Lightning: the previous fit's best checkpoint, said out loud
                 log.warning("Trainer.%s(ckpt_path=None) without a model: the best checkpoint of the previous "
                             "fit is used (pass ckpt_path='best' | 'last' | a directory to silence this)", fn)

@@ -218,3 +218,31 @@ def test_barebones_attributes_as_lightning():
     trainer = Trainer(barebones=True)
     assert isinstance(trainer.profiler, PassThroughProfiler) and trainer._detect_anomaly is False
     assert Trainer(logger=False, detect_anomaly=True)._detect_anomaly is True
+
+
+@pytest.mark.parametrize("fn", ["validate", "test", "predict"])
+def test_an_evaluation_without_any_model_is_a_type_error(fn):
+    with pytest.raises(TypeError, match=rf"`Trainer.{fn}\(\)` requires a `TrainModule`"):
+        getattr(Trainer(logger=False, enable_checkpointing=False), fn)()
+
+
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_the_datamodule_sees_the_exception(tmp_path, error):
+    from zerotrain import DataModule
+
+    seen = []
+
+    class Data(DataModule):
+        def train_dataloader(self):
+            return _data()
+
+        def on_exception(self, exception):
+            seen.append(exception)
+
+    class Failing(Net):
+        def on_fit_start(self):
+            raise error("boom")
+
+    with pytest.raises((RuntimeError, SystemExit)):
+        _trainer(tmp_path).fit(Failing(), datamodule=Data())
+    assert len(seen) == 1 and isinstance(seen[0], error)
