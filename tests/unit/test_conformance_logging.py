@@ -160,3 +160,5 @@ def test_loggers_experiments_exist_at_setup_and_pickle(tmp_path):
     again = pickle.loads(pickle.dumps(loggers[1]))
     again.log_metrics({"a": 2.0})
     assert again.log_dir == loggers[1].log_dir
+    for writer in (loggers[1], again):  # their SummaryWriters' threads end here
+        writer.finalize("success")
