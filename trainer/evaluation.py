@@ -160,7 +160,7 @@ class TrainerEvaluation:
 
     def _run_validation(self, loaders: Any) -> list[dict[str, float]]:
         """The validation inside ``fit``: its loader(s), their epoch-level metrics."""
-        if not self._validation_defined():
+        if not self._validation_defined() or loaders is None:
             return []
         return self._evaluate(_EVAL_STAGES["validate"], loaders if isinstance(loaders, list) else [loaders])
 

@@ -95,7 +95,8 @@ class TrainerLimits:
         """``check_val_every_n_epoch``: validation runs in every n-th epoch only (None: every epoch,
         the batches of the whole run counted by ``val_check_interval``)."""
         n = self.check_val_every_n_epoch
-        return self.val_dataloader is not None and (n is None or (self.state.epoch + 1) % n == 0)
+        has_val = self.val_dataloader is not None or self._val_pending  # not yet requested: Lightning's loop asks then
+        return has_val and (n is None or (self.state.epoch + 1) % n == 0)
 
     _val_check_time: float | None = None  # a time-based val_check_interval, in seconds
     _last_val_time = 0.0

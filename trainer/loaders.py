@@ -115,6 +115,45 @@ class TrainerData:
                         "Shard it yourself, or pass sampler= and batch_size= instead", stage,
                         type(loader.batch_sampler).__name__)
 
+    # ------------------------------------------------------------------ fit's validation data
+    _val_given: Any = None  # fit's val_dataloaders argument
+    _val_pending = False  # not yet requested in this fit
+    _val_loaded_epoch: float = -math.inf
+
+    def _start_val_data(self, given: Any) -> None:
+        """``fit`` begins: its validation loaders are requested when Lightning's validation loop
+        requests them (``_fit_val_loaders``): first by the sanity check, when one runs (so before
+        the training loader, as Lightning), else at the start of training or the first validation."""
+        self._val_given, self._val_pending, self._val_loaded_epoch = given, True, -math.inf
+        self.val_dataloader = None
+        if self.num_sanity_val_steps and self.limit_val_batches != 0 and self._validation_defined():
+            self.sanity_checking = True
+            try:
+                self._fit_val_loaders()
+            finally:
+                self.sanity_checking = False
+
+    def _fit_val_loaders(self) -> Any:
+        """``fit``'s validation loader(s), requested (from the datamodule or the module; loaders
+        passed to ``fit`` are kept) the first time and again when ``reload_dataloaders_every_n_epochs``
+        epochs passed since the last request, as Lightning: none when validation is off. A request
+        by the sanity check in an epoch that does not validate does not count as the epoch's."""
+        n = self.reload_dataloaders_every_n_epochs
+        epoch = self.state.epoch
+        due = self._val_pending or (bool(n) and self._val_given is None and epoch - self._val_loaded_epoch >= n)
+        if not due:
+            return self.val_dataloader
+        if self.limit_val_batches == 0 or not self._validation_defined():  # Lightning asks for no data then
+            self._val_pending = False
+            return self.val_dataloader
+        if n and not self._val_pending:
+            log.info("epoch %d: reloading the validation dataloaders (reload_dataloaders_every_n_epochs=%d)", epoch, n)
+        if not self.sanity_checking or self._validates_this_epoch():
+            self._val_loaded_epoch = epoch
+        self._val_pending = False
+        self.val_dataloader = self._val_loaders(self._source("val_dataloader", self._val_given))
+        return self.val_dataloader
+
     def _overfit(self, loader: Any) -> Any:
         """``overfit_batches``: the same first batches every epoch, so the loader must not shuffle;
         the injected DistributedSampler is made sequential (Lightning swaps in a sequential one)."""

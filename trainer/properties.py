@@ -203,16 +203,15 @@ class TrainerProperties:
     _loaded_epoch = 0
 
     def _reload_loaders(self, epoch: int) -> Any:
-        """Request the training and validation loaders again (from the datamodule or the module,
-        Lightning's rule: loaders passed to ``fit`` are kept as they are); returns the training one."""
-        log.info("epoch %d: reloading the dataloaders (reload_dataloaders_every_n_epochs=%d)", epoch,
+        """Request the training loader again (from the datamodule or the module, Lightning's rule:
+        loaders passed to ``fit`` are kept as they are); returns it. The validation loaders have
+        their own timing (``_fit_val_loaders``)."""
+        log.info("epoch %d: reloading the training dataloader (reload_dataloaders_every_n_epochs=%d)", epoch,
                  self.reload_dataloaders_every_n_epochs)
         self._loaded_epoch = epoch
         if not self._fit_loaders_given:
             self._train_source = None
             self._load_train_loader()
-            if self.val_dataloader is not None:
-                self.val_dataloader = self._val_loaders(self._source("val_dataloader", None))
         return self._train_loader
 
     _fit_loaders_given = False

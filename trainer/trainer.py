@@ -290,12 +290,12 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
         self._start("fit", train_dataloaders)
         try:
             self._setup(module, "fit", datamodule)
+            self._start_val_data(val_dataloaders)  # the sanity check's request comes first, as Lightning's
             if self.train_dataloader is None:  # not already loaded by estimated_stepping_batches
                 self._load_train_loader()
             if self.train_dataloader is None:
                 raise ConfigError("Trainer.fit: no training data (pass train_dataloaders or a datamodule, or "
                                   "implement train_dataloader())")
-            self.val_dataloader = self._val_loaders(self._source("val_dataloader", val_dataloaders))
             ckpt_path = checkpointing.resume_path(self, ckpt_path)
             if ckpt_path:
                 checkpointing.load(self, ckpt_path)
@@ -375,6 +375,8 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
         module.train()
         self._last_val_time = time.monotonic()  # a time-based val_check_interval counts from here
         self._logging.start_training(n_batches)
+        if self._validates_this_epoch():  # as Lightning, the validation data is there from the start (progress bars)
+            self._fit_val_loaders()
         self.hooks.both("on_train_start", self, module)
         while not self._done():
             if self._reload_due(st.epoch):  # reload_dataloaders_every_n_epochs
@@ -398,7 +400,7 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
                 if cut:  # the epoch ends here, without its end-of-epoch validation (as Lightning)
                     break
                 if self._validation_due(val_batch, batch_idx):  # after every batch, as Lightning
-                    self._run_validation(self.val_dataloader)
+                    self._run_validation(self._fit_val_loaders())
                 if stepped:  # ReduceLROnPlateau on steps: after the metrics of this step's validation
                     self._optim.step_schedulers("step", plateau=True, index=batch_idx)
                 self._logging.batch_done(stepped)

@@ -204,3 +204,53 @@ def test_a_sequential_combined_training_loader_is_refused_as_lightning():
                                          r"The available modes are: \['min_size', 'max_size_cycle', 'max_size'\]"):
         trainer.fit(BoringModel(), CombinedLoader([_numbered(4), _numbered(2)], mode="sequential"))
     assert trainer.num_training_batches == 3
+
+
+# ---------------------------------------------------------------- when fit requests its loaders
+def _requests(trainer_cls, base, **kw):
+    """Each request of fit's loaders (hook, epoch, sanity checking) and each validation's epoch."""
+    import torch
+
+    calls = []
+
+    class Tracker(base):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Linear(1, 1)
+
+        def training_step(self, batch, batch_idx):
+            return self.w(batch[0]).sum()
+
+        def validation_step(self, batch, batch_idx):
+            if not self.trainer.sanity_checking:
+                calls.append(("validation_step", self.current_epoch))
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        def train_dataloader(self):
+            calls.append(("train_dataloader", self.current_epoch, self.trainer.sanity_checking))
+            return _numbered(4)
+
+        def val_dataloader(self):
+            calls.append(("val_dataloader", self.current_epoch, self.trainer.sanity_checking))
+            return _numbered(4)
+
+    trainer = trainer_cls(max_epochs=6, limit_train_batches=1, limit_val_batches=1, logger=False,
+                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **kw)
+    trainer.fit(Tracker())
+    return calls
+
+
+@pytest.mark.parametrize("sanity, every_n, reload", [(2, 1, 0), (0, 3, 4), (2, 3, 4), (2, 2, 1), (0, 2, 2),
+                                                     (2, 5, 2)])
+def test_fit_requests_its_loaders_when_lightning_does(sanity, every_n, reload):
+    """Validation loaders are requested by the sanity check first (before the training loader), else
+    at training start in a validating epoch or at the first validation, and again once
+    reload_dataloaders_every_n_epochs passed since the last request (a sanity check's request in an
+    epoch that does not validate does not count); the training loader at epochs 0, n, 2n, ..."""
+    pl = pytest.importorskip("pytorch_lightning")
+    from zerotrain import TrainModule
+
+    kw = dict(num_sanity_val_steps=sanity, check_val_every_n_epoch=every_n, reload_dataloaders_every_n_epochs=reload)
+    assert _requests(Trainer, TrainModule, **kw) == _requests(pl.Trainer, pl.LightningModule, **kw)
