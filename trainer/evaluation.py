@@ -190,7 +190,7 @@ class TrainerEvaluation:
     num_predict_batches: list = []
 
     def _count_batches(self, spec: "_EvalStage", loaders: list) -> list:
-        counts = [self._limit(loader, getattr(self, spec.limit)) for loader in loaders]
+        counts = [self._limit(loader, getattr(self, spec.limit), spec.limit.split("_")[1]) for loader in loaders]
         setattr(self, {"validate": "num_val_batches", "test": "num_test_batches",
                        "predict": "num_predict_batches"}[spec.fn], counts)
         if self.sanity_checking:

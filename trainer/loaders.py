@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Sequ
 from . import job
 from .data_fit import FitLoaders
 from .datamodule import DataModule
-from .errors import ConfigError
+from .errors import ConfigError, MisconfigurationException
 from .compat import data as _data
 from .compat.data import _auto_add_worker_init_fn
 from .utilities import PossibleUserWarning, is_overridden, rank_zero_warn
@@ -171,18 +171,24 @@ class TrainerData:
                               "shuffle=False")
         return loader
 
-    def _limit(self, loader: Any, limit: int | float | None) -> float:
+    def _limit(self, loader: Any, limit: int | float | None, prefix: str = "train") -> float:
+        """The batches ``limit_<prefix>_batches`` leaves of ``loader`` (inf: no length, or a
+        ``__len__`` raising NotImplementedError, as Lightning); a fraction other than 1.0 of a
+        loader without a length is Lightning's MisconfigurationException."""
         if isinstance(loader, FitLoaders):  # several training loaders: each limited, then combined
-            return loader.limited_len(lambda d: self._limit(d, limit))
-        try:
-            total = len(loader)
-        except TypeError:
-            total = math.inf
+            return loader.limited_len(lambda d: self._limit(d, limit, prefix))
+        total = len_or_none(loader)
+        total = math.inf if total is None else total
         if limit is None:
             return total
         if limit == 0:  # 0 or 0.0: this stage is off (Lightning's limit_*_batches=0)
             return 0
         if isinstance(limit, float) and limit <= 1.0:
+            if total == math.inf and limit != 1.0:
+                raise MisconfigurationException(
+                    f"When using an `IterableDataset`, `Trainer(limit_{prefix}_batches)` must be `1.0` or an int. An "
+                    f"int specifies `num_{prefix}_batches` to use. Trainer: limit_{prefix}_batches={limit!r} with a "
+                    f"{type(loader).__name__} without a length")
             return max(1, int(total * limit)) if total != math.inf else math.inf
         return min(total, int(limit))
 
@@ -225,10 +231,8 @@ def with_last(batches: Iterable, n_batches: float) -> Iterator[tuple[Any, bool]]
     yield ahead, True
 
 def len_or_none(loader: Any) -> int | None:
-    try:
-        return len(loader)
-    except TypeError:
-        return None
+    """``len(loader)``, None without one (no ``__len__``, or one raising NotImplementedError)."""
+    return _data.sized_len(loader)
 
 
 #: the stage a loader is prepared for -> Lightning's name of its hook

@@ -254,3 +254,61 @@ def test_fit_requests_its_loaders_when_lightning_does(sanity, every_n, reload):
 
     kw = dict(num_sanity_val_steps=sanity, check_val_every_n_epoch=every_n, reload_dataloaders_every_n_epochs=reload)
     assert _requests(Trainer, TrainModule, **kw) == _requests(pl.Trainer, pl.LightningModule, **kw)
+
+
+# ---------------------------------------------------------------- loaders without a length
+class _NoLen:
+    """A loader whose ``__len__`` raises NotImplementedError (or, ``has_len=False``, has none)."""
+
+    def __init__(self, n=4):
+        self.loader = _numbered(2 * n)
+
+    def __iter__(self):
+        return iter(self.loader)
+
+    def __len__(self):
+        raise NotImplementedError
+
+
+@pytest.mark.parametrize("fn", ["fit", "validate", "test", "predict"])
+def test_a_fraction_of_a_loader_without_a_length_is_lightnings_error(fn):
+    from zerotrain.utilities.exceptions import MisconfigurationException
+
+    prefix = {"fit": "train", "validate": "val"}.get(fn, fn)
+    trainer = Trainer(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, **{f"limit_{prefix}_batches": 0.5})
+    model = BoringModel()
+    loader = _NoLen()
+    loader.loader = DataLoader(RandomDataset(32, 8), batch_size=2)
+    with pytest.raises(MisconfigurationException, match=rf"IterableDataset`, `Trainer\(limit_{prefix}_batches\)` must "
+                                                       rf"be `1.0` or an int. An int specifies `num_{prefix}_batches`"):
+        getattr(trainer, fn)(model, loader)
+
+
+def test_a_len_raising_not_implemented_is_a_loader_without_a_length():
+    """As Lightning: the epoch runs until the loader ends (validation after its last batch)."""
+    import torch
+
+    from zerotrain import TrainModule
+
+    class M(TrainModule):
+        def __init__(self):
+            super().__init__()
+            self.w, self.val_at = torch.nn.Linear(1, 1), []
+
+        def training_step(self, batch, batch_idx):
+            return self.w(batch[0]).sum()
+
+        def validation_step(self, batch, batch_idx):
+            if not self.trainer.sanity_checking:
+                self.val_at.append(self.global_step)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    model = M()
+    trainer = Trainer(max_epochs=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False)
+    trainer.fit(model, _NoLen(3), _NoLen(2))
+    assert trainer.num_training_batches == float("inf") and trainer.global_step == 6
+    assert model.val_at == [3, 3, 6, 6]
