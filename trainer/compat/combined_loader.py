@@ -88,7 +88,10 @@ class CombinedLoader:
                     if all(ended):
                         return
                     iterators[i] = iter(d)
-                    parts.append(next(iterators[i]))
+                    try:
+                        parts.append(next(iterators[i]))
+                    except StopIteration:  # empty: the combination ends here, as Lightning's
+                        return
             yield parts
 
     def __iter__(self) -> "CombinedLoader":
