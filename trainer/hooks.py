@@ -2,6 +2,7 @@
 the module's - Lightning's order for every hook the two share."""
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Mapping
 import logging
@@ -67,7 +68,8 @@ class HookDispatcher:
             fn = getattr(cb, hook, None)  # a duck-typed callback may define only the hooks it uses
             if fn is None:
                 continue
-            with hook_scope(trainer, hook):  # a callback's pl_module.log logs under the hook's name
+            with hook_scope(trainer, hook), _profiled(trainer, f"[Callback]{_state_key(cb)}.{hook}"):
+                # a callback's pl_module.log logs under the hook's name
                 if hook in ("setup", "teardown") and not _takes_stage(fn):
                     self._warn_legacy(cb, hook)
                     fn(trainer, module)
@@ -81,7 +83,7 @@ class HookDispatcher:
         module, so they see what the module's ``on_train_epoch_end`` logged."""
         last = _monitoring if hook == "on_train_epoch_end" else None
         self(hook, trainer, module, *args, only=None if last is None else (lambda cb: not last(cb)))
-        with hook_scope(trainer, hook):
+        with hook_scope(trainer, hook), _profiled(trainer, f"[LightningModule]{type(module).__name__}.{hook}"):
             result = getattr(module, hook)(*args)
         if last is not None:
             self(hook, trainer, module, *args, only=last)
@@ -117,6 +119,12 @@ def _state_key(cb: Any) -> str:
     """A callback's key in a checkpoint: its ``state_key``, or its class's qualified name (as
     Lightning's default) for a duck-typed one without it."""
     return getattr(cb, "state_key", None) or type(cb).__qualname__
+
+
+def _profiled(trainer: Any, action: str) -> Any:
+    """The Trainer's profiler timing ``action`` (Lightning's names for hooks), if it has one."""
+    profiler = getattr(trainer, "profiler", None)
+    return profiler.profile(action) if profiler is not None else contextlib.nullcontext()
 
 
 def _takes_stage(fn: Any) -> bool:

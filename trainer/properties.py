@@ -125,6 +125,7 @@ class TrainerProperties:
         loads its training data on demand (``_load_train_loader``)."""
         self.state.fn, self.state.status = TrainerFn(fn), TrainerStatus.RUNNING
         self.state.stage = RunningStage.TRAINING if fn == "fit" else RunningStage(fn)
+        self.profiler.setup(stage=fn, local_rank=None, log_dir=None)  # Lightning's: describe() at the stage's end
         if fn == "fit":
             self.max_epochs = default_max_epochs(self.max_epochs, self.max_steps, self.callbacks)  # at fit, as Lightning
             self.train_dataloader, self._train_source, self._loaded_epoch = None, train_source, 0
@@ -132,6 +133,7 @@ class TrainerProperties:
 
     def _finish(self) -> None:
         self.state.status, self.state.stage = TrainerStatus.FINISHED, None
+        self.profiler.describe()
 
     def _interrupted(self, exc: BaseException, module: Any, in_fit: bool = False) -> BaseException:
         """An exception ends the stage, as Lightning's: ``interrupted`` is set and the callbacks'

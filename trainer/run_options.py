@@ -75,17 +75,19 @@ def set_benchmark(benchmark: Any, deterministic: bool) -> bool | None:
 
 def check_run_options(inference_mode: Any, reload_every: Any, profiler: Any) -> None:
     """``inference_mode`` a bool, ``reload_dataloaders_every_n_epochs`` an int >= 0; ``profiler``:
-    None only (zerotrain has no profiler: its ResourceMonitor callback times the step's phases)."""
+    None, ``"simple"`` or a Profiler (``compat/profilers.profiler_of``)."""
     if not isinstance(inference_mode, bool):
         raise ConfigError(f"Trainer: inference_mode={inference_mode!r}; valid: True (torch.inference_mode) or False "
                           "(torch.no_grad) for evaluation")
     if isinstance(reload_every, bool) or not isinstance(reload_every, int) or reload_every < 0:
         raise ConfigError(f"`reload_dataloaders_every_n_epochs` should be an int >= 0, got {reload_every}. Trainer: "
                           f"reload_dataloaders_every_n_epochs={reload_every!r}; valid: an int >= 0 (0: never)")
-    if profiler is not None:
-        raise ConfigError(f"Trainer: profiler={profiler!r}; valid: None. zerotrain has no profiler (Lightning's "
-                          "'simple', 'advanced', 'pytorch' or a Profiler object): use the ResourceMonitor callback "
-                          "for a per-phase step-time breakdown, or torch.profiler around fit")
+    from .compat.profilers import profiler_of
+
+    try:
+        profiler_of(profiler)
+    except ValueError as exc:
+        raise ConfigError(f"Trainer: {exc}; the ResourceMonitor callback breaks a step's time down by phase") from None
 
 
 def default_max_epochs(max_epochs: int | None, max_steps: int, callbacks: list) -> int | None:

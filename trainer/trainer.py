@@ -24,7 +24,7 @@ from ..strategies import Strategy, instrument, progress
 from ..strategies.environment import detect
 from ..strategies.paths import directory_problem
 from . import checkpointing, elastic, hparams, job, plugin_checks, run_options, signals
-from .compat.profilers import PassThroughProfiler
+from .compat.profilers import Profiler, profiler_of
 from .arguments import (check_limit, check_lightning_args, default_callbacks, fast_dev_run_flags, lightning_callbacks,
                         make_loggers, positive_int, positive_number)
 from .errors import ConfigError
@@ -100,7 +100,7 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
         inference_mode: bool = True,
         reload_dataloaders_every_n_epochs: int = 0,
         benchmark: bool | None = None,
-        profiler: None = None,
+        profiler: Profiler | str | None = None,
         barebones: bool = False,
     ) -> None:
         """As Lightning's Trainer, plus zerotrain's own arguments. ``seed``: None (the default, as
@@ -175,7 +175,7 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
         self.default_root_dir = os.path.abspath(default_root_dir or os.getcwd())
         self.seed, self.deterministic = seed, deterministic
         self.benchmark = run_options.set_benchmark(benchmark, deterministic)
-        self.inference_mode, self.barebones, self.profiler = inference_mode, barebones, PassThroughProfiler()
+        self.inference_mode, self.barebones, self.profiler = inference_mode, barebones, profiler_of(profiler)
         self.reload_dataloaders_every_n_epochs = reload_dataloaders_every_n_epochs
         self.on_nonfinite, self.stall_timeout_s = on_nonfinite, stall_timeout_s
         self._watchdog: ProgressWatchdog | None = None

@@ -312,3 +312,48 @@ def test_a_len_raising_not_implemented_is_a_loader_without_a_length():
     trainer.fit(model, _NoLen(3), _NoLen(2))
     assert trainer.num_training_batches == float("inf") and trainer.global_step == 6
     assert model.val_at == [3, 3, 6, 6]
+
+
+# ---------------------------------------------------------------- Trainer(profiler=...)
+def test_the_trainers_profiler_times_the_hooks_under_lightnings_names():
+    pl = pytest.importorskip("pytorch_lightning")
+    from pytorch_lightning.callbacks import Callback as TheirCallback
+
+    from zerotrain.callbacks import Callback
+    from zerotrain.profilers import SimpleProfiler
+
+    def actions(trainer_cls, model, callback):
+        trainer = trainer_cls(max_epochs=1, limit_train_batches=2, limit_val_batches=1, logger=False,
+                              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                              profiler="simple", callbacks=[callback])
+        assert isinstance(trainer.profiler, SimpleProfiler) == (trainer_cls is Trainer)
+        trainer.fit(model)
+        return set(trainer.profiler.recorded_durations)
+
+    class Cb(Callback):
+        def on_train_epoch_end(self, trainer, pl_module):
+            pass
+
+    class TheirCb(TheirCallback):
+        def on_train_epoch_end(self, trainer, pl_module):
+            pass
+
+    from pytorch_lightning.demos.boring_classes import BoringModel as TheirModel
+
+    hooks = ("on_fit_start", "on_train_start", "on_train_epoch_start", "on_train_epoch_end", "on_train_end",
+             "on_fit_end")
+    want = {f"[LightningModule]{name}.{h}" for name in ("BoringModel",) for h in hooks}
+    theirs = actions(pl.Trainer, TheirModel(), TheirCb())
+    ours = actions(Trainer, BoringModel(), Cb())
+    assert want <= theirs and want <= ours
+    assert f"[Callback]{TheirCb.__qualname__}.on_train_epoch_end" in theirs  # a callback's state_key
+    assert f"[Callback]{Cb.__qualname__}.on_train_epoch_end" in ours
+    profiler = SimpleProfiler()
+    assert Trainer(profiler=profiler).profiler is profiler
+
+
+def test_an_unknown_profiler_is_refused_with_the_choices():
+    from zerotrain.trainer.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="profiler='advanced'; valid: None, 'simple' or a Profiler instance"):
+        Trainer(profiler="advanced")

@@ -289,7 +289,7 @@ def test_new_trainer_arguments(tmp_path):
     finally:
         torch.backends.cudnn.benchmark = kept
     with pytest.raises(ConfigError, match="profiler"):
-        _trainer(tmp_path, profiler="simple")
+        _trainer(tmp_path, profiler="advanced")  # "simple" and a Profiler are taken (test_conformance_dataloaders)
     from zerotrain.profilers import PassThroughProfiler
     assert isinstance(_trainer(tmp_path, profiler=None).profiler, PassThroughProfiler)  # Lightning's: records nothing
 
