@@ -14,7 +14,7 @@ from .datamodule import DataModule
 from .errors import ConfigError, MisconfigurationException
 from .compat import data as _data
 from .compat.data import _auto_add_worker_init_fn
-from .utilities import PossibleUserWarning, is_overridden, rank_zero_warn
+from .utilities import PossibleUserWarning, is_overridden, isolate_rng, rank_zero_warn
 
 log = logging.getLogger("zerotrain")
 
@@ -129,7 +129,8 @@ class TrainerData:
         if self.num_sanity_val_steps and self.limit_val_batches != 0 and self._validation_defined():
             self.sanity_checking = True
             try:
-                self._fit_val_loaders()
+                with isolate_rng():  # part of Lightning's isolated sanity check: the training loader sees the same RNG
+                    self._fit_val_loaders()
             finally:
                 self.sanity_checking = False
 

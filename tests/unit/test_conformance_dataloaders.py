@@ -8,6 +8,7 @@ import os
 from unittest import mock
 
 import pytest
+import torch
 from torch.utils.data import DataLoader
 
 from zerotrain import Trainer, seed_everything
@@ -357,3 +358,34 @@ def test_an_unknown_profiler_is_refused_with_the_choices():
 
     with pytest.raises(ConfigError, match="profiler='advanced'; valid: None, 'simple' or a Profiler instance"):
         Trainer(profiler="advanced")
+
+
+def _loader_draws(trainer_cls, model_cls) -> list:
+    """Each loader hook draws from torch's global RNG when it is called: the streams they see."""
+    seen = []
+
+    class Drawing(model_cls):
+        def train_dataloader(self):
+            seen.append(("train", float(torch.rand(1))))
+            return super().train_dataloader()
+
+        def val_dataloader(self):
+            seen.append(("val", float(torch.rand(1))))
+            return super().val_dataloader()
+
+    torch.manual_seed(0)
+    trainer_cls(accelerator="cpu", devices=1, max_epochs=1, limit_train_batches=2, limit_val_batches=1,
+                logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                enable_model_summary=False).fit(Drawing())
+    return seen
+
+
+def test_the_sanity_checks_loader_request_leaves_the_rng_as_it_was():
+    """Lightning requests the validation loader inside its RNG-isolated sanity check, so the
+    training loader (its random dataset, its sampler seed) sees the stream the check found."""
+    pl = pytest.importorskip("pytorch_lightning")
+    from pytorch_lightning.demos.boring_classes import BoringModel as Theirs
+
+    ours = _loader_draws(Trainer, BoringModel)
+    assert ours == _loader_draws(pl.Trainer, Theirs)
+    assert [k for k, _ in ours] == ["val", "train"] and ours[0][1] == ours[1][1]
