@@ -125,6 +125,24 @@ def _broadcast_weights(model: nn.Module, device: torch.device) -> None:
                     p.data.copy_(t)
 
 
+def _round_to_16bit(model: nn.Module, cfg: DeepSpeedConfig) -> None:
+    """fp16/bf16: DeepSpeed casts the module to the 16-bit type before its optimizer copies the
+    fp32 masters, so the masters start from the 16-bit-rounded weights. zerotrain keeps the
+    module's fp32 parameters (its forward runs under autocast) and builds the masters from them:
+    round them through the 16-bit type in place, so both start from the same values. Without it
+    a small first update (a warm-up's lr) moved zerotrain's weights by a rounding step where
+    DeepSpeed's stayed put. Parameters built under zero.Init (placeholders) are left as they are."""
+    from ...strategies.zero.unit import is_placeholder
+
+    dtype = torch.float16 if cfg.fp16_enabled else torch.bfloat16 if cfg.bf16_enabled else None
+    if dtype is None:
+        return
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.is_floating_point() and p.dtype != dtype and not is_placeholder(p):
+                p.copy_(p.to(dtype))
+
+
 def _dataloader(cfg: DeepSpeedConfig, engine: Any, dataset: Any, collate_fn: Callable | None) -> DataLoader:
     """DeepSpeed's training loader: ``train_micro_batch_size_per_gpu`` samples per batch, drawn by
     a DistributedSampler with its defaults (shuffled with seed 0; the same order every pass, since
@@ -168,6 +186,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
             log.info("initialize: the config's \"activation_checkpointing\" applies once the script calls "
                      "deepspeed.checkpointing.configure(None, deepspeed_config=...), as in DeepSpeed")
     _broadcast_weights(model, engine.device)
+    _round_to_16bit(model, cfg)
     opt = _optimizer(cfg, optimizer, model, model_parameters)
     wrapped_model, wrapped_opt = engine.setup(model, opt)
     zero.register(engine)

@@ -1,0 +1,43 @@
+"""zerotrain.deepspeed under fp16/bf16 starts the fp32 masters from the 16-bit-rounded weights, as
+DeepSpeed does (it casts the module to the 16-bit type before its optimizer copies the masters).
+Found running DeepSpeedExamples' training/cifar with bf16 (bench/CONFORMANCE.md): a warm-up's small
+first update moved zerotrain's weights by a rounding step where DeepSpeed's stayed put."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import zerotrain.deepspeed as deepspeed
+
+from deepspeed_unit_common import BASE, _own_group_and_checkpointing  # noqa: F401 - autouse fixture
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+
+
+def _initialize(section: dict, stage: int, lr: float = 1e-3):
+    model = _model()
+    config = {**BASE, **section, "zero_optimization": {"stage": stage},
+              "optimizer": {"type": "Adam", "params": {"lr": lr, "torch_adam": True}}}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    return engine, model
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("section,dtype", [({"bf16": {"enabled": True}}, torch.bfloat16),
+                                           ({"fp16": {"enabled": True}}, torch.float16),
+                                           ({}, None)])
+def test_masters_start_from_the_16bit_weights(section, dtype, stage):
+    original = _model().state_dict()
+    engine, _ = _initialize(section, stage)
+    masters = engine._model.full_state_dict()  # the complete fp32 weights: ZeRO's masters, else the module's
+    assert masters.keys() == original.keys()
+    for name, o in original.items():
+        want = o if dtype is None else o.to(dtype).float()
+        assert masters[name].dtype == torch.float32
+        torch.testing.assert_close(masters[name], want, rtol=0, atol=0)
+    if dtype is not None:
+        assert any(not torch.equal(o, o.to(dtype).float()) for o in original.values())  # rounding changes them
