@@ -263,6 +263,8 @@ def parse(config: "str | os.PathLike | Mapping[str, Any]", world_size: int) -> D
     out["gradient_clipping"] = float(clip)
     out.update(_precision(raw, reader))
     out.update(_zero(raw, reader, world_size))
+    if out["zero_stage"] and out["precision"] != "32":  # DeepSpeed's communication_data_type: the 16-bit type
+        out["strategy_options"].setdefault("reduce_dtype", "bf16" if out["precision"] == "bf16-mixed" else "fp16")
     out["zero_allow_untested_optimizer"] = _flag("zero_allow_untested_optimizer",
                                                  raw.get("zero_allow_untested_optimizer", default("zero_allow_untested_optimizer")))
     if raw.get("optimizer") is not None:
