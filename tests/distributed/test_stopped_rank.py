@@ -47,6 +47,15 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _alive_after(pid: int, grace_s: float) -> bool:
+    """Still there ``grace_s`` after the job ended: a SIGKILL sent to a stopped process by a rank
+    that then exits lands, and the orphan is reaped, a moment later on a loaded machine."""
+    deadline = time.time() + grace_s
+    while _alive(pid) and time.time() < deadline:
+        time.sleep(0.05)
+    return _alive(pid)
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("launcher", ["local", "torchrun"])
 def test_a_stopped_rank_is_ended_by_its_peer_and_left_behind_by_nobody(tmp_path, launcher):
