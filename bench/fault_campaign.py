@@ -15,7 +15,8 @@ strategy (ddp, zero1, zero2, zero3, offload to CPU, offload to NVMe, pipeline), 
                        under the pipeline, which runs no ``training_step``)
 ``exception_callback`` an exception in a callback's ``on_train_batch_end`` on one rank
 ``rank0_forward``      a forward on rank 0 alone (zero3's trap; harmless elsewhere)
-``enospc``             ENOSPC while one rank writes its shard of the checkpoint of step k
+``enospc``             ENOSPC while one rank writes its shard of the checkpoint of step k (under ddp,
+                       whose checkpoint is one file, while rank 0 writes it)
 ``truncate``/``flip``  the newest checkpoint (step k) loses half of one file / gets one byte
                        flipped, after a run that stopped there
 ``sigterm``            SIGTERM to the job's whole process group
@@ -65,6 +66,10 @@ MARK = "ZT_FAULT_CAMPAIGN"
 GATHERS_IN_FORWARD = ("zero3", "offload_nvme")
 
 
+#: strategies whose checkpoint is one ``.ckpt`` file written by rank 0 (every other rank's shard is empty)
+ONE_FILE = ("ddp",)
+
+
 def draw(jobs: int, seed: int) -> list[dict]:
     """The jobs: every fault and every strategy as evenly as the count allows, in a seeded order;
     the rest at random."""
@@ -82,6 +87,8 @@ def draw(jobs: int, seed: int) -> list[dict]:
             rank = 0
         if fault == "nan" and strategy == "pipeline":
             rank = world - 1  # only the last stage computes the loss
+        if fault == "enospc" and strategy in ONE_FILE:
+            rank = 0  # replicated state is saved as one file, which rank 0 writes
         out.append({"id": i, "strategy": strategy, "world": world, "launcher": rng.choice(LAUNCHERS),
                     "fault": fault, "rank": rank, "step": rng.randint(2, STEPS - 3),
                     "delay_s": round(rng.uniform(0.0, 0.3), 3)})
@@ -346,7 +353,8 @@ def judge(job: dict, row: dict, text: str) -> tuple[bool, bool]:
         done = rc == 0 and all(f"rank {q} finished at step {STEPS}" in text for q in range(job["world"]))
         return done, done
     if f == "enospc":
-        said = re.search(rf"rank {r}: writing \S*rank_{r:05d}\.safetensors: No space left on device", text)
+        file = r"\.ckpt(\.tmp)?" if job["strategy"] in ONE_FILE else rf"rank_{r:05d}\.safetensors"
+        said = re.search(rf"rank {r}: writing \S*{file}: No space left on device", text)
         return bool(said), "No space left on device" in text
     if f in ("truncate", "flip"):
         name = Path(row["target"]).name

@@ -158,6 +158,29 @@ def _fill_disk_at(trainer, step: int) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(file))
 
     checkpoint_io._write_shard = full_disk
+    # one-file checkpoints (replicated state, rank 0): the disk fills after the first 16 KiB
+    from zerotrain.trainer import checkpoint_file
+
+    opened = checkpoint_file._Writer.__init__
+
+    class FullDisk:
+        def __init__(self, f):
+            self._f, self._left = f, 16 << 10
+
+        def write(self, data):
+            if self._left < len(data):
+                announce("enospc", trainer.global_rank, step)
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), self._f.name)
+            self._left -= len(data)
+            return self._f.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self._f, name)
+
+    def writer(self, f):
+        opened(self, FullDisk(f) if trainer.global_step == step else f)
+
+    checkpoint_file._Writer.__init__ = writer
 
 
 def main(path: str) -> None:
