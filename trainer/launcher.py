@@ -154,6 +154,11 @@ class LocalLauncher:
             deadline = time.monotonic() + (PEER_EXIT_WAIT_S if peer_lost else 1.0)
             while time.monotonic() < deadline and all(p.poll() is None for p in self.children):
                 time.sleep(0.05)
+            # the first rank reaped may be an innocent peer that the failing one's exit broke (its
+            # gloo error): the others dying at that moment get half a second to be reaped and named too
+            grace = time.monotonic() + 0.5
+            while time.monotonic() < grace and any(p.poll() is None for p in self.children):
+                time.sleep(0.05)
             for rank, proc in enumerate(self.children, start=1):
                 if proc.poll() is not None and (proc.returncode != 0 or in_fit):
                     self._report(rank, proc.returncode)
