@@ -339,6 +339,23 @@ def test_torch_checkpoint_io_round_trips(tmp_path):
         io.load_checkpoint(path)
 
 
+class _RunsCode:
+    def __reduce__(self):
+        return (os.system, ("true",))  # what a hostile checkpoint would carry
+
+
+def test_torch_checkpoint_io_never_unpickles_code(tmp_path):
+    from zerotrain.fabric.plugins import TorchCheckpointIO
+
+    path = tmp_path / "hostile.ckpt"
+    torch.save({"x": _RunsCode()}, path)
+    io = TorchCheckpointIO()
+    with pytest.raises(Exception, match="Weights only load failed"):
+        io.load_checkpoint(path)  # the default (None) loads weights only, as every zerotrain load
+    with pytest.raises(ValueError, match="weights_only=False"):
+        io.load_checkpoint(path, weights_only=False)
+
+
 # ---------------------------------------------------------------------------- the configuration checks
 def test_configuration_validator_refuses_what_lightning_refuses():
     from zerotrain.demos.boring_classes import BoringModel

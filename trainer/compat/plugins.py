@@ -42,13 +42,19 @@ class TorchCheckpointIO(CheckpointIO):
                             f"supported for `{type(self).__name__}`. Please implement your custom `CheckpointIO` "
                             "to define how you'd like to use `storage_options`.")
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        torch.save(checkpoint, path)
+        tmp = f"{os.fspath(path)}.tmp"  # atomic: a crash mid-write leaves the previous file
+        torch.save(checkpoint, tmp)
+        os.replace(tmp, path)
 
     def load_checkpoint(self, path: "str | os.PathLike", map_location: "Callable | Any" = lambda storage, loc: storage,
                         weights_only: bool | None = None) -> Any:
+        if weights_only is False:  # a full unpickle can run code: zerotrain never loads that way
+            raise ValueError(f"{type(self).__name__}.load_checkpoint(weights_only=False): zerotrain loads "
+                             "checkpoints with weights_only=True only (a full unpickle can run code); "
+                             "valid: None or True")
         if not os.path.exists(path):
             raise FileNotFoundError(f"Checkpoint file not found: {path}")
-        return torch.load(path, map_location=map_location, weights_only=bool(weights_only))
+        return torch.load(path, map_location=map_location, weights_only=True)
 
     def remove_checkpoint(self, path: "str | os.PathLike") -> None:
         if os.path.isdir(path):
