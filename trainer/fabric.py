@@ -55,8 +55,9 @@ class Fabric(Engine):
         devices = _env("DEVICES", devices, "auto")
         num_nodes = int(_env("NUM_NODES", num_nodes, 1))
         precision = _env("PRECISION", precision, None)
-        super().__init__(accelerator="cpu" if accelerator == "gpu" and not torch.cuda.is_available() else
-                         ("cuda" if accelerator == "gpu" else accelerator),
+        # Fabric's "gpu" is CUDA here; without a CUDA device it is refused (as Fabric refuses it), not
+        # silently run on the CPU
+        super().__init__(accelerator="cuda" if accelerator == "gpu" else accelerator,
                          devices=devices, num_nodes=num_nodes, strategy=strategy,
                          precision=_PRECISIONS.get(precision, precision))
         self._callbacks = _as_list(callbacks)

@@ -143,3 +143,10 @@ def test_clip_gradients_takes_fabrics_keywords():
     assert opt.clip_at == 0.5
     fabric.clip_gradients(model, opt, clip_val=0.25)  # by value: tests/unit/test_fabric_clipping.py
     assert (opt.clip_at, opt.clip_by) == (0.25, "value")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_gpu_accelerator_without_cuda_is_refused_not_run_on_cpu():
+    # Fabric refuses accelerator="gpu" where no GPU exists; running on the CPU instead would hide it
+    with pytest.raises(ConfigError, match="cuda"):
+        Fabric(accelerator="gpu", devices=1)
