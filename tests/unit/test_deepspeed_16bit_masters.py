@@ -55,3 +55,25 @@ def test_zero_reduces_gradients_in_the_16bit_type_as_deepspeed(stage, offload):
     for section, want in (({"bf16": {"enabled": True}}, "bf16"), ({"fp16": {"enabled": True}}, "fp16")):
         assert parse({**BASE, **section, "zero_optimization": zero}, 2).strategy_options["reduce_dtype"] == want
     assert "reduce_dtype" not in parse({**BASE, "zero_optimization": zero}, 2).strategy_options
+
+
+@pytest.mark.parametrize("given,precision,want", [("fp32", {"bf16": {"enabled": True}}, None),
+                                                  ("FP16", {"bf16": {"enabled": True}}, "fp16"),
+                                                  ("bf16", {}, "bf16")])
+def test_communication_data_type_chooses_zeros_reduction_type(given, precision, want):
+    """DeepSpeed's ``communication_data_type`` overrides the 16-bit default above (case-insensitive,
+    as its config reader lowers it): fp32 under bf16 keeps the fp32 reduction, bf16 under fp32
+    reduces in bf16."""
+    from zerotrain.deepspeed.config import parse
+
+    cfg = parse({**BASE, **precision, "communication_data_type": given, "zero_optimization": {"stage": 2}}, 2)
+    assert cfg.strategy_options.get("reduce_dtype") == want
+    assert not any(k.startswith("communication_data_type") for k in cfg.ignored)
+
+
+def test_communication_data_type_refuses_other_types():
+    from zerotrain import ConfigError
+    from zerotrain.deepspeed.config import parse
+
+    with pytest.raises(ConfigError, match=r"communication_data_type='int8'.*valid: fp32, fp16, bf16"):
+        parse({**BASE, "communication_data_type": "int8", "zero_optimization": {"stage": 2}}, 2)

@@ -263,8 +263,9 @@ def parse(config: "str | os.PathLike | Mapping[str, Any]", world_size: int) -> D
     out["gradient_clipping"] = float(clip)
     out.update(_precision(raw, reader))
     out.update(_zero(raw, reader, world_size))
-    if out["zero_stage"] and out["precision"] != "32":  # DeepSpeed's communication_data_type: the 16-bit type
-        out["strategy_options"].setdefault("reduce_dtype", "bf16" if out["precision"] == "bf16-mixed" else "fp16")
+    comm = _communication_dtype(raw, out["precision"])
+    if out["zero_stage"] and comm != "fp32":  # ZeRO reduces gradients in DeepSpeed's communication_data_type
+        out["strategy_options"].setdefault("reduce_dtype", comm)
     out["zero_allow_untested_optimizer"] = _flag("zero_allow_untested_optimizer",
                                                  raw.get("zero_allow_untested_optimizer", default("zero_allow_untested_optimizer")))
     if raw.get("optimizer") is not None:
@@ -279,11 +280,22 @@ def parse(config: "str | os.PathLike | Mapping[str, Any]", world_size: int) -> D
     known = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
              "optimizer", "scheduler", "fp16", "bf16", "bfloat16", "zero_optimization", "zero_allow_untested_optimizer",
              "activation_checkpointing", "steps_per_print", "wall_clock_breakdown", "tensorboard",
-             "comms_logger", "dataloader_drop_last")
+             "comms_logger", "dataloader_drop_last", "communication_data_type")
     reader.take(raw, "", known, "")
     if "activation_checkpointing" in raw:
         out["activation_checkpointing"] = activation_checkpointing_spec(raw, reader)
     return DeepSpeedConfig(**out, ignored=tuple(reader.ignored))
+
+
+def _communication_dtype(raw: Mapping[str, Any], precision: str) -> str:
+    """DeepSpeed's ``communication_data_type`` (``fp32`` / ``fp16`` / ``bf16``, any case); unset, its
+    engine uses the 16-bit training type under fp16/bf16 and fp32 otherwise."""
+    value = raw.get("communication_data_type", default("communication_data_type"))
+    if value is None:
+        return {"bf16-mixed": "bf16", "16-mixed": "fp16"}.get(precision, "fp32")
+    if not isinstance(value, str) or value.lower() not in ("fp32", "fp16", "bf16"):
+        raise _fail("communication_data_type", value, "not a data type DeepSpeed communicates in", "fp32, fp16, bf16")
+    return value.lower()
 
 
 def report_ignored(cfg: DeepSpeedConfig) -> None:

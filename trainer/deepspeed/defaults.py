@@ -62,6 +62,7 @@ DEFAULTS: tuple[Default, ...] = (
     Default("steps_per_print", None, None, f"{_C}:STEPS_PER_PRINT_DEFAULT"),
     Default("wall_clock_breakdown", False, False, f"{_C}:WALL_CLOCK_BREAKDOWN_DEFAULT"),
     Default("dataloader_drop_last", False, False, f"{_C}:DATALOADER_DROP_LAST_DEFAULT"),
+    Default("communication_data_type", None, None, f"{_C}:COMMUNICATION_DATA_TYPE_DEFAULT"),
     Default("fp16.enabled", False, False, f"{_PREC}:DeepSpeedFP16Config.enabled"),
     Default("fp16.loss_scale", 0, 0, f"{_PREC}:DeepSpeedFP16Config.loss_scale"),
     Default("fp16.initial_scale_power", 16, 16, f"{_PREC}:DeepSpeedFP16Config.initial_scale_power"),
