@@ -114,14 +114,14 @@ def fast_dev_run_flags(trainer: Any, n: int, callbacks: list) -> list:
 
 
 def default_callbacks(strategy: Any, root_dir: str, callbacks: list, checkpointing: bool, progress: bool) -> list:
-    """The callbacks the Trainer adds unless given: a ModelCheckpoint saving ``last`` under
+    """The callbacks the Trainer adds unless given: a ModelCheckpoint (Lightning's defaults) under
     ``root_dir/checkpoints``, a progress bar, and the strategy's comms logger when it asks for one."""
     from ..callbacks.checkpoint import ModelCheckpoint
     from ..callbacks.comms import comms_logger_for
     from ..callbacks.progress import ProgressBar, TQDMProgressBar
 
     if checkpointing and not any(isinstance(c, ModelCheckpoint) for c in callbacks):
-        default = ModelCheckpoint(dirpath=os.path.join(root_dir, "checkpoints"), save_last=True)
+        default = ModelCheckpoint(dirpath=os.path.join(root_dir, "checkpoints"))
         default.made_by_trainer = True
         callbacks.append(default)
     bars = [c for c in callbacks if isinstance(c, ProgressBar)]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -77,20 +78,42 @@ def save_strategy(s: Any, optimizer: Any, path: str | os.PathLike, complete: Cal
         return checkpoint_io.save(path, checkpoint_io.comm_of(s), entries, local, meta, update_latest=update_latest)
 
 
-def resume_path(trainer: "Trainer", ckpt_path: str | None, fn: str = "fit") -> str | None:
-    """The checkpoint directory ``Trainer.<fn>(ckpt_path=...)`` means, or None for none:
+def resume_path(trainer: "Trainer", ckpt_path: str | None, fn: str = "fit", model_given: bool = True) -> str | None:
+    """The checkpoint ``Trainer.<fn>(ckpt_path=...)`` means, or None for none, as Lightning's:
 
-    * ``"latest"`` / ``"last"`` (Lightning's name; the ``latest`` pointer always names the newest
-      save): the ModelCheckpoint directory's newest checkpoint; none yet: start from scratch
-      (``fit``) or keep the current weights (the evaluation stages), as Lightning does;
-    * ``"best"``: the first ModelCheckpoint's ``best_model_path`` (without ``monitor``: its newest
-      save, as Lightning's); none: an error;
-    * any start of ``fit`` after an elastic restart: as ``"latest"``;
-    * anything else: the directory itself."""
+    * None: none; in ``validate``/``test``/``predict`` without a model, ``"best"`` (said in a warning);
+    * ``"best"``: the first ModelCheckpoint's ``best_model_path`` (a ValueError when there is none);
+    * ``"last"``: the newest of the ModelCheckpoints' ``last`` checkpoints (``last.ckpt``,
+      ``last-v1.ckpt``, ...) and of the checkpoints SIGTERM/SIGUSR1 saved there (Lightning's on-exception
+      checkpoints stand among its candidates); none: a warning, and nothing is loaded;
+    * ``"latest"`` (zerotrain's), or any start of ``fit`` after an elastic restart: the newest
+      checkpoint of the ModelCheckpoint directory (its ``latest`` pointer, else its newest .ckpt);
+    * anything else: that file or directory (a FileNotFoundError when it does not exist)."""
+    if fn == "fit" and elastic.restart_count() > 0:
+        ckpt_path = "latest"
+    if ckpt_path is None and not model_given and trainer.module is not None:
+        ckpt_path = "best"
+        warnings.warn(f"`.{fn}(ckpt_path=None)` was called without a model. The best model of the previous `fit` "
+                      f"call will be used. You can pass `.{fn}(ckpt_path='best')` to use the best model or "
+                      f"`.{fn}(ckpt_path='last')` to use the last model. If you pass a value, this warning will be "
+                      "silenced.", stacklevel=3)
+    if ckpt_path is None:
+        return None
     if ckpt_path == "best":
         return _best_path(trainer, fn)
-    if ckpt_path not in ("latest", "last") and not (fn == "fit" and elastic.restart_count() > 0):
-        if ckpt_path is not None and not _exists(ckpt_path):
+    if ckpt_path == "last":
+        callbacks = _model_checkpoints(trainer)
+        found = [p for cb in callbacks for p in cb._find_last_checkpoints(trainer)]
+        found += [str(p) for cb in callbacks if cb.dirpath and os.path.isdir(cb.dirpath)  # a signal's save
+                  for p in Path(cb.dirpath).glob("sig*-step=*") if p.name.startswith(("sigterm-", "sigusr1-"))]
+        found = [p for p in found if os.path.exists(p)]
+        if not found:
+            warnings.warn(f'.{fn}(ckpt_path="last") is set, but there is no last checkpoint available. No checkpoint '
+                          "will be loaded. HINT: Set `ModelCheckpoint(..., save_last=True)`.", stacklevel=3)
+            return None
+        return max(found, key=lambda p: os.stat(p).st_mtime_ns)
+    if ckpt_path != "latest":
+        if not _exists(ckpt_path):
             raise CheckpointNotFoundError(f"Checkpoint file not found: {ckpt_path}")
         return ckpt_path
     dirs = [cb.dirpath for cb in _model_checkpoints(trainer) if cb.dirpath]
@@ -98,16 +121,14 @@ def resume_path(trainer: "Trainer", ckpt_path: str | None, fn: str = "fit") -> s
         if checkpoint_file.newest(d):
             log.info("Trainer.%s: the latest checkpoint in %s (restart %d)", fn, d, elastic.restart_count())
             return d
-    if ckpt_path in ("latest", "last") and not dirs:
-        raise ConfigError(f"Trainer.{fn}: ckpt_path={ckpt_path!r} means the newest checkpoint of the "
-                          "ModelCheckpoint directory, but this Trainer has no ModelCheckpoint "
-                          "(enable_checkpointing=False?): pass a checkpoint directory instead")
-    if ckpt_path in ("latest", "last"):
-        say = log.info if fn == "fit" else log.warning  # evaluating unloaded weights deserves a warning
-        say("Trainer.%s: ckpt_path=%r: no checkpoint yet, %s", fn, ckpt_path,
-            "starting from the beginning" if fn == "fit" else "using the current weights")
-        return None
-    return ckpt_path
+    if not dirs:
+        raise ConfigError(f"Trainer.{fn}: ckpt_path='latest' means the newest checkpoint of the ModelCheckpoint "
+                          "directory, but this Trainer has no ModelCheckpoint (enable_checkpointing=False?): pass a "
+                          "checkpoint path instead")
+    say = log.info if fn == "fit" else log.warning  # evaluating unloaded weights deserves a warning
+    say("Trainer.%s: ckpt_path='latest': no checkpoint yet, %s", fn,
+        "starting from the beginning" if fn == "fit" else "using the current weights")
+    return None
 
 
 def _exists(path: str | os.PathLike) -> bool:
@@ -125,17 +146,21 @@ def _model_checkpoints(trainer: "Trainer") -> list:
 
 
 def _best_path(trainer: "Trainer", fn: str) -> str:
-    """Lightning's ``ckpt_path="best"``: the first ModelCheckpoint's best checkpoint."""
+    """Lightning's ``ckpt_path="best"``: the first ModelCheckpoint's best checkpoint, with its
+    warning when there are several and its ValueErrors when there is none."""
     callbacks = _model_checkpoints(trainer)
+    if len(callbacks) > 1:
+        warnings.warn(f'`.{fn}(ckpt_path="best")` is called with Trainer configured with multiple `ModelCheckpoint` '
+                      "callbacks. It will use the best checkpoint path from first checkpoint callback.", stacklevel=4)
     if not callbacks:
-        raise ConfigError(f"Trainer.{fn}: ckpt_path='best' needs a ModelCheckpoint; this Trainer has none "
-                          "(enable_checkpointing=False?); valid: a checkpoint directory, 'last' or 'latest'")
-    cb = callbacks[0]
-    best = cb.best_model_path or (cb.last_path if cb.monitor is None else None)
-    if best is None:
-        raise ConfigError(f"Trainer.{fn}: ckpt_path='best': ModelCheckpoint(dirpath={cb.dirpath!r}, "
-                          f"monitor={cb.monitor!r}) has saved no checkpoint yet in this process; valid: a "
-                          "checkpoint directory, 'last' or 'latest'")
+        raise ValueError(f'`.{fn}(ckpt_path="best")` is set but `ModelCheckpoint` is not configured.')
+    best = callbacks[0].best_model_path
+    if not best:
+        if trainer.fast_dev_run:
+            raise ValueError(f'You cannot execute `.{fn}(ckpt_path="best")` with `fast_dev_run=True`. Please pass an '
+                             f"exact checkpoint path to `.{fn}(ckpt_path=...)`")
+        raise ValueError(f'`.{fn}(ckpt_path="best")` is set but `ModelCheckpoint` is not configured to save the best '
+                         "model.")
     return best
 
 

@@ -66,10 +66,6 @@ class TrainerEvaluation:
             if self.module is None:
                 raise TypeError(f"`Trainer.{fn}()` requires a `TrainModule` when it hasn't been passed in a previous "
                                 f"run: model=None, and this Trainer has no model yet")
-            if ckpt_path is None:  # Lightning: the previous fit's best checkpoint, said out loud
-                log.warning("Trainer.%s(ckpt_path=None) without a model: the best checkpoint of the previous "
-                            "fit is used (pass ckpt_path='best' | 'last' | a directory to silence this)", fn)
-                ckpt_path = "best"
         self._start(fn)
         try:
             self._setup(model if model is not None else self.module, fn, datamodule)
@@ -83,7 +79,7 @@ class TrainerEvaluation:
             loaders = [self._prepare_loader(loader, fn) for loader in loaders]
             if fn in ("test", "predict"):  # Lightning's trainer.test_dataloaders / predict_dataloaders
                 setattr(self, f"{fn}_dataloaders", loaders[0] if len(loaders) == 1 else loaders)
-            path = self.ckpt_path = checkpointing.resume_path(self, ckpt_path, fn)
+            path = self.ckpt_path = checkpointing.resume_path(self, ckpt_path, fn, model is not None)
             if path:
                 self._load_weights(path)
             self._logging.reset_metrics()

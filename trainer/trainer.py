@@ -296,7 +296,7 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
             if self.train_dataloader is None:
                 raise ConfigError("Trainer.fit: no training data (pass train_dataloaders or a datamodule, or "
                                   "implement train_dataloader())")
-            ckpt_path = checkpointing.resume_path(self, ckpt_path)
+            ckpt_path = self.ckpt_path = checkpointing.resume_path(self, ckpt_path)
             if ckpt_path:
                 checkpointing.load(self, ckpt_path)
                 self._logging.logging_step = self.state.global_step  # Lightning restores its own counter

@@ -202,8 +202,8 @@ def test_a_later_save_removes_stale_partials_of_killed_jobs_only(tmp_path):
 # ---------------------------------------------------------------------------- ModelCheckpoint
 
 class _Trainer:
-    is_global_zero = True
-    current_epoch = 0
+    is_global_zero, current_epoch, fast_dev_run, sanity_checking, ckpt_path, loggers = True, 0, 0, False, None, []
+    state = type("State", (), {"fn": "fit"})
 
     def __init__(self) -> None:
         self.global_step, self.callback_metrics = 0, {}
@@ -216,7 +216,7 @@ class _Trainer:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("disk", ["full", "read-only"])
 def test_model_checkpoint_errors_name_the_path_and_dirpath(tmp_path, monkeypatch, disk):
-    cb = ModelCheckpoint(dirpath=str(tmp_path / "ck"), every_n_train_steps=1)
+    cb = ModelCheckpoint(dirpath=str(tmp_path / "ck"), every_n_train_steps=1, filename="{step:06d}")
     trainer = _Trainer()
     trainer.global_step = 1
     cb.on_train_batch_end(trainer, None, None, None, 0)

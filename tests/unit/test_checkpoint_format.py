@@ -152,8 +152,8 @@ def test_latest_pointer_and_resolution(tmp_path):
 class _FakeTrainer:
     """What ModelCheckpoint touches, saving real (tiny) checkpoint directories."""
 
-    is_global_zero = True
-    current_epoch = 0
+    is_global_zero, current_epoch, fast_dev_run, sanity_checking, ckpt_path, loggers = True, 0, 0, False, None, []
+    state = type("State", (), {"fn": "fit"})
 
     def __init__(self):
         self.global_step, self.callback_metrics = 0, {}
@@ -163,19 +163,18 @@ class _FakeTrainer:
         _save(Path(path).parent, Path(path).name, float(self.global_step))
 
 
-def test_model_checkpoint_keeps_top_k_and_never_the_latest(tmp_path):
-    cb = ModelCheckpoint(dirpath=str(tmp_path), every_n_train_steps=1, monitor="loss", save_top_k=1)
+def test_model_checkpoint_keeps_top_k_as_lightning(tmp_path):
+    cb = ModelCheckpoint(dirpath=str(tmp_path), every_n_train_steps=1, monitor="loss", save_top_k=1, filename="{step}")
     trainer = _FakeTrainer()
     for step, loss in enumerate([3.0, 1.0, 2.0, 5.0], start=1):
         trainer.global_step, trainer.callback_metrics = step, {"loss": loss}
         cb.on_train_batch_end(trainer, None, None, None, 0)
     kept = sorted(p.name for p in tmp_path.iterdir() if p.name != "latest")
-    assert kept == ["step=000002.ckpt", "step=000004.ckpt"]  # the best, and the latest though it is worst
-    assert cb.best_model_path.endswith("step=000002.ckpt") and cb.latest_path.endswith("step=000004.ckpt")
-    trainer.global_step, trainer.callback_metrics = 5, {"loss": 4.0}
+    assert kept == ["step=2.ckpt"]  # the best; a worse one is not saved (Lightning's)
+    assert cb.best_model_path.endswith("step=2.ckpt") and cb.latest_path.endswith("step=2.ckpt")
+    trainer.global_step, trainer.callback_metrics = 5, {"loss": 0.5}
     cb.on_train_batch_end(trainer, None, None, None, 0)
-    assert sorted(p.name for p in tmp_path.iterdir() if p.name != "latest") == ["step=000002.ckpt",
-                                                                                "step=000005.ckpt"]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != "latest") == ["step=5.ckpt"]
 
 
 # ---------------------------------------------------------------------------- rules

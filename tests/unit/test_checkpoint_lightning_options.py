@@ -90,7 +90,7 @@ def test_save_last_link_points_at_the_newest_checkpoint(tmp_path):
     ours = _run("ours", tmp_path, every_n_train_steps=3, save_last="link")
     theirs = _run("lightning", tmp_path, every_n_train_steps=3, save_last="link")
     assert ours[1] == theirs[1] == "epoch=1-step=6"  # no new save at the end: the link names the newest
-    assert set(theirs[0]) - {"last"} <= set(ours[0])  # ours keeps every one without monitor
+    assert ours[0] == theirs[0]  # the newest only without monitor, and the link
     assert os.path.isfile(tmp_path / "ours" / "last.ckpt")  # the link resolves to the checkpoint file
     assert ours[2].last_model_path == str(tmp_path / "ours" / "last.ckpt")
 
@@ -103,15 +103,16 @@ def test_every_n_train_steps_zero_means_never(tmp_path):
 
 
 def test_monitor_waits_until_the_metric_is_logged(tmp_path):
-    # val_metric is logged by validation only: the step-triggered saves before it wait (a warning)
+    # val_metric is logged by validation only: the step-triggered saves before it wait for it
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         ours = _run("ours", tmp_path, monitor="val_metric", every_n_train_steps=3, save_top_k=-1, save_last=False)
-    theirs = _run("lightning", tmp_path, monitor="val_metric", every_n_train_steps=3, save_top_k=-1,
-                  save_last=False)
+        theirs = _run("lightning", tmp_path, monitor="val_metric", every_n_train_steps=3, save_top_k=-1,
+                      save_last=False)
     assert ours[3] is None and theirs[3] is None
     assert ours[0] == theirs[0] == ["epoch=1-step=6"]
-    assert any("could not find the monitored key" in str(w.message) for w in caught)
+    said = [str(w.message) for w in caught if "could not find the monitored key" in str(w.message)]
+    assert said == []  # Lightning 2.6.6 defers such a save to the validation end without a warning
 
 
 def test_monitor_never_logged_fails_after_validation_as_lightning(tmp_path):

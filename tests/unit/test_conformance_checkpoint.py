@@ -193,7 +193,7 @@ def test_a_value_a_safe_load_refuses_is_named_before_anything_is_written(tmp_pat
 
 
 def test_a_folder_of_ckpt_files_needs_no_pointer_and_last_resumes_the_newest(tmp_path):
-    cb = ModelCheckpoint(dirpath=str(tmp_path / "ck"), every_n_train_steps=2, save_last=False, filename="{step}")
+    cb = ModelCheckpoint(dirpath=str(tmp_path / "ck"), every_n_train_steps=2, save_last=False, filename="{step}", save_top_k=-1)
     trainer = _trainer(tmp_path, max_steps=4, callbacks=[cb])
     trainer.fit(_module(TrainModule))
     assert sorted(os.listdir(tmp_path / "ck")) == ["step=2.ckpt", "step=4.ckpt"]
@@ -201,7 +201,7 @@ def test_a_folder_of_ckpt_files_needs_no_pointer_and_last_resumes_the_newest(tmp
     assert cb.latest_path == str(tmp_path / "ck" / "step=4.ckpt")
     again = _trainer(tmp_path, max_steps=5, callbacks=[ModelCheckpoint(dirpath=str(tmp_path / "ck"),
                                                                          save_last=False)])
-    again.fit(_module(TrainModule), ckpt_path="last")
+    again.fit(_module(TrainModule), ckpt_path="latest")
     assert again.global_step == 5  # from step 4
     # a pointer a sharded save left is kept true by the file saves after it
     checkpoint_io.write_latest(tmp_path / "ck", "step=2.ckpt")

@@ -148,7 +148,7 @@ def test_stage_refusals(tmp_path):
     trainer.fit(Net(), loader)
     with pytest.raises(ConfigError, match="one module per Trainer"):
         trainer.test(Net(), loader)
-    with pytest.raises(ConfigError, match="needs a ModelCheckpoint"):
+    with pytest.raises(ValueError, match="is set but `ModelCheckpoint` is not configured"):
         trainer.test(dataloaders=loader)  # no model, no ckpt_path: "best", as Lightning
 
 
