@@ -167,6 +167,10 @@ class Strategy:
     #: False where a forward gathers or swaps parameters into tensors that training reuses
     #: (an inference tensor cannot be saved for backward), as Lightning uses no_grad under FSDP
     inference_mode_evaluation = False
+    #: ``validate``/``test``/``predict`` may run before (or without) ``setup_optimizer``: the
+    #: Trainer then asks for the optimizers only when ``fit`` needs them, as Lightning. False where
+    #: the optimizer's set-up lays the parameters out (ZeRO's flat groups, the pipeline's stages)
+    evaluates_without_optimizer = False
     #: given to ``StepWrapper``: the Trainer sets Lightning's signature rule (``trainer/signature.py``)
     step_call: StepCall | None = None
 
@@ -187,8 +191,27 @@ class Strategy:
         self._step_groups: list[int] | None = None
 
     # ------------------------------------------------------------------ environment
-    def connect(self, info: ProcessInfo, device: torch.device, precision: Precision) -> None:
+    def connect(self, info: "ProcessInfo | nn.Module", device: torch.device | None = None,
+                precision: Precision | None = None) -> None:
+        """The Trainer's form: ``connect(info, device, precision)``. Lightning's form,
+        ``connect(model)``, attaches the model alone (what ``self.module`` holds until
+        ``setup_module`` wraps it), as Lightning's ``Strategy.connect``."""
+        if isinstance(info, nn.Module) and device is None and precision is None:
+            self.module = self.model = info
+            return
+        if device is None or precision is None:
+            raise TypeError(f"Strategy.connect: got ({type(info).__name__}, {device!r}, {precision!r}); valid: "
+                            "connect(info, device, precision) or Lightning's connect(model)")
         self.info, self.device, self.precision = info, device, precision
+
+    @property
+    def root_device(self) -> torch.device:
+        """Lightning's name: the device this rank computes on (``self.device``)."""
+        return self.device
+
+    def on_exception(self, exception: BaseException) -> None:
+        """Called by the Trainer when a stage ends in an exception, after the callbacks' and the
+        datamodule's ``on_exception`` (Lightning's order). Nothing to do here."""
 
     def check_world_size(self, world_size: int) -> None:
         """Raise ValueError when this strategy cannot run on ``world_size`` processes; called by

@@ -49,6 +49,7 @@ class DDPConfig:
 class DDP(Strategy):
     name = "ddp"
     inference_mode_evaluation = True
+    evaluates_without_optimizer = True
 
     def __init__(self, config: DDPConfig | None = None, *,
                  process_group_timeout_s: float = PROCESS_GROUP_TIMEOUT_S, **options: Any) -> None:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from .. import __version__
 from . import checkpoint_file, checkpoint_io, elastic, hparams, reshard
 from .errors import CheckpointError, CheckpointNotFoundError, ConfigError
+from .hooks import datamodule_hook
 
 if TYPE_CHECKING:
     from .trainer import Trainer
@@ -33,6 +34,10 @@ def save(trainer: "Trainer", path: str, update_latest: bool = True) -> None:
                           "world": trainer.strategy.data_parallel_world_size,
                           "accumulate_grad_batches": trainer.accumulate_grad_batches},
                     **hparams.checkpoint_entries(trainer.module, trainer.datamodule))
+        dm = trainer.datamodule
+        dm_state = datamodule_hook(trainer, dm, "state_dict") if dm is not None else None
+        if dm_state:  # Lightning's key: the datamodule class's qualified name
+            meta[type(dm).__qualname__] = dm_state
         trainer.hooks.both("on_save_checkpoint", trainer, trainer.module, meta)  # callbacks, then the module
 
     save_strategy(trainer.strategy, trainer.optimizer, path, loop_meta, update_latest)
@@ -176,6 +181,9 @@ def load(trainer: "Trainer", path: str) -> None:
         log.warning("resume: %s", note)
     trainer.state.load_state_dict(loop)
     trainer._optim.load_scheduler_state(meta.get("scheduler"))
+    dm = trainer.datamodule
+    if dm is not None and type(dm).__qualname__ in meta:  # before the module's hook, as Lightning
+        datamodule_hook(trainer, dm, "load_state_dict", meta[type(dm).__qualname__])
     trainer.hooks.load_state_dict(meta.get("callbacks", {}))
     trainer.module.on_load_checkpoint(meta)  # Lightning's order: the module, then the callbacks
     trainer.hooks("on_load_checkpoint", trainer, trainer.module, meta)

@@ -17,8 +17,13 @@ from __future__ import annotations
 
 import inspect
 import os
+from functools import partial
+from unittest.mock import Mock
 from typing import TYPE_CHECKING, Any
 
+from torch.utils.data import DataLoader, Dataset, IterableDataset
+
+from .errors import MisconfigurationException
 from .hparams import DATAMODULE_KEYS, HyperparametersMixin
 
 if TYPE_CHECKING:
@@ -39,16 +44,54 @@ class DataHooks:
         tokenise, write to disk. Do not assign state here: the other ranks never run it."""
 
     def train_dataloader(self) -> Any:
-        return None
+        """Not implemented here: Lightning's MisconfigurationException (the Trainer asks only
+        for the loaders a module or datamodule overrides)."""
+        raise _not_implemented("train_dataloader")
 
     def val_dataloader(self) -> Any:
-        return None
+        raise _not_implemented("val_dataloader")
 
     def test_dataloader(self) -> Any:
-        return None
+        raise _not_implemented("test_dataloader")
 
     def predict_dataloader(self) -> Any:
-        return None
+        raise _not_implemented("predict_dataloader")
+
+    # ---- each batch on its way to the device (``trainer/batch_transfer.py``)
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Change the batch before it moves to the device; returns it."""
+        return batch
+
+    def transfer_batch_to_device(self, batch: Any, device: Any, dataloader_idx: int) -> Any:
+        """Move the batch to ``device``: every tensor of a (nested) list, tuple or dict; override
+        for a batch of another kind."""
+        from .evaluation import to_device
+
+        return to_device(batch, device)
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Change the batch once it is on the device; returns it."""
+        return batch
+
+
+def _not_implemented(hook: str) -> MisconfigurationException:
+    return MisconfigurationException(f"`{hook}` must be implemented to be used with the Trainer")
+
+
+def overrides_hook(owner: Any, hook: str) -> bool:
+    """Lightning's ``is_overridden`` for a data hook of ``owner`` (a module or datamodule): its
+    class's or its own attribute (``from_datasets``) is another function than the base's no-op,
+    seen through ``functools.wraps``/``partial``/``Mock(wraps=...)`` wrappers; None: it gives
+    nothing (Lightning's way of switching a loader off)."""
+    mine = getattr(owner, hook, None) if owner is not None else None
+    mine = getattr(mine, "__wrapped__", mine)
+    if isinstance(mine, Mock):
+        mine = mine._mock_wraps
+    elif isinstance(mine, partial):
+        mine = mine.func
+    if mine is None:
+        return False
+    return getattr(mine, "__code__", None) is not getattr(DataHooks, hook).__code__
 
 
 class DataModule(HyperparametersMixin, DataHooks):
@@ -67,6 +110,23 @@ class DataModule(HyperparametersMixin, DataHooks):
 
     def teardown(self, stage: str) -> None:
         """On every rank, at the end of ``stage``."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """This datamodule's state for a checkpoint (saved under its class's qualified name, as
+        Lightning's); nothing by default."""
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Given back what ``state_dict`` returned, when ``fit`` resumes from a checkpoint."""
+
+    def on_exception(self, exception: BaseException) -> None:
+        """Called when a stage ends in an exception (after the callbacks' ``on_exception``)."""
+
+    def __str__(self) -> str:
+        """Lightning's summary of the loaders this datamodule gives (``datamodule_info.py``)."""
+        from .datamodule_info import describe_datamodule
+
+        return describe_datamodule(self)
 
     @classmethod
     def load_from_checkpoint(cls, checkpoint_path: "str | os.PathLike", map_location: Any = None,
@@ -87,8 +147,6 @@ class DataModule(HyperparametersMixin, DataHooks):
         a dataset or a list / dict of them) in ``DataLoader(batch_size, num_workers,
         pin_memory=True)``, the training ones shuffled (unless iterable). ``batch_size`` and
         ``num_workers`` also go to ``__init__`` where it takes them; the other keywords always do."""
-        from torch.utils.data import DataLoader, Dataset, IterableDataset
-
         def loaders(data: Any, shuffle: bool) -> Any:
             if isinstance(data, Dataset):
                 return DataLoader(data, batch_size=batch_size, num_workers=num_workers, pin_memory=True,

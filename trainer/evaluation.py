@@ -18,8 +18,11 @@ from torch.utils.data import DataLoader
 
 from . import checkpointing, hparams, job
 from .datamodule import DataModule
+from .compat.validator import verify_stage
 from .errors import ConfigError
 from .logging import hook_scope
+from .batch_transfer import transfer_batch
+from .model_mode import ModelMode
 from .module import TrainModule
 from .state import RunningStage
 from .utilities import isolate_rng
@@ -69,11 +72,13 @@ class TrainerEvaluation:
         self._start(fn)
         try:
             self._setup(model if model is not None else self.module, fn, datamodule)
+            self.module.zero_grad()  # as Lightning's stages begin
             hparams.log_hyperparams(self)
             spec = _EVAL_STAGES[fn]
             self._check_step_defined(spec)
-            loaders = as_loader_list(self._source(spec.loader, dataloaders))
-            if not loaders:
+            off = getattr(self, spec.limit) == 0  # as Lightning: no data is requested for a stage limited to 0
+            loaders = [] if off else as_loader_list(self._source(spec.loader, dataloaders))
+            if not loaders and not off:
                 raise ConfigError(f"Trainer.{fn}: no data (pass dataloaders or a datamodule, or implement "
                                   f"{spec.loader}())")
             loaders = [self._prepare_loader(loader, fn) for loader in loaders]
@@ -97,18 +102,16 @@ class TrainerEvaluation:
 
     def _check_step_defined(self, spec: "_EvalStage") -> None:
         """Lightning refuses ``test`` without a ``test_step`` (and ``validate`` without a
-        ``validation_step``); so do we, unless the strategy runs its own schedule (pipeline)."""
-        if own_schedule(self._strategy) or spec.step == "predict_step":
-            return
-        if not overridden(self.module, spec.step, TrainModule):
-            raise ConfigError(f"Trainer.{spec.fn}: {type(self.module).__name__} does not implement "
-                              f"{spec.step}(batch, batch_idx)")
+        ``validation_step``, ``predict`` without a ``predict_step`` or ``forward``), with its
+        messages (``compat/validator.py``); so do we, unless the strategy runs its own schedule."""
+        verify_stage(self, self.module, spec.fn)
 
     def _load_weights(self, path: str) -> None:
         """Collective: an evaluation stage's checkpoint: the model's (and optimizer's) tensors
         only, resharded to this strategy; the loop, callbacks and RNG stay as they are (Lightning
         restores only the model outside ``fit``)."""
         log.info("loading the weights of checkpoint %s", path)
+        self._setup_optimizers()  # a checkpoint is read for this model and optimizer (trainer/setup.py)
         checkpointing.load_strategy(self._strategy, self.optimizer, path)
         self._strategy.barrier()
 
@@ -208,9 +211,8 @@ class TrainerEvaluation:
                                "`dataloader_idx=0`.")
 
     def _evaluate_epoch(self, spec: "_EvalStage", loaders: list) -> list[Any]:
-        module = self.module
-        was_training = module.training
-        module.eval()
+        module, mode = self.module, ModelMode(self, spec.fn)
+        mode.to_eval()  # on_<stage>_model_eval (trainer/model_mode.py)
         with self._logging.evaluation() as outputs:
             self.hooks.both(f"on_{spec.hooks}_start", self, module)
             self.hooks.both(f"on_{spec.hooks}_epoch_start", self, module)
@@ -224,8 +226,7 @@ class TrainerEvaluation:
             self._logging.on_epoch_end()
             metrics = self._logging.eval_epoch_end(outputs)
             self.hooks.both(f"on_{spec.hooks}_end", self, module)
-        if was_training:
-            module.train()
+        mode.restore()  # every submodule's mode as it was, or on_<stage>_model_train
         return results if spec.fn == "predict" else metrics
 
     def _evaluate_loader(self, spec: "_EvalStage", loader: Any, index: int, count: int, outputs: list) -> Any:
@@ -245,7 +246,7 @@ class TrainerEvaluation:
                     break
                 self._val_logged = False
                 self._tick(spec.step)
-                batch = s.precision.convert_input(to_device(batch, s.device))
+                batch = transfer_batch(self, batch, index)  # trainer/batch_transfer.py
                 self._logging.on_batch_start(batch, index if count > 1 else None)
                 self.hooks.both(f"on_{spec.hooks}_batch_start", self, self.module, batch, batch_idx,
                                 *kwargs.values())

@@ -36,22 +36,6 @@ HOOKS = (
 MODULE_HOOKS = tuple(h for h in HOOKS if h != "on_exception" and "sanity" not in h) + ("configure_callbacks",)
 
 
-#: Lightning module hooks zerotrain never calls, with why; a module overriding one is told once
-NOT_CALLED = {
-    **{f"on_{s}_model_{m}": "the Trainer switches the model to eval()/train() around an evaluation itself"
-       for s in ("validation", "test") for m in ("eval", "train")},
-    "on_predict_model_eval": "the Trainer switches the model to eval() around predict itself",
-}
-
-
-def warn_not_called(module: Any) -> None:
-    """Say once, when a module is set up, which of its overrides zerotrain will not call."""
-    found = [f"{type(module).__name__}.{h} ({why})" for h, why in NOT_CALLED.items() if hasattr(module, h)]
-    if found:
-        log.warning("zerotrain never calls these Lightning hooks, so these overrides will not run: %s",
-                    "; ".join(found))
-
-
 class HookDispatcher:
     def __init__(self, callbacks: Sequence["Callback"]) -> None:
         self.callbacks = list(callbacks)
@@ -73,6 +57,8 @@ class HookDispatcher:
                 if hook in ("setup", "teardown") and not _takes_stage(fn):
                     self._warn_legacy(cb, hook)
                     fn(trainer, module)
+                elif hook in ("setup", "teardown"):  # the stage by keyword, as Lightning
+                    fn(trainer, module, stage=args[0])
                 else:
                     fn(trainer, module, *args)
 
@@ -84,10 +70,18 @@ class HookDispatcher:
         last = _monitoring if hook == "on_train_epoch_end" else None
         self(hook, trainer, module, *args, only=None if last is None else (lambda cb: not last(cb)))
         with hook_scope(trainer, hook), _profiled(trainer, f"[LightningModule]{type(module).__name__}.{hook}"):
-            result = getattr(module, hook)(*args)
+            if hook in ("setup", "teardown"):  # the stage by keyword, as Lightning
+                result = getattr(module, hook)(stage=args[0])
+            else:
+                result = getattr(module, hook)(*args)
         if last is not None:
             self(hook, trainer, module, *args, only=last)
         return result
+
+    def module_hook(self, hook: str, trainer: Any, module: Any, *args: Any) -> Any:
+        """A module-only hook (no callback has it: ``on_validation_model_eval``, ...), profiled."""
+        with hook_scope(trainer, hook), _profiled(trainer, f"[LightningModule]{type(module).__name__}.{hook}"):
+            return getattr(module, hook)(*args)
 
     def _warn_legacy(self, cb: "Callback", hook: str) -> None:
         """A callback written before ``setup``/``teardown`` took ``stage``: still called, without
@@ -121,6 +115,15 @@ def _state_key(cb: Any) -> str:
     return getattr(cb, "state_key", None) or type(cb).__qualname__
 
 
+def datamodule_hook(trainer: Any, datamodule: Any, hook: str, *args: Any) -> Any:
+    """The datamodule's ``hook``, timed by the Trainer's profiler as ``[DataModule]<class>.<hook>``
+    (Lightning's ``[LightningDataModule]``, by the README's rename)."""
+    with _profiled(trainer, f"[DataModule]{type(datamodule).__name__}.{hook}"):
+        if hook in ("setup", "teardown"):  # the stage by keyword, as Lightning
+            return getattr(datamodule, hook)(stage=args[0])
+        return getattr(datamodule, hook)(*args)
+
+
 def _profiled(trainer: Any, action: str) -> Any:
     """The Trainer's profiler timing ``action`` (Lightning's names for hooks), if it has one."""
     profiler = getattr(trainer, "profiler", None)
@@ -133,7 +136,7 @@ def _takes_stage(fn: Any) -> bool:
         params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):
         return True
-    if any(p.kind is p.VAR_POSITIONAL for p in params):
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or p.name == "stage" for p in params):
         return True
     return len([p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]) >= 3
 

@@ -78,6 +78,7 @@ PATHS = {
     "loops.progress": "trainer.compat.internals",
     "overrides": "trainer.compat.internals",
     "overrides.distributed": "trainer.compat.internals",
+    "strategies.strategy": "strategies.base",
     "strategies.launchers": "trainer.compat.internals",
     "strategies.launchers.multiprocessing": "trainer.compat.internals",
     "strategies.launchers.subprocess_script": "trainer.compat.internals",

@@ -12,6 +12,7 @@ from . import job
 from .data_fit import FitLoaders
 from .datamodule import DataModule
 from .errors import ConfigError, MisconfigurationException
+from .hooks import datamodule_hook
 from .compat import data as _data
 from .compat.data import _auto_add_worker_init_fn
 from .utilities import PossibleUserWarning, is_overridden, isolate_rng, rank_zero_warn
@@ -35,12 +36,15 @@ class TrainerData:
         preparing = [owner for owner in (dm, module) if is_overridden("prepare_data", owner)]
         for owner in preparing:
             if (s.local_rank if getattr(owner, "prepare_data_per_node", True) else s.global_rank) == 0:
-                owner.prepare_data()
+                if owner is dm:
+                    datamodule_hook(self, dm, "prepare_data")
+                else:
+                    owner.prepare_data()
         if preparing:
             s.barrier()
         if dm is None:
             return
-        dm.setup(stage)
+        datamodule_hook(self, dm, "setup", stage)
         self._dm_stage = stage
 
     _dm_stage: str | None = None
@@ -48,7 +52,7 @@ class TrainerData:
     def _teardown_data(self, stage: str) -> None:
         if self.datamodule is not None and self._dm_stage == stage:
             self._dm_stage = None
-            self.datamodule.teardown(stage)
+            datamodule_hook(self, self.datamodule, "teardown", stage)
 
     def _prepare_loader(self, loader: Any, stage: str) -> Any:
         """Put a DistributedSampler under map-style data, so each data-parallel rank sees its

@@ -111,6 +111,28 @@ class TrainModule(HyperparametersMixin, nn.Module, DataHooks, ModuleTools):
     def on_validation_batch_end(self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None: ...
     # on_test_* and on_predict_*: the validation hooks' no-ops under their names (``stage_hooks``)
 
+    # ---- the model's mode around an evaluation (Lightning's hooks; ``trainer/evaluation.py``):
+    # ``*_model_eval`` before its start hooks; after its end hooks the mode every submodule had
+    # is put back, or, where overridden, ``*_model_train`` runs instead
+    def on_validation_model_eval(self) -> None:
+        self.trainer.model.eval()
+
+    def on_validation_model_train(self) -> None:
+        self.trainer.model.train()
+
+    def on_test_model_eval(self) -> None:
+        self.trainer.model.eval()
+
+    def on_test_model_train(self) -> None:
+        self.trainer.model.train()
+
+    def on_predict_model_eval(self) -> None:
+        self.trainer.model.eval()
+
+    def on_validation_model_zero_grad(self) -> None:
+        """Before a validation inside ``fit`` (not the sanity check): the gradients are released."""
+        self.zero_grad()
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Add this module's extra state to ``checkpoint`` (the checkpoint's metadata: small,
         picklable values; tensors belong in the model's state). Called on global rank 0, which

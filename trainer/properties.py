@@ -147,6 +147,7 @@ class TrainerProperties:
             self.hooks("on_exception", self, module, exc)
             if getattr(self.datamodule, "on_exception", None) is not None:  # then the datamodule's, as Lightning
                 self.datamodule.on_exception(exc)
+            self._strategy.on_exception(exc)  # then the strategy's, as Lightning
         finally:  # an on_exception that raises still ends the ranks (they would wait in a collective)
             if in_fit and self._launcher is not None and not isinstance(exc, SIGTERMException):
                 self._launcher.kill(in_fit=True, peer_lost=is_peer_loss(exc))

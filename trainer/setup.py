@@ -11,7 +11,7 @@ import torch
 from . import job
 from .datamodule import DataModule
 from .errors import ConfigError
-from .hooks import merge_callbacks, warn_not_called
+from .hooks import merge_callbacks
 from .hparams import clean_namespace
 from .module import TrainModule
 from .optimization import Optimization
@@ -35,23 +35,32 @@ class TrainerSetup:
                                   "Trainer, or model=None")
             self._setup_data(stage, datamodule, module)
             self._stage_setup(stage)
+            if stage == "fit":
+                self._setup_optimizers()
             return
         if not isinstance(module, TrainModule):
             raise TypeError(f"Trainer.{stage}: `model` must be a `TrainModule`, got `{type(module).__qualname__}`")
         self._connect()
-        self._setup_data(stage, datamodule, module)
         s = self._strategy
         self.module = module
         module._trainer = self
+        # as Lightning: the module's callbacks first, then the data's prepare_data and setup
         self.hooks.callbacks = self.callbacks = merge_callbacks(self.callbacks, module.configure_callbacks())
-        if self.is_global_zero:
-            warn_not_called(module)
+        self._setup_data(stage, datamodule, module)
         self._stage_setup(stage)
         self._configure_model(module)
         s.setup_module(module)
-        self._configure_optimizers(module)
-        s.setup_optimizer(self.optimizer)
         self._ready = True
+        if stage == "fit" or not s.evaluates_without_optimizer:
+            self._setup_optimizers()
+
+    def _setup_optimizers(self) -> None:
+        """``configure_optimizers`` and the strategy's optimizer set-up, once per Trainer: at the
+        first set-up, or, as Lightning (which never asks for optimizers outside ``fit``), at the
+        first ``fit`` where the strategy can evaluate without them (``evaluates_without_optimizer``)."""
+        if self._optim is None:
+            self._configure_optimizers(self.module)
+            self._strategy.setup_optimizer(self.optimizer)
 
     _hooked_stage: str | None = None  # the stage whose setup hooks ran: its teardown hooks are due
 

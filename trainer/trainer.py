@@ -25,15 +25,18 @@ from ..strategies.environment import detect
 from ..strategies.paths import directory_problem
 from . import checkpointing, elastic, hparams, job, plugin_checks, run_options, signals
 from .compat.profilers import Profiler, profiler_of
+from .compat.validator import verify_stage
+from .batch_transfer import transfer_batch
 from .arguments import (check_limit, check_lightning_args, default_callbacks, fast_dev_run_flags, lightning_callbacks,
                         make_loggers, positive_int, positive_number)
 from .errors import ConfigError
-from .evaluation import TrainerEvaluation, split_datamodule, to_device
+from .evaluation import TrainerEvaluation, split_datamodule
 from .hooks import BatchHooks, HookDispatcher, batch_end_outputs, hook_owners
 from .launcher import LocalLauncher
 from .loaders import TrainerData, len_or_none, with_last
 from .logging import MetricsConnector, TrainerLogging, hook_scope
-from .datamodule import DataModule
+from .datamodule import DataModule, overrides_hook
+from .model_mode import zero_grad_before_validation
 from .module import TrainModule
 from .limits import TrainerLimits, announce_limits, check_max_limits, check_val_schedule, no_training
 from .properties import TrainerProperties
@@ -289,6 +292,7 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
         self.should_stop = False
         self._start("fit", train_dataloaders)
         try:
+            verify_stage(self, module, "fit", datamodule, val_dataloaders)  # Lightning's checks and warnings
             self._setup(module, "fit", datamodule)
             self._start_val_data(val_dataloaders)  # the sanity check's request comes first, as Lightning's
             if self.train_dataloader is None:  # not already loaded by estimated_stepping_batches
@@ -313,6 +317,7 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
             self._signals.install()
             if self._watchdog is not None:  # after the fit-start hooks (rank-0-only set-up may run there)
                 self._watchdog.arm()
+            module.zero_grad()  # as Lightning's stages begin
             with torch.autograd.set_detect_anomaly(self.detect_anomaly):
                 self._sanity_check()
                 self._fit_loop()
@@ -352,12 +357,10 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
         the datamodule's hook if it overrides it, else the module's."""
         if given is not None:
             return given
-        dm = self.datamodule
-        if dm is not None and getattr(type(dm), hook) is not getattr(DataModule, hook):
-            source = getattr(dm, hook)
-        else:
-            source = getattr(self.module, hook)
-        return source() if source is not None else None  # a hook set to None (Lightning's way): no data
+        for owner in (self.datamodule, self.module):  # a hook set to None (Lightning's way): no data
+            if overrides_hook(owner, hook):
+                return getattr(owner, hook)()
+        return None
 
     # ------------------------------------------------------------------ the loop
     def _fit_loop(self) -> None:
@@ -371,8 +374,7 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
                               f"{len_or_none(loader)}, limit_train_batches={self.limit_train_batches!r}): an "
                               "epoch without a training step would never end the run")
         self.num_training_batches = n_batches
-        val_batch = self._val_check_batch(n_batches)
-        module.train()
+        val_batch = self._val_check_batch(n_batches)  # the module's mode is the user's, as Lightning
         self._last_val_time = time.monotonic()  # a time-based val_check_interval counts from here
         self._logging.start_training(n_batches)
         if self._validates_this_epoch():  # as Lightning, the validation data is there from the start (progress bars)
@@ -400,6 +402,8 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
                 if cut:  # the epoch ends here, without its end-of-epoch validation (as Lightning)
                     break
                 if self._validation_due(val_batch, batch_idx):  # after every batch, as Lightning
+                    if stepped and self._validation_defined():  # not inside an accumulation, as Lightning
+                        zero_grad_before_validation(self)
                     self._run_validation(self._fit_val_loaders())
                 if stepped:  # ReduceLROnPlateau on steps: after the metrics of this step's validation
                     self._optim.step_schedulers("step", plateau=True, index=batch_idx)
@@ -452,7 +456,7 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
         or None when the module's ``on_train_batch_start`` returned -1 (Lightning: the epoch ends
         before this batch)."""
         st, s, module = self.state, self._strategy, self.module
-        batch = s.precision.convert_input(to_device(batch, s.device))
+        batch = transfer_batch(self, batch)  # Lightning's batch transfer hooks (trainer/batch_transfer.py)
         self._tick("on_train_batch_start")
         self._logging.on_batch_start(batch)
         if self.hooks.both("on_train_batch_start", self, module, batch, batch_idx) == -1:

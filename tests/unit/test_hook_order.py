@@ -1,10 +1,9 @@
 """The Trainer calls the module's hooks as well as the callbacks', in Lightning's order: one fit
 (2 epochs x 2 batches, validation each epoch) + validate + test + predict run under zerotrain and
 under pytorch-lightning 2.6 records the same sequence of hook calls (with their arguments'
-essentials), less the few hooks zerotrain deliberately does not have (``LIGHTNING_ONLY``)."""
+essentials), the module-only hooks around an evaluation (``MODE_HOOKS``) included."""
 from __future__ import annotations
 
-import logging
 import os
 
 import pytest
@@ -12,19 +11,11 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from zerotrain import Callback, Trainer, TrainModule
-from zerotrain.trainer.hooks import HOOKS, MODULE_HOOKS, NOT_CALLED
+from zerotrain.trainer.hooks import HOOKS, MODULE_HOOKS
 
-#: Lightning hooks zerotrain does not call, each with why. Every other hook is compared.
-LIGHTNING_ONLY = {
-    # the Trainer switches the module to eval()/train() itself around an evaluation epoch; the
-    # module cannot override how (a sharded strategy's model must be switched as a whole)
-    "on_validation_model_eval": "the Trainer switches eval/train mode itself",
-    "on_validation_model_train": "the Trainer switches eval/train mode itself",
-    "on_test_model_eval": "the Trainer switches eval/train mode itself",
-    "on_test_model_train": "the Trainer switches eval/train mode itself",
-    "on_predict_model_eval": "the Trainer switches eval/train mode itself",
-}
-
+#: the module-only hooks around an evaluation (``trainer/model_mode.py``), recorded too
+MODE_HOOKS = ("on_validation_model_eval", "on_validation_model_train", "on_test_model_eval",
+              "on_test_model_train", "on_predict_model_eval", "on_validation_model_zero_grad")
 
 
 def _data(n=4):
@@ -61,7 +52,7 @@ _ARG_NAMES = {
 #: the hooks recorded: every callback hook both libraries know, plus the module-only ones
 RECORDED = sorted(set(HOOKS) - {"on_exception", "on_save_checkpoint", "on_load_checkpoint"}
                   | set(MODULE_HOOKS) - {"configure_callbacks", "on_save_checkpoint", "on_load_checkpoint"}
-                  | set(LIGHTNING_ONLY))
+                  | set(MODE_HOOKS))
 
 
 def _recorder(who, calls, hook, n_fixed):
@@ -158,7 +149,7 @@ def _lightning_calls(tmp_path, edit=lambda module, calls: module, run=_run):
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                          max_epochs=2, limit_val_batches=1, callbacks=[cb], default_root_dir=str(tmp_path))
     run(trainer, module)
-    return [c for c in calls if c[1] not in LIGHTNING_ONLY]
+    return calls
 
 
 def _our_calls(tmp_path, edit=lambda module, calls: module, run=_run):
@@ -173,16 +164,10 @@ def _our_calls(tmp_path, edit=lambda module, calls: module, run=_run):
     return calls
 
 
-def test_the_lightning_only_hooks_are_the_ones_zerotrain_warns_about():
-    assert set(LIGHTNING_ONLY) == set(NOT_CALLED)
-
-
-def test_hook_order_matches_lightning(tmp_path, caplog):
+def test_hook_order_matches_lightning(tmp_path):
     want = _lightning_calls(tmp_path / "pl")
-    with caplog.at_level(logging.WARNING, logger="zerotrain"):
-        got = _our_calls(tmp_path / "zt")
-    warned = [r.getMessage() for r in caplog.records if "never calls these Lightning hooks" in r.getMessage()]
-    assert len(warned) == 1 and all(f"Rec.{h}" in warned[0] for h in LIGHTNING_ONLY)  # said once, not silently
+    got = _our_calls(tmp_path / "zt")
+    assert ("module", "on_validation_model_zero_grad") in got and ("module", "on_test_model_train") in got
     assert ("module", "on_train_batch_start", 1) in got and ("module", "teardown", "predict") in got
     assert got == want
 

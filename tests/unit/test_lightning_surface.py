@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import zerotrain
 from zerotrain import ConfigError, DataModule, Trainer, TrainModule
+from zerotrain.trainer.errors import MisconfigurationException
 
 PKG_PARENT = str(pathlib.Path(zerotrain.__file__).parent.parent)
 
@@ -144,7 +145,8 @@ def test_from_datasets_as_lightnings():
     assert type(loader.sampler).__name__ == "RandomSampler"
     vals = dm.val_dataloader()
     assert set(vals) == {"a", "b"} and type(vals["a"].sampler).__name__ == "SequentialSampler"
-    assert dm.test_dataloader() is None
+    with pytest.raises(MisconfigurationException, match="`test_dataloader` must be implemented"):  # as Lightning
+        dm.test_dataloader()
 
 
 def test_freeze_unfreeze_and_torchscript(tmp_path):

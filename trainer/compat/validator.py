@@ -61,3 +61,21 @@ def __verify_train_val_loop_configuration(trainer: Any, model: Any) -> None:
 def __verify_eval_loop_configuration(model: Any, stage: str) -> None:
     """Lightning's name for ``verify_eval``."""
     verify_eval(model, stage)
+
+
+def verify_stage(trainer: Any, model: Any, stage: str, datamodule: Any = None, val_loaders: Any = None) -> None:
+    """What the Trainer checks before a stage's set-up, as Lightning's ``_verify_loop_configurations``:
+    a fit's requirements (with whether a validation loader is defined: passed to ``fit``, or a
+    datamodule's or the module's ``val_dataloader``), or an evaluation's step. A strategy that runs
+    its own schedule (the pipeline) has no step methods of the module to check."""
+    from ..datamodule import overrides_hook
+    from ..module import TrainModule
+
+    if trainer.strategy.runs_own_schedule or not isinstance(model, TrainModule):  # the latter: refused later
+        return
+    if stage == "fit":
+        dm = datamodule if datamodule is not None else trainer.datamodule
+        verify_fit(model, val_loaders is not None or overrides_hook(dm, "val_dataloader")
+                   or overrides_hook(model, "val_dataloader"))
+    else:
+        verify_eval(model, {"validate": "val", "test": "test", "predict": "predict"}[stage])
