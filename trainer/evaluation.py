@@ -71,11 +71,11 @@ class TrainerEvaluation:
                                 f"run: model=None, and this Trainer has no model yet")
         self._start(fn)
         try:
+            verify_stage(self, model if model is not None else self.module, fn)  # before any set-up, as Lightning
             self._setup(model if model is not None else self.module, fn, datamodule)
             self.module.zero_grad()  # as Lightning's stages begin
             hparams.log_hyperparams(self)
             spec = _EVAL_STAGES[fn]
-            self._check_step_defined(spec)
             off = getattr(self, spec.limit) == 0  # as Lightning: no data is requested for a stage limited to 0
             loaders = [] if off else as_loader_list(self._source(spec.loader, dataloaders))
             if not loaders and not off:
@@ -99,12 +99,6 @@ class TrainerEvaluation:
         if verbose and self.is_global_zero and fn != "predict":
             _print_results(fn, results)
         return results[0] if fn == "predict" and len(results) == 1 else results
-
-    def _check_step_defined(self, spec: "_EvalStage") -> None:
-        """Lightning refuses ``test`` without a ``test_step`` (and ``validate`` without a
-        ``validation_step``, ``predict`` without a ``predict_step`` or ``forward``), with its
-        messages (``compat/validator.py``); so do we, unless the strategy runs its own schedule."""
-        verify_stage(self, self.module, spec.fn)
 
     def _load_weights(self, path: str) -> None:
         """Collective: an evaluation stage's checkpoint: the model's (and optimizer's) tensors

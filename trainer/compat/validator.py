@@ -71,7 +71,13 @@ def verify_stage(trainer: Any, model: Any, stage: str, datamodule: Any = None, v
     from ..datamodule import overrides_hook
     from ..module import TrainModule
 
-    if trainer.strategy.runs_own_schedule or not isinstance(model, TrainModule):  # the latter: refused later
+    if not isinstance(model, TrainModule):  # refused by the set-up
+        return
+    if stage == "fit" and not model.automatic_optimization:  # before any set-up, as Lightning
+        from ..optimization import Optimization
+
+        Optimization._check_manual(trainer)
+    if trainer.strategy.runs_own_schedule:
         return
     if stage == "fit":
         dm = datamodule if datamodule is not None else trainer.datamodule
