@@ -12,6 +12,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset
 
 from .datamodule import DataModule
+from .demo_transformer import LightningTransformer, Transformer, WikiText2
 from .module import TrainModule
 
 
@@ -218,5 +219,5 @@ class Net(nn.Module):
 
 
 __all__ = ["BoringModel", "BoringDataModule", "BoringDataModuleNoLen", "IterableBoringDataModule", "DemoModel",
-           "ManualOptimBoringModel", "Net", "RandomDataset", "RandomDictDataset", "RandomIterableDataset",
-           "RandomIterableDatasetWithLen"]
+           "LightningTransformer", "ManualOptimBoringModel", "Net", "RandomDataset", "RandomDictDataset",
+           "RandomIterableDataset", "RandomIterableDatasetWithLen", "Transformer", "WikiText2"]

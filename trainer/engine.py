@@ -178,11 +178,13 @@ class Engine:
             self._model, self._optimizer = wrapped, opts[0]
         return (wrapped, *opts)
 
-    def setup_dataloaders(self, *loaders: Any, move_to_device: bool = True) -> Any:
+    def setup_dataloaders(self, *loaders: Any, move_to_device: bool = True, use_distributed_sampler: bool = True) -> Any:
         """Each loader over a DistributedSampler (the Trainer's, same shuffle and ``seed``), its
-        batches moved to ``device``, ``set_epoch`` called for each pass. The first loader of the
-        first call is the training loader: its position is saved by ``save`` and restored by
-        ``load``. Returns one loader, or a list for several."""
+        batches moved to ``device``, ``set_epoch`` called for each pass. A sampler of the user's own
+        (``SubsetRandomSampler``, ...) is split over the ranks in its own order, not shuffled again
+        (Fabric's ``DistributedSamplerWrapper``); ``use_distributed_sampler=False`` keeps every
+        loader as it is. The first loader of the first call is the training loader: its position is
+        saved by ``save`` and restored by ``load``. Returns one loader, or a list for several."""
         self.launch()
         if not loaders:
             raise ConfigError("Engine.setup_dataloaders: no loader given; valid: one or more DataLoaders")
@@ -190,8 +192,9 @@ class Engine:
         for loader in loaders:
             tracked = self._train_loader is None
             # one data-parallel rank: the loader as it is (its own sampler and order), as Fabric
-            sharded = (loader if self._strategy.data_parallel_world_size == 1
-                       else distributed_loader(loader, self._strategy, sampler_seed(self.seed)))
+            sharded = (loader if self._strategy.data_parallel_world_size == 1 or not use_distributed_sampler
+                       else distributed_loader(loader, self._strategy, sampler_seed(self.seed),
+                                               custom_sampler_shuffle=False))
             wrapped = EngineLoader(sharded,
                                    self.device if move_to_device else None, self.progress if tracked else None)
             if tracked:

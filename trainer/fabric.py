@@ -28,11 +28,22 @@ from .utilities import seed_everything as _seed_everything
 _PRECISIONS = {None: "32", "32-true": "32", 32: "32", "16": "16-mixed", 16: "16-mixed", "bf16": "bf16-mixed"}
 
 
+def _cli_used() -> bool:
+    """The script was started by ``fabric run`` (which sets ``LT_CLI_USED=1``)."""
+    return os.environ.get("LT_CLI_USED", "0") not in ("", "0")
+
+
 def _env(name: str, value: Any, default: Any) -> Any:
-    """Fabric's rule: an argument left at its default takes ``fabric run``'s ``LT_<NAME>``."""
+    """Fabric's rule: ``fabric run``'s ``LT_<NAME>``, when set, wins over the argument (also over
+    one given in the code: ``Fabric(devices=1)`` under ``LT_DEVICES=2`` runs 2); under ``fabric
+    run`` itself (``LT_CLI_USED=1``) an argument given in the code that differs from it is an error."""
     env = os.environ.get(f"LT_{name}")
-    if value != default or env is None:
+    if env is None:
         return value
+    if env != str(value) and str(value) != str(default) and _cli_used():
+        key = name.lower()
+        raise ConfigError(f"Fabric: {key}={value!r} in the code conflicts with --{key}={env} given to fabric run "
+                          f"(LT_{name}); valid: set it in one place only")
     return int(env) if name in ("DEVICES", "NUM_NODES") and env.isdigit() else env
 
 
@@ -63,6 +74,8 @@ class Fabric(Engine):
         self._callbacks = _as_list(callbacks)
         self._loggers = _as_list(loggers)
         self._pending_module: nn.Module | None = None
+        if _cli_used():  # started by `fabric run`: join the job now, as Fabric does, so that the ranks
+            self.launch()  # re-seed (seed_everything's seed) here, before the script builds its model
 
     # ------------------------------------------------------------------ Fabric's names
     def launch(self, function: Any = None, *args: Any, **kwargs: Any) -> Any:

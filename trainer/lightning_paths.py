@@ -25,6 +25,7 @@ PATHS = {
     "core.mixins.hparams_mixin": "trainer.hparams",
     # lightning.pytorch.demos.*
     "demos.boring_classes": "trainer.demos",
+    "demos.transformer": "trainer.demo_transformer",
     # lightning.pytorch.loggers.*
     "loggers.logger": "callbacks.base",
     "loggers.csv_logs": "callbacks.loggers",

@@ -135,6 +135,28 @@ def test_fabric_reads_fabric_runs_variables(monkeypatch):
         _fabric().setup_optimizers(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1))
 
 
+def test_fabric_run_variables_win_over_the_code_as_fabrics(monkeypatch):
+    """DCGAN's ``Fabric(accelerator="auto", devices=1)`` run by torchrun with ``LT_DEVICES=2``: the
+    variable wins (Fabric's rule); under ``fabric run`` (``LT_CLI_USED=1``) the conflict is an
+    error, as Fabric's; compared with the installed lightning where it is there."""
+    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK", "1"))
+    monkeypatch.setenv("LT_ACCELERATOR", "cpu")
+    monkeypatch.setenv("LT_STRATEGY", "auto")
+    monkeypatch.setenv("LT_DEVICES", "1")
+    monkeypatch.delenv("LT_CLI_USED", raising=False)
+    fabric = Fabric(accelerator="auto", devices=3, strategy="ddp")  # every argument overridden
+    assert (fabric.accelerator, fabric.devices, fabric.strategy.name) == ("cpu", 1, "single")
+    monkeypatch.setenv("LT_CLI_USED", "1")
+    assert Fabric(accelerator="cpu", devices=1).devices == 1  # equal to the variable: no conflict
+    with pytest.raises(ValueError, match="devices=3 in the code conflicts with --devices=1"):
+        Fabric(devices=3)
+    lightning = pytest.importorskip("lightning.fabric")
+    with pytest.raises(ValueError, match="conflicts"):
+        lightning.Fabric(devices=3)
+    monkeypatch.setenv("LT_CLI_USED", "0")
+    assert lightning.Fabric(accelerator="auto", devices=3, strategy="ddp").world_size == 1
+
+
 def test_clip_gradients_takes_fabrics_keywords():
     fabric = _fabric()
     net = nn.Linear(3, 1)

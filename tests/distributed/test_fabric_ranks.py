@@ -1,0 +1,91 @@
+"""zerotrain.Fabric on 2 ranks where Lightning's examples/fabric scripts found it differ from Fabric.
+
+A loader with a sampler of the user's own (Lightning's examples/fabric/kfold_cv: a
+``SubsetRandomSampler`` per fold) on 2 ranks: zerotrain.Fabric splits the sampler's indices over
+the ranks as Fabric's ``DistributedSamplerWrapper`` does (its order, not shuffled again, padded from
+its start); before, every rank got the whole fold. ``use_distributed_sampler=False`` keeps the
+loader as it is on every rank. Compared with the installed lightning's wrapper, on the same RNG.
+
+Started by ``fabric run`` (``LT_CLI_USED=1``; language_model/train.py: ``seed_everything(42)``, then
+``Fabric()``, then the model): the ranks join the job, and re-seed from the recorded seed, in the
+constructor, as Fabric's; before, they joined at the first ``setup`` and re-seeded after the model
+was built, so every dropout mask differed from Fabric's."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, SubsetRandomSampler, TensorDataset
+
+from harness import run_ranks
+
+@pytest.fixture(autouse=True)
+def _lightning_env(monkeypatch):
+    """Lightning sets this variable at import; recorded so that it is undone after the test."""
+    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK", "1"))
+
+
+def _rank_seeds() -> dict:
+    from zerotrain import Fabric, seed_everything
+
+    seed_everything(42)
+    torch.rand(5)  # what the script draws before Fabric()
+    fabric = Fabric()  # LT_* from the test: cpu, ddp, 2 devices, started by `fabric run`
+    model = torch.nn.Linear(3, 2)
+    model, _ = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    return {"after_setup": torch.rand(4), "world": torch.tensor(fabric.world_size)}
+
+
+@pytest.mark.timeout(200)
+def test_fabric_run_joins_and_reseeds_in_the_constructor(tmp_path):
+    env = {"LT_CLI_USED": "1", "LT_ACCELERATOR": "cpu", "LT_STRATEGY": "ddp", "LT_DEVICES": "2"}
+    got = run_ranks("test_fabric_ranks:_rank_seeds", 2, tmp_path, timeout=150, env=env)
+    torch.manual_seed(42)
+    torch.nn.Linear(3, 2)  # Fabric re-seeded before the model was built
+    want = torch.rand(4)
+    for rank in range(2):
+        assert int(got[rank]["world"]) == 2
+        assert torch.equal(got[rank]["after_setup"], want), rank
+
+
+SUBSET = [2, 3, 5, 7, 8, 11, 12]  # 7 indices: padded to 8, 4 per rank
+
+
+def _loader() -> DataLoader:
+    return DataLoader(TensorDataset(torch.arange(16)), batch_size=3, sampler=SubsetRandomSampler(SUBSET))
+
+
+def _passes(loader, n: int = 2) -> list[list[int]]:
+    return [[int(i) for (batch,) in loader for i in batch] for _ in range(n)]
+
+
+def _rank() -> dict:
+    from zerotrain import Fabric
+
+    fabric = Fabric(accelerator="cpu", devices=2, strategy="ddp")
+    fabric.seed_everything(5)
+    split = _passes(fabric.setup_dataloaders(_loader()))
+    fabric.seed_everything(5)
+    kept = _passes(fabric.setup_dataloaders(_loader(), use_distributed_sampler=False))
+    return {"split": torch.tensor(split), "kept": torch.tensor(kept)}
+
+
+def _lightnings(rank: int) -> list[list[int]]:
+    data = pytest.importorskip("lightning.fabric.utilities.distributed")
+    torch.manual_seed(5)
+    inner = _loader()
+    sampler = data.DistributedSamplerWrapper(inner.sampler, num_replicas=2, rank=rank, shuffle=False, seed=5)
+    return _passes(DataLoader(inner.dataset, batch_size=3, sampler=sampler))
+
+
+@pytest.mark.timeout(200)
+def test_a_users_sampler_is_split_as_fabrics(tmp_path):
+    got = run_ranks("test_fabric_ranks:_rank", 2, tmp_path, timeout=150)
+    for rank in range(2):
+        split = got[rank]["split"].tolist()
+        assert split == _lightnings(rank), rank
+        assert all(len(p) == 4 for p in split)
+        torch.manual_seed(5)
+        assert got[rank]["kept"].tolist() == _passes(_loader())  # every rank: the whole subset, its own order
+    assert set(got[0]["split"][0].tolist() + got[1]["split"][0].tolist()) == set(SUBSET)  # one repeated: padding
