@@ -100,7 +100,9 @@ def build(cfg: Config):
     strategy, precision = build_strategy(cfg.strategy), build_precision(cfg.precision)
     callbacks = []
     if cfg.trainer.enable_checkpointing:
-        callbacks.append(ModelCheckpoint(dirpath=f"{root}/checkpoints", save_last=cfg.callbacks.save_last,
+        # this CLI's layout: every checkpoint kept as step=NNNNNN.ckpt, last.ckpt a link to the newest
+        callbacks.append(ModelCheckpoint(dirpath=f"{root}/checkpoints", filename="{step:06d}", save_top_k=-1,
+                                         save_last="link" if cfg.callbacks.save_last else False,
                                          every_n_train_steps=cfg.callbacks.checkpoint_every_n_steps))
     if cfg.callbacks.lr_monitor and cfg.callbacks.tensorboard:  # it needs a logger, as Lightning's
         callbacks.append(LearningRateMonitor())
@@ -121,6 +123,15 @@ def build(cfg: Config):
     return trainer, app.build_module(cfg)
 
 
+def _save_final(trainer, checkpoint) -> None:
+    """``callbacks.save_last``: the state fit ended with is saved (and ``last.ckpt`` links to it)
+    when the step trigger did not save it. Collective: every rank calls it."""
+    if trainer.global_step > 0 and checkpoint._last_global_step_saved != trainer.global_step:
+        metrics = checkpoint._monitor_candidates(trainer)
+        checkpoint._save_checkpoint(trainer, checkpoint.format_checkpoint_name(metrics))
+        checkpoint._save_last_checkpoint(trainer, metrics)
+
+
 def run(dcfg: DictConfig) -> None:
     try:
         check_known_keys(dcfg)
@@ -133,6 +144,8 @@ def run(dcfg: DictConfig) -> None:
     if trainer.is_global_zero and "RANK" not in os.environ:
         print(OmegaConf.to_yaml(dcfg), file=sys.stderr)
     trainer.fit(module, ckpt_path=cfg.ckpt_path)
+    if cfg.callbacks.save_last and trainer.checkpoint_callback is not None:
+        _save_final(trainer, trainer.checkpoint_callback)
     if cfg.sample_tokens:
         text = module.sample(cfg.sample_prompt, max_new_tokens=cfg.sample_tokens)  # every rank: ZeRO-3 gathers
         if trainer.is_global_zero:

@@ -40,7 +40,8 @@ def save(workdir: str, vocab_size: int) -> None:
     module = GPTModule(_config(vocab_size), batch_size=1, max_steps=1, warmup_steps=0, val_fraction=0.0,
                        max_bytes=200_000)
     trainer = Trainer(strategy="zero2", devices=2, max_steps=1, logger=False, enable_progress_bar=False,
-                      callbacks=[ModelCheckpoint(dirpath=os.path.join(workdir, "ck"), every_n_train_steps=1)])
+                      callbacks=[ModelCheckpoint(dirpath=os.path.join(workdir, "ck"),
+                                                 filename="{step:06d}", save_top_k=-1, every_n_train_steps=1)])
     trainer.fit(module)
 
 

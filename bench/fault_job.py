@@ -193,7 +193,9 @@ def main(path: str) -> None:
                       accelerator="cpu", max_steps=cfg["steps"], logger=False, enable_progress_bar=False,
                       enable_model_summary=False, stall_timeout_s=cfg["stall_timeout_s"],
                       default_root_dir=cfg["root"],
-                      callbacks=[ModelCheckpoint(dirpath=ck, every_n_train_steps=1, save_top_k=-1, save_last=False),
+                      callbacks=[ModelCheckpoint(dirpath=ck,
+                                                 filename="{step:06d}", every_n_train_steps=1, save_top_k=-1,
+                                                 save_last=False),
                                  Injector(cfg)])
     trainer.fit(Job(cfg), ckpt_path=cfg.get("resume"))
     full = trainer.full_state_dict()  # collective

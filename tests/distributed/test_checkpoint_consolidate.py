@@ -80,14 +80,15 @@ def _error(module, ckpt) -> str:
 def _worker(root: str) -> dict:
     import torch.distributed as dist
 
-    trainer = _trainer(4, [ModelCheckpoint(dirpath=os.path.join(root, "ck"), every_n_train_steps=4)])
+    trainer = _trainer(4, [ModelCheckpoint(dirpath=os.path.join(root, "ck"),
+                                           filename="{step:06d}", save_top_k=-1, every_n_train_steps=4)])
     module = Tied()
     trainer.fit(module)
     out = {"full": trainer.full_state_dict()}
     ckpt = os.path.join(root, "ck", "step=000004.ckpt")
     # ckpt_path="latest": the ModelCheckpoint directory's newest (saves nothing more here)
     start = StartStep()
-    _trainer(6, [ModelCheckpoint(dirpath=os.path.join(root, "ck"), save_last=False), start]).fit(
+    _trainer(6, [ModelCheckpoint(dirpath=os.path.join(root, "ck"), every_n_epochs=0), start]).fit(
         Tied(), ckpt_path="latest")
     out["latest_resumed"] = start.step
     out["other_model"] = _error(Tied(hidden=21, other=True), ckpt)

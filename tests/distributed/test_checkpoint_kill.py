@@ -39,7 +39,8 @@ class FirstStep(Callback):
 
 def _train(root: str, kill: bool, max_restarts: int = 0, timeout_s: float = 20.0, hang_check: bool = False) -> dict:
     module = ToyModule(n=96)
-    cbs = [ModelCheckpoint(dirpath=os.path.join(root, "ck"), every_n_train_steps=EVERY, save_last=False),
+    cbs = [ModelCheckpoint(dirpath=os.path.join(root, "ck"),
+                           filename="{step:06d}", save_top_k=-1, every_n_train_steps=EVERY, save_last=False),
            FirstStep()] + ([KillRank1()] if kill else [])
     trainer = Trainer(strategy="zero2", devices=2, max_steps=STEPS, callbacks=cbs, logger=False,
                       enable_progress_bar=False, max_restarts=max_restarts, collective_timeout_s=timeout_s)

@@ -41,7 +41,8 @@ def _train(root: str, num_nodes: int = 2, devices: int = 1, strategy: str = "zer
     from zerotrain.strategies import strategy_from_name
 
     module = ToyModule(n=96)
-    ck = ModelCheckpoint(dirpath=os.path.join(root, "ck"), every_n_train_steps=STEPS, save_last=False)
+    ck = ModelCheckpoint(dirpath=os.path.join(root, "ck"),
+                         filename="{step:06d}", save_top_k=-1, every_n_train_steps=STEPS, save_last=False)
     comms = CommsLogger()
     name, options = STRATEGIES[strategy]
     trainer = Trainer(strategy=strategy_from_name(name, **options), devices=devices, num_nodes=num_nodes,

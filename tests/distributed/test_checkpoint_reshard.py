@@ -30,7 +30,8 @@ def _zero3() -> str:
 def _fit(strategy: str, world: int, steps: int, root: str, save_as: str | None = None,
          resume: str | None = None) -> dict:
     module = ToyModule(bs=GLOBAL_BATCH // world, n=N_SAMPLES)
-    cbs = [ModelCheckpoint(dirpath=os.path.join(root, save_as), every_n_train_steps=steps,
+    cbs = [ModelCheckpoint(dirpath=os.path.join(root, save_as),
+                           filename="{step:06d}", save_top_k=-1, every_n_train_steps=steps,
                            save_last=False)] if save_as else []
     trainer = Trainer(strategy=strategy, devices=world, max_steps=steps, callbacks=cbs, logger=False,
                       enable_checkpointing=bool(save_as), enable_progress_bar=False)

@@ -46,7 +46,8 @@ def _strategy(kind: str, root: str):
 def _fit(kind: str, root: str, precision: str = "32", steps: int = STEPS, ckpt_every: int | None = None,
          resume: str | None = None, tag: str = "") -> dict:
     module = ToyModule()
-    cbs = [ModelCheckpoint(dirpath=os.path.join(root, f"ck-{kind}{tag}"), every_n_train_steps=ckpt_every,
+    cbs = [ModelCheckpoint(dirpath=os.path.join(root, f"ck-{kind}{tag}"),
+                           filename="{step:06d}", save_top_k=-1, every_n_train_steps=ckpt_every,
                            save_last=False)] if ckpt_every else []
     trainer = Trainer(strategy=_strategy(kind, root), devices=2, precision=precision, max_steps=steps,
                       gradient_clip_val=CLIP, callbacks=cbs, logger=False,

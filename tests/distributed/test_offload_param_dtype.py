@@ -72,7 +72,9 @@ def _fit(dtype: str, root: str, steps: int = STEPS, save: str | None = None, res
          tag: str = "") -> dict:
     module = ToyModule()
     strategy = Offload(nvme_path=os.path.join(root, f"nvme-{dtype}{tag}"), param_dtype=dtype, **OPTIONS)
-    cbs = [ModelCheckpoint(dirpath=save, every_n_train_steps=steps, save_last=False)] if save else []
+    cbs = [ModelCheckpoint(dirpath=save,
+                           filename="{step:06d}", save_top_k=-1, every_n_train_steps=steps,
+                           save_last=False)] if save else []
     trainer = Trainer(strategy=strategy, devices=2, precision="32", max_steps=steps, gradient_clip_val=CLIP,
                       callbacks=cbs, logger=False, enable_checkpointing=bool(save), enable_progress_bar=False)
     sizes: dict[str, int] = {}

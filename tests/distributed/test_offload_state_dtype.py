@@ -56,7 +56,9 @@ def _fit(case: str, dtype: str, root: str, steps: int = STEPS, save: str | None 
     module, sizes = WideToy(), SwapFileBytes()
     strategy = Offload(optimizer_device="nvme", nvme_path=os.path.join(root, "nvme"), buffer_count=2,
                        sub_group_size=SUB_GROUP, optimizer_state_dtype=dtype, **CASES[case])
-    cbs = [sizes] + ([ModelCheckpoint(dirpath=save, every_n_train_steps=steps, save_last=False)] if save else [])
+    cbs = [sizes] + ([ModelCheckpoint(dirpath=save,
+                                      filename="{step:06d}", save_top_k=-1, every_n_train_steps=steps,
+                                      save_last=False)] if save else [])
     trainer = Trainer(strategy=strategy, devices=2, precision="32", max_steps=steps, gradient_clip_val=0.5,
                       callbacks=cbs, logger=False, enable_checkpointing=bool(save), enable_progress_bar=False)
     trainer.fit(module, ckpt_path=resume)

@@ -13,7 +13,9 @@ from zerotrain import CheckpointError, ModelCheckpoint, Trainer
 
 def _train(devices, steps, ckpt_dir, resume_from=None, every=None, strategy="ddp"):
     module = ToyModule(shuffle=True, n=96)  # 96 samples / (8 x devices) -> epochs end mid-run
-    cbs = [ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=every, save_last=False)] if every else []
+    cbs = [ModelCheckpoint(dirpath=ckpt_dir,
+                           filename="{step:06d}", save_top_k=-1, every_n_train_steps=every,
+                           save_last=False)] if every else []
     trainer = Trainer(strategy=strategy, devices=devices, max_steps=steps, accumulate_grad_batches=2,
                       callbacks=cbs, logger=False, enable_checkpointing=bool(every),
                       enable_progress_bar=False)
