@@ -12,6 +12,7 @@ from .strategies import (DDP, DDPStrategy, Offload, PipelineStrategy, SingleDevi
                          Strategy, ZeroStage1, ZeroStage2, ZeroStage3)
 from .callbacks import loggers  # noqa: E402
 from .trainer import core, deepspeed, demos, fabric_paths, lightning_paths, utilities  # noqa: E402
+from .trainer.cli import cli_lightning_logo  # noqa: E402  (Lightning's examples print it)
 
 # Lightning's module paths, so that ported code only renames `lightning.pytorch` to `zerotrain`:
 # zerotrain.loggers / .utilities / .core / .demos and their deeper paths (zerotrain.core.module,

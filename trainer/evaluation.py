@@ -36,26 +36,27 @@ class TrainerEvaluation:
 
     def validate(self, model: TrainModule | None = None, dataloaders: Iterable | DataModule | None = None,
                  ckpt_path: str | None = None, verbose: bool = True,
-                 datamodule: DataModule | None = None) -> list[dict[str, float]]:
+                 datamodule: DataModule | None = None, weights_only: bool | None = None) -> list[dict[str, float]]:
         """Run ``validation_step`` over the validation loader(s) on every rank together; returns one
-        dict of epoch-level metrics per loader, as Lightning. ``ckpt_path``: as ``test``."""
+        dict of epoch-level metrics per loader, as Lightning. ``ckpt_path``, ``weights_only``: as ``test``."""
         return self._run_stage("validate", model, dataloaders, datamodule, ckpt_path, verbose)
 
     def test(self, model: TrainModule | None = None, dataloaders: Iterable | DataModule | None = None,
              ckpt_path: str | None = None, verbose: bool = True,
-             datamodule: DataModule | None = None) -> list[dict[str, float]]:
+             datamodule: DataModule | None = None, weights_only: bool | None = None) -> list[dict[str, float]]:
         """Run ``test_step`` over the test loader(s) on every rank together (a sharded model's
         forward gathers collectively); returns one dict of epoch-level metrics per loader, as
         Lightning. ``ckpt_path``: a checkpoint directory, ``"best"``, ``"last"``/``"latest"`` -
-        only the model's weights are loaded; None with no ``model`` means ``"best"``, as Lightning."""
+        only the model's weights are loaded; None with no ``model`` means ``"best"``, as Lightning.
+        ``weights_only``: Lightning's argument, accepted (a checkpoint is always read weights-only)."""
         return self._run_stage("test", model, dataloaders, datamodule, ckpt_path, verbose)
 
     def predict(self, model: TrainModule | None = None, dataloaders: Iterable | DataModule | None = None,
                 datamodule: DataModule | None = None, return_predictions: bool | None = None,
-                ckpt_path: str | None = None) -> list[Any] | None:
+                ckpt_path: str | None = None, weights_only: bool | None = None) -> list[Any] | None:
         """Run ``predict_step`` over the predict loader(s) on every rank together; returns this
         rank's ``predict_step`` outputs in order (a list per loader when there are several), as
-        Lightning - or None with ``return_predictions=False``."""
+        Lightning - or None with ``return_predictions=False``. ``weights_only``: as ``test``."""
         out = self._run_stage("predict", model, dataloaders, datamodule, ckpt_path, False)
         return out if return_predictions is not False else None
 

@@ -20,10 +20,12 @@ class of the same layers (its ``on_load_checkpoint`` may rename the keys).
 """
 from __future__ import annotations
 
+import importlib
 import inspect
 import json
 import logging
 import os
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -33,7 +35,7 @@ import torch
 from . import checkpoint_io
 from .consolidate import plan
 from .errors import CheckpointError, ConfigError
-from .hparams import HPARAMS_KEY, HPARAMS_NAME_KEY, SAFETENSORS_HPARAMS, AttributeDict
+from .hparams import CLASS_PATH_KEY, HPARAMS_KEY, HPARAMS_NAME_KEY, INSTANTIATOR_KEY, SAFETENSORS_HPARAMS, AttributeDict
 from .reshard import CheckpointReader
 from .tensor_files import SafetensorsFile
 
@@ -175,6 +177,34 @@ def _hparams_from_file(hparams_file: str | os.PathLike) -> dict[str, Any]:
     raise ValueError(".csv, .yml or .yaml is required for `hparams_file`")
 
 
+#: the builders a checkpoint may name (``_instantiator``): importing another path from a checkpoint
+#: could run any code
+TRUSTED_INSTANTIATORS = frozenset({"zerotrain.cli.instantiate_module"})
+
+
+def trusted_instantiator(cls: type, hparams: dict[str, Any]) -> Any:
+    """The function that rebuilds ``cls`` from ``hparams`` when a ``LightningCLI`` built it
+    (``hparams`` names it under ``_instantiator``, popped here), else None. Only
+    ``zerotrain.cli.instantiate_module`` is accepted, and a ``_class_path`` must name a subclass
+    of ``cls`` already imported: a checkpoint never imports code."""
+    path = hparams.pop(INSTANTIATOR_KEY, None)
+    if path is None:
+        return None
+    if path not in TRUSTED_INSTANTIATORS:
+        raise ValueError(f"The instantiator {path!r} of the checkpoint is not one of the trusted instantiators "
+                         f"{sorted(TRUSTED_INSTANTIATORS)} and was blocked: importing it could run arbitrary code")
+    class_path = hparams.get(CLASS_PATH_KEY)
+    if class_path is not None:
+        where, _, name = str(class_path).rpartition(".")
+        target = getattr(sys.modules.get(where), name, None)
+        if not (isinstance(target, type) and issubclass(target, cls)):
+            raise ValueError(f"The class {class_path!r} requested by the checkpoint is not an imported subclass of "
+                             f"{cls.__name__} and was blocked (a checkpoint never imports code): import the module "
+                             "that defines it before loading")
+    where, _, name = path.rpartition(".")
+    return getattr(importlib.import_module(where), name)
+
+
 def load_from_checkpoint(cls: type, checkpoint_path: str | os.PathLike, map_location: Any = None,
                          strict: bool | None = None, hparams_file: str | os.PathLike | None = None,
                          weights_only: bool | None = None, **overrides: Any) -> Any:
@@ -193,8 +223,14 @@ def load_from_checkpoint(cls: type, checkpoint_path: str | os.PathLike, map_loca
     checkpoint[key] = {**hparams, **overrides}
     hparams_name = checkpoint.get(getattr(cls, "CHECKPOINT_HYPER_PARAMS_NAME", HPARAMS_NAME_KEY))
     hparams_type = checkpoint.get(getattr(cls, "CHECKPOINT_HYPER_PARAMS_TYPE", "hparams_type"))
+    instantiator = trusted_instantiator(cls, hparams)
     try:
-        module = cls(**init_kwargs(cls, hparams, hparams_name, overrides, hparams_type))
+        if instantiator is not None and CLASS_PATH_KEY in hparams:  # the subclass's own arguments: its parser checks
+            module = instantiator(cls, {**hparams, **overrides})
+        elif instantiator is not None:
+            module = instantiator(cls, init_kwargs(cls, hparams, hparams_name, overrides, hparams_type))
+        else:
+            module = cls(**init_kwargs(cls, hparams, hparams_name, overrides, hparams_type))
     except TypeError as exc:
         raise ConfigError(f"{cls.__name__}.load_from_checkpoint({str(checkpoint_path)!r}): building the module "
                           f"from the saved hyperparameters {sorted(hparams)} failed: {exc}; pass the missing "

@@ -27,7 +27,9 @@ import logging
 import types
 import warnings
 from argparse import Namespace
-from collections.abc import MutableMapping
+from collections.abc import Iterator, MutableMapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any, Sequence
 
 import torch
@@ -44,6 +46,25 @@ HPARAMS_TYPE_KEY = "hparams_type"
 DATAMODULE_KEYS = (DATAMODULE_HPARAMS_KEY, "datamodule_hparams_name", "datamodule_hparams_type")
 
 _PRIMITIVES = (bool, int, float, str)
+
+#: the hyperparameters a builder gave for the module being constructed (``zerotrain.cli``):
+#: ``save_hyperparameters`` stores them instead of reading the ``__init__`` frame
+_GIVEN: ContextVar = ContextVar("zerotrain_given_hparams", default=None)
+#: the key naming the function that rebuilds the module from them (``load_from_checkpoint``)
+INSTANTIATOR_KEY = "_instantiator"
+#: and the subclass it built (subclass mode), stored beside the arguments
+CLASS_PATH_KEY = "_class_path"
+
+
+@contextmanager
+def given_hyperparameters(hparams: dict[str, Any], instantiator: str) -> Iterator[None]:
+    """Within: ``save_hyperparameters`` saves ``hparams`` plus ``_instantiator: instantiator``
+    (the import path of the function ``load_from_checkpoint`` rebuilds the module with)."""
+    token = _GIVEN.set({**hparams, INSTANTIATOR_KEY: instantiator})
+    try:
+        yield
+    finally:
+        _GIVEN.reset(token)
 
 
 class AttributeDict(dict):
@@ -91,12 +112,15 @@ class HyperparametersMixin:
         self._log_hyperparams = logger
         if len(args) == 1 and not isinstance(args[0], str) and not args[0]:
             return  # an empty container: nothing to save, as Lightning
-        if frame is None:
+        given = _GIVEN.get()
+        if frame is None and given is None:
             frame = inspect.currentframe().f_back
-        if not isinstance(frame, types.FrameType):
+        if given is None and not isinstance(frame, types.FrameType):
             raise AttributeError("save_hyperparameters: no frame to read the __init__ arguments from")
         ignored = _ignored(ignore)
-        if dataclasses.is_dataclass(self):  # as Lightning: a dataclass module's init fields (from __post_init__)
+        if given is not None:  # built by the CLI: its parsed values, as given
+            collected = dict(given)
+        elif dataclasses.is_dataclass(self):  # as Lightning: a dataclass module's init fields (from __post_init__)
             collected = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
         else:
             collected = _collect_init_args(frame, (HyperparametersMixin,))
@@ -326,21 +350,23 @@ def hparams_metadata(meta: dict[str, Any]) -> dict[str, str]:
 
 def merged_for_logging(module: Any, datamodule: Any) -> dict[str, Any] | None:
     """Lightning's rule: the module's initial hparams and the datamodule's, each only if it asked
-    to be logged; a key in both with different values is an error."""
+    to be logged; a key in both with different values is an error. The class a LightningCLI
+    built in subclass mode (``_class_path``) is not logged, as Lightning."""
     from_module = module is not None and module._log_hyperparams
     from_dm = isinstance(datamodule, HyperparametersMixin) and datamodule._log_hyperparams
     if from_module and from_dm:
         ours, theirs = module.hparams_initial, datamodule.hparams_initial
-        clash = sorted(str(k) for k in ours.keys() & theirs.keys() if not _same(ours[k], theirs[k]))
+        clash = sorted(str(k) for k in ours.keys() & theirs.keys() - {CLASS_PATH_KEY} if not _same(ours[k], theirs[k]))
         if clash:
             raise RuntimeError(f"Error while merging hparams: the keys {clash} are present in both the "
                                "TrainModule's and DataModule's hparams but have different values.")
-        return {**ours, **theirs}
-    if from_module:
-        return dict(module.hparams_initial)
-    if from_dm:
-        return dict(datamodule.hparams_initial)
-    return None
+        merged = {**ours, **theirs}
+    elif from_module or from_dm:
+        merged = dict((module if from_module else datamodule).hparams_initial)
+    else:
+        return None
+    merged.pop(CLASS_PATH_KEY, None)
+    return merged
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -15,6 +15,7 @@ PATHS = {
     "utilities": "trainer.utilities",
     "core": "trainer.core",
     "demos": "trainer.demos",
+    "cli": "trainer.cli",  # LightningCLI (its names load on first use: jsonargparse is imported then)
     # lightning.pytorch.core.*
     "core.module": "trainer.module",
     "core.datamodule": "trainer.datamodule",

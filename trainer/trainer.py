@@ -78,7 +78,7 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
         limit_test_batches: int | float | None = None,
         limit_predict_batches: int | float | None = None,
         log_every_n_steps: int | None = None,
-        callbacks: Sequence[Callback] | None = None,
+        callbacks: list[Callback] | Callback | None = None,
         logger: bool | Logger | Sequence[Logger] | None = None,
         enable_checkpointing: bool | None = None,
         enable_progress_bar: bool | None = None,
@@ -274,8 +274,9 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
     # ------------------------------------------------------------------ public API
     def fit(self, model: TrainModule, train_dataloaders: Iterable | DataModule | None = None,
             val_dataloaders: Iterable | None = None, datamodule: DataModule | None = None,
-            ckpt_path: str | None = None) -> None:
-        """Train, as Lightning's ``fit`` (``fit(model, dm)`` too). ``ckpt_path``: a checkpoint
+            ckpt_path: str | None = None, weights_only: bool | None = None) -> None:
+        """Train, as Lightning's ``fit`` (``fit(model, dm)`` too; ``weights_only``: Lightning's, a
+        checkpoint is always read weights-only). ``ckpt_path``: a checkpoint
         directory to resume from, ``"latest"``/``"last"`` (the newest checkpoint of the
         ModelCheckpoint directory, if any) or ``"best"`` (``checkpointing.resume_path``). With
         ``max_restarts`` this process supervises the workers and exits with the job's status
