@@ -79,6 +79,11 @@ class ProgressBar(Callback):
 
     @property
     def total_val_batches(self) -> int | float:
+        """The validation batches of this epoch, over its loaders: 0 in an epoch that does not
+        validate (``check_val_every_n_epoch``), as Lightning's."""
+        fit_loop = getattr(self.trainer, "fit_loop", None)
+        if fit_loop is not None and not fit_loop.epoch_loop._should_check_val_epoch():
+            return 0
         batches = getattr(self.trainer, "num_val_batches", 0)
         return sum(batches) if isinstance(batches, (list, tuple)) else batches
 

@@ -65,7 +65,11 @@ def check_lightning_args(fast_dev_run: Any, num_sanity_val_steps: Any, check_val
             num_sanity_val_steps < -1:
         raise ConfigError(f"Trainer: num_sanity_val_steps={num_sanity_val_steps!r}; valid: an int >= 0 "
                           "(batches), or -1 (the whole validation loader)")
-    positive_int("check_val_every_n_epoch", check_val_every_n_epoch, allow_none=True)
+    n = check_val_every_n_epoch
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int)):  # Lightning's words first
+        raise ConfigError(f"`check_val_every_n_epoch` should be an integer, found {n!r}. Trainer: "
+                          f"check_val_every_n_epoch={n!r}; valid: None or an integer >= 1")
+    positive_int("check_val_every_n_epoch", n, allow_none=True)
     positive_int("min_epochs", min_epochs, allow_none=True, minimum=0)
     positive_int("min_steps", min_steps, allow_none=True, minimum=0)
     check_limit("overfit_batches", overfit_batches, allow_zero=True)

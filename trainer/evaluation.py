@@ -128,6 +128,7 @@ class TrainerEvaluation:
                 self.hooks("on_sanity_check_end", self, self.module)
         finally:
             self.sanity_checking = False
+            self.fit_loop.epoch_loop.val_loop.batch_progress.reset()  # as Lightning: the check's batches are not counted
             self._logging.reset_metrics()
             self._last_val_step = kept
 
@@ -209,6 +210,7 @@ class TrainerEvaluation:
         module, mode = self.module, ModelMode(self, spec.fn)
         mode.to_eval()  # on_<stage>_model_eval (trainer/model_mode.py)
         with self._logging.evaluation() as outputs:
+            self._eval_loop(spec.fn).batch_progress.reset_on_run()  # trainer/loop_progress.py
             self.hooks.both(f"on_{spec.hooks}_start", self, module)
             self.hooks.both(f"on_{spec.hooks}_epoch_start", self, module)
             results = [self._evaluate_loader(spec, loader, i, len(loaders), outputs)
@@ -235,25 +237,30 @@ class TrainerEvaluation:
         self._predicting = spec.fn == "predict"
         job.set_sampler_epoch(loader, self.state.epoch)  # Lightning's: the epochs trained so far
         predictions = []
+        loop = self._eval_loop(spec.fn)  # counts the batches (Lightning's batch_progress)
+
+        def run_batch(batch: Any, batch_idx: int) -> Any:
+            self._val_logged = False
+            self._tick(spec.step)
+            batch = transfer_batch(self, batch, index)  # trainer/batch_transfer.py
+            self._logging.on_batch_start(batch, index if count > 1 else None)
+            self.hooks.both(f"on_{spec.hooks}_batch_start", self, self.module, batch, batch_idx, *kwargs.values())
+            with hook_scope(self, spec.step):
+                out = self._eval_forward(spec, batch, batch_idx, kwargs)
+                loss = out.get("loss") if isinstance(out, Mapping) else out  # any output is fine
+                if not self._predicting and torch.is_tensor(loss) and not self._val_logged:
+                    self._log_loss(spec.loss_name, loss)  # nothing logged: track the loss
+            self.hooks.both(f"on_{spec.hooks}_batch_end", self, self.module, out, batch, batch_idx, *kwargs.values())
+            self._logging.on_batch_end()
+            self._logging.update_eval_step_metrics(index)
+            return out
+
         try:
             for batch_idx, batch in enumerate(loader):
                 if batch_idx >= limit:
                     break
-                self._val_logged = False
-                self._tick(spec.step)
-                batch = transfer_batch(self, batch, index)  # trainer/batch_transfer.py
-                self._logging.on_batch_start(batch, index if count > 1 else None)
-                self.hooks.both(f"on_{spec.hooks}_batch_start", self, self.module, batch, batch_idx,
-                                *kwargs.values())
-                with hook_scope(self, spec.step):
-                    out = self._eval_forward(spec, batch, batch_idx, kwargs)
-                    loss = out.get("loss") if isinstance(out, Mapping) else out  # any output is fine
-                    if not self._predicting and torch.is_tensor(loss) and not self._val_logged:
-                        self._log_loss(spec.loss_name, loss)  # nothing logged: track the loss
-                self.hooks.both(f"on_{spec.hooks}_batch_end", self, self.module, out, batch, batch_idx,
-                                *kwargs.values())
-                self._logging.on_batch_end()
-                self._logging.update_eval_step_metrics(index)
+                out = loop._evaluation_step(batch, batch_idx, index if count > 1 else None,
+                                            lambda b=batch, i=batch_idx: run_batch(b, i))
                 if self._predicting:
                     predictions.append(out)
         finally:

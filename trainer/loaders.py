@@ -202,11 +202,15 @@ class TrainerData:
         the epoch (of the run with ``check_val_every_n_epoch=None``): an int ``val_check_interval``
         itself, a fraction that share of the epoch's batches (at least 1; 1.0 or None: the last
         batch, inf for a loader without a length); None when time-based (``_validation_due``)."""
+        self.val_check_batch = batch = self._val_check_batch_of(n_batches)  # Lightning's trainer.val_check_batch
+        return batch
+
+    def _val_check_batch_of(self, n_batches: float) -> float | None:
         v = self.val_check_interval
         if self._val_check_time is not None:
             return None
         if isinstance(v, int) and not isinstance(v, bool):
-            if v > n_batches and self.check_val_every_n_epoch is not None:
+            if v > n_batches and self.check_val_every_n_epoch is not None and self.limit_val_batches != 0:
                 raise ConfigError(f"`val_check_interval` ({v}) must be less than or equal to the number of the "
                                   f"training batches ({n_batches}). Set limit_val_batches=0 to disable validation, or "
                                   "check_val_every_n_epoch=None to count the batches of the whole run")

@@ -109,7 +109,7 @@ class Optimization:
                 continue
             metric = None
             if c.reduce_on_plateau:
-                metric = t.callback_metrics.get(c.monitor)
+                metric = t.fit_loop.epoch_loop._get_monitor_value(c.monitor)  # callback_metrics[monitor]
                 if metric is None:
                     where = (f"ReduceLROnPlateau conditioned on metric {c.monitor} which is not available")
                     if c.strict:

@@ -13,6 +13,7 @@ from typing import Any
 
 from .data_fit import FitLoaders, fit_loaders
 from .launcher import is_peer_loss
+from .loop_progress import TrainerLoops
 from .run_options import default_max_epochs
 from .state import RunningStage, TrainerFn, TrainerStatus
 
@@ -20,8 +21,9 @@ log = logging.getLogger("zerotrain")
 _UNSET = object()  # no fit is loading its training data
 
 
-class TrainerProperties:
-    """Lightning's read-only view of the Trainer, and the training data's loading."""
+class TrainerProperties(TrainerLoops):
+    """Lightning's read-only view of the Trainer, and the training data's loading (and, from
+    ``TrainerLoops``, the loop objects' counters: ``fit_loop``, ``test_loop`` ...)."""
 
     # ------------------------------------------------------------------ callbacks
     def _callbacks_of(self, kind: type) -> list:

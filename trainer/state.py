@@ -87,6 +87,9 @@ class LoopState:
     fn = None  # TrainerFn | None
     stage = None  # RunningStage | None
     status = TrainerStatus.INITIALIZING
+    epoch_phase = 0  # 1: `epoch` is running, 2: its training is over (its on_train_epoch_end), 0: between epochs
+    batch_ready = 0  # batches of `epoch` fetched, the running one included (Lightning's batch_progress.current.ready)
+    epoch_cut = False  # on_train_batch_start returned -1: `epoch` ends with its running batch
 
     @property
     def finished(self) -> bool:

@@ -387,16 +387,17 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
                 self.num_training_batches = n_batches = self._limit(loader, self.limit_train_batches)
                 val_batch = self._val_check_batch(n_batches)
             job.set_sampler_epoch(loader, st.epoch)
-            skip = st.batches_in_epoch  # > 0 only when resuming mid-epoch
+            skip = self.fit_loop.start_epoch()  # > 0 only when resuming mid-epoch (trainer/loop_progress.py)
             batches = job.epoch_iterator(loader, resuming=skip > 0)  # before the epoch's hooks, as Lightning
             self._tick("on_train_epoch_start")
             self.hooks.both("on_train_epoch_start", self, module)
             batch_idx, cut = -1, False
-            for batch_idx, (batch, self.is_last_batch) in enumerate(with_last(batches, n_batches)):
+            for batch_idx, (batch, last) in enumerate(with_last(batches, n_batches)):
                 if batch_idx >= n_batches or self._done():
                     break
                 if batch_idx < skip:
                     continue
+                st.batch_ready, self.is_last_batch = batch_idx + 1, last  # fetched (Lightning's fit_loop.batch_idx)
                 last_micro = (batch_idx + 1) % self.accumulate_grad_batches == 0 or batch_idx + 1 == n_batches
                 stepped = self._train_micro_batch(batch, batch_idx, last_micro)
                 cut = stepped is None  # the module's on_train_batch_start returned -1
@@ -432,6 +433,7 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
         ReduceLROnPlateau schedulers of epochs, and only then the epoch counter moves on. (The
         other per-epoch schedulers stepped after the epoch's last batch, as Lightning 2.6 does.)"""
         st = self.state
+        st.epoch_phase = 2  # the epoch's training is over (fit_loop.epoch_progress: processed)
         self._tick("on_train_epoch_end")
         self._logging.epoch_end_reached()
         self.hooks.both("on_train_epoch_end", self, self.module)
@@ -440,12 +442,12 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
             self._optim.step_schedulers("epoch", plateau=True, index=st.epoch)
         self._logging.update_train_epoch_metrics()
         st.epoch += 1
-        st.batches_in_epoch = 0
+        st.batches_in_epoch = st.epoch_phase = 0
 
     def _epoch_complete(self) -> bool:
         """Every batch of this epoch's ``num_training_batches`` was trained (Lightning's 'ready
-        batches reached'): not an epoch cut short by ``on_train_batch_start``, ``max_steps`` or a stop."""
-        return self.state.batches_in_epoch >= self.num_training_batches
+        batches reached', or ``on_train_batch_start`` returned -1): not one cut short by ``max_steps`` or a stop."""
+        return self.state.batches_in_epoch >= self.num_training_batches or self.state.epoch_cut
 
     def _train_micro_batch(self, batch: Any, batch_idx: int, last_micro: bool) -> bool | None:
         """One training batch: ``Strategy.run_schedule`` runs its forwards and backwards and calls
@@ -461,6 +463,9 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
         self._tick("on_train_batch_start")
         self._logging.on_batch_start(batch)
         if self.hooks.both("on_train_batch_start", self, module, batch, batch_idx) == -1:
+            st.epoch_cut = self.is_last_batch = True  # as Lightning: the epoch ends with this batch; its schedulers step
+            self._optim.step_schedulers("step", plateau=False, index=batch_idx)
+            self._optim.step_schedulers("epoch", plateau=False, index=st.epoch)
             return None
         manual = self._optim.manual  # the step backwards and steps itself (trainer/optimization.py)
         if manual:
