@@ -413,6 +413,13 @@ class EngineModule:
         way the strategy holds them."""
         return self._strategy.full_state_dict()
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``nn.Module.zero_grad`` that reaches the strategy's gradients too: ZeRO keeps them in its
+        partitions, out of the module's reach (a GAN's ``discriminator.zero_grad()`` left the
+        generator loss's gradients there, and the next discriminator step took them)."""
+        self._strategy.zero_grad()
+        self.module.zero_grad(set_to_none)
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self.module, name)
 
