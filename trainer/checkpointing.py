@@ -87,19 +87,39 @@ def resume_path(trainer: "Trainer", ckpt_path: str | None, fn: str = "fit", mode
     """The checkpoint ``Trainer.<fn>(ckpt_path=...)`` means, or None for none, as Lightning's:
 
     * None: none; in ``validate``/``test``/``predict`` without a model, ``"best"`` (said in a warning);
+      in ``fit`` with an OnExceptionCheckpoint, ``"last"`` (said too);
     * ``"best"``: the first ModelCheckpoint's ``best_model_path`` (a ValueError when there is none);
     * ``"last"``: the newest of the ModelCheckpoints' ``last`` checkpoints (``last.ckpt``,
-      ``last-v1.ckpt``, ...) and of the checkpoints SIGTERM/SIGUSR1 saved there (Lightning's on-exception
-      checkpoints stand among its candidates); none: a warning, and nothing is loaded;
+      ``last-v1.ckpt``, ...), of the OnExceptionCheckpoints' files and of the checkpoints
+      SIGTERM/SIGUSR1 saved there; none: a warning, and nothing is loaded;
     * ``"latest"`` (zerotrain's), or any start of ``fit`` after an elastic restart: the newest
       checkpoint of the ModelCheckpoint directory (its ``latest`` pointer, else its newest .ckpt);
     * anything else: that file or directory (a FileNotFoundError when it does not exist)."""
     if fn == "fit" and elastic.restart_count() > 0:
         ckpt_path = "latest"
-    if ckpt_path is None and not model_given and trainer.module is not None:
+    return parse_ckpt_path(trainer, fn, ckpt_path, model_given, trainer.module is not None)
+
+
+def parse_ckpt_path(trainer: "Trainer", fn: str, ckpt_path: str | None, model_provided: bool,
+                    model_connected: bool) -> str | None:
+    """``resume_path``'s rules with Lightning's arguments (``_checkpoint_connector._parse_ckpt_path``)."""
+    from ..callbacks.schedules import OnExceptionCheckpoint
+
+    on_exception = [cb for cb in trainer.callbacks if isinstance(cb, OnExceptionCheckpoint)]
+    if ckpt_path is None and on_exception and fn == "fit":
+        ckpt_path = "last"
+        warnings.warn(f"`.{fn}(ckpt_path=None)` was called without a model. The last model of the previous `fit` "
+                      f"call will be used. You can pass `{fn}(ckpt_path='best')` to use the best model or "
+                      f"`{fn}(ckpt_path='last')` to use the last model. If you pass a value, this warning will be "
+                      "silenced.", stacklevel=3)
+    if ckpt_path is None and model_provided:
+        return None
+    if ckpt_path is None and model_connected:
         ckpt_path = "best"
+        also = (" There is also an on-exception checkpoint available, however it is used by default only when "
+                "fitting." if on_exception else "")
         warnings.warn(f"`.{fn}(ckpt_path=None)` was called without a model. The best model of the previous `fit` "
-                      f"call will be used. You can pass `.{fn}(ckpt_path='best')` to use the best model or "
+                      f"call will be used.{also} You can pass `.{fn}(ckpt_path='best')` to use the best model or "
                       f"`.{fn}(ckpt_path='last')` to use the last model. If you pass a value, this warning will be "
                       "silenced.", stacklevel=3)
     if ckpt_path is None:
@@ -108,7 +128,8 @@ def resume_path(trainer: "Trainer", ckpt_path: str | None, fn: str = "fit", mode
         return _best_path(trainer, fn)
     if ckpt_path == "last":
         callbacks = _model_checkpoints(trainer)
-        found = [p for cb in callbacks for p in cb._find_last_checkpoints(trainer)]
+        found = [cb.ckpt_path for cb in on_exception]
+        found += [p for cb in callbacks for p in cb._find_last_checkpoints(trainer)]
         found += [str(p) for cb in callbacks if cb.dirpath and os.path.isdir(cb.dirpath)  # a signal's save
                   for p in Path(cb.dirpath).glob("sig*-step=*") if p.name.startswith(("sigterm-", "sigusr1-"))]
         found = [p for p in found if os.path.exists(p)]

@@ -40,6 +40,12 @@ class TrainerProperties(TrainerLoops):
         return next(iter(self.checkpoint_callbacks), None)
 
     @property
+    def _checkpoint_connector(self) -> Any:
+        """The few entry points of Lightning's checkpoint connector (``trainer/compat/checkpoint_connector.py``)."""
+        from .compat.checkpoint_connector import CheckpointConnector
+        return CheckpointConnector(self)
+
+    @property
     def progress_bar_callback(self) -> Any:
         """The progress bar (Lightning's ``ProgressBar``) among the callbacks, or None."""
         from ..callbacks.progress import ProgressBar

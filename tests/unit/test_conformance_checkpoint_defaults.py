@@ -153,3 +153,37 @@ def test_ckpt_path_in_the_evaluation_stages_is_lightnings(tmp_path, fn):
     untrained = Trainer(callbacks=[ModelCheckpoint(save_top_k=0)], **kw)
     with pytest.raises(ValueError, match="is not configured to save the best model"):
         getattr(untrained, fn)(model, ckpt_path="best")
+
+
+@pytest.mark.parametrize("fn, ckpt_path", [("fit", None), ("fit", "last"), ("validate", None), ("validate", "last")])
+def test_parse_ckpt_path_with_an_on_exception_checkpoint_is_lightnings(tmp_path, fn, ckpt_path):
+    """Lightning's ``trainer._checkpoint_connector._parse_ckpt_path``: in fit, None means "last"
+    (said), and an OnExceptionCheckpoint's file is a "last" candidate; elsewhere None means "best"."""
+    from zerotrain.callbacks import OnExceptionCheckpoint
+
+    def parse(lib):
+        mod = pytest.importorskip("pytorch_lightning") if lib == "pl" else None
+        mc = (mod.callbacks.ModelCheckpoint if mod else ModelCheckpoint)()
+        mc.best_model_path = "foobar"
+        ft = (mod.callbacks.OnExceptionCheckpoint if mod else OnExceptionCheckpoint)(str(tmp_path / lib))
+        os.makedirs(ft.dirpath, exist_ok=True)
+        open(ft.ckpt_path, "w").close()
+        trainer = (mod.Trainer if mod else Trainer)(callbacks=[mc, ft], logger=False)
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            state_fn = mod.trainer.states.TrainerFn(fn) if mod else fn
+            trainer.state.fn = state_fn  # as upstream's test: Lightning reads the running stage from the state
+            out = trainer._checkpoint_connector._parse_ckpt_path(state_fn, ckpt_path, model_provided=fn == "fit",
+                                                                 model_connected=True)
+        return os.path.basename(out), [str(w.message) for w in said if "ckpt_path=None" in str(w.message)]
+
+    ours = parse("ours")
+    assert ours[0] == ("foobar" if (fn, ckpt_path) == ("validate", None) else "on_exception.ckpt")
+    assert ours == parse("pl")
+
+
+def test_hpc_save_path_numbers_as_lightning(tmp_path):
+    connector = Trainer(logger=False)._checkpoint_connector
+    assert connector.hpc_save_path(str(tmp_path)) == str(tmp_path / "hpc_ckpt_1.ckpt")
+    (tmp_path / "hpc_ckpt_4.ckpt").touch()
+    assert connector.hpc_save_path(str(tmp_path)) == str(tmp_path / "hpc_ckpt_5.ckpt")
