@@ -18,7 +18,7 @@ from . import instrument
 from .environment import release_at_exit
 from .base import PROCESS_GROUP_TIMEOUT_S, Strategy
 from .step_wrapper import StepWrapper
-from .options import check_bool, config_from
+from .options import check_bool, config_from, expose_options
 from .zero.comm import all_gather_into
 
 
@@ -207,3 +207,7 @@ def _sum_in_rank_order(buf: torch.Tensor, world: int) -> torch.futures.Future:
         return buf
 
     return handle.get_future().then(add)
+
+
+# DDPConfig's fields as keyword parameters of DDP(...) for introspection (zerotrain.cli)
+expose_options(DDP.__init__, DDPConfig)

@@ -42,3 +42,32 @@ def config_from(cls: type[T], config: T | None, options: Mapping[str, Any], owne
         if key not in known:
             raise TypeError(f"{owner}: {key}={value!r} is not an option; valid: {', '.join(known)}")
     return cls(**options)
+
+
+def expose_options(init: Any, *configs: type) -> None:
+    """Give ``init`` (a strategy's ``__init__`` taking ``**options``) a signature listing the fields
+    of its option dataclasses ``configs`` as keyword-only parameters in place of ``**options``, so
+    that introspection - ``help()``, and jsonargparse in ``zerotrain.cli``
+    (``--trainer.strategy=DDP --trainer.strategy.bucket_cap_mb=50``) - sees the options the
+    constructor accepts. The constructor itself is unchanged (it still checks each option)."""
+    import dataclasses
+    import inspect
+    import typing
+
+    sig = inspect.signature(init)
+    params = [p for p in sig.parameters.values() if p.kind is not p.VAR_KEYWORD]
+    names = {p.name for p in params}
+    for config in configs:
+        try:
+            hints = typing.get_type_hints(config)
+        except Exception:  # an annotation that does not resolve here: leave the fields untyped
+            hints = {}
+        for f in dataclasses.fields(config):
+            if not f.init or f.name in names:
+                continue
+            default = f.default if f.default is not dataclasses.MISSING else (
+                f.default_factory() if f.default_factory is not dataclasses.MISSING else inspect.Parameter.empty)
+            params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=default,
+                                            annotation=hints.get(f.name, inspect.Parameter.empty)))
+            names.add(f.name)
+    init.__signature__ = sig.replace(parameters=params)

@@ -53,7 +53,7 @@ from torch import nn
 from ..base import PROCESS_GROUP_TIMEOUT_S, BatchHooks, ParamShard, ShardReader, Strategy
 from ..environment import release_at_exit
 from ..memory import replicated_tensors
-from ..options import config_from
+from ..options import config_from, expose_options
 from .collectives import all_reduce_grads, broadcast_tensors, sum_over_world
 from .config import PipelineConfig
 from .module import PipelineModule, Tie, find_pipeline_module
@@ -537,3 +537,7 @@ class PipelineStrategy(Strategy):
         extra += f", zero_stage={self.zero_stage}" if self.zero_stage else ""
         return (f"PipelineStrategy(stages x replicas={grid}, schedule={self.schedule_name!r}, "
                 f"micro_batches={self.micro_batches}{extra})")
+
+
+# PipelineConfig's fields as keyword parameters of PipelineStrategy(...) for introspection (zerotrain.cli)
+expose_options(PipelineStrategy.__init__, PipelineConfig)

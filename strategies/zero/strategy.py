@@ -36,7 +36,8 @@ from ..host_memory import set_mmap_threshold
 from ..memory import count_bytes
 from ..optimizers import group_indices
 from .comm import all_reduce_sum, backend, broadcast_from, world_size
-from .config import ZeroSpec
+from ..options import expose_options
+from .config import BucketConfig, Stage3Config, ZeroConfig, ZeroSpec
 from .estimate import estimate_model_states, format_bytes
 from .flat_buffer import FlatParamGroup, flatten_group
 from .hooks import ParamGatherHooks
@@ -445,4 +446,8 @@ class ZeroStrategy(Strategy):
 
 def _nothing() -> None:
     pass
+
+
+# the flat options ZeroSpec.from_options routes, as keyword parameters for introspection (zerotrain.cli)
+expose_options(ZeroStrategy.__init__, ZeroConfig, BucketConfig, Stage3Config)
 

@@ -119,3 +119,23 @@ def test_seed_everything_true_writes_the_seed_used_into_the_config():
     assert cli.config.seed_everything == int(os.environ["PL_GLOBAL_SEED"])
     cli = LightningCLI(BoringModel, run=False, args=["--seed_everything=false"], seed_everything_default=3)
     assert cli.config.seed_everything is False
+
+
+def test_strategy_classes_take_their_options_on_the_command_line(capsys):
+    from zerotrain.strategies import DDP, ZeroStage2
+
+    cli = LightningCLI(BoringModel, run=False, args=["--trainer.strategy=DDP",
+                                                      "--trainer.strategy.find_unused_parameters=true",
+                                                      "--trainer.strategy.bucket_cap_mb=50"])
+    strategy = cli.config_init.trainer.strategy
+    assert type(strategy) is DDP and strategy.config.find_unused_parameters is True
+    assert strategy.config.bucket_cap_mb == 50
+    cli = LightningCLI(BoringModel, run=False, args=["--trainer.strategy=ZeroStage2",
+                                                      "--trainer.strategy.reduce_bucket_size=1000"])
+    assert type(cli.config_init.trainer.strategy) is ZeroStage2
+    assert cli.config_init.trainer.strategy.spec.buckets.reduce_bucket_size == 1000
+    for bad in ("--trainer.strategy.bucket_cap_mb=big", "--trainer.strategy.no_such_option=1"):
+        with pytest.raises(SystemExit) as exit_info:
+            LightningCLI(BoringModel, run=False, args=["--trainer.strategy=DDP", bad])
+        assert exit_info.value.code == 2
+        assert bad.split("=")[0].rsplit(".", 1)[-1] in capsys.readouterr().err
