@@ -214,7 +214,7 @@ def expected_step_bytes(strategy: Any, trainer: Any = None, first: bool = False)
         return {}
     accumulation = getattr(trainer, "accumulate_grad_batches", 1)
     clips = bool(getattr(trainer, "gradient_clip_val", None)) and \
-        getattr(trainer, "gradient_clip_algorithm", "norm") == "norm"
+        getattr(trainer, "gradient_clip_algorithm", None) in (None, "norm")  # None: by norm, as Lightning
     stage = getattr(strategy, "stage", None)
     if getattr(strategy, "name", "") == "ddp" or type(strategy).__name__ == "DDP":
         return _ddp_bytes(strategy)

@@ -65,7 +65,7 @@ from torch import nn
 
 from . import instrument, progress
 from .environment import ProcessInfo, init_process_group
-from .optimizers import group_indices, selecting
+from .optimizers import group_indices, param_states, refuse_shared, selecting, split_kind, state_slots
 from .precision import Precision
 from .step_wrapper import StepCall, StepWrapper
 
@@ -171,6 +171,9 @@ class Strategy:
     #: Trainer then asks for the optimizers only when ``fit`` needs them, as Lightning. False where
     #: the optimizer's set-up lays the parameters out (ZeRO's flat groups, the pipeline's stages)
     evaluates_without_optimizer = False
+    #: one parameter may be in several optimizers (each keeps and checkpoints its own state of it),
+    #: as in Lightning; False where the optimizer state of each parameter is partitioned once (ZeRO)
+    optimizers_may_share_parameters = True
     #: given to ``StepWrapper``: the Trainer sets Lightning's signature rule (``trainer/signature.py``)
     step_call: StepCall | None = None
 
@@ -189,6 +192,7 @@ class Strategy:
         self.optimizer: torch.optim.Optimizer | None = None
         #: inside ``optimizer_step(which=k)``: optimizer k's param-group indices (None: every group)
         self._step_groups: list[int] | None = None
+        self.step_output: Any = None  # what the last inner step returned (``_inner_step``)
 
     # ------------------------------------------------------------------ environment
     def connect(self, info: "ProcessInfo | nn.Module", device: torch.device | None = None,
@@ -271,6 +275,7 @@ class Strategy:
         self.model = StepWrapper(module, self.step_call)
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        refuse_shared(self, optimizer)
         self.optimizer = optimizer
 
     def parameters_for_optimizer(self) -> Iterator[nn.Parameter]:
@@ -332,7 +337,8 @@ class Strategy:
 
     def optimizer_step(self, gradient_clip_val: float | None = None,
                        gradient_clip_algorithm: str = "norm", which: int | None = None,
-                       zero_grad: bool = True, error_if_nonfinite: bool = False) -> bool:
+                       zero_grad: bool = True, error_if_nonfinite: bool = False,
+                       step_kwargs: dict[str, Any] | None = None) -> bool:
         """Gradients ready -> unscale and check overflow (every rank together) -> clip (by global
         norm, or by value: ``gradient_clip_algorithm``) -> inner step -> refresh the working
         parameters -> zero the gradients. On overflow the step is skipped on every rank (the
@@ -344,8 +350,11 @@ class Strategy:
         optimization) keeps the gradients: the user zeroes them, and until then they accumulate.
         Clipping by norm leaves the norm before clipping in ``last_grad_norm`` (None otherwise);
         ``error_if_nonfinite``: a non-finite norm raises before any gradient changes, as
-        ``torch.nn.utils.clip_grad_norm_(error_if_nonfinite=True)``."""
+        ``torch.nn.utils.clip_grad_norm_(error_if_nonfinite=True)``. ``step_kwargs``: given to the
+        user's ``optimizer.step`` where the strategy steps it itself (Lightning's ``opt.step(closure=,
+        **kwargs)``; a closure there only returns what already ran)."""
         self.last_grad_norm: torch.Tensor | None = None
+        self._step_kwargs = step_kwargs or {}
         with self._selecting(which):
             self._gradients_ready()
             loss_scale = self.precision.loss_scale  # what backward scaled by (update() may change it)
@@ -461,9 +470,10 @@ class Strategy:
     def _inner_step(self, loss_scale: float) -> None:
         """Step the optimizer on the unscaled, clipped step gradients. ``loss_scale`` is what
         backward multiplied the loss by, for a stepper that reads gradient copies taken before
-        the unscale (offload's GPU path)."""
+        the unscale (offload's GPU path). What the optimizer's ``step()`` returned is kept in
+        ``step_output`` (Lightning's ``optimizer.step()`` returns it in manual optimization)."""
         assert self.optimizer is not None
-        self.optimizer.step()
+        self.step_output = self.optimizer.step(**getattr(self, "_step_kwargs", {}))
 
     def _refresh_params(self) -> None:
         """After the inner step: bring the working parameters up to date (ZeRO: all-gather the
@@ -571,7 +581,11 @@ class Strategy:
         for n, p in self.module.named_parameters():
             if names.get(id(p)) != n:
                 continue
-            per, scalars = split_optimizer_state(f"parameter {n!r}", p, self.optimizer.state.get(p, {}))
+            per, scalars = {}, {}
+            for suffix, st in param_states(self.optimizer, p):  # several: each optimizer's (optimizers.py)
+                tensors, numbers = split_optimizer_state(f"parameter {n!r}", p, st)
+                per.update({k + suffix: v for k, v in tensors.items()})
+                scalars.update({k + suffix: v for k, v in numbers.items()})
             out[n] = ParamShard(0, p.numel(), {"param": p.detach().reshape(-1).float(), **per}, scalars)
         return out
 
@@ -588,7 +602,7 @@ class Strategy:
         Replicated: every rank reads every full parameter of its module."""
         assert self.module is not None and self.optimizer is not None
         names = self._trainable_names()
-        index = {id(p): i for i, p in enumerate(p for g in self.optimizer.param_groups for p in g["params"])}
+        slots = state_slots(self.optimizer)  # each optimizer's state of p: its index and kind suffix
         state: dict[int, dict[str, torch.Tensor]] = {}
         with torch.no_grad():
             for n, p in self.module.named_parameters():
@@ -596,10 +610,12 @@ class Strategy:
                     continue
                 flat = reader.read(n, "param", 0, p.numel())
                 p.copy_(flat.view(p.shape))
-                st = {k: reader.read(n, k, 0, p.numel()).view(p.shape) for k in reader.kinds(n) if k != "param"}
-                st.update(reader.scalars(n))
-                if st and id(p) in index:
-                    state[index[id(p)]] = st
+                saved = {k: reader.read(n, k, 0, p.numel()).view(p.shape) for k in reader.kinds(n) if k != "param"}
+                saved.update(reader.scalars(n))
+                for i, suffix in slots.get(id(p), []):
+                    st = {base: v for (base, sfx), v in ((split_kind(k), v) for k, v in saved.items()) if sfx == suffix}
+                    if st:
+                        state[i] = st
             info = self.checkpoint_model_info()
             self.module.load_state_dict({k: reader.extra(k) for k in info["extras"]}, strict=False)
         saved = self.optimizer.state_dict()

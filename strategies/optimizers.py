@@ -10,6 +10,13 @@ indices numbered across all of them). The per-parameter checkpoint format, ``spl
 and the ZeRO layouts therefore stay what they are for one optimizer, and a checkpoint of a
 several-optimizer run resumes exactly.
 
+A parameter may be in several optimizers (Lightning allows it: GAN-style toggling, two learning
+rates on one layer); each keeps its own state for it and steps it when it steps. A replicated
+strategy checkpoints those states side by side (:func:`param_states` names the state of every
+owner after the first with a suffix ``@1``, ``@2``..., :func:`state_slots` maps them back); a strategy that
+partitions each parameter's optimizer state once (ZeRO) refuses such a set
+(``Strategy.optimizers_may_share_parameters``).
+
 One optimizer out of several: ``group_indices(k)`` says which concatenated groups are optimizer
 ``k``'s, and inside ``selecting(k)`` a ``step()`` steps optimizer ``k`` only (the strategy restricts
 gradients, unscale, overflow check, clipping and ``zero_grad`` to those groups itself). A plain
@@ -24,7 +31,8 @@ import torch
 
 
 class _MergedState(MutableMapping):
-    """The optimizers' ``state`` dicts read as one (keys are distinct tensors)."""
+    """The optimizers' ``state`` dicts read as one. A parameter in several optimizers reads as its
+    first owner's state by key; ``values()``/``items()`` list every optimizer's states."""
 
     def __init__(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         self._optimizers = optimizers
@@ -51,6 +59,14 @@ class _MergedState(MutableMapping):
     def __len__(self) -> int:
         return sum(len(opt.state) for opt in self._optimizers)
 
+    def values(self) -> Iterator[Any]:  # type: ignore[override]
+        for opt in self._optimizers:
+            yield from opt.state.values()
+
+    def items(self) -> Iterator[tuple[Any, Any]]:  # type: ignore[override]
+        for opt in self._optimizers:
+            yield from opt.state.items()
+
     def clear(self) -> None:
         for opt in self._optimizers:
             opt.state.clear()
@@ -63,15 +79,9 @@ class OptimizerSet:
         optimizers = list(optimizers)
         if len(optimizers) < 2:
             raise ValueError(f"OptimizerSet of {len(optimizers)} optimizers: give the optimizer itself")
-        seen: dict[int, int] = {}
         for k, opt in enumerate(optimizers):
             if not isinstance(opt, torch.optim.Optimizer):
                 raise TypeError(f"optimizer {k} is a {type(opt).__name__}, not a torch.optim.Optimizer")
-            for p in (p for g in opt.param_groups for p in g["params"]):
-                if id(p) in seen and seen[id(p)] != k:
-                    raise ValueError(f"a parameter of shape {tuple(p.shape)} is in optimizers {seen[id(p)]} "
-                                     f"and {k}: give each parameter to one optimizer")
-                seen[id(p)] = k
         self.optimizers = optimizers
         self._active: list[int] | None = None  # None: every optimizer
 
@@ -88,11 +98,13 @@ class OptimizerSet:
     def defaults(self) -> dict[str, Any]:
         return self.optimizers[0].defaults
 
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Step the selected optimizers (all outside ``selecting``)."""
+    def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
+        """Step the selected optimizers (all outside ``selecting``); ``kwargs`` go to their ``step``."""
         out = None
+        if closure is not None:
+            kwargs["closure"] = closure
         for k in self._selected():
-            out = self.optimizers[k].step(closure) if closure is not None else self.optimizers[k].step()
+            out = self.optimizers[k].step(**kwargs)
         return out
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -151,6 +163,51 @@ class OptimizerSet:
     def __repr__(self) -> str:
         return f"OptimizerSet({', '.join(type(o).__name__ for o in self.optimizers)})"
 
+    def owners(self) -> dict[int, list[int]]:
+        """``id(parameter) -> [optimizer indices holding it]``, in order."""
+        out: dict[int, list[int]] = {}
+        for k, opt in enumerate(self.optimizers):
+            for p in (p for g in opt.param_groups for p in g["params"]):
+                if k not in out.setdefault(id(p), []):
+                    out[id(p)].append(k)
+        return out
+
+    def shared(self) -> list[tuple[torch.Tensor, list[int]]]:
+        """Each parameter held by more than one optimizer, with the optimizers holding it."""
+        owners, tensors = self.owners(), {id(p): p for g in self.param_groups for p in g["params"]}
+        return [(tensors[i], ks) for i, ks in owners.items() if len(ks) > 1]
+
+
+def suffix(j: int) -> str:
+    """How a checkpoint names the state of a parameter's ``j``-th optimizer (in order): ``""`` for
+    the first, ``"@j"`` after it (``exp_avg``, ``exp_avg@1``)."""
+    return f"@{j}" if j else ""
+
+
+def param_states(optimizer: Any, p: torch.Tensor) -> list[tuple[str, dict[str, Any]]]:
+    """``[(suffix, state)]``: ``p``'s state in each optimizer holding it, in order."""
+    if not isinstance(optimizer, OptimizerSet):
+        return [("", optimizer.state.get(p, {}))]
+    ks = optimizer.owners().get(id(p), [])
+    return [(suffix(j), optimizer.optimizers[k].state.get(p, {})) for j, k in enumerate(ks)] or [("", {})]
+
+
+def state_slots(optimizer: Any) -> dict[int, list[tuple[int, str]]]:
+    """``id(parameter) -> [(index in the concatenated param groups' parameters, suffix)]``: where
+    each optimizer's state of the parameter goes in ``optimizer.state_dict()`` (the suffixes of
+    :func:`param_states`; torch refuses a parameter twice in one optimizer)."""
+    out: dict[int, list[tuple[int, str]]] = {}
+    for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"]):
+        seen = out.setdefault(id(p), [])
+        seen.append((i, suffix(len(seen))))
+    return out
+
+
+def split_kind(kind: str) -> tuple[str, str]:
+    """A saved state kind ``"exp_avg@1"`` as ``("exp_avg", "@1")``; ``("exp_avg", "")`` unsuffixed."""
+    base, at, k = kind.rpartition("@")
+    return (base, f"@{k}") if at and k.isdigit() else (kind, "")
+
 
 def group_indices(optimizer: Any, which: int | None) -> list[int] | None:
     """The param groups of optimizer ``which`` in what a strategy holds (an :class:`OptimizerSet`
@@ -170,3 +227,17 @@ def selecting(optimizer: Any, which: int | None) -> contextlib.AbstractContextMa
         return optimizer.selecting(which)
     group_indices(optimizer, which)
     return contextlib.nullcontext()
+
+
+def refuse_shared(strategy: Any, optimizer: Any) -> None:
+    """ValueError (one line) for a parameter in several optimizers where ``strategy`` cannot step
+    it from each (its ``optimizers_may_share_parameters`` is False)."""
+    if getattr(strategy, "optimizers_may_share_parameters", True) or not isinstance(optimizer, OptimizerSet):
+        return
+    for p, ks in optimizer.shared()[:1]:
+        module = getattr(strategy, "module", None)
+        names = {id(q): n for n, q in module.named_parameters()} if module is not None else {}
+        raise ValueError(f"strategy={strategy.name!r}: parameter {names.get(id(p), tuple(p.shape))!r} is in "
+                         f"optimizers {' and '.join(map(str, ks))}, but this strategy partitions each parameter's "
+                         "optimizer state once; valid: give each parameter to one optimizer, or a replicated "
+                         "strategy (single, ddp)")

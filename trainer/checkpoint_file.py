@@ -31,6 +31,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ..strategies.optimizers import split_kind, suffix
 from .errors import CheckpointError
 from .hparams import loads_safely
 from .tensor_files import Entry, fsync_dir
@@ -79,6 +80,22 @@ def newest(directory: str | os.PathLike) -> Path | None:
 
 # ---------------------------------------------------------------------------- save
 
+def _state_places(group_names: list[list[str]]) -> dict[str, list[tuple[int, str]]]:
+    """``name -> [(index in the optimizer state, kind suffix)]`` over the concatenated param
+    groups: a parameter in several optimizers has one place per optimizer, its state kinds
+    suffixed after the first (``strategies/optimizers.py``)."""
+    out: dict[str, list[tuple[int, str]]] = {}
+    for i, name in enumerate(n for group in group_names for n in group):
+        seen = out.setdefault(name, [])
+        seen.append((i, suffix(len(seen))))
+    return out
+
+
+def _of(kinds: list[str], wanted: str) -> list[tuple[str, str]]:
+    """``(kind, its name without the suffix)`` for the saved kinds that carry suffix ``wanted``."""
+    return [(k, base) for k, (base, sfx) in ((k, split_kind(k)) for k in kinds if k != "param") if sfx == wanted]
+
+
 def lightning_dict(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> dict[str, Any]:
     """Rank 0's flat tensors (``param/NAME``, ``exp_avg/NAME``, ``scalar/step/NAME``,
     ``extra/NAME``) and the checkpoint's metadata -> Lightning's dict (module docstring). The
@@ -92,16 +109,16 @@ def lightning_dict(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> di
         elif f"extra/{key}" in tensors:
             state_dict[key] = tensors[f"extra/{key}"]
     opt = meta.get("optimizer", {})
-    index = {n: i for i, n in enumerate(n for group in opt.get("names", []) for n in group)}
     state: dict[int, dict[str, torch.Tensor]] = {}
-    for name, i in index.items():
+    for name, places in _state_places(opt.get("names", [])).items():
         p = params.get(name)
         if p is None:
             continue
-        per = {k: tensors[f"{k}/{name}"].view(p["shape"]) for k in p["kinds"] if k != "param"}
-        per.update({k: tensors[f"scalar/{k}/{name}"] for k in p["scalars"]})
-        if per:
-            state[i] = per
+        for i, sfx in places:  # a parameter in several optimizers: each one's state (exp_avg@1)
+            per = {base: tensors[f"{k}/{name}"].view(p["shape"]) for k, base in _of(p["kinds"], sfx)}
+            per.update({base: tensors[f"scalar/{k}/{name}"] for k, base in _of(p["scalars"], sfx)})
+            if per:
+                state[i] = per
     groups, pos = [], 0
     for saved, names in zip(opt.get("param_groups", []), opt.get("names", [])):
         groups.append({**saved, "params": list(range(pos, pos + len(names)))})
@@ -235,8 +252,7 @@ def tensors(path: Path, checkpoint: dict[str, Any]) -> dict[str, torch.Tensor]:
     if not isinstance(state_dict, dict) or not isinstance(opts, list) or not isinstance(opts[0], dict):
         raise bad("no state_dict / optimizer_states")
     opt_state = opts[0].get("state", {})
-    names = [n for group in checkpoint.get("optimizer", {}).get("names", []) for n in group]
-    index = {n: i for i, n in enumerate(names)}
+    places = _state_places(checkpoint.get("optimizer", {}).get("names", []))
     out: dict[str, torch.Tensor] = {}
 
     def put(key: str, t: Any, numel: int | None) -> None:
@@ -250,12 +266,12 @@ def tensors(path: Path, checkpoint: dict[str, Any]) -> dict[str, torch.Tensor]:
     for name, p in checkpoint.get("params", {}).items():
         numel = math.prod(p["shape"])
         put(f"param/{name}", state_dict.get(name), numel)
-        per = opt_state.get(index.get(name, -1), {})
-        for kind in p["kinds"]:
-            if kind != "param":
-                put(f"{kind}/{name}", per.get(kind), numel)
-        for kind in p["scalars"]:
-            put(f"scalar/{kind}/{name}", per.get(kind), None)
+        for i, sfx in places.get(name, [(-1, "")]):
+            per = opt_state.get(i, {})
+            for kind, base in _of(p["kinds"], sfx):
+                put(f"{kind}/{name}", per.get(base), numel)
+            for kind, base in _of(p["scalars"], sfx):
+                put(f"scalar/{kind}/{name}", per.get(base), None)
     for name, x in checkpoint.get("extras", {}).items():
         put(f"extra/{name}", state_dict.get(name), math.prod(x["shape"]))
     return out

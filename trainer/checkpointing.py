@@ -34,6 +34,8 @@ def save(trainer: "Trainer", path: str, update_latest: bool = True) -> None:
                           "world": trainer.strategy.data_parallel_world_size,
                           "accumulate_grad_batches": trainer.accumulate_grad_batches},
                     **hparams.checkpoint_entries(trainer.module, trainer.datamodule))
+        # Lightning's key, as its hooks read it: every scheduler's state, in order
+        meta["lr_schedulers"] = [c.scheduler.state_dict() for c in trainer._optim.schedulers]
         dm = trainer.datamodule
         dm_state = datamodule_hook(trainer, dm, "state_dict") if dm is not None else None
         if dm_state:  # Lightning's key: the datamodule class's qualified name

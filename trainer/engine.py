@@ -32,7 +32,7 @@ format, written and read by the same functions (``checkpointing.save_strategy`` 
 
 Limits, each from the Strategy interface: one model per strategy (a further ``setup`` gets a
 strategy of its own, ``engine_models.py``; one checkpoint holds one model); several optimizers are held by
-the strategy as one ``OptimizerSet`` (every trainable parameter in exactly one of them), each
+the strategy as one ``OptimizerSet`` (a parameter in several of them only where the strategy allows it), each
 wrapper's ``step()`` stepping and zeroing its own parameters only; the pipeline strategy is refused (it runs its own
 forward/backward schedule, which a user's loop cannot express). Every rank must build the model
 from the same seed, as under the Trainer (ZeRO-1/2 take each rank's own values for its partition).

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from ..callbacks.base import stage_hooks
-from . import conveniences
+from . import conveniences, toggling
 from .datamodule import DataHooks
 from .hparams import HPARAMS_KEY, HPARAMS_NAME_KEY, HPARAMS_TYPE_KEY, HyperparametersMixin
 from .module_tools import ModuleTools
@@ -209,15 +209,28 @@ class TrainModule(HyperparametersMixin, nn.Module, DataHooks, ModuleTools):
         self.trainer._optim.manual_backward(loss, *args, **kwargs)
 
     def toggle_optimizer(self, optimizer: Any) -> None:
-        """Only ``optimizer``'s parameters require grad until ``untoggle_optimizer``."""
-        self.trainer._optim.toggle(optimizer)
+        """Only ``optimizer``'s parameters require grad until ``untoggle_optimizer`` (the parameters
+        of the Trainer's other optimizers are frozen; each one's previous ``requires_grad`` is kept
+        in ``_param_requires_grad_state``), as Lightning's."""
+        toggling.toggle(self, optimizer)
 
     def untoggle_optimizer(self, optimizer: Any) -> None:
-        self.trainer._optim.untoggle(optimizer)
+        """Give the other optimizers' parameters back their ``requires_grad``."""
+        toggling.untoggle(self, optimizer)
 
     def toggled_optimizer(self, optimizer: Any) -> Any:
         """``toggle_optimizer``/``untoggle_optimizer`` as a context manager."""
-        return self.trainer._optim.toggled(optimizer)
+        return toggling.toggled(self, optimizer)
+
+    @property
+    def _param_requires_grad_state(self) -> dict:
+        """Lightning's: each parameter's ``requires_grad`` before ``toggle_optimizer`` (empty when
+        nothing is toggled)."""
+        return self.__dict__.setdefault("_requires_grad_before_toggle", {})
+
+    @_param_requires_grad_state.setter
+    def _param_requires_grad_state(self, value: dict) -> None:
+        self.__dict__["_requires_grad_before_toggle"] = value
 
     def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: float | None = None,
                                     gradient_clip_algorithm: str | None = None) -> None:

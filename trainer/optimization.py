@@ -20,9 +20,8 @@ and ``accumulate_grad_batches`` are refused.
 """
 from __future__ import annotations
 
-import contextlib
 import warnings
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -57,6 +56,18 @@ def _backward_kwargs(args: tuple, kwargs: dict) -> dict:
     return {**dict(zip(("gradient", "retain_graph", "create_graph", "inputs"), args)), **kwargs}
 
 
+class Closure:
+    """What the module's ``optimizer_step`` hook gets as ``optimizer_closure`` in automatic
+    optimization (Lightning's ``Closure``, under its name): the step's forwards and backwards
+    already ran through ``Strategy.run_schedule``, so calling it returns the step's loss."""
+
+    def __init__(self, loss: Any) -> None:
+        self._loss = loss
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._loss
+
+
 class Optimization:
     """What the Trainer knows about the module's optimizers: built once at set-up."""
 
@@ -68,9 +79,8 @@ class Optimization:
         self.params = [[p for g in o.param_groups for p in g["params"]] for o in self.optimizers]
         #: what the strategy holds
         self.held = self.optimizers[0] if len(self.optimizers) == 1 else OptimizerSet(self.optimizers)
-        self.wrappers = [ManualOptimizer(trainer, o, k if len(self.optimizers) > 1 else None)
+        self.wrappers = [ManualOptimizer(o, trainer, k if len(self.optimizers) > 1 else None)
                          for k, o in enumerate(self.optimizers)]
-        self._toggled: dict[int, tuple[torch.nn.Parameter, bool]] | None = None
         if self.manual:
             self._check_manual(trainer)
 
@@ -128,7 +138,7 @@ class Optimization:
         t, wrapper = self.trainer, self.wrappers[0]
         wrapper.clip = None
         with hook_scope(t, "configure_gradient_clipping"):
-            t.module.configure_gradient_clipping(self.optimizers[0], t.gradient_clip_val, t._clip_algorithm_given)
+            t.module.configure_gradient_clipping(self.optimizers[0], t.gradient_clip_val, t.gradient_clip_algorithm)
         clip, wrapper.clip = wrapper.clip, None
         return clip or (None, "norm")
 
@@ -145,7 +155,7 @@ class Optimization:
         opt = AutomaticOptimizer(t, self.optimizers[0], self.clip_for_step())
         loss = t._step_loss
         with hook_scope(t, "optimizer_step"):
-            t.module.optimizer_step(t.current_epoch, batch_idx, opt, lambda: loss)
+            t.module.optimizer_step(t.current_epoch, batch_idx, opt, Closure(loss))
         if opt.stepped is None:
             t.strategy.skip_step()
         return opt.stepped
@@ -213,34 +223,6 @@ class Optimization:
         t.strategy.manual_backward(loss, **_backward_kwargs(args, kwargs))
         t.hooks.both("on_after_backward", t, t.module)
 
-    def toggle(self, optimizer: Any) -> None:
-        """Lightning's ``toggle_optimizer``: only this optimizer's parameters require grad (each
-        keeps its own previous setting); ``untoggle`` restores them all."""
-        k = self.index_of(optimizer)
-        state = {}
-        for params in self.params:
-            for p in params:
-                if id(p) not in state:
-                    state[id(p)] = (p, p.requires_grad)
-                    p.requires_grad_(False)
-        for p in self.params[k]:
-            p.requires_grad_(state[id(p)][1])
-        self._toggled = state
-
-    def untoggle(self, optimizer: Any) -> None:
-        self.index_of(optimizer)
-        for p, flag in (self._toggled or {}).values():
-            p.requires_grad_(flag)
-        self._toggled = None
-
-    @contextlib.contextmanager
-    def toggled(self, optimizer: Any) -> Iterator[None]:
-        self.toggle(optimizer)
-        try:
-            yield
-        finally:
-            self.untoggle(optimizer)
-
     def clip_gradients(self, optimizer: Any, value: float | None, algorithm: str | None) -> None:
         """Lightning's ``clip_gradients`` in manual optimization: the bound is applied over the
         strategy's gradients (partitions where sharded) when this optimizer steps next."""
@@ -263,33 +245,65 @@ class Optimization:
         wrapper.clip = (float(value), algorithm) if value else None
 
 
-class ManualOptimizer:
-    """Lightning's ``LightningOptimizer`` for zerotrain: ``self.optimizers()`` returns these.
-    ``step()`` is the strategy's step of this optimizer alone; ``zero_grad()`` releases its
-    parameters' gradients only; every other attribute is the user's optimizer's."""
+_WRAPPER_CLASSES: dict[tuple[type, type], type] = {}
 
-    def __init__(self, trainer: "Trainer", optimizer: torch.optim.Optimizer, which: int | None) -> None:
-        self._trainer, self.optimizer, self.which = trainer, optimizer, which
+
+class ManualOptimizer:
+    """Lightning's ``LightningOptimizer`` for zerotrain: ``self.optimizers()`` returns these. Its
+    class is made per optimizer class (``LightningSGD``: this class and ``torch.optim.SGD``), so
+    ``isinstance(opt, torch.optim.SGD)`` holds and its repr is the optimizer's with ``Lightning``
+    in front; every attribute it does not set itself (``state``, ``param_groups``, ``defaults``)
+    is the wrapped optimizer's (``_optimizer``). Attached to a Trainer, ``step()`` is the
+    strategy's step of this optimizer alone (``which``) and ``zero_grad()`` releases its
+    parameters' gradients only; built from an optimizer alone (``LightningOptimizer(opt)``), they
+    are the optimizer's own."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, trainer: "Trainer | None" = None,
+                 which: int | None = None) -> None:
+        self._optimizer, self._trainer, self.which = optimizer, trainer, which
         self.clip: tuple[float, str] | None = None  # set by clip_gradients for the next step
+        own = type(self)
+        key = (own, type(optimizer))
+        if key not in _WRAPPER_CLASSES and isinstance(optimizer, torch.optim.Optimizer):
+            _WRAPPER_CLASSES[key] = type(f"Lightning{type(optimizer).__name__}", (own, type(optimizer)), {})
+        self.__class__ = _WRAPPER_CLASSES.get(key, own)
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self._optimizer
 
     def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
-        t, s = self._trainer, self._trainer.strategy
+        t = self._trainer
+        if t is None:  # not attached: the optimizer's own step
+            return self._optimizer.step(closure, **kwargs) if closure is not None else self._optimizer.step(**kwargs)
         out = closure() if closure is not None else None
-        t.hooks.both("on_before_optimizer_step", t, t.module, self.optimizer)
+        t.hooks.both("on_before_optimizer_step", t, t.module, self._optimizer)
         value, algorithm = self.clip or (None, "norm")
-        s.optimizer_step(value, algorithm, which=self.which, zero_grad=False)
+        s, s.step_output = t.strategy, None
+        if closure is not None:  # the optimizer's step gets it, as Lightning's; it ran already
+            kwargs["closure"] = lambda: out
+        s.optimizer_step(value, algorithm, which=self.which, zero_grad=False, step_kwargs=kwargs)
         self.clip = None
         t.state.global_step += 1
-        return out
+        return out if s.step_output is None else s.step_output  # the optimizer's own return, as Lightning
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self._trainer.strategy.zero_grad(self.which)
+        if self._trainer is None:
+            self._optimizer.zero_grad(set_to_none=set_to_none)
+        else:
+            self._trainer.strategy.zero_grad(self.which)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Into the wrapped optimizer (what the strategy steps)."""
+        self._optimizer.load_state_dict(state_dict)
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.optimizer, name)
-
-    def __repr__(self) -> str:
-        return f"ManualOptimizer({self.optimizer!r})"
+        if name == "_optimizer":  # not set yet (unpickling)
+            raise AttributeError(name)
+        return getattr(self._optimizer, name)
 
 
 class AutomaticOptimizer(ManualOptimizer):
@@ -298,7 +312,7 @@ class AutomaticOptimizer(ManualOptimizer):
     strategy's step (the Trainer counts it); other attributes are the user's optimizer's."""
 
     def __init__(self, trainer: "Trainer", optimizer: torch.optim.Optimizer, clip: Any) -> None:
-        super().__init__(trainer, optimizer, None)
+        super().__init__(optimizer, trainer, None)
         self.clip, self.stepped = clip, None
 
     def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:

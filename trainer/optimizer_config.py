@@ -21,6 +21,9 @@ from .errors import ConfigError
 MULTIPLE_AUTOMATIC = ("Training with multiple optimizers is only supported with manual optimization. Set "
                       "`self.automatic_optimization = False`, then access your optimizers in `training_step` "
                       "with `opt1, opt2, ... = self.optimizers()`.")
+OPTIMIZER_IDX = ("Training with multiple optimizers is only supported with manual optimization. Remove the "
+                 "`optimizer_idx` argument from `training_step`, set `self.automatic_optimization = False` and "
+                 "access your optimizers in `training_step` with `opt1, opt2, ... = self.optimizers()`.")
 _UNKNOWN = ("Unknown configuration for model optimizers. Output from `model.configure_optimizers()` should be one "
             "of:\n * `Optimizer`\n * [`Optimizer`]\n * ([`Optimizer`], [`LRScheduler`])\n"
             ' * {"optimizer": `Optimizer`, (optional) "lr_scheduler": `LRScheduler`}\n'
@@ -145,6 +148,17 @@ def manual_configs(schedulers: list) -> list[LRSchedulerConfig]:
     return configs
 
 
+def _names_optimizer_idx(module: Any) -> bool:
+    """``training_step`` has a parameter of its own named ``optimizer_idx`` (not ``*args``)."""
+    import inspect
+
+    try:
+        params = inspect.signature(module.training_step).parameters
+    except (TypeError, ValueError):
+        return False
+    return "optimizer_idx" in params
+
+
 def check_configs(optimizers: list, configs: list[LRSchedulerConfig], module: Any) -> None:
     """Lightning's refusals: several optimizers under automatic optimization; a scheduler of an
     optimizer not returned; a scheduler without ``state_dict``/``load_state_dict``, or outside
@@ -152,6 +166,8 @@ def check_configs(optimizers: list, configs: list[LRSchedulerConfig], module: An
     from .utilities import is_overridden
 
     automatic = getattr(module, "automatic_optimization", True)
+    if _names_optimizer_idx(module):  # Lightning 1.x's automatic multi-optimizer signature, removed in 2.0
+        raise MultipleOptimizersError(OPTIMIZER_IDX)
     if automatic and len(optimizers) > 1:
         raise MultipleOptimizersError(MULTIPLE_AUTOMATIC)
     for c in configs:

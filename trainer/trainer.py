@@ -189,7 +189,8 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
         self.collective_timeout_s = collective_timeout_s if collective_timeout_s is not None else (
             elastic.DEFAULT_RESTART_TIMEOUT_S if elastic.restarts_enabled(max_restarts) else None)
         self.enable_progress_bar = enable_progress_bar
-        self.gradient_clip_algorithm = gradient_clip_algorithm or "norm"
+        # Lightning's: None when not given (the clip is then by norm), else the lower-case name
+        self.gradient_clip_algorithm = gradient_clip_algorithm.lower() if gradient_clip_algorithm else None
         self._clip_algorithm_given = gradient_clip_algorithm  # None: not set (Lightning's None)
         self.detect_anomaly = bool(detect_anomaly)
         self.min_epochs, self.min_steps = min_epochs, min_steps

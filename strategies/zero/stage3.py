@@ -57,6 +57,7 @@ import torch
 from torch import nn
 
 from ..base import ParamShard, ShardReader
+from ..optimizers import refuse_shared
 from ..step_wrapper import StepWrapper
 from ..environment import release_at_exit
 from ..host_memory import free_bytes_per_rank
@@ -228,6 +229,7 @@ class ZeroStage3(ZeroStrategy):
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         assert self.runtime is not None, "setup_module must run before setup_optimizer"
+        refuse_shared(self, optimizer)
         self.stepper.check(self.stage, self.device, optimizer, self.precision)
         groups = trainable_groups(optimizer, self.module)
         group_of = {id(p): gi for gi, ps in enumerate(groups) for p in ps}

@@ -34,7 +34,7 @@ from ..base import PROCESS_GROUP_TIMEOUT_S, ParamShard, ShardReader, Strategy
 from ...ops import host_cache
 from ..host_memory import set_mmap_threshold
 from ..memory import count_bytes
-from ..optimizers import group_indices
+from ..optimizers import group_indices, refuse_shared
 from .comm import all_reduce_sum, backend, broadcast_from, world_size
 from ..options import expose_options
 from .config import BucketConfig, Stage3Config, ZeroConfig, ZeroSpec
@@ -111,6 +111,8 @@ class ZeroStrategy(Strategy):
     the spec that has a field of its name."""
 
     stage = 0
+    #: each parameter's optimizer state is one partition of one flat group
+    optimizers_may_share_parameters = False
 
     def __init__(self, spec: ZeroSpec | None = None, stepper: Any = None, *,
                  process_group_timeout_s: float = PROCESS_GROUP_TIMEOUT_S, **options: Any) -> None:
@@ -154,6 +156,7 @@ class ZeroStrategy(Strategy):
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         assert self.module is not None, "setup_module must run before setup_optimizer"
+        refuse_shared(self, optimizer)
         self.stepper.check(self.stage, self.device, optimizer, self.precision)
         groups = trainable_groups(optimizer, self.module)
         self._broadcast_extras()

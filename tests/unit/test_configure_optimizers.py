@@ -80,10 +80,12 @@ def test_optimizer_set_steps_only_the_selected_optimizer_and_round_trips_its_sta
     assert torch.equal(o2b.state[b.weight]["momentum_buffer"], o2.state[b.weight]["momentum_buffer"])
 
 
-def test_optimizer_set_refuses_a_parameter_in_two_optimizers():
+def test_optimizer_set_holds_a_parameter_in_two_optimizers_as_lightning():
+    """Lightning allows it; the strategies that cannot step it from each refuse it
+    (``test_conformance_optimizer_sharing.py``)."""
     a = nn.Linear(2, 2)
-    with pytest.raises(ValueError, match="optimizers 0 and 1"):
-        OptimizerSet([torch.optim.SGD(a.parameters(), lr=1), torch.optim.SGD(a.parameters(), lr=1)])
+    s = OptimizerSet([torch.optim.SGD(a.parameters(), lr=1), torch.optim.SGD([a.bias], lr=1)])
+    assert [(p is a.bias, ks) for p, ks in s.shared()] == [(True, [0, 1])]
 
 
 def test_pipeline_refuses_several_optimizers():

@@ -1,5 +1,6 @@
 """Names of Lightning's internal objects that Lightning's tests import at module level: its loop
-and connector objects, process launchers, XLA classes, the Fabric shim of a module's trainer.
+and connector objects, process launchers, XLA classes, the Fabric shim of a module's trainer
+(``Closure`` is zerotrain's own: what the ``optimizer_step`` hook gets).
 zerotrain runs its loop inside the Trainer and has none of them; each class here exists so that
 code importing it loads, and constructing one raises ``NotImplementedError`` saying so. ``_Loop``
 (a base that only holds the trainer) and ``_no_grad_context`` (run a loop method under
@@ -66,7 +67,7 @@ _FitLoop = _internal("_FitLoop", "fit loop object", _Loop)
 _TrainingEpochLoop = _internal("_TrainingEpochLoop", "training-epoch loop object", _Loop)
 _EvaluationLoop = _internal("_EvaluationLoop", "evaluation loop object", _Loop)
 _PredictionLoop = _internal("_PredictionLoop", "prediction loop object", _Loop)
-Closure = _internal("Closure", "automatic-optimization closure")
+from ..optimization import Closure  # noqa: E402 - zerotrain's automatic-optimization closure
 _BaseProgress = _internal("_BaseProgress", "loop progress counter")
 _FxValidator = _internal("_FxValidator", "check of where self.log may be called")
 _ResultCollection = _internal("_ResultCollection", "collection of logged results")
