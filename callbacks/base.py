@@ -46,6 +46,19 @@ class Callback:
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
+    def log(self, name: str, value: Any, **kwargs: Any) -> None:
+        """Lightning's: inside a hook, ``self.log`` of the running Trainer's module (same options;
+        logged under the hook's name)."""
+        from ..trainer.logging import running_module
+
+        running_module(f"{type(self).__name__}.log").log(name, value, **kwargs)
+
+    def log_dict(self, dictionary: dict[str, Any], **kwargs: Any) -> None:
+        """Lightning's: ``self.log_dict`` of the running Trainer's module."""
+        from ..trainer.logging import running_module
+
+        running_module(f"{type(self).__name__}.log_dict").log_dict(dictionary, **kwargs)
+
 
 def stage_hooks(cls: type) -> type:
     """Give ``cls`` the test and predict hooks: the validation hooks' no-ops (same signatures) under

@@ -338,9 +338,13 @@ class TQDMProgressBar(SwitchedBar):
         self.reset_dataloader_idx_tracker()
 
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        """In fit, the training bar shows the validation's values; after the sanity check too, as
+        Lightning's (whose training bar is then a hidden stand-in: ``get_metrics`` is called)."""
         self._eval_end("val")
-        if self._bars["train"] is not None and _fn(trainer, True) == "fit" and not getattr(trainer, "sanity_checking", 0):
-            self._bars["train"].set_postfix(self.get_metrics(trainer, pl_module))
+        if _fn(trainer, True) == "fit":
+            metrics = self.get_metrics(trainer, pl_module)
+            if self._bars["train"] is not None and not getattr(trainer, "sanity_checking", False):
+                self._bars["train"].set_postfix(metrics)
 
     def on_test_end(self, trainer: Any, pl_module: Any) -> None:
         self._eval_end("test")

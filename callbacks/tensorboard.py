@@ -168,9 +168,13 @@ def _flatten(params: dict, prefix: str = "") -> dict:
 
 
 def _shown(value: Any) -> Any:
-    """What TensorBoard's hparams can hold: numbers, strings, bools and tensors; anything else as text."""
+    """What TensorBoard's hparams can hold, as Lightning passes it: numbers, strings, bools (a numpy
+    scalar as its Python number) and tensors of at most one dimension; anything else as text."""
     import torch
 
-    if isinstance(value, (bool, int, float, str)) or torch.is_tensor(value):
+    if hasattr(value, "item") and hasattr(value, "dtype") and getattr(value, "ndim", None) == 0 \
+            and not torch.is_tensor(value):
+        value = value.item()  # numpy's bool_, integer and floating scalars
+    if isinstance(value, (bool, int, float, str)) or (torch.is_tensor(value) and value.ndim <= 1):
         return value
     return str(value)

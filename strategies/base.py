@@ -18,9 +18,10 @@ single loss before its backwards nor a single moment after them, so it calls onl
 ``hooks.loss_of`` and lists the hooks it never calls in ``skipped_hooks``; the Trainer warns
 once when a callback overrides one of those, rather than calling them around a backward that did
 nothing. Such a strategy has no separate ``training_step``/``backward`` (calling them raises).
-The Trainer never calls ``training_step``/``backward`` itself, only ``run_schedule``; it logs the
-loss that ``hooks.loss_of`` saw as ``train_loss`` when the training step logged nothing (as it
-logs ``val_loss`` in validation), whatever the strategy, and no strategy logs metrics itself.
+The Trainer never calls ``training_step``/``backward`` itself, only ``run_schedule``; under a
+strategy that runs its own schedule (the module's step never runs) it logs the loss that
+``hooks.loss_of`` saw as ``train_loss`` (and ``val_loss`` in validation); no strategy logs
+metrics itself.
 
 Checkpoints (``trainer/checkpointing.py``) have one path: a save writes every rank's
 ``param_shards()`` and ``extra_state()`` (described by ``checkpoint_model_info()`` and
@@ -176,6 +177,9 @@ class Strategy:
     optimizers_may_share_parameters = True
     #: given to ``StepWrapper``: the Trainer sets Lightning's signature rule (``trainer/signature.py``)
     step_call: StepCall | None = None
+    #: Lightning's ``strategy.launcher``: what started this job's other local ranks from this
+    #: process (zerotrain's ``LocalLauncher``, set when it joins the job); None when nothing did
+    launcher: Any = None
 
     def __init__(self, process_group_timeout_s: float = PROCESS_GROUP_TIMEOUT_S) -> None:
         if (isinstance(process_group_timeout_s, bool) or not isinstance(process_group_timeout_s, (int, float))

@@ -25,7 +25,7 @@ from .batch_transfer import transfer_batch
 from .model_mode import ModelMode
 from .module import TrainModule
 from .state import RunningStage
-from .utilities import isolate_rng
+from .utilities import isolate_rng, rank_zero_warn
 from .signature import overridden, required_without_default, takes
 
 log = logging.getLogger("zerotrain")
@@ -262,6 +262,8 @@ class TrainerEvaluation:
                 out = loop._evaluation_step(batch, batch_idx, index if count > 1 else None,
                                             lambda b=batch, i=batch_idx: run_batch(b, i))
                 if self._predicting:
+                    if out is None:  # Lightning's warning, in its words
+                        rank_zero_warn("predict returned None if it was on purpose, ignore this warning...")
                     predictions.append(out)
         finally:
             self._predicting = False

@@ -163,7 +163,7 @@ def merge_callbacks(callbacks: list, extra: Any) -> list:
 
 class BatchHooks:
     """The Trainer's side of one ``Strategy.run_schedule`` call (``strategies.base.BatchHooks``):
-    checks the loss, keeps it for the progress bar and ``train_loss``, and fires the backward
+    checks the loss, keeps it (the pipeline's ``train_loss``), and fires the backward
     hooks when the strategy calls them."""
 
     def __init__(self, trainer: "Trainer", batch_idx: int) -> None:

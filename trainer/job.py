@@ -75,6 +75,7 @@ def join_job(strategy: Strategy, precision: Precision, accelerator: str, devices
     set_cpu_threads(info)
     device = pick_device(accelerator, info.local_rank)
     strategy.connect(info, device, precision)
+    strategy.launcher = launcher
     elastic.join_attempt_group(info, device, strategy.process_group_timeout_s)  # under torchelastic
     strategy.setup_environment()
     if info.world_size > 1:  # as Lightning's (and Fabric's) distributed strategies at set-up

@@ -103,6 +103,7 @@ class LocalLauncher:
         self._stop = threading.Event()
         #: the exit status of the first rank found to have failed: the job ends with it (at exit)
         self.failed_code: int | None = None
+        self._watcher: tuple[threading.Thread, threading.Event] | None = None  # ``watch``
 
     def launch(self) -> ProcessInfo:
         """Start ranks 1..N-1; returns rank 0's ProcessInfo."""
@@ -121,20 +122,39 @@ class LocalLauncher:
         os.environ.update({k: base[k] for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE",
                                                  "LOCAL_WORLD_SIZE", "ZEROTRAIN_LAUNCHED")})
         os.environ.update(RANK="0", LOCAL_RANK="0")
-        threading.Thread(target=self._watch, name="zerotrain-watchdog", daemon=True).start()
+        self.watch()
         atexit.register(self.wait)
         return ProcessInfo(0, 0, info.world_size, info.world_size, 0, info.master_addr,
                            info.master_port, source="local")
 
-    def _watch(self) -> None:
-        while not self._stop.is_set():
+    def watch(self) -> None:
+        """Watch the other ranks from a thread while a stage runs: a rank that fails ends the job at
+        once (rank 0 would otherwise wait for it in a collective). Started at launch and again at
+        each later stage; ``unwatch`` ends it when the stage returns, so no thread of ours outlives
+        ``fit``/``validate``/``test`` (a rank failing between stages is reported at exit, ``wait``)."""
+        if self._watcher is None and not self._stop.is_set():
+            done = threading.Event()
+            thread = threading.Thread(target=self._watch, args=(done,), name="zerotrain-watchdog", daemon=True)
+            self._watcher = (thread, done)
+            thread.start()
+
+    def unwatch(self) -> None:
+        if self._watcher is not None:
+            thread, done = self._watcher
+            self._watcher = None
+            done.set()
+            if thread is not threading.current_thread():
+                thread.join(timeout=5)
+
+    def _watch(self, done: threading.Event) -> None:
+        while not self._stop.is_set() and not done.is_set():
             for rank, proc in enumerate(self.children, start=1):
                 code = proc.poll()
                 if code not in (None, 0):
                     self._report(rank, code)
                     self.kill(report=False)
                     os._exit(_job_code(code))
-            time.sleep(0.1)
+            done.wait(0.1)
 
     @staticmethod
     def _report(rank: int, code: int) -> None:

@@ -12,7 +12,7 @@ at Lightning's points of the loop; nothing here knows the strategy but its ``red
 from __future__ import annotations
 
 import contextlib
-import logging
+import contextvars
 from typing import Any, Iterator
 
 import torch
@@ -21,7 +21,6 @@ from .errors import ConfigError
 from .metrics import Meta, ResultCollection, as_value, log_levels, reduce_name, warn_once
 from .utilities import PossibleUserWarning, rank_zero_warn
 
-log = logging.getLogger("zerotrain")
 
 class MetricsConnector:
     """The Trainer's metrics: the active loop's ``ResultCollection``, the metric dicts it feeds,
@@ -48,14 +47,16 @@ class MetricsConnector:
             on_step: bool | None = None, on_epoch: bool | None = None, reduce_fx: Any = "mean",
             enable_graph: bool = False, sync_dist: bool = False, sync_dist_group: Any = None,
             add_dataloader_idx: bool = True, batch_size: int | None = None, metric_attribute: str | None = None,
-            rank_zero_only: bool = False) -> None:
+            rank_zero_only: bool = False, fx: str | None = None) -> None:
         """``TrainModule.log``: Lightning's checks, defaults and bookkeeping (see the module doc)."""
         value = as_value(name, value, self._device())
-        fx = self.fx
+        fx = self.fx or fx
         on_step, on_epoch = log_levels(fx, on_step, on_epoch)
         if add_dataloader_idx and "/dataloader_idx_" in name:
             raise ConfigError(f"You called `self.log` with the key `{name}` but it should not contain information "
                               "about `dataloader_idx` when `add_dataloader_idx=True`")
+        if self.active is None:
+            self.active = self._for_stage()
         results = self.active
         if results is None:
             raise ConfigError(f"self.log({name!r}): no loop is running (predict logs nothing, as Lightning)")
@@ -68,6 +69,14 @@ class MetricsConnector:
                     bool(sync_dist) and self._distributed(), sync_dist_group, bool(rank_zero_only))
         results.log(meta, value if enable_graph else value.detach(), batch_size)
         self.current_fx = fx
+
+    def _for_stage(self) -> ResultCollection | None:
+        """Outside the loop's own calls (a hook called by hand, as Lightning's tests do): the
+        results of the stage ``trainer.state.stage`` says is running, if any."""
+        stage = getattr(getattr(self.trainer, "state", None), "stage", None)
+        if stage is None or getattr(stage, "value", stage) == "predict":
+            return None
+        return self.train if getattr(stage, "value", stage) == "train" else self.eval
 
     def _device(self) -> torch.device | None:
         module = getattr(self.trainer, "module", None)
@@ -133,7 +142,7 @@ class MetricsConnector:
         self.active = self.train
         t = self.trainer
         every = t.log_every_n_steps
-        if t.loggers and every and n_batches < every and t.is_global_zero:
+        if t.loggers and every and n_batches < every and t.is_global_zero and not t.fast_dev_run:  # as Lightning
             rank_zero_warn(f"The number of training batches ({n_batches}) is smaller than the logging interval "
                            f"Trainer(log_every_n_steps={every}). Set a lower value for log_every_n_steps if you want "
                            "to see logs for the training epoch.", PossibleUserWarning)
@@ -273,8 +282,8 @@ class MetricsConnector:
 
 class TrainerLogging:
     """The Trainer's logging surface (its ``_logging`` connector is made in ``Trainer.__init__``):
-    Lightning's metric dicts and ``logger``, the entry point of ``TrainModule.log``, and
-    zerotrain's own loss logging."""
+    Lightning's metric dicts and ``logger``, the entry point of ``TrainModule.log``, and the
+    pipeline's loss logging."""
 
     @property
     def callback_metrics(self) -> dict[str, torch.Tensor]:
@@ -290,20 +299,33 @@ class TrainerLogging:
     def progress_bar_metrics(self) -> dict[str, float]:
         return self._logging.progress_bar_metrics
 
-    def _log(self, name: str, value: Any, **kwargs: Any) -> None:
-        """``TrainModule.log``: Lightning's semantics, in the running hook's name."""
+    @property
+    def loggers(self) -> list:
+        """Lightning's ``trainer.loggers``; settable (None: no loggers)."""
+        return self._loggers
+
+    @loggers.setter
+    def loggers(self, loggers: Any) -> None:
+        self._loggers = [] if loggers is None else list(loggers)
+
+    def _log(self, name: str, value: Any, fx: str | None = None, **kwargs: Any) -> None:
+        """``TrainModule.log``: Lightning's semantics, in the running hook's name (else ``fx``, the
+        module's ``_current_fx_name``, set by hand). Under ``barebones`` nothing is logged, with a
+        warning, as Lightning."""
+        if self.barebones:
+            rank_zero_warn("self.log() does nothing here: `Trainer(barebones=True)` is configured, and it turns "
+                           "logging off (logging costs speed)")
+            return
         self._train_logged = self._val_logged = True
-        self._logging.log(name, value, **kwargs)
+        self._logging.log(name, value, fx=fx, **kwargs)
 
     def _log_loss(self, name: str, loss: torch.Tensor) -> None:
-        """zerotrain's own: a step that logs nothing has its loss logged as ``train_loss`` /
-        ``val_loss`` / ``test_loss`` (Lightning logs nothing then; said once, at the first)."""
-        if name not in self._said_loss and self.is_global_zero:
-            self._said_loss.add(name)
-            log.warning("the step logged nothing: zerotrain logs its returned loss as %r (per step in training, "
-                        "the epoch mean over ranks in evaluation); Lightning logs nothing. self.log a metric to "
-                        "turn this off", name)
-        self._log(name, loss.detach(), sync_dist=name != "train_loss")
+        """As Lightning, a step's returned loss is not logged: only what ``self.log`` logs is. The
+        exception is a strategy that runs its own schedule (the pipeline): the module's step never
+        runs there, so nothing else could log the loss; it is logged as ``train_loss`` (per step) /
+        ``val_loss`` / ``test_loss`` (epoch mean over ranks)."""
+        if self._strategy.runs_own_schedule:
+            self._log(name, loss.detach(), sync_dist=name != "train_loss")
 
     def _emit(self, metrics: dict[str, float], callback: bool = False) -> None:
         """A callback's own row straight to the loggers (as Lightning's LearningRateMonitor writes
@@ -326,16 +348,37 @@ def _reduce_in_group(value: torch.Tensor, op: str, group: Any) -> torch.Tensor:
     return t / dist.get_world_size(group) if op == "mean" else t
 
 
+#: the Trainer whose hook or step is running in this thread (``hook_scope``): a callback's ``self.log``
+_RUNNING: contextvars.ContextVar[Any] = contextvars.ContextVar("zerotrain_running_trainer", default=None)
+
+
+def running_module(caller: str) -> Any:
+    """The module of the Trainer whose hook is running (Lightning attaches its ``log`` to every
+    callback at each stage); a clear error outside any hook."""
+    module = getattr(_RUNNING.get(), "module", None)
+    if module is None:
+        raise ConfigError(f"{caller}: called outside the Trainer's control flow (no hook is running); valid: "
+                          "call self.log in a callback's hook")
+    return module
+
+
 @contextlib.contextmanager
 def hook_scope(trainer: Any, fx: str) -> Iterator[None]:
-    """While hook or step ``fx`` runs, ``self.log`` logs under its name (Lightning's
-    ``_current_fx_name``); the previous one is restored after, so nested calls unwind."""
+    """While hook or step ``fx`` runs, ``self.log`` logs under its name (also the module's
+    ``_current_fx_name``, as Lightning's); the previous one is restored after, so nested calls unwind."""
     conn = getattr(trainer, "_logging", None)
     if not isinstance(conn, MetricsConnector):
         yield
         return
+    module = getattr(trainer, "module", None)
     previous, conn.fx = conn.fx, fx
+    if module is not None:  # Lightning's module attribute, None again when the outermost hook returns
+        module._current_fx_name = fx
+    token = _RUNNING.set(trainer)
     try:
         yield
     finally:
+        _RUNNING.reset(token)
         conn.fx = previous
+        if module is not None:
+            module._current_fx_name = previous

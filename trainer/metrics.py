@@ -109,7 +109,7 @@ def as_value(name: str, value: Any, device: torch.device | None = None) -> torch
     if t.numel() != 1:
         raise ValueError(f"self.log({name!r}, <tensor of shape {tuple(t.shape)}>): the tensor must have a single "
                          f"element; valid: self.log({name!r}, value.mean()) or another reduction")
-    return t
+    return t.squeeze()  # a 0-dim value, as Lightning's, whatever shape the one element came in
 
 
 def batch_size_of(batch: Any) -> int:

@@ -31,6 +31,7 @@ class TrainModule(HyperparametersMixin, nn.Module, DataHooks, ModuleTools):
     #: Lightning's names of a checkpoint's hyperparameter keys
     CHECKPOINT_HYPER_PARAMS_KEY, CHECKPOINT_HYPER_PARAMS_NAME = HPARAMS_KEY, HPARAMS_NAME_KEY
     CHECKPOINT_HYPER_PARAMS_TYPE = HPARAMS_TYPE_KEY
+    _current_fx_name: str | None = None  # the hook or step running now (Lightning's; ``logging.hook_scope``)
 
     def __init__(self) -> None:
         super().__init__()
@@ -267,9 +268,9 @@ class TrainModule(HyperparametersMixin, nn.Module, DataHooks, ModuleTools):
         Trainer: ignored, as Lightning (which warns)."""
         if self._trainer is None:
             return
-        self._trainer._log(name, value, prog_bar=prog_bar, logger=logger, on_step=on_step, on_epoch=on_epoch,
-                           reduce_fx=reduce_fx, enable_graph=enable_graph, sync_dist=sync_dist,
-                           sync_dist_group=sync_dist_group, add_dataloader_idx=add_dataloader_idx,
+        self._trainer._log(name, value, fx=self._current_fx_name, prog_bar=prog_bar, logger=logger,
+                           on_step=on_step, on_epoch=on_epoch, reduce_fx=reduce_fx, enable_graph=enable_graph,
+                           sync_dist=sync_dist, sync_dist_group=sync_dist_group, add_dataloader_idx=add_dataloader_idx,
                            batch_size=batch_size, metric_attribute=metric_attribute, rank_zero_only=rank_zero_only)
 
     def log_dict(self, dictionary: "dict[str, Any]", prog_bar: bool = False, logger: bool | None = None,

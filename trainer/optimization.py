@@ -204,7 +204,7 @@ class Optimization:
     def run_manual_step(self, batch: Any, batch_idx: int) -> Any:
         """Manual optimization's training step, inside the Trainer's ``training_step`` logging
         scope: the step only (it backwards and steps itself, each optimizer step counting one
-        ``global_step``); a loss it returns is logged as ``train_loss`` when it logged nothing."""
+        ``global_step``); a returned loss is not logged (as Lightning; ``_log_loss``)."""
         t = self.trainer
         t._tick("training_step")
         t._train_logged = False

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..callbacks.base import Callback, Logger
+from .errors import ConfigError
 
 #: the methods that make an object a callback: Lightning's hook names (every hook ours define)
 CALLBACK_METHODS = tuple(sorted(n for n, v in vars(Callback).items()
@@ -63,3 +64,15 @@ def check_logger(logger: Any) -> None:
                 raise TypeError(f"Trainer: logger[{i}]={lg!r} is not a logger; expected {_LOGGER}")
     elif not is_logger(logger):
         raise TypeError(f"Trainer: logger={logger!r} is not a logger; expected {_LOGGER}")
+
+
+def check_plugins(plugins: Any) -> None:
+    """``Trainer(plugins=)``: Lightning's argument, taken when it asks for nothing (None or an empty
+    list); a plugin object is refused with what zerotrain does instead, since the Trainer would
+    not use it: precision is ``Trainer(precision=...)``, the cluster is detected (torchrun, SLURM,
+    our launcher), and checkpoints are written by zerotrain's own writer."""
+    if plugins is None or (isinstance(plugins, (list, tuple)) and not plugins):
+        return
+    raise ConfigError(f"Trainer: plugins={plugins!r}: zerotrain takes no plugin objects; valid: None or []. "
+                      "Instead: precision via Trainer(precision='32-true' | 'bf16-mixed' | '16-mixed'), the cluster "
+                      "environment is detected (torchrun, SLURM, zerotrain's launcher), checkpoint IO is zerotrain's own")

@@ -134,6 +134,8 @@ class TrainerProperties(TrainerLoops):
         self.state.fn, self.state.status = TrainerFn(fn), TrainerStatus.RUNNING
         self.state.stage = RunningStage.TRAINING if fn == "fit" else RunningStage(fn)
         self.profiler.setup(stage=fn, local_rank=None, log_dir=None)  # Lightning's: describe() at the stage's end
+        if self._launcher is not None:  # the ranks this process started are watched while a stage runs
+            self._launcher.watch()
         if fn == "fit":
             self.max_epochs = default_max_epochs(self.max_epochs, self.max_steps, self.callbacks)  # at fit, as Lightning
             self.train_dataloader, self._train_source, self._loaded_epoch = None, train_source, 0
@@ -141,6 +143,8 @@ class TrainerProperties(TrainerLoops):
 
     def _finish(self) -> None:
         self.state.status, self.state.stage = TrainerStatus.FINISHED, None
+        if self._launcher is not None:
+            self._launcher.unwatch()
         self.profiler.describe()
 
     def _interrupted(self, exc: BaseException, module: Any, in_fit: bool = False) -> BaseException:
@@ -159,6 +163,8 @@ class TrainerProperties(TrainerLoops):
         finally:  # an on_exception that raises still ends the ranks (they would wait in a collective)
             if in_fit and self._launcher is not None and not isinstance(exc, SIGTERMException):
                 self._launcher.kill(in_fit=True, peer_lost=is_peer_loss(exc))
+            if self._launcher is not None:
+                self._launcher.unwatch()
         if isinstance(exc, KeyboardInterrupt):
             if self.is_global_zero:
                 log.info("Detected KeyboardInterrupt, attempting graceful shutdown ...")

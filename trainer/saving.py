@@ -49,7 +49,7 @@ def save_hparams_to_yaml(config_yaml: "str | os.PathLike", hparams: Any, use_ome
 
 def load_hparams_from_yaml(config_yaml: "str | os.PathLike", use_omegaconf: bool = True) -> Any:
     """The hyperparameters in ``config_yaml`` ({} with a warning when the file is missing), as an
-    OmegaConf ``DictConfig`` when omegaconf is installed and ``use_omegaconf``."""
+    OmegaConf ``DictConfig`` when omegaconf is installed, ``use_omegaconf`` and it can hold them."""
     import yaml
 
     if not os.path.isfile(config_yaml):
@@ -60,9 +60,12 @@ def load_hparams_from_yaml(config_yaml: "str | os.PathLike", use_omegaconf: bool
     if use_omegaconf:
         try:
             from omegaconf import OmegaConf
-
-            return OmegaConf.create(hparams)
+            from omegaconf.errors import UnsupportedValueType, ValidationError
         except ImportError:
+            return hparams
+        try:
+            return OmegaConf.create(hparams)
+        except (UnsupportedValueType, ValidationError):  # a value OmegaConf cannot hold: the plain dict
             pass
     return hparams
 

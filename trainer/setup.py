@@ -4,6 +4,7 @@ stage, and building the model and optimizers under the strategy (a mixin of
 ``predict``)."""
 from __future__ import annotations
 
+import sys
 from collections.abc import MutableMapping
 
 import torch
@@ -73,10 +74,15 @@ class TrainerSetup:
         self._hooked_stage = stage
 
     def _stage_teardown(self, stage: str) -> None:
-        """``teardown(stage)`` (callbacks', then the module's) for a stage whose setup hooks ran."""
+        """``teardown(stage)`` (callbacks', then the module's) for a stage whose setup hooks ran;
+        then, as Lightning at the end of every stage, the loggers' ``finalize`` ("failed" when the
+        stage raised), so a logger that buffers writes what each of fit/validate/test/predict logged."""
         if self._hooked_stage == stage:
             self._hooked_stage = None
             self.hooks.both("teardown", self, self.module, stage)
+        if self.is_global_zero:
+            for lg in self.loggers:
+                lg.finalize("failed" if sys.exc_info()[0] is not None else "success")
 
     def _connect(self) -> None:
         self._launcher = job.join_job(self._strategy, self.precision_plugin, self.accelerator, self.devices,

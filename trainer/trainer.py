@@ -11,7 +11,6 @@ import contextlib
 import logging
 import math
 import os
-import sys
 import time
 from datetime import timedelta
 from typing import Any, Iterable, Sequence
@@ -23,7 +22,7 @@ from ..callbacks.base import Callback, DummyLogger, Logger
 from ..strategies import Strategy, instrument, progress
 from ..strategies.environment import detect
 from ..strategies.paths import directory_problem
-from . import checkpointing, elastic, hparams, job, plugin_checks, run_options, signals
+from . import checkpointing, elastic, env_args, hparams, job, plugin_checks, run_options, signals
 from .compat.profilers import Profiler, profiler_of
 from .compat.validator import verify_stage
 from .batch_transfer import transfer_batch
@@ -60,6 +59,7 @@ class NonFiniteLossError(FloatingPointError):
 
 
 class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, TrainerLogging, TrainerSetup):
+    @env_args.environment_defaults  # PL_TRAINER_<ARGUMENT> variables, as Lightning
     def __init__(
         self,
         *,
@@ -105,6 +105,7 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
         benchmark: bool | None = None,
         profiler: Profiler | str | None = None,
         barebones: bool = False,
+        plugins: Any = None,
     ) -> None:
         """As Lightning's Trainer, plus zerotrain's own arguments. ``seed``: None (the default, as
         Lightning, which has no such argument) leaves the global RNGs as the user seeded them;
@@ -201,6 +202,7 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
         self.fast_dev_run = fast_dev_run
         callbacks = plugin_checks.check_callbacks(callbacks)  # TypeError for callbacks=[1], logger='x'
         plugin_checks.check_logger(logger)
+        plugin_checks.check_plugins(plugins)  # None or []: Lightning's, asking for nothing
         if fast_dev_run:
             callbacks = fast_dev_run_flags(self, int(fast_dev_run), callbacks)
             enable_checkpointing, logger = False, (DummyLogger() if logger else False)  # Lightning's: logs nothing
@@ -222,7 +224,6 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
         self._ready = False
         self.datamodule: DataModule | None = None
         self._predicting = False
-        self._said_loss: set[str] = set()  # the zerotrain-only loss names already announced
         self.train_dataloader: DataLoader | None = None
         self.val_dataloader: DataLoader | None = None
         self.num_training_batches: float = math.inf
@@ -454,11 +455,10 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
         """One training batch: ``Strategy.run_schedule`` runs its forwards and backwards and calls
         back the hooks it can honour (``hooks.BatchHooks``): every strategy the loss check, the ordinary
         step also ``on_before_backward``/``on_after_backward``; a strategy running its own schedule
-        (the pipeline) skips those two (its ``skipped_hooks``, warned about at fit start). Then the
-        loss is logged as ``train_loss`` unless the step logged something, and on the last batch of
-        an accumulation the optimizer steps. Returns whether it was the accumulation's last batch,
-        or None when the module's ``on_train_batch_start`` returned -1 (Lightning: the epoch ends
-        before this batch)."""
+        (the pipeline) skips those two (its ``skipped_hooks``, warned about at fit start; its loss is
+        logged as ``train_loss``). On the last batch of an accumulation the optimizer steps. Returns
+        whether it was the accumulation's last batch, or None when the module's
+        ``on_train_batch_start`` returned -1 (Lightning: the epoch ends before this batch)."""
         st, s, module = self.state, self._strategy, self.module
         batch = transfer_batch(self, batch)  # Lightning's batch transfer hooks (trainer/batch_transfer.py)
         self._tick("on_train_batch_start")
@@ -541,8 +541,10 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
             self._watchdog.tick(phase, self.state.global_step)
 
     def _check_finite(self, loss: torch.Tensor, batch_idx: int) -> None:
-        """``on_nonfinite`` for fp32/bf16 (a 16-mixed loss scaler skips overflowing steps itself)."""
-        if self.precision_plugin.skips_nonfinite_steps or bool(torch.isfinite(loss.detach()).all()):
+        """``on_nonfinite`` for fp32/bf16 (a 16-mixed loss scaler skips overflowing steps itself). With
+        ``detect_anomaly`` a nan is left to torch's anomaly mode, which names the op in the backward."""
+        anomaly_mode = self.detect_anomaly and bool(loss.detach().isnan().any())
+        if self.precision_plugin.skips_nonfinite_steps or anomaly_mode or bool(torch.isfinite(loss.detach()).all()):
             return
         where = (f"rank {self.global_rank}: the training loss is {float(loss.detach().float().mean())} at step "
                  f"{self.state.global_step} (epoch {self.state.epoch}, batch {batch_idx})")
@@ -556,6 +558,3 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
     def _teardown(self) -> None:
         self._strategy.teardown()
         self._stage_teardown("fit")
-        if self.is_global_zero:
-            for lg in self.loggers:
-                lg.finalize("failed" if sys.exc_info()[0] is not None else "success")

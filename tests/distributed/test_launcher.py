@@ -92,6 +92,9 @@ def test_the_trainer_tells_its_launcher_when_rank_zero_failed_on_a_lost_peer():
         def kill(self, **kwargs):
             calls.append(kwargs)
 
+        def unwatch(self):  # the stage ended: the watch thread with it
+            pass
+
     calls = []
     trainer = Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False)
     trainer._launcher = Launcher()

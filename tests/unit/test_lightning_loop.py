@@ -472,7 +472,8 @@ def test_an_on_exception_that_raises_still_ends_the_ranks_rank_0_started():
         raise ValueError("on_exception failed")
 
     trainer = types.SimpleNamespace(state=types.SimpleNamespace(status=None), hooks=hooks, is_global_zero=True,
-                                    _launcher=types.SimpleNamespace(kill=lambda **kw: killed.append(kw)))
+                                    _launcher=types.SimpleNamespace(kill=lambda **kw: killed.append(kw),
+                                                                    unwatch=lambda: killed.append("unwatch")))
     with pytest.raises(ValueError, match="on_exception failed"):
         properties.TrainerProperties._interrupted(trainer, RuntimeError("Connection reset by peer"), None, in_fit=True)
-    assert killed == [{"in_fit": True, "peer_lost": True}]
+    assert killed == [{"in_fit": True, "peer_lost": True}, "unwatch"]
