@@ -19,10 +19,13 @@ def invalid_value(name: str, value: Any) -> str:
     return f"You have passed invalid value {value} for {name}, it has to be in [0.0, 1.0] or an int."
 
 
-def check_limit(name: str, value: Any, allow_zero: bool) -> None:
-    """``limit_*_batches``: None, a count (int >= 0) or a fraction of the loader (float in [0, 1])."""
+def check_limit(name: str, value: Any, allow_zero: bool) -> Any:
+    """``limit_*_batches``: None, a count (int >= 0) or a fraction of the loader (float in [0, 1]);
+    returned as the Trainer keeps it: a whole float above 1 (``1e50``) is that count, as Lightning."""
     if value is None:
-        return
+        return None
+    if isinstance(value, float) and value > 1.0 and math.isfinite(value) and value % 1.0 == 0:
+        value = int(value)
     ok = (isinstance(value, int) and not isinstance(value, bool) and value >= 0) or (
         isinstance(value, float) and 0.0 <= value <= 1.0)
     if not ok:
@@ -31,6 +34,7 @@ def check_limit(name: str, value: Any, allow_zero: bool) -> None:
     if not allow_zero and value == 0:
         raise ConfigError(f"Trainer: {name}={value!r} leaves no batch to train on; valid: an int >= 1 "
                           "or a float in (0.0, 1.0]")
+    return value
 
 
 def positive_int(name: str, value: Any, allow_none: bool = False, minimum: int = 1) -> None:

@@ -78,6 +78,8 @@ class TrainerData:
         builtin = isinstance(loader.sampler, (RandomSampler, SequentialSampler))
         n_samples = len(loader.dataset) if builtin else len_or_none(loader.sampler)
         self._note_sampler_differences(stage, isinstance(loader.sampler, RandomSampler), n_samples, builtin)
+        if self._strategy.data_parallel_world_size == 1 and isinstance(loader.sampler, SequentialSampler):
+            return loader  # one replica, in order: the user's loader itself, as Lightning (the same batches)
         return job.distributed_loader(loader, self._strategy, self.data_seed, custom_sampler_shuffle=stage == "fit")
 
     def _note_sampler_differences(self, stage: str, shuffle: bool, n_samples: int | None, builtin: bool) -> None:

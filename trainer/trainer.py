@@ -143,10 +143,10 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
         positive_number("gradient_clip_val", gradient_clip_val, "the clipping threshold; 0: off, as Lightning",
                         allow_zero=True)
         self._val_check_time = run_options.val_check_seconds(val_check_interval)  # None unless time-based
-        check_limit("limit_train_batches", limit_train_batches, allow_zero=True)  # 0: no training, as Lightning
-        check_limit("limit_val_batches", limit_val_batches, allow_zero=True)
-        check_limit("limit_test_batches", limit_test_batches, allow_zero=True)
-        check_limit("limit_predict_batches", limit_predict_batches, allow_zero=True)
+        limit_train_batches = check_limit("limit_train_batches", limit_train_batches, allow_zero=True)  # 0: no training
+        limit_val_batches = check_limit("limit_val_batches", limit_val_batches, allow_zero=True)
+        limit_test_batches = check_limit("limit_test_batches", limit_test_batches, allow_zero=True)
+        limit_predict_batches = check_limit("limit_predict_batches", limit_predict_batches, allow_zero=True)
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ConfigError(f"Trainer: seed={seed!r}; valid: None (do not seed) or an int")
         if on_nonfinite not in NONFINITE_POLICIES:
@@ -199,7 +199,7 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
         self.num_sanity_val_steps = math.inf if num_sanity_val_steps == -1 else num_sanity_val_steps
         self.sanity_checking = False
         self.overfit_batches = overfit_batches
-        self.fast_dev_run = fast_dev_run
+        self.fast_dev_run = True if fast_dev_run == 1 else fast_dev_run  # Lightning's: 1 is True
         callbacks = plugin_checks.check_callbacks(callbacks)  # TypeError for callbacks=[1], logger='x'
         plugin_checks.check_logger(logger)
         plugin_checks.check_plugins(plugins)  # None or []: Lightning's, asking for nothing
@@ -417,7 +417,7 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
                     self._signals.at_step_boundary()
                 self._tick("fetching the next training batch")
             else:
-                if batch_idx == -1:  # a loader without a length that yielded nothing
+                if batch_idx == -1 and self.max_epochs in (None, -1):  # an empty epoch, and no epoch limit
                     raise ConfigError(f"Trainer.fit: the training loader ({type(loader).__name__}) yielded no "
                                       f"batch in epoch {st.epoch}: an epoch without a training step would "
                                       "never end the run")
