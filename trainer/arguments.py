@@ -123,7 +123,8 @@ def fast_dev_run_flags(trainer: Any, n: int, callbacks: list) -> list:
 
 def default_callbacks(strategy: Any, root_dir: str, callbacks: list, checkpointing: bool, progress: bool) -> list:
     """The callbacks the Trainer adds unless given: a ModelCheckpoint (Lightning's defaults) under
-    ``root_dir/checkpoints``, a progress bar, and the strategy's comms logger when it asks for one."""
+    ``root_dir/checkpoints``, a progress bar, and the strategy's comms logger when it asks for one;
+    the ModelCheckpoints last, as Lightning orders them."""
     from ..callbacks.checkpoint import ModelCheckpoint
     from ..callbacks.comms import comms_logger_for
     from ..callbacks.progress import ProgressBar, TQDMProgressBar
@@ -141,7 +142,10 @@ def default_callbacks(strategy: Any, root_dir: str, callbacks: list, checkpointi
                           f"`{type(bars[0]).__name__}` in callbacks list.")
     if progress and not bars:
         callbacks.append(TQDMProgressBar())
-    return comms_logger_for(strategy, callbacks)  # strategy option comms_logger=True
+    callbacks = comms_logger_for(strategy, callbacks)  # strategy option comms_logger=True
+    # Lightning's order: the checkpoint callbacks last, so that they save what the others did
+    return [c for c in callbacks if not isinstance(c, ModelCheckpoint)] + \
+        [c for c in callbacks if isinstance(c, ModelCheckpoint)]
 
 
 def make_loggers(root_dir: str, logger: Any) -> list:

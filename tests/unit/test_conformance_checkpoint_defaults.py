@@ -187,3 +187,14 @@ def test_hpc_save_path_numbers_as_lightning(tmp_path):
     assert connector.hpc_save_path(str(tmp_path)) == str(tmp_path / "hpc_ckpt_1.ckpt")
     (tmp_path / "hpc_ckpt_4.ckpt").touch()
     assert connector.hpc_save_path(str(tmp_path)) == str(tmp_path / "hpc_ckpt_5.ckpt")
+
+
+def test_checkpoint_callbacks_come_last_as_in_lightning(tmp_path):
+    from zerotrain.callbacks import EarlyStopping
+
+    ours = Trainer(callbacks=[ModelCheckpoint(), EarlyStopping(monitor="x")], logger=False).callbacks
+    assert type(ours[0]).__name__ == "EarlyStopping" and type(ours[-1]).__name__ == "ModelCheckpoint"
+    pl = pytest.importorskip("pytorch_lightning")
+    theirs = pl.Trainer(callbacks=[pl.callbacks.ModelCheckpoint(), pl.callbacks.EarlyStopping(monitor="x")],
+                        logger=False).callbacks
+    assert type(theirs[0]).__name__ == "EarlyStopping" and type(theirs[-1]).__name__ == "ModelCheckpoint"
