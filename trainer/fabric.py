@@ -22,6 +22,7 @@ from torch import nn
 from .engine import Engine
 from .errors import ConfigError
 from .evaluation import to_device as _to_device
+from .module import TrainModule
 from .utilities import seed_everything as _seed_everything
 
 #: Fabric's precision names with no zerotrain counterpart of the same spelling
@@ -163,6 +164,14 @@ class Fabric(Engine):
 
     def _resolve(self, model: Any) -> Any:
         return model._target() if isinstance(model, _PendingModule) else model
+
+    def setup(self, model: nn.Module, *optimizers: torch.optim.Optimizer) -> tuple[Any, ...]:
+        """The Engine's ``setup``; a TrainModule (Lightning's LightningModule) then knows this Fabric,
+        as under Fabric: its ``self.logger`` / ``self.loggers`` are the Fabric's."""
+        out = super().setup(model, *optimizers)
+        if isinstance(model, TrainModule):
+            model.__dict__["_fabric"] = self
+        return out
 
     # ------------------------------------------------------------------ set-up in two calls
     def setup_module(self, module: nn.Module) -> nn.Module:

@@ -171,7 +171,11 @@ class TrainModule(HyperparametersMixin, nn.Module, DataHooks, ModuleTools):
 
     @property
     def loggers(self) -> list:
-        """The Trainer's loggers (Lightning's ``self.loggers``); ``[]`` when not attached."""
+        """The Trainer's loggers (Lightning's ``self.loggers``), or those of the Fabric that set the
+        module up (``Fabric.setup``, as Fabric's); ``[]`` when not attached."""
+        fabric = self.__dict__.get("_fabric")
+        if fabric is not None:
+            return fabric.loggers
         return list(self._trainer.loggers) if self._trainer is not None else []
 
     @property

@@ -172,3 +172,28 @@ def test_gpu_accelerator_without_cuda_is_refused_not_run_on_cpu():
     # Fabric refuses accelerator="gpu" where no GPU exists; running on the CPU instead would hide it
     with pytest.raises(ConfigError, match="cuda"):
         Fabric(accelerator="gpu", devices=1)
+
+
+def test_fabric_loggers_under_fabrics_path_and_the_modules_logger(tmp_path, monkeypatch):
+    """examples/fabric/reinforcement_learning: ``from lightning.fabric.loggers import
+    TensorBoardLogger`` (``root_dir=``), and its LightningModule calls ``self.logger.log_metrics``
+    after ``fabric.setup``: the module's logger is the Fabric's, as under Fabric."""
+    from zerotrain import TrainModule
+    from zerotrain.fabric.loggers import CSVLogger, TensorBoardLogger
+
+    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK", "1"))
+    theirs = pytest.importorskip("lightning.fabric.loggers")
+    for ours, ref in ((TensorBoardLogger, theirs.TensorBoardLogger), (CSVLogger, theirs.CSVLogger)):
+        assert ours(root_dir=tmp_path, name="run").log_dir == ref(root_dir=tmp_path, name="run").log_dir
+    logger = CSVLogger(root_dir=tmp_path)
+
+    class Agent(TrainModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = nn.Linear(3, 1)
+
+    agent = Agent()
+    assert agent.logger is None
+    fabric = _fabric(loggers=logger)
+    fabric.setup(agent, torch.optim.SGD(agent.parameters(), lr=0.1))
+    assert agent.logger is logger and agent.loggers == [logger]
