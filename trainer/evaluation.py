@@ -346,10 +346,11 @@ def as_loader_list(loaders: Any) -> list:
 
 
 def _print_results(fn: str, results: list[dict[str, float]]) -> None:
-    """Lightning's ``verbose`` summary of a validate / test run, one block per loader."""
-    for i, metrics in enumerate(results):
-        title = f"{fn} metrics" + (f" (dataloader {i})" if len(results) > 1 else "")
-        print(title + "".join(f"\n  {name}: {value:.6g}" for name, value in sorted(metrics.items())))
+    """Lightning's ``verbose`` table of a validate / test run (``trainer/results_table.py``)."""
+    from .imports import _RICH_AVAILABLE
+    from .results_table import print_results
+
+    print_results(results, fn, rich=_RICH_AVAILABLE)
 
 
 def to_device(batch: Any, device: torch.device) -> Any:

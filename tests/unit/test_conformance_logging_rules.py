@@ -267,3 +267,21 @@ def test_under_barebones_self_log_warns_and_logs_nothing():
     with pytest.warns(UserWarning, match=r"barebones=True\)` is configured"):
         model.log("foo", 1.0)
     assert trainer.callback_metrics == {}
+
+
+def test_the_verbose_results_table_is_lightnings(capsys, monkeypatch):
+    """The text table (Rich off), checked cell by cell against pytorch-lightning's own printer."""
+    from zerotrain.trainer.compat import internals
+
+    monkeypatch.setattr(internals, "_RICH_AVAILABLE", False)
+    results = [{"value": torch.tensor(2), "perf": {"a:1": torch.tensor(0)}, "acc/dataloader_idx_0": 0.5},
+               {"other": torch.tensor(1.5), f"a {'really ' * 11}long name": torch.tensor([[6]])}]
+    internals._EvaluationLoop._print_results(results, "test")
+    ours = capsys.readouterr().out
+    assert "Test metric" in ours and "perf:a:1" in ours and "DataLoader 1" in ours
+    pytest.importorskip("lightning")
+    import lightning.pytorch.loops.evaluation_loop as theirs
+
+    monkeypatch.setattr(theirs, "_RICH_AVAILABLE", False)
+    theirs._EvaluationLoop._print_results(results, "test")
+    assert capsys.readouterr().out == ours

@@ -14,6 +14,9 @@ from typing import Any, Callable
 import torch
 from torch.utils.data import DistributedSampler
 
+from .. import imports as _imports
+from ..results_table import print_results
+
 
 class _Loop:
     """The base of Lightning's loop objects: the trainer it runs in, and whether it is restarting."""
@@ -66,6 +69,15 @@ def _internal(name: str, what: str, base: type = object, why: str = _LOOP) -> ty
 _FitLoop = _internal("_FitLoop", "fit loop object", _Loop)
 _TrainingEpochLoop = _internal("_TrainingEpochLoop", "training-epoch loop object", _Loop)
 _EvaluationLoop = _internal("_EvaluationLoop", "evaluation loop object", _Loop)
+_RICH_AVAILABLE = _imports._RICH_AVAILABLE  # Lightning's tests switch it off here to get the text table
+
+
+def _print_results(results: list, stage: str) -> None:
+    """Lightning's ``_EvaluationLoop._print_results``: ``validate``/``test``'s verbose table."""
+    print_results(results, stage, rich=_RICH_AVAILABLE)
+
+
+_EvaluationLoop._print_results = staticmethod(_print_results)
 _PredictionLoop = _internal("_PredictionLoop", "prediction loop object", _Loop)
 from ..optimization import Closure  # noqa: E402 - zerotrain's automatic-optimization closure
 _BaseProgress = _internal("_BaseProgress", "loop progress counter")
