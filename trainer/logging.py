@@ -177,6 +177,11 @@ class MetricsConnector:
         if not accumulating and self.step_row_due():
             self.log_metrics(self._current()["log"])
 
+    @property
+    def should_update_logs(self) -> bool:
+        """Lightning's name: whether this training step's values go to the loggers (``step_row_due``)."""
+        return self.step_row_due()
+
     def step_row_due(self) -> bool:
         """Whether the optimizer step now running (or about to) is a logging step: every
         ``log_every_n_steps``-th, or the last when stopping (Lightning's ``should_update_logs``)."""
@@ -298,6 +303,11 @@ class TrainerLogging:
     @property
     def progress_bar_metrics(self) -> dict[str, float]:
         return self._logging.progress_bar_metrics
+
+    @property
+    def _logger_connector(self) -> MetricsConnector:
+        """Lightning's name for the Trainer's metrics connector (its tests read ``should_update_logs``)."""
+        return self._logging
 
     @property
     def loggers(self) -> list:

@@ -285,3 +285,22 @@ def test_the_verbose_results_table_is_lightnings(capsys, monkeypatch):
     monkeypatch.setattr(theirs, "_RICH_AVAILABLE", False)
     theirs._EvaluationLoop._print_results(results, "test")
     assert capsys.readouterr().out == ours
+
+
+def test_should_update_logs_says_which_steps_reach_the_loggers(tmp_path):
+    class Rows(_BufferLogger):
+        steps = []
+
+        def log_metrics(self, metrics, step=None):
+            self.steps.append(step)
+
+    due = []
+
+    def step_log(module):
+        module.log("foo", 1.0)
+        due.append(module.trainer._logger_connector.should_update_logs)
+
+    trainer = Trainer(default_root_dir=tmp_path, max_steps=4, limit_train_batches=4, log_every_n_steps=2,
+                      logger=Rows(), **_QUIET)
+    trainer.fit(_module(TrainModule, step_log=step_log))
+    assert due == [False, True, False, True] and Rows.steps[:2] == [1, 3]
