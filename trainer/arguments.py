@@ -77,9 +77,18 @@ def check_lightning_args(fast_dev_run: Any, num_sanity_val_steps: Any, check_val
     positive_int("min_epochs", min_epochs, allow_none=True, minimum=0)
     positive_int("min_steps", min_steps, allow_none=True, minimum=0)
     check_limit("overfit_batches", overfit_batches, allow_zero=True)
-    if clip_algorithm is not None and clip_algorithm not in CLIP_ALGORITHMS:
-        raise ConfigError(f"Trainer: gradient_clip_algorithm={clip_algorithm!r}; valid choices: "
-                          f"{', '.join(CLIP_ALGORITHMS)} (None: norm)")
+    if clip_algorithm is not None and str(clip_algorithm).lower() not in CLIP_ALGORITHMS:  # any case, as Lightning
+        raise ConfigError(f"`gradient_clip_algorithm` {clip_algorithm} is invalid. Allowed algorithms: "
+                          f"{list(CLIP_ALGORITHMS)}. Trainer: gradient_clip_algorithm={clip_algorithm!r}; valid "
+                          f"choices: {', '.join(CLIP_ALGORITHMS)} (None: norm)")
+
+
+def check_clip_val(value: Any) -> None:
+    """``gradient_clip_val``: None or a number (Lightning's TypeError for anything else), >= 0."""
+    if value is not None and not isinstance(value, numbers.Real):  # a bool: refused below, as no threshold
+        raise TypeError(f"`gradient_clip_val` should be an int or a float. Got {value}. Trainer: "
+                        f"gradient_clip_val={value!r}; valid: None or a number >= 0 (0: off)")
+    positive_number("gradient_clip_val", value, "the clipping threshold; 0: off, as Lightning", allow_zero=True)
 
 
 def lightning_callbacks(callbacks: list, max_time: Any, enable_model_summary: bool) -> list:

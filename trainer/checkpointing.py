@@ -25,6 +25,9 @@ def save(trainer: "Trainer", path: str, update_latest: bool = True) -> None:
     """Collective: every rank writes its shard of the checkpoint directory ``path`` in parallel;
     rank 0 then publishes it atomically and points ``latest`` (beside it) at it
     (``trainer/checkpoint_io.py`` describes the format)."""
+    if trainer.module is None:
+        raise AttributeError("Saving a checkpoint is only possible if a model is attached to the Trainer. Did you "
+                             "call `Trainer.save_checkpoint()` before calling `Trainer.{fit,validate,test,predict}`?")
     loader = trainer.train_dataloader
 
     def loop_meta(meta: dict[str, Any]) -> None:  # rank 0: the Trainer's part, then the hook

@@ -4,8 +4,10 @@ stage, and building the model and optimizers under the strategy (a mixin of
 ``predict``)."""
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
-from collections.abc import MutableMapping
+from collections.abc import Iterator, MutableMapping
 
 import torch
 
@@ -118,6 +120,25 @@ class TrainerSetup:
         self._optim = Optimization(self, module)
         self.optimizer, self.lr_scheduler = self._optim.held, self._optim.scheduler
         self.lr_scheduler_interval = self._optim.schedulers[0].interval if self._optim.schedulers else "step"
+
+    @contextlib.contextmanager
+    def init_module(self, empty_init: bool | None = None) -> Iterator[None]:
+        """Lightning's ``Trainer.init_module()``: build the model inside it and its tensors are made
+        where it will run (this rank's device: the CPU, or ``cuda:<LOCAL_RANK>`` with
+        ``accelerator="cuda"``), in a "-true" precision's dtype, inside the strategy's
+        ``init_context`` (ZeRO-3 partitions as it builds). ``empty_init`` is accepted; the
+        weights are initialised as usual."""
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if self.accelerator == "cuda" \
+            else torch.device("cpu")
+        dtype = self.precision_plugin.param_dtype if self.precision_plugin.name.endswith("-true") else None
+        before = torch.get_default_dtype()
+        with self._strategy.init_context(), device:
+            if dtype is not None:
+                torch.set_default_dtype(dtype)
+            try:
+                yield
+            finally:
+                torch.set_default_dtype(before)
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:

@@ -26,8 +26,8 @@ from . import checkpointing, elastic, env_args, hparams, job, plugin_checks, run
 from .compat.profilers import Profiler, profiler_of
 from .compat.validator import verify_stage
 from .batch_transfer import transfer_batch
-from .arguments import (check_limit, check_lightning_args, default_callbacks, fast_dev_run_flags, lightning_callbacks,
-                        make_loggers, positive_int, positive_number)
+from .arguments import (check_clip_val, check_limit, check_lightning_args, default_callbacks, fast_dev_run_flags,
+                        lightning_callbacks, make_loggers, positive_int, positive_number)
 from .errors import ConfigError
 from .evaluation import TrainerEvaluation, split_datamodule
 from .hooks import BatchHooks, HookDispatcher, batch_end_outputs, hook_owners
@@ -140,8 +140,7 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
         positive_number("collective_timeout_s", collective_timeout_s, "seconds")
         check_max_limits(max_epochs, max_steps)
         check_val_schedule(val_check_interval, check_val_every_n_epoch)
-        positive_number("gradient_clip_val", gradient_clip_val, "the clipping threshold; 0: off, as Lightning",
-                        allow_zero=True)
+        check_clip_val(gradient_clip_val)  # Lightning's TypeError for a value that is no number
         self._val_check_time = run_options.val_check_seconds(val_check_interval)  # None unless time-based
         limit_train_batches = check_limit("limit_train_batches", limit_train_batches, allow_zero=True)  # 0: no training
         limit_val_batches = check_limit("limit_val_batches", limit_val_batches, allow_zero=True)
