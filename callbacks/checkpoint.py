@@ -175,6 +175,10 @@ class ModelCheckpoint(Callback):
             return
         if self._should_skip_saving_checkpoint(trainer):
             return
+        if not skip_step and not getattr(pl_module, "automatic_optimization", True) and trainer.is_global_zero:
+            warnings.warn("Using ModelCheckpoint with manual optimization and every_n_train_steps, but no "
+                          "pre-optimization state was saved. The checkpoint will contain the model state AFTER "
+                          "optimization (this step's optimizer.step() calls).", UserWarning, stacklevel=2)
         self._save_topk_checkpoint(trainer, candidates)
         self._save_last_checkpoint(trainer, candidates)
 

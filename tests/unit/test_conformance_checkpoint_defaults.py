@@ -198,3 +198,30 @@ def test_checkpoint_callbacks_come_last_as_in_lightning(tmp_path):
     theirs = pl.Trainer(callbacks=[pl.callbacks.ModelCheckpoint(), pl.callbacks.EarlyStopping(monitor="x")],
                         logger=False).callbacks
     assert type(theirs[0]).__name__ == "EarlyStopping" and type(theirs[-1]).__name__ == "ModelCheckpoint"
+
+
+def test_manual_optimization_with_a_step_trigger_warns_as_lightning(tmp_path):
+    def manual(base):
+        model = _module(base)
+        model.automatic_optimization = False
+
+        def training_step(batch, batch_idx):
+            opt = model.optimizers()
+            opt.zero_grad()
+            model.manual_backward(model.layer(batch[0]).pow(2).mean())
+            opt.step()
+
+        model.training_step = training_step
+        return model
+
+    for lib in ("ours", "pl"):
+        mod = pytest.importorskip("pytorch_lightning") if lib == "pl" else None
+        kw = dict(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                  max_steps=2, default_root_dir=str(tmp_path / lib))
+        cb = (mod.callbacks.ModelCheckpoint if mod else ModelCheckpoint)(dirpath=str(tmp_path / lib),
+                                                                          every_n_train_steps=1)
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            (mod.Trainer(callbacks=[cb], **kw) if mod else Trainer(callbacks=[cb], stall_timeout_s=None, **kw)).fit(
+                manual(mod.LightningModule if mod else TrainModule))
+        assert any("The checkpoint will contain the model state AFTER optimization" in str(w.message) for w in said)
