@@ -133,14 +133,15 @@ class _OptimizerProgress:
     """``optim_progress.optimizer.step``: the optimizer steps taken (``trainer.global_step``)."""
 
     def __init__(self, state: Any) -> None:
-        def get(field: str) -> int:
-            return state.global_step
-
-        def set_(field: str, value: int) -> None:
-            state.global_step = value
-
-        step = LinkedTracker(get, set_)
+        self._state = state
+        step = LinkedTracker(self._get, self._set)
         self.step = Progress(step, step)
+
+    def _get(self, field: str) -> int:
+        return self._state.global_step
+
+    def _set(self, field: str, value: int) -> None:
+        self._state.global_step = value
 
 
 class _Optimization:

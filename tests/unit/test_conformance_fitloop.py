@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 from unittest import mock
 
 import pytest
@@ -109,6 +110,8 @@ def test_fit_loop_fields_set_the_trainers_counters():
     assert trainer.max_steps == 7
     with pytest.raises(AttributeError, match="no progress count"):
         fl.epoch_progress.current.finished = 1
+    copy = pickle.loads(pickle.dumps(trainer.fit_loop))  # a Trainer that pickles keeps pickling (Lightning's tests)
+    assert (copy.epoch_loop.global_step, copy.epoch_progress.current.completed) == (7, trainer.current_epoch)
 
 
 @pytest.mark.parametrize(("max_epochs", "max_steps", "done"), [(-1, -1, False), (5, -1, False), (0, -1, True),
