@@ -66,7 +66,7 @@ from torch import nn
 
 from . import instrument, progress
 from .environment import ProcessInfo, init_process_group
-from .optimizers import group_indices, param_states, refuse_shared, selecting, split_kind, state_slots
+from .optimizers import accepted, group_indices, param_states, refuse_shared, selecting, split_kind, state_slots
 from .precision import Precision
 from .step_wrapper import StepCall, StepWrapper
 
@@ -477,7 +477,7 @@ class Strategy:
         the unscale (offload's GPU path). What the optimizer's ``step()`` returned is kept in
         ``step_output`` (Lightning's ``optimizer.step()`` returns it in manual optimization)."""
         assert self.optimizer is not None
-        self.step_output = self.optimizer.step(**getattr(self, "_step_kwargs", {}))
+        self.step_output = self.optimizer.step(**accepted(self.optimizer.step, getattr(self, "_step_kwargs", {})))
 
     def _refresh_params(self) -> None:
         """After the inner step: bring the working parameters up to date (ZeRO: all-gather the

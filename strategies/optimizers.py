@@ -25,6 +25,7 @@ PyTorch loop has the same semantics: ``opt.step()`` touches only its parameters.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from typing import Any, Callable, Iterator, MutableMapping, Sequence
 
 import torch
@@ -241,3 +242,16 @@ def refuse_shared(strategy: Any, optimizer: Any) -> None:
                          f"optimizers {' and '.join(map(str, ks))}, but this strategy partitions each parameter's "
                          "optimizer state once; valid: give each parameter to one optimizer, or a replicated "
                          "strategy (single, ddp)")
+
+
+def accepted(step: Callable[..., Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` without a ``closure`` that ``step`` does not take (an optimizer written as
+    ``step(self)``: the caller then runs the closure itself); other keywords are passed as given."""
+    if "closure" not in kwargs:
+        return kwargs
+    try:
+        params = inspect.signature(step).parameters
+    except (TypeError, ValueError):
+        return kwargs
+    takes = "closure" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+    return kwargs if takes else {k: v for k, v in kwargs.items() if k != "closure"}

@@ -59,13 +59,27 @@ def _backward_kwargs(args: tuple, kwargs: dict) -> dict:
 class Closure:
     """What the module's ``optimizer_step`` hook gets as ``optimizer_closure`` in automatic
     optimization (Lightning's ``Closure``, under its name): the step's forwards and backwards
-    already ran through ``Strategy.run_schedule``, so calling it returns the step's loss."""
+    already ran through ``Strategy.run_schedule``, so its first call returns the step's loss;
+    each later call (an optimizer that re-evaluates, such as LBFGS) runs ``again``: the
+    gradients zeroed, the batch's forward and backward once more, its loss."""
 
-    def __init__(self, loss: Any) -> None:
-        self._loss = loss
+    def __init__(self, loss: Any, again: Callable[[], Any] | None = None) -> None:
+        self._loss, self._again, self.calls = loss, again, 0
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._loss
+        self.calls += 1
+        return self._again() if self.calls > 1 and self._again is not None else self._loss
+
+
+class _Counted:
+    """A closure of the user's own, counting its calls as :class:`Closure` does."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self._fn, self.calls = fn, 0
+
+    def __call__(self) -> Any:
+        self.calls += 1
+        return self._fn()
 
 
 class Optimization:
@@ -153,12 +167,24 @@ class Optimization:
         Lightning's; the gradients are dropped; the step still counts and the schedulers step)."""
         t = self.trainer
         opt = AutomaticOptimizer(t, self.optimizers[0], self.clip_for_step())
-        loss = t._step_loss
+        closure = Closure(t._step_loss, lambda: self._evaluate_again(batch_idx))
         with hook_scope(t, "optimizer_step"):
-            t.module.optimizer_step(t.current_epoch, batch_idx, opt, Closure(loss))
+            t.module.optimizer_step(t.current_epoch, batch_idx, opt, closure)
         if opt.stepped is None:
             t.strategy.skip_step()
         return opt.stepped
+
+    def _evaluate_again(self, batch_idx: int) -> Any:
+        """A closure's later call (LBFGS): the gradients zeroed, the last batch's forwards and
+        backwards run again through the strategy (hooks and all, as Lightning's closure); its loss."""
+        from .hooks import BatchHooks
+
+        t = self.trainer
+        t.strategy.zero_grad()
+        hooks = BatchHooks(t, batch_idx)
+        with hook_scope(t, "training_step"):
+            t.strategy.run_schedule(t._step_batch, batch_idx, hooks)
+        return hooks.loss
 
     def zero_grad_hook(self, batch_idx: int) -> None:
         """The module's ``optimizer_zero_grad(epoch, batch_idx, optimizer)`` where Lightning calls it
@@ -316,10 +342,19 @@ class AutomaticOptimizer(ManualOptimizer):
         self.clip, self.stepped = clip, None
 
     def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
-        out = closure() if closure is not None else None
-        if self.stepped is None and self._trainer._backward_in_step:  # else nothing to step on
-            self.stepped = self._trainer.strategy.optimizer_step(*(self.clip or (None, "norm")))
-        return out
+        """The strategy's step; the closure goes to the user's ``optimizer.step(closure=...)`` as
+        Lightning's (an LBFGS calls it again to re-evaluate), and what that returns comes back."""
+        t = self._trainer
+        if self.stepped is not None or not t._backward_in_step:  # nothing (more) to step on
+            return closure() if closure is not None else None
+        counted = closure if isinstance(closure, Closure) or closure is None else _Counted(closure)
+        if counted is not None:
+            kwargs["closure"] = counted
+        s, s.step_output = t.strategy, None
+        self.stepped = s.optimizer_step(*(self.clip or (None, "norm")), step_kwargs=kwargs)
+        if counted is not None and not counted.calls:  # a strategy that steps its own copy (ZeRO)
+            return counted()
+        return s.step_output
 
 
 #: Lightning's name (``zerotrain.core.optimizer.LightningOptimizer``) for what ``self.optimizers()`` returns

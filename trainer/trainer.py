@@ -505,7 +505,7 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
 
     def _automatic_step(self, batch: Any, batch_idx: int, last_micro: bool) -> Any:
         """The batch's forwards and backwards through ``Strategy.run_schedule`` (see above)."""
-        s = self._strategy
+        s, self._step_batch = self._strategy, batch  # an optimizer that re-evaluates (LBFGS) runs it again
         batch_hooks = BatchHooks(self, batch_idx)
         with (s.no_sync() if not last_micro else contextlib.nullcontext()), hook_scope(self, "training_step"):
             self._tick("training_step")

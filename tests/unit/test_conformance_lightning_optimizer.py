@@ -173,3 +173,57 @@ def test_on_save_checkpoint_sees_lightnings_lr_schedulers_key(tmp_path):
     trainer.fit(Model())
     trainer.save_checkpoint(tmp_path / "after.ckpt")
     assert seen == [[(3, [0.25])]]  # after 2 steps (the count starts at 1)
+
+
+def test_lbfgs_re_evaluates_through_the_closure_as_a_plain_loop(tmp_path):
+    """Automatic optimization hands the closure to the optimizer's ``step``: an LBFGS calls it
+    again and again, each later call zeroing the gradients and running the batch's forward and
+    backward once more, as Lightning's closure; the weights equal a plain PyTorch LBFGS loop."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from zerotrain import TrainModule
+
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g))
+
+    def build():
+        torch.manual_seed(0)
+        return nn.Linear(4, 1)
+
+    class Model(TrainModule):
+        def __init__(self):
+            super().__init__()
+            self.layer, self.evaluations = build(), 0
+
+        def training_step(self, batch, batch_idx):
+            self.evaluations += 1
+            x, y = batch
+            return (self.layer(x) - y).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.LBFGS(self.parameters(), lr=0.5, max_iter=5)
+
+        def train_dataloader(self):
+            return DataLoader(data, batch_size=4)
+
+    model = Model()
+    trainer = Trainer(default_root_dir=tmp_path, max_epochs=1, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    trainer.fit(model)
+
+    layer = build()
+    opt = torch.optim.LBFGS(layer.parameters(), lr=0.5, max_iter=5)
+    evaluations = 0
+    for x, y in DataLoader(data, batch_size=4):
+        def closure():
+            nonlocal evaluations
+            evaluations += 1
+            opt.zero_grad()
+            loss = (layer(x) - y).pow(2).mean()
+            loss.backward()
+            return loss
+
+        opt.step(closure)
+    assert model.evaluations == evaluations > 2
+    for ours, ref in zip(model.layer.parameters(), layer.parameters()):
+        torch.testing.assert_close(ours, ref, rtol=0, atol=0)  # tolerance: exact, the same ops in the same order
