@@ -154,23 +154,29 @@ class Engine:
         self.launch()
         if not isinstance(model, nn.Module):
             raise ConfigError(f"Engine.setup: model={type(model).__name__}; valid: an nn.Module")
-        if not optimizers or not all(isinstance(o, torch.optim.Optimizer) for o in optimizers):
+        s = self._strategy
+        bare = not optimizers and s.evaluates_without_optimizer  # Fabric's setup(model): the model alone
+        if not bare and (not optimizers or not all(isinstance(o, torch.optim.Optimizer) for o in optimizers)):
             raise ConfigError(
                 f"Engine.setup: {len(optimizers)} optimizers given ({', '.join(type(o).__name__ for o in optimizers)}); "
-                "valid: one or more torch.optim.Optimizer, built on the model's parameters")
+                "valid: one or more torch.optim.Optimizer, built on the model's parameters (none: the "
+                "model alone, under single or ddp)")
         if any(m.module is model for m in self._models):
             raise ConfigError("Engine.setup: called twice with the same model; valid: each model once (several "
                               "models: one setup call each)")
-        s = self._strategy
         if self._model is not None:  # one more model (Fabric's GAN): a strategy of its own
             s = another_strategy(s, *self._specs, self.precision_plugin, self.world_size)
         try:
-            held = optimizers[0] if len(optimizers) == 1 else OptimizerSet(optimizers)
             s.setup_module(model)
-            s.setup_optimizer(held)
+            if not bare:
+                s.setup_optimizer(optimizers[0] if len(optimizers) == 1 else OptimizerSet(optimizers))
         except ValueError as exc:  # the strategy's checks (parameters outside the optimizer, ...)
             raise ConfigError(f"Engine.setup: {exc}") from None
         wrapped = EngineModule(s, model)
+        if bare:
+            self._models.append(wrapped)
+            self._model = self._model if self._model is not None else wrapped
+            return wrapped
         opts = [EngineOptimizer(self, o, k if len(optimizers) > 1 else None, s) for k, o in enumerate(optimizers)]
         self._models.append(wrapped)
         self._optimizers.extend(opts)

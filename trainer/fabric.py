@@ -127,7 +127,7 @@ class Fabric(Engine):
             return
         values = {k: v.item() if isinstance(v, torch.Tensor) else v for k, v in metrics.items()}
         for logger in self._loggers:
-            logger.log_metrics(values, step=step)
+            logger.log_metrics(metrics=values, step=step)
 
     def call(self, hook_name: str, *args: Any, **kwargs: Any) -> None:
         """Every callback's ``hook_name`` (those without one are skipped)."""

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -12,6 +13,7 @@ from ..callbacks.base import stage_hooks
 from . import conveniences, toggling
 from .datamodule import DataHooks
 from .hparams import HPARAMS_KEY, HPARAMS_NAME_KEY, HPARAMS_TYPE_KEY, HyperparametersMixin
+from .module_fabric import log_through_fabric
 from .module_tools import ModuleTools
 
 if TYPE_CHECKING:
@@ -153,13 +155,35 @@ class TrainModule(HyperparametersMixin, nn.Module, DataHooks, ModuleTools):
     @property
     def trainer(self) -> "Trainer":
         if self._trainer is None and not self._jit_is_scripting:
-            raise RuntimeError(f"{type(self).__name__} is not attached to a Trainer")
+            raise RuntimeError(f"{type(self).__qualname__} is not attached to a `Trainer`.")
         return self._trainer
 
     @trainer.setter
     def trainer(self, trainer: "Trainer | None") -> None:
-        """Attach (or with None detach) a Trainer, as Lightning's ``model.trainer = trainer``."""
+        """Attach (or with None detach) a Trainer, as Lightning's ``model.trainer = trainer``: to
+        this module and to every TrainModule among its children (an ensemble's members)."""
+        for child in self.children():
+            if isinstance(child, TrainModule):
+                child.trainer = trainer
         self._trainer = trainer
+
+    #: the Fabric (zerotrain's Engine) that set this module up, weakly held; None otherwise
+    _fabric: Any = None
+
+    @property
+    def fabric(self) -> Any:
+        """Lightning's ``self.fabric``: the Fabric that set this module up (``Fabric.setup``), or None."""
+        return self.__dict__.get("_fabric")
+
+    @fabric.setter
+    def fabric(self, fabric: Any) -> None:
+        """As Lightning: set on every TrainModule among the children too, and held as a weak proxy."""
+        for child in self.children():
+            if isinstance(child, TrainModule):
+                child.fabric = fabric
+        if fabric is not None and not isinstance(fabric, weakref.ProxyTypes):
+            fabric = weakref.proxy(fabric)
+        self.__dict__["_fabric"] = fabric
 
     @property
     def global_rank(self) -> int:
@@ -180,7 +204,10 @@ class TrainModule(HyperparametersMixin, nn.Module, DataHooks, ModuleTools):
 
     @property
     def logger(self):
-        """The first of the Trainer's loggers, or None (Lightning's ``self.logger``)."""
+        """The first of the Trainer's loggers, or None (Lightning's ``self.logger``); set up by a
+        Fabric: the Fabric's first logger (an IndexError without any, as Fabric's)."""
+        if self.fabric is not None:
+            return self.fabric.loggers[0]
         return next(iter(self.loggers), None)
 
     @property
@@ -269,7 +296,11 @@ class TrainModule(HyperparametersMixin, nn.Module, DataHooks, ModuleTools):
         ``reduce_fx`` (a mean weighted by ``batch_size``, inferred from the batch when not
         given); ``sync_dist`` reduces over ranks (a collective: every rank logs the same names).
         ``trainer/metrics.py`` and ``trainer/logging.py`` hold the rules. Not attached to a
-        Trainer: ignored, as Lightning (which warns)."""
+        Trainer: ignored, as Lightning (which warns); set up by a Fabric: its loggers get the value
+        (``module_fabric.py``)."""
+        if self.fabric is not None:
+            log_through_fabric(self.fabric, {name: value}, logger)
+            return
         if self._trainer is None:
             return
         self._trainer._log(name, value, fx=self._current_fx_name, prog_bar=prog_bar, logger=logger,
@@ -283,6 +314,9 @@ class TrainModule(HyperparametersMixin, nn.Module, DataHooks, ModuleTools):
                  add_dataloader_idx: bool = True, batch_size: int | None = None,
                  rank_zero_only: bool = False) -> None:
         """``self.log`` for each item, with the same options (Lightning's ``log_dict``)."""
+        if self.fabric is not None:  # one row for the Fabric's loggers, as Lightning
+            log_through_fabric(self.fabric, dictionary, logger)
+            return
         for name, value in dictionary.items():
             self.log(name, value, prog_bar=prog_bar, logger=logger, on_step=on_step, on_epoch=on_epoch,
                      reduce_fx=reduce_fx, enable_graph=enable_graph, sync_dist=sync_dist,
