@@ -375,7 +375,7 @@ class ModelCheckpoint(Callback):
             if self.save_weights_only:
                 self._save_weights(trainer, filepath)
             else:
-                trainer.save_checkpoint(filepath)
+                trainer.save_checkpoint(filepath, False)  # positional, as Lightning calls it (mocks see it)
         except CheckpointError as exc:  # name the setting that chose the path
             raise CheckpointError(f"{exc} (ModelCheckpoint dirpath={self.dirpath!r})") from exc
         self._last_global_step_saved = trainer.global_step

@@ -8,6 +8,7 @@ pytorch-lightning 2.6 where it is installed: the files a fit leaves in ``dirpath
 from __future__ import annotations
 
 import os
+import tempfile
 import warnings
 from datetime import timedelta
 
@@ -225,3 +226,21 @@ def test_manual_optimization_with_a_step_trigger_warns_as_lightning(tmp_path):
             (mod.Trainer(callbacks=[cb], **kw) if mod else Trainer(callbacks=[cb], stall_timeout_s=None, **kw)).fit(
                 manual(mod.LightningModule if mod else TrainModule))
         assert any("The checkpoint will contain the model state AFTER optimization" in str(w.message) for w in said)
+
+
+def test_dump_checkpoint_and_the_save_call_are_lightnings(tmp_path):
+    from unittest import mock
+
+    cb = ModelCheckpoint(dirpath=str(tmp_path / "ck"))
+    trainer = Trainer(callbacks=[cb], logger=False, enable_progress_bar=False, max_epochs=1, limit_train_batches=2,
+                      default_root_dir=str(tmp_path), stall_timeout_s=None)
+    with mock.patch.object(Trainer, "save_checkpoint", autospec=True) as save:
+        trainer.fit(_module(TrainModule))
+    assert save.call_args_list == [mock.call(trainer, str(tmp_path / "ck" / "epoch=0-step=2.ckpt"), False)]
+    trainer = Trainer(logger=False, enable_progress_bar=False, max_epochs=1, limit_train_batches=2,
+                      default_root_dir=str(tmp_path), stall_timeout_s=None)
+    trainer.fit(_module(TrainModule))
+    dumped = trainer._checkpoint_connector.dump_checkpoint()
+    assert {"epoch", "global_step", "state_dict", "optimizer_states", "callbacks", "loops"} <= set(dumped)
+    assert dumped["global_step"] == 2 and not [p for p in os.listdir(tempfile.gettempdir()) if
+                                               p.startswith("dump_checkpoint-")]

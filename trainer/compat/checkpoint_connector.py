@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+from pathlib import Path
 from typing import Any
 
 _NUMBERED = "ckpt_"
@@ -32,6 +33,29 @@ class CheckpointConnector:
 
         if checkpoint_path:
             load(self.trainer, checkpoint_path)
+
+    def dump_checkpoint(self, weights_only: bool = False) -> dict:
+        """Collective: the dict a ``.ckpt`` save of the current state holds (Lightning's keys), read
+        back from such a save into a scratch folder (one file: unsharded state only)."""
+        import shutil
+        import tempfile
+
+        from ..checkpoint_file import load
+
+        if weights_only:
+            raise NotImplementedError("dump_checkpoint(weights_only=True): zerotrain's checkpoint always holds the "
+                                      "training state; use ModelCheckpoint(save_weights_only=True) for the weights")
+        trainer = self.trainer
+        scratch = trainer.strategy.broadcast(tempfile.mkdtemp(prefix="dump_checkpoint-") if trainer.is_global_zero
+                                             else None)
+        try:
+            path = os.path.join(scratch, "dump.ckpt")
+            trainer.save_checkpoint(path)
+            return load(Path(path)) if os.path.isfile(path) else {}
+        finally:
+            trainer.strategy.barrier()
+            if trainer.is_global_zero:
+                shutil.rmtree(scratch, ignore_errors=True)
 
     @staticmethod
     def _CheckpointConnector__max_ckpt_version_in_folder(dir_path: Any, name_key: str = _NUMBERED) -> int | None:
