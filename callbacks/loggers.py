@@ -7,6 +7,7 @@ import os
 import warnings
 from typing import Any
 
+from ..trainer import paths_fs as fs
 from .base import Logger, VersionedLogger, rank_zero_experiment
 from .tensorboard import TensorBoardLogger
 
@@ -26,12 +27,12 @@ class ExperimentWriter:
         self.hparams: dict[str, Any] = {}
         self.metrics: list[dict[str, Any]] = []
         self.metrics_keys: list[str] = []
-        if os.path.isdir(log_dir) and os.listdir(log_dir):
+        if fs.isdir(log_dir) and fs.listdir(log_dir):
             warnings.warn(f"Experiment logs directory {log_dir} exists and is not empty. Previous log files in this "
                           "directory will be deleted when the new ones are saved!", stacklevel=2)
-            if os.path.isfile(self.metrics_file_path):  # an earlier run's rows would mix with these
-                os.remove(self.metrics_file_path)
-        os.makedirs(log_dir, exist_ok=True)
+            if fs.isfile(self.metrics_file_path):  # an earlier run's rows would mix with these
+                fs.remove(self.metrics_file_path)
+        fs.makedirs(log_dir)
 
     def log_hparams(self, params: dict[str, Any]) -> None:
         """Record ``params`` and write ``hparams.yaml`` at once, as Lightning's writer."""
@@ -53,14 +54,14 @@ class ExperimentWriter:
             return
         new = sorted({k for r in self.metrics for k in r} - set(self.metrics_keys))
         rows, self.metrics = self.metrics, []
-        exists = os.path.isfile(self.metrics_file_path)
+        exists = fs.isfile(self.metrics_file_path)
         if new:
             self.metrics_keys = sorted([*self.metrics_keys, *new])
             if exists:
-                with open(self.metrics_file_path, newline="") as f:
+                with fs.open_file(self.metrics_file_path, newline="") as f:
                     rows = list(csv.DictReader(f)) + rows
                 exists = False
-        with open(self.metrics_file_path, "a" if exists else "w", newline="") as f:
+        with fs.open_file(self.metrics_file_path, "a" if exists else "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=self.metrics_keys)
             if not exists:
                 writer.writeheader()
@@ -95,7 +96,7 @@ class CSVLogger(VersionedLogger):
     def experiment(self) -> ExperimentWriter:
         """Lightning's: the CSV writer (``log_metrics``, ``log_hparams``, ``save``, ``metrics``)."""
         if self._experiment is None:
-            os.makedirs(self.root_dir, exist_ok=True)
+            fs.makedirs(self.root_dir)
             self._experiment = ExperimentWriter(self.log_dir)
         return self._experiment
 

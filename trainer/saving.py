@@ -11,6 +11,8 @@ from argparse import Namespace
 from enum import Enum
 from typing import Any
 
+from . import paths_fs as fs
+
 
 def save_hparams_to_yaml(config_yaml: "str | os.PathLike", hparams: Any, use_omegaconf: bool = True) -> None:
     """Write ``hparams`` (a dict, Namespace or OmegaConf container) to ``config_yaml``; an Enum
@@ -18,7 +20,7 @@ def save_hparams_to_yaml(config_yaml: "str | os.PathLike", hparams: Any, use_ome
     import yaml
 
     folder = os.path.dirname(os.fspath(config_yaml))
-    if folder and not os.path.isdir(folder):
+    if folder and not fs.isdir(folder):
         raise RuntimeError(f"Missing folder: {folder}.")
     if isinstance(hparams, Namespace):
         hparams = vars(hparams)
@@ -27,7 +29,8 @@ def save_hparams_to_yaml(config_yaml: "str | os.PathLike", hparams: Any, use_ome
             from omegaconf import Container, OmegaConf
 
             if isinstance(hparams, Container):
-                OmegaConf.save(hparams, config_yaml, resolve=True)
+                with fs.open_file(config_yaml, "w", encoding="utf-8") as f:
+                    f.write(OmegaConf.to_yaml(hparams, resolve=True))
                 return
         except ImportError:
             pass
@@ -43,7 +46,7 @@ def save_hparams_to_yaml(config_yaml: "str | os.PathLike", hparams: Any, use_ome
                           stacklevel=2)
             continue
         kept[key] = value
-    with open(config_yaml, "w", newline="") as f:
+    with fs.open_file(config_yaml, "w", newline="") as f:
         yaml.dump(kept, f, sort_keys=False)
 
 
@@ -52,10 +55,10 @@ def load_hparams_from_yaml(config_yaml: "str | os.PathLike", use_omegaconf: bool
     OmegaConf ``DictConfig`` when omegaconf is installed, ``use_omegaconf`` and it can hold them."""
     import yaml
 
-    if not os.path.isfile(config_yaml):
+    if not fs.isfile(config_yaml):
         warnings.warn(f"Missing Tags: {config_yaml}.", stacklevel=2)
         return {}
-    with open(config_yaml) as f:
+    with fs.open_file(config_yaml) as f:
         hparams = yaml.full_load(f)
     if use_omegaconf:
         try:

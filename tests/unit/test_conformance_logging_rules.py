@@ -304,3 +304,21 @@ def test_should_update_logs_says_which_steps_reach_the_loggers(tmp_path):
                       logger=Rows(), **_QUIET)
     trainer.fit(_module(TrainModule, step_log=step_log))
     assert due == [False, True, False, True] and Rows.steps[:2] == [1, 3]
+
+
+def test_the_csv_logger_writes_to_a_url_through_fsspec(tmp_path, monkeypatch):
+    fsspec = pytest.importorskip("fsspec")
+    from zerotrain.loggers import CSVLogger
+
+    monkeypatch.chdir(tmp_path)  # nothing may land in a local folder named "memory:"
+    logger = CSVLogger(save_dir="memory://zt_csv_url")
+    logger.log_hyperparams({"lr": 0.1})
+    logger.experiment.log_metrics({"loss": 0.1})
+    logger.save()
+    fs = fsspec.filesystem("memory")
+    try:
+        assert fs.isfile(f"{logger.log_dir}/metrics.csv") and fs.isfile(f"{logger.log_dir}/hparams.yaml")
+        assert load_hparams_from_yaml(f"{logger.log_dir}/hparams.yaml") == {"lr": 0.1}
+        assert os.listdir(tmp_path) == []
+    finally:
+        fs.rm("/zt_csv_url", recursive=True)
