@@ -159,7 +159,7 @@ class _FakeTrainer:
         self.global_step, self.callback_metrics = 0, {}
         self.strategy = type("S", (), {"barrier": staticmethod(lambda: None), "any_rank": staticmethod(bool)})
 
-    def save_checkpoint(self, path):
+    def save_checkpoint(self, path, weights_only=False):
         _save(Path(path).parent, Path(path).name, float(self.global_step))
 
 
