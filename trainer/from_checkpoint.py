@@ -41,6 +41,9 @@ from .tensor_files import SafetensorsFile
 
 log = logging.getLogger("zerotrain")
 
+#: where checkpoints of Lightning before 1.0 kept a module's hyperparameters (the older first)
+PAST_HPARAMS_KEYS = ("hparams", "module_arguments")
+
 _TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 
 
@@ -219,7 +222,11 @@ def load_from_checkpoint(cls: type, checkpoint_path: str | os.PathLike, map_loca
     key = getattr(cls, "CHECKPOINT_HYPER_PARAMS_KEY", HPARAMS_KEY)
     if hparams_file is not None:
         checkpoint[key] = _hparams_from_file(hparams_file)
-    hparams = dict(checkpoint.get(key) or {})
+    hparams = {}
+    if issubclass(cls, TrainModule):  # as Lightning: a module's hyperparameters under older keys first
+        for past in PAST_HPARAMS_KEYS:
+            hparams.update(checkpoint.get(past) or {})
+    hparams.update(checkpoint.get(key) or {})
     checkpoint[key] = {**hparams, **overrides}
     hparams_name = checkpoint.get(getattr(cls, "CHECKPOINT_HYPER_PARAMS_NAME", HPARAMS_NAME_KEY))
     hparams_type = checkpoint.get(getattr(cls, "CHECKPOINT_HYPER_PARAMS_TYPE", "hparams_type"))
@@ -231,10 +238,10 @@ def load_from_checkpoint(cls: type, checkpoint_path: str | os.PathLike, map_loca
             module = instantiator(cls, init_kwargs(cls, hparams, hparams_name, overrides, hparams_type))
         else:
             module = cls(**init_kwargs(cls, hparams, hparams_name, overrides, hparams_type))
-    except TypeError as exc:
-        raise ConfigError(f"{cls.__name__}.load_from_checkpoint({str(checkpoint_path)!r}): building the module "
-                          f"from the saved hyperparameters {sorted(hparams)} failed: {exc}; pass the missing "
-                          "arguments as keyword overrides") from exc
+    except TypeError as exc:  # Lightning's TypeError itself first, then where it came from
+        raise TypeError(f"{exc} ({cls.__name__}.load_from_checkpoint({str(checkpoint_path)!r}): building the "
+                        f"module from the saved hyperparameters {sorted(hparams)} failed; pass the missing "
+                        "arguments as keyword overrides)") from exc
     if not isinstance(module, TrainModule):  # a DataModule: its own state, when it saved one
         if type(module).__qualname__ in checkpoint and hasattr(module, "load_state_dict"):
             module.load_state_dict(checkpoint[type(module).__qualname__])
