@@ -63,7 +63,7 @@ from .errors import ConfigError
 from .job import check_cuda, check_num_nodes, distributed_loader, epoch_iterator, join_job, plugins
 from .launcher import LocalLauncher
 from .state import LoopState
-from .engine_models import another_strategy, backward_across
+from .engine_models import STEP_METHODS, ForwardMethods, another_strategy, backward_across
 from .evaluation import to_device as _to_device
 from .utilities import sampler_seed
 
@@ -396,16 +396,18 @@ class Engine:
                               "wrapper from engine.setup(model, optimizer)")
 
 
-class EngineModule:
+class EngineModule(ForwardMethods):
     """The model as ``Engine.setup`` returns it: calling it runs the forward through the strategy
     (``run_forward``: the precision's autocast; the strategy's model: DDP's reducer, ZeRO-3's gather
-    hooks). Every other attribute is the user's module's (``.module``): ``train()``, ``eval()``,
+    hooks), so do its forward methods (``engine_models.ForwardMethods``: ``training_step`` & co.,
+    ``mark_forward_method``). Every other attribute is the user's module's (``.module``): ``train()``, ``eval()``,
     ``parameters()`` - under zero3 placeholders outside a forward; read the weights with
     ``engine.strategy.full_state_dict()``."""
 
     def __init__(self, strategy: Strategy, module: nn.Module) -> None:
         object.__setattr__(self, "module", module)
         object.__setattr__(self, "_strategy", strategy)
+        object.__setattr__(self, "_forward_methods", set(STEP_METHODS))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         s = self._strategy
@@ -427,7 +429,7 @@ class EngineModule:
         self.module.zero_grad(set_to_none)
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.module, name)
+        return self._forward_method(name) or getattr(self.module, name)
 
     def __setattr__(self, name: str, value: Any) -> None:
         setattr(self.module, name, value)

@@ -62,3 +62,38 @@ def backward_across(loss: torch.Tensor, models: list[tuple[Strategy, nn.Module]]
     loss.backward()
     for s in touched:
         s._after_backward()
+
+
+#: a set-up model's methods that run through the strategy as its forward does (Fabric's list)
+STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
+
+
+class ForwardMethods:
+    """Part of the set-up model (``EngineModule``): Fabric's forward methods. On several processes
+    ``model.training_step(...)`` (and the other ``STEP_METHODS``, and any method named by
+    ``mark_forward_method``) runs through the strategy as a forward (the precision's input
+    conversion and autocast, DDP's reducer, ZeRO-3's gathered parameters), not around it; on one
+    process it is the module's own method, as under Fabric."""
+
+    def mark_forward_method(self, method: Any) -> None:
+        if not isinstance(method, (str, type(self.mark_forward_method))):
+            raise TypeError(f"mark_forward_method: method={type(method).__name__}; valid: a method or its name")
+        name = method if isinstance(method, str) else method.__name__
+        if name == "forward":
+            raise ValueError("mark_forward_method: 'forward' is the forward already; valid: another method's name")
+        if not callable(getattr(type(self.module), name, None)):
+            raise AttributeError(f"mark_forward_method: {type(self.module).__name__}.{name} is not a method of the "
+                                 "model; valid: the name of one of its methods")
+        self.__dict__["_forward_methods"].add(name)
+
+    def _forward_method(self, name: str) -> Any:
+        """``name`` through the strategy when it is a forward method and the job has several
+        processes; else None (the module's own attribute is used)."""
+        s = self.__dict__.get("_strategy")
+        if s is None or name not in self.__dict__.get("_forward_methods", ()) or not s.distributed:
+            return None
+
+        def through_strategy(*args: Any, **kwargs: Any) -> Any:
+            args, kwargs = s.precision.convert_input((args, kwargs))
+            return s.run_forward(s.model, name, *args, **kwargs)
+        return through_strategy

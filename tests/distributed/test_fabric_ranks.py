@@ -89,3 +89,70 @@ def test_a_users_sampler_is_split_as_fabrics(tmp_path):
         torch.manual_seed(5)
         assert got[rank]["kept"].tolist() == _passes(_loader())  # every rank: the whole subset, its own order
     assert set(got[0]["split"][0].tolist() + got[1]["split"][0].tolist()) == set(SUBSET)  # one repeated: padding
+
+
+class _Agent(torch.nn.Module):
+    """reinforcement_learning's shape: the loop calls ``training_step`` and another method of its
+    own on the set-up model, not its ``forward``."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.head = torch.nn.Linear(4, 8), torch.nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.body(x)))
+
+    def training_step(self, batch):
+        return ((self(batch[0]) - batch[1]) ** 2).mean()
+
+    def value(self, x):
+        return self(x).sum()
+
+
+def _agent_batches():
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)) for _ in range(3)]
+
+
+def _rank_forward_methods(strategy: str) -> dict:
+    from zerotrain import Fabric
+
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
+    agent = _Agent()
+    model, opt = fabric.setup(agent, torch.optim.SGD(agent.parameters(), lr=0.5))
+    model.mark_forward_method("value")
+    lo, hi = fabric.global_rank * 4, (fabric.global_rank + 1) * 4
+    values = []
+    for x, y in _agent_batches():
+        fabric.backward(model.training_step((x[lo:hi], y[lo:hi])))
+        opt.step()
+        with torch.no_grad():
+            values.append(model.value(x))
+    return {"values": torch.stack(values), **model.full_state_dict()}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+def test_training_step_and_marked_methods_run_through_the_strategy(tmp_path, strategy):
+    """Under ddp ``model.training_step`` ran around torch DDP's forward, so no gradient was
+    averaged (each rank stepped on its own half: fails without the change); now, as Fabric, it runs
+    as the forward: the same as plain PyTorch over the global batch (within the fp32 order of the
+    2-rank gradient mean). zero3 gathers per submodule, so it passed either way."""
+    got = run_ranks("test_fabric_ranks:_rank_forward_methods", 2, tmp_path, timeout=240, strategy=strategy)[0]
+    ref = _Agent()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    values = []
+    for x, y in _agent_batches():
+        opt.zero_grad()
+        ref.training_step((x, y)).backward()
+        opt.step()
+        with torch.no_grad():
+            values.append(ref.value(x))
+    eps = torch.finfo(torch.float32).eps * 8  # a mean over 8 samples, summed in another order
+    assert torch.allclose(got["values"], torch.stack(values), rtol=0, atol=eps * 10)
+    for k, v in ref.state_dict().items():
+        assert torch.allclose(got[k], v, rtol=0, atol=eps), k
+    with pytest.raises(AttributeError, match="not a method"):
+        from zerotrain.trainer.engine import EngineModule
+        EngineModule(None, ref).mark_forward_method("nothing")
