@@ -150,7 +150,7 @@ def test_cloud_io_load_reads_zerotrains_checkpoints(tmp_path):
     from zerotrain.fabric.utilities.cloud_io import _load as pl_load
 
     trainer = _fit(tmp_path, enable_checkpointing=True)
-    path = trainer.checkpoint_callback.last_model_path
+    path = trainer.checkpoint_callback.best_model_path  # without monitor: the newest save (no last.ckpt by default)
     assert path and os.path.exists(path)
     checkpoint = pl_load(path)
     mine = trainer.lightning_module.state_dict()
