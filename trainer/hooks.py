@@ -96,6 +96,14 @@ class HookDispatcher:
         return {_state_key(cb): cb.state_dict() for cb in self.callbacks if hasattr(cb, "state_dict")}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Each callback's saved state; a saved state no callback here takes is Lightning's warning."""
+        missing = [k for k, v in state.items() if v and k not in {_state_key(cb) for cb in self.callbacks}]
+        if missing:
+            import warnings
+
+            warnings.warn("Be aware that when using `ckpt_path`, callbacks used to create the checkpoint need to be "
+                          "provided during `Trainer` instantiation. Please add the following callbacks: "
+                          f"{missing}.", UserWarning, stacklevel=3)
         for cb in self.callbacks:
             if _state_key(cb) in state and hasattr(cb, "load_state_dict"):
                 cb.load_state_dict(state[_state_key(cb)])

@@ -244,3 +244,23 @@ def test_dump_checkpoint_and_the_save_call_are_lightnings(tmp_path):
     assert {"epoch", "global_step", "state_dict", "optimizer_states", "callbacks", "loops"} <= set(dumped)
     assert dumped["global_step"] == 2 and not [p for p in os.listdir(tempfile.gettempdir()) if
                                                p.startswith("dump_checkpoint-")]
+
+
+def test_resuming_without_a_callback_whose_state_was_saved_warns_as_lightning(tmp_path):
+    from zerotrain.callbacks import Callback
+
+    class Stateful(Callback):
+        def state_dict(self):
+            return {"a": 1}
+
+    kw = dict(logger=False, enable_progress_bar=False, limit_train_batches=2, default_root_dir=str(tmp_path),
+              stall_timeout_s=None)
+    cb = ModelCheckpoint(dirpath=str(tmp_path / "ck"))
+    Trainer(callbacks=[cb, Stateful()], max_epochs=1, **kw).fit(_module(TrainModule))
+    with pytest.warns(UserWarning, match=r"Please add the following callbacks: \[.*Stateful'\]"):
+        Trainer(max_epochs=2, **kw).fit(_module(TrainModule), ckpt_path=cb.best_model_path)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        Trainer(callbacks=[Stateful(), ModelCheckpoint(dirpath=str(tmp_path / "ck"))], max_epochs=2,
+                **kw).fit(_module(TrainModule), ckpt_path=cb.best_model_path)
+    assert not [w for w in said if "Please add the following callbacks" in str(w.message)]  # all there
