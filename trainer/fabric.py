@@ -162,6 +162,23 @@ class Fabric(Engine):
         optimizer.clip_norm_out = torch.full((), float("nan"))
         return optimizer.clip_norm_out
 
+    def all_gather(self, data: Any, group: Any = None, sync_grads: bool = False) -> Any:
+        """Fabric's: a tensor or number, or any nesting of lists, tuples and dicts of them, each
+        gathered to shape ``(world_size, *shape)``; on one process returned as tensors of their
+        own shape (no dimension added, as Fabric). ``group``/``sync_grads`` are refused."""
+        if group is not None or sync_grads:
+            raise ConfigError(f"Fabric.all_gather: group={group!r}, sync_grads={sync_grads!r}; valid: the defaults "
+                              "(all processes, no gradient through the gather)")
+        self.launch()
+        if isinstance(data, (list, tuple)):
+            return type(data)(self.all_gather(d) for d in data)
+        if isinstance(data, dict):
+            return {k: self.all_gather(v) for k, v in data.items()}
+        if not torch.is_tensor(data):  # Fabric's conversions: bool -> uint8, int -> int32, float -> float32
+            dtype = {bool: torch.uint8, int: torch.int32, float: torch.float32}.get(type(data))
+            data = torch.tensor(data, dtype=dtype) if dtype is not None else torch.as_tensor(data)
+        return data.to(self.device) if self.world_size == 1 else super().all_gather(data)
+
     def _resolve(self, model: Any) -> Any:
         return model._target() if isinstance(model, _PendingModule) else model
 

@@ -34,7 +34,10 @@ def _rank_seeds() -> dict:
     fabric = Fabric()  # LT_* from the test: cpu, ddp, 2 devices, started by `fabric run`
     model = torch.nn.Linear(3, 2)
     model, _ = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    return {"after_setup": torch.rand(4), "world": torch.tensor(fabric.world_size)}
+    after = torch.rand(4)
+    gathered = fabric.all_gather({"rank": torch.tensor([fabric.global_rank]), "half": [0.5]})  # collections
+    return {"after_setup": after, "world": torch.tensor(fabric.world_size), "ranks": gathered["rank"],
+            "halves": gathered["half"][0]}
 
 
 @pytest.mark.timeout(200)
@@ -47,6 +50,8 @@ def test_fabric_run_joins_and_reseeds_in_the_constructor(tmp_path):
     for rank in range(2):
         assert int(got[rank]["world"]) == 2
         assert torch.equal(got[rank]["after_setup"], want), rank
+        assert torch.equal(got[rank]["ranks"], torch.tensor([[0], [1]]))
+        assert torch.equal(got[rank]["halves"], torch.tensor([0.5, 0.5]))
 
 
 SUBSET = [2, 3, 5, 7, 8, 11, 12]  # 7 indices: padded to 8, 4 per rank

@@ -197,3 +197,18 @@ def test_fabric_loggers_under_fabrics_path_and_the_modules_logger(tmp_path, monk
     fabric = _fabric(loggers=logger)
     fabric.setup(agent, torch.optim.SGD(agent.parameters(), lr=0.1))
     assert agent.logger is logger and agent.loggers == [logger]
+
+
+def test_all_gather_takes_collections_and_adds_no_dimension_on_one_process(monkeypatch):
+    """reinforcement_learning (--share-data) gathers a dict of tensors; kfold_cv a float. On one
+    process Fabric returns them as they are (no world dimension); compared with the installed Fabric."""
+    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK", "1"))
+    data = {"obs": torch.ones(4, 3), "r": [torch.zeros(2), 1.5], "n": 3}
+    out = _fabric().all_gather(data)
+    lightning = pytest.importorskip("lightning.fabric")
+    ref = lightning.Fabric(accelerator="cpu", devices=1).all_gather(data)
+    assert out["obs"].shape == ref["obs"].shape == (4, 3) and out["r"][0].shape == ref["r"][0].shape == (2,)
+    assert out["r"][1].shape == ref["r"][1].shape == () and out["r"][1].dtype == ref["r"][1].dtype
+    assert out["n"].dtype == ref["n"].dtype and isinstance(out["r"], list)
+    with pytest.raises(ConfigError, match="sync_grads=True"):
+        _fabric().all_gather(torch.ones(1), sync_grads=True)
