@@ -61,6 +61,12 @@ class TrainerProperties(TrainerLoops):
         return next(iter(self.early_stopping_callbacks), None)
 
     @property
+    def node_rank(self) -> int:
+        """Lightning's ``trainer.node_rank``: this process's node (0 on one machine, and before a
+        stage has joined the job)."""
+        return self._strategy.info.node_rank
+
+    @property
     def _detect_anomaly(self) -> bool:
         """Lightning's name for ``detect_anomaly`` (its barebones tests read it)."""
         return self.detect_anomaly
