@@ -38,3 +38,8 @@ def test_init_module_builds_on_the_device_in_the_precisions_dtype(precision, dty
         model = BoringModel()
     assert model.device == torch.device("cpu") and model.dtype == dtype
     assert torch.get_default_dtype() == torch.float32  # put back
+
+
+def test_node_rank_is_the_process_nodes():
+    trainer = Trainer(logger=False)
+    assert trainer.node_rank == 0 == trainer.strategy.info.node_rank
