@@ -139,3 +139,14 @@ def test_strategy_classes_take_their_options_on_the_command_line(capsys):
             LightningCLI(BoringModel, run=False, args=["--trainer.strategy=DDP", bad])
         assert exit_info.value.code == 2
         assert bad.split("=")[0].rsplit(".", 1)[-1] in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["TensorBoardLogger", "CSVLogger"])
+def test_a_logger_named_alone_is_the_trainers_logger(name):
+    # zerotrain.fabric.loggers subclasses these under the same names; jsonargparse must not find two
+    from zerotrain import loggers
+    import zerotrain.fabric.loggers  # noqa: F401 - its classes exist in the process, as in any Fabric user's
+
+    cli = LightningCLI(BoringModel, run=False, args=[f"--trainer.logger={name}", "--trainer.logger.save_dir=logs",
+                                                   *_TRAINER])
+    assert type(cli.trainer.logger) is getattr(loggers, name)

@@ -1,7 +1,11 @@
 """``zerotrain.fabric.loggers`` (Lightning Fabric's ``lightning.fabric.loggers``): Fabric's
 ``TensorBoardLogger`` and ``CSVLogger`` take ``root_dir`` where the Trainer's take ``save_dir``;
 both write ``root_dir/name/version_N`` as the Trainer's loggers do, so they are those loggers under
-Fabric's signatures. ``Logger`` is zerotrain's base class."""
+Fabric's signatures. ``Logger`` is zerotrain's base class.
+
+The module's name is private (``_fabric_loggers``) so that jsonargparse, which resolves a class name
+given alone (``--trainer.logger=TensorBoardLogger``) among the public subclasses, finds only the
+Trainer's loggers: these subclasses share their names."""
 from __future__ import annotations
 
 import os
