@@ -96,6 +96,12 @@ def describe_exit(rank: int, code: int) -> str:
     return f"rank {rank} exited with code {code} (its traceback, if Python raised one, is above)"
 
 
+#: set in rank 0 only while a stage runs: a Trainer leaves no variables behind beyond the ones
+#: Lightning's launcher leaves (MASTER_ADDR/PORT, WORLD_SIZE, RANK, LOCAL_RANK); between stages the
+#: process group, which lives until exit, tells a later Trainer that it is a rank of this job
+_STAGE_ONLY_ENV = ("LOCAL_WORLD_SIZE", "ZEROTRAIN_LAUNCHED")
+
+
 class LocalLauncher:
     def __init__(self, info: ProcessInfo) -> None:
         self.info = info
@@ -104,6 +110,9 @@ class LocalLauncher:
         #: the exit status of the first rank found to have failed: the job ends with it (at exit)
         self.failed_code: int | None = None
         self._watcher: tuple[threading.Thread, threading.Event] | None = None  # ``watch``
+        #: rank 0's variables for the length of a stage (``watch``/``unwatch``), and what they replaced
+        self._stage_env: dict[str, str] = {}
+        self._saved_env: dict[str, str | None] = {}
 
     def launch(self) -> ProcessInfo:
         """Start ranks 1..N-1; returns rank 0's ProcessInfo."""
@@ -118,10 +127,11 @@ class LocalLauncher:
         for rank in range(1, info.world_size):
             env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank))
             self.children.append(subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent))
-        # rank 0 describes itself with the same variables, for user code that reads them
-        os.environ.update({k: base[k] for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE",
-                                                 "LOCAL_WORLD_SIZE", "ZEROTRAIN_LAUNCHED")})
+        # rank 0 describes itself with the same variables, for user code that reads them; the ones
+        # Lightning's launcher does not leave behind are set only while a stage runs (``watch``)
+        os.environ.update({k: base[k] for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE")})
         os.environ.update(RANK="0", LOCAL_RANK="0")
+        self._stage_env = {k: base[k] for k in _STAGE_ONLY_ENV}
         self.watch()
         atexit.register(self.wait)
         return ProcessInfo(0, 0, info.world_size, info.world_size, 0, info.master_addr,
@@ -132,6 +142,9 @@ class LocalLauncher:
         once (rank 0 would otherwise wait for it in a collective). Started at launch and again at
         each later stage; ``unwatch`` ends it when the stage returns, so no thread of ours outlives
         ``fit``/``validate``/``test`` (a rank failing between stages is reported at exit, ``wait``)."""
+        if self._stage_env and not self._saved_env:  # (watch runs at launch and again at the stage's start)
+            self._saved_env = {k: os.environ.get(k) for k in self._stage_env}
+            os.environ.update(self._stage_env)
         if self._watcher is None and not self._stop.is_set():
             done = threading.Event()
             thread = threading.Thread(target=self._watch, args=(done,), name="zerotrain-watchdog", daemon=True)
@@ -139,6 +152,9 @@ class LocalLauncher:
             thread.start()
 
     def unwatch(self) -> None:
+        for key, value in self._saved_env.items():  # the variables as they were before the stage
+            os.environ.pop(key, None) if value is None else os.environ.__setitem__(key, value)
+        self._saved_env = {}
         if self._watcher is not None:
             thread, done = self._watcher
             self._watcher = None

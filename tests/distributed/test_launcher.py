@@ -102,3 +102,42 @@ def test_the_trainer_tells_its_launcher_when_rank_zero_failed_on_a_lost_peer():
     assert trainer._interrupted(gloo, None, in_fit=True) is gloo
     trainer._interrupted(ValueError("own"), None, in_fit=True)
     assert calls == [{"in_fit": True, "peer_lost": True}, {"in_fit": True, "peer_lost": False}]
+
+
+STAGES = textwrap.dedent('''
+    import os, sys
+    sys.path[:0] = [{tests!r}, os.path.dirname({tests!r})]
+    from toy import ToyModule
+    from zerotrain import Trainer
+
+    def job_vars():
+        return sorted(k for k in ("LOCAL_WORLD_SIZE", "ZEROTRAIN_LAUNCHED") if k in os.environ)
+
+    class Probe(ToyModule):
+        def on_train_start(self):
+            print(f"rank {{self.global_rank}} during fit: {{job_vars()}}", flush=True)
+
+    args = dict(strategy="ddp", devices=2, max_steps=2, logger=False, enable_checkpointing=False,
+                enable_progress_bar=False)
+    Trainer(**args).fit(Probe())
+    print(f"rank {{int(os.environ['RANK'])}} after fit: {{job_vars()}}", flush=True)
+    second = Trainer(**args)  # a later Trainer joins the same job (its process group), as before
+    second.fit(Probe())
+    print(f"rank {{second.global_rank}} second fit: step {{second.global_step}} world {{second.world_size}}", flush=True)
+''')
+
+
+def test_rank_zero_keeps_only_lightnings_variables_between_stages(tmp_path):
+    # Lightning's own test suite fails a test that leaves other variables set; rank 0 (this process)
+    # has LOCAL_WORLD_SIZE/ZEROTRAIN_LAUNCHED only while a stage runs, and a later Trainer still joins
+    script = tmp_path / "stages.py"
+    script.write_text(STAGES.format(tests=os.path.dirname(__file__)))
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "ZEROTRAIN_LAUNCHED")}
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120 * timeout_scale())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rank 0 during fit: ['LOCAL_WORLD_SIZE', 'ZEROTRAIN_LAUNCHED']" in proc.stdout
+    assert "rank 0 after fit: []" in proc.stdout
+    assert "rank 1 after fit: ['LOCAL_WORLD_SIZE', 'ZEROTRAIN_LAUNCHED']" in proc.stdout  # a child keeps its own
+    assert "rank 0 second fit: step 2 world 2" in proc.stdout and "rank 1 second fit: step 2 world 2" in proc.stdout
