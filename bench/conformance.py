@@ -531,6 +531,7 @@ def main() -> None:
     a.add_argument("work")
     a.add_argument("--strategy", action="append", help="zerotrain strategies (default ddp, zero2, zero3)")
     a.add_argument("--reuse-lightning", action="store_true", help="keep Lightning's records from a previous run")
+    a.add_argument("--script", action="append", help="only these scripts (their rows in WORK/examples.json are replaced)")
     args = p.parse_args()
     if args.cmd == "prepare":
         prepare(args.upstream, args.work, args.lib or ["lightning", "zerotrain"])
@@ -539,7 +540,7 @@ def main() -> None:
     elif args.cmd == "examples":
         from conformance_examples import examples  # bench/ is sys.path[0] when run as a script
         print(json.dumps(examples(args.upstream, args.work, args.strategy or ["ddp", "zero2", "zero3"],
-                                     args.reuse_lightning), indent=1))
+                                     args.reuse_lightning, args.script), indent=1))
     else:
         s = report(args.work)
         print(json.dumps({g: {k: v for k, v in d.items() if k != "modules"} for g, d in s.items() if g != "causes"}))

@@ -19,13 +19,15 @@ sys.path[:0] = [os.path.join(ROOT, "tests", "lightning_examples"), os.path.join(
 from test_lightning_examples import port  # noqa: E402  (the README's rule, one definition)
 
 
-#: examples/pytorch/basics: what each needs here. Only a download is replaced (by random data of
-#: the same shape, written where the download would have put it); the scripts run unchanged.
+#: examples/pytorch/basics: what each needs here besides the Trainer. Only a download is replaced
+#: (by random data of the same shape, written where the download would have put it) and
+#: torchvision by our stand-in (conformance_torchvision.py: no torchvision wheel imports with this
+#: torch), the same for both libraries; the scripts run unchanged.
 EXAMPLES = {
-    "transformer.py": None,
-    "autoencoder.py": "needs torchvision (transforms, save_image); no torchvision wheel imports with this torch",
-    "backbone_image_classifier.py": "needs torchvision (transforms.ToTensor in its datamodule); none imports here",
-    "profiler_example.py": "imports torchvision (CIFAR10, resnet) at the top; none imports here",
+    "transformer.py": "WikiText2 download: data/wikitext-2.txt, seeded random words of its size",
+    "autoencoder.py": "stand-in torchvision (MNIST, ToTensor, make_grid, save_image)",
+    "backbone_image_classifier.py": "stand-in torchvision (MNIST, ToTensor)",
+    "profiler_example.py": "stand-in torchvision (CIFAR10, Resize/CenterCrop/ToTensor, resnet18 'DEFAULT' weights from a fixed seed)",
 }
 #: what the harness sets on every Trainer the script builds (both libraries): the processes, the
 #: strategy and a short run (the scripts train 10-20 epochs; the first EXAMPLE_STEPS steps compare)
@@ -63,17 +65,17 @@ def _wikitext(path: str, tokens: int = 2_088_628, vocab: int = 33_278) -> None:
             left -= n + 1
 
 
-def examples(upstream: str, work: str, strategies: list[str], reuse: bool = False) -> dict:
+def examples(upstream: str, work: str, strategies: list[str], reuse: bool = False,
+             scripts: list[str] | None = None) -> dict:
     src = os.path.join(upstream, "examples", "pytorch", "basics")
     base = os.path.join(work, "examples")
     data = os.path.join(base, "data", "wikitext-2.txt")
     if not os.path.exists(data):
         _wikitext(data)
+    from conformance_torchvision import write as write_torchvision  # bench/ is on sys.path here
+    standin = write_torchvision(os.path.join(base, "_standin"))
     table = {}
-    for script, why in EXAMPLES.items():
-        if why:
-            table[script] = {"runnable": why}
-            continue
+    for script in scripts or EXAMPLES:
         with open(os.path.join(src, script)) as f:
             text = f.read()
         runs = {}
@@ -95,7 +97,10 @@ def examples(upstream: str, work: str, strategies: list[str], reuse: bool = Fals
                    os.path.abspath(__file__), "_example", lib, copy, strategy.removesuffix("-peer"), work]
             start = time.time()
             proc = subprocess.run(cmd, cwd=out, capture_output=True, text=True, timeout=1800,
-                                  env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})
+                                  env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
+                                       "PYTHONPATH": os.pathsep.join([standin, os.environ.get("PYTHONPATH", "")])})
+            with open(os.path.join(out, "log.txt"), "w") as f:
+                f.write(proc.stdout + proc.stderr)
             recs = []
             for r in range(2):
                 f = os.path.join(out, f"rank{r}.json")
@@ -104,8 +109,7 @@ def examples(upstream: str, work: str, strategies: list[str], reuse: bool = Fals
                                      "error": None if proc.returncode == 0 else _last_error(proc.stderr + proc.stdout)}
             print(f"{script} {lib} {strategy}: rc {proc.returncode} ({time.time() - start:.0f} s)", flush=True)
         ref = runs[("lightning", "ddp")]
-        row = {"lightning": "ok" if ref["rc"] == 0 else ref["error"],
-               "stand_ins": sorted({n for r in runs.values() for rr in r["records"] if rr for n in rr.get("stand_ins", [])})}
+        row = {"lightning": "ok" if ref["rc"] == 0 else ref["error"], "data": EXAMPLES[script]}
         if clips:
             row["peer"] = _compare(ref, runs[("lightning", "ddp-peer")])
         for s_ in strategies:
@@ -116,7 +120,11 @@ def examples(upstream: str, work: str, strategies: list[str], reuse: bool = Fals
                 row[s_]["peer_bound"] = bound
                 row[s_]["ok"] = max(row[s_]["max_dloss"], row[s_]["max_dweight"], row[s_]["max_dtest"]) <= bound
         table[script] = row
-    with open(os.path.join(work, "examples.json"), "w") as f:
+    path = os.path.join(work, "examples.json")
+    if scripts and os.path.exists(path):  # the other scripts' rows stay
+        with open(path) as f:
+            table = {**json.load(f), **table}
+    with open(path, "w") as f:
         json.dump(table, f, indent=1)
     return table
 
@@ -144,21 +152,6 @@ def _compare(ref: dict, mine: dict) -> dict:
             "max_dloss": dloss, "max_dweight": dw, "max_dtest": dtest}
 
 
-def _demo_stand_ins(work: str) -> list[str]:
-    """Names the examples import from ``lightning.pytorch.demos`` that ``zerotrain.demos`` lacks
-    get upstream's (ported) classes, so an example measures the Trainer; returned for the table."""
-    import importlib.util
-    demos = importlib.import_module("zerotrain.demos")
-    path = os.path.join(work, "zerotrain", "tests", "_upstream_demos", "transformer.py")
-    spec = importlib.util.spec_from_file_location("_upstream_demos_transformer", path)
-    theirs = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(theirs)
-    missing = [n for n in ("Transformer", "WikiText2") if not hasattr(demos, n)]
-    for name in missing:
-        setattr(demos, name, getattr(theirs, name))
-    return missing
-
-
 def _example_rank(lib: str, script: str, strategy: str, work: str) -> None:
     """One rank of an example (under torchrun): the script runs as __main__, unchanged; every
     Trainer it builds gets the processes, the strategy, the short run and a recording callback."""
@@ -167,14 +160,10 @@ def _example_rank(lib: str, script: str, strategy: str, work: str) -> None:
 
     import torch
     torch.set_num_threads(1)
-    rec = {"losses": [], "params": {}, "test": {}, "stand_ins": []}
-    if lib == "zerotrain":
-        sys.path.insert(0, os.path.join(work, "zerotrain", "tests"))
-        from conformance import DEMOS_SHIM  # here, not at the top: conformance imports this module
-        exec(DEMOS_SHIM, {})
+    rec = {"losses": [], "params": {}, "test": {}}
+    if lib == "zerotrain":  # zerotrain's own demos, cli, ...: nothing of upstream's
         import zerotrain as L
         Trainer = L.Trainer
-        rec["stand_ins"] = _demo_stand_ins(work)
     else:
         import lightning.pytorch as L
         Trainer = L.Trainer
