@@ -46,12 +46,16 @@ class HookDispatcher:
         ``only(cb)`` picks which callbacks (None: all)."""
         if hook not in HOOKS:
             raise ValueError(f"unknown hook {hook!r}")
+        tick = getattr(trainer, "_tick", None)
         for cb in self.callbacks:
             if only is not None and not only(cb):
                 continue
             fn = getattr(cb, hook, None)  # a duck-typed callback may define only the hooks it uses
             if fn is None:
                 continue
+            if tick is not None:  # one watchdog tick per callback: a rank stuck in one callback (a
+                tick(f"{hook} ({type(cb).__name__})")  # rank-0-only forward) is behind one whose peer
+                # waits in the next callback's collective (a checkpoint save), so it can be named
             with hook_scope(trainer, hook), _profiled(trainer, f"[Callback]{_state_key(cb)}.{hook}"):
                 # a callback's pl_module.log logs under the hook's name
                 if hook in ("setup", "teardown") and not _takes_stage(fn):

@@ -50,6 +50,9 @@ STALL_EXIT_CODE = 86
 _GRACE_S = 5.0
 
 
+#: a rank's progress is (phases reached, collectives issued in the current phase), as one number:
+#: phases x MARKS_PER_PHASE + collectives
+MARKS_PER_PHASE = 1_000_000
 #: before a rank's first optimizer step it may stand still this many times ``timeout_s``
 FIRST_STEP_FACTOR = 6.0
 
@@ -106,8 +109,9 @@ class ProgressWatchdog:
         self.first_timeout_s = FIRST_STEP_FACTOR * self.timeout_s
         self._warm = False
         self._keys = [f"{key}/{r}" for r in range(world_size)]
-        self._count = itertools.count(1)  # next() is atomic: ticks may come from autograd threads
-        self._ticks, self._step, self._phase = 0, 0, "start"
+        self._count = itertools.count(1)  # next() is atomic: marks may come from autograd threads
+        self._marks = itertools.count(1)  # the collectives issued in the current phase
+        self._phase_n, self._ticks, self._step, self._phase = 0, 0, 0, "start"
         self._last = time.monotonic()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -117,15 +121,17 @@ class ProgressWatchdog:
 
     # ------------------------------------------------------------------ the loop's side
     def tick(self, phase: str, step: int) -> None:
-        """Called by the loop at each phase and by each world-wide collective
-        (``strategies/progress.py``): cheap, no I/O."""
-        self._ticks = next(self._count)
+        """Called by the loop at each phase (each callback of a hook included): cheap, no I/O."""
+        self._phase_n, self._marks = next(self._count), itertools.count(1)
+        self._ticks = self._phase_n * MARKS_PER_PHASE
         self._phase, self._step, self._last = phase, step, time.monotonic()
 
     def mark(self, collective: str) -> None:
-        """A world-wide collective is being issued (``strategies/progress.py``): one tick more,
-        within the loop's current phase."""
-        self._ticks = next(self._count)
+        """A world-wide collective is being issued (``strategies/progress.py``): progress within the
+        loop's current phase. It counts for less than any phase: ranks that disagree on their
+        collectives (a forward on one rank alone) issue different numbers of them, so only ranks in
+        the same phase are compared by them; the rank in an earlier phase is the one behind."""
+        self._ticks = self._phase_n * MARKS_PER_PHASE + min(next(self._marks), MARKS_PER_PHASE - 1)
         self._phase = f"{self._phase.split(' (')[0]} (last collective issued: {collective})"
         self._last = time.monotonic()
 
@@ -214,7 +220,8 @@ class ProgressWatchdog:
 
     def _end_job(self, stuck: int, progress: dict[int, Progress]) -> None:
         p = progress[stuck]
-        waiting = ", ".join(str(r) for r, q in sorted(progress.items()) if q.ticks > p.ticks)
+        waiting = ", ".join(f"{r} (step {q.step}, in {q.phase})" for r, q in sorted(progress.items())
+                            if q.ticks > p.ticks)
         if stuck == self.rank:
             hint = self.hint()
             first = "" if p.warm else ", before its first optimizer step"
