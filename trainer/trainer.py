@@ -515,7 +515,7 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
             if not batch_hooks.called:
                 raise RuntimeError(f"strategy={s!r}: run_schedule returned without calling hooks.loss_of; "
                                    "valid: every run_schedule checks its loss through hooks.loss_of once")
-            if loss is not None and not batch_hooks.step_logged:  # nothing logged: track the loss (val_loss too)
+            if loss is not None and not batch_hooks.step_logged:  # the pipeline's loss (logging._log_loss)
                 self._log_loss("train_loss", loss)
         return out
 
