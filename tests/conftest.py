@@ -51,11 +51,13 @@ def pytest_report_header(config):
 
 
 # ---------------------------------------------------------------------------- leaks
-#: variables that are not a test's to leak: set by pytest per test, by this file at import, or by
+#: variables that are not a test's to leak: set by pytest per test, by this file at import, by
 #: torch once per process (importing torch._dynamo, which the first optimizer does lazily, sets
-#: the compiler's cache directories, torch/_inductor/runtime/cache_dir_utils.py)
+#: the compiler's cache directories, torch/_inductor/runtime/cache_dir_utils.py), or by the peer
+#: libraries the comparison tests import once per process (lightning_fabric sets
+#: PYTORCH_NVML_BASED_CUDA_CHECK at import)
 ENV_MANAGED = frozenset({"PYTEST_CURRENT_TEST", "ZEROTRAIN_TEST_TIMEOUT_SCALE",
-                         "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"})
+                         "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "PYTORCH_NVML_BASED_CUDA_CHECK"})
 #: name prefixes of daemon threads a library keeps for the whole process; each with why
 THREADS_ALLOWED: tuple[str, ...] = ()
 #: how long a thread that is finishing may take to end after its test

@@ -12,18 +12,11 @@ constructor, as Fabric's; before, they joined at the first ``setup`` and re-seed
 was built, so every dropout mask differed from Fabric's."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from torch.utils.data import DataLoader, SubsetRandomSampler, TensorDataset
 
 from harness import run_ranks
-
-@pytest.fixture(autouse=True)
-def _lightning_env(monkeypatch):
-    """Lightning sets this variable at import; recorded so that it is undone after the test."""
-    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK", "1"))
 
 
 def _rank_seeds() -> dict:

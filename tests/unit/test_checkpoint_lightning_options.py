@@ -15,11 +15,6 @@ from zerotrain.callbacks import ModelCheckpoint
 from zerotrain.utilities.exceptions import MisconfigurationException
 
 
-@pytest.fixture(autouse=True)
-def _lightning_env(monkeypatch):
-    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK", "1"))
-
-
 def _module(base, fail_at=None, log_val=True, log_train_as=None):
     class M(base):
         def __init__(self):

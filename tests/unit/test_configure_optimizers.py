@@ -154,7 +154,6 @@ def make_gan(base, automatic: bool = False, clip_val=None):
 @pytest.fixture(autouse=True)
 def _lightning_env(monkeypatch, tmp_path):
     """Lightning sets this variable when it probes for CUDA, and writes into the working directory."""
-    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     monkeypatch.chdir(tmp_path)
 
 

@@ -4,7 +4,6 @@ pytorch-lightning 2.6 runs the same module in the same test (skipped when it is 
 from __future__ import annotations
 
 import logging
-import os
 from unittest import mock
 
 import pytest
@@ -17,12 +16,6 @@ from zerotrain.loggers import CSVLogger
 from zerotrain.utilities.exceptions import MisconfigurationException
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(autouse=True)
-def _lightning_env(monkeypatch):
-    """pytorch-lightning sets this variable when its Trainer starts: restore the environment after."""
-    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK", "1"))
 
 
 def _module(base, epoch_values):

@@ -30,11 +30,6 @@ LIGHTNING_KEYS = {"epoch", "global_step", "pytorch-lightning_version", "state_di
                   "optimizer_states", "lr_schedulers", "hyper_parameters", "hparams_name"}
 
 
-@pytest.fixture(autouse=True)
-def _lightning_env(monkeypatch):
-    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK", "1"))
-
-
 def _module(base, log=None):
     torch.manual_seed(0)  # the same initial weights every time
 

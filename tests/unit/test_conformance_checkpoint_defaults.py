@@ -22,11 +22,6 @@ from zerotrain.callbacks import ModelCheckpoint
 pytestmark = pytest.mark.timeout(180)
 
 
-@pytest.fixture(autouse=True)
-def _lightning_env(monkeypatch):  # pytorch-lightning sets it on import
-    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK", "1"))
-
-
 def _module(base):
     torch.manual_seed(0)
 

@@ -24,8 +24,6 @@ from zerotrain.demos.boring_classes import BoringDataModule, BoringModel
 def _cli_env(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", ["any.py"])
-    # importing pytorch_lightning sets this one
-    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK", "1"))
     for key in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS"):  # seed_everything sets them; restored after
         monkeypatch.setenv(key, "0")
         monkeypatch.delenv(key)

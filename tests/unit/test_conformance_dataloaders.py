@@ -21,7 +21,6 @@ def _env(monkeypatch):
     for name in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS"):  # recorded, so that what seed_everything sets is undone
         monkeypatch.setenv(name, "0")
         monkeypatch.delenv(name)
-    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK", "1"))
 
 
 def _fit(loader, **kw):

@@ -6,7 +6,6 @@ missing)."""
 from __future__ import annotations
 
 import logging
-import os
 import pickle
 from unittest import mock
 
@@ -17,12 +16,6 @@ from torch.utils.data import DataLoader, TensorDataset
 from zerotrain import Trainer, TrainModule
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(autouse=True)
-def _lightning_env(monkeypatch):
-    """pytorch-lightning sets this variable when its Trainer starts: restore the environment after."""
-    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK", "1"))
 
 
 def _pl():
@@ -210,7 +203,6 @@ def test_val_check_interval_longer_than_the_epoch_is_fine_without_validation(tmp
                       limit_val_batches=limit_val_batches, **_QUIET)
     trainer.fit(_module(TrainModule))
     assert trainer.global_step == 3 and trainer.val_check_batch == 10
-
 
 
 def test_check_val_every_n_epoch_float_refused_in_lightnings_words():

@@ -3,7 +3,6 @@ loss goes through ``Tensor.backward`` (code that wraps or counts it sees each on
 pytorch-lightning 2.6 in the same test (skipped when it is missing)."""
 from __future__ import annotations
 
-import os
 from unittest import mock
 
 import pytest
@@ -13,12 +12,6 @@ from torch.utils.data import DataLoader, TensorDataset
 from zerotrain import Trainer, TrainModule
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(autouse=True)
-def _lightning_env(monkeypatch):
-    """pytorch-lightning sets this variable when its Trainer starts: restore the environment after."""
-    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK", "1"))
 
 
 def _module(base):

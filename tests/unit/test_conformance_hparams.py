@@ -4,7 +4,6 @@ on the module and the datamodule, a DictConfig coming back as one, Lightning's w
 ``nn.Module`` hyperparameter and an unpicklable one, and its message for a primitive."""
 from __future__ import annotations
 
-import os
 import pathlib
 
 import pytest
@@ -14,11 +13,6 @@ from zerotrain import DataModule, Trainer, TrainModule
 from zerotrain.core.saving import save_hparams_to_tags_csv, save_hparams_to_yaml
 from zerotrain.demos.boring_classes import BoringDataModule, BoringModel
 from zerotrain.trainer.from_checkpoint import read_checkpoint
-
-
-@pytest.fixture(autouse=True)
-def _lightning_env(monkeypatch):
-    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK", "1"))
 
 
 class Model(BoringModel):

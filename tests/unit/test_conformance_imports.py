@@ -60,7 +60,6 @@ NEEDED = [
 @pytest.fixture(autouse=True)
 def _lightning_env(monkeypatch):
     """pytorch-lightning sets this variable when imported: restore the environment after."""
-    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK", "1"))
     monkeypatch.delenv("PL_SEED_WORKERS", raising=False)
 
 

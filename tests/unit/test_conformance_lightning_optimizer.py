@@ -3,7 +3,6 @@ hooks' arguments (issue 41; upstream core/test_lightning_optimizer.py, core/test
 compared with pytorch-lightning where it is installed."""
 from __future__ import annotations
 
-import os
 from copy import deepcopy
 from types import SimpleNamespace
 
@@ -18,7 +17,6 @@ from zerotrain.demos.boring_classes import BoringModel
 
 @pytest.fixture(autouse=True)
 def _lightning_env(monkeypatch, tmp_path):
-    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK", "1"))
     monkeypatch.chdir(tmp_path)
 
 

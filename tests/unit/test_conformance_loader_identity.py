@@ -5,7 +5,6 @@ count, an iterable loader that yields nothing makes an empty epoch (no error), a
 does not warn about the logging interval."""
 from __future__ import annotations
 
-import os
 import warnings
 
 import pytest
@@ -14,11 +13,6 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from zerotrain import Trainer
 from zerotrain.demos.boring_classes import BoringModel, RandomDataset
-
-
-@pytest.fixture(autouse=True)
-def _env(monkeypatch):
-    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK", "1"))
 
 
 def _trainer(tmp_path, **kw):

@@ -17,12 +17,6 @@ from zerotrain.utilities.exceptions import MisconfigurationException
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture(autouse=True)
-def _lightning_env(monkeypatch):
-    """pytorch-lightning sets this variable when its Trainer starts: restore the environment after."""
-    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK", "1"))
-
-
 def _module(base, log):
     """``training_step`` calls ``log(self)`` then returns a loss."""
 

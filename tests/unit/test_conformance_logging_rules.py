@@ -27,12 +27,6 @@ pytestmark = pytest.mark.timeout(120)
 _QUIET = dict(enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
 
 
-@pytest.fixture(autouse=True)
-def _lightning_env(monkeypatch):
-    """pytorch-lightning sets this variable when its Trainer starts: restore the environment after."""
-    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK", "1"))
-
-
 def _module(base, step_log=None, extra=None):
     """A small module on ``base`` (ours or Lightning's); ``step_log(self)`` runs in training_step."""
 

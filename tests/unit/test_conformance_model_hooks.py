@@ -17,11 +17,6 @@ from zerotrain import Callback, DataModule, Trainer
 from zerotrain.demos.boring_classes import BoringDataModule, BoringModel, RandomDataset
 
 
-@pytest.fixture(autouse=True)
-def _env(monkeypatch):
-    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK", "1"))
-
-
 def _trainer(tmp_path, **kw):
     opts = dict(default_root_dir=str(tmp_path), logger=False, enable_checkpointing=False, enable_progress_bar=False,
                 enable_model_summary=False, max_epochs=1, limit_train_batches=2, limit_val_batches=2)

@@ -3,7 +3,6 @@ trainer/optimization/test_optimizers.py): Lightning's two stages under its names
 LRSchedulerConfig, warnings and refusals, compared with pytorch-lightning where it is installed."""
 from __future__ import annotations
 
-import os
 import warnings
 
 import pytest
@@ -15,11 +14,6 @@ from zerotrain.core.optimizer import (_configure_optimizers, _configure_schedule
 from zerotrain.demos.boring_classes import BoringModel
 from zerotrain.utilities.exceptions import MisconfigurationException
 from zerotrain.utilities.types import LRSchedulerConfig
-
-
-@pytest.fixture(autouse=True)
-def _lightning_env(monkeypatch):
-    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK", "1"))
 
 
 def _pl_optimizer():

@@ -13,11 +13,6 @@ from zerotrain.demos.boring_classes import BoringModel
 from zerotrain.trainer.errors import MisconfigurationException
 
 
-@pytest.fixture(autouse=True)
-def _env(monkeypatch):
-    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK", "1"))
-
-
 def _trainer(tmp_path, **kw):
     return Trainer(default_root_dir=str(tmp_path), max_epochs=1, limit_train_batches=1, limit_val_batches=1,
                    enable_progress_bar=False, enable_model_summary=False, **kw)

@@ -5,18 +5,12 @@ tokenized data. Skipped where lightning is not installed."""
 from __future__ import annotations
 
 import importlib
-import os
 
 import pytest
 import torch
 from torch.nn import functional as F
 
 from zerotrain.demos import Transformer, WikiText2
-
-@pytest.fixture(autouse=True)
-def _lightning_env(monkeypatch):
-    """Lightning sets this variable at import; recorded so that it is undone after the test."""
-    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK", "1"))
 
 
 SMALL = dict(vocab_size=50, ninp=16, nhead=2, nhid=24, nlayers=2, dropout=0.2)

@@ -139,7 +139,6 @@ def test_fabric_run_variables_win_over_the_code_as_fabrics(monkeypatch):
     """DCGAN's ``Fabric(accelerator="auto", devices=1)`` run by torchrun with ``LT_DEVICES=2``: the
     variable wins (Fabric's rule); under ``fabric run`` (``LT_CLI_USED=1``) the conflict is an
     error, as Fabric's; compared with the installed lightning where it is there."""
-    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK", "1"))
     monkeypatch.setenv("LT_ACCELERATOR", "cpu")
     monkeypatch.setenv("LT_STRATEGY", "auto")
     monkeypatch.setenv("LT_DEVICES", "1")
@@ -181,7 +180,6 @@ def test_fabric_loggers_under_fabrics_path_and_the_modules_logger(tmp_path, monk
     from zerotrain import TrainModule
     from zerotrain.fabric.loggers import CSVLogger, TensorBoardLogger
 
-    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK", "1"))
     theirs = pytest.importorskip("lightning.fabric.loggers")
     for ours, ref in ((TensorBoardLogger, theirs.TensorBoardLogger), (CSVLogger, theirs.CSVLogger)):
         assert ours(root_dir=tmp_path, name="run").log_dir == ref(root_dir=tmp_path, name="run").log_dir
@@ -202,7 +200,6 @@ def test_fabric_loggers_under_fabrics_path_and_the_modules_logger(tmp_path, monk
 def test_all_gather_takes_collections_and_adds_no_dimension_on_one_process(monkeypatch):
     """reinforcement_learning (--share-data) gathers a dict of tensors; kfold_cv a float. On one
     process Fabric returns them as they are (no world dimension); compared with the installed Fabric."""
-    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK", "1"))
     data = {"obs": torch.ones(4, 3), "r": [torch.zeros(2), 1.5], "n": 3}
     out = _fabric().all_gather(data)
     lightning = pytest.importorskip("lightning.fabric")

@@ -4,8 +4,6 @@
 rank's partition is the whole gradient; the 2-rank element-wise clamp is the same code)."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from torch import nn
@@ -18,7 +16,6 @@ STEPS = 4
 @pytest.fixture(autouse=True)
 def _lightning_env(monkeypatch):
     """Lightning sets this variable at import; recorded so that it is undone after the test."""
-    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK", "1"))
     for name in ("LT_STRATEGY", "LT_DEVICES", "LT_ACCELERATOR", "LT_PRECISION"):
         monkeypatch.delenv(name, raising=False)
 

@@ -84,7 +84,6 @@ def _no_recorded_seed(monkeypatch):
     for var in (GLOBAL_SEED_ENV, "PL_GLOBAL_SEED", "PL_SEED_WORKERS"):
         monkeypatch.setenv(var, "0")  # recorded as it was, so that the seeds set here are undone after
         monkeypatch.delenv(var)
-    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK", "1"))
     state = random.getstate(), torch.get_rng_state(), np.random.get_state()
     yield
     random.setstate(state[0]), torch.set_rng_state(state[1]), np.random.set_state(state[2])

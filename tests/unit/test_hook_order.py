@@ -4,8 +4,6 @@ under pytorch-lightning 2.6 records the same sequence of hook calls (with their 
 essentials), the module-only hooks around an evaluation (``MODE_HOOKS``) included."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
@@ -121,12 +119,6 @@ def _run(trainer, module):
     trainer.validate(module, verbose=False)
     trainer.test(module, verbose=False)
     trainer.predict(module)
-
-
-@pytest.fixture(autouse=True)
-def _lightning_env(monkeypatch):
-    """pytorch-lightning sets this variable when its Trainer starts: restore the environment after."""
-    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK", "1"))
 
 
 def _ending_epoch_0(module, calls):

@@ -15,12 +15,6 @@ from zerotrain import CheckpointError, ConfigError, Trainer, TrainModule
 from zerotrain.callbacks import EarlyStopping, ModelCheckpoint, ModelSummary, Timer
 
 
-@pytest.fixture(autouse=True)
-def _lightning_env(monkeypatch):
-    """pytorch-lightning sets this variable when its Trainer starts: restore the environment after."""
-    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK", "1"))
-
-
 def _data(n=4):
     g = torch.Generator().manual_seed(0)
     return TensorDataset(torch.randn(n, 2, generator=g), torch.randn(n, 1, generator=g))

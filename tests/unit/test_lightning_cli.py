@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib.util
 import io
-import os
 import sys
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
@@ -90,8 +89,6 @@ def _script(tmp_path: Path, library: str):
 def script(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", ["cli_script.py"])
-    # importing pytorch_lightning sets this one
-    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK", "1"))
     for key in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS"):  # set by seed_everything: restored after the test
         monkeypatch.setenv(key, "0")
         monkeypatch.delenv(key)

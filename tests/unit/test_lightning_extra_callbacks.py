@@ -14,11 +14,6 @@ from zerotrain import Trainer, TrainModule
 from zerotrain.utilities.exceptions import MisconfigurationException
 
 
-@pytest.fixture(autouse=True)
-def _lightning_env(monkeypatch):
-    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK", "1"))
-
-
 def _pl():
     return pytest.importorskip("pytorch_lightning")
 

@@ -72,7 +72,6 @@ def test_csv_logger_writes_lightnings_layout(tmp_path):
 
 def test_csv_logger_matches_pytorch_lightnings_file(tmp_path, monkeypatch):
     # importing pytorch-lightning sets this variable: restore the environment after
-    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK", "1"))
     pl_loggers = pytest.importorskip("pytorch_lightning.loggers")
     from zerotrain.loggers import CSVLogger
 

@@ -33,12 +33,6 @@ PATHS = {"core.module": "TrainModule", "core.datamodule": "DataModule", "demos":
          "core.optimizer": "LightningOptimizer", "core.saving": "load_hparams_from_yaml"}
 
 
-@pytest.fixture(autouse=True)
-def _lightning_env(monkeypatch):
-    """pytorch-lightning sets this variable when imported or started: restore the environment after."""
-    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK", "1"))
-
-
 def test_lightnings_deeper_paths_import_in_a_fresh_interpreter():
     code = "".join(f"from zerotrain.{path} import {name}\nimport zerotrain.{path}\n" for path, name in PATHS.items())
     code += "import zerotrain\nassert zerotrain.core.module.TrainModule is zerotrain.TrainModule\nprint('ok')\n"

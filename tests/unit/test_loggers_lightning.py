@@ -15,11 +15,6 @@ from zerotrain.demos import BoringModel
 from zerotrain.loggers import CSVLogger, TensorBoardLogger
 
 
-@pytest.fixture(autouse=True)
-def _lightning_env(monkeypatch):
-    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK", "1"))
-
-
 def _pl_loggers():
     return pytest.importorskip("pytorch_lightning").loggers
 

@@ -25,7 +25,6 @@ from tolerance import mean_rtol  # tests/ is on sys.path (conftest)
 def _lightning_env(monkeypatch, tmp_path):
     """pytorch-lightning sets this variable when its Trainer starts: restore the environment after;
     both Trainers write under tmp_path."""
-    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK", "1"))
     monkeypatch.chdir(tmp_path)
 
 

@@ -4,8 +4,6 @@ hook or log call, after set-up; pytorch_lightning 2.6 takes ``callbacks=[1]`` an
 without a word). Duck-typed callbacks and loggers, as Lightning's, still work."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -63,7 +61,6 @@ def test_duck_typed_callbacks_and_loggers_are_welcome(tmp_path, monkeypatch):
     plain, logger = PlainHooks(), PlainLogger()
     callbacks = [plain]
     # importing Lightning sets this variable: let monkeypatch own it
-    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK", "1"))
     pl = pytest.importorskip("pytorch_lightning")
 
     class Counting(pl.Callback):  # a real Lightning callback instance

@@ -2,7 +2,6 @@
 shows the same per-epoch bar (description, total, position) and the same formatted numbers."""
 from __future__ import annotations
 
-import os
 import pickle
 
 import pytest
@@ -16,7 +15,6 @@ from zerotrain.callbacks.progress import Tqdm
 
 @pytest.fixture(autouse=True)
 def _lightning_env(monkeypatch):
-    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK", "1"))
     monkeypatch.delenv("TQDM_MINITERS", raising=False)
     monkeypatch.delenv("COLAB_GPU", raising=False)
     import tqdm

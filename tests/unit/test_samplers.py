@@ -6,7 +6,6 @@ a batch_sampler of the user's own, ``use_distributed_sampler=False``).
 from __future__ import annotations
 
 import itertools
-import os
 
 import pytest
 import torch
@@ -35,7 +34,6 @@ class EpochStrided(Sampler):
 @pytest.mark.parametrize("world, shuffle, n", [(2, True, 31), (2, False, 31), (3, True, 31), (3, False, 2),
                                                (4, True, 8)])
 def test_each_rank_gets_lightnings_share(world, shuffle, n, monkeypatch):
-    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK", "1"))
     wrapper = pytest.importorskip("lightning_fabric.utilities.distributed").DistributedSamplerWrapper
     for rank, epoch in itertools.product(range(world), (0, 1)):
         ours = SamplerShard(EpochStrided(n), world, rank, shuffle=shuffle, seed=7)

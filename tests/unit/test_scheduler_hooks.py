@@ -17,7 +17,6 @@ from zerotrain.trainer.errors import ConfigError
 
 @pytest.fixture(autouse=True)
 def _lightning_env(monkeypatch, tmp_path):
-    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     monkeypatch.chdir(tmp_path)
 
 

@@ -172,7 +172,6 @@ def test_ckpt_path_loads_the_saved_weights(tmp_path, ckpt, stage, metric):
 
 
 def test_current_epoch_in_on_train_epoch_end_matches_lightning(tmp_path, monkeypatch):
-    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # importing Lightning sets it: undone after
     pl = pytest.importorskip("pytorch_lightning")
 
     class Record(Callback):
