@@ -201,7 +201,8 @@ class BatchHooks:
         if self.batch_idx % self.accumulation == 0:  # the first batch of an accumulation
             self._before_zero_grad()
         self.loss = loss
-        self.trainer._backward_in_step, self.trainer._step_loss = True, loss
+        # the closure's loss, detached as Lightning's: the Trainer holds no autograd graph between steps
+        self.trainer._backward_in_step, self.trainer._step_loss = True, loss.detach()
         self.step_logged = self.trainer._train_logged  # by the step itself, not by the hooks after it
         return loss
 

@@ -68,6 +68,8 @@ def test_self_optimizers_are_lightning_named_wrappers_of_the_users_optimizer(tmp
     opt = model.optimizers()
     assert str(opt) == "Lightning" + str(opt.optimizer) and opt.optimizer is trainer.optimizers[0]
     assert torch.equal(model.returned, model.loss)  # the closure returns the step's loss
+    assert model.returned.grad_fn is None  # detached, as Lightning's: no autograd graph outlives the step
+    deepcopy(trainer.callbacks)  # Lightning's test_restore copies them (and the Trainer they reach)
 
 
 def test_toggle_optimizer_keeps_lightnings_state_dict_of_flags():
