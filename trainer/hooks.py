@@ -36,6 +36,14 @@ HOOKS = (
 MODULE_HOOKS = tuple(h for h in HOOKS if h != "on_exception" and "sanity" not in h) + ("configure_callbacks",)
 
 
+#: the hooks every rank calls at the same places of the loop, so that a watchdog tick per callback
+#: keeps every rank's count equal (not, e.g., ``on_save_checkpoint``, which runs where a file is written)
+LOOP_HOOKS = frozenset({"on_train_epoch_start", "on_train_batch_start", "on_train_batch_end", "on_train_epoch_end",
+                        "on_validation_epoch_start", "on_validation_batch_start", "on_validation_batch_end",
+                        "on_validation_epoch_end", "on_before_backward", "on_after_backward",
+                        "on_before_optimizer_step", "on_before_zero_grad"})
+
+
 class HookDispatcher:
     def __init__(self, callbacks: Sequence["Callback"]) -> None:
         self.callbacks = list(callbacks)
@@ -53,9 +61,9 @@ class HookDispatcher:
             fn = getattr(cb, hook, None)  # a duck-typed callback may define only the hooks it uses
             if fn is None:
                 continue
-            if tick is not None:  # one watchdog tick per callback: a rank stuck in one callback (a
-                tick(f"{hook} ({type(cb).__name__})")  # rank-0-only forward) is behind one whose peer
-                # waits in the next callback's collective (a checkpoint save), so it can be named
+            if tick is not None and hook in LOOP_HOOKS:  # one watchdog tick per callback: a rank stuck
+                tick(f"{hook} ({type(cb).__name__})")  # in one callback (a rank-0-only forward) is behind
+                # one whose peer waits in the next callback's collective (a checkpoint save)
             with hook_scope(trainer, hook), _profiled(trainer, f"[Callback]{_state_key(cb)}.{hook}"):
                 # a callback's pl_module.log logs under the hook's name
                 if hook in ("setup", "teardown") and not _takes_stage(fn):

@@ -50,6 +50,10 @@ def test_each_callback_of_a_hook_is_a_phase():
         pass
 
     trainer = Trainerish()
-    HookDispatcher([A(), Callback(), B()])("on_train_batch_end", trainer, None, None, None, 0)
+    hooks = HookDispatcher([A(), Callback(), B()])
+    hooks("on_train_batch_end", trainer, None, None, None, 0)
     # Callback's own no-op hooks count too: every rank has the same callbacks, so the same phases
     assert trainer.phases == ["on_train_batch_end (A)", "on_train_batch_end (Callback)", "on_train_batch_end (B)"]
+    # a hook that runs only where a checkpoint file is written would make the ranks' counts differ
+    hooks("on_save_checkpoint", trainer, None, {})
+    assert len(trainer.phases) == 3
