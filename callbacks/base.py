@@ -46,18 +46,20 @@ class Callback:
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
-    def log(self, name: str, value: Any, **kwargs: Any) -> None:
-        """Lightning's: inside a hook, ``self.log`` of the running Trainer's module (same options;
-        logged under the hook's name)."""
-        from ..trainer.logging import running_module
+    def __getattr__(self, name: str) -> Any:
+        """``self.log`` / ``self.log_dict`` inside a hook: those of the running Trainer's module (same
+        options; logged under the hook's name), as Lightning, which sets them on each callback. Found
+        here, on the instance, not as methods of the class: Lightning's ``Callback`` has no such
+        members, and code that lists its hooks from the class (a LambdaCallback of every member)
+        must not find them."""
+        if name in ("log", "log_dict"):
+            from ..trainer.logging import running_module
 
-        running_module(f"{type(self).__name__}.log").log(name, value, **kwargs)
+            def call(*args: Any, **kwargs: Any) -> None:  # resolved when called (a clear error outside a hook)
+                getattr(running_module(f"{type(self).__name__}.{name}"), name)(*args, **kwargs)
 
-    def log_dict(self, dictionary: dict[str, Any], **kwargs: Any) -> None:
-        """Lightning's: ``self.log_dict`` of the running Trainer's module."""
-        from ..trainer.logging import running_module
-
-        running_module(f"{type(self).__name__}.log_dict").log_dict(dictionary, **kwargs)
+            return call
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
 
 def stage_hooks(cls: type) -> type:

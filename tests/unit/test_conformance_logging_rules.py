@@ -100,6 +100,21 @@ def test_a_callbacks_self_log_is_the_modules_under_the_hooks_name(tmp_path):
         _LoggingCallback().log("x", 1)  # no hook running
 
 
+def test_callback_log_is_no_member_of_the_class_so_every_hook_lambda_works(tmp_path):
+    """Lightning's Callback has no ``log``/``log_dict`` members (it sets them on each callback), so
+    a LambdaCallback of every member of the class (Lightning's test_lambda_call) must be valid."""
+    import inspect
+
+    from zerotrain.callbacks import Callback, LambdaCallback
+
+    members = {m for m, _ in inspect.getmembers(Callback, inspect.isfunction) if not m.startswith("_")}
+    members -= {"state_dict", "load_state_dict"}
+    assert not {"log", "log_dict"} & members
+    LambdaCallback(**{m: (lambda *a, **k: None) for m in members})
+    with pytest.raises(ConfigError, match="outside the Trainer's control flow"):
+        Callback().log("x", 1.0)  # outside a hook: a clear error when called
+
+
 def test_current_fx_name_is_the_running_hook_and_none_after(tmp_path):
     seen = []
     model = _module(TrainModule, step_log=lambda m: seen.append(m._current_fx_name))
