@@ -283,7 +283,13 @@ class TrainModule(HyperparametersMixin, nn.Module, DataHooks, ModuleTools):
     def clip_gradients(self, optimizer: Any, gradient_clip_val: float | None = None,
                        gradient_clip_algorithm: str | None = None) -> None:
         """Clip ``optimizer``'s gradients (by ``"norm"`` or ``"value"``) at its next ``step()``,
-        over the strategy's gradients (partitions where sharded)."""
+        over the strategy's gradients (partitions where sharded). Set up by a Fabric: its
+        ``clip_gradients(module, optimizer, clip_val=, max_norm=)``, as Lightning's."""
+        if self.fabric is not None:
+            by_value = gradient_clip_algorithm == "value"
+            self.fabric.clip_gradients(self, optimizer, clip_val=gradient_clip_val if by_value else None,
+                                       max_norm=None if by_value else gradient_clip_val)
+            return
         self.trainer._optim.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def log(self, name: str, value: Any, prog_bar: bool = False, logger: bool | None = None,

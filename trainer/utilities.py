@@ -3,6 +3,7 @@ Lightning names (``lightning.pytorch.utilities``), for code ported by renaming t
 from __future__ import annotations
 
 import contextlib
+import enum
 import functools
 import logging
 import os
@@ -66,6 +67,13 @@ def rank_zero_info(*args: Any, **kwargs: Any) -> None:
 @rank_zero_only
 def rank_zero_debug(*args: Any, **kwargs: Any) -> None:
     log.debug(*args, **kwargs)
+
+
+class GradClipAlgorithmType(str, enum.Enum):
+    """Lightning's names for ``gradient_clip_algorithm``; equal to the strings ``"norm"`` / ``"value"``."""
+
+    NORM = "norm"
+    VALUE = "value"
 
 
 class PossibleUserWarning(UserWarning):

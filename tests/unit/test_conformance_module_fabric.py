@@ -47,3 +47,18 @@ def test_a_module_set_up_by_a_fabric_logs_through_it():
         module.log_dict({"nested": {"nested": 1}})
     with pytest.raises(IndexError):
         _ = Fabric(accelerator="cpu", devices=1).setup(BoringModel()).logger
+
+
+@pytest.mark.parametrize("algorithm", ["value", "norm"])
+def test_a_module_set_up_by_a_fabric_clips_through_it(algorithm):
+    from zerotrain.utilities import GradClipAlgorithmType
+
+    fabric = Fabric(accelerator="cpu", devices=1)
+    original = BoringModel()
+    module = fabric.setup(original)
+    fabric.clip_gradients = Mock()
+    optimizer = Mock()
+    module.clip_gradients(optimizer, gradient_clip_val=1e-3, gradient_clip_algorithm=GradClipAlgorithmType(algorithm))
+    by_value = algorithm == "value"
+    fabric.clip_gradients.assert_called_once_with(original, optimizer, clip_val=1e-3 if by_value else None,
+                                                  max_norm=None if by_value else 1e-3)
