@@ -20,6 +20,7 @@ and ``accumulate_grad_batches`` are refused.
 """
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -167,7 +168,7 @@ class Optimization:
         Lightning's; the gradients are dropped; the step still counts and the schedulers step)."""
         t = self.trainer
         opt = AutomaticOptimizer(t, self.optimizers[0], self.clip_for_step())
-        closure = Closure(t._step_loss, lambda: self._evaluate_again(batch_idx))
+        closure = Closure(t._step_loss, functools.partial(self._evaluate_again, batch_idx))
         with hook_scope(t, "optimizer_step"):
             t.module.optimizer_step(t.current_epoch, batch_idx, opt, closure)
         if opt.stepped is None:
@@ -274,6 +275,13 @@ class Optimization:
 _WRAPPER_CLASSES: dict[tuple[type, type], type] = {}
 
 
+def _rewrap(optimizer: Any, trainer: Any, which: int | None, clip: Any) -> "ManualOptimizer":
+    """A pickled ``ManualOptimizer`` again (``ManualOptimizer.__reduce__``)."""
+    wrapper = ManualOptimizer(optimizer, trainer, which)
+    wrapper.clip = clip
+    return wrapper
+
+
 class ManualOptimizer:
     """Lightning's ``LightningOptimizer`` for zerotrain: ``self.optimizers()`` returns these. Its
     class is made per optimizer class (``LightningSGD``: this class and ``torch.optim.SGD``), so
@@ -321,6 +329,11 @@ class ManualOptimizer:
 
     def state_dict(self) -> dict[str, Any]:
         return self._optimizer.state_dict()
+
+    def __reduce__(self) -> tuple:
+        """Pickled as what it wraps (its class is made at run time, so pickle cannot name it): a
+        Trainer and what holds it (the progress bar, Lightning's test) pickle after ``fit``."""
+        return _rewrap, (self._optimizer, self._trainer, self.which, self.clip)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Into the wrapped optimizer (what the strategy steps)."""

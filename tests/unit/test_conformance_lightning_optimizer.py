@@ -227,3 +227,19 @@ def test_lbfgs_re_evaluates_through_the_closure_as_a_plain_loop(tmp_path):
     assert model.evaluations == evaluations > 2
     for ours, ref in zip(model.layer.parameters(), layer.parameters()):
         torch.testing.assert_close(ours, ref, rtol=0, atol=0)  # tolerance: exact, the same ops in the same order
+
+
+def test_a_trainer_with_its_optimizer_wrappers_pickles_after_fit(tmp_path):
+    # the wrapper's class (LightningSGD) is made at run time; Lightning's progress-bar test pickles
+    # the bar, which holds the Trainer, after fit
+    import pickle
+
+    trainer = Trainer(default_root_dir=tmp_path, max_steps=2, limit_val_batches=0, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    model = BoringModel()
+    trainer.fit(model)
+    assert type(model.optimizers()).__name__ == "LightningSGD"
+    again = pickle.loads(pickle.dumps(trainer))
+    opt = again.lightning_module.optimizers()
+    assert type(opt).__name__ == "LightningSGD" and isinstance(opt, torch.optim.SGD)
+    assert opt.param_groups[0]["lr"] == model.optimizers().param_groups[0]["lr"]
