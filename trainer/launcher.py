@@ -96,6 +96,9 @@ def describe_exit(rank: int, code: int) -> str:
     return f"rank {rank} exited with code {code} (its traceback, if Python raised one, is above)"
 
 
+#: when the watch thread finds a rank dead, how long the ranks dying with it get to be reaped and
+#: named (the failing rank may end after the peer its exit broke: it runs its exception handling)
+WATCH_GRACE_S = 2.0
 #: set in rank 0 only while a stage runs: a Trainer leaves no variables behind beyond the ones
 #: Lightning's launcher leaves (MASTER_ADDR/PORT, WORLD_SIZE, RANK, LOCAL_RANK); between stages the
 #: process group, which lives until exit, tells a later Trainer that it is a rank of this job
@@ -167,9 +170,10 @@ class LocalLauncher:
             for rank, proc in enumerate(self.children, start=1):
                 code = proc.poll()
                 if code not in (None, 0):
-                    self._report(rank, code)
-                    self.kill(report=False)
-                    os._exit(_job_code(code))
+                    # the rank reaped first may be an innocent peer, ended by the failing rank's exit
+                    # (a gloo "Connection closed by peer"): the ranks dying with it are named too
+                    self.kill(grace_s=WATCH_GRACE_S)
+                    os._exit(self.failed_code if self.failed_code is not None else _job_code(code))
             done.wait(0.1)
 
     @staticmethod
@@ -177,7 +181,7 @@ class LocalLauncher:
         sys.stderr.write(f"\n[zerotrain] {describe_exit(rank, code)}; ending the job.\n")
         sys.stderr.flush()
 
-    def kill(self, report: bool = True, in_fit: bool = False, peer_lost: bool = False) -> None:
+    def kill(self, report: bool = True, in_fit: bool = False, peer_lost: bool = False, grace_s: float = 0.5) -> None:
         """End every rank this process started. ``report``: first say which ranks had already
         died and how (rank 0 usually fails *because* a peer died: a gloo "Connection reset by
         peer" says nothing about who), waiting up to a second for a dying peer to be reaped, or
@@ -191,8 +195,8 @@ class LocalLauncher:
             while time.monotonic() < deadline and all(p.poll() is None for p in self.children):
                 time.sleep(0.05)
             # the first rank reaped may be an innocent peer that the failing one's exit broke (its
-            # gloo error): the others dying at that moment get half a second to be reaped and named too
-            grace = time.monotonic() + 0.5
+            # gloo error): the others dying at that moment get ``grace_s`` to be reaped and named too
+            grace = time.monotonic() + grace_s
             while time.monotonic() < grace and any(p.poll() is None for p in self.children):
                 time.sleep(0.05)
             for rank, proc in enumerate(self.children, start=1):

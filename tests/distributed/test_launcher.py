@@ -141,3 +141,40 @@ def test_rank_zero_keeps_only_lightnings_variables_between_stages(tmp_path):
     assert "rank 0 after fit: []" in proc.stdout
     assert "rank 1 after fit: ['LOCAL_WORLD_SIZE', 'ZEROTRAIN_LAUNCHED']" in proc.stdout  # a child keeps its own
     assert "rank 0 second fit: step 2 world 2" in proc.stdout and "rank 1 second fit: step 2 world 2" in proc.stdout
+
+
+LATE = textwrap.dedent('''
+    import atexit, os, sys, time
+    sys.path[:0] = [{tests!r}, os.path.dirname({tests!r})]
+    from toy import ToyModule
+    from zerotrain import Trainer
+
+    # registered before the Trainer's own exit handler, so it runs after it: rank 2 has closed the
+    # process group (its peers' collectives fail: "closed by peer") and is still on its way out
+    atexit.register(lambda: time.sleep(1.0) if os.environ.get("RANK") == "2" else None)
+
+    class FailsLate(ToyModule):
+        def training_step(self, batch, batch_idx):
+            if self.global_rank == 2 and self.trainer.global_step == 2:
+                raise RuntimeError("boom on rank 2")
+            if self.global_rank == 0 and self.trainer.global_step == 2:
+                time.sleep(3.0)  # rank 0 is busy: its watch thread, not its own error, sees rank 1 die first
+            return super().training_step(batch, batch_idx)
+
+    Trainer(strategy="ddp", devices=3, max_steps=6, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False).fit(FailsLate())
+''')
+
+
+def test_the_failing_rank_is_named_when_an_innocent_peer_exits_first(tmp_path):
+    # campaign job 12: the watch thread reaped rank 1 (its gloo error) and killed rank 2 before it ended
+    script = tmp_path / "late.py"
+    script.write_text(LATE.format(tests=os.path.dirname(__file__)))
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "ZEROTRAIN_LAUNCHED")}
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120 * timeout_scale())
+    assert proc.returncode != 0
+    assert "RuntimeError: boom on rank 2" in proc.stderr
+    assert "rank 2 exited with code 1" in proc.stderr, proc.stderr[-3000:]
+    assert time.monotonic() - t0 < 60 * timeout_scale()
