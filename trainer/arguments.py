@@ -116,10 +116,9 @@ def lightning_callbacks(callbacks: list, max_time: Any, enable_model_summary: bo
 def fast_dev_run_flags(trainer: Any, n: int, callbacks: list) -> list:
     """Lightning's ``fast_dev_run=n``: n training batches (max_steps=n, one epoch), n batches of
     every evaluation loader (unless ``overfit_batches`` sets them), no sanity check, validation
-    after the epoch, and no logging or checkpointing (a ModelCheckpoint given is dropped, as
-    Lightning's saves nothing then). Sets ``trainer``'s limits; returns the callbacks to keep."""
-    from ..callbacks.checkpoint import ModelCheckpoint
-
+    after the epoch, and no logging or checkpointing (the ModelCheckpoints stay, as Lightning's,
+    and save nothing: ``ModelCheckpoint._should_skip_saving_checkpoint``). Sets ``trainer``'s
+    limits; returns the callbacks."""
     if not trainer.overfit_batches:
         trainer.limit_train_batches = trainer.limit_val_batches = n
     trainer.limit_test_batches = trainer.limit_predict_batches = n
@@ -127,7 +126,7 @@ def fast_dev_run_flags(trainer: Any, n: int, callbacks: list) -> list:
     trainer.num_sanity_val_steps, trainer.val_check_interval, trainer.check_val_every_n_epoch = 0, 1.0, 1
     log.info("Running in fast_dev_run mode: will run the requested loop using %d batch(es). Logging and "
              "checkpointing is suppressed.", n)
-    return [c for c in callbacks if not isinstance(c, ModelCheckpoint)]
+    return callbacks
 
 
 def default_callbacks(strategy: Any, root_dir: str, callbacks: list, checkpointing: bool, progress: bool) -> list:

@@ -204,7 +204,7 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
         plugin_checks.check_plugins(plugins)  # None or []: Lightning's, asking for nothing
         if fast_dev_run:
             callbacks = fast_dev_run_flags(self, int(fast_dev_run), callbacks)
-            enable_checkpointing, logger = False, (DummyLogger() if logger else False)  # Lightning's: logs nothing
+            logger = DummyLogger() if logger else False  # Lightning's: logs nothing (checkpoints: the callbacks skip)
         if overfit_batches:
             self.limit_train_batches = self.limit_val_batches = overfit_batches
         callbacks = lightning_callbacks(callbacks, max_time, enable_model_summary)

@@ -97,10 +97,10 @@ def _same_run(module_kw=None, **kw):
 
 @pytest.mark.parametrize("fast_dev_run", [True, 3])
 def test_fast_dev_run_matches_lightning(fast_dev_run, tmp_path):
-    (ours, _), _ = _same_run(fast_dev_run=fast_dev_run, max_epochs=5)
+    (ours, _), (theirs, _) = _same_run(fast_dev_run=fast_dev_run, max_epochs=5)
     n = int(fast_dev_run)
     assert ours.global_step == n and ours.max_steps == n
-    assert ours.loggers == [] and not any(isinstance(c, ModelCheckpoint) for c in ours.callbacks)
+    assert ours.loggers == [] and (ours.checkpoint_callback is None) == (theirs.checkpoint_callback is None)
 
 
 def test_fast_dev_run_suppresses_checkpointing_and_logging(tmp_path):
@@ -109,6 +109,9 @@ def test_fast_dev_run_suppresses_checkpointing_and_logging(tmp_path):
                    callbacks=[ModelCheckpoint(dirpath=str(tmp_path / "ck"))], stall_timeout_s=None)
     ours.fit(make_module(TrainModule))
     assert not os.path.exists(tmp_path / "ck") and not os.path.exists(tmp_path / "lightning_logs")
+    assert ours.checkpoint_callback.dirpath == str(tmp_path / "ck")  # the callback stays, as Lightning's
+    with pytest.raises(ValueError, match=r'You cannot execute `.validate\(ckpt_path="best"\)` with `fast_dev_run=True`'):
+        ours.validate(ckpt_path="best")
 
 
 @pytest.mark.parametrize("steps", [0, 1, 2, -1])
