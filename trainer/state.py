@@ -83,7 +83,6 @@ class LoopState:
     epoch: int = 0
     batches_in_epoch: int = 0  # micro-batches of `epoch` already consumed
     total_batches: int = 0  # micro-batches consumed over the whole run
-    cut_batches: int = 0  # max_steps ended epoch `epoch - 1` after these micro-batches: a later fit continues it
     # not fields (never saved): what runs now, as Lightning's TrainerState
     fn = None  # TrainerFn | None
     stage = None  # RunningStage | None
