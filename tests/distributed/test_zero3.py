@@ -117,7 +117,9 @@ class Quirky(TrainModule):
 
     def validation_step(self, batch, batch_idx):
         idx, tgt = batch
-        return nn.functional.cross_entropy(self(idx).flatten(0, 1), tgt.flatten())
+        loss = nn.functional.cross_entropy(self(idx).flatten(0, 1), tgt.flatten())
+        self.log("val_loss", loss)  # as Lightning, a returned loss is not logged (235b533)
+        return loss
 
     def configure_optimizers(self):
         opt, sched = two_groups(self, lr=1e-2)
