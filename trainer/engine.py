@@ -338,6 +338,7 @@ class Engine:
         if note:
             log.warning("resume: %s", note)
         self.progress.load_state_dict(loop)
+        self.progress.continue_cut_epoch()  # a Trainer's fit that max_steps cut: its epoch's remaining batches
         saved = meta.get("engine", {})
         for key, obj in state.items():
             if self._is_setup_object(obj):

@@ -101,8 +101,10 @@ def own_batch_sampler(loader: DataLoader) -> bool:
     return loader.batch_sampler is not None and loader.batch_size is None
 
 
-def distributed_loader(loader: Any, strategy: Strategy, seed: int, custom_sampler_shuffle: bool | None = None) -> Any:
-    """``loader`` over a DistributedSampler with the same shuffle, so each data-parallel rank sees
+def distributed_loader(loader: Any, strategy: Strategy, seed: int, custom_sampler_shuffle: bool | None = None,
+                       shuffle: bool | None = None) -> Any:
+    """``loader`` over a DistributedSampler with the same shuffle (``shuffle``, when given, instead:
+    the Trainer's training loaders always shuffle, as Lightning's), so each data-parallel rank sees
     its share and the order is a pure function of (seed, epoch). A loader with a sampler of its
     own is kept as it is unless ``custom_sampler_shuffle`` is a bool and there are several ranks:
     then each rank gets its ``SamplerShard`` of that sampler (shuffled positions or not; the
@@ -112,7 +114,7 @@ def distributed_loader(loader: Any, strategy: Strategy, seed: int, custom_sample
     world, rank = strategy.data_parallel_world_size, strategy.data_parallel_rank
     if isinstance(loader.sampler, (RandomSampler, SequentialSampler)):
         sampler = DistributedSampler(loader.dataset, num_replicas=world, rank=rank, seed=seed, drop_last=False,
-                                     shuffle=isinstance(loader.sampler, RandomSampler))
+                                     shuffle=isinstance(loader.sampler, RandomSampler) if shuffle is None else shuffle)
     elif custom_sampler_shuffle is not None and world > 1:
         sampler = SamplerShard(loader.sampler, world, rank, shuffle=custom_sampler_shuffle, seed=seed)
     else:

@@ -27,6 +27,7 @@ PATHS = {
     # lightning.pytorch.demos.*
     "demos.boring_classes": "trainer.demos",
     "demos.transformer": "trainer.demo_transformer",
+    "demos.mnist_datamodule": "trainer.demo_mnist",
     # lightning.pytorch.loggers.*
     "loggers.logger": "callbacks.base",
     "loggers.csv_logs": "callbacks.loggers",
@@ -66,6 +67,7 @@ PATHS = {
     "profilers.profiler": "trainer.compat.profilers",
     "profilers.base": "trainer.compat.profilers",
     "profilers.simple": "trainer.compat.profilers",
+    "profilers.pytorch": "trainer.compat.torch_profiler",
     "tuner": "trainer.compat.tuner",
     "tuner.tuning": "trainer.compat.tuner",
     "loops": "trainer.compat.internals",

@@ -57,7 +57,8 @@ class TrainerData:
     def _prepare_loader(self, loader: Any, stage: str) -> Any:
         """Put a DistributedSampler under map-style data, so each data-parallel rank sees its
         share and the order is a pure function of (``data_seed``, epoch) - Lightning's sampler,
-        shuffled when the loader shuffles, ``set_epoch(epoch)`` every training epoch. A sampler of
+        shuffled for training (even when the loader does not: Lightning's order, with a warning),
+        as the loader is for evaluation, ``set_epoch(epoch)`` every training epoch. A sampler of
         the user's own is split over several ranks as Lightning's ``DistributedSamplerWrapper``
         splits it (``job.SamplerShard``: the training one with its positions shuffled by
         (``data_seed``, epoch), as Lightning's; on one process it is kept). Kept as given: not a
@@ -80,7 +81,8 @@ class TrainerData:
         self._note_sampler_differences(stage, isinstance(loader.sampler, RandomSampler), n_samples, builtin)
         if self._strategy.data_parallel_world_size == 1 and isinstance(loader.sampler, SequentialSampler):
             return loader  # one replica, in order: the user's loader itself, as Lightning (the same batches)
-        return job.distributed_loader(loader, self._strategy, self.data_seed, custom_sampler_shuffle=stage == "fit")
+        return job.distributed_loader(loader, self._strategy, self.data_seed, custom_sampler_shuffle=stage == "fit",
+                                      shuffle=True if stage == "fit" else None)  # Lightning shuffles every training one
 
     def _note_sampler_differences(self, stage: str, shuffle: bool, n_samples: int | None, builtin: bool) -> None:
         """Say (global rank 0) where this sampler differs from the one Lightning would inject,
@@ -96,9 +98,9 @@ class TrainerData:
                          "a run resumed mid-epoch continues exactly only if the sampler's order depends on "
                          "set_epoch alone", world, self.data_seed)
         elif stage == "fit" and not shuffle and world > 1:
-            log.warning("the training DataLoader does not shuffle: zerotrain keeps that order (each rank a "
-                        "strided share); Lightning would shuffle its DistributedSampler anyway (seed %d, "
-                        "set_epoch each epoch). Pass shuffle=True for Lightning's order", self.data_seed)
+            log.warning("the training DataLoader does not shuffle: its DistributedSampler shuffles anyway, as "
+                        "Lightning's (seed %d, set_epoch each epoch). Pass use_distributed_sampler=False to keep "
+                        "the loader's order", self.data_seed)
         elif stage == "fit" and shuffle and world == 1:
             log.info("one process: the shuffled training DataLoader's order comes from a DistributedSampler "
                      "(seed %d, epoch), so a resumed run continues it exactly; Lightning keeps the loader's "

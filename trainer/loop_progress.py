@@ -295,6 +295,12 @@ class FitLoop:
     def _should_accumulate(self) -> bool:
         return self.epoch_loop._should_accumulate()
 
+    def continue_cut_epoch(self) -> None:
+        """A fit after one that max_steps stopped mid-epoch (resumed from its checkpoint, or the same
+        Trainer again): that epoch ended for its hooks and counter, as Lightning's, yet its batches
+        are not all trained; it continues where it stopped, so the run is the one it would have been."""
+        self.trainer.state.continue_cut_epoch()
+
     def start_epoch(self) -> int:
         """The Trainer begins an epoch: its batch counts start over (from the batches already trained
         when resuming mid-epoch: returned) and so do the epoch's validation batch counts."""

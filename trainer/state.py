@@ -83,6 +83,7 @@ class LoopState:
     epoch: int = 0
     batches_in_epoch: int = 0  # micro-batches of `epoch` already consumed
     total_batches: int = 0  # micro-batches consumed over the whole run
+    cut_batches: int = 0  # max_steps ended epoch `epoch - 1` after these micro-batches: a later fit continues it
     # not fields (never saved): what runs now, as Lightning's TrainerState
     fn = None  # TrainerFn | None
     stage = None  # RunningStage | None
@@ -98,6 +99,12 @@ class LoopState:
     @property
     def stopped(self) -> bool:
         return self.status == TrainerStatus.INTERRUPTED
+
+    def continue_cut_epoch(self) -> None:
+        """The position after a fit that max_steps stopped mid-epoch: that epoch ended for its hooks
+        and counter, as Lightning's, yet its batches are not all trained; back to it, after them."""
+        if self.cut_batches:
+            self.epoch, self.batches_in_epoch, self.cut_batches = self.epoch - 1, self.cut_batches, 0
 
     def state_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -382,6 +382,7 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
         if self._validates_this_epoch():  # as Lightning, the validation data is there from the start (progress bars)
             self._fit_val_loaders()
         self.hooks.both("on_train_start", self, module)
+        self.fit_loop.continue_cut_epoch()
         while not self._done():
             if self._reload_due(st.epoch):  # reload_dataloaders_every_n_epochs
                 loader = self._reload_loaders(st.epoch)
@@ -421,9 +422,7 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
                                       f"batch in epoch {st.epoch}: an epoch without a training step would "
                                       "never end the run")
                 batch_idx = None
-            if self._max_steps_reached() and batch_idx is not None and batch_idx < n_batches:
-                break  # stopped mid-epoch by max_steps: the epoch is not over (a should_stop ends it, as Lightning)
-            self._end_epoch()
+            self._end_epoch()  # also when max_steps cut it: Lightning's on_train_epoch_end runs then (no epoch scheduler)
         self.hooks.both("on_train_end", self, module)
 
     _last_val_step = -1
@@ -442,6 +441,7 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
         if self._epoch_complete():  # ReduceLROnPlateau on epochs: after the epoch's metrics
             self._optim.step_schedulers("epoch", plateau=True, index=st.epoch)
         self._logging.update_train_epoch_metrics()
+        st.cut_batches = st.batches_in_epoch if self._max_steps_reached() and not self._epoch_complete() else 0
         st.epoch += 1
         st.batches_in_epoch = st.epoch_phase = 0
 

@@ -198,5 +198,16 @@ def is_overridden(method_name: str, instance: Any = None, parent: "type | None" 
     return unwrap(mine) is not unwrap(theirs)
 
 
-__all__ = ["GLOBAL_SEED_ENV", "is_overridden", "is_picklable", "isolate_rng", "AttributeDict", "reset_seed", "seed_rngs", "rank_zero_only", "rank_zero_info", "rank_zero_debug", "rank_zero_warn", "seed_everything",
+def get_torchvision_model(model_name: str, **kwargs: Any) -> torch.nn.Module:
+    """torchvision's model ``model_name`` built with ``kwargs`` (``weights="DEFAULT"`` and so on):
+    ``torchvision.models.get_model``; ModuleNotFoundError without torchvision."""
+    try:
+        from torchvision import models
+    except ImportError as err:
+        raise ModuleNotFoundError(f"get_torchvision_model({model_name!r}) needs torchvision: {err}") from err
+    get = getattr(models, "get_model", None)  # torchvision >= 0.14
+    return get(model_name, **kwargs) if get is not None else getattr(models, model_name)(**kwargs)
+
+
+__all__ = ["GLOBAL_SEED_ENV", "get_torchvision_model", "is_overridden", "is_picklable", "isolate_rng", "AttributeDict", "reset_seed", "seed_rngs", "rank_zero_only", "rank_zero_info", "rank_zero_debug", "rank_zero_warn", "seed_everything",
            "global_rank", "distributed_is_initialized", "PossibleUserWarning", "disable_possible_user_warnings"]

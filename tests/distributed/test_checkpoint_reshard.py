@@ -29,7 +29,9 @@ def _zero3() -> str:
 
 def _fit(strategy: str, world: int, steps: int, root: str, save_as: str | None = None,
          resume: str | None = None) -> dict:
-    module = ToyModule(bs=GLOBAL_BATCH // world, n=N_SAMPLES)
+    # a shuffling loader: its DistributedSampler's order is one permutation of (seed, epoch) on any
+    # number of ranks, one included (an unshuffled one is shuffled on several ranks only, as Lightning)
+    module = ToyModule(bs=GLOBAL_BATCH // world, n=N_SAMPLES, shuffle=True)
     cbs = [ModelCheckpoint(dirpath=os.path.join(root, save_as),
                            filename="{step:06d}", save_top_k=-1, every_n_train_steps=steps,
                            save_last=False)] if save_as else []
@@ -39,7 +41,7 @@ def _fit(strategy: str, world: int, steps: int, root: str, save_as: str | None =
     full = {k.removeprefix("net."): v for k, v in trainer.full_state_dict().items()}
     return {"params": full, "step": trainer.global_step,
             "lr": trainer.optimizer.param_groups[1]["lr"], "epoch": trainer.current_epoch,
-            "batches_in_epoch": trainer.state.batches_in_epoch}
+            "batches_in_epoch": trainer.state.batches_in_epoch, "cut_batches": trainer.state.cut_batches}
 
 
 def _fit_many(root: str, cases: list[dict]) -> list[dict]:
@@ -83,7 +85,8 @@ def _target(tmp_path_factory, strategy: str, world: int) -> dict:
 
 
 def _check(got: dict, steps: int) -> None:
-    ref, peer = (reference(steps, world_size=1, bs=GLOBAL_BATCH, n=N_SAMPLES, as_ranks=k) for k in (0, 4))
+    ref, peer = (reference(steps, world_size=1, bs=GLOBAL_BATCH, n=N_SAMPLES, as_ranks=k, shuffle=True)
+                 for k in (0, 4))
     assert got["step"] == steps
     # tolerance: a few ulps of 0.025 / (1 + 0.1 s): the same few float64 operations in another order
     assert abs(got["lr"] - 0.025 / (1 + 0.1 * steps)) < 1e-12  # the scheduler resumed too
@@ -97,8 +100,9 @@ def test_zero3_on_4_ranks_resumes_elsewhere(tmp_path_factory, target, world):
     _check(_source(tmp_path_factory), 10)
     resumed = _target(tmp_path_factory, target, world)
     _check(resumed, 20)
-    # mid-epoch position: 20 steps of 24 samples = epoch 2, global batch 6 of 7
-    assert (resumed["epoch"], resumed["batches_in_epoch"]) == (2, 6)
+    # 20 steps of 24 samples = epoch 2, global batch 6 of 7: max_steps ended epoch 2 there, as Lightning
+    # (current_epoch moves on) and a later fit would continue its 7th batch
+    assert (resumed["epoch"], resumed["batches_in_epoch"], resumed["cut_batches"]) == (3, 0, 6)
 
 
 @pytest.mark.slow

@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader
 
 from harness import run_ranks
 from tolerance import assert_no_worse_than_peer, backward_as_ranks
-from toy import build_net, make_data
+from toy import build_net, global_batches, make_data
 
 N, BS, STEPS, CLIP = 32, 4, 3, 0.002
 QUIET = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
@@ -51,11 +51,11 @@ def _reference(as_ranks: int = 0) -> dict:
     module = _module()
     opt = module.configure_optimizers()
     x, y = make_data(N).tensors
-    for step in range(STEPS):  # DistributedSampler(shuffle=False): rank r takes samples r, r + 2, ...
-        idx = torch.cat([torch.arange(r, N, 2)[step * BS:(step + 1) * BS] for r in range(2)])
+    # the loader does not shuffle, yet the training DistributedSampler does, as Lightning's (seed 0, epoch 0)
+    for step, idx in enumerate(global_batches(N, 2, BS)[:STEPS]):
         opt.zero_grad()
-        if as_ranks:  # the global batch in sample order: rank r's shard is r, r + 2, ...
-            batch = tuple(t[step * BS * 2:(step + 1) * BS * 2] for t in (x, y))
+        if as_ranks:  # the global batch interleaved by rank: rank r's shard is every 2nd sample from r
+            batch = (x[idx], y[idx])
             backward_as_ranks(module.parameters(), [batch], lambda b: module.training_step(b, step), as_ranks)
         else:
             module.training_step((x[idx], y[idx]), step).backward()

@@ -199,7 +199,9 @@ def test_converted_loop_equals_plain_loop_on_four_ranks(tmp_path, strategy):
 
 # ---------------------------------------------------------------------------- checkpoints
 # The Trainer's ToyModule and the Engine's model are the same nn.Module (the Engine calls its
-# forward), so either checkpoint fits the other; the data, LR schedule and loss are toy.py's.
+# forward), so either checkpoint fits the other; the data, LR schedule and loss are toy.py's. Its
+# loader shuffles: the Engine keeps a loader's shuffle setting, as Fabric, while the Trainer's
+# training sampler shuffles on several ranks in any case, as Lightning; so both deal one order.
 TOTAL, HALF, BS = 6, 3, 8
 
 
@@ -210,7 +212,7 @@ class ToyNet(ToyModule):
 
 def _engine_steps(strategy: str, steps: int, save_to: str | None = None, load_from: str | None = None) -> dict:
     engine = Engine(strategy=strategy, devices=2, accelerator="cpu")
-    raw = ToyNet(bs=BS)
+    raw = ToyNet(bs=BS, shuffle=True)
     opt, sched = make_optimizer(raw.net, raw.lr)
     model, optimizer = engine.setup(raw, opt)
     loader = engine.setup_dataloaders(raw.train_dataloader())
@@ -234,7 +236,7 @@ def _engine_steps(strategy: str, steps: int, save_to: str | None = None, load_fr
 def _trainer_steps(strategy: str, steps: int, save_to: str | None = None, load_from: str | None = None) -> dict:
     trainer = Trainer(strategy=strategy, devices=2, accelerator="cpu", max_steps=steps, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False)
-    module = ToyNet(bs=BS)
+    module = ToyNet(bs=BS, shuffle=True)
     trainer.fit(module, ckpt_path=load_from)
     if save_to:
         trainer.save_checkpoint(save_to)
@@ -264,8 +266,8 @@ def _interop(tmp_path_factory) -> list[dict]:
 def _assert_trained(params: dict, steps: int) -> None:
     """``params`` are those of ``steps`` steps of the toy on 2 ranks."""
     # tolerance: no worse than torch DDP's order of the same sums (tolerance.PEER_FACTOR x its error + 4 ulps)
-    assert_params_close(_net_keys(params), reference(steps, world_size=2, bs=BS)["params"],
-                        reference(steps, world_size=2, bs=BS, as_ranks=2)["params"])
+    assert_params_close(_net_keys(params), reference(steps, world_size=2, bs=BS, shuffle=True)["params"],
+                        reference(steps, world_size=2, bs=BS, as_ranks=2, shuffle=True)["params"])
 
 
 def _net_keys(params: dict) -> dict:

@@ -11,11 +11,10 @@ import os
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
 
 from harness import run_ranks
 from tolerance import assert_no_worse_than_peer, backward_as_ranks, mean_rtol, nudge_one_ulp, rel_err
-from toy import ToyModule, assert_params_close, build_net, make_data, make_optimizer
+from toy import ToyModule, assert_params_close, build_net, make_data, make_optimizer, trainer_batches
 from zerotrain import Callback, ModelCheckpoint, Trainer
 from zerotrain.strategies.offload import Offload
 from zerotrain.strategies.zero.estimate import estimate_offload
@@ -40,14 +39,15 @@ def reference_bf16_weights(steps: int, world_size: int, bs: int = 8, clip: float
     torch.manual_seed(0)
     work = build_net()
     optimizer, sched = make_optimizer(master)
-    it = iter(DataLoader(make_data(), batch_size=bs * world_size, shuffle=False))
+    data = make_data().tensors
+    batches = trainer_batches(len(data[0]), world_size, bs)  # the Trainer's (shuffled on several ranks)
     gen = torch.Generator().manual_seed(nudge_seed or 0)
     losses = []
     for _ in range(steps):
         with torch.no_grad():
             for w, m in zip(work.parameters(), master.parameters()):
                 w.copy_(m.to(torch.bfloat16).float())
-        x, y = next(it)
+        x, y = (t[next(batches)] for t in data)
         with torch.set_grad_enabled(not as_ranks):
             loss = nn.functional.mse_loss(work(x), y)
         losses.append(float(loss.detach()))

@@ -298,8 +298,9 @@ def _run_trainer_case(case: dict) -> dict:
                       enable_checkpointing=False, enable_progress_bar=False)
     trainer.fit(model, DataLoader(data, batch_size=rows, shuffle=False))
 
-    # the plain loop: each accumulation micro-step sees every replica's batch at once
-    order = [list(DistributedSampler(data, num_replicas=replicas, rank=r, shuffle=False)) for r in range(replicas)]
+    # the plain loop: each accumulation micro-step sees every replica's batch at once; on several
+    # replicas the training DistributedSampler shuffles (seed 0, epoch 0) though the loader does not, as Lightning's
+    order = [list(DistributedSampler(data, num_replicas=replicas, rank=r, shuffle=replicas > 1)) for r in range(replicas)]
     peer, m = copy.deepcopy(ref), case["micro_batches"]  # peer: summed as replicas, micro-steps, micro-batches sum
     opt, peer_opt = (torch.optim.SGD(net.parameters(), lr=0.2, momentum=0.9) for net in (ref, peer))
     for step in range(steps):

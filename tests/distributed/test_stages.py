@@ -14,7 +14,7 @@ from torch.utils.data import BatchSampler, DataLoader, Sampler, SequentialSample
 
 from harness import run_ranks
 from tolerance import assert_no_worse_than_peer, backward_as_ranks, mean_rtol, peer_bound
-from toy import build_net, make_data
+from toy import build_net, global_batches, make_data
 
 N, BS = 64, 4  # 64 samples / (4 x 2 ranks): no padding, every batch full
 QUIET = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False)
@@ -134,12 +134,12 @@ def _reference(as_ranks: int = 0) -> dict:
     net = build_net()
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
     _, x, y = _indexed().tensors
-    for step in range(3):  # DistributedSampler(shuffle=False): rank r takes samples r, r + 2, ...
-        idx = torch.cat([torch.arange(r, N, 2)[step * BS:(step + 1) * BS] for r in range(2)])
+    # the loader does not shuffle, yet Lightning's training DistributedSampler does (seed 0, epoch 0)
+    for idx in global_batches(N, 2, BS)[:3]:
         opt.zero_grad()
-        if as_ranks:  # the global batch in sample order: rank r's shard is r, r + 2, ...
-            batch = (x[step * BS * 2:(step + 1) * BS * 2], y[step * BS * 2:(step + 1) * BS * 2])
-            backward_as_ranks(net.parameters(), [batch], lambda b: nn.functional.mse_loss(net(b[0]), b[1]), as_ranks)
+        if as_ranks:  # each rank's own share, summed as torch DDP sums it
+            backward_as_ranks(net.parameters(), [(x[idx], y[idx])],
+                              lambda b: nn.functional.mse_loss(net(b[0]), b[1]), as_ranks)
         else:
             nn.functional.mse_loss(net(x[idx]), y[idx]).backward()
         opt.step()
@@ -176,7 +176,7 @@ def test_stages_on_two_ranks(tmp_path, strategy, build_late):
         assert torch.equal(out[r]["odd_index"], torch.tensor(list(range(r, N - 1, 2)) + [0] * r))
         assert torch.equal(out[r]["own_index"], torch.arange(N))
     said = "\n".join(out[0]["said"])
-    assert "the training DataLoader does not shuffle: zerotrain keeps that order" in said
+    assert "the training DataLoader does not shuffle: its DistributedSampler shuffles anyway" in said
     assert "predict: 63 samples on 2 ranks: the DistributedSampler repeats 1 sample(s)" in said
     assert "the predict DataLoader has its own batch_sampler (BatchSampler): zerotrain keeps it" in said
     assert not out[1]["said"]  # said once, by global rank 0

@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from harness import load_checkpoint, run_ranks_once, save_checkpoint
-from toy import ToyModule
+from toy import ToyModule, trainer_batches
 from toy import reference as toy_reference
 from tolerance import assert_no_worse_than_peer, backward_as_ranks
 from zerotrain import Callback, Trainer, TrainModule
@@ -135,22 +135,15 @@ class Quirky(TrainModule):
 # ---------------------------------------------------------------------------- references
 def reference(module: nn.Module, step_fn, world: int, accum: int, data, bs: int = 4,
               zero_missing: bool = False, as_ranks: bool = False) -> dict[str, torch.Tensor]:
-    """Plain single-process PyTorch over the Trainer's global batches (``bs`` per rank, no
-    shuffle). ``zero_missing``: a parameter that got no gradient steps on zeros (ZeRO keeps a
+    """Plain single-process PyTorch over the Trainer's global batches (``bs`` per rank; on several
+    ranks its DistributedSampler shuffles, seed 0, as Lightning's). ``zero_missing``: a parameter that got no gradient steps on zeros (ZeRO keeps a
     gradient for every element, where PyTorch would skip the parameter). ``as_ranks``: the peer,
     each step's gradient summed as torch DDP sums it on ``world`` ranks (``backward_as_ranks``)."""
     cfg = module.configure_optimizers()
     opt, sched = cfg["optimizer"], cfg["lr_scheduler"]["scheduler"]
-    loader = DataLoader(data, batch_size=bs * world)
-    it = iter(loader)
+    batches = trainer_batches(len(data), world, bs)
     for _ in range(STEPS):
-        micro = []
-        for _ in range(accum):
-            try:
-                micro.append(next(it))
-            except StopIteration:
-                it = iter(loader)
-                micro.append(next(it))
+        micro = [tuple(t[idx] for t in data.tensors) for idx in (next(batches) for _ in range(accum))]
         if as_ranks:
             backward_as_ranks(module.parameters(), micro, step_fn, world)
         else:

@@ -1,14 +1,16 @@
 """A small model, its data and the plain single-process PyTorch loop it must match.
 
-The reference mirrors what the Trainer does with a DistributedSampler(shuffle=False) on N ranks
-with per-rank batch ``bs``: global batch b is samples [b*bs*N, (b+1)*bs*N), the loss is the mean
-over it, and with accumulation the step gradient is the mean of ``accum`` such micro-batches.
+The reference mirrors what the Trainer does on N ranks with per-rank batch ``bs``: each rank's
+training DistributedSampler shuffles (as Lightning's, even when the loader does not; seed 0 unless
+given, ``set_epoch(epoch)``), global batch b is every rank's b-th batch (``global_batches``), the
+loss is the mean over it, and with accumulation the step gradient is the mean of ``accum`` such
+micro-batches. One process keeps an unshuffled loader's order.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from tolerance import assert_no_worse_than_peer, backward_as_ranks
 from zerotrain import TrainModule
@@ -74,25 +76,47 @@ class ToyModule(TrainModule):
         return DataLoader(make_data(self.n), batch_size=self.bs, shuffle=self.shuffle)
 
 
+def global_batches(n: int, world: int, bs: int, epoch: int = 0, seed: int = 0, shuffle: bool = True) -> list:
+    """The sample indices of one training epoch's global batches on ``world`` ranks: batch k is
+    rank r's k-th batch of torch's ``DistributedSampler(shuffle=shuffle, seed=seed)`` after
+    ``set_epoch(epoch)``, for every r, interleaved (rank r's j-th sample at ``j * world + r``), so
+    ``tolerance.shard(batch, r, world)`` is rank r's own batch."""
+    ranks = []
+    for r in range(world):
+        sampler = DistributedSampler(range(n), num_replicas=world, rank=r, shuffle=shuffle, seed=seed)
+        sampler.set_epoch(epoch)
+        ranks.append(torch.tensor(list(sampler)))
+    return [torch.stack([idx[k:k + bs] for idx in ranks], dim=1).flatten() for k in range(0, len(ranks[0]), bs)]
+
+
+def trainer_batches(n: int, world: int, bs: int, seed: int = 0, shuffle: bool = False):
+    """Endless global batches (index tensors), epoch after epoch, as the Trainer deals a training
+    loader of ``n`` samples with ``shuffle`` to ``world`` ranks: its DistributedSampler shuffles on
+    several ranks whatever the loader says (Lightning's rule); one process keeps the loader's order."""
+    epoch = 0
+    while True:
+        yield from global_batches(n, world, bs, epoch, seed, shuffle=shuffle or world > 1)
+        epoch += 1
+
+
 def reference(steps: int, world_size: int, bs: int = 8, accum: int = 1, clip: float | None = None,
-              lr: float = 0.05, opt: str = "adamw", n: int = 640, as_ranks: int = 0) -> dict:
-    """Plain single-process PyTorch over the same global batches. ``as_ranks=k``: the peer for
+              lr: float = 0.05, opt: str = "adamw", n: int = 640, as_ranks: int = 0, seed: int = 0,
+              shuffle: bool = False) -> dict:
+    """Plain single-process PyTorch over the same global batches (``trainer_batches``: the loader's
+    ``shuffle``, the Trainer's sampler ``seed``). ``as_ranks=k``: the peer for
     ``tolerance.assert_no_worse_than_peer``, each gradient summed as torch DDP sums it on k ranks
     (its losses are then the global batches' losses, computed alone)."""
     torch.manual_seed(0)
     net = build_net()
     optimizer, sched = make_optimizer(net, lr, opt)
-    loader = DataLoader(make_data(n), batch_size=bs * world_size, shuffle=False)
-    it = iter(loader)
+    data = make_data(n).tensors
+    batches = trainer_batches(n, world_size, bs, seed, shuffle)
     losses, lrs = [], []
     for _ in range(steps):
         micro = []
         for _ in range(accum):
-            try:
-                micro.append(next(it))
-            except StopIteration:
-                it = iter(loader)
-                micro.append(next(it))
+            idx = next(batches)
+            micro.append(tuple(t[idx] for t in data))
         for x, y in micro:
             with torch.set_grad_enabled(not as_ranks):
                 loss = nn.functional.mse_loss(net(x), y)

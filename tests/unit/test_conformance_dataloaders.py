@@ -355,7 +355,7 @@ def test_the_trainers_profiler_times_the_hooks_under_lightnings_names():
 def test_an_unknown_profiler_is_refused_with_the_choices():
     from zerotrain.trainer.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="profiler='advanced'; valid: None, 'simple' or a Profiler instance"):
+    with pytest.raises(ConfigError, match="profiler='advanced'; valid: None, 'simple', 'pytorch' or a Profiler instance"):
         Trainer(profiler="advanced")
 
 

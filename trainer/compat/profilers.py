@@ -117,8 +117,12 @@ def profiler_of(profiler: Any) -> Profiler:
         return profiler
     if isinstance(profiler, str) and profiler.lower() == "simple":
         return SimpleProfiler()
-    raise ValueError(f"profiler={profiler!r}; valid: None, 'simple' or a Profiler instance (zerotrain has no "
-                     "'advanced', 'pytorch' or 'xla' profiler)")
+    if isinstance(profiler, str) and profiler.lower() == "pytorch":
+        return PyTorchProfiler()
+    raise ValueError(f"profiler={profiler!r}; valid: None, 'simple', 'pytorch' or a Profiler instance (zerotrain "
+                     "has no 'advanced' or 'xla' profiler)")
 
 
-__all__ = ["Profiler", "PassThroughProfiler", "SimpleProfiler"]
+from .torch_profiler import PyTorchProfiler  # noqa: E402  (it builds on Profiler above)
+
+__all__ = ["Profiler", "PassThroughProfiler", "SimpleProfiler", "PyTorchProfiler"]
