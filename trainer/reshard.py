@@ -314,7 +314,9 @@ def resume_position(loop: dict[str, int], saved: Mapping[str, Any] | None, batch
     the run resumes at the last position that is a whole number of new global batches (a partial
     batch's samples are seen again) and the optimizer steps from then on see differently sized
     batches. Only the epoch's last, padded batch can differ between world sizes whose
-    DistributedSampler pads the dataset differently. ``global_step`` and ``epoch`` are kept."""
+    DistributedSampler pads the dataset differently. ``global_step`` and ``epoch`` are kept. After
+    a fit that ``max_steps`` cut mid-epoch (``cut_batches``: that epoch ended, yet a later fit
+    continues it) the position is the cut one's; if it rounds down to no batch, that epoch starts over."""
     if not saved or (saved.get("world") == world and saved.get("batch_size") == batch_size):
         return loop, None
     old_bs, old_world = saved.get("batch_size"), saved.get("world")
@@ -322,13 +324,15 @@ def resume_position(loop: dict[str, int], saved: Mapping[str, Any] | None, batch
         return loop, (f"data-parallel world size {old_world} -> {world} with a loader of unknown batch size: "
                       f"each rank resumes at its micro-batch {loop.get('batches_in_epoch', 0)} of the epoch")
     old_global, new_global = old_bs * old_world, batch_size * world
-    samples = loop.get("batches_in_epoch", 0) * old_global
+    cut = bool(loop.get("cut_batches", 0))
+    key, epoch = ("cut_batches", loop.get("epoch", 0) - 1) if cut else ("batches_in_epoch", loop.get("epoch", 0))
+    samples = loop.get(key, 0) * old_global
     batches, rest = divmod(samples, new_global)
-    out = dict(loop, batches_in_epoch=batches,
-               total_batches=loop.get("total_batches", 0) * old_global // new_global)
+    out = dict(loop, total_batches=loop.get("total_batches", 0) * old_global // new_global, **{key: batches})
+    if cut and not batches:  # no whole new batch of the cut epoch was trained: it starts over
+        out["epoch"] = epoch
     note = (f"data-parallel layout {old_world} x {old_bs} -> {world} x {batch_size} (global batch "
-            f"{old_global} -> {new_global}); resuming at sample {batches * new_global} of epoch "
-            f"{loop.get('epoch', 0)}")
+            f"{old_global} -> {new_global}); resuming at sample {batches * new_global} of epoch {epoch}")
     if rest:
         note += f" ({rest} samples before it are seen again: {samples} is not a multiple of {new_global})"
     return out, note

@@ -190,6 +190,18 @@ def test_resume_position_keeps_the_global_sample_position():
     assert out == loop and "unknown batch size" in note
 
 
+def test_resume_position_after_a_max_steps_cut_keeps_the_cut_epochs_position():
+    """A fit that max_steps cut after 3 of epoch 1's batches ended that epoch (epoch 2 counted); a
+    later fit continues epoch 1 (cut_batches): that position is rescaled, not the new epoch's."""
+    loop = {"global_step": 10, "epoch": 2, "batches_in_epoch": 0, "total_batches": 10, "cut_batches": 3}
+    out, note = resume_position(loop, {"batch_size": 6, "world": 4}, 4, 3)  # 24 -> 12: 6 batches
+    assert (out["epoch"], out["batches_in_epoch"], out["cut_batches"]) == (2, 0, 6)
+    assert "resuming at sample 72 of epoch 1" in note
+    out, note = resume_position(loop, {"batch_size": 6, "world": 4}, 25, 4)  # 24 -> 100: none whole
+    assert (out["epoch"], out["batches_in_epoch"], out["cut_batches"]) == (1, 0, 0)
+    assert "72 samples before it are seen again" in note
+
+
 def _meta(**params):
     return {"params": {n: {"shape": s} for n, s in params.items()}, "extras": {"bn.n": {"shape": []}},
             "optimizer": {"type": "torch.optim.adamw.AdamW", "names": [sorted(params)]}}
