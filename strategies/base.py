@@ -180,6 +180,9 @@ class Strategy:
     #: Lightning's ``strategy.launcher``: what started this job's other local ranks from this
     #: process (zerotrain's ``LocalLauncher``, set when it joins the job); None when nothing did
     launcher: Any = None
+    #: what runs autograd from one (scaled) loss, ``(loss, **backward_kwargs)``: the Trainer lends the
+    #: module's ``backward`` hook (Lightning's); None: ``loss.backward()``
+    backward_call: Any = None
 
     def __init__(self, process_group_timeout_s: float = PROCESS_GROUP_TIMEOUT_S) -> None:
         if (isinstance(process_group_timeout_s, bool) or not isinstance(process_group_timeout_s, (int, float))
@@ -325,7 +328,7 @@ class Strategy:
         bucketed reductions). ``backward_kwargs`` (``retain_graph``, ...) go to ``Tensor.backward``."""
         self._before_backward()
         loss = self.precision.pre_backward(loss)
-        self.precision.backward(loss, self.model, **backward_kwargs)
+        self.precision.backward(loss, self.model, run=self.backward_call, **backward_kwargs)
         self.precision.post_backward(loss)
         self._after_backward()
 

@@ -114,9 +114,9 @@ class TrainerEvaluation:
         """Lightning's sanity check: ``num_sanity_val_steps`` validation batches before the first
         training step (of every fit, resumed ones too), so a broken ``validation_step`` fails fast.
         ``trainer.sanity_checking`` is set meanwhile; its metrics are neither logged nor kept."""
-        if self.val_dataloader is None or not self.num_sanity_val_steps or self.limit_val_batches == 0:
+        if not self.num_sanity_val_steps or self.limit_val_batches == 0:
             return
-        if not self._validation_defined():
+        if not self._validation_defined() or not self._val_data_defined():
             return
         kept = self._last_val_step
         self._logging.reset_metrics()
@@ -124,7 +124,7 @@ class TrainerEvaluation:
         try:
             with isolate_rng():  # as Lightning: the check leaves the RNG streams (dropout, loader seeds) as they were
                 self.hooks("on_sanity_check_start", self, self.module)
-                self._run_validation(self.val_dataloader)
+                self._run_validation(self._fit_val_loaders())  # the first request of fit's validation data
                 self.hooks("on_sanity_check_end", self, self.module)
         finally:
             self.sanity_checking = False

@@ -10,12 +10,12 @@ from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Sequ
 
 from . import job
 from .data_fit import FitLoaders
-from .datamodule import DataModule
+from .datamodule import DataModule, overrides_hook
 from .errors import ConfigError, MisconfigurationException
 from .hooks import datamodule_hook
 from .compat import data as _data
 from .compat.data import _auto_add_worker_init_fn
-from .utilities import PossibleUserWarning, is_overridden, isolate_rng, rank_zero_warn
+from .utilities import PossibleUserWarning, is_overridden, rank_zero_warn
 
 log = logging.getLogger("zerotrain")
 
@@ -130,17 +130,26 @@ class TrainerData:
 
     def _start_val_data(self, given: Any) -> None:
         """``fit`` begins: its validation loaders are requested when Lightning's validation loop
-        requests them (``_fit_val_loaders``): first by the sanity check, when one runs (so before
-        the training loader, as Lightning), else at the start of training or the first validation."""
+        requests them (``_fit_val_loaders``): first by the sanity check, when one runs (after
+        ``on_sanity_check_start``, before the training loader, as Lightning), else at the start of
+        training or the first validation."""
         self._val_given, self._val_pending, self._val_loaded_epoch = given, True, -math.inf
         self.val_dataloader = None
-        if self.num_sanity_val_steps and self.limit_val_batches != 0 and self._validation_defined():
-            self.sanity_checking = True
-            try:
-                with isolate_rng():  # part of Lightning's isolated sanity check: the training loader sees the same RNG
-                    self._fit_val_loaders()
-            finally:
-                self.sanity_checking = False
+
+    def _val_data_defined(self) -> bool:
+        """Lightning's validation data source is defined: loaders passed to ``fit``, or a
+        ``val_dataloader`` of the datamodule or the module."""
+        return self._val_given is not None or any(overrides_hook(owner, "val_dataloader")
+                                                  for owner in (self.datamodule, self.module))
+
+    def _require_train_loader(self) -> None:
+        """``fit``'s training loader, requested once (Lightning requests it after the sanity check,
+        before ``on_train_start``; ``estimated_stepping_batches`` or a resume may have asked first)."""
+        if self.train_dataloader is None:
+            self._load_train_loader()
+        if self.train_dataloader is None:
+            raise ConfigError("Trainer.fit: no training data (pass train_dataloaders or a datamodule, or "
+                              "implement train_dataloader())")
 
     def _fit_val_loaders(self) -> Any:
         """``fit``'s validation loader(s), requested (from the datamodule or the module; loaders

@@ -240,6 +240,12 @@ class TrainModule(HyperparametersMixin, nn.Module, DataHooks, ModuleTools):
         reduction), with the ``on_before_backward``/``on_after_backward`` hooks."""
         self.trainer._optim.manual_backward(loss, *args, **kwargs)
 
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        """How the Trainer runs autograd from a loss (automatic and ``manual_backward``), between
+        ``on_before_backward`` and ``on_after_backward``, with the loss already scaled by the
+        precision: ``loss.backward(*args, **kwargs)``. Override to backward otherwise."""
+        loss.backward(*args, **kwargs)
+
     def toggle_optimizer(self, optimizer: Any) -> None:
         """Only ``optimizer``'s parameters require grad until ``untoggle_optimizer`` (the parameters
         of the Trainer's other optimizers are frozen; each one's previous ``requires_grad`` is kept

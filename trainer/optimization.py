@@ -153,7 +153,8 @@ class Optimization:
         t, wrapper = self.trainer, self.wrappers[0]
         wrapper.clip = None
         with hook_scope(t, "configure_gradient_clipping"):
-            t.module.configure_gradient_clipping(self.optimizers[0], t.gradient_clip_val, t.gradient_clip_algorithm)
+            t.module.configure_gradient_clipping(self.optimizers[0], gradient_clip_val=t.gradient_clip_val,
+                                                 gradient_clip_algorithm=t.gradient_clip_algorithm)
         clip, wrapper.clip = wrapper.clip, None
         return clip or (None, "norm")
 

@@ -8,6 +8,7 @@ import contextlib
 import os
 import sys
 from collections.abc import Iterator, MutableMapping
+from typing import Any
 
 import torch
 
@@ -53,6 +54,7 @@ class TrainerSetup:
         self._stage_setup(stage)
         self._configure_model(module)
         s.setup_module(module)
+        s.backward_call = self._module_backward
         self._ready = True
         if stage == "fit" or not s.evaluates_without_optimizer:
             self._setup_optimizers()
@@ -93,6 +95,11 @@ class TrainerSetup:
             seed_rngs(self.seed)
         if self.deterministic:
             torch.use_deterministic_algorithms(True)
+
+    def _module_backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """The strategy's autograd call (``backward_call``): the module's ``backward`` hook,
+        looked up at each call (a hook set on the instance later is the one called)."""
+        self.module.backward(loss, **kwargs)
 
     def _configure_model(self, module: TrainModule) -> None:
         """``configure_model`` from global rank 0's torch RNG state on every rank, so a model

@@ -296,14 +296,10 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
         try:
             verify_stage(self, module, "fit", datamodule, val_dataloaders)  # Lightning's checks and warnings
             self._setup(module, "fit", datamodule)
-            self._start_val_data(val_dataloaders)  # the sanity check's request comes first, as Lightning's
-            if self.train_dataloader is None:  # not already loaded by estimated_stepping_batches
-                self._load_train_loader()
-            if self.train_dataloader is None:
-                raise ConfigError("Trainer.fit: no training data (pass train_dataloaders or a datamodule, or "
-                                  "implement train_dataloader())")
+            self._start_val_data(val_dataloaders)  # requested in the sanity check, after its start hook, as Lightning's
             ckpt_path = self.ckpt_path = checkpointing.resume_path(self, ckpt_path)
             if ckpt_path:
+                self._require_train_loader()  # the resume position depends on its batch size (trainer/reshard.py)
                 checkpointing.load(self, ckpt_path)
                 self._logging.logging_step = self.state.global_step  # Lightning restores its own counter
             self._logging.reset_metrics()
@@ -322,6 +318,7 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
             module.zero_grad()  # as Lightning's stages begin
             with torch.autograd.set_detect_anomaly(self.detect_anomaly):
                 self._sanity_check()
+                self._require_train_loader()  # as Lightning: after the sanity check, before on_train_start
                 self._fit_loop()
             self.hooks.both("on_fit_end", self, module)
         except BaseException as exc:

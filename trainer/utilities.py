@@ -176,7 +176,7 @@ def isolate_rng(include_cuda: bool = True) -> Iterator[None]:
 def is_overridden(method_name: str, instance: Any = None, parent: "type | None" = None) -> bool:
     """Lightning's ``is_overridden``: ``instance``'s class (or the class itself) defines
     ``method_name`` otherwise than ``parent`` (by default the TrainModule, DataModule or Callback base
-    it derives from). ``None`` is never overridden."""
+    it derives from). ``None``, or a wrapper of ``None``, is never overridden."""
     if instance is None:
         return False
     if parent is None:
@@ -194,8 +194,25 @@ def is_overridden(method_name: str, instance: Any = None, parent: "type | None" 
     theirs = getattr(parent, method_name, None)
     if theirs is None:
         raise ValueError(f"{parent.__name__} has no method {method_name!r}")
-    unwrap = lambda fn: getattr(getattr(fn, "__func__", fn), "__wrapped__", getattr(fn, "__func__", fn))  # noqa: E731
-    return unwrap(mine) is not unwrap(theirs)
+    mine = _unwrap(mine)
+    if mine is None:  # a wrapper (functools.wraps, a partial) of None: the hook was switched off
+        return False
+    return mine is not _unwrap(theirs)
+
+
+def _unwrap(fn: Any) -> Any:
+    """The function under methods, ``functools.wraps`` wrappers and partials (each peeled in turn)."""
+    for _ in range(100):  # a bound against cycles
+        if hasattr(fn, "__func__"):
+            fn = fn.__func__
+        elif hasattr(fn, "__wrapped__"):
+            fn = fn.__wrapped__
+        elif isinstance(fn, functools.partial):
+            fn = fn.func
+        else:
+            return fn
+        if fn is None:
+            return None
 
 
 def get_torchvision_model(model_name: str, **kwargs: Any) -> torch.nn.Module:

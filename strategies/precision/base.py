@@ -58,14 +58,16 @@ class Precision:
         return self.scale_loss(loss)
 
     def backward(self, tensor: torch.Tensor | Sequence[torch.Tensor], model: torch.nn.Module | None,
-                 grad_tensors: Sequence[torch.Tensor] | None = None, **backward_kwargs: Any) -> None:
+                 grad_tensors: Sequence[torch.Tensor] | None = None, run: Callable | None = None,
+                 **backward_kwargs: Any) -> None:
         """Run autograd from ``tensor``: a (pre-backward) loss, or a pipeline stage's outputs with
         the gradients the next stage sent for them (``grad_tensors``, already scaled). ``model``
         is the module the gradients flow into, for plugins that need it. A single loss goes
         through ``Tensor.backward``, as Lightning's plugins call it (code that wraps or counts it
-        sees every backward)."""
+        sees every backward); ``run(loss, **backward_kwargs)``, when given, calls it instead (the
+        module's ``backward`` hook, as Lightning's plugins call ``model.backward``)."""
         if torch.is_tensor(tensor) and grad_tensors is None:
-            tensor.backward(**backward_kwargs)
+            (run or torch.Tensor.backward)(tensor, **backward_kwargs)
         else:
             torch.autograd.backward(tensor, grad_tensors, **backward_kwargs)
 
