@@ -1,8 +1,9 @@
 """Lightning's ``BasePredictionWriter`` (``lightning.pytorch.callbacks.prediction_writer``): a
 callback that hands ``predict``'s outputs to the user's ``write_on_batch_end`` after each batch
 and/or ``write_on_epoch_end`` after the epoch, so predictions can go to disk instead of memory.
-zerotrain does not track which dataset indices a batch came from: ``batch_indices`` is None
-(Lightning's value where the indices are not tracked)."""
+``batch_indices``: the dataset indices of the batch (``write_on_batch_end``) or, per loader, of
+every batch (``write_on_epoch_end``), as Lightning's ``trainer.predict_loop`` keeps them
+(``trainer/predict_indices.py``; empty where a loader has none, e.g. an ``IterableDataset``)."""
 from __future__ import annotations
 
 from typing import Any
@@ -33,7 +34,8 @@ class BasePredictionWriter(Callback):
     def on_predict_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int,
                              dataloader_idx: int = 0) -> None:
         if self.interval in ("batch", "batch_and_epoch"):
-            self.write_on_batch_end(trainer, pl_module, outputs, None, batch, batch_idx, dataloader_idx)
+            self.write_on_batch_end(trainer, pl_module, outputs, trainer.predict_loop.current_batch_indices, batch,
+                                    batch_idx, dataloader_idx)
         if self.interval in ("epoch", "batch_and_epoch"):
             self._predictions.setdefault(dataloader_idx, []).append(outputs)
 
@@ -42,6 +44,5 @@ class BasePredictionWriter(Callback):
             return
         per_loader = [self._predictions[k] for k in sorted(self._predictions)]
         predictions = per_loader[0] if len(per_loader) == 1 else per_loader
-        indices = [[None] * len(p) for p in per_loader]
-        self.write_on_epoch_end(trainer, pl_module, predictions, indices[0] if len(indices) == 1 else indices)
+        self.write_on_epoch_end(trainer, pl_module, predictions, trainer.predict_loop.epoch_batch_indices)
         self._predictions = {}

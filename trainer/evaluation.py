@@ -24,6 +24,7 @@ from .logging import hook_scope
 from .batch_transfer import transfer_batch
 from .model_mode import ModelMode
 from .module import TrainModule
+from .predict_indices import batch_indices, with_index_tracking
 from .state import RunningStage
 from .utilities import isolate_rng, rank_zero_warn
 from .signature import overridden, required_without_default, takes
@@ -83,6 +84,8 @@ class TrainerEvaluation:
                 raise ConfigError(f"Trainer.{fn}: no data (pass dataloaders or a datamodule, or implement "
                                   f"{spec.loader}())")
             loaders = [self._prepare_loader(loader, fn) for loader in loaders]
+            if fn == "predict":  # Lightning's: each batch's dataset indices, for BasePredictionWriter
+                loaders = [with_index_tracking(loader) for loader in loaders]
             if fn in ("test", "predict"):  # Lightning's trainer.test_dataloaders / predict_dataloaders
                 setattr(self, f"{fn}_dataloaders", loaders[0] if len(loaders) == 1 else loaders)
             path = self.ckpt_path = checkpointing.resume_path(self, ckpt_path, fn, model is not None)
@@ -238,12 +241,17 @@ class TrainerEvaluation:
         job.set_sampler_epoch(loader, self.state.epoch)  # Lightning's: the epochs trained so far
         predictions = []
         loop = self._eval_loop(spec.fn)  # counts the batches (Lightning's batch_progress)
+        if self._predicting:
+            loop.epoch_batch_indices = loop.epoch_batch_indices[:index] + [[]]
 
         def run_batch(batch: Any, batch_idx: int) -> Any:
             self._val_logged = False
             self._tick(spec.step)
             batch = transfer_batch(self, batch, index)  # trainer/batch_transfer.py
             self._logging.on_batch_start(batch, index if count > 1 else None)
+            if self._predicting:  # trainer/predict_indices.py
+                loop.current_batch_indices = batch_indices(loader, batch_idx)
+                loop.epoch_batch_indices[index].append(loop.current_batch_indices)
             self.hooks.both(f"on_{spec.hooks}_batch_start", self, self.module, batch, batch_idx, *kwargs.values())
             with hook_scope(self, spec.step):
                 out = self._eval_forward(spec, batch, batch_idx, kwargs)

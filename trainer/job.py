@@ -119,15 +119,22 @@ def distributed_loader(loader: Any, strategy: Strategy, seed: int, custom_sample
         sampler = SamplerShard(loader.sampler, world, rank, shuffle=custom_sampler_shuffle, seed=seed)
     else:
         return loader
+    options = loader_options(loader)
+    # the user's generator (None: the global RNG), as Lightning re-creates the loader: each pass's
+    # iterator draws its worker base seed from it, so the global RNG stream after a pass (dropout,
+    # noise drawn in training_step) is Lightning's; ``epoch_iterator`` keeps a resumed pass exact
+    return DataLoader(loader.dataset, sampler=sampler, generator=loader.generator, **options)
+
+
+def loader_options(loader: DataLoader) -> dict[str, Any]:
+    """The options a DataLoader is rebuilt with over another sampler (its dataset and generator
+    aside)."""
     options = {name: getattr(loader, name) for name in (
         "batch_size", "num_workers", "collate_fn", "pin_memory", "drop_last", "timeout", "worker_init_fn",
         "persistent_workers")}
     if loader.num_workers > 0:
         options["prefetch_factor"] = loader.prefetch_factor
-    # the user's generator (None: the global RNG), as Lightning re-creates the loader: each pass's
-    # iterator draws its worker base seed from it, so the global RNG stream after a pass (dropout,
-    # noise drawn in training_step) is Lightning's; ``epoch_iterator`` keeps a resumed pass exact
-    return DataLoader(loader.dataset, sampler=sampler, generator=loader.generator, **options)
+    return options
 
 
 class SamplerShard(Sampler):

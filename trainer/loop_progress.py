@@ -106,6 +106,9 @@ class EvalLoop:
     def __init__(self, trainer: Any, stage: str) -> None:
         self.trainer, self.stage = trainer, stage
         self.batch_progress = Progress()
+        #: predict: the running batch's dataset indices, and every batch's per loader (trainer/predict_indices.py)
+        self.current_batch_indices: list[int] = []
+        self.epoch_batch_indices: list[list[list[int]]] = []
 
     def _evaluation_step(self, batch: Any, batch_idx: int, dataloader_idx: int | None, step: Callable[[], Any]) -> Any:
         """One evaluation batch: ``step()`` runs its hooks and the module's step; returns what it returns."""

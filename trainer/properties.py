@@ -46,6 +46,12 @@ class TrainerProperties(TrainerLoops):
         return CheckpointConnector(self)
 
     @property
+    def _accelerator_connector(self) -> Any:
+        """What Lightning code reads of its accelerator connector (``trainer/compat/accelerator_connector.py``)."""
+        from .compat.accelerator_connector import AcceleratorConnectorView
+        return AcceleratorConnectorView(self)
+
+    @property
     def progress_bar_callback(self) -> Any:
         """The progress bar (Lightning's ``ProgressBar``) among the callbacks, or None."""
         from ..callbacks.progress import ProgressBar

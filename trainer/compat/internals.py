@@ -88,7 +88,7 @@ _SubprocessScriptLauncher = _internal("_SubprocessScriptLauncher", "script launc
 _TrainerFabricShim = _internal("_TrainerFabricShim", "trainer stand-in for a module used with Fabric")
 SingleDeviceXLAStrategy = _internal("SingleDeviceXLAStrategy", "XLA (TPU) strategy")
 XLACheckpointIO = _internal("XLACheckpointIO", "XLA checkpoint IO plugin")
-_IndexBatchSamplerWrapper = _internal("_IndexBatchSamplerWrapper", "batch sampler that records prediction indices")
+from ..predict_indices import IndexBatchSampler as _IndexBatchSamplerWrapper  # noqa: E402 - what predict runs over
 
 
 class UnrepeatedDistributedSampler(DistributedSampler):
