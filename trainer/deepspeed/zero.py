@@ -19,8 +19,9 @@ from torch import nn
 
 from ..engine import Engine
 from ..errors import ConfigError
-from . import comm
+from . import comm, zero_init
 from .config import DeepSpeedConfig, load_config, parse
+from .zero_init import DeepSpeedInitRules
 
 #: the Engine an Init block built a model with, waiting for ``initialize`` (at most one)
 _pending: list[tuple[Engine, DeepSpeedConfig]] = []
@@ -58,7 +59,10 @@ def register(engine: Engine) -> None:
 class Init:
     """Context manager: parameters created inside are partitioned over the ranks as they are
     registered (no rank holds the model whole). ``config_dict_or_path`` (or ``config``) is the
-    DeepSpeed config ``initialize`` will get; without one, ZeRO-3 with zerotrain's defaults."""
+    DeepSpeed config ``initialize`` will get; without one, ZeRO-3 with zerotrain's defaults.
+    DeepSpeed's initialisation rules apply inside (``zero_init.py``): a parameter whose module has
+    been built ignores later in-place writes outside ``Module.apply`` / ``GatheredParameters(
+    modifier_rank=...)``, and under fp16/bf16 (or ``dtype=``) new floating tensors are 16-bit."""
 
     def __init__(self, module: nn.Module | None = None, data_parallel_group: Any = None,
                  mem_efficient_linear: bool = True, remote_device: str | None = None, pin_memory: bool = False,
@@ -67,11 +71,12 @@ class Init:
         if module is not None:
             raise ConfigError("zero.Init: module=<an existing model>; valid: None (build the model inside the "
                               "block: with zero.Init(...): model = Net())")
-        if dtype is not None and dtype != torch.float32:
-            raise ConfigError(f"zero.Init: dtype={dtype}; valid: None or torch.float32 (parameters are built in "
-                              "fp32; the precision comes from the config's fp16/bf16 sections)")
+        if dtype not in (None, torch.float32, torch.float16, torch.bfloat16):
+            raise ConfigError(f"zero.Init: dtype={dtype}; valid: None (the config's fp16/bf16 type, else fp32), "
+                              "torch.float32, torch.float16, torch.bfloat16")
         self.enabled = enabled
         self.config = config_dict_or_path if config_dict_or_path is not None else config
+        self.dtype = dtype
         self._ctx: contextlib.ExitStack | None = None
 
     def _config(self) -> DeepSpeedConfig:
@@ -95,6 +100,10 @@ class Init:
         engine = new_engine(cfg)
         self._ctx = contextlib.ExitStack()
         self._ctx.enter_context(engine.init_module())
+        dtype = self.dtype or (torch.float16 if cfg.fp16_enabled else torch.bfloat16 if cfg.bf16_enabled else None)
+        rules = self._ctx.enter_context(DeepSpeedInitRules(None if dtype == torch.float32 else dtype))
+        zero_init.active.append(rules)
+        self._ctx.callback(zero_init.active.remove, rules)
         _pending.append((engine, cfg))
         return self
 
@@ -136,10 +145,14 @@ class GatheredParameters:
         self.modifier_rank, self.enabled = modifier_rank, enabled
         self._strategy: Any = None
         self._units: list = []
+        self._writable = contextlib.ExitStack()
 
     def __enter__(self) -> "GatheredParameters":
         if not self.enabled or not self.params:
             return self
+        if zero_init.active and self.modifier_rank is not None:  # inside zero.Init: writes reach the partitions
+            self._writable = contextlib.ExitStack()
+            self._writable.enter_context(zero_init.active[-1].writable(self.params))
         s = self._strategy = _owner(self.params)
         if s is None:
             return self
@@ -153,6 +166,7 @@ class GatheredParameters:
         return self
 
     def __exit__(self, *exc: Any) -> bool:
+        self._writable.close()
         s, self._strategy = self._strategy, None
         if s is None:
             return False

@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp  # noqa: F401  (deepspeed.comm.ReduceOp)
 
-from ...strategies.environment import init_default_group
-from .accelerator import get_accelerator
+from ....strategies.environment import init_default_group
+from ..accelerator import get_accelerator
 
 log = logging.getLogger("zerotrain")
 _ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -185,8 +185,8 @@ def record(engine: Any) -> Any:
     """Start recording every collective ``engine``'s strategy issues (``comms_logger.enabled``);
     returns the record, whose ``step`` the engine moves on after each optimizer step."""
     global _recording
-    from ...callbacks.comms import StepRecorder
-    from ...strategies import instrument
+    from ....callbacks.comms import StepRecorder
+    from ....strategies import instrument
 
     recorder = StepRecorder(engine._cfg.comms_verbose)
     instrument.add_sink(recorder)
@@ -196,7 +196,7 @@ def record(engine: Any) -> Any:
 
 def stop_recording(recorder: Any) -> None:
     global _recording
-    from ...strategies import instrument
+    from ....strategies import instrument
 
     instrument.remove_sink(recorder)
     if _recording is not None and _recording[0] is recorder:
