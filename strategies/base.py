@@ -180,6 +180,10 @@ class Strategy:
     #: Lightning's ``strategy.launcher``: what started this job's other local ranks from this
     #: process (zerotrain's ``LocalLauncher``, set when it joins the job); None when nothing did
     launcher: Any = None
+    #: ``torch.compile`` per block (``strategies/compile.py``; ``Trainer(compile=...)``), applied by
+    #: ``compile_module`` after ``setup_module``; ``compiled``: the regions it compiled
+    compile: Any = None
+    compiled: Any = None
     #: what runs autograd from one (scaled) loss, ``(loss, **backward_kwargs)``: the Trainer lends the
     #: module's ``backward`` hook (Lightning's); None: ``loss.backward()``
     backward_call: Any = None
@@ -280,6 +284,16 @@ class Strategy:
         module = self.precision.convert_module(module).to(self.device)
         self.module = module
         self.model = StepWrapper(module, self.step_call)
+
+    def compile_blocks(self) -> list[nn.Module] | None:
+        """The modules to compile one by one (None: ``compile.repeated_blocks`` finds them)."""
+        return None
+
+    def compile_module(self) -> None:
+        """After ``setup_module``: compile ``self.compile``'s regions (once; nothing without it)."""
+        if self.compile is not None and self.compiled is None and self.module is not None:
+            from .compile import compile_regions
+            self.compiled = compile_regions(self.module, self.compile, self.compile_blocks())
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         refuse_shared(self, optimizer)

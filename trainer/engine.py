@@ -59,6 +59,7 @@ from torch import nn
 from ..strategies import Strategy, progress
 from ..strategies.optimizers import OptimizerSet
 from . import checkpointing, reshard
+from .compiled import take_compiled
 from .errors import ConfigError
 from .job import check_cuda, check_num_nodes, distributed_loader, epoch_iterator, join_job, plugins
 from .launcher import LocalLauncher
@@ -166,8 +167,10 @@ class Engine:
                               "models: one setup call each)")
         if self._model is not None:  # one more model (Fabric's GAN): a strategy of its own
             s = another_strategy(s, *self._specs, self.precision_plugin, self.world_size)
+        model = take_compiled(s, model, "Engine.setup")  # Fabric's setup(torch.compile(model)): per block
         try:
             s.setup_module(model)
+            s.compile_module()
             if not bare:
                 s.setup_optimizer(optimizers[0] if len(optimizers) == 1 else OptimizerSet(optimizers))
         except ValueError as exc:  # the strategy's checks (parameters outside the optimizer, ...)

@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader
 from . import checkpointing, hparams, job
 from .datamodule import DataModule
 from .compat.validator import verify_stage
+from .compiled import take_compiled
 from .errors import ConfigError
 from .logging import hook_scope
 from .batch_transfer import transfer_batch
@@ -67,6 +68,7 @@ class TrainerEvaluation:
         """validate / test / predict: set up (once per Trainer), attach the data, load the
         checkpoint's weights, and run the evaluation loop on every rank."""
         dataloaders, datamodule = split_datamodule(fn, dataloaders, datamodule)
+        model = take_compiled(self._strategy, model, f"Trainer.{fn}")  # Lightning's torch.compile(model)
         if model is None:
             if self.module is None:
                 raise TypeError(f"`Trainer.{fn}()` requires a `TrainModule` when it hasn't been passed in a previous "

@@ -186,6 +186,7 @@ class Fabric(Engine):
         """The Engine's ``setup``; a TrainModule (Lightning's LightningModule) then knows this Fabric,
         as under Fabric: its ``self.logger`` / ``self.loggers`` are the Fabric's."""
         out = super().setup(model, *optimizers)
+        model = getattr(model, "_orig_mod", model)  # setup(torch.compile(model))
         if isinstance(model, TrainModule):
             model.__dict__["_fabric"] = self
         return out

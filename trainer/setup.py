@@ -55,6 +55,7 @@ class TrainerSetup:
         self._configure_model(module)
         s.setup_module(module)
         s.backward_call = self._module_backward
+        s.compile_module()  # Trainer(compile=...) or a torch.compile'd model: per block (strategies/compile.py)
         self._ready = True
         if stage == "fit" or not s.evaluates_without_optimizer:
             self._setup_optimizers()

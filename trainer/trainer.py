@@ -25,6 +25,7 @@ from ..strategies.paths import directory_problem
 from . import checkpointing, elastic, env_args, hparams, job, plugin_checks, run_options, signals
 from .compat.profilers import Profiler, profiler_of
 from .compat.validator import verify_stage
+from .compiled import compile_option, take_compiled
 from .batch_transfer import transfer_batch
 from .arguments import (check_clip_val, check_limit, check_lightning_args, default_callbacks, fast_dev_run_flags,
                         lightning_callbacks, make_loggers, positive_int, positive_number)
@@ -106,6 +107,7 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
         profiler: Profiler | str | None = None,
         barebones: bool = False,
         plugins: Any = None,
+        compile: Any = None,
     ) -> None:
         """As Lightning's Trainer, plus zerotrain's own arguments. ``seed``: None (the default, as
         Lightning, which has no such argument) leaves the global RNGs as the user seeded them;
@@ -159,6 +161,7 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
                         val_check_interval=val_check_interval, overfit_batches=overfit_batches)
         self.precision_plugin, self._strategy = job.plugins("Trainer", strategy, precision, devices * num_nodes)
         self._strategy.step_call = step_call  # Lightning's rule: which arguments each step method takes
+        self._strategy.compile = compile_option("Trainer", compile)  # per block (strategies/compile.py)
         self.accelerator, self.devices, self.num_nodes = accelerator, int(devices), num_nodes
         self.max_steps, self.max_epochs = max_steps, max_epochs
         self.accumulate_grad_batches = accumulate_grad_batches
@@ -282,7 +285,7 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
         ModelCheckpoint directory, if any) or ``"best"`` (``checkpointing.resume_path``). With
         ``max_restarts`` this process supervises the workers and exits with the job's status
         (``trainer/elastic.py``); a restarted worker resumes from ``latest``."""
-        module = model
+        module = model = take_compiled(self._strategy, model, "Trainer.fit")  # Lightning's torch.compile(model)
         if self.max_restarts and not self._ready:
             info = detect(self.devices, self.num_nodes)
             if info.source == "single":  # not yet inside a launched job: supervise one

@@ -29,8 +29,9 @@ Forward hooks use ``always_call=True``, so a forward that raises still leaves th
 """
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -109,6 +110,19 @@ class Stage3Hooks:
         if outermost and self._mode_active:
             self._mode_active = False
             self.mode.__exit__(None, None, None)
+
+    @contextlib.contextmanager
+    def outside_watch(self) -> Iterator[None]:
+        """A compiled region's call: the touch watch is off the torch-function stack meanwhile."""
+        n = torch._C._len_torch_function_stack()
+        if not (self._mode_active and n and torch._C._get_function_stack_at(n - 1) is self.mode):
+            yield
+            return
+        self.mode.__exit__(None, None, None)
+        try:
+            yield
+        finally:
+            self.mode.__enter__()
 
     def _touched(self, params: list, func: Any, args: tuple, kwargs: dict) -> None:
         with self.mode.silenced():

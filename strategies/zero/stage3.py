@@ -141,6 +141,20 @@ class ZeroStage3(ZeroStrategy):
         self.hooks = Stage3Hooks(self.runtime, units, [self.model, *self._scope_modules()],
                                  self.stage3.activation_checkpointing)
 
+    def compile_blocks(self) -> list[nn.Module] | None:
+        """Each unit's module (its gather and release hooks stay outside the compiled forward)."""
+        assert self.module is not None and self.plan is not None
+        return [self.module.get_submodule(u.name) for u in self.units if u.name not in (ROOT, PERSISTENT)] or None
+
+    def compile_module(self) -> None:
+        """As the base's; each compiled region runs outside the parameter-touch watch (which dynamo
+        would trace, guarding on every input's identity: a recompilation per step), so a unit's
+        compiled forward must read only its own (gathered) and the persistent parameters."""
+        if self.compile is not None and self.compiled is None and self.hooks is not None:
+            from ..compile import compile_regions
+            self.compiled = compile_regions(self.module, self.compile, self.compile_blocks(),
+                                            around=self.hooks.outside_watch)
+
     def _reuse_distance(self) -> int:
         """Collective for "auto": ``max_reuse_distance`` in elements, from what each rank has free
         now that its shards exist (``Stage3Config.reuse_budget``), the least over ranks so that

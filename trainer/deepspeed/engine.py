@@ -34,6 +34,7 @@ from torch import nn
 from ...strategies.offload.aio import atomic_file
 from .. import checkpoint_io
 from . import comm
+from .compiled import CompileMethods
 from ..engine import Engine
 from ..errors import CheckpointError, ConfigError
 from .config import DeepSpeedConfig
@@ -173,7 +174,7 @@ class ConfigAccessors(nn.Module):
         return [g["lr"] for g in self.optimizer.param_groups]
 
 
-class DeepSpeedEngine(ConfigAccessors):
+class DeepSpeedEngine(CompileMethods, ConfigAccessors):
     """What ``deepspeed.initialize`` returns first. An ``nn.Module`` holding the user's model as
     ``module`` (so ``engine.parameters()``, ``engine.train()``/``eval()`` work as DeepSpeed's)."""
 
