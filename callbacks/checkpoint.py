@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..trainer.checkpoint_file import newest
+from ..trainer.checkpoint_file import file_suffix, newest
 from ..trainer.errors import CheckpointError, ConfigError
 from . import checkpoint_names as names
 from .base import Callback
@@ -375,7 +375,8 @@ class ModelCheckpoint(Callback):
             if self.save_weights_only:
                 self._save_weights(trainer, filepath)
             else:
-                trainer.save_checkpoint(filepath, False)  # positional, as Lightning calls it (mocks see it)
+                with file_suffix(self.FILE_EXTENSION):  # a file whatever the extension, as Lightning's
+                    trainer.save_checkpoint(filepath, False)  # positional, as Lightning calls it (mocks see it)
         except CheckpointError as exc:  # name the setting that chose the path
             raise CheckpointError(f"{exc} (ModelCheckpoint dirpath={self.dirpath!r})") from exc
         self._last_global_step_saved = trainer.global_step

@@ -24,10 +24,11 @@ the tensors the file really holds before anything is sized by it.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -43,9 +44,25 @@ LIGHTNING_KEYS = ("epoch", "global_step", "pytorch-lightning_version", "state_di
                   "lr_schedulers", "callbacks", "loops")
 
 
+_FILE_SUFFIXES: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("zerotrain_file_suffixes",
+                                                                                 default=(SUFFIX,))
+
+
 def wants_file(path: str | os.PathLike) -> bool:
-    """A save to ``path`` is a candidate for one file (Lightning's extension)."""
-    return str(path).endswith(SUFFIX)
+    """A save to ``path`` is a candidate for one file (Lightning's extension, or one that
+    :func:`file_suffix` adds)."""
+    return str(path).endswith(_FILE_SUFFIXES.get())
+
+
+@contextlib.contextmanager
+def file_suffix(suffix: str) -> Iterator[None]:
+    """Saves inside write ``*suffix`` paths as one file too, as ``.ckpt`` ones: a ModelCheckpoint's
+    own ``FILE_EXTENSION`` (Lightning writes a file whatever the extension)."""
+    token = _FILE_SUFFIXES.set(_FILE_SUFFIXES.get() + (suffix,))
+    try:
+        yield
+    finally:
+        _FILE_SUFFIXES.reset(token)
 
 
 def is_file_checkpoint(path: str | os.PathLike) -> bool:
@@ -226,6 +243,9 @@ def load(path: Path) -> dict[str, Any]:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as exc:  # noqa: BLE001 - pickled code, truncation, another format
         raise CheckpointError(f"cannot read checkpoint file {str(path)!r}: {_load_error(exc)}") from exc
+    from .checkpoint_weights import refuse_resume
+
+    refuse_resume(checkpoint)  # a weights-only file: Lightning's KeyError
     if not isinstance(checkpoint, dict) or checkpoint.get("format") != FORMAT:
         found = checkpoint.get("format", "none") if isinstance(checkpoint, dict) else type(checkpoint).__name__
         raise CheckpointError(f"{str(path)!r} is not a checkpoint zerotrain can resume from (format {found}; this "

@@ -48,17 +48,12 @@ def save(trainer: "Trainer", path: str, update_latest: bool = True) -> None:
     save_strategy(trainer.strategy, trainer.optimizer, path, loop_meta, update_latest)
 
 
-def refuse_save_options(weights_only: bool, storage_options: Any) -> None:
-    """``Trainer.save_checkpoint``'s Lightning arguments zerotrain does not take, refused as
-    Lightning's TorchCheckpointIO refuses ``storage_options``."""
+def refuse_save_options(storage_options: Any) -> None:
+    """``Trainer.save_checkpoint``'s ``storage_options``, refused as Lightning's TorchCheckpointIO refuses it."""
     if storage_options is not None:
         raise TypeError("`Trainer.save_checkpoint(..., storage_options=...)` with `storage_options` arg is not "
                         "supported for `TorchCheckpointIO`. Please implement your custom `CheckpointIO` to define "
                         "how you'd like to use `storage_options`.")
-    if weights_only:
-        raise ConfigError("Trainer.save_checkpoint(weights_only=True) is not supported: a zerotrain checkpoint "
-                          "always holds the optimizer state; for the weights alone use ModelCheckpoint("
-                          "save_weights_only=True) or zerotrain-consolidate")
 
 
 def save_strategy(s: Any, optimizer: Any, path: str | os.PathLike, complete: Callable[[dict[str, Any]], None],

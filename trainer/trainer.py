@@ -22,7 +22,7 @@ from ..callbacks.base import Callback, DummyLogger, Logger
 from ..strategies import Strategy, instrument, progress
 from ..strategies.environment import detect
 from ..strategies.paths import directory_problem
-from . import checkpointing, elastic, env_args, hparams, job, plugin_checks, run_options, signals
+from . import checkpoint_weights, checkpointing, elastic, env_args, hparams, job, plugin_checks, run_options, signals
 from .compat.profilers import Profiler, profiler_of
 from .compat.validator import verify_stage
 from .compiled import compile_option, take_compiled
@@ -345,10 +345,12 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
         """Collective, Lightning's signature: unsharded state to ``*.ckpt`` is one file in Lightning's
         layout, else every rank writes its shard of the checkpoint directory in parallel and rank 0
         publishes it atomically (``trainer/checkpointing.py``, ``checkpoint_io.py``, ``checkpoint_file.py``)."""
-        checkpointing.refuse_save_options(weights_only, storage_options)
-        path = filepath
+        checkpointing.refuse_save_options(storage_options)
         with instrument.section("checkpoint"):
-            checkpointing.save(self, path, update_latest)
+            if weights_only:  # one file of Lightning's weights-only keys (trainer/checkpoint_weights.py)
+                checkpoint_weights.save(self, filepath)
+            else:
+                checkpointing.save(self, filepath, update_latest)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: the complete unsharded fp32 model state on global rank 0, ``{}`` elsewhere."""
