@@ -121,7 +121,8 @@ def test_the_rules_end_with_the_block():
     factory = torch.empty
     with deepspeed.zero.Init(config_dict_or_path=_config({"bf16": {"enabled": True}})):
         assert torch.empty(2).dtype == torch.bfloat16
-        Net("constructors")
+        model = Net("constructors")
+    deepspeed.initialize(model=model, model_parameters=model.parameters(), config=_config({"bf16": {"enabled": True}}))
     assert torch.empty is factory and torch.empty(2).dtype == torch.float32
     lin = nn.Linear(2, 2)
     nn.init.zeros_(lin.weight)
@@ -140,3 +141,20 @@ def test_the_sdma_switch_imports_and_is_off(monkeypatch, caplog):
     with caplog.at_level("WARNING", logger="zerotrain"):
         mori.init()
     assert "no SDMA all-gather" in caplog.text
+
+
+def test_an_fp32_config_draws_in_fp32_under_a_16bit_default_type():
+    """transformers' ``from_config`` with ``torch_dtype=bfloat16`` sets bf16 as torch's default type
+    while it builds; DeepSpeed's Init still makes fp32 tensors under an fp32 config (the sdma
+    example's fp32 run differed from its first loss)."""
+    torch.manual_seed(0)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with deepspeed.zero.Init(config_dict_or_path=_config()):
+            model = Net("constructors")
+    finally:
+        torch.set_default_dtype(old)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=_config())
+    _assert_same(engine._model.full_state_dict(), _eager("constructors")[0])

@@ -62,7 +62,8 @@ class Init:
     DeepSpeed config ``initialize`` will get; without one, ZeRO-3 with zerotrain's defaults.
     DeepSpeed's initialisation rules apply inside (``zero_init.py``): a parameter whose module has
     been built ignores later in-place writes outside ``Module.apply`` / ``GatheredParameters(
-    modifier_rank=...)``, and under fp16/bf16 (or ``dtype=``) new floating tensors are 16-bit."""
+    modifier_rank=...)``, and new floating tensors take the config's type (fp16/bf16, else fp32;
+    or ``dtype=``), even inside a transformers build that set another default type."""
 
     def __init__(self, module: nn.Module | None = None, data_parallel_group: Any = None,
                  mem_efficient_linear: bool = True, remote_device: str | None = None, pin_memory: bool = False,
@@ -100,8 +101,9 @@ class Init:
         engine = new_engine(cfg)
         self._ctx = contextlib.ExitStack()
         self._ctx.enter_context(engine.init_module())
-        dtype = self.dtype or (torch.float16 if cfg.fp16_enabled else torch.bfloat16 if cfg.bf16_enabled else None)
-        rules = self._ctx.enter_context(DeepSpeedInitRules(None if dtype == torch.float32 else dtype))
+        dtype = self.dtype or (torch.float16 if cfg.fp16_enabled else torch.bfloat16 if cfg.bf16_enabled
+                               else torch.float32)
+        rules = self._ctx.enter_context(DeepSpeedInitRules(dtype))
         zero_init.active.append(rules)
         self._ctx.callback(zero_init.active.remove, rules)
         _pending.append((engine, cfg))

@@ -10,9 +10,10 @@ DeepSpeed 0.19.8's ``zero.Init`` does not, and a DeepSpeed script's numbers depe
   ``GatheredParameters(..., modifier_rank=r)`` write into the partitions. A transformers model built
   under ``zero.Init`` without transformers' own DeepSpeed integration therefore keeps the torch
   layers' constructor initialisation (``nn.Linear``'s Kaiming-uniform, ``nn.Embedding``'s normal);
-* with fp16/bf16 in the config, floating-point tensors created inside the block (``torch.empty``,
-  ``zeros``, ``ones``, ``full``, ``arange``, ``eye``, ``randn``, ``tensor``) are cast to that type, so
-  the layers draw their initial values in the 16-bit type (other values than an fp32 draw rounded).
+* floating-point tensors created inside the block (``torch.empty``, ``zeros``, ``ones``, ``full``,
+  ``arange``, ``eye``, ``randn``, ``tensor``) are cast to the config's type (fp16/bf16, else fp32),
+  so the layers draw their initial values in that type: under bf16 other values than an fp32 draw
+  rounded; under fp32 an fp32 draw even where transformers set bf16 as the default type.
 
 :class:`DeepSpeedInitRules` applies both on top of the strategy's partitioned build: a parameter is
 *sealed* when its module is registered in a parent (its constructor has returned by then); an
@@ -73,7 +74,7 @@ class _SealMode(TorchFunctionMode):
 
 class DeepSpeedInitRules:
     """Context manager, entered inside the strategy's partitioned build: DeepSpeed's ``zero.Init``
-    rules above. ``dtype`` is the config's 16-bit type (None under fp32)."""
+    rules above. ``dtype`` is the config's type (None: leave new tensors as they are made)."""
 
     def __init__(self, dtype: torch.dtype | None) -> None:
         self.dtype = dtype
