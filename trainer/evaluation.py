@@ -141,7 +141,7 @@ class TrainerEvaluation:
     def _val_loaders(self, given: Any) -> Any:
         """``fit``'s validation data, each loader prepared as the training one: None, one loader, or
         a list of several (a list or dict of loaders; ``validation_step`` gets ``dataloader_idx``)."""
-        loaders = [self._overfit(self._prepare_loader(d, "validate")) for d in as_loader_list(given)]
+        loaders = [self._overfit(self._prepare_loader(d, "validate"), "val") for d in as_loader_list(given)]
         return None if not loaders else loaders[0] if len(loaders) == 1 else loaders
 
     @property

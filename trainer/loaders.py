@@ -172,22 +172,24 @@ class TrainerData:
         self.val_dataloader = self._val_loaders(self._source("val_dataloader", self._val_given))
         return self.val_dataloader
 
-    def _overfit(self, loader: Any) -> Any:
-        """``overfit_batches``: the same first batches every epoch, so the loader must not shuffle;
-        the injected DistributedSampler is made sequential (Lightning swaps in a sequential one)."""
-        if not self.overfit_batches or loader is None:
+    def _overfit(self, loader: Any, prefix: str = "train") -> Any:
+        """``overfit_batches``: the same first batches every epoch, so the loader must not shuffle.
+        As Lightning: a loader whose sampler is not a SequentialSampler gets one (over its dataset,
+        same options), with Lightning's warning; with several ranks the injected DistributedSampler
+        stays, unshuffled, so each rank keeps its share (Lightning's sequential sampler would give
+        every rank all the data)."""
+        if not self.overfit_batches or not isinstance(loader, DataLoader):
             return loader
-        sampler = getattr(loader, "sampler", None)
-        if isinstance(sampler, (DistributedSampler, job.SamplerShard)):
-            if sampler.shuffle:
-                log.warning("overfit_batches=%r: the DataLoader shuffles; shuffling is turned off so every "
-                            "epoch sees the same batches (as Lightning)", self.overfit_batches)
+        sampler = loader.sampler
+        if isinstance(sampler, SequentialSampler) or job.own_batch_sampler(loader) or not hasattr(loader, "dataset"):
+            return loader
+        rank_zero_warn(f"You requested to overfit but enabled {prefix} dataloader shuffling. We are turning off the "
+                       f"{prefix} dataloader shuffling for you.")
+        if isinstance(sampler, (DistributedSampler, job.SamplerShard)) and self._strategy.data_parallel_world_size > 1:
             sampler.shuffle = False
-        elif isinstance(sampler, RandomSampler):
-            raise ConfigError(f"Trainer: overfit_batches={self.overfit_batches!r} with a shuffling DataLoader "
-                              "kept as given (use_distributed_sampler=False); valid: a DataLoader with "
-                              "shuffle=False")
-        return loader
+            return loader
+        return DataLoader(loader.dataset, sampler=SequentialSampler(loader.dataset), generator=loader.generator,
+                          **job.loader_options(loader))
 
     def _limit(self, loader: Any, limit: int | float | None, prefix: str = "train") -> float:
         """The batches ``limit_<prefix>_batches`` leaves of ``loader`` (inf: no length, or a
