@@ -1,16 +1,31 @@
-"""``zerotrain-train`` / ``python -m zerotrain.train``: the Hydra entry point, the application that
-trains the demo GPT. Its GPT-specific pieces (the ``model`` group's schema, the model-against-data
-checks, building the GPTModule) come from ``examples/gpt_cli.py``: the library never imports
-``examples/``, so this file is where the two meet.
+"""``zerotrain-train`` / ``python -m zerotrain.train``: the Hydra entry point. It trains the user's
+own TrainModule (and DataModule), named by ``_target_`` with its arguments as keys::
+
+    zerotrain-train model._target_=my_pkg.MyModule model.hidden=64 data._target_=my_pkg.MyData \
+                    strategy=zero3 trainer.devices=2
+
+or a config group of the user's own (``--config-dir my_conf model=my_model``), a Hugging Face causal
+LM (``model=llama_tiny``, ``trainer/causal_lm.py``), or the demo GPT (the default ``model=gpt_small``,
+whose ``_target_`` is ``zerotrain.examples.gpt_cli.cli_module``: the library never imports
+``examples/``; Hydra reaches it through that string, as it reaches the user's). Instantiation is
+Hydra's (``hydra.utils.instantiate``); ``trainer/hydra_target.py`` rewrites the command line so a
+target's keys need no ``+``, and checks them against its signature.
 
 Everything that can be wrong with the configuration is checked here, in the first process, before
-the Trainer starts any other rank: Hydra rejects unknown options, misspelt keys and wrong types at
-compose time (reported in the same one line, see below); ``Config.validate()`` range-checks every
-field (see ``trainer/config.py``), the demo's checks relate the model to the data, and building
-the strategy, precision and Trainer objects checks the rest. A bad value ends the command with exit code 2 and one line
+the Trainer starts any other rank: Hydra rejects unknown options, misspelt keys and wrong types of
+the typed sections at compose time (reported in the same one line, see below); ``Config.validate()``
+range-checks every field (see ``trainer/config.py``), a ``_target_``'s keys are checked against its
+signature and type hints (jsonargparse, as ``LightningCLI`` does), the demo's checks relate its GPT
+to the data, and building the strategy, precision, Trainer and module objects checks the rest. A bad
+value ends the command with exit code 2 and one line
 ``zerotrain-train: configuration error: field=value: ...; valid: ...``; what Hydra refuses at
 compose time is found by composing the command line once before Hydra's main runs
 (``trainer/compose_check.py``), so it reads the same.
+
+The composed config, resolved, is saved as ``checkpoints/config.yaml`` beside the checkpoints. Under
+``--multirun`` each job is its own multi-process run, one after another, in its own folder, and a
+table of the jobs (overrides, losses, step time, peak memory) ends the sweep
+(``trainer/sweep_table.py``).
 
 ``precision=`` takes Lightning's names and aliases (16, "16", 16-mixed, bf16, bf16-mixed, bf16-true,
 32, 32-true): they are mapped to the config group's option before Hydra sees the command line,
@@ -26,17 +41,22 @@ import sys
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from .examples import gpt_cli as app  # the demo GPT: the model group's schema, its checks, its module
+from .strategies.environment import destroy_default_group
 from .strategies.precision import canonical_precision
+from .trainer import demo_gpt_cli
 from .trainer.compose_check import check_compose, describe, unknown_key
 from .trainer.config import Config, build_precision, build_strategy, register_configs
 from .trainer.errors import ConfigError
+from .trainer.hydra_target import build_target, check_target, is_target, target_overrides
 
 register_configs()
-app.register_schema()
+demo_gpt_cli.register_schema()
+#: the built-in options of the target groups that have a typed schema (Hydra checks their keys)
+TYPED_OPTIONS = {"model": tuple(demo_gpt_cli.SIZES), "data": ("stdlib", "text")}
 log = logging.getLogger("zerotrain")
 
 _PRECISION_OVERRIDE = re.compile(r"^(\+{0,2})precision=(.*)$")
@@ -83,10 +103,31 @@ def check_known_keys(node: DictConfig, path: str = "") -> None:
 
 
 def validate(cfg: Config) -> None:
-    """Every field of every section, then the demo's checks of the model against the data and the
-    strategy. Raises ConfigError; builds nothing."""
+    """Every field of every section; the keys of a ``_target_`` section against its signature; the
+    demo's checks of its GPT against the data and the strategy. Raises ConfigError; builds nothing."""
     cfg.validate()
-    app.validate(cfg)
+    for section in ("model", "data"):
+        if is_target(getattr(cfg, section)):
+            check_target(section, getattr(cfg, section))
+    if isinstance(cfg.model, demo_gpt_cli.GPTConfig):
+        demo_gpt_cli.validate(cfg)
+
+
+def build_module(cfg: Config):
+    """The TrainModule ``model._target_`` names (the demo's typed schema names one that takes the
+    whole config), built right after seeding the RNGs with ``trainer.seed``: a module that draws its
+    weights in ``__init__`` gets the same ones on every rank and in every job of a sweep."""
+    from .trainer.utilities import seed_rngs
+
+    if cfg.trainer.seed is not None:
+        seed_rngs(cfg.trainer.seed)
+    node = cfg.model if is_target(cfg.model) else {"_target_": getattr(cfg.model, "_target_", None)}
+    return build_target("model", node, cli_config=cfg)
+
+
+def build_datamodule(cfg: Config):
+    """The DataModule ``data._target_`` names, or None (the demo's data options: the module's own)."""
+    return build_target("data", cfg.data, cli_config=cfg) if is_target(cfg.data) else None
 
 
 def build(cfg: Config):
@@ -120,7 +161,7 @@ def build(cfg: Config):
     except ConfigError as exc:  # name the CLI key: "Trainer: devices=-1 ..." -> "trainer.devices=-1 ..."
         msg = str(exc)
         raise ConfigError("trainer." + msg[len("Trainer: "):] if msg.startswith("Trainer: ") else msg) from None
-    return trainer, app.build_module(cfg)
+    return trainer, build_module(cfg)
 
 
 def _save_final(trainer, checkpoint) -> None:
@@ -132,39 +173,90 @@ def _save_final(trainer, checkpoint) -> None:
         checkpoint._save_last_checkpoint(trainer, metrics)
 
 
-def run(dcfg: DictConfig) -> None:
+def _config_saver(dcfg: DictConfig):
+    """A callback that writes the composed config, resolved, as ``checkpoints/config.yaml`` when
+    training starts (global rank 0; after the checkpoint folder's checks, which it would trip):
+    a checkpoint's run can be reproduced from what sits beside it."""
+    from .callbacks import Callback
+
+    text = OmegaConf.to_yaml(dcfg, resolve=True)
+
+    class SaveComposedConfig(Callback):
+        def on_train_start(self, trainer, pl_module) -> None:
+            checkpoint = trainer.checkpoint_callback
+            if trainer.is_global_zero and checkpoint is not None and checkpoint.dirpath:
+                os.makedirs(checkpoint.dirpath, exist_ok=True)
+                with open(os.path.join(checkpoint.dirpath, "config.yaml"), "w") as f:
+                    f.write(text)
+
+    return SaveComposedConfig()
+
+
+def run(dcfg: DictConfig) -> dict:
+    """One training run; returns its numbers for a ``--multirun`` table (global rank 0's)."""
     try:
         check_known_keys(dcfg)
         cfg: Config = OmegaConf.to_object(dcfg)  # runs the model schema's __post_init__ checks
         trainer, module = build(cfg)
+        datamodule = build_datamodule(cfg)
     except OmegaConfBaseException as exc:  # e.g. an interpolation that cannot be resolved: one line
         _fail(str(describe(exc, sys.argv[1:])))
     except (ConfigError, ValueError) as exc:
         _fail(str(exc))
     if trainer.is_global_zero and "RANK" not in os.environ:
         print(OmegaConf.to_yaml(dcfg), file=sys.stderr)
-    trainer.fit(module, ckpt_path=cfg.ckpt_path)
+    trainer.callbacks.append(_config_saver(dcfg))
+    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+        env = dict(os.environ)
+        try:
+            return _fit(cfg, trainer, module, datamodule)
+        finally:  # the next job of the sweep launches its own ranks
+            destroy_default_group()
+            os.environ.clear()
+            os.environ.update(env)
+    return _fit(cfg, trainer, module, datamodule)
+
+
+def _fit(cfg: Config, trainer, module, datamodule) -> dict:
+    trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
     if cfg.callbacks.save_last and trainer.checkpoint_callback is not None:
         _save_final(trainer, trainer.checkpoint_callback)
-    if cfg.sample_tokens:
+    if cfg.sample_tokens and callable(getattr(module, "sample", None)):
         text = module.sample(cfg.sample_prompt, max_new_tokens=cfg.sample_tokens)  # every rank: ZeRO-3 gathers
         if trainer.is_global_zero:
             print("\n----- sample -----\n" + text + "\n------------------", flush=True)
+    m = trainer.callback_metrics
     if trainer.is_global_zero:
-        m = trainer.callback_metrics
         print(f"done: {trainer.global_step} steps, train_loss {m.get('train_loss', float('nan')):.4f}, "
               f"val_loss {m.get('val_loss', float('nan')):.4f}; logs and checkpoints in {trainer.default_root_dir}",
               flush=True)
+    return run_numbers(trainer)
+
+
+def run_numbers(trainer) -> dict:
+    """The run's logged losses, mean step time and peak memory (the ResourceMonitor's, if on)."""
+    from .callbacks import ResourceMonitor
+
+    out = {k: float(v) for k, v in trainer.callback_metrics.items() if k.endswith("loss") and v.numel() == 1}
+    out["steps"] = trainer.global_step
+    monitor = next((c for c in trainer.callbacks if isinstance(c, ResourceMonitor)), None)
+    summary = getattr(monitor, "summary", None) or {}
+    if summary.get("ranks"):
+        out["step_ms"] = 1e3 * sum(r["step"] for r in summary["ranks"]) / len(summary["ranks"])
+    if summary.get("memory"):
+        out["peak_gib"] = max(summary["memory"].values()) / 2**30
+    return out
 
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
-def _hydra_main(dcfg: DictConfig) -> None:
-    run(dcfg)
+def _hydra_main(dcfg: DictConfig) -> dict:
+    return run(dcfg)
 
 
 def main() -> None:
     try:
-        sys.argv[1:] = normalize_overrides(sys.argv[1:])  # the other ranks re-run this command line
+        # the other ranks re-run this command line
+        sys.argv[1:] = target_overrides(normalize_overrides(sys.argv[1:]), TYPED_OPTIONS)
         check_compose(sys.argv[1:], "zerotrain.conf", "config")  # Hydra's compose errors, in one line
     except ConfigError as exc:
         _fail(str(exc))

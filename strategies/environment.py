@@ -198,6 +198,11 @@ def _destroy_at_exit() -> None:
         dist.destroy_process_group()
 
 
+#: what a process that runs several multi-process jobs one after another (``zerotrain-train
+#: --multirun``) calls between them: the group is destroyed as at exit, so the next job makes its own
+destroy_default_group = _destroy_at_exit
+
+
 def pick_device(accelerator: str, local_rank: int) -> torch.device:
     if accelerator == "auto":
         accelerator = "cuda" if torch.cuda.is_available() else "cpu"

@@ -14,9 +14,10 @@ that span sections), the strategy's own constructor for the ``strategy`` group (
 builds the Trainer before ``fit`` starts the other ranks). Each error is a :class:`ConfigError`
 reading ``section.field=value: what is wrong; valid: ...``.
 
-The ``model`` group belongs to the application, not to the library, which never imports
-``examples/``: ``Config.model`` is untyped here, and ``train.py`` registers the demo GPT's schema
-(``schema_model_gpt``) and runs its checks of the model against the data (``examples/gpt_cli.py``).
+The ``model`` and ``data`` sections are untyped here: each is the user's ``_target_`` and its
+arguments (checked against the target's signature, ``trainer/hydra_target.py``), or one of the demo's
+typed options: the demo GPT's schema and its checks of the model against the data are in
+``trainer/demo_gpt_cli.py``, its module is built by the ``_target_`` it names in ``examples/``.
 
 Every default is written once, in the library's option dataclasses: the strategy schemas are
 generated from each registered preset's dataclasses (``strategies/registry.py``) and the precision
@@ -267,8 +268,8 @@ class Config:
     strategy: Any = MISSING
     precision: PrecisionConfig = MISSING
     optimizer: OptimizerConfig = MISSING
-    model: Any = MISSING  # the application's schema (train.py registers the demo GPT's)
-    data: DataConfig = MISSING
+    model: Any = MISSING  # a `_target_` and its arguments: the user's TrainModule, or the demo GPT's schema
+    data: Any = MISSING  # DataConfig (the demo's options), or a user DataModule's _target_ and arguments
     trainer: TrainerConfig = MISSING
     callbacks: CallbacksConfig = MISSING
     ckpt_path: Optional[str] = None  # resume from this checkpoint directory
@@ -278,7 +279,8 @@ class Config:
     def validate(self) -> None:
         """Every section's checks, then those spanning sections. Raises :class:`ConfigError`."""
         for section in (self.precision, self.optimizer, self.data, self.trainer, self.callbacks):
-            section.validate()
+            if hasattr(section, "validate"):  # not a `_target_` section (trainer/hydra_target.py checks those)
+                section.validate()
         build_strategy(self.strategy)  # the strategy's constructor checks its fields
         if not _is_int(self.sample_tokens) or self.sample_tokens < 0:
             raise _bad("sample_tokens", self.sample_tokens, "must be an integer >= 0", "0 (no sample), 1, 2, ...")
@@ -295,7 +297,7 @@ class Config:
 
     def _validate_world(self) -> None:
         """The process count against the strategy; the checks that need the model and the data are
-        the application's (the demo GPT's: ``examples/gpt_cli.py``)."""
+        the demo GPT's (``trainer/demo_gpt_cli.py``)."""
         world, strategy = world_size(self.trainer), getattr(self.strategy, "name", None)
         if strategy in ("single", "single_device") and world > 1:
             raise _bad("strategy", strategy, f"runs one process, but trainer.devices x trainer.num_nodes = {world}",
@@ -323,7 +325,7 @@ def register_configs() -> None:
     for name in PRECISIONS:  # conf/precision/<name>.yaml selects /schema_precision_<name>
         cs.store(name=schema_name("precision", name), node=precision_schema(name))
     cs.store(name=schema_name("optimizer"), node=OptimizerConfig)
-    # group "model": the application registers its schema (train.py: the demo GPT's)
+    # group "model": train.py registers the demo GPT's schema (trainer/demo_gpt_cli.py)
     cs.store(name=schema_name("data"), node=DataConfig)
     cs.store(name=schema_name("trainer"), node=TrainerConfig)
     cs.store(name=schema_name("callbacks"), node=CallbacksConfig)

@@ -40,19 +40,45 @@ def _child_command() -> list[str]:
         raise RuntimeError(
             "devices > 1 needs a script to re-run for the other ranks, but this process was started "
             "interactively or with `python -c`. Put the code in a file, or launch it with torchrun.")
-    cmd += sys.argv[1:]
-    return cmd + _hydra_overrides()
+    return cmd + _hydra_job_argv(sys.argv[1:]) + _hydra_overrides()
+
+
+def _hydra_config():
+    try:
+        from hydra.core.hydra_config import HydraConfig
+    except ImportError:
+        return None
+    return HydraConfig.get() if HydraConfig.initialized() else None
+
+
+def _hydra_job_argv(argv: list[str]) -> list[str]:
+    """The command line the other ranks re-run: this one, except in a Hydra ``--multirun`` job,
+    where it is the sweep's options (``--config-dir`` ...) without ``--multirun`` and with this
+    job's overrides only: the ranks run the job, not the whole sweep again."""
+    hc = _hydra_config()
+    if hc is None:
+        return list(argv)
+    from hydra._internal.utils import get_args_parser
+    from hydra.types import RunMode
+
+    if hc.mode != RunMode.MULTIRUN:
+        return list(argv)
+
+    args, _ = get_args_parser().parse_known_args(list(argv))
+    out = []
+    for flag, value in (("--config-path", args.config_path), ("--config-name", args.config_name),
+                        ("--config-dir", args.config_dir)):
+        if value:
+            out += [flag, value]
+    return out + list(hc.overrides.task)
 
 
 def _hydra_overrides() -> list[str]:
     """Make Hydra in the children write into rank 0's run directory, not a fresh one each."""
-    try:
-        from hydra.core.hydra_config import HydraConfig
-    except ImportError:
+    hc = _hydra_config()
+    if hc is None:
         return []
-    if not HydraConfig.initialized():
-        return []
-    out_dir = HydraConfig.get().runtime.output_dir
+    out_dir = hc.runtime.output_dir
     return [f"hydra.run.dir={out_dir}", "hydra.output_subdir=null", "hydra/job_logging=none",
             "hydra/hydra_logging=none"]
 

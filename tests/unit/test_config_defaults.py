@@ -28,6 +28,8 @@ def _schema_node(name: str):
 @pytest.mark.parametrize("path", YAMLS, ids=[str(p.relative_to(CONF)) for p in YAMLS])
 def test_yaml_holds_no_literal_that_differs_from_its_schema(path):
     text = OmegaConf.load(path)
+    if "_target_" in text.keys() and "defaults" not in text:  # a target's option: its signature is the schema
+        return _check_target_option(path, text)
     defaults = list(text.pop("defaults", []))
     bases = [d for d in defaults if isinstance(d, str) and d.startswith("/schema_")]
     assert len(bases) == 1, f"{path}: selects no schema (defaults: {defaults})"
@@ -37,6 +39,26 @@ def test_yaml_holds_no_literal_that_differs_from_its_schema(path):
         assert OmegaConf.to_container(OmegaConf.create({"v": value}))["v"] == node[key], (
             f"{path}: {key}={value!r} differs from the schema's default {node[key]!r}: write it once, "
             "in the dataclass (or the preset in strategies/registry.py)")
+
+
+def _check_target_option(path, text):
+    """An option of a ``_target_`` (``model=llama_tiny``, ``data=lm_text``, the empty ``target``):
+    each key is an argument of the target and differs from its default there (written once)."""
+    import inspect
+
+    from hydra.utils import get_object
+
+    if OmegaConf.is_missing(text, "_target_"):  # the empty option: the user names the target
+        assert set(text) == {"_target_"}, path
+        return
+    params = inspect.signature(get_object(text._target_)).parameters
+    for key, value in text.items():
+        if key.startswith("_"):
+            continue
+        assert key in params, f"{path}: {key} is no argument of {text._target_}"
+        default = params[key].default
+        assert default is inspect.Parameter.empty or OmegaConf.to_container(OmegaConf.create({"v": value}))["v"] \
+            != default, f"{path}: {key}={value!r} is {text._target_}'s default: write it once, in the signature"
 
 
 @pytest.mark.parametrize("name", registry.available())

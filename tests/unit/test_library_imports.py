@@ -1,6 +1,7 @@
 """The library never imports ``examples/``: ``trainer/``, ``strategies/``, ``callbacks/`` and
-``ops/`` must work for a user's own TrainModule without the demo GPT, so the demo's pieces reach
-the command line through ``train.py`` (and ``examples/gpt_cli.py``) only."""
+``ops/`` must work for a user's own TrainModule without the demo GPT; the command line reaches the demo's module only through the
+``_target_`` string of its ``model`` options (``zerotrain.examples.gpt_cli.cli_module``;
+tests/unit/test_cli_targets.py checks that ``train.py`` imports no example)."""
 import ast
 import pathlib
 import subprocess
