@@ -178,7 +178,7 @@ class CompiledRegions:
 
     def __init__(self, modules: Sequence[nn.Module], config: CompileConfig, names: Sequence[str],
                  around: Callable[[], ContextManager] | None = None) -> None:
-        self.config, self.names = config, list(names)
+        self.config, self.names, self.modules = config, list(names), list(modules)
         self._saved: list[tuple[nn.Module, Any]] = []
         for m in modules:
             self._saved.append((m, m.__dict__.get("forward")))

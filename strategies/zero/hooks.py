@@ -84,9 +84,12 @@ class Stage3Hooks:
         self._mode_active = False
         self.handles: list[Any] = []
         self._patched: list[tuple[nn.Module, Any]] = []
+        self._scope_handles: dict[int, list[Any]] = {}  # id(module) -> its two scope hooks
         for m in scope_modules:
-            self.handles.append(m.register_forward_pre_hook(self._enter_scope))
-            self.handles.append(m.register_forward_hook(self._exit_scope, always_call=True))
+            pair = [m.register_forward_pre_hook(self._enter_scope),
+                    m.register_forward_hook(self._exit_scope, always_call=True)]
+            self.handles.extend(pair)
+            self._scope_handles[id(m)] = pair
         for u, m in unit_modules:
             self.handles.append(m.register_forward_pre_hook(functools.partial(self._pre_forward, u),
                                                             with_kwargs=True))
@@ -110,6 +113,17 @@ class Stage3Hooks:
         if outermost and self._mode_active:
             self._mode_active = False
             self.mode.__exit__(None, None, None)
+
+    def drop_inner_scopes(self, blocks: Sequence[nn.Module]) -> None:
+        """Remove the scope hooks of the modules inside each of ``blocks`` (a compiled region):
+        the block's own scope hook (an ancestor's: every ancestor of a scope module is one) has
+        entered the scope already, so theirs only count depth; inside a compiled forward dynamo
+        would trace them and guard on each module's hook ids, one graph per block."""
+        for block in blocks:
+            for m in block.modules():
+                if m is not block:
+                    for h in self._scope_handles.pop(id(m), []):
+                        h.remove()
 
     @contextlib.contextmanager
     def outside_watch(self) -> Iterator[None]:

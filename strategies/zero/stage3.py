@@ -154,6 +154,7 @@ class ZeroStage3(ZeroStrategy):
             from ..compile import compile_regions
             self.compiled = compile_regions(self.module, self.compile, self.compile_blocks(),
                                             around=self.hooks.outside_watch)
+            self.hooks.drop_inner_scopes(self.compiled.modules)
 
     def _reuse_distance(self) -> int:
         """Collective for "auto": ``max_reuse_distance`` in elements, from what each rank has free

@@ -182,3 +182,29 @@ def test_deepspeed_engine_compile(stage):
     losses, engine = _engine_losses(stage, compiled=True)
     assert losses == _engine_losses(stage, compiled=False)[0]
     assert engine.zerotrain_engine.strategy.compile.stats.graphs == 1
+
+
+class Wide(TrainModule):
+    """Blocks whose LayerNorms hold ZeRO-3's root-unit (small) parameters: their modules carry
+    scope hooks inside each compiled block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(4, 64), nn.Sequential(*(Block(64) for _ in range(3))), nn.Linear(64, 1))
+
+    def training_step(self, batch, batch_idx):
+        return F.mse_loss(self.net(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+
+@pytest.mark.timeout(300)
+def test_zero3_blocks_share_one_graph_without_inner_scope_hooks():
+    """Under zero3 the scope hooks of modules inside a compiled block are removed (the block's own
+    scope hook enters the scope): dynamo traced them and guarded on their hook ids, one graph per block."""
+    trainer = Trainer(strategy="zero3", devices=1, max_steps=2, compile={"backend": "eager"}, **QUIET)
+    trainer.fit(Wide(), train_dataloaders=list(DataLoader(data(), batch_size=4)))
+    assert trainer.strategy.compiled.names == ["net.1.0", "net.1.1", "net.1.2"]
+    assert trainer.strategy.compile.stats.graphs == 1
