@@ -404,7 +404,9 @@ class EngineModule(ForwardMethods):
     """The model as ``Engine.setup`` returns it: calling it runs the forward through the strategy
     (``run_forward``: the precision's autocast; the strategy's model: DDP's reducer, ZeRO-3's gather
     hooks), so do its forward methods (``engine_models.ForwardMethods``: ``training_step`` & co.,
-    ``mark_forward_method``). Every other attribute is the user's module's (``.module``): ``train()``, ``eval()``,
+    ``mark_forward_method``); on several processes another method of the module that runs its
+    submodules is refused as Fabric refuses it (``_watched_method``). Every other attribute is the
+    user's module's (``.module``): ``train()``, ``eval()``,
     ``parameters()`` - under zero3 placeholders outside a forward; read the weights with
     ``engine.strategy.full_state_dict()``."""
 
@@ -433,7 +435,7 @@ class EngineModule(ForwardMethods):
         self.module.zero_grad(set_to_none)
 
     def __getattr__(self, name: str) -> Any:
-        return self._forward_method(name) or getattr(self.module, name)
+        return self._forward_method(name) or self._watched_method(name, getattr(self.module, name))
 
     def __setattr__(self, name: str, value: Any) -> None:
         setattr(self.module, name, value)

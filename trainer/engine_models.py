@@ -10,6 +10,8 @@ and ``save``/``load`` take one model (the checkpoint format holds one strategy's
 """
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Any
 
 import torch
@@ -85,6 +87,36 @@ class ForwardMethods:
             raise AttributeError(f"mark_forward_method: {type(self.module).__name__}.{name} is not a method of the "
                                  "model; valid: the name of one of its methods")
         self.__dict__["_forward_methods"].add(name)
+
+    def _watched_method(self, name: str, attr: Any) -> Any:
+        """Fabric's refusal of the model's other methods: on several processes a method of the
+        module that is not a forward method and runs any of its submodules raises after it returns
+        (it ran around the strategy: under ddp no gradient is averaged, under zero3 the parameters
+        are gathered outside the forward's schedule, and a call on some ranks only leaves the others
+        waiting, as reinforcement_learning's rank-0 ``test`` did). Methods that run no submodule
+        (``parameters()``, ``state_dict()``, ...) pass."""
+        s = self.__dict__.get("_strategy")
+        module = self.__dict__.get("module")
+        if s is None or not s.distributed or not inspect.ismethod(attr) or attr.__self__ is not module:
+            return attr
+
+        @functools.wraps(attr)
+        def watched(*args: Any, **kwargs: Any) -> Any:
+            ran: list[nn.Module] = []
+            handles = [m.register_forward_hook(lambda m, *_: ran.append(m)) for m in module.modules()]
+            try:
+                out = attr(*args, **kwargs)
+            finally:
+                for h in handles:
+                    h.remove()
+            if ran:
+                raise RuntimeError(
+                    f"You are calling the method `{type(module).__name__}.{name}()` from outside the model: it ran "
+                    f"{type(ran[0]).__name__} around the {s.name} strategy (several processes need every call of "
+                    f"the model to go through it); valid: model.mark_forward_method({name!r}) after setup (it "
+                    "then runs as the forward), or call the model itself")
+            return out
+        return watched
 
     def _forward_method(self, name: str) -> Any:
         """``name`` through the strategy when it is a forward method and the job has several
