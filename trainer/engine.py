@@ -404,9 +404,8 @@ class EngineModule(ForwardMethods):
     """The model as ``Engine.setup`` returns it: calling it runs the forward through the strategy
     (``run_forward``: the precision's autocast; the strategy's model: DDP's reducer, ZeRO-3's gather
     hooks), so do its forward methods (``engine_models.ForwardMethods``: ``training_step`` & co.,
-    ``mark_forward_method``); on several processes another method of the module that runs its
-    submodules is refused as Fabric refuses it (``_watched_method``). Every other attribute is the
-    user's module's (``.module``): ``train()``, ``eval()``,
+    ``mark_forward_method``; other methods running submodules are refused on several processes, as
+    Fabric's). Every other attribute is the user's module's (``.module``): ``train()``, ``eval()``,
     ``parameters()`` - under zero3 placeholders outside a forward; read the weights with
     ``engine.strategy.full_state_dict()``."""
 

@@ -12,17 +12,10 @@ import pytest
 import torch
 
 from harness import run_ranks
+from test_fabric_ranks import _Agent as _Base  # forward: head(tanh(body(x)))
 
 
-class _Agent(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.body, self.head = torch.nn.Linear(4, 8), torch.nn.Linear(8, 1)
-
-    def forward(self, x):
-        return self.head(torch.tanh(self.body(x)))
-
+class _Agent(_Base):
     def act(self, x):  # runs submodules outside forward
         return self.body(x).argmax(-1)
 
