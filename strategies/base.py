@@ -168,6 +168,9 @@ class Strategy:
     #: False where a forward gathers or swaps parameters into tensors that training reuses
     #: (an inference tensor cannot be saved for backward), as Lightning uses no_grad under FSDP
     inference_mode_evaluation = False
+    #: the module may train in float64 (``precision="64-true"``): True where the strategy keeps it
+    #: whole and steps its parameters as they are; the sharded ones keep fp32 master weights
+    supports_float64 = False
     #: ``validate``/``test``/``predict`` may run before (or without) ``setup_optimizer``: the
     #: Trainer then asks for the optimizers only when ``fit`` needs them, as Lightning. False where
     #: the optimizer's set-up lays the parameters out (ZeRO's flat groups, the pipeline's stages)

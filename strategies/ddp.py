@@ -49,6 +49,7 @@ class DDPConfig:
 class DDP(Strategy):
     name = "ddp"
     inference_mode_evaluation = True
+    supports_float64 = True
     evaluates_without_optimizer = True
 
     def __init__(self, config: DDPConfig | None = None, *,

@@ -7,6 +7,7 @@ from .base import Strategy
 class SingleDevice(Strategy):
     name = "single"
     inference_mode_evaluation = True
+    supports_float64 = True
     evaluates_without_optimizer = True
 
     def check_world_size(self, world_size: int) -> None:

@@ -191,7 +191,7 @@ def test_precision_aliases_compose_and_build(tmp_path, alias, plugin):
     assert type(trainer.precision_plugin).__name__ == plugin
 
 
-@pytest.mark.parametrize("value,why", [("64", "no float64"), ("fp8", ""), ("16-true", "pure fp16")])
+@pytest.mark.parametrize("value,why", [("transformer-engine", "no Transformer Engine"), ("fp8", ""), ("16-true", "pure fp16")])
 def test_unsupported_precision_names_the_choices(value, why):
     from zerotrain.train import normalize_overrides
     from zerotrain.trainer.errors import ConfigError
@@ -213,7 +213,7 @@ FIELDS = [
     ("optimizer.warmup_steps=-1", "optimizer.warmup_steps=-1"),
     ("optimizer.min_lr_ratio=1.5", "optimizer.min_lr_ratio=1.5: must be in [0, 1]"),
     ("optimizer.name=sgd", "optimizer.name='sgd'"),
-    ("precision.name=64", "precision.name='64'"),
+    ("precision.name=16-true", "precision.name='16-true'"),
     ("precision.init_scale=0", "precision.init_scale=0.0: must be > 0"),
     ("precision.growth_interval=0", "precision.growth_interval=0"),
     ("precision.backoff_factor=1", "precision.backoff_factor=1.0: must be in (0, 1)"),
