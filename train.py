@@ -38,6 +38,7 @@ import logging
 import os
 import re
 import sys
+from typing import Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -253,10 +254,29 @@ def _hydra_main(dcfg: DictConfig) -> dict:
     return run(dcfg)
 
 
-def main() -> None:
+def _default_targets(argv: list[str], model: Any, data: Any) -> list[str]:
+    """``argv`` with ``model._target_=`` / ``data._target_=`` naming ``model`` / ``data`` (a class
+    or function) where the command line picks neither an option nor a target of that group."""
+    out = list(argv)
+    for group, obj in (("model", model), ("data", data)):
+        keys = {a.partition("=")[0].lstrip("+") for a in argv if "=" in a}
+        if obj is not None and not keys & {group, f"{group}._target_"}:
+            out.append(f"{group}._target_={obj.__module__}.{obj.__qualname__}")
+    return out
+
+
+def main(model: Any = None, data: Any = None) -> None:
+    """The command line. From a script of the user's own, ``main(MyModule, MyData)`` makes them the
+    default ``model._target_`` / ``data._target_`` (a script's classes are ``__main__.MyModule``:
+    the other ranks re-run the script), with the same command line as ``zerotrain-train``::
+
+        if __name__ == "__main__":
+            zerotrain.train.main(MyModule, MyData)   # python my_script.py model.hidden=64 strategy=zero3
+    """
     try:
         # the other ranks re-run this command line
-        sys.argv[1:] = target_overrides(normalize_overrides(sys.argv[1:]), TYPED_OPTIONS)
+        argv = _default_targets(sys.argv[1:], model, data)
+        sys.argv[1:] = target_overrides(normalize_overrides(argv), TYPED_OPTIONS)
         check_compose(sys.argv[1:], "zerotrain.conf", "config")  # Hydra's compose errors, in one line
     except ConfigError as exc:
         _fail(str(exc))

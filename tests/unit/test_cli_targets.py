@@ -161,3 +161,38 @@ def test_train_py_does_not_import_the_examples():
     names = [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
     names += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
     assert not [n for n in names if "examples" in n], names
+
+
+# ---------------------------------------------------------------------- a script's own entry point
+SCRIPT = '''
+import sys
+sys.path.insert(0, {pkg!r})
+from userpkg.models import Points, Regressor
+import zerotrain.cli
+
+if __name__ == "__main__":
+    zerotrain.cli.main(Regressor, Points)
+'''
+
+
+@pytest.mark.timeout(300)
+def test_a_scripts_main_gives_the_same_command_line(tmp_path):
+    """``zerotrain.cli.main(MyModule, MyData)`` in a script: the classes are the default targets,
+    the keys are checked as zerotrain-train's (rc 2, one line), and it trains."""
+    import subprocess
+    import sys
+
+    pkg = write_package(tmp_path / "pkg")
+    script = tmp_path / "train_mine.py"
+    script.write_text(SCRIPT.format(pkg=str(pkg)))
+    run = [sys.executable, str(script), "trainer.devices=1", "trainer.max_steps=2", "trainer.val_check_interval=1.0",
+           "callbacks.tensorboard=false", "trainer.enable_progress_bar=false", f"hydra.run.dir={tmp_path}/run"]
+    bad = subprocess.run(run + ["model.hidden=abc"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        "zerotrain-train: configuration error: model.hidden='abc': Expected a <class 'int'>. Got value: abc; "
+        "valid: hidden: int, as userpkg.models.Regressor takes it"], bad.stderr[-3000:]
+    good = subprocess.run(run + ["model.hidden=4", "data.batch_size=8"], capture_output=True, text=True,
+                          timeout=240, cwd=tmp_path)
+    assert good.returncode == 0, good.stderr[-3000:]
+    assert "done: 2 steps" in good.stdout
+    assert "_target_: userpkg.models.Regressor" in (tmp_path / "run" / "checkpoints" / "config.yaml").read_text()

@@ -6,7 +6,9 @@ the other command line and is independent of this one.
 * ``lightning_cli.py``: ``LightningCLI`` and ``instantiate_module`` (``load_from_checkpoint`` of a
   module the CLI built);
 * ``parser.py``: ``LightningArgumentParser``, ``instantiate_class``, the optimizer / scheduler types;
-* ``save_config.py``: ``SaveConfigCallback``.
+* ``save_config.py``: ``SaveConfigCallback``;
+* ``main``: the Hydra command line (``zerotrain-train``) for a script's own classes,
+  ``zerotrain.cli.main(MyModule, MyData)`` (``train.py``'s ``main``).
 """
 from __future__ import annotations
 
@@ -41,7 +43,9 @@ def cli_lightning_logo() -> None:
 
 
 def __getattr__(name: str) -> Any:
-    if name in _WHERE:
+    if name == "main":  # the Hydra command line, not this package's jsonargparse one
+        value = importlib.import_module("zerotrain.train").main
+    elif name in _WHERE:
         value = getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
     elif name in _JSONARGPARSE:
         value = getattr(importlib.import_module("jsonargparse"), name)
@@ -52,4 +56,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_WHERE, *_JSONARGPARSE})
+    return sorted({*globals(), *_WHERE, *_JSONARGPARSE, "main"})
