@@ -222,6 +222,8 @@ class TrainerConfig:
     collective_timeout_s: Optional[float] = None  # process-group timeout after the first step
     on_nonfinite: str = "raise"  # a nan/inf training loss under fp32/bf16: raise | skip | warn
     stall_timeout_s: Optional[float] = DEFAULT_STALL_TIMEOUT_S  # a rank without progress ends the job; null: off
+    #: torch.compile per block (strategies/compile.py): false, true, or {backend: ..., mode: ..., regional: ...}
+    compile: Any = False
 
     def validate(self) -> None:
         """What ``Trainer.__init__`` does not check, or checks more loosely than the CLI needs. The

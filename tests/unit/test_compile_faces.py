@@ -208,3 +208,17 @@ def test_zero3_blocks_share_one_graph_without_inner_scope_hooks():
     trainer.fit(Wide(), train_dataloaders=list(DataLoader(data(), batch_size=4)))
     assert trainer.strategy.compiled.names == ["net.1.0", "net.1.1", "net.1.2"]
     assert trainer.strategy.compile.stats.graphs == 1
+
+
+@pytest.mark.timeout(180)
+def test_command_line_compile_reaches_the_trainer(tmp_path):
+    """``zerotrain-train trainer.compile=...``: a TrainerConfig field given to the Trainer, so a bad
+    value is the Trainer's one-line error, rc 2, before any rank starts."""
+    import subprocess
+    import sys
+    proc = subprocess.run([sys.executable, "-m", "zerotrain.train", "trainer.compile=maybe", f"hydra.run.dir={tmp_path}"],
+                          capture_output=True, text=True, timeout=150, cwd=tmp_path)
+    assert proc.returncode == 2, (proc.stdout + proc.stderr)[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "zerotrain-train: configuration error: trainer.compile='maybe'; valid: True, False, None or a dict "
+        "of backend/mode/fullgraph/dynamic/options/regional")
