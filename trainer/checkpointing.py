@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from .. import __version__
-from . import checkpoint_file, checkpoint_io, elastic, hparams, reshard
+from . import checkpoint_file, checkpoint_io, elastic, hparams, reshard, url_checkpoint
 from .errors import CheckpointError, CheckpointNotFoundError, ConfigError
 from .hooks import datamodule_hook
 
@@ -138,6 +138,8 @@ def parse_ckpt_path(trainer: "Trainer", fn: str, ckpt_path: str | None, model_pr
                           "will be loaded. HINT: Set `ModelCheckpoint(..., save_last=True)`.", stacklevel=3)
             return None
         return max(found, key=lambda p: os.stat(p).st_mtime_ns)
+    if url_checkpoint.is_url(ckpt_path):  # Lightning reads it through torch.hub: downloaded, then as a file
+        return url_checkpoint.kept_copy(ckpt_path)
     if ckpt_path != "latest":
         if not _exists(ckpt_path):
             raise CheckpointNotFoundError(f"Checkpoint file not found: {ckpt_path}")

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from . import checkpoint_io
+from . import checkpoint_io, url_checkpoint
 from .consolidate import plan
 from .errors import CheckpointError, ConfigError
 from .hparams import CLASS_PATH_KEY, HPARAMS_KEY, HPARAMS_NAME_KEY, INSTANTIATOR_KEY, SAFETENSORS_HPARAMS, AttributeDict
@@ -49,7 +49,11 @@ _TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 
 def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     """The checkpoint at ``path`` as Lightning's dict: its metadata (``hyper_parameters``,
-    ``hparams_name``, the loop...) with the full model state under ``state_dict`` (fp32, CPU)."""
+    ``hparams_name``, the loop...) with the full model state under ``state_dict`` (fp32, CPU).
+    A URL is downloaded and read as a local file (``trainer/url_checkpoint.py``)."""
+    if url_checkpoint.is_url(path):
+        with url_checkpoint.local_copy(str(path)) as local:
+            return read_checkpoint(local)
     p = Path(path)
     if p.is_file() and p.suffix == ".safetensors":
         return _read_safetensors(p)
@@ -70,9 +74,10 @@ def load_checkpoint(path: str | os.PathLike, map_location: Any = None, weights_o
     ``read_checkpoint(path)`` (a checkpoint directory or a consolidated file, as Lightning's dict),
     its tensors on ``map_location`` (None: the CPU; else as ``torch.load``'s: :func:`map_tensors`). Always read
     weights-only (a checkpoint never runs code here), whatever ``weights_only`` says: a file that
-    needs pickled code is a CheckpointError. URLs and file objects are not read (a ConfigError)."""
-    if not isinstance(path, (str, os.PathLike)) or str(path).startswith(("http://", "https://")):
-        raise ConfigError(f"load_checkpoint: path={path!r}; valid: a local checkpoint directory or file path")
+    needs pickled code is a CheckpointError. A URL is downloaded first, as Lightning's; file
+    objects are not read (a ConfigError)."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise ConfigError(f"load_checkpoint: path={path!r}; valid: a checkpoint directory or file path, or a URL")
     return map_tensors(read_checkpoint(path), map_location)
 
 
