@@ -47,7 +47,8 @@ def reference_bf16_weights(steps: int, world_size: int, bs: int = 8, clip: float
         with torch.no_grad():
             for w, m in zip(work.parameters(), master.parameters()):
                 w.copy_(m.to(torch.bfloat16).float())
-        x, y = (t[next(batches)] for t in data)
+        idx = next(batches)
+        x, y = (t[idx] for t in data)
         with torch.set_grad_enabled(not as_ranks):
             loss = nn.functional.mse_loss(work(x), y)
         losses.append(float(loss.detach()))
