@@ -27,6 +27,7 @@ from ..errors import ConfigError
 from . import lr_schedules
 from .defaults import default
 from .ops.adam import DeepSpeedCPUAdam, FusedAdam
+from .precision_keys import check_bf16_keys, torch_autocast_dtype
 
 log = logging.getLogger("zerotrain")
 
@@ -177,6 +178,8 @@ class DeepSpeedConfig:
     scheduler: SchedulerSpec | None = None
     #: zerotrain's precision name: "32", "16-mixed" or "bf16-mixed"
     precision: str = "32"
+    #: ``torch_autocast``: the type the engine's forward autocasts to, or None
+    torch_autocast_dtype: torch.dtype | None = None
     #: the fp16 loss scaler's options (DynamicLossScaler's fields)
     loss_scaler: dict[str, Any] = field(default_factory=dict)
     zero_stage: int = 0
@@ -280,8 +283,9 @@ def parse(config: "str | os.PathLike | Mapping[str, Any]", world_size: int) -> D
     known = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
              "optimizer", "scheduler", "fp16", "bf16", "bfloat16", "zero_optimization", "zero_allow_untested_optimizer",
              "activation_checkpointing", "steps_per_print", "wall_clock_breakdown", "tensorboard",
-             "comms_logger", "dataloader_drop_last", "communication_data_type")
+             "comms_logger", "dataloader_drop_last", "communication_data_type", "torch_autocast")
     reader.take(raw, "", known, "")
+    out["torch_autocast_dtype"] = torch_autocast_dtype(raw, _flag, reader.ignored)
     if "activation_checkpointing" in raw:
         out["activation_checkpointing"] = activation_checkpointing_spec(raw, reader)
     return DeepSpeedConfig(**out, ignored=tuple(reader.ignored))
@@ -334,11 +338,12 @@ def _precision(raw: Mapping[str, Any], reader: _Reader) -> dict[str, Any]:
     bf16 = _section(bf16_key, raw.get(bf16_key, {}))
     fp16_on = _flag("fp16.enabled", fp16.get("enabled", False))
     bf16_on = _flag(f"{bf16_key}.enabled", bf16.get("enabled", False))
-    reader.take(bf16, f"{bf16_key}.", ("enabled",), "bf16")
+    reader.take(bf16, f"{bf16_key}.", ("enabled", "bf16_master_weights_and_grads", "bf16_optimizer_states"), "bf16")
     if fp16_on and bf16_on:
         raise ConfigError(f"fp16.enabled=True, {bf16_key}.enabled=True: both; valid: at most one of them")
     if not fp16_on:
         reader.take(fp16, "fp16.", ("enabled",), "fp16")
+        check_bf16_keys(raw, bf16_key, _flag, reader.ignored) if bf16_on else None
         return {"precision": "bf16-mixed" if bf16_on else "32"}
     if fp16.get("loss_scale", 0) != 0:
         raise _fail("fp16.loss_scale", fp16["loss_scale"], "a static loss scale is not supported",

@@ -236,7 +236,9 @@ class DeepSpeedEngine(CompileMethods, ConfigAccessors):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.module.training and torch.is_grad_enabled():
             self._defer_if_accumulating()
-        with self._monitor.timed("forward"):
+        dtype = self._cfg.torch_autocast_dtype  # DeepSpeed's torch_autocast section
+        with self._monitor.timed("forward"), (torch.autocast(self.device.type, dtype=dtype) if dtype is not None
+                                               else contextlib.nullcontext()):
             out = self._model(*args, **kwargs)
         for t in _tensors(out):
             if t.requires_grad:
