@@ -33,6 +33,7 @@ Systems (``--systems``, a comma list; all by default):
                (``GPT.pipeline_cut``: the CLI's ``model.pipeline_cut=compute``);
                zt_pipe_zb_m8, zt_pipe_zb_bal_m8/_m4: the zero-bubble schedule (``schedule="zb_h1"``:
                each backward split, the linear weights' gradients where the stage would wait)
+  <system>_c   (only when named) the system compiled, as its users compile it: gpt_compiled.py
   solo         (only when named) not a training system: each rank steps a model of its own on its
                micro-batch, a plain torch loop without any communication: the step's compute
                with every core busy, the floor a data-parallel step approaches here (it steps
@@ -95,8 +96,9 @@ import torch
 from zerotrain.bench.common import (MODELS, OPTIM, WEIGHT_DECAY, ModelSpec, Record, build_gpt, make_adamw,
                                     make_batches, param_groups)
 from zerotrain.bench.gpt_report import PIPE_STAGES, RunSummary, render, summarise_run
-from zerotrain.bench.gpt_systems import (ALL_SYSTEMS, DEFAULT_SYSTEMS, PIPE_SYSTEMS, SUFFIX_ENV, ZT_OPTIONS,
-                                        ZT_STRATEGY, PipeSystem, base_system)
+from zerotrain.bench.gpt_compiled import compiled_runner, render_mfu
+from zerotrain.bench.gpt_systems import (ALL_SYSTEMS, COMPILED_SYSTEMS, DEFAULT_SYSTEMS, PIPE_SYSTEMS, SUFFIX_ENV,
+                                        ZT_OPTIONS, ZT_STRATEGY, PipeSystem, base_system)
 
 BUCKET = 20_000_000  # elements; DeepSpeed's 5e8 default is GPU-sized (MACHINE_FACTS.md)
 PG_TIMEOUT_S = 600
@@ -299,6 +301,8 @@ def rank_batches(args: argparse.Namespace, spec: ModelSpec, rank: int, world: in
 
 
 def _worker_runner(system: str) -> Callable:
+    if system in COMPILED_SYSTEMS:
+        return compiled_runner(system)
     if system == "ddp":
         return run_ddp
     if system == "solo":
@@ -517,6 +521,7 @@ def driver_main(args: argparse.Namespace) -> None:
               f"{args.warmup} warm-up + {args.steps} "
               f"timed steps; median over {args.repeats} interleaved repeat(s)."
               f"{info['bf16_note'] if args.precision == 'bf16-mixed' else ''}\n\n")
+    table += render_mfu(args, {s: r for s, r in results.items() if s not in failures}, spec)  # gpt_compiled.py
     print("\n" + header + table, flush=True)
     if args.out:
         with open(args.out, "a") as f:

@@ -45,6 +45,8 @@ class RunSummary:
     exit_note: str = ""
     #: pipeline only: per stage, the medians of ``stage_breakdown``
     stages: list[dict[str, float]] = dataclasses.field(default_factory=list)
+    #: the slowest rank's first step (warm-up included: compiling, first-touch allocation)
+    first_step_s: float = float("nan")
 
 
 def _median_per_step(records: list[dict], key: str, warmup: int, combine) -> float:
@@ -63,7 +65,8 @@ def summarise_run(records: list[dict], warmup: int) -> RunSummary:
                       faults=_median_per_step(records, "step_faults", warmup, max),
                       cpu_s=_median_per_step(records, "step_cpu", warmup, sum),
                       optimizer=records[0]["optimizer"], threads=max(r["threads"] for r in records),
-                      stages=stage_breakdown(records, warmup))
+                      stages=stage_breakdown(records, warmup),
+                      first_step_s=max(r["step_times"][0] for r in records))
 
 
 def stage_breakdown(records: list[dict], warmup: int) -> list[dict[str, float]]:

@@ -54,7 +54,11 @@ PIPE_SYSTEMS = {"zt_pipe_m4": PipeSystem(4), "zt_pipe_m8": PipeSystem(8), "zt_pi
 #: no communication at all - what the step's compute costs with every core busy, the floor a
 #: data-parallel step approaches on this machine (its losses leave DDP's after the first step)
 FLOOR_SYSTEMS = ["solo"]
-ALL_SYSTEMS = DEFAULT_SYSTEMS + list(ZT_OPTIONS) + list(PIPE_SYSTEMS) + FLOOR_SYSTEMS
+#: compiled systems (only when named): ``<system>_c`` is ``<system>`` compiled as its users compile
+#: it (``gpt_compiled.py``)
+COMPILED_SYSTEMS = [f"{s}_c" for s in ("ddp", "fsdp2", "fsdp2_zero2", "ds_zero1", "ds_zero2", "ds_zero3",
+                                       "zt_ddp", "zt_zero1", "zt_zero2", "zt_zero3")]
+ALL_SYSTEMS = DEFAULT_SYSTEMS + list(ZT_OPTIONS) + list(PIPE_SYSTEMS) + FLOOR_SYSTEMS + COMPILED_SYSTEMS
 #: a system's name may end in one of these: its ranks run with these environment variables set.
 #: ``+thp`` / ``+nothp``: torch's ``THP_MEM_ALLOC_ENABLE`` 1 / 0 (transparent huge pages for
 #: allocations of 2 MiB and more; without the suffix the variable is removed, torch's default:

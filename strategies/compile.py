@@ -13,7 +13,7 @@ inputs). The regions are, in order of preference:
 * the strategy's own blocks (``Strategy.compile_blocks()``: ZeRO-3's unit modules);
 * the entries of every ``nn.ModuleList`` / ``nn.Sequential`` holding two or more modules of one
   class with parameters (the transformer blocks);
-* else the whole model (its ``forward``).
+* else the whole model (its ``forward``; without one, each child holding parameters).
 
 ``regional=False`` compiles the whole model's ``forward`` under every strategy (under ZeRO-3 its
 gather hooks then break the graph at every unit: each break is a graph of its own).
@@ -205,6 +205,14 @@ class _Around:
             return self.fn(*args, **kwargs)
 
 
+def whole_model(module: nn.Module) -> list[nn.Module]:
+    """The module itself when it has a ``forward`` of its own, else its children that hold
+    parameters (a TrainModule whose ``training_step`` calls ``self.net`` has no forward)."""
+    if type(module).forward is not nn.Module.forward:
+        return [module]
+    return [c for c in module.children() if any(True for _ in c.parameters())]
+
+
 def compile_regions(module: nn.Module, config: CompileConfig, blocks: Sequence[nn.Module] | None = None,
                     around: Callable[[], ContextManager] | None = None) -> CompiledRegions:
     """Compile ``module``'s blocks (``blocks``, else ``repeated_blocks``), or the whole module when
@@ -213,6 +221,6 @@ def compile_regions(module: nn.Module, config: CompileConfig, blocks: Sequence[n
         chosen = list(blocks) if blocks else repeated_blocks(module)
     else:
         chosen = []
-    chosen = chosen or [module]
+    chosen = chosen or whole_model(module)
     name_of = {id(m): n for n, m in module.named_modules()}
     return CompiledRegions(chosen, config, [name_of.get(id(m), "?") or "<model>" for m in chosen], around)

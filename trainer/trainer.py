@@ -161,7 +161,7 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
                         val_check_interval=val_check_interval, overfit_batches=overfit_batches)
         self.precision_plugin, self._strategy = job.plugins("Trainer", strategy, precision, devices * num_nodes)
         self._strategy.step_call = step_call  # Lightning's rule: which arguments each step method takes
-        self._strategy.compile = compile_option("Trainer", compile)  # per block (strategies/compile.py)
+        self._strategy.compile = compile_option("Trainer", compile) or self._strategy.compile  # strategies/compile.py
         self.accelerator, self.devices, self.num_nodes = accelerator, int(devices), num_nodes
         self.max_steps, self.max_epochs = max_steps, max_epochs
         self.accumulate_grad_batches = accumulate_grad_batches

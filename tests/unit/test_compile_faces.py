@@ -222,3 +222,20 @@ def test_command_line_compile_reaches_the_trainer(tmp_path):
     assert proc.stderr.strip().splitlines()[-1] == (
         "zerotrain-train: configuration error: trainer.compile='maybe'; valid: True, False, None or a dict "
         "of backend/mode/fullgraph/dynamic/options/regional")
+
+
+def test_a_strategy_given_with_compile_keeps_it():
+    """The strategy option: ``strategy.compile`` set on the instance given to the Trainer stays."""
+    from zerotrain.strategies import strategy_from_name
+    strategy = strategy_from_name("zero2")
+    strategy.compile = CompileConfig(backend="eager")
+    assert Trainer(strategy=strategy, **QUIET).strategy.compile is strategy.compile
+
+
+@pytest.mark.timeout(300)
+def test_regional_false_compiles_the_whole_model_even_without_a_forward():
+    """``regional=False``: the module's forward, or (a TrainModule without one) each child with parameters."""
+    trainer = Trainer(strategy="zero2", devices=1, max_steps=2, compile={"backend": "eager", "regional": False},
+                      **QUIET)
+    trainer.fit(Wide(), train_dataloaders=list(DataLoader(data(), batch_size=4)))
+    assert trainer.strategy.compiled.names == ["net"] and trainer.strategy.compile.stats.graphs == 1
