@@ -216,7 +216,7 @@ def expected_step_bytes(strategy: Any, trainer: Any = None, first: bool = False)
     clips = bool(getattr(trainer, "gradient_clip_val", None)) and \
         getattr(trainer, "gradient_clip_algorithm", None) in (None, "norm")  # None: by norm, as Lightning
     stage = getattr(strategy, "stage", None)
-    if getattr(strategy, "name", "") == "ddp" or type(strategy).__name__ == "DDP":
+    if getattr(strategy, "name", "") == "ddp" or type(strategy).__name__ in ("DDP", "DDPStrategy"):
         return _ddp_bytes(strategy)
     if stage in (1, 2):
         out = _zero12_bytes(strategy, accumulation if stage == 2 else 1)

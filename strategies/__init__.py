@@ -4,8 +4,8 @@ Every strategy a preset name builds is importable from here (``README.md`` in th
 table), so ``Trainer(strategy=ZeroStage3(...))`` needs no deeper import:
 
 =======================  ====================================================================
-``SingleDevice``         one process (``"single"``); Lightning's name ``SingleDeviceStrategy``
-``DDP``                  replicated data parallel (``"ddp"``); Lightning's name ``DDPStrategy``
+``SingleDevice``         one process (``"single"``); the class is Lightning's ``SingleDeviceStrategy``
+``DDP``                  replicated data parallel (``"ddp"``); the class is Lightning's ``DDPStrategy``
 ``ZeroStage1/2/3``       ZeRO stages 1-3 (``"zero1"``, ``"zero2"``, ``"zero3"``), built from a
                          ``ZeroSpec`` (``ZeroConfig``, ``BucketConfig``, ``Stage3Config``)
 ``Offload``              ZeRO 2/3 with the optimizer in host RAM or on NVMe (``"offload"``,
@@ -17,18 +17,14 @@ table), so ``Trainer(strategy=ZeroStage3(...))`` needs no deeper import:
 ``strategy_from_name(name, **options)`` builds a preset by name, as ``Trainer(strategy=name)``.
 """
 from .base import Strategy
-from .ddp import DDP, DDPConfig
+from .ddp import DDP, DDPConfig, DDPStrategy
 from .environment import ProcessInfo
 from .precision import Precision, precision_from_name
 from .registry import available, register, strategy_from_name
-from .single_device import SingleDevice
+from .single_device import SingleDevice, SingleDeviceStrategy
 from .zero import BucketConfig, Stage3Config, ZeroConfig, ZeroSpec, ZeroStage1, ZeroStage2, ZeroStage3  # noqa: I001
 from .offload import Offload, OffloadPolicy
 from .pipeline import LayerSpec, PipelineConfig, PipelineModule, PipelineStrategy
-
-#: Lightning's class names for the same strategies
-DDPStrategy = DDP
-SingleDeviceStrategy = SingleDevice
 
 __all__ = ["Strategy", "DDP", "DDPConfig", "DDPStrategy", "SingleDevice", "SingleDeviceStrategy", "ZeroStage1",
            "ZeroStage2", "ZeroStage3", "ZeroSpec", "ZeroConfig", "BucketConfig", "Stage3Config", "Offload",

@@ -46,7 +46,7 @@ class DDPConfig:
             check_bool("DDP", f, getattr(self, f))
 
 
-class DDP(Strategy):
+class DDPStrategy(Strategy):
     name = "ddp"
     inference_mode_evaluation = True
     supports_float64 = True
@@ -211,4 +211,8 @@ def _sum_in_rank_order(buf: torch.Tensor, world: int) -> torch.futures.Future:
 
 
 # DDPConfig's fields as keyword parameters of DDP(...) for introspection (zerotrain.cli)
-expose_options(DDP.__init__, DDPConfig)
+expose_options(DDPStrategy.__init__, DDPConfig)
+
+
+#: zerotrain's short name for the same class (its own name is Lightning's)
+DDP = DDPStrategy

@@ -4,7 +4,7 @@ from __future__ import annotations
 from .base import Strategy
 
 
-class SingleDevice(Strategy):
+class SingleDeviceStrategy(Strategy):
     name = "single"
     inference_mode_evaluation = True
     supports_float64 = True
@@ -18,3 +18,7 @@ class SingleDevice(Strategy):
 
     def setup_environment(self) -> None:
         self.check_world_size(self.world_size)
+
+
+#: zerotrain's short name for the same class (its own name is Lightning's)
+SingleDevice = SingleDeviceStrategy

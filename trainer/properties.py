@@ -46,6 +46,17 @@ class TrainerProperties(TrainerLoops):
         return CheckpointConnector(self)
 
     @property
+    def accelerator(self) -> Any:
+        """Lightning's: the Accelerator this Trainer runs on (``CPUAccelerator`` or
+        ``CUDAAccelerator``, "auto" resolved); it compares equal to its name ("cpu", "cuda")."""
+        from .compat.accelerators import accelerator_for
+        return accelerator_for(self._accelerator_flag)
+
+    @accelerator.setter
+    def accelerator(self, flag: str) -> None:
+        self._accelerator_flag = flag  # "cpu", "cuda" or "auto", as checked by the Trainer
+
+    @property
     def _accelerator_connector(self) -> Any:
         """What Lightning code reads of its accelerator connector (``trainer/compat/accelerator_connector.py``)."""
         from .compat.accelerator_connector import AcceleratorConnectorView

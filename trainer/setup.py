@@ -90,7 +90,7 @@ class TrainerSetup:
                 lg.finalize("failed" if sys.exc_info()[0] is not None else "success")
 
     def _connect(self) -> None:
-        self._launcher = job.join_job(self._strategy, self.precision_plugin, self.accelerator, self.devices,
+        self._launcher = job.join_job(self._strategy, self.precision_plugin, self._accelerator_flag, self.devices,
                                       self.num_nodes)
         if self.seed is not None:  # as Lightning: only a seed the user asked for
             seed_rngs(self.seed)
@@ -136,7 +136,7 @@ class TrainerSetup:
         ``accelerator="cuda"``), in a "-true" precision's dtype, inside the strategy's
         ``init_context`` (ZeRO-3 partitions as it builds). ``empty_init`` is accepted; the
         weights are initialised as usual."""
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if self.accelerator == "cuda" \
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if self._accelerator_flag == "cuda" \
             else torch.device("cpu")
         dtype = self.precision_plugin.param_dtype if self.precision_plugin.name.endswith("-true") else None
         before = torch.get_default_dtype()

@@ -98,9 +98,9 @@ def test_module_sees_the_trainers_loggers(tmp_path):
 
 
 @pytest.mark.parametrize("name,kind,attrs", [
-    ("single_device", "SingleDevice", {}),
-    ("ddp_find_unused_parameters_true", "DDP", {}),
-    ("ddp_find_unused_parameters_false", "DDP", {"find_unused_parameters": False}),
+    ("single_device", "SingleDeviceStrategy", {}),
+    ("ddp_find_unused_parameters_true", "DDPStrategy", {}),
+    ("ddp_find_unused_parameters_false", "DDPStrategy", {"find_unused_parameters": False}),
     ("deepspeed", "ZeroStage2", {}),  # Lightning's DeepSpeedStrategy() is stage 2
     ("deepspeed_stage_1", "ZeroStage1", {}),
     ("deepspeed_stage_2", "ZeroStage2", {}),

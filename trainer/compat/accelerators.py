@@ -40,6 +40,16 @@ class Accelerator:
     def get_parallel_devices(devices: Any) -> list[torch.device]:
         raise NotImplementedError
 
+    def __eq__(self, other: object) -> bool:
+        """Equal to its ``Trainer(accelerator=...)`` name ("cpu", "cuda"), which ``trainer.accelerator``
+        was before it became this object, and to an accelerator of the same class."""
+        if isinstance(other, str):
+            return other == self.name
+        return type(other) is type(self)
+
+    def __hash__(self) -> int:
+        return hash(self.name)
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
@@ -99,4 +109,12 @@ class CUDAAccelerator(Accelerator):
         return [torch.device("cuda", i) for i in CUDAAccelerator.parse_devices(devices)]
 
 
-__all__ = ["Accelerator", "CPUAccelerator", "CUDAAccelerator"]
+def accelerator_for(flag: str) -> Accelerator:
+    """The accelerator a Trainer's ``accelerator`` flag ("cpu", "cuda", "auto") runs on: "auto" is
+    CUDA where torch sees a device, else the CPU (as the ranks pick their device)."""
+    if flag == "cuda" or (flag == "auto" and CUDAAccelerator.is_available()):
+        return CUDAAccelerator()
+    return CPUAccelerator()
+
+
+__all__ = ["Accelerator", "CPUAccelerator", "CUDAAccelerator", "accelerator_for"]
