@@ -18,8 +18,9 @@ from . import instrument
 from .environment import release_at_exit
 from .base import PROCESS_GROUP_TIMEOUT_S, Strategy
 from .step_wrapper import StepWrapper
-from .options import check_bool, config_from, expose_options
+from .options import check_bool, check_choice, config_from, expose_options
 from .zero.comm import all_gather_into
+from .zero.config import REDUCE_DTYPES
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,9 @@ class DDPConfig:
     #: log every collective (op, bytes, time, bus bandwidth) and summarise it at the end of fit
     #: (``callbacks.CommsLogger``)
     comms_logger: bool = False
+    #: the type gradients are summed in ("fp32", "bf16", "fp16"); 16-bit: summed in that type, then
+    #: divided by the world size, as DeepSpeed's engine does without ZeRO (its communication_data_type)
+    reduce_dtype: str = "fp32"
 
     def __post_init__(self) -> None:
         v = self.bucket_cap_mb
@@ -44,6 +48,7 @@ class DDPConfig:
             raise ValueError(f"DDP: bucket_cap_mb={v!r} must be > 0")
         for f in ("find_unused_parameters", "gradient_as_bucket_view", "static_graph", "comms_logger"):
             check_bool("DDP", f, getattr(self, f))
+        check_choice("DDP", "reduce_dtype", self.reduce_dtype, REDUCE_DTYPES)
 
 
 class DDPStrategy(Strategy):
@@ -78,7 +83,8 @@ class DDPStrategy(Strategy):
         # resume would round that step differently from a run that never stopped (the fault
         # campaign, issue 40). There the sum is taken in rank order, whatever the layout.
         ordered = self.sums_in_rank_order = world > 2 and dist.get_backend() == "gloo"
-        hook = _BucketHook.attach(self.model, ordered, watch) if ordered or watch else None
+        low = None if self.config.reduce_dtype == "fp32" else REDUCE_DTYPES[self.config.reduce_dtype]
+        hook = _BucketHook.attach(self.model, ordered, watch, low) if ordered or watch or low else None
         self._buckets = hook if watch else None
         release_at_exit(self)
 
@@ -161,19 +167,22 @@ class _BucketHook:
     backward sat blocked is estimated as the stretch from the last bucket's launch (autograd is
     done by then) to the last bucket's completion."""
 
-    def __init__(self, world: int, ordered: bool = False, watch: bool = True) -> None:
-        self.world, self.ordered, self.watch = world, ordered, watch
+    def __init__(self, world: int, ordered: bool = False, watch: bool = True, dtype: torch.dtype | None = None) -> None:
+        self.world, self.ordered, self.watch, self.dtype = world, ordered, watch, dtype
         self.last_issue: float | None = None
         self.last_done: float | None = None
 
     @classmethod
-    def attach(cls, model: DistributedDataParallel, ordered: bool = False, watch: bool = True) -> "_BucketHook":
-        hook = cls(dist.get_world_size(), ordered, watch)
+    def attach(cls, model: DistributedDataParallel, ordered: bool = False, watch: bool = True,
+               dtype: torch.dtype | None = None) -> "_BucketHook":
+        hook = cls(dist.get_world_size(), ordered, watch, dtype)
         model.register_comm_hook(None, hook.hook)
         return hook
 
     def hook(self, state, bucket):  # unannotated: DDP checks real annotations, these would be strings
-        buf = bucket.buffer().div_(self.world)
+        out = bucket.buffer()
+        # fp32: divided, then summed; a 16-bit type: summed in it, then divided (DeepSpeed's order)
+        buf = out.div_(self.world) if self.dtype is None else out.to(self.dtype)
         if self.ordered:
             fut = _sum_in_rank_order(buf, self.world)  # all_gather_into reports its collective
         else:
@@ -181,6 +190,8 @@ class _BucketHook:
             if self.watch:
                 instrument.issued("all_reduce", work, None, buf)
             fut = work.get_future().then(lambda f: f.value()[0])
+        if self.dtype is not None:
+            fut = fut.then(lambda f: out.copy_(f.value().mul_(1.0 / self.world)))
         self.last_issue = time.perf_counter()
         return fut.then(self._landed)
 

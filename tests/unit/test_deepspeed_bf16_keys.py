@@ -62,3 +62,14 @@ def test_torch_autocast_runs_the_forward_under_autocast():
         assert torch.equal(out, _model()(x))
     engine.backward(out.float().sum())
     engine.step()
+
+
+def test_stage_0_sums_gradients_in_the_16bit_type_as_deepspeed():
+    """DeepSpeed's engine without ZeRO all-reduces in communication_data_type (the 16-bit training
+    type by default), then divides: zerotrain's ddp gets ``reduce_dtype`` (cifar bf16 stage 0)."""
+    assert cfg(2, zero_optimization={"stage": 0}, bf16={"enabled": True}).strategy_options["reduce_dtype"] == "bf16"
+    assert cfg(2, zero_optimization={"stage": 0}, fp16={"enabled": True}).strategy_options["reduce_dtype"] == "fp16"
+    assert "reduce_dtype" not in cfg(2, zero_optimization={"stage": 0}).strategy_options
+    assert cfg(2, zero_optimization={"stage": 0}, bf16={"enabled": True},
+               communication_data_type="fp32").strategy_options.get("reduce_dtype", "fp32") == "fp32"
+    assert cfg(1, bf16={"enabled": True}).strategy == "single"

@@ -267,7 +267,7 @@ def parse(config: "str | os.PathLike | Mapping[str, Any]", world_size: int) -> D
     out.update(_precision(raw, reader))
     out.update(_zero(raw, reader, world_size))
     comm = _communication_dtype(raw, out["precision"])
-    if out["zero_stage"] and comm != "fp32":  # ZeRO reduces gradients in DeepSpeed's communication_data_type
+    if out["strategy"] != "single" and comm != "fp32":  # gradients summed in DeepSpeed's communication_data_type
         out["strategy_options"].setdefault("reduce_dtype", comm)
     out["zero_allow_untested_optimizer"] = _flag("zero_allow_untested_optimizer",
                                                  raw.get("zero_allow_untested_optimizer", default("zero_allow_untested_optimizer")))
