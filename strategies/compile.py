@@ -11,8 +11,8 @@ never inside one, and blocks of one class share one compiled graph (their parame
 inputs). The regions are, in order of preference:
 
 * the strategy's own blocks (``Strategy.compile_blocks()``: ZeRO-3's unit modules);
-* the entries of every ``nn.ModuleList`` / ``nn.Sequential`` holding two or more modules of one
-  class with parameters (the transformer blocks);
+* the repeated blocks (``repeated_blocks``: children of one module whose class, the model's own,
+  occurs two or more times there: a ``ModuleList`` of transformer blocks, a pipeline stage's blocks);
 * else the whole model (its ``forward``; without one, each child holding parameters).
 
 ``regional=False`` compiles the whole model's ``forward`` under every strategy (under ZeRO-3 its
@@ -23,6 +23,7 @@ a count that grows after the first steps is a recompilation.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import threading
@@ -155,18 +156,22 @@ def unwrap_compiled(model: Any) -> tuple[Any, "CompileConfig | None"]:
 
 
 def repeated_blocks(module: nn.Module) -> list[nn.Module]:
-    """The entries of every ``ModuleList``/``Sequential`` holding two or more modules of one class
-    that have parameters (transformer blocks), outermost first; a block's insides are not searched."""
+    """The transformer blocks: under each module, its direct children holding parameters whose class
+    (one of the model's own, not ``torch.nn``'s: two ``nn.Linear`` of an MLP are no blocks) occurs two
+    or more times there (a ``ModuleList`` of blocks, a pipeline stage's layers beside its embedding
+    and head). Outermost first; a block's insides are not searched."""
     found: list[nn.Module] = []
 
+    def own_class(c: nn.Module) -> bool:
+        return not type(c).__module__.startswith("torch.")
+
     def visit(m: nn.Module) -> None:
-        if isinstance(m, (nn.ModuleList, nn.Sequential)):
-            kids = [c for c in m.children() if any(True for _ in c.parameters())]
-            if len(kids) >= 2 and len({type(c) for c in kids}) == 1 and not isinstance(kids[0], (nn.ModuleList, nn.Sequential)):
-                found.extend(kids)
-                return
-        for c in m.children():
-            visit(c)
+        kids = list(m.children())
+        counts = collections.Counter(type(c) for c in kids if own_class(c) and any(True for _ in c.parameters()))
+        found.extend(c for c in kids if counts.get(type(c), 0) >= 2)
+        for c in kids:
+            if counts.get(type(c), 0) < 2:
+                visit(c)
 
     visit(module)
     return found

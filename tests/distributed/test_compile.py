@@ -187,3 +187,45 @@ def test_compiled_aot_eager_equals_eager(case, tmp_path_factory):
 @pytest.mark.parametrize("case", CASES)
 def test_compiled_inductor_equals_eager(case, tmp_path_factory):
     _check("inductor", case, tmp_path_factory)
+
+
+def _pipeline(compile_: dict | None) -> dict:
+    from zerotrain.examples.gpt import lm_loss
+    from zerotrain.strategies.pipeline import PipelineModule, PipelineStrategy
+    import dataclasses
+
+    class PipeLM(LM):
+        def configure_model(self) -> None:
+            if self.model is None:
+                self.model = GPT(dataclasses.replace(CFG, n_layer=4))
+
+        def to_pipeline(self, num_stages: int):
+            if not isinstance(self.model, PipelineModule):
+                self.model = PipelineModule.from_modules(self.model.pipeline_layers(), num_stages, loss_fn=lm_loss)
+            return self.model
+
+    out = {}
+    for key, c in (("eager", None), ("compiled", compile_)):
+        torch._dynamo.reset()
+        rec = Record() if c else None
+        trainer = Trainer(strategy=PipelineStrategy(stages=2, micro_batches=2), devices=2, max_steps=STEPS, seed=0,
+                          callbacks=[rec] if rec else [], compile=c, **QUIET)
+        trainer.fit(PipeLM())
+        out[key] = trainer.full_state_dict()
+        if rec:
+            out["graphs"], out["regions"] = rec.graphs, trainer.strategy.compiled.names
+    return out
+
+
+@pytest.mark.timeout(600)
+def test_pipeline_stages_compile_their_own_blocks(tmp_path):
+    """The pipeline: each stage compiles the blocks it holds (its layers beside the embedding and
+    head); with the ``eager`` backend (the captured graphs' ops as eager runs them) the weights
+    equal the eager pipeline's exactly."""
+    from harness import run_ranks
+    ranks = run_ranks("test_compile:_pipeline", 2, tmp_path, timeout=300, compile_={"backend": "eager"})
+    assert [r["regions"] for r in ranks] == [["model.2", "model.3"], ["model.4", "model.5"]]
+    for r in ranks:
+        assert r["graphs"][0] == r["graphs"][-1] == 1
+        for k, v in r["eager"].items():
+            assert torch.equal(r["compiled"][k], v), k
