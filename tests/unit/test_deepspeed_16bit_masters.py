@@ -77,3 +77,25 @@ def test_communication_data_type_refuses_other_types():
 
     with pytest.raises(ConfigError, match=r"communication_data_type='int8'.*valid: fp32, fp16, bf16"):
         parse({**BASE, "communication_data_type": "int8", "zero_optimization": {"stage": 2}}, 2)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_bf16_module_under_an_fp32_config_trains_as_under_bf16(stage):
+    """DeepSpeed keeps a bf16 module under an fp32 config and its ZeRO-1/2 optimizer steps fp32
+    copies of the bf16 partitions, as under ``bf16``; zerotrain converted the module to fp32
+    (examples/sdma_allgather built eagerly with ``torch_dtype=bfloat16``: 3.4e-4 from the first loss)."""
+    def losses(section: dict) -> list[float]:
+        model = _model().bfloat16()
+        config = {**BASE, **section, "zero_optimization": {"stage": stage},
+                  "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}}}
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        g, out = torch.Generator().manual_seed(1), []
+        for _ in range(3):
+            loss = engine(torch.randn(2, 16, generator=g).bfloat16()).float().square().mean()
+            engine.backward(loss)
+            engine.step()
+            out.append(loss.item())
+        return out
+
+    assert losses({}) == losses({"bf16": {"enabled": True}})

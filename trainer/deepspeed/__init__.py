@@ -13,6 +13,7 @@ This package never imports DeepSpeed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import logging
 import os
@@ -125,6 +126,20 @@ def _broadcast_weights(model: nn.Module, device: torch.device) -> None:
                     p.data.copy_(t)
 
 
+def _bf16_module_under_fp32(cfg: DeepSpeedConfig, model: nn.Module) -> DeepSpeedConfig:
+    """A bf16 module under an fp32 config at ZeRO 1/2: DeepSpeed keeps the module as it is (no
+    cast), its ZeRO optimizer steps fp32 copies of the bf16 partitions and reduces the gradients in
+    fp32 (``communication_data_type``'s default without fp16/bf16), which is zerotrain's bf16-mixed
+    with an fp32 reduction. (Found on examples/sdma_allgather built eagerly: transformers'
+    ``torch_dtype=bfloat16`` made a bf16 model, and zerotrain trained it in fp32.)"""
+    params = [p for p in model.parameters() if p.is_floating_point()]
+    if cfg.precision != "32" or cfg.zero_stage not in (1, 2) or not params or \
+            any(p.dtype != torch.bfloat16 for p in params):
+        return cfg
+    options = {**cfg.strategy_options, "reduce_dtype": cfg.strategy_options.get("reduce_dtype", "fp32")}
+    return dataclasses.replace(cfg, precision="bf16-mixed", strategy_options=options)
+
+
 def _round_to_16bit(model: nn.Module, cfg: DeepSpeedConfig) -> None:
     """fp16/bf16: DeepSpeed casts the module to the 16-bit type before its optimizer copies the
     fp32 masters, so the masters start from the 16-bit-rounded weights. zerotrain keeps the
@@ -174,7 +189,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     comm.init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     if isinstance(model, pipe.PipelineModule):  # DeepSpeed's PipelineEngine, on the pipeline strategy
         return pipe.engine.initialize(source, model, optimizer, model_parameters, training_data, lr_scheduler, collate_fn)
-    cfg = parse(source, comm.get_world_size())
+    cfg = _bf16_module_under_fp32(parse(source, comm.get_world_size()), model)
     engine = zero.take_pending(cfg) or zero.new_engine(cfg)
     engine.launch()
     if engine.global_rank == 0:
