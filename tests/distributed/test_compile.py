@@ -9,7 +9,8 @@ and is compared with plain eager single-process PyTorch over the same global bat
 none is compiled after the first step (no recompilation in steady state).
 
 The ``aot_eager`` cases trace and partition the graphs as inductor does, without generating code
-(seconds); the inductor cases generate C++ (minutes on 2 busy cores: ``slow``). Without a working
+(zero3 and offload in the default suite; the other strategies ``slow``); the inductor cases
+generate C++ (minutes on 2 busy cores: ``slow``). Without a working
 ``torch.compile`` (no C++ compiler for inductor), they skip with the reason.
 """
 from __future__ import annotations
@@ -33,6 +34,8 @@ from zerotrain.examples.gpt import GPT, GPTConfig
 STEPS, BS, N, LR = 4, 4, 64, 3e-3
 CFG = GPTConfig(vocab_size=37, block_size=12, n_layer=2, n_head=2, n_embd=16)
 CASES = ("ddp", "zero1", "zero2", "zero3", "offload", "deepspeed_stage_3_offload")
+#: the default suite's spawn (about a minute): the sharded stage and offload; the rest is ``slow``
+QUICK = ("zero3", "offload")
 QUIET = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, num_sanity_val_steps=0)
 
 
@@ -74,10 +77,10 @@ class Record(Callback):
 
 
 # ---------------------------------------------------------------------------- ranks
-def _zerotrain(backend: str) -> dict:
+def _zerotrain(backend: str, cases: list[str]) -> dict:
     out = {}
     world = int(os.environ["WORLD_SIZE"])
-    for case in CASES:
+    for case in cases:
         torch._dynamo.reset()  # each case compiles its own graphs (dynamo caches them per function)
         rec = Record()
         trainer = Trainer(strategy=case, devices=world, max_steps=STEPS, seed=0, callbacks=[rec],
@@ -111,8 +114,8 @@ def _torch_ddp(backend: str) -> dict:
     return {"losses": losses, "params": {f"model.{k}": v.detach().clone() for k, v in model.state_dict().items()}}
 
 
-def _ranks(backend: str) -> dict:
-    return {"zerotrain": _zerotrain(backend), "ddp": _torch_ddp(backend)}
+def _ranks(backend: str, cases: list[str]) -> dict:
+    return {"zerotrain": _zerotrain(backend, cases), "ddp": _torch_ddp(backend)}
 
 
 def reference() -> dict:
@@ -156,17 +159,17 @@ def compile_problem(backend: str) -> str | None:
 _CACHE: dict = {}
 
 
-def _results(backend: str, tmp_path_factory) -> tuple[dict, dict, dict]:
+def _results(backend: str, cases: tuple[str, ...], tmp_path_factory) -> tuple[dict, dict, dict]:
     problem = compile_problem(backend)
     if problem:
         pytest.skip(problem)
-    ranks = run_ranks_once(_CACHE, backend, "test_compile:_ranks", 2, tmp_path_factory,
-                           timeout=900 if backend == "inductor" else 300, backend=backend)
+    ranks = run_ranks_once(_CACHE, (backend, cases), "test_compile:_ranks", 2, tmp_path_factory,
+                           timeout=900 if backend == "inductor" else 300, backend=backend, cases=list(cases))
     return ranks[0]["zerotrain"], ranks[0]["ddp"], reference()
 
 
-def _check(backend: str, case: str, tmp_path_factory) -> None:
-    got, peer, want = _results(backend, tmp_path_factory)
+def _check(backend: str, case: str, tmp_path_factory, cases: tuple[str, ...] = CASES) -> None:
+    got, peer, want = _results(backend, cases, tmp_path_factory)
     run = got[case]
     loss = lambda d: torch.tensor(d["losses"], dtype=torch.float64)  # noqa: E731
     assert_no_worse_than_peer(loss(run), loss(want), loss(peer), what=f"{case} losses ")
@@ -177,8 +180,15 @@ def _check(backend: str, case: str, tmp_path_factory) -> None:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", QUICK)
 def test_compiled_aot_eager_equals_eager(case, tmp_path_factory):
+    _check("aot_eager", case, tmp_path_factory, QUICK)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("case", [c for c in CASES if c not in QUICK])
+def test_compiled_aot_eager_equals_eager_other_strategies(case, tmp_path_factory):
     _check("aot_eager", case, tmp_path_factory)
 
 
