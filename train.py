@@ -196,8 +196,7 @@ def _config_saver(dcfg: DictConfig):
 def run(dcfg: DictConfig) -> dict:
     """One training run; returns its numbers for a ``--multirun`` table (global rank 0's)."""
     try:
-        check_known_keys(dcfg)
-        cfg: Config = OmegaConf.to_object(dcfg)  # runs the model schema's __post_init__ checks
+        cfg = checked_config(dcfg)
         trainer, module = build(cfg)
         datamodule = build_datamodule(cfg)
     except OmegaConfBaseException as exc:  # e.g. an interpolation that cannot be resolved: one line
@@ -265,6 +264,21 @@ def _default_targets(argv: list[str], model: Any, data: Any) -> list[str]:
     return out
 
 
+def hydra_overrides(argv: list[str], model: Any = None, data: Any = None) -> list[str]:
+    """The command line as Hydra composes it (``zerotrain-tune`` composes its trials with it too):
+    ``model`` / ``data`` as default targets, ``precision=`` aliases as options, a target's keys as
+    ``++`` keys (:func:`~zerotrain.trainer.hydra_target.target_overrides`). Raises ConfigError."""
+    return target_overrides(normalize_overrides(_default_targets(argv, model, data)), TYPED_OPTIONS)
+
+
+def checked_config(dcfg: DictConfig) -> Config:
+    """The composed config as objects, every key and value checked (:func:`validate`); builds nothing."""
+    check_known_keys(dcfg)
+    cfg: Config = OmegaConf.to_object(dcfg)  # runs the model schema's __post_init__ checks
+    validate(cfg)
+    return cfg
+
+
 def main(model: Any = None, data: Any = None) -> None:
     """The command line. From a script of the user's own, ``main(MyModule, MyData)`` makes them the
     default ``model._target_`` / ``data._target_`` (a script's classes are ``__main__.MyModule``:
@@ -274,9 +288,7 @@ def main(model: Any = None, data: Any = None) -> None:
             zerotrain.train.main(MyModule, MyData)   # python my_script.py model.hidden=64 strategy=zero3
     """
     try:
-        # the other ranks re-run this command line
-        argv = _default_targets(sys.argv[1:], model, data)
-        sys.argv[1:] = target_overrides(normalize_overrides(argv), TYPED_OPTIONS)
+        sys.argv[1:] = hydra_overrides(sys.argv[1:], model, data)  # the other ranks re-run this command line
         check_compose(sys.argv[1:], "zerotrain.conf", "config")  # Hydra's compose errors, in one line
     except ConfigError as exc:
         _fail(str(exc))

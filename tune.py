@@ -1,5 +1,6 @@
-"""``zerotrain-tune`` / ``python -m zerotrain.tune``: find the fastest configuration of the demo GPT
-that fits a rank's memory, and write it as a config ``zerotrain-train`` takes.
+"""``zerotrain-tune`` / ``python -m zerotrain.tune``: find the fastest configuration of the model a
+``zerotrain-train`` command line names (the user's ``model._target_``, or the demo GPT) that fits a
+rank's memory, and write it as a config ``zerotrain-train`` takes.
 
 It takes ``zerotrain-train``'s command line (the same Hydra overrides) after its own options::
 
@@ -18,9 +19,13 @@ Output in ``--out``: ``tune_table.txt`` (the ranked table, also printed), ``tune
 config of the ``tuned`` group that selects the winner's config groups and sets every value, so
 ``zerotrain-train --config-dir <out> +tuned=<name>`` composes exactly the winner's config.
 
-Like ``train.py``, this is the application: the GPT's parameter count and activation estimate come
-from ``examples/gpt_cli.py``. Bad input (an unknown strategy, a nonsense cap, a bad override) ends
-the command with exit code 2 and one line before any process starts.
+Like ``train.py`` it never imports ``examples/``: it builds the module the config's ``_target_``
+names (``train.build_module``, on the meta device: no memory) and counts its parameters; a module's
+``activation_bytes(micro_batch, checkpointing, precision)`` method, where it has one (the demo GPT's
+does), is the activation estimate, else none is counted and the measured peak alone decides; its
+``tokens_per_sample()`` makes the table's tokens/s (else samples/s). Bad input (an unknown
+strategy, a nonsense cap, a bad override) ends the command with exit code 2 and one line before any
+process starts.
 """
 from __future__ import annotations
 
@@ -37,10 +42,11 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from . import train
-from .examples import gpt_cli as app
 from .trainer import tune as T
 from .trainer.chart import Point, scatter_png
+from .trainer.compose_check import check_compose
 from .trainer.errors import ConfigError
+from .trainer.hydra_target import is_target
 
 GROUPS = ("strategy", "precision", "optimizer", "model", "data", "trainer", "callbacks")
 #: what a rank holds besides this process's imports: the process group, the data, the loader,
@@ -160,9 +166,7 @@ def hydra_context():
 
 def checked_config(overrides: list[str]):
     """The composed, validated Config (as ``zerotrain-train`` checks it before starting a rank)."""
-    cfg = OmegaConf.to_object(compose(overrides))
-    train.validate(cfg)
-    return cfg
+    return train.checked_config(compose(overrides))
 
 
 def tuned_config(overrides: list[str], header: str) -> str:
@@ -204,21 +208,79 @@ def machine_memory() -> int:
     return total
 
 
+def batch_size(cfg) -> int:
+    """``data.batch_size``, the key the search sets, of the demo's data or of a ``data._target_``
+    (where the section leaves it out: the default of the target's ``batch_size`` argument)."""
+    data = cfg.data
+    value = getattr(data, "batch_size", None)
+    if is_target(data):
+        value = data["batch_size"] if "batch_size" in data else _default_argument(data["_target_"], "batch_size")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise T.TuneError(f"data.batch_size={value!r}: zerotrain-tune varies the micro-batch through it; "
+                          "valid: a positive int, e.g. data.batch_size=8 (an argument of the DataModule)")
+    return value
+
+
+def _default_argument(target: str, name: str) -> Any:
+    import inspect
+
+    from hydra.utils import get_object
+
+    try:
+        default = inspect.signature(get_object(target)).parameters[name].default
+    except (KeyError, TypeError, ValueError):
+        return None
+    return None if default is inspect.Parameter.empty else default
+
+
+class ModuleFacts:
+    """What the estimate needs from the module the config names, built as ``zerotrain-train`` builds
+    it (``train.build_module``) but on the meta device, ``configure_model`` included: its parameter
+    count, its ``activation_bytes`` hook and its ``tokens_per_sample``."""
+
+    def __init__(self, cfg) -> None:
+        import torch
+
+        try:
+            with torch.device("meta"):
+                module = self._built(cfg)
+        except Exception:  # a module that cannot be built on the meta device: on the CPU, once
+            module = self._built(cfg)
+        self.name = type(module).__qualname__
+        self.num_params = sum(p.numel() for p in module.parameters())  # a shared Parameter once
+        hook = getattr(module, "activation_bytes", None)
+        self.estimates_activations = callable(hook)
+        precision = cfg.precision.name
+        self.activation_bytes = ((lambda m, ck: int(hook(m, ck, precision))) if callable(hook)
+                                 else (lambda m, ck: 0))
+        tokens = getattr(module, "tokens_per_sample", None)
+        tokens = tokens() if callable(tokens) else None  # TrainModule's default: None
+        self.tokens_per_sample = int(tokens) if tokens else 1
+
+    @staticmethod
+    def _built(cfg):
+        module = train.build_module(cfg)
+        if callable(getattr(module, "configure_model", None)):
+            module.configure_model()
+        return module
+
+
 # ---------------------------------------------------------------------- the command
 class Plan:
     """The composed base, the space, the estimates and the pruning: everything before a run."""
 
     def __init__(self, a: argparse.Namespace) -> None:
         self.args = a
-        overrides = train.normalize_overrides(a.overrides)
+        overrides = train.hydra_overrides(a.overrides)
         self.base = checked_config(overrides)  # the whole command line, strategy options included
         self.kept_overrides = [o for o in overrides if not is_searched(o)]
         if self.base.trainer.num_nodes != 1:
             raise T.TuneError(f"trainer.num_nodes={self.base.trainer.num_nodes!r}: zerotrain-tune runs its trials "
                               "on this machine; valid: 1 (tune on one node, then train with the winner on more)")
         self.world = self.base.trainer.devices
-        self.per_rank = self.base.data.batch_size * self.base.trainer.accumulate_grad_batches
-        self.tokens_per_step = self.per_rank * self.world * self.base.model.block_size
+        self.per_rank = batch_size(self.base) * self.base.trainer.accumulate_grad_batches
+        self.module = ModuleFacts(self.base)
+        self.tokens_per_step = self.per_rank * self.world * self.module.tokens_per_sample
         micro = T.micro_batch_choices(self.per_rank, a.micro_batches)
         self.space = T.search_space(a.strategies, self.per_rank, micro, a.bucket_scales, not a.no_checkpointing)
         self.cap, self.cap_source = self._cap()
@@ -235,11 +297,16 @@ class Plan:
         return share, f"machine memory / {devices} ranks per node"
 
     def _memory(self) -> T.MemoryModel:
-        """The demo GPT's numbers for the estimate (``examples/gpt_cli.py``)."""
-        a, model, precision = self.args, self.base.model, self.base.precision.name
+        """The module's numbers for the estimate (:class:`ModuleFacts`)."""
+        a = self.args
         base = a.base_rss_gb * T.GiB if a.base_rss_gb is not None else _own_rss() + RUNTIME_ALLOWANCE
-        return T.MemoryModel(app.num_params(model), self.world, precision, int(base),
-                             lambda m, ck: app.activation_bytes(model, m, ck, precision))
+        return T.MemoryModel(self.module.num_params, self.world, self.base.precision.name, int(base),
+                             self.module.activation_bytes)
+
+    def trial_overrides(self, c: T.Candidate) -> list[str]:
+        """The command line of configuration ``c``: the kept overrides and the search's values
+        (``data.batch_size`` becomes a ``++`` key of a ``data._target_``, as on the command line)."""
+        return train.hydra_overrides(self.kept_overrides + c.overrides())
 
     def _prune(self) -> list[T.Result]:
         """Every configuration with its estimate; the pruned ones say why. The kept ones are
@@ -250,7 +317,7 @@ class Plan:
             if r.candidate in pruned:
                 r.status, r.why = "pruned", pruned[r.candidate]
         for c in kept:
-            checked_config(self.kept_overrides + c.overrides())
+            checked_config(self.trial_overrides(c))
         return results
 
     def _default(self) -> Optional[T.Candidate]:
@@ -258,7 +325,7 @@ class Plan:
         s = self.base.strategy
         if s.name not in T.STRATEGIES:
             return None
-        c = T.Candidate(s.name, self.base.data.batch_size, self.base.trainer.accumulate_grad_batches,
+        c = T.Candidate(s.name, batch_size(self.base), self.base.trainer.accumulate_grad_batches,
                         getattr(s, T.BUCKET_FIELDS[s.name][0]), bool(getattr(s, "activation_checkpointing", False)))
         return c if c in self.space else None
 
@@ -268,8 +335,11 @@ class Plan:
         return (f"zerotrain-tune: {len(self.space)} configurations ({', '.join(a.strategies)}; global batch "
                 f"{self.per_rank * self.world} = {self.per_rank}/rank x {self.world} ranks), {pruned} pruned; "
                 f"cap {self.cap / T.GiB:.3f} GiB per rank ({self.cap_source}), margin {a.margin:.0%}; "
-                f"estimate = base {m.base_bytes / T.GiB:.3f} GiB + model states ({m.num_params:,} params, "
-                f"{m.precision}) + max(activations + in-flight gradients/parameters, optimizer step temporaries)")
+                f"estimate = base {m.base_bytes / T.GiB:.3f} GiB + model states ({self.module.name}: "
+                f"{m.num_params:,} params, {m.precision}) + max(activations + in-flight gradients/parameters, "
+                "optimizer step temporaries)" + ("" if self.module.estimates_activations else
+                f"; activations not estimated ({self.module.name} has no activation_bytes method): the "
+                "measured peak RSS decides"))
 
 
 def _runner(plan: Plan, out: str):
@@ -280,7 +350,7 @@ def _runner(plan: Plan, out: str):
         run_dir = os.path.join(out, "runs", f"{index:02d}-{c.label.replace(' ', '_')}", f"r{rnd}")
         if os.path.isdir(run_dir):
             shutil.rmtree(run_dir)
-        cmd = [sys.executable, "-m", "zerotrain.train", *plan.kept_overrides, *c.overrides(),
+        cmd = [sys.executable, "-m", "zerotrain.train", *plan.trial_overrides(c),
                *run_overrides(run_dir, a.warmup_steps + a.steps)]
         return T.run_config(cmd, run_dir, a.warmup_steps, a.timeout_s)
     return run
@@ -316,7 +386,7 @@ def report(plan: Plan, out: str, elapsed: float) -> Optional[T.Result]:
                   f"{max(best.peak_rss) / T.GiB:.3f} GiB per rank\n"
                   f"use: zerotrain-train --config-dir {os.path.abspath(out)} +tuned={plan.args.name}")
         with open(path, "w") as f:
-            f.write(tuned_config(plan.kept_overrides + best.candidate.overrides(), header))
+            f.write(tuned_config(plan.trial_overrides(best.candidate), header))
         print(f"winner: {best.candidate.label}; config: {path}\n"
               f"train with it: zerotrain-train --config-dir {os.path.abspath(out)} +tuned={plan.args.name}")
     return best
@@ -328,6 +398,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     a = parse_args(argv)
     try:
         check_args(a)
+        check_compose(train.hydra_overrides(a.overrides), "zerotrain.conf", "config")  # as zerotrain-train
         with hydra_context():
             plan = Plan(a)
     except (T.TuneError, ConfigError, ValueError, OmegaConfBaseException, HydraException) as exc:

@@ -202,6 +202,12 @@ class GPTModule(TrainModule):
     def tokens_per_sample(self) -> int:
         return self.config.block_size
 
+    def activation_bytes(self, micro_batch: int, checkpointing: bool, precision: str) -> int:
+        """``zerotrain-tune``'s hook: one micro-batch's activation memory (``gpt_cli.activation_bytes``)."""
+        from .gpt_cli import activation_bytes
+
+        return activation_bytes(self.config, micro_batch, checkpointing, precision)
+
     # ---- sampling
     @torch.no_grad()
     def sample(

@@ -4,7 +4,8 @@ checkpointing train a given model fastest within a rank's memory.
 Everything here but :func:`run_config` (one short training run in a subprocess) is pure, so the
 space, the pruning, the ranking, the table and the tuned config file are tested without processes.
 The model-specific numbers (parameters, activation bytes) come from the application in a
-:class:`MemoryModel`: the library knows no model (``tune.py`` at the root fills it in for the demo).
+:class:`MemoryModel`: the library knows no model (``tune.py`` at the root fills it in from the
+module the config's ``_target_`` names).
 
 * **Space** (:func:`search_space`): strategies x micro-batch sizes (gradient accumulation adjusted
   so each rank still sees the same samples per optimizer step: the global batch is kept) x two

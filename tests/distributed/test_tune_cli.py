@@ -66,3 +66,34 @@ def test_tune_under_a_cap_that_excludes_ddp_picks_zero3_which_then_trains(tmp_pa
     assert "done: 3 steps" in train.stdout, train.stdout[-2000:]
     assert "name: zero3" in train.stderr, train.stderr[-3000:]  # the composed config rank 0 prints
     assert "zero3: model states per rank" in train.stdout + train.stderr  # the strategy it built
+
+
+@pytest.mark.slow
+def test_tune_a_user_target_module_then_train_with_the_winner(tmp_path):
+    """``zerotrain-tune`` of the user's own ``model._target_`` / ``data._target_`` (a package outside
+    the repository): each trial is a ``zerotrain-train`` run of 2 processes with the micro-batch as the
+    DataModule's ``batch_size``; the winner's tuned config trains."""
+    from cli_user_package import DATA, MODEL, write_package
+
+    root = write_package(tmp_path / "pkg")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])),
+               OMP_NUM_THREADS="1")
+    out = tmp_path / "tune"
+    line = [f"model._target_={MODEL}", "model.hidden=16", f"data._target_={DATA}", "data.batch_size=4",
+            "trainer.devices=2", "trainer.limit_val_batches=0", "trainer.enable_checkpointing=false",
+            "callbacks.tensorboard=false", "trainer.enable_progress_bar=false"]
+    cmd = [sys.executable, "-m", "zerotrain.tune", "--strategies", "ddp,zero2", "--micro-batches", "2",
+           "--bucket-scales", "1", "--steps", "2", "--warmup-steps", "1", "--repeats", "1", "--out", str(out), *line]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240 * TIMEOUT_SCALE, cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "Regressor: 433 params" in proc.stdout and "activations not estimated" in proc.stdout, proc.stdout
+    results = json.loads((out / "tune_results.json").read_text())
+    assert [r["status"] for r in results["results"]] == ["ok", "ok"], results
+    assert results["winner"].split()[1] == "mb2x2", results
+
+    train = subprocess.run([sys.executable, "-m", "zerotrain.train", "--config-dir", str(out), "+tuned=best",
+                            "trainer.max_steps=2", f"hydra.run.dir={tmp_path / 'train'}"],
+                           capture_output=True, text=True, timeout=90 * TIMEOUT_SCALE, cwd=tmp_path, env=env)
+    assert train.returncode == 0, train.stdout[-3000:] + train.stderr[-3000:]
+    assert "done: 2 steps" in train.stdout, train.stdout[-2000:]
+    assert f"_target_: {DATA}" in train.stderr and "batch_size: 2" in train.stderr, train.stderr[-3000:]

@@ -156,8 +156,9 @@ def test_a_multirun_jobs_ranks_rerun_that_job_only(monkeypatch):
     assert launcher._hydra_job_argv(argv) == argv
 
 
-def test_train_py_does_not_import_the_examples():
-    tree = ast.parse((ROOT / "train.py").read_text())
+@pytest.mark.parametrize("command", ["train.py", "tune.py"])
+def test_the_commands_do_not_import_the_examples(command):
+    tree = ast.parse((ROOT / command).read_text())
     names = [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
     names += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
     assert not [n for n in names if "examples" in n], names

@@ -1,7 +1,8 @@
 """The library never imports ``examples/``: ``trainer/``, ``strategies/``, ``callbacks/`` and
 ``ops/`` must work for a user's own TrainModule without the demo GPT; the command line reaches the demo's module only through the
-``_target_`` string of its ``model`` options (``zerotrain.examples.gpt_cli.cli_module``;
-tests/unit/test_cli_targets.py checks that ``train.py`` imports no example)."""
+``_target_`` string of its ``model`` options (``zerotrain.examples.gpt_cli.cli_module``). The
+modules at the root (``train.py``: ``zerotrain-train``, ``tune.py``: ``zerotrain-tune``, the
+package's ``__init__``) are the library too: they build whatever ``_target_`` the config names."""
 import ast
 import pathlib
 import subprocess
@@ -11,6 +12,8 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]  # the repository root is the zerotrain package
 LIBRARY = ("trainer", "strategies", "callbacks", "ops")
+#: the library's modules at the repository root (``setup.py`` is the installer, not a module)
+ROOT_MODULES = ("__init__", "train", "tune")
 FORBIDDEN = "zerotrain.examples"
 
 
@@ -45,12 +48,14 @@ def _is_examples(name: str) -> bool:
 
 
 def _library_files() -> list[pathlib.Path]:
-    return sorted(p for package in LIBRARY for p in (ROOT / package).rglob("*.py"))
+    return sorted([p for package in LIBRARY for p in (ROOT / package).rglob("*.py")]
+                  + [ROOT / f"{name}.py" for name in ROOT_MODULES])
 
 
 def test_the_library_files_are_found():
     files = _library_files()
     assert len(files) > 20 and ROOT / "trainer" / "config.py" in files, files
+    assert {ROOT / "train.py", ROOT / "tune.py"} <= set(files) and all(p.is_file() for p in files), files
 
 
 @pytest.mark.parametrize("path", _library_files(), ids=lambda p: str(p.relative_to(ROOT)))
@@ -83,6 +88,8 @@ def test_importing_every_library_module_loads_no_example():
             "    mod = importlib.import_module('zerotrain.' + pkg)\n"
             "    for info in pkgutil.walk_packages(mod.__path__, mod.__name__ + '.'):\n"
             "        importlib.import_module(info.name)\n"
+            f"for name in {ROOT_MODULES[1:]!r}:\n"
+            "    importlib.import_module('zerotrain.' + name)\n"
             f"print(sorted(m for m in sys.modules if m == {FORBIDDEN!r} or m.startswith({FORBIDDEN!r} + '.')))\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -264,3 +264,51 @@ def test_dry_run_prints_the_space_and_the_pruning(tmp_path, capsys):
     assert "12 configurations (ddp, zero3; global batch 32 = 16/rank x 2 ranks), 12 pruned" in out, out
     assert "cap 0.200 GiB per rank (--max-rss-gb)" in out and "ddp mb16x1 b25MB (default)" in out
     assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------------- any _target_ model
+def test_the_demo_gpts_numbers_come_from_its_module_not_an_import_of_the_examples():
+    """The tuner builds the module the config names (meta device) and counts its parameters; the
+    GPT's ``activation_bytes`` method is the estimate: the same numbers as ``examples/gpt_cli.py``'s."""
+    from zerotrain import tune
+    from zerotrain.examples import gpt_cli as app
+
+    with tune.hydra_context():
+        plan = tune.Plan(tune.parse_args(["--strategies", "zero3", "model=gpt_tiny", "trainer.devices=2"]))
+    model = plan.base.model
+    assert plan.module.name == "GPTModule" and plan.memory.num_params == app.num_params(model)
+    assert plan.memory.activation_bytes(4, True) == app.activation_bytes(model, 4, True, plan.base.precision.name)
+    assert plan.tokens_per_step == plan.per_rank * 2 * model.block_size
+
+
+def test_a_user_target_module_and_data_are_tuned(tmp_path, monkeypatch, capsys):
+    """``model._target_`` / ``data._target_`` of the user's package: its parameters are counted, its
+    missing activation hook is said, each trial sets ``data.batch_size`` as the DataModule's argument
+    (checked against its signature), and the winner's tuned config composes back into its config."""
+    from cli_user_package import DATA, MODEL, write_package
+    from zerotrain import tune
+
+    monkeypatch.syspath_prepend(str(write_package(tmp_path / "pkg")))
+    line = [f"model._target_={MODEL}", "model.hidden=16", f"data._target_={DATA}", "data.batch_size=4",
+            "trainer.devices=2"]
+    argv = ["--dry-run", "--strategies", "ddp,zero2", "--bucket-scales", "1", "--base-rss-gb", "0.25", *line]
+    assert tune.main(argv) == 0
+    out = capsys.readouterr().out
+    params = (8 * 16 + 16) + (16 * 16 + 16) + (16 + 1)  # Regressor(hidden=16, depth=2)
+    assert f"4 configurations (ddp, zero2; global batch 8 = 4/rank x 2 ranks), 0 pruned" in out, out
+    assert f"Regressor: {params:,} params" in out and "activations not estimated" in out, out
+    with tune.hydra_context():
+        plan = tune.Plan(tune.parse_args(argv))
+        c = next(r.candidate for r in plan.results if r.candidate.strategy == "zero2" and r.candidate.micro_batch == 2)
+        assert "++data.batch_size=2" in plan.trial_overrides(c)
+        (tmp_path / "tuned").mkdir()
+        (tmp_path / "tuned" / "best.yaml").write_text(tune.tuned_config(plan.trial_overrides(c), "test"))
+        got = OmegaConf.to_container(tune.compose(["+tuned=best", f"hydra.searchpath=[file://{tmp_path}]"]))
+    assert got["model"] == {"_target_": MODEL, "hidden": 16} and got["data"] == {"_target_": DATA, "batch_size": 2}
+    assert got["strategy"]["name"] == "zero2" and got["trainer"]["accumulate_grad_batches"] == 2
+    # data.batch_size left out: the DataModule's default (Points: 4), which it is built with
+    assert tune.main([a for a in argv if a != "data.batch_size=4"]) == 0
+    assert "global batch 8 = 4/rank x 2 ranks" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exc:  # a key the DataModule does not take: one line, rc 2
+        tune.main(["--dry-run", *line, "data.batch_sise=2"])
+    assert exc.value.code == 2 and "data.batch_sise" in capsys.readouterr().err
