@@ -213,6 +213,7 @@ def _unwrap(fn: Any) -> Any:
             return fn
         if fn is None:
             return None
+    return fn
 
 
 def get_torchvision_model(model_name: str, **kwargs: Any) -> torch.nn.Module:
