@@ -244,6 +244,14 @@ class OffloadStepper:
                 sq += torch.dot(c, c)
         return sq * self._clip_coef ** 2
 
+    def exact_norm(self) -> bool:
+        """With ``grad_device="nvme"`` the gradients are in the swap files: squared sums instead."""
+        return self.swapped_grads is None
+
+    def norm_factor(self) -> float:
+        """A clip coefficient already folded into the next step's kernel."""
+        return self._clip_coef
+
     def scale(self, grads: list[torch.Tensor], coef: torch.Tensor) -> None:
         """The clip coefficient is folded into the next step's kernel (``grad_scale``) instead of
         rewriting the gradients in place."""

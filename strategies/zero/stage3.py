@@ -22,8 +22,8 @@ Set-up (the Trainer's order):
 
 A step: forward and backward gather units just in time (hooks); each unit's gradients are reduced
 right after its backward into the rank's gradient partition (every micro-batch, as ZeRO-2); then
-``Strategy.optimizer_step`` with ZeRO's pieces: unscale/overflow, clip (one all-reduce of the
-squared norm), the inner optimizer on the master views, and ``_refresh_params``, which here only
+``Strategy.optimizer_step`` with ZeRO's pieces: unscale/overflow, clip (per-parameter norms as
+PyTorch's, ``grad_norm.py``), the inner optimizer on the master views, and ``_refresh_params``, which here only
 refreshes the working shards (and re-gathers the persistent small parameters). Nothing is gathered
 between steps.
 
@@ -62,6 +62,7 @@ from ..step_wrapper import StepWrapper
 from ..environment import release_at_exit
 from ..host_memory import free_bytes_per_rank
 from .comm import backend, broadcast_from, least_over_ranks, new_group, world_size
+from .grad_norm import ParamNorm, plan_param
 from .hooks import Stage3Hooks
 from .layout import build_layout
 from .materialize import PartitionedBuild
@@ -261,9 +262,27 @@ class ZeroStage3(ZeroStrategy):
         self.runtime.grad_views = [g for gs in grads for g in gs]
         self.grads = self.runtime
         order = [(u, r) for g in range(len(groups)) for u, r, _ in self._runs if r.group == g]
+        self._norm_sources = (groups, order)
         self.stepper.page_units([(u, r.start) for u, r in order])  # the masters' order: group by group
         self._attach_stepper(ShardedOptimizer(optimizer, masters),
                              [u.working[r.start:r.start + r.numel] for u, r in order], masters_external=True)
+
+    def _plan_norms(self) -> list[ParamNorm]:
+        """Each trainable parameter in the optimizer's order, located in its unit's partition
+        (the master slots are the optimizer runs, group by group)."""
+        groups, order = self._norm_sources
+        slots: dict[int, list[tuple[int, Any]]] = {}
+        for k, (u, r) in enumerate(order):
+            slots.setdefault(id(u), []).append((k, r))
+        where = {id(p): (u, i) for u in self.units for i, p in enumerate(u.params)}
+
+        def locate(u: Unit) -> Any:
+            def at(start: int) -> tuple[int, int]:
+                k, r = next((k, r) for k, r in slots[id(u)] if r.start <= start < r.start + r.numel)
+                return k, start - r.start
+            return at
+        return [plan_param(gi, p.shape, where[id(p)][0].layout, where[id(p)][1], self.global_rank,
+                           locate(where[id(p)][0])) for gi, ps in enumerate(groups) for p in ps]
 
     def _extra_state_names(self) -> list[str]:
         """State-dict entries that no unit holds: buffers and non-floating-point parameters."""

@@ -61,6 +61,14 @@ class ShardedStepper:
             return torch.zeros((), device=device)
         return torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum()
 
+    def exact_norm(self) -> bool:
+        """The gradient slots are readable tensors: the strategy norms them per parameter."""
+        return True
+
+    def norm_factor(self) -> float:
+        """What the gradients' norm is multiplied by (a clip coefficient not applied to them yet)."""
+        return 1.0
+
     def scale(self, grads: list[torch.Tensor], coef: torch.Tensor) -> None:
         for g in grads:
             g.detach().mul_(coef.to(g.dtype))

@@ -40,6 +40,7 @@ from ..options import expose_options
 from .config import BucketConfig, Stage3Config, ZeroConfig, ZeroSpec
 from .estimate import estimate_model_states, format_bytes
 from .flat_buffer import FlatParamGroup, flatten_group
+from .grad_norm import ParamNorm, exact_total_norm, plan_param
 from .hooks import ParamGatherHooks
 from .inflight import InFlight, InFlightQueue, Work
 from .layout import build_layout
@@ -143,6 +144,7 @@ class ZeroStrategy(Strategy):
         self.queue = InFlightQueue(overlap=self.config.overlap_comm)
         self._sync = True  # False inside no_sync()
         self._logged_after_step = False
+        self._norm_plan: list[ParamNorm] | None = None  # planned at the first clip by norm
 
     # ------------------------------------------------------------------ set-up
     def setup_environment(self) -> None:
@@ -274,11 +276,29 @@ class ZeroStrategy(Strategy):
         self.stepper.clamp(self.step_gradients(), clip_value, loss_scale)
 
     def _grad_norm(self) -> torch.Tensor:
-        """Collective: the global L2 norm from the partitions (one all-reduce of the squared
-        sum), as ``torch.nn.utils.clip_grad_norm_`` over the full gradient would compute it."""
-        sq = self._local_grad_sq_norm().float().reshape(1)
-        self.queue.complete(all_reduce_sum(sq, self.group), sq, label="grad norm")
-        return sq[0].sqrt()
+        """Collective: the global L2 norm, rounded exactly as ``torch.nn.utils.clip_grad_norm_``
+        over the full gradients rounds it (``grad_norm.py``: per-parameter norms, then their norm).
+        A stepper whose gradients are not readable here (offload's NVMe gradients) gives this
+        rank's squared sum instead: one all-reduce of it, equal up to fp32 rounding."""
+        if not self.stepper.exact_norm():
+            sq = self._local_grad_sq_norm().float().reshape(1)
+            self.queue.complete(all_reduce_sum(sq, self.group), sq, label="grad norm")
+            return sq[0].sqrt()
+        if self._norm_plan is None:
+            self._norm_plan = self._plan_norms()
+        grads = self.stepper.gradients(self.grads.partitions(), self.sharded)
+        groups = None if self._step_groups is None else set(self._step_groups)
+        total = exact_total_norm(self._norm_plan, grads, groups, self.device,
+                                 lambda h, t, label: self.queue.complete(h, t, label=label),
+                                 self.group, self.global_rank == 0)
+        factor = self.stepper.norm_factor()
+        return total if factor == 1.0 else total * factor
+
+    def _plan_norms(self) -> list[ParamNorm]:
+        """Each trainable parameter in the optimizer's order, with where its gradient lies (one
+        master slot per flat group here)."""
+        return [plan_param(gi, p.shape, fg.layout, i, self.global_rank, lambda s, gi=gi: (gi, s))
+                for gi, fg in enumerate(self.flat_groups) for i, p in enumerate(fg.params)]
 
     def _inner_step(self, loss_scale: float) -> None:
         self.stepper.step(self.sharded, loss_scale)

@@ -1,0 +1,105 @@
+"""The total gradient norm of a ZeRO strategy, rounded exactly as ``torch.nn.utils.clip_grad_norm_``.
+
+PyTorch's clipping (``get_total_norm``) takes each gradient tensor's 2-norm, then the 2-norm of
+those norms stacked in the parameters' order. A squared sum over partitions, all-reduced, is the
+same number in exact arithmetic but rounds differently in fp32, so a sharded run drifted from a
+replicated one by a few ulps per clipped step. Here every rank computes the norms of the
+parameters whose gradient lies wholly in its partition (from a view of it with the parameter's
+shape), the few parameters cut by a partition boundary are assembled (one zero-padded all-reduce
+each, adding zeros is exact) and normed on every rank, then one all-reduce of a zero-padded vector
+of the per-parameter norms (each filled by one rank) gives every rank the same vector, and its norm
+is the total PyTorch computes. Communication: one float per parameter plus the boundary tensors.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from .comm import all_reduce_sum
+from .layout import GroupLayout
+
+try:  # the test get_total_norm uses to pick the fused per-tensor norm (CUDA) or vector_norm (CPU)
+    from torch.utils._foreach_utils import _has_foreach_support
+except ImportError:  # pragma: no cover - older torch: per-tensor vector_norm
+    def _has_foreach_support(tensors, device) -> bool:
+        return False
+
+
+@dataclass(frozen=True)
+class LocalPiece:
+    """The part of one parameter's gradient in this rank's step-gradient slot ``slot``."""
+
+    slot: int
+    offset: int  # first element within the slot tensor
+    param_start: int  # first element within the flattened parameter
+    numel: int
+
+
+@dataclass(frozen=True)
+class ParamNorm:
+    """One trainable parameter, in the optimizer's order: where its gradient lies."""
+
+    group: int  # optimizer param group
+    shape: torch.Size
+    numel: int
+    whole: bool  # lies in one rank's partition
+    mine: tuple[LocalPiece, ...]  # the pieces in this rank's partition
+
+
+def plan_param(group: int, shape: torch.Size, layout: GroupLayout, index: int, rank: int,
+               locate: Callable[[int], tuple[int, int]]) -> ParamNorm:
+    """Parameter ``index`` of ``layout``; ``locate(partition_start)`` gives the (slot, offset in
+    slot) of an element of this rank's partition."""
+    pieces = layout.pieces_of(index)
+    mine = []
+    for pc in pieces:
+        if pc.rank == rank:
+            slot, off = locate(pc.partition_start)
+            mine.append(LocalPiece(slot, off, pc.param_start, pc.numel))
+    return ParamNorm(group, torch.Size(shape), layout.spans[index].numel, len(pieces) <= 1, tuple(mine))
+
+
+def tensor_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each tensor's 2-norm, by the kernel ``get_total_norm`` uses for tensors of this device."""
+    if not tensors:
+        return []
+    if _has_foreach_support(tensors, tensors[0].device):
+        return list(torch._foreach_norm(tensors, 2.0))
+    return [torch.linalg.vector_norm(t, 2.0) for t in tensors]
+
+
+def exact_total_norm(plan: Sequence[ParamNorm], grads: Sequence[torch.Tensor], groups: set[int] | None,
+                     device: torch.device, complete: Callable, group: object = None,
+                     leader: bool = True) -> torch.Tensor:
+    """Collective: the 2-norm of the gradients of the parameters of optimizer groups ``groups``
+    (all when None), as ``get_total_norm`` over the whole fp32 gradients. ``grads``: this rank's
+    step-gradient slots (all of them, ``plan``'s slot indices); ``complete(handle, tensor, label)``
+    waits for a collective; ``leader``: this rank writes the boundary parameters' norms."""
+    chosen = [p for p in plan if groups is None or p.group in groups]
+    norms = torch.zeros(len(chosen), dtype=torch.float32, device=device)
+    local, where = [], []
+    for k, p in enumerate(chosen):
+        if p.whole:
+            if p.mine:
+                pc = p.mine[0]
+                local.append(_fp32(grads[pc.slot][pc.offset:pc.offset + pc.numel]).view(p.shape))
+                where.append(k)
+            continue
+        full = torch.zeros(p.numel, dtype=torch.float32, device=device)  # the boundary parameter
+        for pc in p.mine:
+            full[pc.param_start:pc.param_start + pc.numel].copy_(grads[pc.slot][pc.offset:pc.offset + pc.numel])
+        complete(all_reduce_sum(full, group), full, "grad norm (boundary parameter)")
+        if leader:
+            norms[k] = tensor_norms([full.view(p.shape)])[0]
+    if local:
+        norms[torch.tensor(where, device=device)] = torch.stack(tensor_norms(local)).to(torch.float32)
+    complete(all_reduce_sum(norms, group), norms, "grad norm")
+    if not chosen:
+        return torch.zeros((), device=device)
+    return torch.linalg.vector_norm(norms, 2.0)
+
+
+def _fp32(t: torch.Tensor) -> torch.Tensor:
+    return t.detach() if t.dtype == torch.float32 else t.detach().float()
