@@ -37,7 +37,7 @@ def save(trainer: Any, path: str | os.PathLike) -> None:
         checkpoint: dict[str, Any] = {
             "epoch": trainer.current_epoch, "global_step": trainer.global_step,
             "pytorch-lightning_version": __version__, "state_dict": state_dict,
-            "loops": {"zerotrain": trainer.state.state_dict()}, "format": FORMAT,
+            "loops": {"zerotrain": trainer.fit_loop.saved_position()}, "format": FORMAT,
             **hparams.checkpoint_entries(trainer.module, trainer.datamodule)}
         dm = trainer.datamodule
         dm_state = datamodule_hook(trainer, dm, "state_dict") if dm is not None else None

@@ -31,7 +31,7 @@ def save(trainer: "Trainer", path: str, update_latest: bool = True) -> None:
     loader = trainer.train_dataloader
 
     def loop_meta(meta: dict[str, Any]) -> None:  # rank 0: the Trainer's part, then the hook
-        meta.update(loop=trainer.state.state_dict(), callbacks=trainer.hooks.state_dict(),
+        meta.update(loop=trainer.fit_loop.saved_position(), callbacks=trainer.hooks.state_dict(),
                     scheduler=trainer._optim.scheduler_state(),
                     data={"batch_size": getattr(loader, "batch_size", None),
                           "world": trainer.strategy.data_parallel_world_size,

@@ -341,6 +341,7 @@ class Engine:
         if note:
             log.warning("resume: %s", note)
         self.progress.load_state_dict(loop)
+        self.progress.end_saved_epoch()  # saved at a Trainer's epoch end: the next epoch
         self.progress.continue_cut_epoch()  # a Trainer's fit that max_steps cut: its epoch's remaining batches
         saved = meta.get("engine", {})
         for key, obj in state.items():

@@ -298,6 +298,18 @@ class FitLoop:
     def _should_accumulate(self) -> bool:
         return self.epoch_loop._should_accumulate()
 
+    def saved_position(self) -> dict:
+        """The loop state a checkpoint holds: the state, marked ``epoch_ended`` when saved while the
+        running epoch ends (its last batch trained: its validation or ``on_train_batch_end``; or in
+        ``on_train_epoch_end``): 2 where ``max_steps`` cut it short, else 1 (``LoopState.end_saved_epoch``)."""
+        trainer, st = self.trainer, self.trainer.state
+        out = st.state_dict()
+        if st.epoch_phase == 2:
+            out["epoch_ended"] = 2 if trainer._max_steps_reached() and not trainer._epoch_complete() else 1
+        elif st.epoch_phase == 1 and trainer.fitting and st.batches_in_epoch >= (trainer.num_training_batches or 0) > 0:
+            out["epoch_ended"] = 1
+        return out
+
     def continue_cut_epoch(self) -> None:
         """A fit after one that max_steps stopped mid-epoch (resumed from its checkpoint, or the same
         Trainer again): that epoch ended for its hooks and counter, as Lightning's, yet its batches

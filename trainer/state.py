@@ -84,6 +84,7 @@ class LoopState:
     batches_in_epoch: int = 0  # micro-batches of `epoch` already consumed
     total_batches: int = 0  # micro-batches consumed over the whole run
     cut_batches: int = 0  # max_steps ended epoch `epoch - 1` after these micro-batches: a later fit continues it
+    epoch_ended: int = 0  # saved while `epoch` ended (1; 2: max_steps cut it): a fit resumes after it; 0 while running
     # not fields (never saved): what runs now, as Lightning's TrainerState
     fn = None  # TrainerFn | None
     stage = None  # RunningStage | None
@@ -99,6 +100,17 @@ class LoopState:
     @property
     def stopped(self) -> bool:
         return self.status == TrainerStatus.INTERRUPTED
+
+    def end_saved_epoch(self) -> None:
+        """A fit resuming from a checkpoint saved while its epoch ended (the epoch-end validation,
+        ``on_train_epoch_end``): as Lightning, that epoch is over and the fit starts the next one
+        (``current_epoch`` is the next one from ``on_train_start``; validate/test keep the saved one).
+        Saved in an epoch that ``max_steps`` cut, the position is the one after that fit."""
+        if self.epoch_ended == 2 and not self.batches_in_epoch:  # resharded to no whole batch: it starts over
+            self.epoch_ended = 0
+        elif self.epoch_ended:
+            self.cut_batches = self.batches_in_epoch if self.epoch_ended == 2 else 0
+            self.epoch, self.batches_in_epoch, self.epoch_ended = self.epoch + 1, 0, 0
 
     def continue_cut_epoch(self) -> None:
         """The position after a fit that max_steps stopped mid-epoch: that epoch ended for its hooks
