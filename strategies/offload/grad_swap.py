@@ -17,8 +17,9 @@ still holds per parameter. With it, each unit's gradient lives in RAM only while
 * zeroing (``zero``) only marks the sub-groups: the step reads a marked one as zeros, and the
   next backward writes it without reading;
 * value clipping (``clamp``) is applied where the gradient is next read (the step, the norm, or
-  the read-back of a later micro-batch), and the clip norm (``sq_norm``) streams the gradient
-  regions through the staging buffers, chunk for chunk what the RAM path computes.
+  the read-back of a later micro-batch), and the clip norm (``read_ranges``) streams the gradient
+  regions through the staging buffers into one fp32 tensor per parameter, the same per-parameter
+  norms the RAM path computes (``zero/grad_norm.py``).
 
 The stage's gradient partitions become meta tensors (their shapes, no memory): what asks for the
 values gets them through these calls, and anything else fails loudly instead of reading stale
@@ -26,7 +27,7 @@ memory.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -114,25 +115,47 @@ class SwappedGrads:
             if sg.slot in wanted and self.written[k]:
                 self.bound[k] = bound if self.bound[k] is None else min(bound, self.bound[k])
 
-    def sq_norm(self, slots: Sequence[int]) -> torch.Tensor:
-        """The squared L2 norm of the gradients of ``slots``, in fp32: each sub-group's
-        ``dot(g.float(), g.float())`` summed in sub-group order, as the RAM path sums its
-        ``sub_group_size`` chunks (one read of every written gradient region)."""
+    def read_ranges(self, ranges: Sequence[tuple[int, int, int]], visit: Callable[[int, torch.Tensor], None]) -> None:
+        """Each range ``(slot, first element in the slot, elements)`` in fp32 (pending value clips
+        applied, never-written sub-groups zero), given to ``visit(i, tensor)`` once complete: one
+        read of every sub-group a range touches, a range's tensor kept only until it is complete
+        (per-parameter gradient norms in torch's order, ``zero/grad_norm.py``)."""
         self.flush()
-        wanted = set(slots)
-        mine = [sg.index for sg in self.subgroups if sg.slot in wanted and self.written[sg.index]]
-        sq = torch.zeros((), dtype=torch.float32)
+        need: dict[int, list[int]] = {}
+        left = []
+        for i, (slot, off, n) in enumerate(ranges):
+            hits = [sg.index for sg in self.subgroups if sg.slot == slot and sg.lo < off + n and off < sg.hi]
+            for k in hits:
+                need.setdefault(k, []).append(i)
+            left.append(len(hits))
+            if not hits:
+                visit(i, torch.zeros(n, dtype=torch.float32))
+        out: dict[int, torch.Tensor] = {}
+
+        def fill(k: int, g: torch.Tensor | None) -> None:
+            sg = self.subgroups[k]
+            for i in need[k]:
+                _, off, n = ranges[i]
+                t = out.setdefault(i, torch.zeros(n, dtype=torch.float32))
+                lo, hi = max(off, sg.lo), min(off + n, sg.hi)
+                if g is not None:
+                    t[lo - off:hi - off].copy_(g[lo - sg.lo:hi - sg.lo])
+                left[i] -= 1
+                if not left[i]:
+                    visit(i, out.pop(i))
+
+        for k in sorted(need):
+            if not self.written[k]:
+                fill(k, None)
+        todo = [k for k in sorted(need) if self.written[k]]
 
         def add(j: int, b: int) -> None:
-            nonlocal sq
-            g = self._view(mine[j], b)
-            self._apply_bound(mine[j], g, keep=True)
-            c = g.float()
-            sq += torch.dot(c, c)
+            g = self._view(todo[j], b)
+            self._apply_bound(todo[j], g, keep=True)
+            fill(todo[j], g)
 
-        run_pipelined(len(mine), len(self.buffers), lambda j, b: self._read(mine[j], b), add,
+        run_pipelined(len(todo), len(self.buffers), lambda j, b: self._read(todo[j], b), add,
                       lambda j, b: Completed())
-        return sq
 
     # ------------------------------------------------------------------ pieces
     def _view(self, k: int, b: int) -> torch.Tensor:

@@ -38,6 +38,7 @@ from ..zero.estimate import format_bytes
 from ..zero.sharded_optimizer import ShardedOptimizer
 from .aio import AsyncFileIO, DirectIOProbe, probe_direct_io
 from .config import PARAM_DTYPES, STATE_DTYPES, OffloadPolicy
+from ..zero.grad_norm import slice_reader
 from .grad_swap import SwappedGrads
 from .optimizer import OffloadedAdam, TorchOffload, fused_path_refusal
 from .param_swap import FileChunks, ShardPager, swap_unit_to_files
@@ -232,21 +233,12 @@ class OffloadStepper:
         """The reduced gradient of each slot, in the stage's reduce dtype, on its device."""
         return partitions
 
-    def local_sq_norm(self, grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-        """Chunked by sub-group, so a low-precision gradient is never copied to fp32 whole (with
-        ``grad_device="nvme"``: the same chunks, streamed from the swap files)."""
+    def norm_reader(self, grads: list[torch.Tensor]) -> Any:
+        """Ranges of the gradient slots for the per-parameter norms: views, or with
+        ``grad_device="nvme"`` streamed from the swap files (each sub-group read once)."""
         if self.swapped_grads is not None:
-            return self.swapped_grads.sq_norm(self._slots_of(grads)) * self._clip_coef ** 2
-        sq = torch.zeros((), dtype=torch.float32, device=device)
-        for g in grads:
-            for chunk in g.split(self.policy.sub_group_size):
-                c = chunk.float()
-                sq += torch.dot(c, c)
-        return sq * self._clip_coef ** 2
-
-    def exact_norm(self) -> bool:
-        """With ``grad_device="nvme"`` the gradients are in the swap files: squared sums instead."""
-        return self.swapped_grads is None
+            return self.swapped_grads.read_ranges
+        return slice_reader(grads)
 
     def norm_factor(self) -> float:
         """A clip coefficient already folded into the next step's kernel."""

@@ -70,31 +70,53 @@ def tensor_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return [torch.linalg.vector_norm(t, 2.0) for t in tensors]
 
 
-def exact_total_norm(plan: Sequence[ParamNorm], grads: Sequence[torch.Tensor], groups: set[int] | None,
+#: ``read(ranges, visit)``: each ``(slot, first element, elements)`` of this rank's step-gradient
+#: slots, given to ``visit(i, tensor)`` (any order)
+Reader = Callable[[list[tuple[int, int, int]], Callable[[int, torch.Tensor], None]], None]
+
+
+def slice_reader(grads: Sequence[torch.Tensor]) -> Reader:
+    """Ranges of gradient slots held as tensors: views, no copy."""
+    def read(ranges, visit):
+        for i, (slot, off, n) in enumerate(ranges):
+            visit(i, grads[slot][off:off + n])
+    return read
+
+
+def exact_total_norm(plan: Sequence[ParamNorm], read: Reader, groups: set[int] | None,
                      device: torch.device, complete: Callable, group: object = None,
                      leader: bool = True) -> torch.Tensor:
     """Collective: the 2-norm of the gradients of the parameters of optimizer groups ``groups``
-    (all when None), as ``get_total_norm`` over the whole fp32 gradients. ``grads``: this rank's
-    step-gradient slots (all of them, ``plan``'s slot indices); ``complete(handle, tensor, label)``
-    waits for a collective; ``leader``: this rank writes the boundary parameters' norms."""
+    (all when None), as ``get_total_norm`` over the whole fp32 gradients. ``read``: this rank's
+    step-gradient slots (``plan``'s slot indices); ``complete(handle, tensor, label)`` waits for a
+    collective; ``leader``: this rank writes the boundary parameters' norms."""
     chosen = [p for p in plan if groups is None or p.group in groups]
     norms = torch.zeros(len(chosen), dtype=torch.float32, device=device)
-    local, where = [], []
+    whole = [k for k, p in enumerate(chosen) if p.whole and p.mine]
+    local: dict[int, torch.Tensor] = {}
+
+    def keep(i: int, t: torch.Tensor) -> None:
+        k = whole[i]
+        t = _fp32(t).view(chosen[k].shape)
+        if t.device.type == "cpu":  # no fused kernel there: one vector_norm each, as get_total_norm
+            norms[k] = tensor_norms([t])[0].to(device)
+        else:  # the fused per-tensor kernel over the device's tensors, as get_total_norm
+            local[k] = t
+    read([(chosen[k].mine[0].slot, chosen[k].mine[0].offset, chosen[k].numel) for k in whole], keep)
+    if local:
+        idx = list(local)
+        norms[torch.tensor(idx, device=device)] = torch.stack(tensor_norms([local[k] for k in idx])).float()
     for k, p in enumerate(chosen):
         if p.whole:
-            if p.mine:
-                pc = p.mine[0]
-                local.append(_fp32(grads[pc.slot][pc.offset:pc.offset + pc.numel]).view(p.shape))
-                where.append(k)
             continue
-        full = torch.zeros(p.numel, dtype=torch.float32, device=device)  # the boundary parameter
-        for pc in p.mine:
-            full[pc.param_start:pc.param_start + pc.numel].copy_(grads[pc.slot][pc.offset:pc.offset + pc.numel])
+        full = torch.zeros(p.numel, dtype=torch.float32, device=device)  # a boundary parameter
+
+        def put(i: int, t: torch.Tensor, p: ParamNorm = p, full: torch.Tensor = full) -> None:
+            full[p.mine[i].param_start:p.mine[i].param_start + p.mine[i].numel].copy_(t)
+        read([(pc.slot, pc.offset, pc.numel) for pc in p.mine], put)
         complete(all_reduce_sum(full, group), full, "grad norm (boundary parameter)")
         if leader:
             norms[k] = tensor_norms([full.view(p.shape)])[0]
-    if local:
-        norms[torch.tensor(where, device=device)] = torch.stack(tensor_norms(local)).to(torch.float32)
     complete(all_reduce_sum(norms, group), norms, "grad norm")
     if not chosen:
         return torch.zeros((), device=device)

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from .grad_norm import Reader, slice_reader
 from .sharded_optimizer import ShardedOptimizer
 
 
@@ -56,14 +57,9 @@ class ShardedStepper:
             sharded.set_grads(self._grads)
         return self._grads
 
-    def local_sq_norm(self, grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-        if not grads:
-            return torch.zeros((), device=device)
-        return torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum()
-
-    def exact_norm(self) -> bool:
-        """The gradient slots are readable tensors: the strategy norms them per parameter."""
-        return True
+    def norm_reader(self, grads: list[torch.Tensor]) -> Reader:
+        """How the per-parameter gradient norms read ranges of the gradient slots ``grads``."""
+        return slice_reader(grads)
 
     def norm_factor(self) -> float:
         """What the gradients' norm is multiplied by (a clip coefficient not applied to them yet)."""

@@ -18,8 +18,9 @@ After ``setup_optimizer`` each rank holds:
 
 Step (``Strategy.optimizer_step``, with the pieces this class supplies): wait for last step's
 overlapped gathers -> fp32 gradient slices -> unscale and check overflow (one collective, fp16
-only) -> clip (one collective) -> inner ``optimizer.step()`` on the slices -> all-gather the
-updated slices into every rank's working buffers -> zero gradients.
+only) -> clip (an all-reduce of per-parameter norms, ``grad_norm.py``) -> inner
+``optimizer.step()`` on the slices -> all-gather the updated slices into every rank's working
+buffers -> zero gradients.
 """
 from __future__ import annotations
 
@@ -266,9 +267,6 @@ class ZeroStrategy(Strategy):
         wanted = set(groups)
         return [i for i, g in enumerate(self._slot_groups) if g in wanted]
 
-    def _local_grad_sq_norm(self) -> torch.Tensor:
-        return self.stepper.local_sq_norm(self.step_gradients(), self.device)
-
     def _scale_grads(self, coef: torch.Tensor) -> None:
         self.stepper.scale(self.step_gradients(), coef)
 
@@ -277,18 +275,12 @@ class ZeroStrategy(Strategy):
 
     def _grad_norm(self) -> torch.Tensor:
         """Collective: the global L2 norm, rounded exactly as ``torch.nn.utils.clip_grad_norm_``
-        over the full gradients rounds it (``grad_norm.py``: per-parameter norms, then their norm).
-        A stepper whose gradients are not readable here (offload's NVMe gradients) gives this
-        rank's squared sum instead: one all-reduce of it, equal up to fp32 rounding."""
-        if not self.stepper.exact_norm():
-            sq = self._local_grad_sq_norm().float().reshape(1)
-            self.queue.complete(all_reduce_sum(sq, self.group), sq, label="grad norm")
-            return sq[0].sqrt()
+        over the full gradients rounds it (``grad_norm.py``: per-parameter norms, then their norm)."""
         if self._norm_plan is None:
             self._norm_plan = self._plan_norms()
         grads = self.stepper.gradients(self.grads.partitions(), self.sharded)
         groups = None if self._step_groups is None else set(self._step_groups)
-        total = exact_total_norm(self._norm_plan, grads, groups, self.device,
+        total = exact_total_norm(self._norm_plan, self.stepper.norm_reader(grads), groups, self.device,
                                  lambda h, t, label: self.queue.complete(h, t, label=label),
                                  self.group, self.global_rank == 0)
         factor = self.stepper.norm_factor()
