@@ -310,10 +310,19 @@ class FitLoop:
             out["epoch_ended"] = 1
         return out
 
+    def end_saved_epoch(self) -> None:
+        """Before ``on_train_start``: a checkpoint saved while its epoch ended resumes in the next
+        epoch (``LoopState.end_saved_epoch``), except where this fit has ``max_steps``: Lightning's
+        iteration-based training keeps the saved ``current_epoch`` in ``on_train_start`` (then
+        ``continue_cut_epoch`` moves on)."""
+        if self.max_steps in (None, -1):
+            self.trainer.state.end_saved_epoch()
+
     def continue_cut_epoch(self) -> None:
         """A fit after one that max_steps stopped mid-epoch (resumed from its checkpoint, or the same
         Trainer again): that epoch ended for its hooks and counter, as Lightning's, yet its batches
         are not all trained; it continues where it stopped, so the run is the one it would have been."""
+        self.trainer.state.end_saved_epoch()
         self.trainer.state.continue_cut_epoch()
 
     def start_epoch(self) -> int:

@@ -383,7 +383,7 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
         self._logging.start_training(n_batches)
         if self._validates_this_epoch():  # as Lightning, the validation data is there from the start (progress bars)
             self._fit_val_loaders()
-        st.end_saved_epoch()  # resumed from a save at an epoch's end: the next epoch, as Lightning
+        self.fit_loop.end_saved_epoch()  # resumed from a save at an epoch's end: the next epoch, as Lightning
         self.hooks.both("on_train_start", self, module)
         self.fit_loop.continue_cut_epoch()
         while not self._done():

@@ -19,7 +19,7 @@ def _lightning_env(monkeypatch):  # pytorch-lightning sets it on import
     monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK", "1"))
 
 
-def _resume(L, root, val_batches):
+def _resume(L, root, val_batches, max_steps=-1):
     """Fit 1 epoch of 2 batches saving last.ckpt, then fit to 3 epochs / validate from it: what each saw."""
     seen: list = []
 
@@ -65,7 +65,8 @@ def _resume(L, root, val_batches):
     last = os.path.join(root, "last.ckpt")
     saved = torch.load(last, weights_only=False)["epoch"]
     seen.clear()
-    L.Trainer(max_epochs=3, enable_checkpointing=False, **args).fit(Model(), ckpt_path=last)
+    L.Trainer(max_epochs=3 if max_steps == -1 else None, max_steps=max_steps, enable_checkpointing=False,
+              **args).fit(Model(), ckpt_path=last)
     fit, seen[:] = list(seen), []
     L.Trainer(max_epochs=3, enable_checkpointing=False, **args).validate(Model(), ckpt_path=last, verbose=False)
     return {"saved_epoch": int(saved), "fit": fit, "validate": list(seen)}
@@ -86,3 +87,23 @@ def test_a_fit_from_an_epoch_end_checkpoint_starts_the_next_epoch_as_lightning(t
     except ImportError:
         return
     assert mine == _resume(pytorch_lightning, str(tmp_path / "pl"), val_batches)
+
+
+def test_with_max_steps_on_train_start_keeps_the_saved_epoch_as_lightning(tmp_path):
+    """Lightning's iteration-based training (the resuming fit has max_steps): current_epoch in
+    on_train_start is the saved one; zerotrain's batches are then the next epoch's. (Lightning
+    there runs the saved epoch on, its batch index past the loader's length, from a new iterator,
+    and its on_train_epoch_end again; zerotrain does not: only on_train_start is compared.)"""
+    import zerotrain
+
+    def essentials(seen):
+        return [e for e in seen["fit"] if e[0] == "train_start"]
+
+    mine = _resume(zerotrain, str(tmp_path / "z"), 0, max_steps=6)
+    assert essentials(mine) == [("train_start", 0, 2)]
+    assert mine["fit"][1:4] == [("epoch_start", 1), ("batch", 1, 0, 0.0), ("batch", 1, 1, 8.0)]
+    try:
+        import pytorch_lightning
+    except ImportError:
+        return
+    assert essentials(mine) == essentials(_resume(pytorch_lightning, str(tmp_path / "pl"), 0, max_steps=6))
