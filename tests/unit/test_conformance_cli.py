@@ -120,9 +120,10 @@ def test_seed_everything_true_writes_the_seed_used_into_the_config():
 
 
 def test_strategy_classes_take_their_options_on_the_command_line(capsys):
+    # the class carries Lightning's name since 21eebc1 (DDP is the same class), so the command line takes it
     from zerotrain.strategies import DDP, ZeroStage2
 
-    cli = LightningCLI(BoringModel, run=False, args=["--trainer.strategy=DDP",
+    cli = LightningCLI(BoringModel, run=False, args=["--trainer.strategy=DDPStrategy",
                                                       "--trainer.strategy.find_unused_parameters=true",
                                                       "--trainer.strategy.bucket_cap_mb=50"])
     strategy = cli.config_init.trainer.strategy
@@ -134,7 +135,7 @@ def test_strategy_classes_take_their_options_on_the_command_line(capsys):
     assert cli.config_init.trainer.strategy.spec.buckets.reduce_bucket_size == 1000
     for bad in ("--trainer.strategy.bucket_cap_mb=big", "--trainer.strategy.no_such_option=1"):
         with pytest.raises(SystemExit) as exit_info:
-            LightningCLI(BoringModel, run=False, args=["--trainer.strategy=DDP", bad])
+            LightningCLI(BoringModel, run=False, args=["--trainer.strategy=DDPStrategy", bad])
         assert exit_info.value.code == 2
         assert bad.split("=")[0].rsplit(".", 1)[-1] in capsys.readouterr().err
 
