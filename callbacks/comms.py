@@ -28,7 +28,9 @@ What each strategy moves per optimizer step (Psi: trainable elements; ``expected
   kept it gathered (from the second step on; padded sizes, working bytes);
   every unit's gradient reduced once (reduce_scatter by default, reduce bytes);
   after the step one all_gather per persistent unit;
-* every ZeRO stage: one 4-byte all_reduce of the squared gradient norm when clipping by norm.
+* every ZeRO stage, when clipping by norm (``strategies/zero/grad_norm.py``, torch's rounding):
+  an all_reduce of the fp32 per-parameter norms (4 bytes per parameter tensor) and one of each
+  parameter a partition boundary cuts, whole in fp32 (``ZeroStrategy.grad_norm_bytes``).
 * ZeRO++ (``quantize_weights`` / ``quantize_gradients``): a quantized gather or reduction moves
   1 byte per element plus a 4-byte scale per block, as two messages (codes, scales); quantized
   reductions are ``all_to_all`` (each owner's piece of a bucket from every rank). With
@@ -225,7 +227,7 @@ def expected_step_bytes(strategy: Any, trainer: Any = None, first: bool = False)
     else:
         return {}
     if clips:
-        out["all_reduce"] = out.get("all_reduce", 0) + 4
+        out["all_reduce"] = out.get("all_reduce", 0) + strategy.grad_norm_bytes()
     return out
 
 

@@ -286,6 +286,13 @@ class ZeroStrategy(Strategy):
         factor = self.stepper.norm_factor()
         return total if factor == 1.0 else total * factor
 
+    def grad_norm_bytes(self) -> int:
+        """All-reduce bytes one clip by norm moves (``callbacks/comms.py``'s formula): the vector
+        of per-parameter norms (fp32) and each parameter a partition boundary cuts, whole (fp32)."""
+        if self._norm_plan is None:
+            self._norm_plan = self._plan_norms()
+        return 4 * (len(self._norm_plan) + sum(p.numel for p in self._norm_plan if not p.whole))
+
     def _plan_norms(self) -> list[ParamNorm]:
         """Each trainable parameter in the optimizer's order, with where its gradient lies (one
         master slot per flat group here)."""
