@@ -121,10 +121,12 @@ def test_quantized_gradients_move_a_quarter_of_the_fp32_bytes(runs):
     for stage in ("zero3", "zero2"):
         exact, qg = runs[stage]["expected"], runs[f"{stage}_qg"]["expected"]
         # on 2 gloo ranks zero3 reduces by reduce-scatter, zero2 by reduce to the owners (the
-        # all-reduce is the clip's 4-byte norm)
-        assert exact["all_reduce"] == 4
+        # all-reduce is the clip by norm's: the per-parameter norms and the boundary-cut parameters,
+        # grad_norm.py; the same bytes whether the gradients travel quantized or not)
+        assert exact["all_reduce"] > 0
         grads = exact.get("reduce_scatter", 0) + exact.get("reduce", 0)
-        assert "reduce_scatter" not in qg and qg["all_reduce"] == 4 and RATIO[0] <= qg["all_to_all"] / grads <= RATIO[1]
+        assert "reduce_scatter" not in qg and qg["all_reduce"] == exact["all_reduce"]
+        assert RATIO[0] <= qg["all_to_all"] / grads <= RATIO[1]
         for key in ("all_gather", "broadcast"):
             assert qg.get(key) == exact.get(key)  # parameters untouched
     both = runs["zero3_qwqg"]["expected"]
