@@ -60,6 +60,7 @@ def test_user_module_from_the_command_line_equals_trainer_fit(tmp_path, strategy
     cli = read_losses(record)
     python = run_ranks(f"{__name__}:fit_in_python", 2, tmp_path / "python", timeout=300,
                        pkg_root=str(root), strategy=strategy, record="")[0]
+    # tolerance: exact: the same module, seed, data and strategy, only the entry point differs
     assert len(cli) == STEPS and cli == python, (cli, python)
     saved = (tmp_path / "run" / "checkpoints" / "config.yaml").read_text()
     assert f"_target_: {MODEL}" in saved and "hidden: 6" in saved and f"name: {strategy}" in saved
@@ -80,6 +81,7 @@ def test_multirun_over_strategies_and_learning_rates_ends_with_its_table(tmp_pat
         ("0.05", "ddp", "ok"), ("0.05", "zero2", "ok"), ("0.1", "ddp", "ok"), ("0.1", "zero2", "ok")], table
     loss = {(r["model.lr"], r["strategy"]): float(r["train_loss"]) for r in rows}
     # 4 decimals printed: ddp and zero2 reduce the same gradients (fp32 rounding far below that)
+    # tolerance: the 4 printed decimals: ddp and zero2 differ by fp32 reduction order at most, far below 1e-4
     assert loss["0.05", "ddp"] == loss["0.05", "zero2"] and loss["0.1", "ddp"] == loss["0.1", "zero2"], loss
     assert loss["0.05", "ddp"] != loss["0.1", "ddp"]
     sweep = tmp_path / "sweep"
