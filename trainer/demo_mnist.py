@@ -36,7 +36,7 @@ class TensorMNIST(Dataset):
         path = os.path.join(folder, files[0] if train else files[1])
         if not os.path.isfile(path):
             raise RuntimeError(f"Dataset not found: {path} (download=True fetches it)")
-        self.data, self.targets = torch.load(path)
+        self.data, self.targets = torch.load(path, weights_only=True)  # two tensors: nothing to unpickle
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         image = self.data[index].float().unsqueeze(0)

@@ -63,7 +63,7 @@ def _resume(L, root, val_batches, max_steps=-1):
     ckpt = L.callbacks.ModelCheckpoint(dirpath=root, save_last=True)
     L.Trainer(max_epochs=1, callbacks=[ckpt], **args).fit(Model())
     last = os.path.join(root, "last.ckpt")
-    saved = torch.load(last, weights_only=False)["epoch"]
+    saved = torch.load(last, weights_only=True)["epoch"]
     seen.clear()
     L.Trainer(max_epochs=3 if max_steps == -1 else None, max_steps=max_steps, enable_checkpointing=False,
               **args).fit(Model(), ckpt_path=last)
