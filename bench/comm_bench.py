@@ -1,4 +1,4 @@
-"""gloo's own all-gather and reduce-scatter beside the forms ``strategies/zero/comm.py`` uses on
+"""gloo's own all-gather and reduce-scatter beside the forms ``strategies/zero/comm/collectives.py`` uses on
 gloo, and the all-reduce DDP uses, on 2 local processes x 1 thread.
 
     python -m zerotrain.bench.comm_bench --sizes 4,16,64 --repeats 9
@@ -24,7 +24,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from zerotrain.strategies.zero import comm
+from zerotrain.strategies.zero.comm import collectives as comm
 
 
 def cases(numel: int, world: int) -> dict:

@@ -35,7 +35,7 @@ EXAMPLE_STEPS = 20
 #: Lightning's run once more with the total gradient norm taken in another valid fp32 order (the
 #: square root of the sum of per-tensor sums of squares, where torch takes the norm of per-tensor
 #: norms): what an equally valid clip does to the example, shown beside the rows. Every strategy
-#: must be within 1e-5 (ZeRO takes torch's order too since 3306478, ``strategies/zero/grad_norm.py``).
+#: must be within 1e-5 (ZeRO takes torch's order too since 3306478, ``strategies/zero/comm/grad_norm.py``).
 PEER_CLIP = """
 import torch as _torch
 def _clip_other_order(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):

@@ -18,7 +18,7 @@ Configurations (``--configs``):
   offload_nvme  Offload(stage=S, optimizer_device="nvme", param_device="nvme" if S == 3): Adam
                 state (and with ZeRO-3 the parameter shards) in files under --nvme-path
 
-S is 3 when ZeRO-3 is built (strategies/zero/stage3*.py), else 2; the header says which. With
+S is 3 when ZeRO-3 is built (strategies/zero/stage3/*.py), else 2; the header says which. With
 stage 2 the fp32 working parameters and the gradient partition stay in RAM (4 + 2 B/param with
 the default ``--reduce-dtype bf16``), which bounds what NVMe offload can gain (about 2.5x).
 Everything runs in fp32 compute: bf16 matmuls are ~70x slower than fp32 on this AVX2-only CPU.

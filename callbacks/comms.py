@@ -28,7 +28,7 @@ What each strategy moves per optimizer step (Psi: trainable elements; ``expected
   kept it gathered (from the second step on; padded sizes, working bytes);
   every unit's gradient reduced once (reduce_scatter by default, reduce bytes);
   after the step one all_gather per persistent unit;
-* every ZeRO stage, when clipping by norm (``strategies/zero/grad_norm.py``, torch's rounding):
+* every ZeRO stage, when clipping by norm (``strategies/zero/comm/grad_norm.py``, torch's rounding):
   an all_reduce of the fp32 per-parameter norms (4 bytes per parameter tensor) and one of each
   parameter a partition boundary cuts, whole in fp32 (``ZeroStrategy.grad_norm_bytes``).
 * ZeRO++ (``quantize_weights`` / ``quantize_gradients``): a quantized gather or reduction moves
@@ -244,7 +244,7 @@ def _add(out: dict[str, int], op: str, nbytes: int) -> None:
 
 
 def _zero12_bytes(strategy: Any, reductions: int) -> dict[str, int]:
-    from ..strategies.zero.quantized import wire_bytes
+    from ..strategies.zero.comm.quantized import wire_bytes
 
     out: dict[str, int] = {}
     reduce_bytes = strategy.config.torch_reduce_dtype.itemsize
@@ -262,7 +262,7 @@ def _zero12_bytes(strategy: Any, reductions: int) -> dict[str, int]:
 
 
 def _zero3_bytes(strategy: Any, micro_batches: int, first: bool = False) -> dict[str, int]:
-    from ..strategies.zero.quantized import wire_bytes
+    from ..strategies.zero.comm.quantized import wire_bytes
 
     out: dict[str, int] = {}
     reduce_bytes = strategy.config.torch_reduce_dtype.itemsize

@@ -19,7 +19,7 @@ from .environment import release_at_exit
 from .base import PROCESS_GROUP_TIMEOUT_S, Strategy
 from .step_wrapper import StepWrapper
 from .options import check_bool, check_choice, config_from, expose_options
-from .zero.comm import all_gather_into
+from .zero.comm.collectives import all_gather_into
 from .zero.config import REDUCE_DTYPES
 
 

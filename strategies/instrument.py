@@ -11,7 +11,7 @@ Two kinds of listener:
 * a *timer* (at most one): told which phase of the step runs (``phase``: the Trainer's progress
   ticks, the step's parameter refresh, ``section`` for checkpoint I/O) and how long the caller sat
   blocked waiting for communication (``wait_begin``/``wait_end`` around each ``handle.wait()`` in
-  ``zero/inflight.py``, ``blocking`` around a synchronous collective, ``blocked_for`` where a
+  ``zero/comm/inflight.py``, ``blocking`` around a synchronous collective, ``blocked_for`` where a
   library waits out of our sight: DDP's reducer);
 * *sinks* (any number): told of every collective when it is issued (``issued``, ``blocking``),
   as a :class:`Collective` whose ``t_done`` is filled in when the collective completes; a sink

@@ -7,7 +7,7 @@
 ``CausalLMModule(model=...)`` takes what builds the network: a callable that returns it (Hydra's
 ``_partial_: true`` of ``transformers.AutoModelForCausalLM.from_config`` with a ``transformers``
 config, as the YAML does), called in ``configure_model()`` so that under zero3 the model is built
-partitioned (``strategies/zero/materialize.py``), or an ``nn.Module`` already built. Its loss is the
+partitioned (``strategies/zero/stage3/materialize.py``), or an ``nn.Module`` already built. Its loss is the
 next-token cross-entropy; validation logs ``val_loss`` and ``val_ppl`` (the perplexity); ``sample``
 greedily continues a prompt through ``transformers``' ``generate``, on every rank (under zero3 each
 forward gathers the parameters, so every rank runs the same number of steps).

@@ -19,7 +19,7 @@ still holds per parameter. With it, each unit's gradient lives in RAM only while
 * value clipping (``clamp``) is applied where the gradient is next read (the step, the norm, or
   the read-back of a later micro-batch), and the clip norm (``read_ranges``) streams the gradient
   regions through the staging buffers into one fp32 tensor per parameter, the same per-parameter
-  norms the RAM path computes (``zero/grad_norm.py``).
+  norms the RAM path computes (``zero/comm/grad_norm.py``).
 
 The stage's gradient partitions become meta tensors (their shapes, no memory): what asks for the
 values gets them through these calls, and anything else fails loudly instead of reading stale
@@ -119,7 +119,7 @@ class SwappedGrads:
         """Each range ``(slot, first element in the slot, elements)`` in fp32 (pending value clips
         applied, never-written sub-groups zero), given to ``visit(i, tensor)`` once complete: one
         read of every sub-group a range touches, a range's tensor kept only until it is complete
-        (per-parameter gradient norms in torch's order, ``zero/grad_norm.py``)."""
+        (per-parameter gradient norms in torch's order, ``zero/comm/grad_norm.py``)."""
         self.flush()
         need: dict[int, list[int]] = {}
         left = []

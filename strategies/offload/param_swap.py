@@ -42,7 +42,7 @@ from typing import Sequence
 import torch
 
 from .. import instrument
-from ..zero.unit import ShardState, Unit
+from ..zero.stage3.unit import ShardState, Unit
 from .aio import AsyncFileIO, IOHandle, offload_error
 from .plan import SubGroup
 

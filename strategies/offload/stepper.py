@@ -38,7 +38,7 @@ from ..zero.estimate import format_bytes
 from ..zero.sharded_optimizer import ShardedOptimizer
 from .aio import AsyncFileIO, DirectIOProbe, probe_direct_io
 from .config import PARAM_DTYPES, STATE_DTYPES, OffloadPolicy
-from ..zero.grad_norm import slice_reader
+from ..zero.comm.grad_norm import slice_reader
 from .grad_swap import SwappedGrads
 from .optimizer import OffloadedAdam, TorchOffload, fused_path_refusal
 from .param_swap import FileChunks, ShardPager, swap_unit_to_files

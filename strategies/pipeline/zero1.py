@@ -32,9 +32,9 @@ import torch
 from torch import nn
 
 from ..base import ParamShard, ShardReader
-from ..zero.comm import all_reduce_sum
+from ..zero.comm.collectives import all_reduce_sum
 from ..zero.flat_buffer import FlatParamGroup, flatten_group
-from ..zero.inflight import InFlightQueue
+from ..zero.comm.inflight import InFlightQueue
 from ..zero.layout import build_layout
 from ..zero.sharded_optimizer import ShardedOptimizer
 from ..zero.shards import load_partitions, partition_shards

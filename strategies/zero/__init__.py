@@ -2,17 +2,18 @@
 data-parallel ranks.
 
 Pieces, smallest first: ``config`` (every option, once: ``ZeroSpec`` and its sections),
-``layout`` (pure partition arithmetic), ``comm`` (collectives returning handles), ``inflight``
-(every collective in flight, typed by what it is for, and the one place that waits on a handle),
-``flat_buffer`` (working parameters as views of one flat buffer per param group),
-``sharded_optimizer`` (fp32 master slices + the user's optimizer re-targeted onto them), ``stepper``
-(the default optimizer part; offload supplies the other), ``hooks`` (every hook of every stage, in
-one place), ``strategy`` (the shared pieces of the step and checkpoints), ``reduction`` (bucketed
-gradient reduction during backward), ``stage1`` / ``stage2`` (how gradients reach each rank's
-partition) and ``estimate`` (the memory formulas). Stage 3 adds ``unit_plan`` (which parameters are
-gathered together), ``unit`` (one unit's shards and state machine), ``stage3_runtime`` (what each
-forward/backward event does), ``touch`` and ``materialize`` (partitioned construction) and
-``stage3``.
+``layout`` (pure partition arithmetic), ``comm/`` (the collectives returning handles, the in-flight
+layer that waits on them, ZeRO++'s quantized forms, the clip norm and stage 1/2's bucketed
+reduction), ``flat_buffer`` (working parameters as views of one flat buffer per param group),
+``sharded_optimizer`` (fp32 master slices + the user's optimizer re-targeted onto them),
+``stepper`` (the default optimizer part; offload supplies the other), ``hooks`` (every hook of
+every stage, in one place), ``strategy`` (the shared pieces of the step and checkpoints),
+``stage1`` / ``stage2`` (how gradients reach each rank's partition), ``estimate`` (the memory
+formulas) and ``stage3/`` (units, their runtime and partitioned construction). Each sub-package's
+``__init__`` says which module holds what.
+
+May import: ``strategies``' shared modules (``base``, ``options``, ``environment``, ...) and
+``ops``; never ``offload/`` or ``pipeline/``, which build on this package.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from ..base import PROCESS_GROUP_TIMEOUT_S
 from .config import BucketConfig, Stage3Config, ZeroConfig, ZeroSpec
 from .stage1 import ZeroStage1
 from .stage2 import ZeroStage2
-from .stage3 import ZeroStage3
+from .stage3.strategy import ZeroStage3
 from .stepper import ShardedStepper
 from .strategy import ZeroStrategy
 

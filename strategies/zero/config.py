@@ -160,7 +160,7 @@ class Stage3Config:
     hierarchical_partition: bool = False
 
     def __post_init__(self) -> None:
-        from .unit_plan import make_policy
+        from .stage3.unit_plan import make_policy
 
         units = self.unit_modules
         if isinstance(units, str):

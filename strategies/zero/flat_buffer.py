@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .comm import all_gather_into, backend, broadcast_from, global_rank
-from .inflight import InFlight, InFlightQueue, Work
+from .comm.collectives import all_gather_into, backend, broadcast_from, global_rank
+from .comm.inflight import InFlight, InFlightQueue, Work
 from .layout import GroupLayout, partition_chunks
 
 

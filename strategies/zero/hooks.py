@@ -5,13 +5,13 @@ of the object that owns the step's state.
 ZeRO-1/2:
 
 * :class:`GradientHooks`: a post-accumulate-grad hook on every trainable parameter ->
-  ``BucketedReduction._grad_ready`` (``reduction.py``), which fills and launches buckets.
+  ``BucketedReduction._grad_ready`` (``comm/reduction.py``), which fills and launches buckets.
 * :class:`ParamGatherHooks` (``overlap_param_gather``): a forward pre-hook on every module owning a
   trainable parameter waits, in the in-flight layer, for the post-step gathers writing that
   module's own parameters; a state-dict pre-hook on the model waits for all of them.
 
 ZeRO-3 (:class:`Stage3Hooks`, each calling one method of
-:class:`~.stage3_runtime.Stage3Runtime`):
+:class:`~.stage3.runtime.Stage3Runtime`):
 
 * scope modules (the Trainer's ``StepWrapper`` and every module holding a root-unit parameter,
   e.g. the GPT itself, so ``model.generate()`` works too): forward pre-hook -> ``enter_scope``,
@@ -38,10 +38,10 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
-from .inflight import InFlightQueue, Work
-from .stage3_runtime import Stage3Runtime
-from .touch import ParamTouchMode
-from .unit import Unit
+from .comm.inflight import InFlightQueue, Work
+from .stage3.runtime import Stage3Runtime
+from .stage3.touch import ParamTouchMode
+from .stage3.unit import Unit
 
 
 class PostBackward(torch.autograd.Function):

@@ -20,8 +20,8 @@ from typing import Any, Sequence
 
 import torch
 
-from .comm import gather_to
-from .inflight import InFlightQueue
+from .comm.collectives import gather_to
+from .comm.inflight import InFlightQueue
 from .layout import GroupLayout
 
 

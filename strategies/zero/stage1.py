@@ -32,8 +32,8 @@ import torch
 from torch import nn
 
 from .flat_buffer import FlatParamGroup
-from .inflight import InFlightQueue
-from .reduction import Bucket, BucketedReduction
+from .comm.inflight import InFlightQueue
+from .comm.reduction import Bucket, BucketedReduction
 from .strategy import ZeroStrategy
 
 

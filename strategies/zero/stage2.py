@@ -23,9 +23,9 @@ import torch
 from torch import nn
 
 from .flat_buffer import FlatParamGroup
-from .inflight import InFlightQueue
-from .quantized import Quantization
-from .reduction import Bucket, BucketedReduction
+from .comm.inflight import InFlightQueue
+from .comm.quantized import Quantization
+from .comm.reduction import Bucket, BucketedReduction
 from .strategy import ZeroStrategy
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .grad_norm import Reader, slice_reader
+from .comm.grad_norm import Reader, slice_reader
 from .sharded_optimizer import ShardedOptimizer
 
 

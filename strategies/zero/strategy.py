@@ -6,7 +6,7 @@ A stage differs only in how gradients reach this rank's partition; it supplies t
 bucket by bucket during the synchronising backward; stage 2: bucketed reduction during every
 backward into partition buffers). ``overlap_param_gather`` leaves the post-step all-gathers in
 flight (``inflight.Work.PARAMS``) until a forward (``hooks.ParamGatherHooks``) or another reader
-needs them. Every collective is filed in one in-flight layer, ``self.queue`` (``inflight.py``).
+needs them. Every collective is filed in one in-flight layer, ``self.queue`` (``comm/inflight.py``).
 
 After ``setup_optimizer`` each rank holds:
 
@@ -36,14 +36,14 @@ from ...ops import host_cache
 from ..host_memory import set_mmap_threshold
 from ..memory import count_bytes
 from ..optimizers import group_indices, refuse_shared
-from .comm import all_reduce_sum, backend, broadcast_from, world_size
+from .comm.collectives import all_reduce_sum, backend, broadcast_from, world_size
 from ..options import expose_options
 from .config import BucketConfig, Stage3Config, ZeroConfig, ZeroSpec
 from .estimate import estimate_model_states, format_bytes
 from .flat_buffer import FlatParamGroup, flatten_group
-from .grad_norm import ParamNorm, exact_total_norm, plan_param
+from .comm.grad_norm import ParamNorm, exact_total_norm, plan_param
 from .hooks import ParamGatherHooks
-from .inflight import InFlight, InFlightQueue, Work
+from .comm.inflight import InFlight, InFlightQueue, Work
 from .layout import build_layout
 from .sharded_optimizer import ShardedOptimizer
 from .shards import load_partitions, partition_shards

@@ -1,6 +1,6 @@
 """Clipping by norm under ZeRO-1/2/3 and offload rounds exactly as ``torch.nn.utils.clip_grad_norm_``
 in one plain process: per-parameter norms, then the norm of those in the optimizer's order
-(``strategies/zero/grad_norm.py``), also for parameters cut by a partition boundary.
+(``strategies/zero/comm/grad_norm.py``), also for parameters cut by a partition boundary.
 
 Every rank's gradient is the same constant tensor ``c`` (the loss is linear in the parameters) with
 few mantissa bits, so the averaged gradient (sum over ranks, then divide) is ``c`` exactly on 2 and 3

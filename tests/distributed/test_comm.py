@@ -1,4 +1,4 @@
-"""ZeRO's collectives on gloo (``strategies/zero/comm.py``), which travel there as per-rank
+"""ZeRO's collectives on gloo (``strategies/zero/comm/collectives.py``), which travel there as per-rank
 broadcasts (all-gather) and one all-to-all plus a rank-order sum (reduce-scatter, even or with
 uneven pieces): on 2 and 3 ranks, for the world and for a subgroup, they give what
 ``all_gather_into_tensor``, ``reduce_scatter_tensor`` and one ``reduce`` per owner define,
@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from harness import init_dist, run_ranks
 from zerotrain.strategies import instrument
-from zerotrain.strategies.zero import comm
+from zerotrain.strategies.zero.comm import collectives as comm
 
 
 def _values(rank: int, n: int, dtype: torch.dtype) -> torch.Tensor:

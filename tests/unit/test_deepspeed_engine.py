@@ -135,7 +135,7 @@ ZERO3 = {**LOOP_CONFIG, "zero_optimization": {"stage": 3}}
 
 
 def test_zero_init_builds_the_model_the_engine_trains_and_gathered_parameters_write_back():
-    from zerotrain.strategies.zero.unit import is_placeholder
+    from zerotrain.strategies.zero.stage3.unit import is_placeholder
 
     torch.manual_seed(0)
     with deepspeed.zero.Init(config_dict_or_path=ZERO3):

@@ -201,7 +201,7 @@ def test_partitioned_build_keeps_its_chunks_in_files(tmp_path):
     chunks in unlinked files, not resident between uses, and they give the eager build's values."""
     from zerotrain.examples.gpt import GPT, GPTConfig
     from zerotrain.strategies.offload.param_swap import FileChunks
-    from zerotrain.strategies.zero.materialize import PartitionedBuild
+    from zerotrain.strategies.zero.stage3.materialize import PartitionedBuild
 
     cfg = GPTConfig(n_layer=2, n_head=4, n_embd=128, vocab_size=256, block_size=64)
     torch.manual_seed(0)

@@ -12,10 +12,10 @@ from zerotrain.strategies.environment import ProcessInfo
 from zerotrain.strategies.precision import Precision
 from zerotrain.strategies.zero import Stage3Config, ZeroStage3
 from zerotrain.strategies.zero.layout import build_layout
-from zerotrain.strategies.zero.materialize import PartitionedBuild
-from zerotrain.strategies.zero.touch import func_name, is_overwrite
-from zerotrain.strategies.zero.unit import ShardState, Unit, is_placeholder
-from zerotrain.strategies.zero.unit_plan import PERSISTENT, Run, make_policy, optimizer_runs, plan_units
+from zerotrain.strategies.zero.stage3.materialize import PartitionedBuild
+from zerotrain.strategies.zero.stage3.touch import func_name, is_overwrite
+from zerotrain.strategies.zero.stage3.unit import ShardState, Unit, is_placeholder
+from zerotrain.strategies.zero.stage3.unit_plan import PERSISTENT, Run, make_policy, optimizer_runs, plan_units
 from zerotrain.trainer.module import TrainModule
 
 CFG = GPTConfig(vocab_size=29, block_size=8, n_layer=2, n_head=2, n_embd=8)
@@ -320,8 +320,8 @@ def test_work_without_communication_lands_at_once():
     """One rank: a reduction's handle is ``Done``, so the entry lands when pushed (its pooled
     buffer goes back before the next unit's reduction takes one); real work stays in flight,
     and a Done entry behind it waits its turn."""
-    from zerotrain.strategies.zero.comm import Done
-    from zerotrain.strategies.zero.inflight import InFlight, InFlightQueue
+    from zerotrain.strategies.zero.comm.collectives import Done
+    from zerotrain.strategies.zero.comm.inflight import InFlight, InFlightQueue
 
     class Pending:
         def wait(self):

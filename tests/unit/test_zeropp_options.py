@@ -8,9 +8,9 @@ import torch
 from zerotrain.ops.quantize_reference import dequantize_reference, quantize_reference
 from zerotrain.strategies import strategy_from_name
 from zerotrain.strategies.zero import ZeroConfig, ZeroStage1, ZeroStage2
-from zerotrain.strategies.zero.comm import SizedPool
+from zerotrain.strategies.zero.comm.collectives import SizedPool
 from zerotrain.strategies.zero.config import Stage3Config, ZeroSpec
-from zerotrain.strategies.zero.quantized import Quantization, wire_bytes
+from zerotrain.strategies.zero.comm.quantized import Quantization, wire_bytes
 
 
 def test_options_route_to_their_sections():

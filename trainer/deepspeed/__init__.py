@@ -113,7 +113,7 @@ def _broadcast_weights(model: nn.Module, device: torch.device) -> None:
     """Rank 0's initial weights everywhere, as DeepSpeed broadcasts them at initialize (a model
     built under zero.Init is partitioned already: nothing to broadcast). Through ``device``: NCCL
     sends only what is on the GPU."""
-    from ...strategies.zero.unit import is_placeholder
+    from ...strategies.zero.stage3.unit import is_placeholder
 
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
@@ -147,7 +147,7 @@ def _round_to_16bit(model: nn.Module, cfg: DeepSpeedConfig) -> None:
     round them through the 16-bit type in place, so both start from the same values. Without it
     a small first update (a warm-up's lr) moved zerotrain's weights by a rounding step where
     DeepSpeed's stayed put. Parameters built under zero.Init (placeholders) are left as they are."""
-    from ...strategies.zero.unit import is_placeholder
+    from ...strategies.zero.stage3.unit import is_placeholder
 
     dtype = torch.float16 if cfg.fp16_enabled else torch.bfloat16 if cfg.bf16_enabled else None
     if dtype is None:

@@ -120,7 +120,7 @@ class Init:
 
 def _owner(params: list[nn.Parameter]) -> Any:
     """The ZeRO-3 strategy whose units hold ``params`` (None: they are not partitioned)."""
-    from ...strategies.zero.unit import is_placeholder
+    from ...strategies.zero.stage3.unit import is_placeholder
 
     wanted = {id(p) for p in params}
     for engine in list(_engines):

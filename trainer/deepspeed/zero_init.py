@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from ...strategies.zero.touch import func_name, is_overwrite
+from ...strategies.zero.stage3.touch import func_name, is_overwrite
 
 #: torch factory functions DeepSpeed's Init makes return the config's 16-bit type
 FACTORIES = ("tensor", "empty", "zeros", "ones", "full", "arange", "eye", "randn")

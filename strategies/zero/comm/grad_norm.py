@@ -17,8 +17,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from .comm import all_reduce_sum
-from .layout import GroupLayout
+from .collectives import all_reduce_sum
+from ..layout import GroupLayout
 
 try:  # the test get_total_norm uses to pick the fused per-tensor norm (CUDA) or vector_norm (CPU)
     from torch.utils._foreach_utils import _has_foreach_support

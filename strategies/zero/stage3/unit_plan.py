@@ -27,7 +27,7 @@ from typing import Callable, Iterable, Sequence
 
 from torch import nn
 
-from .layout import GroupLayout
+from ..layout import GroupLayout
 
 log = logging.getLogger("zerotrain")
 

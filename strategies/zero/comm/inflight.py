@@ -1,7 +1,7 @@
 """Communication in flight: every collective ZeRO has launched and not yet waited for, and the one
 place that waits on a collective's handle.
 
-A caller launches a collective (``comm.py``, always ``async_op=True``) and files an
+A caller launches a collective (``collectives.py``, always ``async_op=True``) and files an
 :class:`InFlight` entry here under a key that says what the work is for. The entry holds the
 handles, the buffers they read and write (kept alive until waited) and ``on_done``, the work to run
 once the data has arrived (copy my slice out, release a pooled buffer, bind a unit's parameters).
@@ -33,8 +33,8 @@ from typing import Callable, Hashable, Iterable, NamedTuple
 
 import torch
 
-from .. import instrument
-from .comm import Done, Handle
+from ... import instrument
+from .collectives import Done, Handle
 
 
 class Work(enum.Enum):

@@ -42,8 +42,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .comm import all_gather_into
-from .inflight import InFlightQueue
+from ..comm.collectives import all_gather_into
+from ..comm.inflight import InFlightQueue
 from .touch import ParamTouchMode, is_overwrite
 from .unit import placeholder
 

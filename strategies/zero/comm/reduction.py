@@ -29,11 +29,11 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from .comm import BufferPool, all_reduce_sum, owners_scratch, reduce_to_owners
-from .flat_buffer import FlatParamGroup
-from .hooks import GradientHooks
+from .collectives import BufferPool, all_reduce_sum, owners_scratch, reduce_to_owners
+from ..flat_buffer import FlatParamGroup
+from ..hooks import GradientHooks
 from .inflight import InFlight, InFlightQueue, Work
-from .layout import FlatBucket, Run, flat_buckets, intersect, owner_runs
+from ..layout import FlatBucket, Run, flat_buckets, intersect, owner_runs
 from .quantized import Quantization
 
 

@@ -3,11 +3,11 @@
 Pieces (one object per level, as FSDP2): ``unit_plan`` decides which parameters are communicated
 together (one unit per transformer block by default, a root unit for the rest, small parameters
 optionally kept whole); ``unit.Unit`` is one unit's shards and its SHARDED / GATHERING / UNSHARDED
-state machine; ``stage3_runtime.Stage3Runtime`` says what happens at each forward/backward event
+state machine; ``runtime.Stage3Runtime`` says what happens at each forward/backward event
 (gather, prefetch, free, reduce); ``hooks.Stage3Hooks`` installs every hook (``hooks.py`` holds
 every stage's); ``materialize.PartitionedBuild`` builds the model partitioned in
 ``configure_model()``; gathers and reductions in flight are entries of the strategy's in-flight
-layer (``inflight.py``). This class wires them into the Strategy interface and reuses ZeRO-1/2's
+layer (``comm/inflight.py``). This class wires them into the Strategy interface and reuses ZeRO-1/2's
 step, clipping and overflow handling.
 
 Set-up (the Trainer's order):
@@ -28,7 +28,7 @@ refreshes the working shards (and re-gathers the persistent small parameters). N
 between steps.
 
 Checkpoints: the Trainer's strategy-neutral format (``param_shards`` / ``load_param_shards``, in
-``stage3_checkpoint``) saves each rank's element ranges of the units' masters with their optimizer
+``checkpoint``) saves each rank's element ranges of the units' masters with their optimizer
 state and loads into any strategy and world size; ``full_state_dict()`` gathers unit by unit into
 rank 0.
 
@@ -56,21 +56,21 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from ..base import ParamShard, ShardReader
-from ..optimizers import refuse_shared
-from ..step_wrapper import StepWrapper
-from ..environment import release_at_exit
-from ..host_memory import free_bytes_per_rank
-from .comm import backend, broadcast_from, least_over_ranks, new_group, world_size
-from .grad_norm import ParamNorm, plan_param
-from .hooks import Stage3Hooks
-from .layout import build_layout
+from ...base import ParamShard, ShardReader
+from ...optimizers import refuse_shared
+from ...step_wrapper import StepWrapper
+from ...environment import release_at_exit
+from ...host_memory import free_bytes_per_rank
+from ..comm.collectives import backend, broadcast_from, least_over_ranks, new_group, world_size
+from ..comm.grad_norm import ParamNorm, plan_param
+from ..hooks import Stage3Hooks
+from ..layout import build_layout
 from .materialize import PartitionedBuild
-from .quantized import Quantization
-from .sharded_optimizer import ShardedOptimizer
-from .stage3_checkpoint import Stage3Checkpoint
-from .stage3_runtime import RuntimeOptions, Stage3Runtime
-from .strategy import ZeroStrategy, trainable_groups
+from ..comm.quantized import Quantization
+from ..sharded_optimizer import ShardedOptimizer
+from .checkpoint import Stage3Checkpoint
+from .runtime import RuntimeOptions, Stage3Runtime
+from ..strategy import ZeroStrategy, trainable_groups
 from .unit import Unit
 from .unit_plan import PERSISTENT, ROOT, UnitPlan, make_policy, optimizer_runs, plan_units
 
@@ -152,7 +152,7 @@ class ZeroStage3(ZeroStrategy):
         would trace, guarding on every input's identity: a recompilation per step), so a unit's
         compiled forward must read only its own (gathered) and the persistent parameters."""
         if self.compile is not None and self.compiled is None and self.hooks is not None:
-            from ..compile import compile_regions
+            from ...compile import compile_regions
             self.compiled = compile_regions(self.module, self.compile, self.compile_blocks(),
                                             around=self.hooks.outside_watch)
             self.hooks.drop_inner_scopes(self.compiled.modules)
@@ -223,7 +223,7 @@ class ZeroStage3(ZeroStrategy):
             u.node_group = None
 
     def _quantization(self) -> Quantization:
-        """ZeRO++'s options as the units use them (``quantized.py``): one instance, so that every
+        """ZeRO++'s options as the units use them (``comm/quantized.py``): one instance, so that every
         unit's collectives share one pool of int8 buffers."""
         if self._quant is None:
             self._quant = Quantization(self.stage3.quantize_weights, self.config.quantize_gradients,
@@ -327,7 +327,7 @@ class ZeroStage3(ZeroStrategy):
                 del full
         return self._full_state_from(values)
 
-    # the strategy-neutral checkpoint format (parameter shards by name): see stage3_checkpoint
+    # the strategy-neutral checkpoint format (parameter shards by name): see checkpoint.py
     def optimizer_group_names(self) -> list[list[str]]:
         return self._ckpt.optimizer_group_names()
 

@@ -23,8 +23,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ...ops.quantize import dequantize_blockwise, num_blocks, quantize_blockwise
-from .comm import Handle, SizedPool, all_gather_into, all_to_all, world_size
+from ....ops.quantize import dequantize_blockwise, num_blocks, quantize_blockwise
+from .collectives import Handle, SizedPool, all_gather_into, all_to_all, world_size
 
 Launched = tuple[tuple[Handle, ...], tuple[torch.Tensor, ...], Callable[[], torch.Tensor]]
 

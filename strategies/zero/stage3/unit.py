@@ -19,7 +19,7 @@ otherwise: its shape and dtype, one NaN element of storage (``expand``). Shape q
 working (``configure_optimizers`` may sort parameters by ``dim()``), a stray read gives NaN and a
 stray in-place write raises. Parameter objects never change, so ties and user references hold.
 
-A gather in flight is an entry of the strategy's in-flight layer (``inflight.py``) filed under the
+A gather in flight is an entry of the strategy's in-flight layer (``comm/inflight.py``) filed under the
 unit itself; its ``on_done`` binds the parameters, so whoever waits for it (the unit when it is
 used or resharded, teardown) completes GATHERING -> UNSHARDED.
 
@@ -34,11 +34,11 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from .comm import (BufferPool, all_gather_into, all_reduce_sum, gather_to, reduce_scatter_scratch,
+from ..comm.collectives import (BufferPool, all_gather_into, all_reduce_sum, gather_to, reduce_scatter_scratch,
                    reduce_scatter_sum)
-from .inflight import InFlight, InFlightQueue, Work
-from .layout import GroupLayout
-from .quantized import Quantization, exact_gather
+from ..comm.inflight import InFlight, InFlightQueue, Work
+from ..layout import GroupLayout
+from ..comm.quantized import Quantization, exact_gather
 
 
 class ShardState(enum.Enum):
@@ -92,7 +92,7 @@ class Unit:
         self.index, self.name, self.persistent = index, name, persistent
         self.params, self.names, self.layout, self.rank = list(params), list(names), layout, rank
         self.dtype, self.device = dtype, device
-        #: ZeRO++: which of this unit's collectives go as block-wise int8 (``quantized.py``)
+        #: ZeRO++: which of this unit's collectives go as block-wise int8 (``comm/quantized.py``)
         self.quant = quant
         lo, hi = layout.partition_range(rank)
         self.lo, self.hi = lo, hi

@@ -41,8 +41,8 @@ from typing import Sequence
 
 import torch
 
-from .comm import BufferPool, SizedPool
-from .inflight import InFlightQueue, Work
+from ..comm.collectives import BufferPool, SizedPool
+from ..comm.inflight import InFlightQueue, Work
 from .unit import ShardState, Unit
 
 log = logging.getLogger("zerotrain")

@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..base import ParamShard, ShardReader, split_optimizer_state
+from ...base import ParamShard, ShardReader, split_optimizer_state
 
 if TYPE_CHECKING:
-    from .stage3 import ZeroStage3
+    from .strategy import ZeroStage3
 
 
 class Stage3Checkpoint:

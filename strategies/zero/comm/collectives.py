@@ -25,7 +25,7 @@ from typing import Callable, Protocol, Sequence
 import torch
 import torch.distributed as dist
 
-from .. import instrument, progress
+from ... import instrument, progress
 
 SUM = dist.ReduceOp.SUM if dist.is_available() else None
 
