@@ -24,10 +24,9 @@ strategy that runs its own schedule (the module's step never runs) it logs the l
 metrics itself.
 
 Checkpoints (``trainer/checkpointing.py``) have one path: a save writes every rank's
-``param_shards()`` and ``extra_state()`` (described by ``checkpoint_model_info()`` and
-``optimizer_group_names()``); a load calls ``load_param_shards(reader)``, which fills this rank's
-part from any strategy's checkpoint on any world size. ``full_state_dict()`` exports the complete
-weights.
+``param_shards()`` and ``extra_state()``; a load calls ``load_param_shards(reader)``. Each
+strategy family implements them once, in its adapter (``checkpoint.py``: ``checkpoint_adapter``),
+and the methods here forward to it. Where this process sits and the collectives are ``ranks.py``.
 
 The defaults here implement a *replicated* strategy: every rank holds the whole model and whole
 optimizer, and gradients are already identical on every rank when ``optimizer_step`` runs. Single
@@ -58,78 +57,18 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Callable, Iterator, NamedTuple, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from . import instrument, progress
+from . import instrument
+from .checkpoint import ParamShard, ReplicatedCheckpoint, ShardReader, split_optimizer_state  # noqa: F401 (re-exported)
 from .environment import ProcessInfo, init_process_group
-from .optimizers import accepted, group_indices, param_states, refuse_shared, selecting, split_kind, state_slots
+from .optimizers import accepted, group_indices, refuse_shared, selecting
 from .precision import Precision
+from .ranks import Ranks
 from .step_wrapper import StepCall, StepWrapper
-
-
-class ParamShard(NamedTuple):
-    """The part of one (canonically named) parameter a rank saves: elements ``[start, end)`` of the
-    flattened full parameter, as 1-D tensors of ``end - start`` elements under ``tensors`` (the fp32
-    weights as ``"param"``, and each per-element optimizer state such as ``"exp_avg"``), and the
-    optimizer's 0-dim state (``"step"``) under ``scalars``."""
-
-    start: int
-    end: int
-    tensors: dict[str, torch.Tensor]
-    scalars: dict[str, torch.Tensor]
-
-
-class ShardReader(Protocol):
-    """What ``load_param_shards`` reads a checkpoint through (``trainer/reshard.py`` implements
-    it): any element range of any saved parameter, whichever files hold it."""
-
-    def names(self) -> list[str]:
-        """The canonical names of the saved trainable parameters."""
-
-    def kinds(self, name: str) -> list[str]:
-        """Per-element tensors saved for ``name``: ``"param"`` and optimizer state kinds."""
-
-    def read(self, name: str, kind: str, start: int, end: int,
-             out: torch.Tensor | None = None) -> torch.Tensor:
-        """Elements ``[start, end)`` of the flattened ``kind`` of ``name`` (1-D, fp32 unless
-        ``out`` is given)."""
-
-    def scalars(self, name: str) -> dict[str, torch.Tensor]: ...
-
-    def extra(self, name: str) -> torch.Tensor:
-        """A buffer or frozen parameter, whole."""
-
-    def param_groups(self, current: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """``current`` (an ``optimizer.state_dict()["param_groups"]``) with the saved
-        hyperparameters."""
-
-
-def split_optimizer_state(owner: str, like: torch.Tensor, state: dict[str, Any]
-                          ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Split one tensor's optimizer state into per-element tensors (same shape as ``like``, given
-    flattened and fp32) and 0-dim scalars. Anything else (Adafactor's factored moments, python
-    objects) cannot be sharded by element: the error names it."""
-    per, scalars = {}, {}
-    for key, value in state.items():
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            value = torch.tensor(float(value), dtype=torch.float64)
-        if not torch.is_tensor(value):
-            raise ValueError(f"optimizer state {key!r} of {owner} is a {type(value).__name__}: the "
-                             "checkpoint format holds per-element tensors and scalars only")
-        if value.shape == like.shape and not (key == "step" and value.dim() == 0):
-            per[key] = value.detach().reshape(-1).float()
-        elif value.numel() == 1 and value.dim() == 0:
-            scalars[key] = value.detach().to("cpu")
-        else:
-            raise ValueError(
-                f"optimizer state {key!r} of {owner} has shape {tuple(value.shape)}, neither the "
-                f"parameter's {tuple(like.shape)} nor a scalar: an optimizer that keeps non-element-wise "
-                "state cannot be checkpointed by parameter shards")
-    return per, scalars
 
 
 class BatchHooks(Protocol):
@@ -156,7 +95,7 @@ class BatchHooks(Protocol):
 PROCESS_GROUP_TIMEOUT_S = 300.0
 
 
-class Strategy:
+class Strategy(Ranks):
     name = "base"
     #: Trainer hooks (``trainer/hooks.py`` names) that this strategy's ``run_schedule`` never
     #: calls; the Trainer warns once when a callback overrides one. The base calls them all.
@@ -190,6 +129,8 @@ class Strategy:
     #: what runs autograd from one (scaled) loss, ``(loss, **backward_kwargs)``: the Trainer lends the
     #: module's ``backward`` hook (Lightning's); None: ``loss.backward()``
     backward_call: Any = None
+    #: this strategy family's side of the checkpoint format (``checkpoint.py``): ``checkpointer``
+    checkpoint_adapter: Callable[[Any], ReplicatedCheckpoint] = ReplicatedCheckpoint
 
     def __init__(self, process_group_timeout_s: float = PROCESS_GROUP_TIMEOUT_S) -> None:
         if (isinstance(process_group_timeout_s, bool) or not isinstance(process_group_timeout_s, (int, float))
@@ -237,36 +178,6 @@ class Strategy:
 
     def setup_environment(self) -> None:
         init_process_group(self.info, self.device, self.process_group_timeout_s)
-
-    @property
-    def world_size(self) -> int:
-        return self.info.world_size
-
-    @property
-    def global_rank(self) -> int:
-        return self.info.global_rank
-
-    @property
-    def local_rank(self) -> int:
-        return self.info.local_rank
-
-    @property
-    def is_global_zero(self) -> bool:
-        return self.info.global_rank == 0
-
-    @property
-    def data_parallel_world_size(self) -> int:
-        """How many replicas see different data (the Trainer's DistributedSampler uses this).
-        Equal to world_size unless a strategy splits ranks another way (pipeline stages)."""
-        return self.world_size
-
-    @property
-    def data_parallel_rank(self) -> int:
-        return self.global_rank
-
-    @property
-    def distributed(self) -> bool:
-        return self.world_size > 1 and dist.is_available() and dist.is_initialized()
 
     # ------------------------------------------------------------------ model and optimizer
     def configure_model(self, module: nn.Module) -> None:
@@ -517,133 +428,44 @@ class Strategy:
         """A hint the progress watchdog prints when a rank of this strategy stalls the others."""
         return ""
 
-    # ------------------------------------------------------------------ collectives
-    def reduce(self, value: torch.Tensor | float, op: str = "mean") -> torch.Tensor:
-        """Sum or mean over ranks (SUM then divide: ReduceOp.AVG is unreliable on gloo)."""
-        if op not in ("mean", "sum", "max"):
-            raise ValueError(f"reduce op={op!r}; valid choices: mean, sum, max")
-        t = torch.as_tensor(value, dtype=torch.float64 if not torch.is_tensor(value) else None)
-        t = t.detach().clone().to(self.device)
-        if self.distributed:
-            progress.mark("all_reduce (Strategy.reduce)")
-            with instrument.blocking("all_reduce", t, control=True):
-                dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
-            if op == "mean":
-                t = t / self.world_size
-        return t
-
-    def any_rank(self, flag: bool) -> bool:
-        if not self.distributed:
-            return bool(flag)
-        return bool(self.reduce(torch.tensor(float(flag)), op="max").item() > 0)
-
-    def barrier(self) -> None:
-        if self.distributed:
-            progress.mark("barrier")
-            with instrument.blocking("barrier", None, control=True):
-                dist.barrier()
-
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not self.distributed:
-            return obj
-        box = [obj]
-        progress.mark("broadcast")
-        with instrument.blocking("broadcast_object", None, control=True):
-            dist.broadcast_object_list(box, src=src)
-        return box[0]
-
     # ------------------------------------------------------------------ checkpoints
+    # One adapter per strategy family (``checkpoint.py``): every rank saves, per canonical
+    # parameter name, the flat element range of the full parameter it holds; a load maps any saved
+    # layout onto this run's. These methods are the Trainer's interface to it.
+
+    @property
+    def checkpointer(self) -> ReplicatedCheckpoint:
+        """This strategy's checkpoint adapter (stateless: a new one per call, so that the strategy
+        and its adapter never hold each other and the strategy is freed as soon as it is dropped)."""
+        return self.checkpoint_adapter(self)
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: the complete fp32 model state on global rank 0, ``{}`` elsewhere."""
-        assert self.module is not None
-        if not self.is_global_zero:
-            return {}
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
-
-    # ------------------------------------------------------------------ checkpoints: parameter shards
-    # The Trainer's checkpoint format is strategy-neutral: every rank saves, per canonical
-    # parameter name, the flat element range of the full parameter it holds (``param_shards``);
-    # loading maps any saved layout onto this run's (``load_param_shards``). Replicated
-    # strategies: the ranks that ``writes_shard()`` hold every full range of their module.
+        return self.checkpointer.full_state_dict()
 
     def writes_shard(self) -> bool:
-        """Whether this rank's ``param_shards``/``extra_state`` hold anything (replicated: rank 0)."""
-        return self.is_global_zero
-
-    def _trainable_names(self) -> dict[int, str]:
-        """``id(parameter) -> canonical name`` (its first name) for the trainable parameters."""
-        assert self.module is not None
-        return {id(p): n for n, p in self.module.named_parameters() if p.requires_grad}
+        """Whether this rank's ``param_shards``/``extra_state`` hold anything."""
+        return self.checkpointer.writes_shard()
 
     def checkpoint_model_info(self) -> dict[str, Any]:
-        """What this rank's model needs from a checkpoint: trainable parameters by canonical name
-        ``{name: (shape, dtype)}``, their other names (``aliases``: tied parameters), the other
-        state-dict entries (``extras``: buffers, frozen parameters) and the state-dict keys in order."""
-        assert self.module is not None
-        names = self._trainable_names()
-        params = {n: (tuple(p.shape), p.dtype) for n, p in self.module.named_parameters()
-                  if names.get(id(p)) == n}
-        aliases = {n: names[id(p)] for n, p in self.module.named_parameters(remove_duplicate=False)
-                   if id(p) in names and names[id(p)] != n}
-        sd = self.module.state_dict()
-        extras = {k: (tuple(v.shape), v.dtype) for k, v in sd.items() if k not in params and k not in aliases}
-        return {"params": params, "aliases": aliases, "extras": extras, "keys": list(sd)}
+        """Trainable parameters by canonical name, their aliases, the extras and the state-dict keys."""
+        return self.checkpointer.checkpoint_model_info()
 
     def optimizer_group_names(self) -> list[list[str]]:
         """The canonical names of the trainable parameters in each optimizer param group."""
-        assert self.optimizer is not None
-        names = self._trainable_names()
-        return [[names[id(p)] for p in g["params"] if id(p) in names] for g in self.optimizer.param_groups]
+        return self.checkpointer.optimizer_group_names()
 
     def param_shards(self) -> dict[str, ParamShard]:
         """This rank's part of every trainable parameter, with its optimizer state."""
-        assert self.module is not None and self.optimizer is not None
-        if not self.writes_shard():
-            return {}
-        names = self._trainable_names()
-        out = {}
-        for n, p in self.module.named_parameters():
-            if names.get(id(p)) != n:
-                continue
-            per, scalars = {}, {}
-            for suffix, st in param_states(self.optimizer, p):  # several: each optimizer's (optimizers.py)
-                tensors, numbers = split_optimizer_state(f"parameter {n!r}", p, st)
-                per.update({k + suffix: v for k, v in tensors.items()})
-                scalars.update({k + suffix: v for k, v in numbers.items()})
-            out[n] = ParamShard(0, p.numel(), {"param": p.detach().reshape(-1).float(), **per}, scalars)
-        return out
+        return self.checkpointer.param_shards()
 
     def extra_state(self) -> dict[str, torch.Tensor]:
         """The state-dict entries that are not trainable parameters, from the ranks that save."""
-        assert self.module is not None
-        if not self.writes_shard():
-            return {}
-        extras = self.checkpoint_model_info()["extras"]
-        return {k: v.detach() for k, v in self.module.state_dict().items() if k in extras}
+        return self.checkpointer.extra_state()
 
     def load_param_shards(self, reader: ShardReader) -> None:
-        """Collective: fill this rank's parameters, optimizer state and extras from ``reader``.
-        Replicated: every rank reads every full parameter of its module."""
-        assert self.module is not None and self.optimizer is not None
-        names = self._trainable_names()
-        slots = state_slots(self.optimizer)  # each optimizer's state of p: its index and kind suffix
-        state: dict[int, dict[str, torch.Tensor]] = {}
-        with torch.no_grad():
-            for n, p in self.module.named_parameters():
-                if names.get(id(p)) != n:
-                    continue
-                flat = reader.read(n, "param", 0, p.numel())
-                p.copy_(flat.view(p.shape))
-                saved = {k: reader.read(n, k, 0, p.numel()).view(p.shape) for k in reader.kinds(n) if k != "param"}
-                saved.update(reader.scalars(n))
-                for i, suffix in slots.get(id(p), []):
-                    st = {base: v for (base, sfx), v in ((split_kind(k), v) for k, v in saved.items()) if sfx == suffix}
-                    if st:
-                        state[i] = st
-            info = self.checkpoint_model_info()
-            self.module.load_state_dict({k: reader.extra(k) for k in info["extras"]}, strict=False)
-        saved = self.optimizer.state_dict()
-        self.optimizer.load_state_dict({"state": state, "param_groups": reader.param_groups(saved["param_groups"])})
+        """Collective: fill this rank's part (parameters, optimizer state, extras) from ``reader``."""
+        self.checkpointer.load_param_shards(reader)
 
     # ------------------------------------------------------------------ end
     def teardown(self) -> None:

@@ -32,7 +32,7 @@ TrainModule's own ``self.parameters()`` are the same set after ``configure_model
 the data-parallel reduction becomes one all-reduce whose partition each replica keeps, the norm
 sums the partitions, and the step is followed by an all-gather of the updated slices.
 
-Checkpoints and ``full_state_dict`` name every tensor as the non-pipelined model does
+Checkpoints (``checkpoint.PipelineCheckpoint``) and ``full_state_dict`` name every tensor as the non-pipelined model does
 (``PipelineModule.plain_key``: ``model.3.attn...`` is ``model.blocks.1.attn...``), and a tied
 parameter is saved once, by its lowest owning stage (with virtual stages: of the chunks holding
 it), under its first name (``canonical_key``); under ZeRO-1 every replica of that stage writes its
@@ -50,10 +50,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..base import PROCESS_GROUP_TIMEOUT_S, BatchHooks, ParamShard, ShardReader, Strategy
+from ..base import PROCESS_GROUP_TIMEOUT_S, BatchHooks, Strategy
 from ..environment import release_at_exit
 from ..memory import replicated_tensors
 from ..options import config_from, expose_options
+from .checkpoint import PipelineCheckpoint
 from .collectives import all_reduce_grads, broadcast_tensors, sum_over_world
 from .config import PipelineConfig
 from .module import PipelineModule, Tie, find_pipeline_module
@@ -74,15 +75,6 @@ def _rows(value: Any, what: str) -> int:
     return value.shape[0]
 
 
-def _read_parameter(reader: ShardReader, key: str, p: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Copy the saved ``key`` into ``p``; returns its optimizer state (per-element and 0-dim)."""
-    n = p.numel()
-    p.copy_(reader.read(key, "param", 0, n).view(p.shape))
-    loaded = {kind: reader.read(key, kind, 0, n).view(p.shape) for kind in reader.kinds(key) if kind != "param"}
-    loaded.update(reader.scalars(key))
-    return loaded
-
-
 _NO_SEPARATE_STEP = ("pipeline: {call}() is not a step of its own here: the schedule interleaves every "
                      "micro-batch's forward and backward; valid: run_schedule(batch, batch_idx, hooks)")
 
@@ -101,6 +93,7 @@ class PipelineStrategy(Strategy):
     name = "pipeline"
     skipped_hooks = ("on_before_backward", "on_after_backward")
     runs_own_schedule = True
+    checkpoint_adapter = PipelineCheckpoint
 
     def __init__(self, config: PipelineConfig | None = None, *,
                  process_group_timeout_s: float = PROCESS_GROUP_TIMEOUT_S, **options: Any) -> None:
@@ -426,105 +419,6 @@ class PipelineStrategy(Strategy):
         if self._zero is not None:
             out.update(self._zero.memory_tensors())
         return out
-
-    # ------------------------------------------------------------------ checkpoints
-    def writes_shard(self) -> bool:
-        return self.replica == 0 or self._zero is not None
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Collective: every stage's layers, under the non-pipelined model's names, on global rank 0."""
-        assert self.module is not None
-        mine = {self._plain(k): v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
-        if not self.distributed:
-            return mine
-        parts = [None] * self.world_size if self.is_global_zero else None
-        dist.gather_object(mine if self.replica == 0 else None, parts, dst=0)
-        if not self.is_global_zero:
-            return {}
-        full: dict[str, torch.Tensor] = {}
-        for part in parts:
-            full.update(part or {})
-        return full
-
-    # checkpoint names: this stage's module keys <-> the non-pipelined model's (module docstring)
-    def _in_pipe(self, key: str) -> str | None:
-        """``key`` relative to the PipelineModule, or None for one of the TrainModule's own."""
-        prefix = self._pipe_prefix
-        return key[len(prefix):] if self.pipe is not None and key.startswith(prefix) else None
-
-    def _plain(self, key: str) -> str:
-        inner = self._in_pipe(key)
-        return key if inner is None else self._pipe_prefix + self.pipe.plain_key(inner)
-
-    def _canonical(self, name: str) -> str:
-        inner = self._in_pipe(name)
-        return name if inner is None else self._pipe_prefix + self.pipe.canonical_key(inner)
-
-    def _saves(self, name: str) -> bool:
-        inner = self._in_pipe(name)
-        return inner is None or self.pipe.saves_key(inner)
-
-    def checkpoint_model_info(self) -> dict[str, Any]:
-        """The base's description in plain names: tied parameters under their first name, their
-        other names (on any stage) as aliases of it."""
-        info = super().checkpoint_model_info()
-        trainable = self._trainable_names()
-        aliases = {self._plain(n): self._canonical(n)
-                   for n, p in self.module.named_parameters(remove_duplicate=False)
-                   if id(p) in trainable and self._plain(n) != self._canonical(n)}
-        return {"params": {self._canonical(n): v for n, v in info["params"].items()}, "aliases": aliases,
-                "extras": {self._plain(k): v for k, v in info["extras"].items()},
-                "keys": [self._plain(k) for k in info["keys"]]}
-
-    def optimizer_group_names(self) -> list[list[str]]:
-        return [[self._canonical(n) for n in group] for group in super().optimizer_group_names()]
-
-    def _checkpoint_names(self) -> dict[int, str]:
-        """``id(parameter) -> the plain name it is checkpointed under`` (``_canonical``)."""
-        return {i: self._canonical(n) for i, n in self._trainable_names().items()}
-
-    def param_shards(self) -> dict[str, ParamShard]:
-        """This stage's shards in plain names: whole parameters (replica 0), or under ZeRO-1 each
-        replica's partition pieces; a tied parameter only from its lowest owning stage (the other
-        owners' copies, masters and optimizer state are equal to it)."""
-        if self._zero is None:
-            shards = super().param_shards()
-        else:
-            shards = self._zero.param_shards(self._trainable_names())
-        return {self._canonical(n): sh for n, sh in shards.items() if self._saves(n)}
-
-    def extra_state(self) -> dict[str, torch.Tensor]:
-        """The buffers (and frozen parameters) in plain names, from replica 0 only (under ZeRO-1
-        every replica writes its partitions, the extras once)."""
-        assert self.module is not None
-        if self.replica != 0:
-            return {}
-        extras = super().checkpoint_model_info()["extras"]  # this stage's own keys
-        return {self._plain(k): v.detach() for k, v in self.module.state_dict().items() if k in extras}
-
-    def load_param_shards(self, reader: ShardReader) -> None:
-        """Collective: this stage's buffers, parameters (a tied one from its single saved copy)
-        and optimizer state, each read under its plain name; under ZeRO-1 this replica's partition
-        of the masters and state, then the working parameters gathered from every replica."""
-        assert self.module is not None and self.optimizer is not None
-        names = self._checkpoint_names()
-        with torch.no_grad():
-            extras = super().checkpoint_model_info()["extras"]
-            self.module.load_state_dict({k: reader.extra(self._plain(k)) for k in extras}, strict=False)
-        if self._zero is not None:
-            self._zero.load_param_shards(names, reader)
-            return
-        order = [p for g in self.optimizer.param_groups for p in g["params"]]
-        slot = {id(p): i for i, p in enumerate(order)}
-        state = {}
-        with torch.no_grad():
-            for p in self.module.parameters():
-                if id(p) in names:
-                    loaded = _read_parameter(reader, names[id(p)], p)
-                    if loaded and id(p) in slot:
-                        state[slot[id(p)]] = loaded
-        groups = reader.param_groups(self.optimizer.state_dict()["param_groups"])
-        self.optimizer.load_state_dict({"state": state, "param_groups": groups})
 
     def teardown(self) -> None:
         # The stage, tie and data-parallel groups stay: evaluation and full_state_dict() after

@@ -31,7 +31,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from ..base import ParamShard, ShardReader
+from ..checkpoint import ParamShard, ShardReader
 from ..zero.comm.collectives import all_reduce_sum
 from ..zero.flat_buffer import FlatParamGroup, flatten_group
 from ..zero.comm.inflight import InFlightQueue

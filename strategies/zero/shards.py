@@ -1,10 +1,12 @@
-"""Partitioned optimizer state <-> the checkpoint's per-parameter shards, as functions of the
-flat groups, the sharded optimizer and a rank in the partitioning group.
+"""ZeRO's checkpoints: partitioned optimizer state <-> the checkpoint's per-parameter shards, as
+functions of the flat groups, the sharded optimizer and a rank in the partitioning group, and
+``ZeroCheckpoint``, the ZeRO-1/2 family's checkpoint adapter (``strategies/checkpoint.py``; ZeRO-3's
+extends it in ``stage3/checkpoint.py``).
 
 Every owner of ZeRO partitions saves and loads through these: the ZeRO strategies (rank = global
 rank, the world partitions) and the pipeline's ZeRO-1 (rank = the replica, each stage's
 data-parallel group partitions). The format is the Trainer's strategy-neutral one
-(``base.ParamShard``): per canonical parameter name, the element range this rank holds.
+(``checkpoint.ParamShard``): per canonical parameter name, the element range this rank holds.
 """
 from __future__ import annotations
 
@@ -12,7 +14,8 @@ from typing import Any, Sequence
 
 import torch
 
-from ..base import ParamShard, ShardReader, split_optimizer_state
+from ..checkpoint import ParamShard, ReplicatedCheckpoint, ShardReader, split_optimizer_state
+from .comm.inflight import Work
 from .flat_buffer import FlatParamGroup
 
 
@@ -62,3 +65,88 @@ def load_partitions(flat_groups: Sequence[FlatParamGroup], sharded: Any, optimiz
     current = optimizer.state_dict()["param_groups"]
     sharded.load_state_dict({"master": masters, "optimizer": {
         "state": state, "param_groups": reader.param_groups(current)}})
+
+
+class ZeroCheckpoint(ReplicatedCheckpoint):
+    """ZeRO-1/2's checkpoints: each rank saves its partition of the fp32 masters and optimizer
+    state; the extras (buffers, frozen parameters) are replicated and saved by rank 0. Reads the
+    strategy's ``flat_groups``, ``sharded``, ``queue`` and ``group``."""
+
+    def extra_names(self) -> list[str]:
+        """State-dict entries that are not trainable parameters: buffers and frozen parameters."""
+        s = self.s
+        assert s.module is not None
+        trainable = {n for n, p in s.module.named_parameters(remove_duplicate=False) if p.requires_grad}
+        return [k for k in s.module.state_dict() if k not in trainable]
+
+    def finish_load(self, reader: ShardReader) -> None:
+        """After ``load_param_shards`` filled masters and optimizer state: the extras from the
+        checkpoint, then fresh working parameters and empty gradients."""
+        s = self.s
+        extras = self.extra_names()
+        if extras:
+            with torch.no_grad():
+                s.module.load_state_dict({k: reader.extra(k) for k in extras}, strict=False)
+        s._refresh_params()
+        s.zero_grad()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Collective: the complete fp32 weights (from the masters) on rank 0 with the module's
+        ``state_dict`` keys - tied parameters under each of their names, sharing one tensor as
+        ``module.state_dict()`` does; ``{}`` elsewhere."""
+        s = self.s
+        assert s.sharded is not None and s.module is not None
+        s.queue.wait(Work.PARAMS)
+        values: dict[int, torch.Tensor] = {}
+        for i, fg in enumerate(s.flat_groups):
+            full = s.sharded.gather_full(i, fg.layout, s.global_rank, s.queue, s.group)
+            if full is not None:
+                # one tensor per parameter (not views of one buffer: writers such as
+                # safetensors refuse tensors that share storage)
+                full = full.to("cpu")
+                values.update({id(p): fg.view(j, full).clone() for j, p in enumerate(fg.params)})
+        return self.full_state_from(values)
+
+    def full_state_from(self, values: dict[int, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Rank 0: the module's ``state_dict`` keys, trainable parameters taken from ``values``
+        (gathered fp32 tensors by parameter id; tied names share one), the rest copied to CPU.
+        ``{}`` on the other ranks."""
+        s = self.s
+        if not s.is_global_zero:
+            return {}
+        by_name = dict(s.module.named_parameters(remove_duplicate=False))
+        out = {}
+        for k, v in s.module.state_dict().items():
+            p = by_name.get(k)
+            out[k] = values[id(p)] if p is not None and id(p) in values else v.detach().to("cpu", copy=True)
+        return out
+
+    def optimizer_group_names(self) -> list[list[str]]:
+        names = self.trainable_names()
+        return [[names[id(p)] for p in fg.params] for fg in self.s.flat_groups]
+
+    def param_shards(self) -> dict[str, ParamShard]:
+        """Each parameter's intersection with this rank's partition, from the fp32 masters and
+        the optimizer state of that partition (padding excluded)."""
+        s = self.s
+        assert s.sharded is not None
+        s.queue.wait(Work.PARAMS)
+        return partition_shards(s.flat_groups, s.sharded, s.global_rank, self.trainable_names())
+
+    def extra_state(self) -> dict[str, torch.Tensor]:
+        s = self.s
+        s.queue.wait(Work.PARAMS)
+        if not s.is_global_zero:
+            return {}
+        sd = s.module.state_dict()
+        return {k: sd[k].detach() for k in self.extra_names()}
+
+    def load_param_shards(self, reader: ShardReader) -> None:
+        """Collective: rebuild this rank's master slices and optimizer state from whatever
+        ranges the checkpoint holds (any strategy, any world size), then all-gather the working
+        parameters."""
+        s = self.s
+        assert s.sharded is not None and s.module is not None
+        s.queue.wait(Work.PARAMS)
+        load_partitions(s.flat_groups, s.sharded, s.optimizer, s.global_rank, self.trainable_names(), reader)
+        self.finish_load(reader)

@@ -31,7 +31,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from ..base import PROCESS_GROUP_TIMEOUT_S, ParamShard, ShardReader, Strategy
+from ..base import PROCESS_GROUP_TIMEOUT_S, Strategy
 from ...ops import host_cache
 from ..host_memory import set_mmap_threshold
 from ..memory import count_bytes
@@ -46,7 +46,7 @@ from .hooks import ParamGatherHooks
 from .comm.inflight import InFlight, InFlightQueue, Work
 from .layout import build_layout
 from .sharded_optimizer import ShardedOptimizer
-from .shards import load_partitions, partition_shards
+from .shards import ZeroCheckpoint
 from .stepper import ShardedStepper
 
 log = logging.getLogger("zerotrain")
@@ -115,6 +115,7 @@ class ZeroStrategy(Strategy):
     stage = 0
     #: each parameter's optimizer state is one partition of one flat group
     optimizers_may_share_parameters = False
+    checkpoint_adapter = ZeroCheckpoint
 
     def __init__(self, spec: ZeroSpec | None = None, stepper: Any = None, *,
                  process_group_timeout_s: float = PROCESS_GROUP_TIMEOUT_S, **options: Any) -> None:
@@ -215,18 +216,12 @@ class ZeroStrategy(Strategy):
     def _build_gradients(self) -> GradientShards:
         raise NotImplementedError
 
-    def _extra_state_names(self) -> list[str]:
-        """State-dict entries that are not trainable parameters: buffers and frozen parameters."""
-        assert self.module is not None
-        trainable = {n for n, p in self.module.named_parameters(remove_duplicate=False) if p.requires_grad}
-        return [k for k in self.module.state_dict() if k not in trainable]
-
     def _broadcast_extras(self) -> None:
         """Collective: rank 0's buffers and frozen parameters everywhere (as DDP does)."""
         if self.world_size == 1:
             return
         sd = self.module.state_dict(keep_vars=True)
-        for name in self._extra_state_names():
+        for name in self.checkpointer.extra_names():
             t = sd[name].data if isinstance(sd[name], torch.Tensor) else None
             if t is not None and t.numel():
                 self.queue.push(InFlight((broadcast_from(t, 0, self.group),), (t,), _nothing, name))
@@ -345,75 +340,6 @@ class ZeroStrategy(Strategy):
         for _, g, s, e, single, writes in (c for c in self._gather_plan if c[1] in stepped):
             item = self.flat_groups[g].launch_gather(updated[g], s, e, single, self.group)
             self.queue.push(item._replace(writes=writes), Work.PARAMS)
-
-    # ------------------------------------------------------------------ checkpoints
-    def _finish_shard_load(self, reader: ShardReader) -> None:
-        """After ``load_param_shards`` filled masters and optimizer state: the extras from the
-        checkpoint, then fresh working parameters and empty gradients."""
-        extras = self._extra_state_names()
-        if extras:
-            with torch.no_grad():
-                self.module.load_state_dict({k: reader.extra(k) for k in extras}, strict=False)
-        self._refresh_params()
-        self.zero_grad()
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Collective: the complete fp32 weights (from the masters) on rank 0 with the module's
-        ``state_dict`` keys - tied parameters under each of their names, sharing one tensor as
-        ``module.state_dict()`` does; ``{}`` elsewhere."""
-        assert self.sharded is not None and self.module is not None
-        self.queue.wait(Work.PARAMS)
-        values: dict[int, torch.Tensor] = {}
-        for i, fg in enumerate(self.flat_groups):
-            full = self.sharded.gather_full(i, fg.layout, self.global_rank, self.queue, self.group)
-            if full is not None:
-                # one tensor per parameter (not views of one buffer: writers such as
-                # safetensors refuse tensors that share storage)
-                full = full.to("cpu")
-                values.update({id(p): fg.view(j, full).clone() for j, p in enumerate(fg.params)})
-        return self._full_state_from(values)
-
-    def _full_state_from(self, values: dict[int, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Rank 0: the module's ``state_dict`` keys, trainable parameters taken from ``values``
-        (gathered fp32 tensors by parameter id; tied names share one), the rest copied to CPU.
-        ``{}`` on the other ranks."""
-        if not self.is_global_zero:
-            return {}
-        by_name = dict(self.module.named_parameters(remove_duplicate=False))
-        out = {}
-        for k, v in self.module.state_dict().items():
-            p = by_name.get(k)
-            out[k] = values[id(p)] if p is not None and id(p) in values else v.detach().to("cpu", copy=True)
-        return out
-
-    # ------------------------------------------------------------------ parameter shards
-    def optimizer_group_names(self) -> list[list[str]]:
-        names = self._trainable_names()
-        return [[names[id(p)] for p in fg.params] for fg in self.flat_groups]
-
-    def param_shards(self) -> dict[str, ParamShard]:
-        """Each parameter's intersection with this rank's partition, from the fp32 masters and
-        the optimizer state of that partition (padding excluded)."""
-        assert self.sharded is not None
-        self.queue.wait(Work.PARAMS)
-        return partition_shards(self.flat_groups, self.sharded, self.global_rank, self._trainable_names())
-
-    def extra_state(self) -> dict[str, torch.Tensor]:
-        self.queue.wait(Work.PARAMS)
-        if not self.is_global_zero:
-            return {}
-        sd = self.module.state_dict()
-        return {k: sd[k].detach() for k in self._extra_state_names()}
-
-    def load_param_shards(self, reader: ShardReader) -> None:
-        """Collective: rebuild this rank's master slices and optimizer state from whatever
-        ranges the checkpoint holds (any strategy, any world size), then all-gather the working
-        parameters."""
-        assert self.sharded is not None and self.module is not None
-        self.queue.wait(Work.PARAMS)
-        load_partitions(self.flat_groups, self.sharded, self.optimizer, self.global_rank,
-                        self._trainable_names(), reader)
-        self._finish_shard_load(reader)
 
     # ------------------------------------------------------------------ memory and end
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:

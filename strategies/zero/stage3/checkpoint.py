@@ -13,19 +13,32 @@ when the model has frozen parameters; every rank must call it (as every rank wri
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from ...base import ParamShard, ShardReader, split_optimizer_state
-
-if TYPE_CHECKING:
-    from .strategy import ZeroStage3
+from ...checkpoint import ParamShard, ShardReader, split_optimizer_state
+from ..shards import ZeroCheckpoint
 
 
-class Stage3Checkpoint:
-    def __init__(self, strategy: "ZeroStage3") -> None:
-        self.s = strategy
+class Stage3Checkpoint(ZeroCheckpoint):
+    """ZeRO-3's checkpoint adapter: reads the strategy's ``units``, ``_runs`` (what the optimizer
+    steps), ``_group_of``, ``plan``, ``sharded``, ``stepper`` and ``group``; never imports it."""
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Collective: the complete fp32 weights on rank 0, gathered one unit at a time (no rank
+        but rank 0 ever holds more than its shards); ``{}`` elsewhere. Tied parameters appear
+        under each of their names as one tensor, as in ``module.state_dict()``."""
+        s = self.s
+        assert s.module is not None
+        values: dict[int, torch.Tensor] = {}
+        for u in s.units:
+            full = u.gather_master(0, s.group)
+            if full is not None:
+                full = full.to("cpu")
+                values.update({id(p): v.clone() for p, v in zip(u.params, u.param_views(full))})
+                del full
+        return self.full_state_from(values)
 
     def _pieces_by_run(self):
         """``(unit, run, master view, [pieces of trainable params inside the run])``."""
@@ -37,7 +50,7 @@ class Stage3Checkpoint:
 
     def optimizer_group_names(self) -> list[list[str]]:
         s = self.s
-        names = s._trainable_names()
+        names = self.trainable_names()
         out: list[list[str]] = [[] for _ in s.optimizer.param_groups]
         for u in s.units:
             for p in u.params:
@@ -46,8 +59,12 @@ class Stage3Checkpoint:
         return out
 
     def param_shards(self) -> dict[str, ParamShard]:
+        with self.s.stepper.exposed_state(self.s.sharded):
+            return self._param_shards()
+
+    def _param_shards(self) -> dict[str, ParamShard]:
         s = self.s
-        names = s._trainable_names()
+        names = self.trainable_names()
         out = {}
         for u, run, view, pieces in self._pieces_by_run():
             per, scalars = split_optimizer_state(f"unit {u.name or 'root'!r}", view,
@@ -76,7 +93,7 @@ class Stage3Checkpoint:
                         values[name] = v.clone()
         if not s.is_global_zero:
             return {}
-        extras = s.checkpoint_model_info()["extras"]
+        extras = self.checkpoint_model_info()["extras"]
         sd = s.module.state_dict()
         aliases = s.plan.aliases
         return {k: values[aliases[k]] if aliases.get(k) in values else sd[k].detach()
@@ -86,7 +103,7 @@ class Stage3Checkpoint:
         """Collective: this rank's master partitions, the optimizer state of its runs, and the
         extras, from whatever ranges the checkpoint holds; then the working shards are refreshed."""
         s = self.s
-        names = s._trainable_names()
+        names = self.trainable_names()
         with torch.no_grad():
             for u in s.units:
                 for pc in u.layout.pieces(s.global_rank):
@@ -116,4 +133,4 @@ class Stage3Checkpoint:
                 state[index[id(view)]] = {**per, **scalars}
         current = s.optimizer.state_dict()["param_groups"]
         s.optimizer.load_state_dict({"state": state, "param_groups": reader.param_groups(current)})
-        s._finish_shard_load(reader)
+        self.finish_load(reader)

@@ -56,7 +56,6 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from ...base import ParamShard, ShardReader
 from ...optimizers import refuse_shared
 from ...step_wrapper import StepWrapper
 from ...environment import release_at_exit
@@ -82,6 +81,7 @@ class ZeroStage3(ZeroStrategy):
 
     name = "zero3"
     stage = 3
+    checkpoint_adapter = Stage3Checkpoint
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -96,7 +96,6 @@ class ZeroStage3(ZeroStrategy):
         #: (unit, run, master view): what the optimizer steps, in its order
         self._runs: list[tuple[Unit, Any, torch.Tensor]] = []
         self._group_of: dict[int, int] = {}  # id(param) -> optimizer param group
-        self._ckpt = Stage3Checkpoint(self)
 
     # ------------------------------------------------------------------ set-up
     @contextlib.contextmanager
@@ -311,35 +310,6 @@ class ZeroStage3(ZeroStrategy):
         copy = not self.stepper.took_working()
         for u in self.units:
             u.refresh(self.group, copy=copy)
-
-    # ------------------------------------------------------------------ checkpoints
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Collective: the complete fp32 weights on rank 0, gathered one unit at a time (no rank
-        but rank 0 ever holds more than its shards); ``{}`` elsewhere. Tied parameters appear
-        under each of their names as one tensor, as in ``module.state_dict()``."""
-        assert self.module is not None
-        values: dict[int, torch.Tensor] = {}
-        for u in self.units:
-            full = u.gather_master(0, self.group)
-            if full is not None:
-                full = full.to("cpu")
-                values.update({id(p): v.clone() for p, v in zip(u.params, u.param_views(full))})
-                del full
-        return self._full_state_from(values)
-
-    # the strategy-neutral checkpoint format (parameter shards by name): see checkpoint.py
-    def optimizer_group_names(self) -> list[list[str]]:
-        return self._ckpt.optimizer_group_names()
-
-    def param_shards(self) -> dict[str, ParamShard]:
-        with self.stepper.exposed_state(self.sharded):
-            return self._ckpt.param_shards()
-
-    def extra_state(self) -> dict[str, torch.Tensor]:
-        return self._ckpt.extra_state()
-
-    def load_param_shards(self, reader: ShardReader) -> None:
-        self._ckpt.load_param_shards(reader)
 
     # ------------------------------------------------------------------ memory and end
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
