@@ -15,9 +15,10 @@ from .schedules import DeviceStatsMonitor, GradientAccumulationScheduler, OnExce
 from .summary import ModelSummary
 from .tensorboard import TensorBoardLogger
 from .timer import Timer
+from .tuning import StochasticWeightAveraging
 
 __all__ = ["Callback", "Logger", "ModelCheckpoint", "EarlyStopping", "LearningRateMonitor", "ThroughputMonitor",
            "ModelSummary", "ProgressBar", "TQDMProgressBar", "Timer", "TensorBoardLogger", "CSVLogger",
            "ResourceMonitor", "CommsLogger", "FlopsProfiler", "BaseFinetuning", "BackboneFinetuning",
            "GradientAccumulationScheduler", "OnExceptionCheckpoint", "DeviceStatsMonitor", "RichProgressBar",
-           "RichProgressBarTheme", "RichModelSummary", "LambdaCallback"]
+           "RichProgressBarTheme", "RichModelSummary", "LambdaCallback", "StochasticWeightAveraging"]

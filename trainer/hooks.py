@@ -195,7 +195,7 @@ class BatchHooks:
 
     def loss_of(self, out: Any) -> torch.Tensor | None:
         self.called = True
-        if out is None:  # Lightning (automatic optimization): the batch is skipped, no backward
+        if out is None or self.trainer.fit_loop.skip_backward:  # Lightning: no backward for this batch
             self.step_logged = self.trainer._train_logged
             return None
         if isinstance(out, Mapping) and "loss" not in out:

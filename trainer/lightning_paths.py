@@ -55,6 +55,7 @@ PATHS = {
     "callbacks.progress.rich_progress": "callbacks.rich_progress",
     "callbacks.rich_model_summary": "callbacks.rich_progress",
     "callbacks.progress.tqdm_progress": "callbacks.progress",
+    "callbacks.stochastic_weight_avg": "callbacks.tuning.swa",
     # lightning.pytorch.trainer.*
     "trainer.states": "trainer.state",
     # Lightning's modules zerotrain has no counterpart of: trainer/compat/ (small honest shims;

@@ -241,6 +241,12 @@ class FitLoop:
     runs), ``max_epochs``/``min_epochs``/``max_steps``/``min_steps`` (the Trainer's; settable),
     ``max_batches`` (``trainer.num_training_batches``), ``done``, ``epoch_loop``."""
 
+    #: a callback runs the training steps' forwards only: no backward, no zero_grad (the
+    #: StochasticWeightAveraging's batch-norm epoch; Lightning's ``fit_loop._skip_backward``)
+    skip_backward = False
+    _skip_backward = property(lambda self: self.skip_backward,
+                              lambda self, value: setattr(self, "skip_backward", bool(value)))
+
     def __init__(self, trainer: Any) -> None:
         self.trainer = trainer
         epochs = LinkedTracker(self._epochs, self._set_epochs)

@@ -156,7 +156,8 @@ class TrainerSetup:
     @property
     def lr_scheduler_configs(self) -> list:
         """Each scheduler with its interval, frequency, monitor and name (Lightning's
-        ``trainer.lr_scheduler_configs``; ``trainer/optimization.py`` ``SchedulerConfig``)."""
-        return list(self._optim.schedulers) if self._optim is not None else []
+        ``trainer.lr_scheduler_configs``; ``trainer/optimization.py`` ``SchedulerConfig``). The live
+        list, as Lightning's: a callback may swap or add one (StochasticWeightAveraging)."""
+        return self._optim.schedulers if self._optim is not None else []
 
     _optim: Optimization | None = None
