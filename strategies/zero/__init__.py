@@ -17,24 +17,22 @@ May import: ``strategies``' shared modules (``base``, ``options``, ``environment
 """
 from __future__ import annotations
 
-from typing import Any
-
 from ..base import PROCESS_GROUP_TIMEOUT_S
 from .config import BucketConfig, Stage3Config, ZeroConfig, ZeroSpec
 from .stage1 import ZeroStage1
 from .stage2 import ZeroStage2
 from .stage3.strategy import ZeroStage3
-from .stepper import ShardedStepper
+from .stepper import ShardedStepper, Stepper
 from .strategy import ZeroStrategy
 
 _STAGE_CLASSES: dict[int, type[ZeroStrategy]] = {1: ZeroStage1, 2: ZeroStage2, 3: ZeroStage3}
 
 
-def zero_strategy(spec: ZeroSpec, stepper: Any = None, *,
+def zero_strategy(spec: ZeroSpec, stepper: Stepper | None = None, *,
                   process_group_timeout_s: float = PROCESS_GROUP_TIMEOUT_S) -> ZeroStrategy:
     """The ZeRO strategy of ``spec.stage`` with ``stepper`` (default: on the device)."""
     return _STAGE_CLASSES[spec.stage](spec, stepper, process_group_timeout_s=process_group_timeout_s)
 
 
-__all__ = ["BucketConfig", "ShardedStepper", "Stage3Config", "ZeroConfig", "ZeroSpec", "ZeroStrategy",
+__all__ = ["BucketConfig", "ShardedStepper", "Stepper", "Stage3Config", "ZeroConfig", "ZeroSpec", "ZeroStrategy",
            "ZeroStage1", "ZeroStage2", "ZeroStage3", "zero_strategy"]

@@ -5,12 +5,12 @@ A stepper is the optimizer part of a ZeRO strategy, composed into it (``ZeroStra
 the stage owns working parameters, gradient reduction and gathering and calls the stepper for
 the pieces of ``Strategy.optimizer_step`` that depend on where the masters live. The other stepper
 is offload's (:class:`~..offload.stepper.OffloadStepper`: masters and state in host RAM or on NVMe);
-both have the methods below.
+both satisfy :class:`Stepper`, the seam's type (``ZeroStrategy.stepper``).
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -18,7 +18,96 @@ from .comm.grad_norm import Reader, slice_reader
 from .sharded_optimizer import ShardedOptimizer
 
 
+@runtime_checkable
+class Stepper(Protocol):
+    """The optimizer part of a ZeRO strategy: where the fp32 masters and the optimizer state live
+    and how they step. The stage calls these at fixed points of the step; ``ShardedStepper`` (on
+    the device) and ``offload.OffloadStepper`` (host RAM / NVMe) implement all of them."""
+
+    #: the strategy's name with this part (None: the stage's own)
+    name: str | None
+    #: whether the stage's memory formula holds with this part
+    formula: bool
+    #: where masters and optimizer state live (``offload.OffloadPolicy``; None: with the working params)
+    policy: Any
+
+    # set-up
+    def check_stage(self, stage: int, /) -> None:
+        """Raise ValueError if this part cannot serve ZeRO stage ``stage`` (at construction)."""
+
+    def check(self, stage: int, device: torch.device, optimizer: torch.optim.Optimizer,
+              precision: Any = None, /) -> None:
+        """Raise before anything is laid out if the optimizer, device or precision cannot be served."""
+
+    def build_chunks(self, rank: int, /) -> Any:
+        """Where ZeRO-3's partitioned build keeps this rank's chunks (None: RAM)."""
+
+    def place_unit(self, unit: Any, rank: int, /) -> None:
+        """ZeRO-3: a unit was built; move its shards where this part keeps them."""
+
+    def page_units(self, order: Sequence[tuple[Any, int]], /) -> None:
+        """ZeRO-3: the units in the masters' order, for a part that pages their shards."""
+
+    def setup(self, sharded: ShardedOptimizer, slots: Callable[[], tuple[list, list]], device: torch.device,
+              rank: int, masters_external: bool, on_reduced: Callable[[Callable], None],
+              is_sync: Callable[[], bool], /) -> Any:
+        """After the stage laid out its masters: returns what steps from now on."""
+
+    # pieces of the step
+    def gradients(self, partitions: list[torch.Tensor], sharded: Any, /) -> list[torch.Tensor]:
+        """The gradients the step reads, from this rank's reduced partitions."""
+
+    def norm_reader(self, grads: list[torch.Tensor], /) -> Any:
+        """How the per-parameter gradient norms read ranges of ``grads``."""
+
+    def norm_factor(self) -> float:
+        """What the gradients' norm is multiplied by (a clip coefficient not applied yet)."""
+
+    def scale(self, grads: list[torch.Tensor], coef: torch.Tensor, /) -> None:
+        """Clip by norm: multiply the gradients by ``coef`` (or remember it for the step)."""
+
+    def clamp(self, grads: list[torch.Tensor], value: float, loss_scale: float, /) -> None:
+        """Clip by value, element-wise."""
+
+    def step(self, sharded: Any, loss_scale: float, /) -> None:
+        """The inner step on the masters."""
+
+    def zero(self, sharded: Any, /) -> None:
+        """Forget this step's gradients."""
+
+    def zero_grads(self, slots: list[int] | None, /) -> None:
+        """Zero the gradients this part holds itself, of master slots ``slots`` (None: all)."""
+
+    def before_refresh(self, sharded: Any, /) -> None:
+        """Before the working parameters are refreshed from the masters."""
+
+    def took_working(self) -> bool:
+        """ZeRO-3: did the last step write the working shards already?"""
+
+    def updated(self, sharded: Any, working: list[torch.Tensor], /) -> list[torch.Tensor]:
+        """What stages 1/2 all-gather after a step."""
+
+    def exposed_state(self, sharded: Any, /) -> contextlib.AbstractContextManager:
+        """Context in which ``sharded``'s optimizer state is readable (a checkpoint save)."""
+
+    # memory, reports, end
+    def adjust_memory(self, out: dict[str, list[torch.Tensor]], sharded: Any, /) -> None:
+        """Correct the memory report's categories for where this part keeps things."""
+
+    def report(self, sharded: Any, stage: int, /) -> dict[str, Any]:
+        """Where the optimizer state is and how it moves (logs, tests)."""
+
+    def log_setup(self, sharded: Any, stage: int, /) -> None:
+        """Log the set-up (rank 0)."""
+
+    def teardown(self) -> None:
+        """Release files, threads and buffers."""
+
+
 class ShardedStepper:
+    """The default :class:`Stepper`: the user's optimizer on this rank's fp32 master slices, on
+    the working device."""
+
     #: the strategy keeps its stage's name
     name = None
     #: the stage's memory formula holds

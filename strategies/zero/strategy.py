@@ -47,7 +47,7 @@ from .comm.inflight import InFlight, InFlightQueue, Work
 from .layout import build_layout
 from .sharded_optimizer import ShardedOptimizer
 from .shards import ZeroCheckpoint
-from .stepper import ShardedStepper
+from .stepper import ShardedStepper, Stepper
 
 log = logging.getLogger("zerotrain")
 
@@ -117,7 +117,7 @@ class ZeroStrategy(Strategy):
     optimizers_may_share_parameters = False
     checkpoint_adapter = ZeroCheckpoint
 
-    def __init__(self, spec: ZeroSpec | None = None, stepper: Any = None, *,
+    def __init__(self, spec: ZeroSpec | None = None, stepper: Stepper | None = None, *,
                  process_group_timeout_s: float = PROCESS_GROUP_TIMEOUT_S, **options: Any) -> None:
         super().__init__(process_group_timeout_s=process_group_timeout_s)
         if spec is None:
@@ -128,7 +128,7 @@ class ZeroStrategy(Strategy):
         if spec.stage != self.stage:
             raise ValueError(f"{self.name}: spec.stage={spec.stage} does not match this stage ({self.stage})")
         self.spec, self.config, self.buckets, self.stage3 = spec, spec.zero, spec.buckets, spec.stage3
-        self.stepper = stepper if stepper is not None else ShardedStepper()
+        self.stepper: Stepper = stepper if stepper is not None else ShardedStepper()
         self.stepper.check_stage(self.stage)
         self.name = self.stepper.name or type(self).name
         #: where masters and optimizer state live (None: with the working parameters)
