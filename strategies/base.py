@@ -26,7 +26,7 @@ metrics itself.
 Checkpoints (``trainer/checkpointing.py``) have one path: a save writes every rank's
 ``param_shards()`` and ``extra_state()``; a load calls ``load_param_shards(reader)``. Each
 strategy family implements them once, in its adapter (``checkpoint.py``: ``checkpoint_adapter``),
-and the methods here forward to it. Where this process sits and the collectives are ``ranks.py``.
+and the methods here forward to it. Where this process sits and the collectives are ``environment.Ranks``.
 
 The defaults here implement a *replicated* strategy: every rank holds the whole model and whole
 optimizer, and gradients are already identical on every rank when ``optimizer_step`` runs. Single
@@ -64,10 +64,9 @@ from torch import nn
 
 from . import instrument
 from .checkpoint import ParamShard, ReplicatedCheckpoint, ShardReader, split_optimizer_state  # noqa: F401 (re-exported)
-from .environment import ProcessInfo, init_process_group
+from .environment import ProcessInfo, Ranks, init_process_group
 from .optimizers import accepted, group_indices, refuse_shared, selecting
 from .precision import Precision
-from .ranks import Ranks
 from .step_wrapper import StepCall, StepWrapper
 
 

@@ -52,7 +52,7 @@ class ZeroConfig:
     #: ``quantize_weights``: the bytes are 1 + 4/block per element
     quantize_block_size: int = 256
     #: bytes from which the host's allocations get their own mapping, returned to the OS when
-    #: freed (glibc's ``M_MMAP_THRESHOLD``, set on every rank at set-up; ``host_memory.py``).
+    #: freed (glibc's ``M_MMAP_THRESHOLD``, set on every rank at set-up; ``memory/host.py``).
     #: 8 MiB: the 118M GPT's peak RSS per rank 0.11 GB lower at no measured cost; 1 MiB saved
     #: 0.2 GB but cost ~10% of the step in page faults. 0: glibc's own sliding threshold
     host_mmap_threshold: int = 8 << 20

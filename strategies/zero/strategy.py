@@ -33,7 +33,7 @@ from torch import nn
 
 from ..base import PROCESS_GROUP_TIMEOUT_S, Strategy
 from ...ops import host_cache
-from ..host_memory import set_mmap_threshold
+from ..memory.host import set_mmap_threshold
 from ..memory import count_bytes
 from ..optimizers import group_indices, refuse_shared
 from .comm.collectives import all_reduce_sum, backend, broadcast_from, world_size

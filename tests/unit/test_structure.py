@@ -74,3 +74,14 @@ def test_the_step_sequence_is_written_once():
         "precision/base.py:torch.Tensor", "precision/base.py:torch.autograd"], autograd
     for name in ("unscale_and_check", "clip_grad_norm_", "_inner_step"):
         assert [c.split(":")[0] for c in calls[name]] == ["base.py"], (name, calls[name])
+
+
+def test_no_file_of_strategies_over_500_lines():
+    big = {str(p.relative_to(STRATEGIES)): n for p in FILES if (n := len(p.read_text().splitlines())) > 500}
+    assert not big, f"split these by responsibility: {big}"
+
+
+def test_no_folder_of_strategies_holds_more_than_15_modules():
+    crowded = {str(d.relative_to(STRATEGIES.parent)): n for d in [STRATEGIES, *STRATEGIES.rglob("*")]
+               if d.is_dir() and (n := len(list(d.glob("*.py")))) > 15}
+    assert not crowded, f"split these into sub-packages: {crowded}"

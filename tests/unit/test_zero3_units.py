@@ -350,7 +350,7 @@ def test_auto_reuse_budget_is_a_quarter_of_the_free_memory_after_the_optimizer_s
 
 def test_free_bytes_per_rank_shares_the_host_and_respects_rlimit_data():
     import resource
-    from zerotrain.strategies.host_memory import free_bytes_per_rank
+    from zerotrain.strategies.memory.host import free_bytes_per_rank
 
     one = free_bytes_per_rank(torch.device("cpu"), 1)
     two = free_bytes_per_rank(torch.device("cpu"), 2)
@@ -367,7 +367,7 @@ def test_free_bytes_per_rank_shares_the_host_and_respects_rlimit_data():
 
 def test_host_mmap_threshold_is_applied_once_and_zero_leaves_glibc_alone(monkeypatch):
     import platform
-    from zerotrain.strategies import host_memory
+    from zerotrain.strategies.memory import host as host_memory
 
     if platform.libc_ver()[0] != "glibc":
         pytest.skip("glibc only")

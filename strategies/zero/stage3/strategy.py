@@ -59,7 +59,7 @@ from torch import nn
 from ...optimizers import refuse_shared
 from ...step_wrapper import StepWrapper
 from ...environment import release_at_exit
-from ...host_memory import free_bytes_per_rank
+from ...memory.host import free_bytes_per_rank
 from ..comm.collectives import backend, broadcast_from, least_over_ranks, new_group, world_size
 from ..comm.grad_norm import ParamNorm, plan_param
 from ..hooks import Stage3Hooks
