@@ -34,7 +34,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..zero.estimate import format_bytes
+from ..memory.formula import format_bytes
 from ..zero.sharded_optimizer import ShardedOptimizer
 from .aio import AsyncFileIO, DirectIOProbe, probe_direct_io
 from .config import PARAM_DTYPES, STATE_DTYPES, OffloadPolicy

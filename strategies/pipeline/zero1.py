@@ -33,6 +33,7 @@ from torch import nn
 
 from ..checkpoint import ParamShard, ShardReader
 from ..zero.comm.collectives import all_reduce_sum
+from ..zero.config import BucketConfig
 from ..zero.flat_buffer import FlatParamGroup, flatten_group
 from ..zero.comm.inflight import InFlightQueue
 from ..zero.layout import build_layout
@@ -40,8 +41,9 @@ from ..zero.sharded_optimizer import ShardedOptimizer
 from ..zero.shards import load_partitions, partition_shards
 from ..zero.strategy import trainable_groups
 
-#: elements that one all-gather of updated slices moves (every replica's chunks together)
-ALLGATHER_BUCKET_SIZE = 5_000_000
+#: elements that one all-gather of updated slices moves (every replica's chunks together): the
+#: ZeRO strategies' default, ``BucketConfig.allgather_bucket_size``
+ALLGATHER_BUCKET_SIZE = BucketConfig().allgather_bucket_size
 
 
 class StageZero1:

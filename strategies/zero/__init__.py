@@ -8,12 +8,14 @@ reduction), ``flat_buffer`` (working parameters as views of one flat buffer per 
 ``sharded_optimizer`` (fp32 master slices + the user's optimizer re-targeted onto them),
 ``stepper`` (the default optimizer part; offload supplies the other), ``hooks`` (every hook of
 every stage, in one place), ``strategy`` (the shared pieces of the step and checkpoints),
-``stage1`` / ``stage2`` (how gradients reach each rank's partition), ``estimate`` (the memory
-formulas) and ``stage3/`` (units, their runtime and partitioned construction). Each sub-package's
-``__init__`` says which module holds what.
+``stage1`` / ``stage2`` (how gradients reach each rank's partition), ``estimate`` (the
+``zerotrain-estimate`` command over ``memory/formula.py`` and ``offload/estimate.py``) and
+``stage3/`` (units, their runtime and partitioned construction). Each sub-package's ``__init__``
+says which module holds what.
 
 May import: ``strategies``' shared modules (``base``, ``options``, ``environment``, ...) and
-``ops``; never ``offload/`` or ``pipeline/``, which build on this package.
+``ops``; never ``offload/`` or ``pipeline/``, which build on this package (but ``estimate``, the
+command, which prints offload's bytes too and which no module here imports).
 """
 from __future__ import annotations
 

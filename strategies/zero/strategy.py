@@ -39,7 +39,7 @@ from ..optimizers import group_indices, refuse_shared
 from .comm.collectives import all_reduce_sum, backend, broadcast_from, world_size
 from ..options import expose_options
 from .config import BucketConfig, Stage3Config, ZeroConfig, ZeroSpec
-from .estimate import estimate_model_states, format_bytes
+from ..memory.formula import estimate_model_states, format_bytes
 from .flat_buffer import FlatParamGroup, flatten_group
 from .comm.grad_norm import ParamNorm, exact_total_norm, plan_param
 from .hooks import ParamGatherHooks

@@ -85,3 +85,53 @@ def test_no_folder_of_strategies_holds_more_than_15_modules():
     crowded = {str(d.relative_to(STRATEGIES.parent)): n for d in [STRATEGIES, *STRATEGIES.rglob("*")]
                if d.is_dir() and (n := len(list(d.glob("*.py")))) > 15}
     assert not crowded, f"split these into sub-packages: {crowded}"
+
+
+def _option_defaults() -> dict[str, object]:
+    """Every option dataclass field's default (numbers and strings but 0 and 1, which a pure
+    function may take as its neutral value, e.g. ``virtual_stages=1``): field name -> default."""
+    import dataclasses
+
+    from zerotrain.strategies.ddp import DDPConfig
+    from zerotrain.strategies.offload.config import OffloadPolicy
+    from zerotrain.strategies.pipeline.config import PipelineConfig
+    from zerotrain.strategies.zero.config import BucketConfig, Stage3Config, ZeroConfig
+
+    out = {}
+    for cls in (ZeroConfig, BucketConfig, Stage3Config, OffloadPolicy, PipelineConfig, DDPConfig):
+        for f in dataclasses.fields(cls):
+            if (isinstance(f.default, (int, float, str)) and not isinstance(f.default, bool)
+                    and f.default not in (0, 1)):
+                out[f.name] = f.default
+    return out
+
+
+def test_option_defaults_are_written_once():
+    """An option's default lives in its dataclass only: no other module of strategies/ writes the
+    same value again as a keyword default, an UPPER_CASE constant or an argparse default of the
+    option's name (it reads the dataclass instead)."""
+    defaults = _option_defaults()
+    config_modules = {"zero/config.py", "offload/config.py", "pipeline/config.py", "ddp.py"}
+    repeated = []
+    for path in FILES:
+        rel = str(path.relative_to(STRATEGIES))
+        if rel in config_modules:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            pairs = []
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                a = node.args
+                pos = a.posonlyargs + a.args
+                pairs += list(zip((x.arg for x in pos[len(pos) - len(a.defaults):]), a.defaults))
+                pairs += [(x.arg, d) for x, d in zip(a.kwonlyargs, a.kw_defaults) if d is not None]
+            elif isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+                pairs.append((node.targets[0].id.lower(), node.value))
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                  and node.func.attr == "add_argument" and node.args and isinstance(node.args[0], ast.Constant)):
+                pairs += [(str(node.args[0].value).lstrip("-").replace("-", "_"), k.value)
+                          for k in node.keywords if k.arg == "default"]
+            for name, value in pairs:
+                if (name in defaults and isinstance(value, ast.Constant) and not isinstance(value.value, bool)
+                        and value.value == defaults[name]):
+                    repeated.append(f"{rel}:{node.lineno} {name}={value.value!r}")
+    assert not repeated, f"read these from the option dataclasses instead: {repeated}"
