@@ -1,7 +1,7 @@
 """zerotrain: a Lightning-style Trainer whose strategies implement ZeRO 1/2/3, offload and
 pipeline parallelism on torch.distributed, and an Engine that runs
 the same strategies under a training loop you write yourself."""
-__version__ = "0.1.0"
+from .trainer.version import __version__  # noqa: E402,F401
 
 import sys as _sys
 
@@ -11,18 +11,19 @@ from .trainer import CheckpointError, ConfigError, DataModule, Engine, Fabric, T
 from .strategies import (DDP, DDPStrategy, Offload, PipelineStrategy, SingleDevice, SingleDeviceStrategy,  # noqa: E402
                          Strategy, ZeroStage1, ZeroStage2, ZeroStage3)
 from .callbacks import loggers  # noqa: E402
-from .trainer import core, deepspeed, demos, fabric_paths, lightning_paths, utilities  # noqa: E402
+from .trainer.compat import core, deepspeed, fabric_paths, lightning_paths
+from .trainer import demos, utilities  # noqa: E402
 from .trainer.cli import cli_lightning_logo  # noqa: E402  (Lightning's examples print it)
 
 # Lightning's module paths, so that ported code only renames `lightning.pytorch` to `zerotrain`:
 # zerotrain.loggers / .utilities / .core / .demos and their deeper paths (zerotrain.core.module,
 # zerotrain.utilities.exceptions, ...) are modules of the existing packages, registered under those
-# names (trainer/lightning_paths.py; the repository's top-level folders stay as they are).
+# names (trainer/compat/lightning_paths.py; the repository's top-level folders stay as they are).
 lightning_paths.register(__name__)
-# Lightning Fabric's (``lightning.fabric`` -> ``zerotrain.fabric``): trainer/fabric_paths.py
+# Lightning Fabric's (``lightning.fabric`` -> ``zerotrain.fabric``): trainer/compat/fabric_paths.py
 fabric_paths.register(__name__)
 # DeepSpeed's module paths, so that a DeepSpeed script only renames its imports
-# (``import zerotrain.deepspeed as deepspeed``): trainer/deepspeed/ and every module in it, registered
+# (``import zerotrain.deepspeed as deepspeed``): trainer/compat/deepspeed/ and every module in it, registered
 # eagerly so that either path gives the same module object.
 _sys.modules[f"{__name__}.deepspeed"] = deepspeed
 for _name, _module in deepspeed.SUBMODULES.items():

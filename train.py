@@ -5,27 +5,27 @@ own TrainModule (and DataModule), named by ``_target_`` with its arguments as ke
                     strategy=zero3 trainer.devices=2
 
 or a config group of the user's own (``--config-dir my_conf model=my_model``), a Hugging Face causal
-LM (``model=llama_tiny``, ``trainer/causal_lm.py``), or the demo GPT (the default ``model=gpt_small``,
+LM (``model=llama_tiny``, ``trainer/command/causal_lm.py``), or the demo GPT (the default ``model=gpt_small``,
 whose ``_target_`` is ``zerotrain.examples.gpt_cli.cli_module``: the library never imports
 ``examples/``; Hydra reaches it through that string, as it reaches the user's). Instantiation is
-Hydra's (``hydra.utils.instantiate``); ``trainer/hydra_target.py`` rewrites the command line so a
+Hydra's (``hydra.utils.instantiate``); ``trainer/command/hydra_target.py`` rewrites the command line so a
 target's keys need no ``+``, and checks them against its signature.
 
 Everything that can be wrong with the configuration is checked here, in the first process, before
 the Trainer starts any other rank: Hydra rejects unknown options, misspelt keys and wrong types of
 the typed sections at compose time (reported in the same one line, see below); ``Config.validate()``
-range-checks every field (see ``trainer/config.py``), a ``_target_``'s keys are checked against its
+range-checks every field (see ``trainer/command/config.py``), a ``_target_``'s keys are checked against its
 signature and type hints (jsonargparse, as ``LightningCLI`` does), the demo's checks relate its GPT
 to the data, and building the strategy, precision, Trainer and module objects checks the rest. A bad
 value ends the command with exit code 2 and one line
 ``zerotrain-train: configuration error: field=value: ...; valid: ...``; what Hydra refuses at
 compose time is found by composing the command line once before Hydra's main runs
-(``trainer/compose_check.py``), so it reads the same.
+(``trainer/command/compose_check.py``), so it reads the same.
 
 The composed config, resolved, is saved as ``checkpoints/config.yaml`` beside the checkpoints. Under
 ``--multirun`` each job is its own multi-process run, one after another, in its own folder, and a
 table of the jobs (overrides, losses, step time, peak memory) ends the sweep
-(``trainer/sweep_table.py``).
+(``trainer/command/sweep_table.py``).
 
 ``precision=`` takes Lightning's names and aliases (16, "16", 16-mixed, bf16, bf16-mixed, bf16-true,
 32, 32-true): they are mapped to the config group's option before Hydra sees the command line,
@@ -48,11 +48,11 @@ from omegaconf.errors import OmegaConfBaseException
 
 from .strategies.environment import destroy_default_group
 from .strategies.precision import canonical_precision
-from .trainer import demo_gpt_cli
-from .trainer.compose_check import check_compose, describe, unknown_key
-from .trainer.config import Config, build_precision, build_strategy, register_configs
+from .trainer.command import demo_gpt as demo_gpt_cli
+from .trainer.command.compose_check import check_compose, describe, unknown_key
+from .trainer.command.config import Config, build_precision, build_strategy, register_configs
 from .trainer.errors import ConfigError
-from .trainer.hydra_target import build_target, check_target, is_target, target_overrides
+from .trainer.command.hydra_target import build_target, check_target, is_target, target_overrides
 
 register_configs()
 demo_gpt_cli.register_schema()
@@ -267,7 +267,7 @@ def _default_targets(argv: list[str], model: Any, data: Any) -> list[str]:
 def hydra_overrides(argv: list[str], model: Any = None, data: Any = None) -> list[str]:
     """The command line as Hydra composes it (``zerotrain-tune`` composes its trials with it too):
     ``model`` / ``data`` as default targets, ``precision=`` aliases as options, a target's keys as
-    ``++`` keys (:func:`~zerotrain.trainer.hydra_target.target_overrides`). Raises ConfigError."""
+    ``++`` keys (:func:`~zerotrain.trainer.command.hydra_target.target_overrides`). Raises ConfigError."""
     return target_overrides(normalize_overrides(_default_targets(argv, model, data)), TYPED_OPTIONS)
 
 

@@ -8,7 +8,7 @@ It takes ``zerotrain-train``'s command line (the same Hydra overrides) after its
     zerotrain-train --config-dir $PWD/tune +tuned=best          # train with the winner
 
 It searches strategy, micro-batch size (accumulation adjusted so the global batch stays), bucket
-sizes and, under zero3, activation checkpointing (``trainer/tune.py`` has the space); prunes what
+sizes and, under zero3, activation checkpointing (``trainer/command/tune_search.py`` has the space); prunes what
 the memory estimate says cannot fit each rank (``--max-rss-gb``, or the machine's memory shared by
 its ranks; ``--margin`` on top of the estimate); then runs the rest as short ``zerotrain-train``
 runs in subprocesses, round-robin, timing the steps after the warm-up ones from each run's own
@@ -42,11 +42,11 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from . import train
-from .trainer import tune as T
-from .trainer.chart import Point, scatter_png
-from .trainer.compose_check import check_compose
+from .trainer.command import tune_search as T
+from .trainer.command.chart import Point, scatter_png
+from .trainer.command.compose_check import check_compose
 from .trainer.errors import ConfigError
-from .trainer.hydra_target import is_target
+from .trainer.command.hydra_target import is_target
 
 GROUPS = ("strategy", "precision", "optimizer", "model", "data", "trainer", "callbacks")
 #: what a rank holds besides this process's imports: the process group, the data, the loader,

@@ -59,8 +59,8 @@ def measure(ckpt: str, out: str, bf16: bool) -> dict:
 
     import torch  # noqa: F401 - the baseline includes the interpreter and torch
 
-    from zerotrain.trainer import checkpoint_io
-    from zerotrain.trainer.consolidate import consolidate
+    from zerotrain.trainer.checkpoint import directory as checkpoint_io
+    from zerotrain.trainer.checkpoint.consolidate import consolidate
 
     _, meta = checkpoint_io.load_meta(ckpt)
     largest = max(math.prod(p["shape"]) for p in meta["params"].values()) * 4

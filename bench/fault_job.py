@@ -145,7 +145,7 @@ class Injector(Callback):
 def _fill_disk_at(trainer, step: int) -> None:
     """ENOSPC in this rank's shard of the checkpoint of ``step``: half the file is written, then
     the write fails as on a full disk (an injection in the checkpoint writer, this process only)."""
-    from zerotrain.trainer import checkpoint_io
+    from zerotrain.trainer.checkpoint import directory as checkpoint_io
 
     write = checkpoint_io._write_shard
 
@@ -159,7 +159,7 @@ def _fill_disk_at(trainer, step: int) -> None:
 
     checkpoint_io._write_shard = full_disk
     # one-file checkpoints (replicated state, rank 0): the disk fills after the first 16 KiB
-    from zerotrain.trainer import checkpoint_file
+    from zerotrain.trainer.checkpoint import single_file as checkpoint_file
 
     opened = checkpoint_file._Writer.__init__
 

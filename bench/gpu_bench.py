@@ -10,7 +10,7 @@ on one GPU in bf16-mixed, each system in a process of its own: ``torch`` (a plai
 AdamW, bf16 autocast), ``zt_single`` and ``zt_offload`` (zerotrain's Trainer, strategy ``single``
 and ``offload_cpu``: ZeRO-2 with the optimizer on the host), ``ds_offload`` (DeepSpeed ZeRO-2 with
 its optimizer offloaded, only where ``import deepspeed`` works). Tokens/s, TFLOP/s and MFU against
-the GPU's table peak (``callbacks/flops.py``), peak GPU memory (``max_memory_allocated``).
+the GPU's table peak (``callbacks/measure/flops.py``), peak GPU memory (``max_memory_allocated``).
 
 ``ladder``: ``torch`` and ``zt_offload`` on GPTs of growing width (24 layers; 2 steps each) until
 one fails (out of memory) or ``--budget-s`` is spent: the largest size each trains, its TFLOP/s
@@ -62,7 +62,7 @@ def worker(args: argparse.Namespace) -> dict:
     """One system's run on this process's GPU; returns its figures."""
     import torch
 
-    from zerotrain.callbacks.flops import gpu_peak_flops
+    from zerotrain.callbacks.measure.flops import gpu_peak_flops
     from zerotrain.examples.gpt import GPT
 
     cfg, dev, steps = _config(args), torch.device("cuda", 0), args.warmup + args.steps

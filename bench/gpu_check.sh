@@ -47,7 +47,7 @@ NEEDED=(
     csrc/adam/fused_adam.cu csrc/quantize/quantize.cu ops/builder.py setup.cfg
     tests/kernels/test_fused_adam_cuda.py tests/kernels/test_quantize_cuda.py
     tests/gpu/test_cuda_strategies.py tests/gpu/test_cuda_compile.py tests/tolerance.py tests/conftest.py
-    bench/gpu_bench.py callbacks/flops.py examples/gpt.py
+    bench/gpu_bench.py callbacks/measure/flops.py examples/gpt.py
 )
 
 total=0

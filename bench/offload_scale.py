@@ -107,7 +107,7 @@ def run_child(spec: dict) -> dict:
     from zerotrain import Callback, Trainer
     from zerotrain.examples.gpt import GPT, GPTConfig
     from zerotrain.strategies.offload import Offload
-    from zerotrain.trainer.module import TrainModule
+    from zerotrain.trainer.api.module import TrainModule
 
     torch.set_num_threads(spec["threads"])
     shape = Shape(**spec["shape"])

@@ -33,7 +33,7 @@ from zerotrain.strategies.environment import detect, free_port
 from zerotrain.strategies.pipeline import LayerSpec, PipelineModule, PipelineStrategy, TiedLayerSpec
 from zerotrain.strategies.pipeline.schedule import bubble_fraction
 from zerotrain.strategies.precision import Precision
-from zerotrain.trainer.module import TrainModule
+from zerotrain.trainer.api.module import TrainModule
 
 
 class Block(nn.Module):

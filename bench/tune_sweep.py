@@ -164,7 +164,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.smoke:
         args.sweep_repeats = args.tune_repeats = args.sweep_steps = args.tune_steps = 1
-    from zerotrain.trainer.tune import STRATEGIES, search_space
+    from zerotrain.trainer.command.tune_search import STRATEGIES, search_space
 
     space = SMOKE_SPACE if args.smoke else []
     configs = 3 if args.smoke else len(search_space(STRATEGIES, 4, [4, 2], [1.0, 0.25]))

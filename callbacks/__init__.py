@@ -1,19 +1,19 @@
 """Callbacks observe the run; loggers receive its metrics."""
 from .base import Callback, Logger
 from .checkpoint import ModelCheckpoint
-from .comms import CommsLogger
+from .measure.comms import CommsLogger
 from .early_stopping import EarlyStopping
 from .finetuning import BackboneFinetuning, BaseFinetuning
-from .flops import FlopsProfiler
+from .measure.flops import FlopsProfiler
 from .lambda_function import LambdaCallback
 from .loggers import CSVLogger
-from .monitors import LearningRateMonitor, ThroughputMonitor
+from .measure.monitors import LearningRateMonitor, ThroughputMonitor
 from .progress import ProgressBar, TQDMProgressBar
-from .resources import ResourceMonitor
-from .rich_progress import RichModelSummary, RichProgressBar, RichProgressBarTheme
+from .measure.resources import ResourceMonitor
+from .progress.rich_progress import RichModelSummary, RichProgressBar, RichProgressBarTheme
 from .schedules import DeviceStatsMonitor, GradientAccumulationScheduler, OnExceptionCheckpoint
 from .summary import ModelSummary
-from .tensorboard import TensorBoardLogger
+from .loggers.tensorboard import TensorBoardLogger
 from .timer import Timer
 from .tuning import StochasticWeightAveraging
 

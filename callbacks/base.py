@@ -1,5 +1,5 @@
 """Callback and Logger bases. Every hook is a no-op; callbacks override what they observe.
-Lightning's callback hooks and signatures (``trainer/hooks.py`` lists them; the module's own
+Lightning's callback hooks and signatures (``trainer/loop/hooks.py`` lists them; the module's own
 hook runs after the callbacks')."""
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ class Callback:
         members, and code that lists its hooks from the class (a LambdaCallback of every member)
         must not find them."""
         if name in ("log", "log_dict"):
-            from ..trainer.logging import running_module
+            from ..trainer.logs.connector import running_module
 
             def call(*args: Any, **kwargs: Any) -> None:  # resolved when called (a clear error outside a hook)
                 getattr(running_module(f"{type(self).__name__}.{name}"), name)(*args, **kwargs)

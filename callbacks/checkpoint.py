@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..trainer.checkpoint_file import file_suffix, newest
+from ..trainer.checkpoint.single_file import file_suffix, newest
 from ..trainer.errors import CheckpointError, ConfigError
 from . import checkpoint_names as names
 from .base import Callback
@@ -36,7 +36,7 @@ class ModelCheckpoint(Callback):
     (``default_root_dir/checkpoints`` without a logger); ``~`` is the home folder.
 
     zerotrain's differences: a checkpoint of sharded state (``zero2``, ``zero3``, pipelines) is a
-    folder ``NAME.ckpt`` (one shard file per rank, ``trainer/checkpoint_io.py``), and a ``latest``
+    folder ``NAME.ckpt`` (one shard file per rank, ``trainer/checkpoint/directory.py``), and a ``latest``
     pointer beside it names the newest; ``save_weights_only`` writes one consolidated
     ``.safetensors`` file of the weights. Every file or folder is written atomically (the previous
     one stays whole until the new one is complete). Saving is a collective: the callback runs on
@@ -212,7 +212,7 @@ class ModelCheckpoint(Callback):
         since the last save (not in the sanity check; not after SIGTERM/SIGUSR1, which saved already).
         Saving is a collective: every rank must be here. A failed save is logged and the original
         exception goes on."""
-        from ..trainer.signals import SIGTERMException
+        from ..trainer.launch.signals import SIGTERMException
 
         if not self.save_on_exception or isinstance(exception, SIGTERMException) or trainer.fast_dev_run \
                 or trainer.sanity_checking or self._last_global_step_saved == trainer.global_step \
@@ -467,8 +467,8 @@ class ModelCheckpoint(Callback):
         """Weights only, as one consolidated safetensors file (every key of the module's state
         dict at full shape, loadable by plain PyTorch): the sharded checkpoint is written to a
         scratch directory by every rank, consolidated by rank 0 one tensor at a time
-        (``trainer/consolidate.py``), then removed. Not a resume point: ``latest`` does not move."""
-        from ..trainer.consolidate import consolidate
+        (``trainer/checkpoint/consolidate.py``), then removed. Not a resume point: ``latest`` does not move."""
+        from ..trainer.checkpoint.consolidate import consolidate
 
         scratch = os.path.join(self.dirpath, f".{os.path.basename(path)}.shards")
         trainer.save_checkpoint(scratch, update_latest=False)

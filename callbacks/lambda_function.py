@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from ..trainer.hooks import HOOKS
+from ..trainer.loop.hooks import HOOKS
 from .base import Callback
 
 #: the hooks a LambdaCallback takes (Lightning's list: the callback hooks and the sanity check's)

@@ -3,7 +3,7 @@ callback that hands ``predict``'s outputs to the user's ``write_on_batch_end`` a
 and/or ``write_on_epoch_end`` after the epoch, so predictions can go to disk instead of memory.
 ``batch_indices``: the dataset indices of the batch (``write_on_batch_end``) or, per loader, of
 every batch (``write_on_epoch_end``), as Lightning's ``trainer.predict_loop`` keeps them
-(``trainer/predict_indices.py``; empty where a loader has none, e.g. an ``IterableDataset``)."""
+(``trainer/data/predict_indices.py``; empty where a loader has none, e.g. an ``IterableDataset``)."""
 from __future__ import annotations
 
 from typing import Any

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..trainer.demo_gpt_cli import GPTConfig  # noqa: F401  (its shape is the command line's schema: in the library)
+from ..trainer.command.demo_gpt import GPTConfig  # noqa: F401  (its shape is the command line's schema: in the library)
 
 
 class CausalSelfAttention(nn.Module):

@@ -3,13 +3,13 @@
 ``model`` options) and the GPT's memory numbers for ``zerotrain-tune``.
 
 The schema, the sizes and the checks of the model against the data (no model code) are the
-library's, in ``trainer/demo_gpt_cli.py``, re-exported here; the library never imports ``examples/``,
+library's, in ``trainer/command/demo_gpt.py``, re-exported here; the library never imports ``examples/``,
 and ``train.py`` reaches this module only through the ``_target_`` string, as it reaches a user's.
 """
 from __future__ import annotations
 
-from ..trainer.config import Config
-from ..trainer.demo_gpt_cli import (DEMO_TARGET, SIZES, GPTConfig, pipeline_layers,  # noqa: F401
+from ..trainer.command.config import Config
+from ..trainer.command.demo_gpt import (DEMO_TARGET, SIZES, GPTConfig, pipeline_layers,  # noqa: F401
                                       register_schema, validate, validate_pipeline)
 from ..trainer.errors import ConfigError
 from .gpt_module import GPTModule
@@ -51,7 +51,7 @@ def num_params(model: GPTConfig) -> int:
 #: inputs 2d, qkv 3d, attention's output d, the projections' inputs 2d, the MLP's hidden 4d before and
 #: after GELU) plus the gradients being formed and the allocator's slack. 16 and the logits' 2.8 x
 #: vocab (logits, log-softmax, their gradient) are fitted, with zerotrain-tune's in-flight and step
-#: terms (``trainer/tune.py``), to the peak RSS of the 21M GPT's 24-configuration sweep on 2 ranks
+#: terms (``trainer/command/tune_search.py``), to the peak RSS of the 21M GPT's 24-configuration sweep on 2 ranks
 #: (vocab 16384, micro-batches 2 and 4: the estimate 0.88-1.00x of each measured peak)
 _PEAK_PER_BLOCK, _PEAK_PER_VOCAB = 16, 2.8
 

@@ -9,7 +9,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from ..strategies.pipeline import PipelineModule
-from ..trainer.module import TrainModule
+from ..trainer.api.module import TrainModule
 from .data import ByteDataset, decode, encode, load_text, split_train_val
 from .gpt import GPT, GPTConfig, lm_loss
 

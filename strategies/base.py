@@ -23,7 +23,7 @@ strategy that runs its own schedule (the module's step never runs) it logs the l
 ``hooks.loss_of`` saw as ``train_loss`` (and ``val_loss`` in validation); no strategy logs
 metrics itself.
 
-Checkpoints (``trainer/checkpointing.py``) have one path: a save writes every rank's
+Checkpoints (``trainer/checkpoint/protocol.py``) have one path: a save writes every rank's
 ``param_shards()`` and ``extra_state()``; a load calls ``load_param_shards(reader)``. Each
 strategy family implements them once, in its adapter (``checkpoint.py``: ``checkpoint_adapter``),
 and the methods here forward to it. Where this process sits and the collectives are ``environment.Ranks``.
@@ -96,7 +96,7 @@ PROCESS_GROUP_TIMEOUT_S = 300.0
 
 class Strategy(Ranks):
     name = "base"
-    #: Trainer hooks (``trainer/hooks.py`` names) that this strategy's ``run_schedule`` never
+    #: Trainer hooks (``trainer/loop/hooks.py`` names) that this strategy's ``run_schedule`` never
     #: calls; the Trainer warns once when a callback overrides one. The base calls them all.
     skipped_hooks: tuple[str, ...] = ()
     #: True where ``run_schedule`` drives every forward and backward itself (the pipeline): a loop
@@ -116,7 +116,7 @@ class Strategy(Ranks):
     #: one parameter may be in several optimizers (each keeps and checkpoints its own state of it),
     #: as in Lightning; False where the optimizer state of each parameter is partitioned once (ZeRO)
     optimizers_may_share_parameters = True
-    #: given to ``StepWrapper``: the Trainer sets Lightning's signature rule (``trainer/signature.py``)
+    #: given to ``StepWrapper``: the Trainer sets Lightning's signature rule (``trainer/loop/signature.py``)
     step_call: StepCall | None = None
     #: Lightning's ``strategy.launcher``: what started this job's other local ranks from this
     #: process (zerotrain's ``LocalLauncher``, set when it joins the job); None when nothing did

@@ -8,7 +8,7 @@ every rank holds the whole model), ``zero.shards.ZeroCheckpoint`` (ZeRO-1/2: fla
 writes every rank's ``param_shards()`` and ``extra_state()`` (described by
 ``checkpoint_model_info()`` and ``optimizer_group_names()``); a load calls
 ``load_param_shards(reader)``, which fills this rank's part from any strategy's checkpoint on any
-world size (``trainer/reshard.py`` is the reader). ``full_state_dict()`` exports the complete
+world size (``trainer/checkpoint/reshard.py`` is the reader). ``full_state_dict()`` exports the complete
 weights.
 
 An adapter reads its strategy (``CheckpointOwner``: the module, the optimizer, the rank) and never
@@ -37,7 +37,7 @@ class ParamShard(NamedTuple):
 
 
 class ShardReader(Protocol):
-    """What ``load_param_shards`` reads a checkpoint through (``trainer/reshard.py`` implements
+    """What ``load_param_shards`` reads a checkpoint through (``trainer/checkpoint/reshard.py`` implements
     it): any element range of any saved parameter, whichever files hold it."""
 
     def names(self) -> list[str]:

@@ -1,6 +1,6 @@
 """Instrumentation points: where the loop, the step and every collective the strategies issue tell
-an attached monitor what they are doing (``callbacks/resources.py``: ``ResourceMonitor``;
-``callbacks/comms.py``: ``CommsLogger``).
+an attached monitor what they are doing (``callbacks/measure/resources.py``: ``ResourceMonitor``;
+``callbacks/measure/comms.py``: ``CommsLogger``).
 
 Nothing is attached by default. Then every hook below is one read of a module global and a
 return, so an unmonitored run pays nothing measurable; and no hook ever reads or writes a

@@ -1,5 +1,5 @@
 """Progress marks: where the loop and the world-wide collectives tell the progress watchdog
-(``trainer/watchdog.py``) that this rank got one step further.
+(``trainer/launch/watchdog.py``) that this rank got one step further.
 
 A rank blocked in a collective has *issued* it, so it counts one mark more than a peer stuck
 before it: that difference is how the watchdog tells the rank everybody waits for from the

@@ -1,7 +1,7 @@
 """Strategy names -> presets. A preset is a builder plus the option dataclasses whose fields are
 its options (and the values where the preset differs from their defaults): the Trainer
 (``Trainer(strategy="zero2")``) and the CLI's ``strategy`` group (whose schemas are generated from
-the same dataclasses, ``trainer/config.py``) both build through it. Registering a name makes it
+the same dataclasses, ``trainer/command/config.py``) both build through it. Registering a name makes it
 available to both without further change."""
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 *args)`` into a call of the user's step method, so that wrappers acting on ``forward`` (DDP's
 gradient hooks, ZeRO-3's gather hooks) see the training step. Which of the arguments a step
 method accepts is the caller's rule, handed in as ``step_call`` (the Trainer hands Lightning's,
-``trainer/signature.py``); this package never imports the Trainer."""
+``trainer/loop/signature.py``); this package never imports the Trainer."""
 from __future__ import annotations
 
 from typing import Any, Callable

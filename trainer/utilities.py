@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator, TypeVar
 import torch
 
 from .errors import ConfigError
-from .hparams import AttributeDict, is_picklable
+from .api.hparams import AttributeDict, is_picklable
 
 log = logging.getLogger("zerotrain")
 F = TypeVar("F", bound=Callable[..., Any])
@@ -95,7 +95,7 @@ def rank_zero_warn(message: str, category: type[Warning] = UserWarning, stacklev
 #: an environment variable so the ranks a launcher starts inherit it (Lightning's name)
 GLOBAL_SEED_ENV = "PL_GLOBAL_SEED"
 #: ``seed_everything(workers=True)`` recorded (Lightning's name): the Trainer then gives each loader
-#: without a ``worker_init_fn`` Lightning's worker seeding (trainer/compat/data.py)
+#: without a ``worker_init_fn`` Lightning's worker seeding (trainer/compat/lightning/data.py)
 SEED_WORKERS_ENV = "PL_SEED_WORKERS"
 #: the largest seed ``seed_everything`` takes (numpy's RNG takes 32 bits)
 MAX_SEED = 2**32 - 1
@@ -181,8 +181,8 @@ def is_overridden(method_name: str, instance: Any = None, parent: "type | None" 
         return False
     if parent is None:
         from ..callbacks.base import Callback
-        from .datamodule import DataModule
-        from .module import TrainModule
+        from .api.datamodule import DataModule
+        from .api.module import TrainModule
 
         cls = instance if isinstance(instance, type) else type(instance)
         parent = next((base for base in (TrainModule, DataModule, Callback) if issubclass(cls, base)), None)

@@ -20,7 +20,7 @@ from torch import nn
 from torch.optim.swa_utils import SWALR, AveragedModel
 
 from ...trainer.errors import MisconfigurationException
-from ...trainer.optimizer_config import LRSchedulerConfig
+from ...trainer.optim.optimizer_config import LRSchedulerConfig
 from ..base import Callback
 from .write_back import write_back
 

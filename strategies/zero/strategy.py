@@ -282,7 +282,7 @@ class ZeroStrategy(Strategy):
         return total if factor == 1.0 else total * factor
 
     def grad_norm_bytes(self) -> int:
-        """All-reduce bytes one clip by norm moves (``callbacks/comms.py``'s formula): the vector
+        """All-reduce bytes one clip by norm moves (``callbacks/measure/comms.py``'s formula): the vector
         of per-parameter norms (fp32) and each parameter a partition boundary cuts, whole (fp32)."""
         if self._norm_plan is None:
             self._norm_plan = self._plan_norms()

@@ -23,7 +23,7 @@ and exits), and a parent deadline that kills every rank. The first rank to fail 
 its output; the others are killed at once.
 
 ``save_checkpoint`` / ``load_checkpoint`` write and read a strategy's checkpoint through the
-Trainer's own format and sequence (``trainer/checkpointing.py``), for tests that drive a strategy
+Trainer's own format and sequence (``trainer/checkpoint/protocol.py``), for tests that drive a strategy
 by hand.
 """
 from __future__ import annotations
@@ -253,10 +253,10 @@ def set_up_like_trainer(strategy: Any, module: Any, info: Any, precision: Any) -
 
 def save_checkpoint(strategy: Any, path: str | os.PathLike, scheduler: Any = None) -> Path:
     """Collective: write ``strategy``'s checkpoint to the directory ``path`` as
-    ``Trainer.save_checkpoint`` does (``trainer/checkpointing.py`` ``save_strategy``), for tests that
+    ``Trainer.save_checkpoint`` does (``trainer/checkpoint/protocol.py`` ``save_strategy``), for tests that
     drive a strategy without a Trainer. The loop state is empty; ``scheduler``'s state goes in the
     metadata when given. Returns the checkpoint directory."""
-    from zerotrain.trainer import checkpointing
+    from zerotrain.trainer.checkpoint import protocol as checkpointing
 
     def loop_meta(meta: dict[str, Any]) -> None:
         meta.update(loop={}, scheduler=scheduler.state_dict() if scheduler is not None else None)
@@ -266,9 +266,9 @@ def save_checkpoint(strategy: Any, path: str | os.PathLike, scheduler: Any = Non
 
 def load_checkpoint(strategy: Any, path: str | os.PathLike, scheduler: Any = None) -> dict[str, Any]:
     """Collective: load a checkpoint into ``strategy`` as ``Trainer.fit(ckpt_path=...)`` does
-    (``trainer/checkpointing.py`` ``load_strategy``), and ``scheduler``'s state when given. Returns
+    (``trainer/checkpoint/protocol.py`` ``load_strategy``), and ``scheduler``'s state when given. Returns
     the checkpoint's metadata."""
-    from zerotrain.trainer import checkpointing
+    from zerotrain.trainer.checkpoint import protocol as checkpointing
 
     meta = checkpointing.load_strategy(strategy, strategy.optimizer, path)
     if scheduler is not None:

@@ -113,7 +113,7 @@ def test_consolidated_weights_equal_full_state_dict_and_load_strictly(saved, tmp
     root, out = saved
     full = out[0]["full"]
     from safetensors.torch import load_file
-    from zerotrain.trainer.consolidate import consolidate
+    from zerotrain.trainer.checkpoint.consolidate import consolidate
 
     st = consolidate(root / "ck", tmp_path / "model.safetensors")  # the ModelCheckpoint dir: its latest
     pt = consolidate(root / "ck" / "step=000004.ckpt", tmp_path / "model.pt")
@@ -150,7 +150,7 @@ def test_other_model_optimizer_and_truncation_are_named_on_every_rank(saved):
 
 def test_pickled_code_in_place_of_a_shard_or_meta_is_refused(saved, tmp_path):
     root, _ = saved
-    from zerotrain.trainer.consolidate import consolidate
+    from zerotrain.trainer.checkpoint.consolidate import consolidate
 
     ck = tmp_path / "ck"
     shutil.copytree(root / "ck" / "step=000004.ckpt", ck)
@@ -168,6 +168,6 @@ def test_pickled_code_in_place_of_a_shard_or_meta_is_refused(saved, tmp_path):
     with pytest.raises(CheckpointError, match="meta.pt"):
         consolidate(ck, tmp_path / "a.safetensors")
     assert not (tmp_path / "pwned").exists() and not (tmp_path / "a.safetensors").exists()
-    res = subprocess.run([sys.executable, "-m", "zerotrain.trainer.consolidate", str(ck), str(tmp_path / "b.pt")],
+    res = subprocess.run([sys.executable, "-m", "zerotrain.trainer.checkpoint.consolidate", str(ck), str(tmp_path / "b.pt")],
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and "meta.pt" in res.stderr

@@ -117,7 +117,7 @@ def test_torchrun_max_restarts_resumes_from_latest_after_kill_9(tmp_path, uninte
 
 def _kill_during_second_save(root: str) -> dict:
     """Rank 1 writes half of its shard of the step-8 checkpoint, then is killed with SIGKILL."""
-    from zerotrain.trainer import checkpoint_io
+    from zerotrain.trainer.checkpoint import directory as checkpoint_io
 
     write, calls = checkpoint_io._write_shard, []
 
@@ -135,7 +135,7 @@ def _kill_during_second_save(root: str) -> dict:
 
 
 def test_kill_9_of_a_rank_mid_save_leaves_latest_loadable(tmp_path):
-    from zerotrain.trainer import checkpoint_io
+    from zerotrain.trainer.checkpoint import directory as checkpoint_io
 
     with pytest.raises(RankFailed, match="exited with code"):
         run_ranks("test_checkpoint_kill:_kill_during_second_save", 2, tmp_path, timeout=120, root=str(tmp_path))
@@ -145,7 +145,7 @@ def test_kill_9_of_a_rank_mid_save_leaves_latest_loadable(tmp_path):
     assert root == ck / "step=000004.ckpt" and meta["loop"]["global_step"] == 4
     checkpoint_io.verify(root, meta)
     # every tensor of it reads back: its weights are those of 4 uninterrupted steps
-    from zerotrain.trainer.consolidate import consolidate
+    from zerotrain.trainer.checkpoint.consolidate import consolidate
     from safetensors.torch import load_file
 
     got = load_file(consolidate(ck / "latest", tmp_path / "step4.safetensors"))

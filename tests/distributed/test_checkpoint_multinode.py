@@ -131,7 +131,7 @@ def test_two_namespaces_train_like_one_node(two_nodes, tmp_path):
     assert torch.equal(multi["losses"], one["losses"])
     for k, v in one["full"].items():
         assert torch.equal(multi["full"][k], v), k
-    from zerotrain.trainer import checkpoint_io
+    from zerotrain.trainer.checkpoint import directory as checkpoint_io
 
     root, meta = checkpoint_io.load_meta(tmp_path / "multi" / "ck")  # both nodes' shards, complete
     checkpoint_io.verify(root, meta)

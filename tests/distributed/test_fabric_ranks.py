@@ -152,5 +152,5 @@ def test_training_step_and_marked_methods_run_through_the_strategy(tmp_path, str
     for k, v in ref.state_dict().items():
         assert torch.allclose(got[k], v, rtol=0, atol=eps), k
     with pytest.raises(AttributeError, match="not a method"):
-        from zerotrain.trainer.engine import EngineModule
+        from zerotrain.trainer.engine.engine import EngineModule
         EngineModule(None, ref).mark_forward_method("nothing")

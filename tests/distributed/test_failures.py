@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from zerotrain.trainer.watchdog import STALL_EXIT_CODE, Progress, find_stuck
+from zerotrain.trainer.launch.watchdog import STALL_EXIT_CODE, Progress, find_stuck
 
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

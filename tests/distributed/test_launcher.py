@@ -60,7 +60,7 @@ def test_rank_zero_failing_on_a_lost_peer_waits_for_it_to_exit_and_names_it(capf
     rank 0 waits for it, names it and takes its exit code. Any other error of rank 0's own waits
     a second, as before, since its peers are alive, blocked in a collective."""
     from zerotrain.strategies.environment import ProcessInfo
-    from zerotrain.trainer.launcher import LocalLauncher, is_peer_loss
+    from zerotrain.trainer.launch.launcher import LocalLauncher, is_peer_loss
 
     gloo = RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:30416.")
     assert is_peer_loss(gloo) and not is_peer_loss(RuntimeError("boom")) and not is_peer_loss(KeyError("x"))

@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from harness import run_ranks_once
 from tolerance import EPS32, gamma
 from zerotrain import ModelCheckpoint, Trainer, TrainModule
-from zerotrain.trainer.consolidate import consolidate
+from zerotrain.trainer.checkpoint.consolidate import consolidate
 
 STRATEGIES = ("ddp", "zero2", "zero3", "offload_cpu")
 _CACHE: dict = {}

@@ -7,7 +7,7 @@ real gloo processes (issue 16).
   end, within 5% over the run (first to last step end: per step, a moment descheduled between
   the two readings moves a short step by more on a loaded machine), and the unattributed 'other'
   part must stay a minority. No assertion on speed.
-* The comms logger's bytes per step equal the formula (``callbacks/comms.py``) for ddp, zero1,
+* The comms logger's bytes per step equal the formula (``callbacks/measure/comms.py``) for ddp, zero1,
   zero2 and zero3, on 2 ranks and (one case by default, the rest ``slow``) on 4.
 * Attaching the monitors changes no number (DDP is the one strategy whose path they change: its
   buckets go through a comm hook): the trained weights are bitwise those of an unmonitored run.
@@ -159,7 +159,7 @@ def _deepspeed_engine_steps(stage: int) -> dict:
     import io
 
     import zerotrain.deepspeed as deepspeed
-    from zerotrain.callbacks.comms import bytes_per_step
+    from zerotrain.callbacks.measure.comms import bytes_per_step
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
@@ -176,7 +176,7 @@ def _deepspeed_engine_steps(stage: int) -> dict:
     with contextlib.redirect_stdout(printed):
         summary = deepspeed.comm.log_summary(return_dict=True)["summary"]
     recorder = deepspeed.comm._recording[0]
-    from zerotrain.callbacks.comms import expected_step_bytes
+    from zerotrain.callbacks.measure.comms import expected_step_bytes
     loop = type("Loop", (), {"accumulate_grad_batches": 2, "gradient_clip_val": 1.0, "gradient_clip_algorithm": "norm"})
     out = {"steps": bytes_per_step([e for e in recorder.events if e.step < 3]), "printed": printed.getvalue(),
            "expected": expected_step_bytes(engine._zt.strategy, loop), "rows": len(summary)}

@@ -133,7 +133,7 @@ def _run_case(case: dict, ck_name: str) -> dict:
     from zerotrain.strategies.environment import detect
     from zerotrain.strategies.pipeline import PipelineModule, PipelineStrategy
     from zerotrain.strategies.precision import precision_from_name
-    from zerotrain.trainer.module import TrainModule
+    from zerotrain.trainer.api.module import TrainModule
 
     kind, stages, m, rows = case["model"], case["stages"], case["micro_batches"], case["rows"]
     world = int(os.environ["WORLD_SIZE"])
@@ -257,7 +257,7 @@ def _consolidated(ck: Path, ref_state: dict, peer_state: dict, ck_name: str) -> 
     the tied head under both its names, its values the reference's. That is what any strategy
     reshards from, so it shows a checkpoint written under ZeRO-1 or virtual stages is the
     strategy-neutral layout."""
-    from zerotrain.trainer.consolidate import consolidate
+    from zerotrain.trainer.checkpoint.consolidate import consolidate
 
     full = torch.load(consolidate(ck, Path.cwd() / f"{ck_name}.pt"), weights_only=True)
     return {"consolidated_keys": sorted(full), "consolidated_ratio": _ratio(full, ref_state, peer_state, "pipe.")}
@@ -272,7 +272,7 @@ def _run_trainer_case(case: dict) -> dict:
 
     from zerotrain.strategies.pipeline import PipelineModule, PipelineStrategy
     from zerotrain.trainer import Trainer
-    from zerotrain.trainer.module import TrainModule
+    from zerotrain.trainer.api.module import TrainModule
 
     stages, accumulate, rows, steps = case["stages"], case["accumulate"], case["rows"], case["steps"]
     world = int(os.environ["WORLD_SIZE"])

@@ -142,7 +142,7 @@ def _final_params(run_dir: Path) -> dict[str, torch.Tensor]:
     out = run_dir / "consolidated.pt"
     if not out.exists():
         ckpt = run_dir / "checkpoints" / f"step={STEPS:06d}.ckpt"
-        proc = subprocess.run([sys.executable, "-m", "zerotrain.trainer.consolidate", str(ckpt), str(out)],
+        proc = subprocess.run([sys.executable, "-m", "zerotrain.trainer.checkpoint.consolidate", str(ckpt), str(out)],
                               capture_output=True, text=True, timeout=60 * TIMEOUT_SCALE)
         assert proc.returncode == 0, proc.stderr[-3000:]
     return torch.load(out, weights_only=True)

@@ -56,8 +56,8 @@ def test_checkpoint_refuses_pickled_code_and_detects_truncation(tmp_path):
                     ckpt_dir=str(tmp_path / "ck"), every=2, strategy="zero2")  # sharded: a directory
     assert out[0]["params"]
     ck = tmp_path / "ck" / "step=000002.ckpt"
-    from zerotrain.trainer import checkpoint_io
-    from zerotrain.trainer.tensor_files import SafetensorsFile
+    from zerotrain.trainer.checkpoint import directory as checkpoint_io
+    from zerotrain.trainer.checkpoint.tensor_files import SafetensorsFile
 
     root, meta = checkpoint_io.load_meta(ck)
     shard = ck / "rank_00000.safetensors"
@@ -81,7 +81,7 @@ def test_checkpoint_refuses_pickled_code_and_detects_truncation(tmp_path):
 
 
 def test_interrupted_save_leaves_previous_checkpoint_loadable(tmp_path):
-    from zerotrain.trainer import checkpoint_io
+    from zerotrain.trainer.checkpoint import directory as checkpoint_io
 
     final = tmp_path / "last"
     final.mkdir()
@@ -101,7 +101,7 @@ def _malformed_rng_case(root):
     _train(2, 2, os.path.join(root, "b"), every=2, strategy="zero2")  # sharded: a directory with meta.pt
     edited = os.path.join(root, "edited")
     if int(os.environ["RANK"]) == 0:
-        from zerotrain.trainer import checkpoint_io
+        from zerotrain.trainer.checkpoint import directory as checkpoint_io
 
         meta = torch.load(os.path.join(ck, checkpoint_io.META), weights_only=True)
         meta["rng"][1]["torch"] = torch.zeros(10, dtype=torch.uint8)

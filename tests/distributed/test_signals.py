@@ -17,8 +17,8 @@ import torch
 from harness import run_ranks, timeout_scale
 from toy import ToyModule
 from zerotrain import ModelCheckpoint, Trainer
-from zerotrain.trainer.checkpoint_io import read_latest
-from zerotrain.trainer.signals import SIGTERMException
+from zerotrain.trainer.checkpoint.directory import read_latest
+from zerotrain.trainer.launch.signals import SIGTERMException
 
 MAX_STEPS = 8
 

@@ -29,7 +29,7 @@ SEARCH = ["--strategies", "ddp,zero3", "--micro-batches", "1", "--bucket-scales"
 def _cap_between_ddp_and_zero3() -> float:
     """The midpoint of ddp's and zero3's estimates with the margin, in GiB, as the command has them."""
     from zerotrain import tune
-    from zerotrain.trainer import tune as T
+    from zerotrain.trainer.command import tune_search as T
 
     with tune.hydra_context():
         plan = tune.Plan(tune.parse_args([*SEARCH, *BASE]))

@@ -21,7 +21,7 @@ from zerotrain.strategies.memory import count_bytes
 from zerotrain.strategies.precision import BF16Mixed, DynamicLossScaler, FP16Mixed, Precision
 from zerotrain.strategies.zero import ZeroStage1, ZeroStage2
 from zerotrain.strategies.zero.estimate import estimate_model_states
-from zerotrain.trainer.module import TrainModule
+from zerotrain.trainer.api.module import TrainModule
 
 STEPS, GLOBAL_MICRO, CLIP = 20, 12, 0.5
 STAGES = {1: ZeroStage1, 2: ZeroStage2}

@@ -14,7 +14,7 @@ from zerotrain.strategies.environment import ProcessInfo
 from zerotrain.strategies.offload import Offload
 from zerotrain.strategies.precision import BF16Mixed, DynamicLossScaler, FP16Mixed, Precision
 from zerotrain.strategies.zero import ZeroStage1, ZeroStage2, ZeroStage3
-from zerotrain.trainer.module import TrainModule
+from zerotrain.trainer.api.module import TrainModule
 
 from tolerance import assert_no_worse_than_peer, nudge_one_ulp, rel_err  # tests/ is on sys.path (conftest)
 

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from zerotrain.strategies.base import ParamShard
-from zerotrain.trainer import checkpoint_io, reshard
+from zerotrain.trainer.checkpoint import directory as checkpoint_io, reshard
 from zerotrain.trainer.errors import CheckpointError
 
 _SOLO = checkpoint_io.Comm(0, 1, lambda: None, lambda obj: [obj], lambda obj: obj)
@@ -181,7 +181,7 @@ def child(dirs: list[str]) -> None:
     import time
 
     from zerotrain import CheckpointError
-    from zerotrain.trainer import consolidate as cons
+    from zerotrain.trainer.checkpoint import consolidate as cons
 
     torch.set_num_threads(1)
     torch.zeros(8).add_(1)  # the intra-op pool and allocator are set up before the cap
@@ -224,7 +224,7 @@ def child(dirs: list[str]) -> None:
 def test_the_real_checkpoint_loads_and_consolidates(tmp_path):
     from safetensors.torch import load_file
 
-    from zerotrain.trainer.consolidate import consolidate
+    from zerotrain.trainer.checkpoint.consolidate import consolidate
 
     ck = make_checkpoint(tmp_path / "ck")
     root, meta = checkpoint_io.load_meta(ck)

@@ -20,8 +20,9 @@ from zerotrain.strategies.offload import aio, param_swap, swapper
 from zerotrain.strategies.offload.aio import AsyncFileIO, OffloadIOError
 from zerotrain.strategies.offload.plan import plan_subgroups
 from zerotrain.strategies.offload.swapper import KINDS, SwappedStates
-from zerotrain.trainer import checkpoint_file, checkpoint_io, tensor_files
-from zerotrain.trainer.tensor_files import Entry
+from zerotrain.trainer.checkpoint import (single_file as checkpoint_file, directory as checkpoint_io,
+                                          tensor_files)
+from zerotrain.trainer.checkpoint.tensor_files import Entry
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_checkpoint_bounds import make_checkpoint  # noqa: E402
@@ -262,7 +263,7 @@ def test_an_unreadable_checkpoint_directory_is_a_checkpoint_error(tmp_path, monk
 
 @pytest.mark.timeout(60)
 def test_consolidate_on_a_full_disk_names_the_output_and_leaves_nothing(tmp_path, monkeypatch):
-    from zerotrain.trainer import consolidate as cons
+    from zerotrain.trainer.checkpoint import consolidate as cons
 
     ck = make_checkpoint(tmp_path / "ck")
     _fill_disk(monkeypatch, tensor_files, room=100)

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from zerotrain import CheckpointError, ModelCheckpoint
-from zerotrain.trainer import checkpoint_io
-from zerotrain.trainer.reshard import check_compatible, layout_meta, resume_position
-from zerotrain.trainer.tensor_files import Entry, SafetensorsFile, write_safetensors, write_torch
+from zerotrain.trainer.checkpoint import directory as checkpoint_io
+from zerotrain.trainer.checkpoint.reshard import check_compatible, layout_meta, resume_position
+from zerotrain.trainer.checkpoint.tensor_files import Entry, SafetensorsFile, write_safetensors, write_torch
 
 
 def _tensors() -> dict[str, torch.Tensor]:

@@ -125,7 +125,7 @@ def test_hydra_compose_errors_are_one_line_with_code_2(tmp_path, overrides, expe
 ])
 def test_compose_check_in_process(argv, said):
     from zerotrain.train import normalize_overrides  # noqa: F401  (registers the schemas)
-    from zerotrain.trainer.compose_check import check_compose
+    from zerotrain.trainer.command.compose_check import check_compose
     from zerotrain.trainer.errors import ConfigError
 
     if said is None:
@@ -140,7 +140,7 @@ def test_compose_check_in_process(argv, said):
 def test_compose_check_reads_a_tuned_config_dir(tmp_path):
     """``zerotrain-train --config-dir OUT +tuned=NAME`` (zerotrain-tune's output) composes with it."""
     from zerotrain.train import normalize_overrides  # noqa: F401
-    from zerotrain.trainer.compose_check import check_compose
+    from zerotrain.trainer.command.compose_check import check_compose
     from zerotrain.trainer.errors import ConfigError
 
     (tmp_path / "tuned").mkdir()
@@ -158,7 +158,7 @@ def test_help_lists_only_selectable_options(tmp_path):
 
 
 def test_unknown_key_names_the_closest_keys():
-    from zerotrain.trainer.compose_check import unknown_key
+    from zerotrain.trainer.command.compose_check import unknown_key
 
     msg = str(unknown_key("trainer.max_step", "5", ["max_steps", "devices", "max_epochs"]))
     assert msg.startswith("trainer.max_step=5: no such key in trainer; did you mean trainer.max_steps"), msg
@@ -278,7 +278,7 @@ def test_nvme_path_must_be_writable_and_real(tmp_path):
 
 def test_good_overrides_compose_into_objects(tmp_path):
     from zerotrain.train import build
-    from zerotrain.trainer.config import Config
+    from zerotrain.trainer.command.config import Config
 
     with initialize_config_module(config_module="zerotrain.conf", version_base="1.3"):
         dcfg = compose(config_name="config", overrides=["strategy=ddp", "precision=16-mixed",

@@ -1,5 +1,5 @@
 """``zerotrain-train`` with the user's own TrainModule / DataModule (``model._target_``,
-``data._target_``; ``trainer/hydra_target.py``): the command line's rewriting, the checks of the
+``data._target_``; ``trainer/command/hydra_target.py``): the command line's rewriting, the checks of the
 keys against the target's signature (rc 2, one line, before any process starts), the Hugging Face
 module's build, the sweep table, and that ``train.py`` no longer imports ``examples/``.
 The runs on 2 processes are in tests/distributed/test_cli_targets.py."""
@@ -18,7 +18,7 @@ TYPED = {"model": ("gpt_tiny", "gpt_small"), "data": ("stdlib", "text")}
 
 # ---------------------------------------------------------------------- the command line's rewriting
 def test_a_target_override_selects_the_empty_option_and_its_keys_need_no_plus():
-    from zerotrain.trainer.hydra_target import target_overrides
+    from zerotrain.trainer.command.hydra_target import target_overrides
 
     out = target_overrides(["model._target_=p.M", "model.hidden=4", "+model.x=1", "~model.y", "trainer.devices=2",
                             "data.batch_size=3"], TYPED)
@@ -28,7 +28,7 @@ def test_a_target_override_selects_the_empty_option_and_its_keys_need_no_plus():
 
 
 def test_typed_options_are_left_to_hydra():
-    from zerotrain.trainer.hydra_target import target_overrides
+    from zerotrain.trainer.command.hydra_target import target_overrides
 
     line = ["model=gpt_tiny", "model.n_layer=3", "data.batch_size=2", "--multirun"]
     assert target_overrides(line, TYPED) == line
@@ -58,7 +58,7 @@ def _user_module(tmp_path):
 ])
 def test_keys_are_checked_against_the_signature(tmp_path, keys, expected):
     from zerotrain.trainer.errors import ConfigError
-    from zerotrain.trainer.hydra_target import check_target
+    from zerotrain.trainer.command.hydra_target import check_target
 
     sys = _user_module(tmp_path)
     try:
@@ -72,7 +72,7 @@ def test_keys_are_checked_against_the_signature(tmp_path, keys, expected):
 
 def test_an_import_that_fails_names_the_target():
     from zerotrain.trainer.errors import ConfigError
-    from zerotrain.trainer.hydra_target import check_target
+    from zerotrain.trainer.command.hydra_target import check_target
 
     with pytest.raises(ConfigError, match=r"^model\._target_='nopkg\.M': cannot be imported \("):
         check_target("model", {"_target_": "nopkg.M"})
@@ -87,7 +87,7 @@ def test_nested_targets_are_checked_and_the_hf_module_builds_its_model_in_config
     from omegaconf import OmegaConf
 
     import zerotrain.train as train
-    from zerotrain.trainer.causal_lm import CausalLMModule
+    from zerotrain.trainer.command.causal_lm import CausalLMModule
 
     with initialize_config_module(config_module="zerotrain.conf", version_base="1.3"):
         cfg = OmegaConf.to_object(compose("config", overrides=train.target_overrides(
@@ -127,7 +127,7 @@ def test_the_command_line_refuses_bad_user_arguments_with_rc_2(tmp_path, overrid
 
 # ---------------------------------------------------------------------- the sweep's table
 def test_the_sweep_table_has_a_column_per_swept_key():
-    from zerotrain.trainer.sweep_table import format_table
+    from zerotrain.trainer.command.sweep_table import format_table
 
     rows = [{"overrides": ["++model.lr=0.1", "strategy=ddp", "trainer.devices=2"], "status": "ok", "train_loss": 1.5,
              "steps": 3, "step_ms": 12.25, "peak_gib": 0.3},
@@ -146,7 +146,7 @@ def test_a_multirun_jobs_ranks_rerun_that_job_only(monkeypatch):
 
     from hydra.types import RunMode
 
-    from zerotrain.trainer import launcher
+    from zerotrain.trainer.launch import launcher
 
     hc = SimpleNamespace(mode=RunMode.MULTIRUN, overrides=SimpleNamespace(task=["strategy=zero2", "++model.lr=0.1"]))
     monkeypatch.setattr(launcher, "_hydra_config", lambda: hc)

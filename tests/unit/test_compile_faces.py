@@ -1,5 +1,5 @@
-"""``torch.compile`` from each face, one process (``strategies/compile.py``, ``trainer/compiled.py``,
-``trainer/deepspeed/compiled.py``): ``Trainer(compile=...)``, Lightning's
+"""``torch.compile`` from each face, one process (``strategies/compile.py``, ``trainer/loop/compiled.py``,
+``trainer/compat/deepspeed/compiled.py``): ``Trainer(compile=...)``, Lightning's
 ``trainer.fit(torch.compile(model))``, Fabric's ``fabric.setup(torch.compile(model))`` and
 DeepSpeed's ``engine.compile()``. The ``eager`` backend: dynamo captures the graphs (counted,
 breaks and guards as under inductor) and runs their ops as captured, so the losses equal eager

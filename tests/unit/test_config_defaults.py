@@ -15,7 +15,7 @@ import zerotrain.train  # noqa: F401  (registers the schemas)
 from zerotrain.strategies import registry
 from zerotrain.strategies.base import PROCESS_GROUP_TIMEOUT_S
 from zerotrain.strategies.precision import DynamicLossScaler
-from zerotrain.trainer import config as tc
+from zerotrain.trainer.command import config as tc
 
 CONF = pathlib.Path(zerotrain.__file__).parent / "conf"
 YAMLS = sorted(p for p in CONF.rglob("*.yaml") if p.parent != CONF)

@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from zerotrain import Trainer, TrainModule
 from zerotrain.strategies.optimizers import OptimizerSet
 from zerotrain.trainer.errors import ConfigError
-from zerotrain.trainer.optimization import MULTIPLE_AUTOMATIC, parse_optimizers
+from zerotrain.trainer.optim.optimization import MULTIPLE_AUTOMATIC, parse_optimizers
 
 
 def _opts():
@@ -247,7 +247,7 @@ def test_pipeline_refuses_manual_optimization_at_set_up():
     from types import SimpleNamespace
 
     from zerotrain.strategies import strategy_from_name
-    from zerotrain.trainer.optimization import Optimization
+    from zerotrain.trainer.optim.optimization import Optimization
 
     trainer = SimpleNamespace(gradient_clip_val=None, accumulate_grad_batches=1,
                               strategy=strategy_from_name("pipeline"))

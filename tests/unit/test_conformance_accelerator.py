@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from zerotrain import DDP, DDPStrategy, SingleDevice, SingleDeviceStrategy, Trainer
-from zerotrain.trainer.compat.accelerators import CPUAccelerator, CUDAAccelerator
+from zerotrain.trainer.compat.lightning.accelerators import CPUAccelerator, CUDAAccelerator
 
 
 def _trainer(**kw):

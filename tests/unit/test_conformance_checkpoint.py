@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from zerotrain import CheckpointError, Trainer, TrainModule
 from zerotrain.callbacks import ModelCheckpoint
-from zerotrain.trainer import checkpoint_io
+from zerotrain.trainer.checkpoint import directory as checkpoint_io
 from zerotrain.utilities.exceptions import MisconfigurationException
 
 pytestmark = pytest.mark.timeout(120)

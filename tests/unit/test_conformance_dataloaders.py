@@ -57,7 +57,7 @@ def test_workers_true_gives_a_loader_lightnings_worker_seeding():
 def test_few_workers_warn_as_lightning(workers, warns):
     import warnings
 
-    from zerotrain.trainer.loaders import worker_check
+    from zerotrain.trainer.data.loaders import worker_check
     from zerotrain.utilities.warnings import PossibleUserWarning
 
     loader = DataLoader(RandomDataset(32, 8), batch_size=4, num_workers=workers, persistent_workers=workers > 0)

@@ -91,7 +91,7 @@ def test_the_mnist_demo_is_torchvisions_when_present_else_the_tensor_files(tmp_p
     monkeypatch.setitem(sys.modules, "torchvision.datasets", fake.datasets)
     monkeypatch.setitem(sys.modules, "torchvision.models", fake.models)
     monkeypatch.delenv("PL_USE_MOCKED_MNIST")
-    monkeypatch.setattr("zerotrain.trainer.demo_mnist.package_available", lambda name: True)
+    monkeypatch.setattr("zerotrain.trainer.demos.mnist_datamodule.package_available", lambda name: True)
     assert MNIST("root", train=True) == "tv"
     assert made == [(("./data",), {"download": True}), (("root",), {"train": True})]
     from zerotrain.utilities.model_helpers import get_torchvision_model

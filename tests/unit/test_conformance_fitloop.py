@@ -1,4 +1,4 @@
-"""Issue 41: the fit loop seen from outside (``trainer/loop_progress.py``): ``trainer.fit_loop`` and
+"""Issue 41: the fit loop seen from outside (``trainer/loop/progress.py``): ``trainer.fit_loop`` and
 the evaluation loops' progress counters, ``val_check_batch``, ``enable_validation``, an epoch cut
 by ``on_train_batch_start`` returning -1, ``check_val_every_n_epoch`` in the progress bar. Where a
 run is compared, pytorch-lightning 2.6 runs the same module in the same test (skipped when it is

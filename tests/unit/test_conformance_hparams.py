@@ -12,7 +12,7 @@ import torch
 from zerotrain import DataModule, Trainer, TrainModule
 from zerotrain.core.saving import save_hparams_to_tags_csv, save_hparams_to_yaml
 from zerotrain.demos.boring_classes import BoringDataModule, BoringModel
-from zerotrain.trainer.from_checkpoint import read_checkpoint
+from zerotrain.trainer.api.from_checkpoint import read_checkpoint
 
 
 class Model(BoringModel):

@@ -1,5 +1,5 @@
 """Lightning's import surface that its own public-API test modules need (issue 41): every path
-registered in trainer/lightning_paths.py and trainer/fabric_paths.py imports, the names Lightning's
+registered in trainer/compat/lightning_paths.py and trainer/compat/fabric_paths.py imports, the names Lightning's
 tests take from them resolve, and the helpers behind them (trainer/compat/) behave as
 pytorch-lightning 2.6's, compared with it where it is installed."""
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 import zerotrain
-from zerotrain.trainer import fabric_paths, lightning_paths
+from zerotrain.trainer.compat import fabric_paths, lightning_paths
 
 PKG_PARENT = str(pathlib.Path(zerotrain.__file__).parent.parent)
 
@@ -151,7 +151,7 @@ def test_worker_seeding_draws_lightnings_numbers(worker_id, rank):
     np = pytest.importorskip("numpy")
     from lightning_fabric.utilities.seed import pl_worker_init_function
 
-    from zerotrain.trainer.compat.data import seed_worker
+    from zerotrain.trainer.compat.lightning.data import seed_worker
 
     draws = []
     for fn in (pl_worker_init_function, seed_worker):

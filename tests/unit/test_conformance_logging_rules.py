@@ -19,8 +19,8 @@ from zerotrain import Trainer, TrainModule
 from zerotrain.callbacks import Callback, TQDMProgressBar
 from zerotrain.loggers import Logger, TensorBoardLogger
 from zerotrain.trainer.errors import ConfigError
-from zerotrain.trainer.launcher import LocalLauncher
-from zerotrain.trainer.saving import load_hparams_from_yaml, save_hparams_to_yaml
+from zerotrain.trainer.launch.launcher import LocalLauncher
+from zerotrain.trainer.api.saving import load_hparams_from_yaml, save_hparams_to_yaml
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -127,7 +127,7 @@ def test_current_fx_name_is_the_running_hook_and_none_after(tmp_path):
 
 def test_a_one_element_tensor_is_logged_0_dim_also_outside_the_loop():
     """Lightning's own test logs by hand: the stage set, ``_current_fx_name`` set, no loop running."""
-    from zerotrain.trainer.state import RunningStage
+    from zerotrain.trainer.loop.state import RunningStage
 
     model, trainer = _module(TrainModule), Trainer(logger=False, **_QUIET)
     trainer.state.stage = RunningStage.TRAINING
@@ -280,7 +280,7 @@ def test_under_barebones_self_log_warns_and_logs_nothing():
 
 def test_the_verbose_results_table_is_lightnings(capsys, monkeypatch):
     """The text table (Rich off), checked cell by cell against pytorch-lightning's own printer."""
-    from zerotrain.trainer.compat import internals
+    from zerotrain.trainer.compat.lightning import internals
 
     monkeypatch.setattr(internals, "_RICH_AVAILABLE", False)
     results = [{"value": torch.tensor(2), "perf": {"a:1": torch.tensor(0)}, "acc/dataloader_idx_0": 0.5},

@@ -214,7 +214,7 @@ def test_datamodule_as_lightnings_str_and_from_datasets():
     assert str(dm).split(os.linesep)[:2] == ["{Train dataloader: size=64}", "{Validation dataloader: size=64}"]
     ds = RandomDataset(32, 4)
     dm = DataModule.from_datasets(ds, batch_size=2)
-    with mock.patch("zerotrain.trainer.datamodule.DataLoader") as loader:
+    with mock.patch("zerotrain.trainer.api.datamodule.DataLoader") as loader:
         dm.train_dataloader()
     loader.assert_called_once_with(ds, batch_size=2, num_workers=0, pin_memory=True, shuffle=True)
     from zerotrain.utilities.exceptions import MisconfigurationException

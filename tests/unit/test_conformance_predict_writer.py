@@ -54,7 +54,7 @@ def test_batch_indices_as_lightnings():
     pl = pytest.importorskip("pytorch_lightning")
     from pytorch_lightning.demos.boring_classes import BoringModel as TheirModel
 
-    # in order: a shuffled loader's order on one process is another matter (trainer/loaders.py)
+    # in order: a shuffled loader's order on one process is another matter (trainer/data/loaders.py)
     ours, _ = _predict(Trainer, BasePredictionWriter, BoringModel(), _loaders(shuffle=False))
     theirs, _ = _predict(pl.Trainer, pl.callbacks.BasePredictionWriter, TheirModel(), _loaders(shuffle=False))
     assert ours.batches == theirs.batches

@@ -14,7 +14,7 @@ import torch
 from zerotrain import Trainer
 from zerotrain.demos.boring_classes import BoringModel
 from zerotrain.trainer.errors import CheckpointError
-from zerotrain.trainer.from_checkpoint import load_checkpoint
+from zerotrain.trainer.api.from_checkpoint import load_checkpoint
 
 
 @pytest.fixture

@@ -36,15 +36,15 @@ def test_deepspeed_module_paths_are_one_module_each():
     from zerotrain.deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
     from zerotrain.deepspeed.utils import RepeatingLoader, log_dist, logger
 
-    assert comm is ds_comm is deepspeed.comm is zerotrain.trainer.deepspeed.comm
+    assert comm is ds_comm is deepspeed.comm is zerotrain.trainer.compat.deepspeed.comm
     assert checkpoint is deepspeed.checkpointing.checkpoint and FusedAdam is deepspeed.ops.adam.FusedAdam
     assert DeepSpeedCPUAdam is deepspeed.ops.adam.DeepSpeedCPUAdam and logger is deepspeed.utils.logger
     assert (log_dist, RepeatingLoader) == (deepspeed.utils.log_dist, deepspeed.utils.RepeatingLoader)
-    assert sys.modules["zerotrain.deepspeed"] is deepspeed is zerotrain.trainer.deepspeed
+    assert sys.modules["zerotrain.deepspeed"] is deepspeed is zerotrain.trainer.compat.deepspeed
     assert get_accelerator() is deepspeed.accelerator.get_accelerator()
     assert split is deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer
     for name in deepspeed.SUBMODULES:  # every module has one object, under either path
-        assert sys.modules[f"zerotrain.deepspeed.{name}"] is sys.modules[f"zerotrain.trainer.deepspeed.{name}"]
+        assert sys.modules[f"zerotrain.deepspeed.{name}"] is sys.modules[f"zerotrain.trainer.compat.deepspeed.{name}"]
     code = "import sys, zerotrain.deepspeed; assert not [m for m in sys.modules if m.split('.')[0] == 'deepspeed']"
     assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0  # DeepSpeed is never imported
 

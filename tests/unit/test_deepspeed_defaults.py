@@ -1,5 +1,5 @@
 """Every DeepSpeed config key zerotrain.deepspeed reads takes DeepSpeed 0.19.8's default when absent
-(``trainer/deepspeed/defaults.py``, the README's table), except the speed/memory-only keys the table
+(``trainer/compat/deepspeed/defaults.py``, the README's table), except the speed/memory-only keys the table
 marks with a reason. When DeepSpeed is installed, its own constants, config models and signatures
 are read (in a subprocess: this process does not import DeepSpeed) and compared with the table;
 without it those tests skip and the table is still checked against what ``parse`` does."""
@@ -15,8 +15,8 @@ import sys
 import pytest
 import torch
 
-from zerotrain.trainer.deepspeed.config import ActivationCheckpointing, SCHEDULERS, parse
-from zerotrain.trainer.deepspeed.defaults import DEFAULTS, SCHEDULER_SOURCE, default, markdown_table
+from zerotrain.trainer.compat.deepspeed.config import ActivationCheckpointing, SCHEDULERS, parse
+from zerotrain.trainer.compat.deepspeed.defaults import DEFAULTS, SCHEDULER_SOURCE, default, markdown_table
 
 needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                                      reason="deepspeed is not installed (zerotrain's `dev` extra)")

@@ -16,7 +16,7 @@ from torch import nn
 
 from zerotrain.deepspeed.pipe import LayerSpec, TiedLayerSpec
 from zerotrain.trainer.errors import ConfigError
-from zerotrain.trainer.deepspeed.pipe.partition import balanced, boundaries, type_weights, uniform
+from zerotrain.trainer.compat.deepspeed.pipe.partition import balanced, boundaries, type_weights, uniform
 
 pytestmark = pytest.mark.timeout(120)
 

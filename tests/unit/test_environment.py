@@ -56,7 +56,7 @@ def test_multi_node_without_a_launcher_is_refused_when_built(owner):
     """Before any rank starts, as a configuration error naming num_nodes and the value (it failed
     at fit, with a RuntimeError traceback from the first rank's process-group set-up)."""
     from zerotrain import Trainer
-    from zerotrain.trainer.engine import Engine
+    from zerotrain.trainer.engine.engine import Engine
     from zerotrain.trainer.errors import ConfigError
 
     build = (lambda: Trainer(num_nodes=2, devices=1, logger=False)) if owner == "Trainer" else \

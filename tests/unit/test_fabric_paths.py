@@ -1,5 +1,5 @@
 """Lightning Fabric's import paths under the rename rule (``lightning.fabric`` -> ``zerotrain.fabric``,
-trainer/fabric_paths.py): each path imports, its names are zerotrain's own objects,
+trainer/compat/fabric_paths.py): each path imports, its names are zerotrain's own objects,
 ``seed_everything`` seeds as lightning_fabric's does, ``PossibleUserWarning`` is what zerotrain warns
 with where Lightning does, and ``cloud_io._load`` reads the checkpoints zerotrain writes."""
 from __future__ import annotations
@@ -55,7 +55,8 @@ def test_the_names_are_zerotrains_own_objects():
     import zerotrain.fabric as fabric
     from zerotrain.fabric.utilities import cloud_io, distributed, exceptions, imports, seed
     from zerotrain.fabric.utilities.warnings import PossibleUserWarning
-    from zerotrain.trainer import errors, from_checkpoint, utilities
+    from zerotrain.trainer import errors, utilities
+    from zerotrain.trainer.api import from_checkpoint
     from zerotrain.utilities.warnings import PossibleUserWarning as pytorch_path
 
     assert fabric.Fabric is zerotrain.Fabric

@@ -9,9 +9,9 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from zerotrain import Callback, Trainer, TrainModule
-from zerotrain.trainer.hooks import HOOKS, MODULE_HOOKS
+from zerotrain.trainer.loop.hooks import HOOKS, MODULE_HOOKS
 
-#: the module-only hooks around an evaluation (``trainer/model_mode.py``), recorded too
+#: the module-only hooks around an evaluation (``trainer/loop/model_mode.py``), recorded too
 MODE_HOOKS = ("on_validation_model_eval", "on_validation_model_train", "on_test_model_eval",
               "on_test_model_train", "on_predict_model_eval", "on_validation_model_zero_grad")
 

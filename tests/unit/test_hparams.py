@@ -14,8 +14,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import zerotrain
 from zerotrain import CheckpointError, ConfigError, CSVLogger, DataModule, ModelCheckpoint, Trainer, TrainModule
-from zerotrain.trainer import checkpoint_io
-from zerotrain.trainer.consolidate import consolidate
+from zerotrain.trainer.checkpoint import directory as checkpoint_io
+from zerotrain.trainer.checkpoint.consolidate import consolidate
 
 pl = pytest.importorskip("pytorch_lightning")
 

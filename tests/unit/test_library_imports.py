@@ -54,7 +54,7 @@ def _library_files() -> list[pathlib.Path]:
 
 def test_the_library_files_are_found():
     files = _library_files()
-    assert len(files) > 20 and ROOT / "trainer" / "config.py" in files, files
+    assert len(files) > 20 and ROOT / "trainer" / "command" / "config.py" in files, files
     assert {ROOT / "train.py", ROOT / "tune.py"} <= set(files) and all(p.is_file() for p in files), files
 
 

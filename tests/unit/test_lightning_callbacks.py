@@ -183,7 +183,7 @@ def test_a_failed_weights_only_consolidation_is_a_checkpoint_error_after_the_scr
                                                                                                   monkeypatch):
     """The consolidation runs on rank 0 alone; its failure is broadcast, so that every rank raises
     it (here one process: the error surfaces through fit, and nothing is left in dirpath)."""
-    from zerotrain.trainer import consolidate
+    from zerotrain.trainer.checkpoint import consolidate
 
     def full_disk(ckpt, out, **kwargs):
         raise CheckpointError(f"writing {out}.partial (consolidate OUT={str(out)!r}) failed: No space left on device")

@@ -179,7 +179,7 @@ def test_a_progress_bar_with_the_bar_off_is_lightnings_error(tmp_path):
 
 
 def test_rich_needs_rich(monkeypatch):
-    from zerotrain.callbacks import rich_progress
+    from zerotrain.callbacks.progress import rich_progress
 
     monkeypatch.setattr(rich_progress, "version_at_least", lambda *a: False)
     with pytest.raises(ModuleNotFoundError, match=r"`RichProgressBar` requires `rich` >= 10.2.2"):

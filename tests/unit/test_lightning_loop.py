@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import zerotrain
 from zerotrain import Trainer, TrainModule
-from zerotrain.trainer import properties
+from zerotrain.trainer.loop import properties
 from zerotrain.trainer.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(120)

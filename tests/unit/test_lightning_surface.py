@@ -164,7 +164,7 @@ def test_freeze_unfreeze_and_torchscript(tmp_path):
 
 def test_to_onnx_needs_onnx_and_an_input(tmp_path, monkeypatch):
     from zerotrain.demos import BoringModel
-    from zerotrain.trainer import module_tools
+    from zerotrain.trainer.api import module_tools
 
     model = BoringModel()
     monkeypatch.setattr(module_tools, "package_available", lambda name: False)

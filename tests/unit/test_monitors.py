@@ -16,8 +16,8 @@ from omegaconf import OmegaConf
 from zerotrain import Callback, Trainer
 from zerotrain.callbacks import CommsLogger, FlopsProfiler, ResourceMonitor
 from zerotrain.callbacks.base import Logger
-from zerotrain.callbacks.comms import bus_factor
-from zerotrain.callbacks.resources import PARTS, StepTimer
+from zerotrain.callbacks.measure.comms import bus_factor
+from zerotrain.callbacks.measure.resources import PARTS, StepTimer
 from zerotrain.examples.data import stdlib_corpus
 from zerotrain.examples.gpt import GPTConfig
 from zerotrain.examples.gpt_cli import SIZES
@@ -75,7 +75,7 @@ def test_comms_logger_option_adds_the_callback():
 
 @pytest.mark.parametrize("name", ["ddp", "zero1", "zero2", "zero3", "offload", "pipeline"])
 def test_cli_strategy_schemas_have_comms_logger(name):
-    from zerotrain.trainer.config import strategy_schema
+    from zerotrain.trainer.command.config import strategy_schema
 
     assert strategy_schema(name)().comms_logger is False
 

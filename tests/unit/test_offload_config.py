@@ -92,7 +92,7 @@ PRESETS = {
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_hydra_presets_build_the_strategy(preset, tmp_path):
     import zerotrain.train  # noqa: F401  (registers the schemas)
-    from zerotrain.trainer.config import build_strategy
+    from zerotrain.trainer.command.config import build_strategy
 
     with initialize_config_module(config_module="zerotrain.conf", version_base="1.3"):
         cfg = OmegaConf.to_object(compose(config_name="config", overrides=[
@@ -106,7 +106,7 @@ def test_hydra_presets_build_the_strategy(preset, tmp_path):
 
 def test_hydra_rejects_wrong_types_and_bad_values():
     import zerotrain.train  # noqa: F401
-    from zerotrain.trainer.config import build_strategy
+    from zerotrain.trainer.command.config import build_strategy
     from zerotrain.trainer.errors import ConfigError
 
     with initialize_config_module(config_module="zerotrain.conf", version_base="1.3"):

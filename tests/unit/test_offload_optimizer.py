@@ -17,9 +17,9 @@ from zerotrain.strategies.memory import count_bytes
 from zerotrain.strategies.offload import Offload
 from zerotrain.strategies.precision import BF16Mixed, DynamicLossScaler, FP16Mixed, Precision
 from zerotrain.strategies.zero import ZeroStage2
-from zerotrain.trainer import checkpoint_io
-from zerotrain.trainer.module import TrainModule
-from zerotrain.trainer.reshard import CheckpointReader
+from zerotrain.trainer.checkpoint import directory as checkpoint_io
+from zerotrain.trainer.api.module import TrainModule
+from zerotrain.trainer.checkpoint.reshard import CheckpointReader
 
 from zerotrain.strategies.offload import aio
 

@@ -17,7 +17,7 @@ from zerotrain.strategies.offload import Offload
 from zerotrain.strategies.offload.param_swap import SwappedUnit
 from zerotrain.strategies.precision import BF16Mixed, Precision
 from zerotrain.strategies.zero import ZeroStage3
-from zerotrain.trainer.module import TrainModule
+from zerotrain.trainer.api.module import TrainModule
 
 
 class Deep(TrainModule):

@@ -25,7 +25,7 @@ from zerotrain.strategies.pipeline.schedule import (Backward, Forward, LoadMicro
 from zerotrain.strategies.pipeline.simulate import Deadlock, ScheduleError, simulate_schedule
 from zerotrain.strategies.pipeline.simulate import simulate as run_lists
 from zerotrain.strategies.precision import Precision
-from zerotrain.trainer.module import TrainModule
+from zerotrain.trainer.api.module import TrainModule
 
 GRID = list(itertools.product(range(1, 5), range(1, 9)))  # (stages, micro-batches)
 

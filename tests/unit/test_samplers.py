@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler, SequentialSampler, TensorDataset
 
 from zerotrain import ConfigError, Trainer
-from zerotrain.trainer.job import SamplerShard, distributed_loader
+from zerotrain.trainer.launch.job import SamplerShard, distributed_loader
 
 
 class EpochStrided(Sampler):

@@ -14,8 +14,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from zerotrain import Trainer, TrainModule
-from zerotrain.trainer import checkpoint_file, checkpoint_io
-from zerotrain.trainer.signals import SIGTERMException, handled_signals, slurm_job_id
+from zerotrain.trainer.checkpoint import single_file as checkpoint_file, directory as checkpoint_io
+from zerotrain.trainer.launch.signals import SIGTERMException, handled_signals, slurm_job_id
 
 
 class Net(TrainModule):
@@ -108,7 +108,7 @@ def test_a_sigterm_repeated_before_the_step_boundary_ends_the_process(tmp_path):
 
     code = textwrap.dedent('''
         import os, signal, sys, time, types
-        from zerotrain.trainer.signals import SignalCheckpoint
+        from zerotrain.trainer.launch.signals import SignalCheckpoint
         handler = SignalCheckpoint(types.SimpleNamespace(global_rank=0, _launcher=None))
         handler.install()
         os.kill(os.getpid(), signal.SIGTERM)

@@ -1,4 +1,4 @@
-"""trainer/stopped_parent.py on real processes: a parent stopped for longer than the timeout is
+"""trainer/launch/stopped_parent.py on real processes: a parent stopped for longer than the timeout is
 killed by the child's guard, which names rank 0; one stopped briefly (a
 whole job's Ctrl-Z and ``fg``) or a guard whose store round still completes leaves it alone."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from zerotrain.trainer.stopped_parent import process_state
+from zerotrain.trainer.launch.stopped_parent import process_state
 
 # the parent (standing for rank 0) starts the child (a rank with the guard) and waits for it
 PARENT = textwrap.dedent('''
@@ -23,7 +23,7 @@ PARENT = textwrap.dedent('''
 ''')
 CHILD = textwrap.dedent('''
     import os, sys, time
-    from zerotrain.trainer.stopped_parent import StoppedParentGuard
+    from zerotrain.trainer.launch.stopped_parent import StoppedParentGuard
     rounds = {rounds}
     guard = StoppedParentGuard(1, 1.5, 86, (time.monotonic if rounds else lambda: 0.0), interval_s=0.1)
     guard.start()

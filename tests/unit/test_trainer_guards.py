@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from zerotrain import Trainer, TrainModule
 from zerotrain.trainer.errors import ConfigError
-from zerotrain.trainer.trainer import NonFiniteLossError
+from zerotrain.trainer.loop.trainer import NonFiniteLossError
 
 
 class Tiny(TrainModule):

@@ -9,8 +9,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from zerotrain.strategies.zero.estimate import estimate_model_states
-from zerotrain.trainer import tune as T
-from zerotrain.trainer.chart import Point, _raster, scatter_png, write_png
+from zerotrain.trainer.command import tune_search as T
+from zerotrain.trainer.command.chart import Point, _raster, scatter_png, write_png
 
 GiB = 2**30
 

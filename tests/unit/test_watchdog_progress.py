@@ -4,8 +4,8 @@ disagree on their collectives issue different numbers of them)."""
 from __future__ import annotations
 
 from zerotrain import Callback
-from zerotrain.trainer.hooks import HookDispatcher
-from zerotrain.trainer.watchdog import Progress, ProgressWatchdog, find_stuck
+from zerotrain.trainer.loop.hooks import HookDispatcher
+from zerotrain.trainer.launch.watchdog import Progress, ProgressWatchdog, find_stuck
 
 
 def _dog() -> ProgressWatchdog:

@@ -16,7 +16,7 @@ from zerotrain.strategies.zero.stage3.materialize import PartitionedBuild
 from zerotrain.strategies.zero.stage3.touch import func_name, is_overwrite
 from zerotrain.strategies.zero.stage3.unit import ShardState, Unit, is_placeholder
 from zerotrain.strategies.zero.stage3.unit_plan import PERSISTENT, Run, make_policy, optimizer_runs, plan_units
-from zerotrain.trainer.module import TrainModule
+from zerotrain.trainer.api.module import TrainModule
 
 CFG = GPTConfig(vocab_size=29, block_size=8, n_layer=2, n_head=2, n_embd=8)
 
@@ -115,7 +115,7 @@ def test_zero3_is_registered_and_configurable():
     from omegaconf import OmegaConf
 
     import zerotrain.train  # noqa: F401  (registers the schemas, the demo model's too)
-    from zerotrain.trainer.config import build_strategy
+    from zerotrain.trainer.command.config import build_strategy
     with initialize_config_module(config_module="zerotrain.conf", version_base="1.3"):
         cfg = compose(config_name="config", overrides=[
             "strategy=zero3", "strategy.prefetch_bucket_size=1000", "strategy.unit_modules=[Block]",

@@ -13,7 +13,7 @@ from zerotrain.strategies.environment import ProcessInfo
 from zerotrain.strategies.precision import BF16Mixed, Precision
 from zerotrain.strategies.zero import BucketConfig, ZeroConfig, ZeroStage1, ZeroStage2
 from zerotrain.trainer.errors import CheckpointError
-from zerotrain.trainer.module import TrainModule
+from zerotrain.trainer.api.module import TrainModule
 
 
 class Net(TrainModule):

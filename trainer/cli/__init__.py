@@ -1,6 +1,6 @@
 """``zerotrain.cli``: Lightning's ``LightningCLI`` (``lightning.pytorch.cli``) for zerotrain, built
 on jsonargparse as Lightning's is. The names load on first use (PEP 562), so that ``import
-zerotrain`` does not import jsonargparse; ``zerotrain-train`` (Hydra, ``trainer/config.py``) is
+zerotrain`` does not import jsonargparse; ``zerotrain-train`` (Hydra, ``trainer/command/config.py``) is
 the other command line and is independent of this one.
 
 * ``lightning_cli.py``: ``LightningCLI`` and ``instantiate_module`` (``load_from_checkpoint`` of a
@@ -9,7 +9,8 @@ the other command line and is independent of this one.
 * ``save_config.py``: ``SaveConfigCallback``;
 * ``main``: the Hydra command line (``zerotrain-train``) for a script's own classes,
   ``zerotrain.cli.main(MyModule, MyData)`` (``train.py``'s ``main``).
-"""
+
+May import: trainer.api, trainer.checkpoint, trainer.errors, trainer.loop, trainer.utilities, callbacks."""
 from __future__ import annotations
 
 import importlib

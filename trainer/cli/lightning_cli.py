@@ -27,12 +27,12 @@ from jsonargparse import ActionConfigFile, Namespace, class_from_function
 from torch.optim import Optimizer
 
 from ...callbacks.base import Callback
-from ..datamodule import DataModule
-from ..checkpoint_io import load_meta
+from ..api.datamodule import DataModule
+from ..checkpoint.directory import load_meta
 from ..errors import CheckpointError, ConfigError, MisconfigurationException
-from ..hparams import HPARAMS_KEY, given_hyperparameters
-from ..module import TrainModule
-from ..trainer import Trainer
+from ..api.hparams import HPARAMS_KEY, given_hyperparameters
+from ..api.module import TrainModule
+from ..loop.trainer import Trainer
 from ..utilities import is_overridden, seed_everything
 from .parser import (ArgsType, LightningArgumentParser, LRSchedulerTypeTuple, ReduceLROnPlateau, instantiate_class,
                      keep_none, with_class_path)
@@ -97,7 +97,7 @@ class LightningCLI:
     # ------------------------------------------------------------------ the parser
     def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
         """A parser of ``parser_class`` with ``-c/--config``."""
-        from ... import __version__
+        from ..version import __version__
 
         kwargs.setdefault("dump_header", [f"zerotrain=={__version__}"])
         parser = self.parser_class(**kwargs)

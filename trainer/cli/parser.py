@@ -13,10 +13,10 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 from ...callbacks.base import Callback
-from ..datamodule import DataModule
+from ..api.datamodule import DataModule
 from ..errors import MisconfigurationException
-from ..module import TrainModule
-from ..trainer import Trainer
+from ..api.module import TrainModule
+from ..loop.trainer import Trainer
 
 # torch's objects whose __module__ does not import them (torch.nn.Softmax ... say torch._C): as
 # Lightning, jsonargparse is told where they are, so that a config holding them dumps and reloads

@@ -13,7 +13,7 @@ from typing import Any
 
 from ...callbacks.base import Logger
 from ...callbacks.loggers import CSVLogger as _CSVLogger
-from ...callbacks.tensorboard import TensorBoardLogger as _TensorBoardLogger
+from ...callbacks.loggers.tensorboard import TensorBoardLogger as _TensorBoardLogger
 
 
 class TensorBoardLogger(_TensorBoardLogger):

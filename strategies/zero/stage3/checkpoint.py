@@ -1,5 +1,5 @@
 """ZeRO-3 in the strategy-neutral checkpoint format (``Strategy.param_shards`` /
-``load_param_shards``, see ``strategies/base.py`` and ``trainer/reshard.py``).
+``load_param_shards``, see ``strategies/base.py`` and ``trainer/checkpoint/reshard.py``).
 
 Saving: each rank describes, for every trainable parameter with elements in its partition of some
 unit, that element range of the full parameter with its fp32 master values and the optimizer state

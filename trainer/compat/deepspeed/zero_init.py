@@ -1,0 +1,154 @@
+"""What ``deepspeed.zero.Init`` does to a model's initialisation, beyond partitioning.
+
+zerotrain's own partitioned build (``Engine.init_module``) gives the weights of an eager build.
+DeepSpeed 0.19.8's ``zero.Init`` does not, and a DeepSpeed script's numbers depend on it:
+
+* a module's parameters are partitioned when its constructor returns; from then on the
+  parameter's ``.data`` is an empty tensor on every rank, so a later initialisation that writes it
+  in place (transformers' ``post_init``, a parent module's loop over its children's weights) changes
+  nothing. Only ``Module.apply(fn)`` (DeepSpeed gathers each module's parameters for ``fn``) and
+  ``GatheredParameters(..., modifier_rank=r)`` write into the partitions. A transformers model built
+  under ``zero.Init`` without transformers' own DeepSpeed integration therefore keeps the torch
+  layers' constructor initialisation (``nn.Linear``'s Kaiming-uniform, ``nn.Embedding``'s normal);
+* floating-point tensors created inside the block (``torch.empty``, ``zeros``, ``ones``, ``full``,
+  ``arange``, ``eye``, ``randn``, ``tensor``) are cast to the config's type (fp16/bf16, else fp32),
+  so the layers draw their initial values in that type: under bf16 other values than an fp32 draw
+  rounded; under fp32 an fp32 draw even where transformers set bf16 as the default type.
+
+:class:`DeepSpeedInitRules` applies both on top of the strategy's partitioned build: a parameter is
+*sealed* when its module is registered in a parent (its constructor has returned by then); an
+in-place write of a sealed parameter is dropped and its ``.data`` reads as an empty tensor, as in
+DeepSpeed; ``Module.apply`` and ``GatheredParameters(modifier_rank=...)`` unseal for their span.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from ....strategies.zero.stage3.touch import func_name, is_overwrite
+
+#: torch factory functions DeepSpeed's Init makes return the config's 16-bit type
+FACTORIES = ("tensor", "empty", "zeros", "ones", "full", "arange", "eye", "randn")
+#: in-place operators that write their first operand (besides ``name_`` methods)
+_INPLACE_DUNDERS = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
+                              "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__",
+                              "__irshift__"})
+
+
+def writes_first_operand(func: Any, args: tuple, kwargs: dict, param: torch.Tensor) -> bool:
+    """``func`` writes ``param`` in place: an ``nn.init`` function or ``Tensor.x_`` method given it
+    first, or an in-place operator on it."""
+    if is_overwrite(func, args, kwargs, param):
+        return True
+    first = args[0] if args else kwargs.get("tensor", kwargs.get("self"))
+    if first is not param:
+        return False
+    name = func_name(func)
+    return name in _INPLACE_DUNDERS or (name.endswith("_") and not name.startswith("_"))
+
+
+class _SealMode(TorchFunctionMode):
+    """Drops in-place writes of sealed parameters; their ``.data`` is an empty tensor."""
+
+    def __init__(self, rules: "DeepSpeedInitRules") -> None:
+        super().__init__()
+        self.rules = rules
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        sealed = self.rules.sealed
+        if sealed:
+            for t in (*args, *kwargs.values()):
+                if isinstance(t, nn.Parameter) and id(t) in sealed and id(t) not in self.rules.open:
+                    if func_name(func) == "data" and getattr(func, "__name__", "") == "__get__":
+                        return torch.empty(0, dtype=t.dtype, device=t.device)
+                    if writes_first_operand(func, args, kwargs, t):
+                        return t
+        return func(*args, **kwargs)
+
+
+class DeepSpeedInitRules:
+    """Context manager, entered inside the strategy's partitioned build: DeepSpeed's ``zero.Init``
+    rules above. ``dtype`` is the config's type (None: leave new tensors as they are made)."""
+
+    def __init__(self, dtype: torch.dtype | None) -> None:
+        self.dtype = dtype
+        self.sealed: set[int] = set()
+        self.open: set[int] = set()  # sealed ones Module.apply / GatheredParameters may write now
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> "DeepSpeedInitRules":
+        st = self._stack
+        st.enter_context(self._factories())
+        handle = nn.modules.module.register_module_module_registration_hook(self._registered)
+        st.callback(handle.remove)
+        orig_apply = nn.Module.apply
+        nn.Module.apply = self._apply_with_writes(orig_apply)
+        st.callback(setattr, nn.Module, "apply", orig_apply)
+        st.enter_context(_SealMode(self))
+        return self
+
+    def __exit__(self, *exc: Any) -> bool:
+        self._stack.close()
+        return False
+
+    # ------------------------------------------------------------------ the rules
+    def _registered(self, parent: nn.Module, name: str, child: Any) -> None:
+        """``child`` (its constructor has returned) joins ``parent``: its parameters are sealed."""
+        if isinstance(child, nn.Module):
+            self.sealed.update(id(p) for p in child.parameters())
+
+    @contextlib.contextmanager
+    def writable(self, params: "list[nn.Parameter]") -> Iterator[None]:
+        """Writes of ``params`` reach their partitions inside (they nest)."""
+        ids = [id(p) for p in params if id(p) in self.sealed and id(p) not in self.open]
+        self.open.update(ids)
+        try:
+            yield
+        finally:
+            self.open.difference_update(ids)
+
+    def _apply_with_writes(self, orig_apply: Callable) -> Callable:
+        rules = self
+
+        @functools.wraps(orig_apply)
+        def apply(module: nn.Module, fn: Callable[[nn.Module], None]) -> nn.Module:
+            def each(m: nn.Module) -> None:
+                with rules.writable(list(m.parameters(recurse=False))):
+                    fn(m)
+            return orig_apply(module, each)
+
+        return apply
+
+    @contextlib.contextmanager
+    def _factories(self) -> Iterator[None]:
+        if self.dtype is None:
+            yield
+            return
+        originals = {name: getattr(torch, name) for name in FACTORIES}
+
+        def cast(fn: Callable) -> Callable:
+            @functools.wraps(fn)
+            def made(*args: Any, **kwargs: Any) -> torch.Tensor:
+                t = fn(*args, **kwargs)
+                if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != self.dtype:
+                    t.data = t.data.to(self.dtype)
+                return t
+            return made
+
+        for name, fn in originals.items():
+            setattr(torch, name, cast(fn))
+        try:
+            yield
+        finally:
+            for name, fn in originals.items():
+                setattr(torch, name, fn)
+
+
+#: the rules of the ``zero.Init`` block now open (GatheredParameters reads it)
+active: list[DeepSpeedInitRules] = []

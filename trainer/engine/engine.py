@@ -1,0 +1,557 @@
+"""The Engine: zerotrain's strategies and precisions under a training loop the user writes.
+
+A plain PyTorch loop becomes a distributed one by changing a few lines::
+
+    engine = Engine(strategy="zero3", precision="bf16-mixed", devices=2)
+    engine.launch()                                   # rank 0 starts ranks 1..N-1, or joins torchrun/SLURM
+    with engine.init_module():                        # zero3: parameters partitioned as they are created
+        model = GPT(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    model, optimizer = engine.setup(model, optimizer)
+    loader = engine.setup_dataloaders(DataLoader(data, batch_size=8, shuffle=True))
+    for i, (x, y) in enumerate(loader):
+        with engine.no_backward_sync(model, enabled=(i + 1) % accum != 0):
+            logits, loss = model(x, y)
+            engine.backward(loss / accum)
+        if (i + 1) % accum == 0:
+            engine.clip_gradients(model, optimizer, max_norm=1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+Nothing here implements a strategy. The Engine calls the same ``Strategy`` interface as the
+Trainer, in the same order (``strategies/base.py``): ``join_job`` (``job.py``) ->
+``init_context`` -> ``setup_module`` -> ``setup_optimizer``; each forward runs through
+``run_forward`` and the strategy's model (DDP's reducer, ZeRO-3's gather hooks); ``backward`` is
+``Strategy.backward`` and ``optimizer.step()`` is ``Strategy.optimizer_step`` - the one written
+sequence of gradient readiness, unscale/overflow check, clipping, inner step, parameter refresh
+and zeroing. That is why ``clip_gradients`` only sets the bound for the next step: clipping
+happens inside that sequence, after the gradients are unscaled and checked, where the strategy
+(ZeRO: one all-reduce over the partitions) computes the norm. Checkpoints are the Trainer's
+format, written and read by the same functions (``checkpointing.save_strategy`` /
+``load_strategy``) with the Trainer's loop counters, so a checkpoint of either resumes in the other.
+
+Limits, each from the Strategy interface: one model per strategy (a further ``setup`` gets a
+strategy of its own, ``engine_models.py``; one checkpoint holds one model); several optimizers are held by
+the strategy as one ``OptimizerSet`` (a parameter in several of them only where the strategy allows it), each
+wrapper's ``step()`` stepping and zeroing its own parameters only; the pipeline strategy is refused (it runs its own
+forward/backward schedule, which a user's loop cannot express). Every rank must build the model
+from the same seed, as under the Trainer (ZeRO-1/2 take each rank's own values for its partition).
+
+Is the Trainer a client of the Engine? Not now. The Trainer's loop needs things the Engine's
+surface does not carry: ``Strategy.run_schedule`` with the Trainer's hooks (the pipeline's whole
+schedule), ``skip_step`` for non-finite losses, the progress watchdog and elastic restarts around
+each step, and callbacks in the checkpoint. Rebuilding the Trainer on the Engine would either
+widen the Engine with all of these or split each between the two, and would put every Trainer
+test at risk for no behaviour gained. Both are thin fronts over the same Strategy, so they share
+code instead: ``job.py`` (joining the job, distributed samplers), ``checkpointing`` (the format)
+and ``LoopState`` (the position a checkpoint resumes at).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ...strategies import Strategy, progress
+from ...strategies.optimizers import OptimizerSet
+from ..checkpoint import protocol as checkpointing, reshard
+from ..loop.compiled import take_compiled
+from ..errors import ConfigError
+from ..launch.job import check_cuda, check_num_nodes, distributed_loader, epoch_iterator, join_job, plugins
+from ..launch.launcher import LocalLauncher
+from ..loop.state import LoopState
+from .models import STEP_METHODS, ForwardMethods, another_strategy, backward_across
+from ..loop.evaluation import to_device as _to_device
+from ..utilities import sampler_seed
+
+log = logging.getLogger("zerotrain")
+
+
+def _count(owner: str, name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{owner}: {name}={value!r}; valid: an integer >= 1")
+    return value
+
+
+def _strategy_attr(name: str, doc: str) -> property:
+    """A read-only attribute of the Engine that is its strategy's (valid after ``launch``)."""
+    return property(lambda self: getattr(self._strategy, name), doc=doc)
+
+
+class Engine:
+    """One rank of a job running the user's own loop; see the module docstring."""
+
+    def __init__(self, *, accelerator: str = "auto", devices: int | str = "auto", num_nodes: int = 1,
+                 strategy: str | Strategy = "auto", precision: str | int = "32", seed: int | None = None) -> None:
+        """``seed`` orders the DistributedSamplers of ``setup_dataloaders`` (as the Trainer's
+        ``seed`` does); None (the default): the seed ``seed_everything`` recorded, else 0, as
+        Fabric. It seeds nothing else: the loop seeds its own model and data."""
+        if accelerator not in ("cpu", "cuda", "auto"):
+            raise ConfigError(f"Engine: accelerator={accelerator!r}; valid choices: cpu, cuda, auto")
+        if devices == "auto":
+            devices = torch.cuda.device_count() if accelerator != "cpu" and torch.cuda.is_available() else 1
+        self.devices, self.num_nodes = _count("Engine", "devices", devices), _count("Engine", "num_nodes", num_nodes)
+        check_cuda("Engine", accelerator, self.devices)
+        check_num_nodes("Engine", self.num_nodes)
+        self.accelerator, self.seed = accelerator, seed
+        self.precision_plugin, self._strategy = plugins("Engine", strategy, precision, devices * num_nodes)
+        self._specs = (strategy, precision)  # for the strategies of further models (engine_models.py)
+        if self._strategy.runs_own_schedule:
+            raise ConfigError(f"Engine: strategy={self._strategy.name!r} runs its own forward/backward "
+                              "schedule, which a loop written by the user cannot drive; valid: a strategy "
+                              "with one forward and one backward per batch (single, ddp, zero1, zero2, "
+                              "zero3, offload), or the Trainer")
+        #: the training position a checkpoint keeps (optimizer steps; epoch and batch of the first
+        #: loader given to ``setup_dataloaders``), in the Trainer's counters
+        self.progress = LoopState()
+        self._launched = False
+        self._launcher: LocalLauncher | None = None
+        self._model: EngineModule | None = None
+        self._optimizer: EngineOptimizer | None = None
+        self._train_loader: EngineLoader | None = None
+        self._optimizers: list[EngineOptimizer] = []  # one wrapper per optimizer given to setup
+        self._models: list[EngineModule] = []  # every model set up (the first is ``_model``)
+
+    # ------------------------------------------------------------------ the job
+    def launch(self) -> None:
+        """Collective: join the job (the Trainer's process model): without torchrun/SLURM a
+        process asking for N > 1 devices becomes rank 0 and starts ranks 1..N-1 by re-running its
+        command line, so the code after ``launch()`` runs on every rank. Idempotent; the other
+        methods launch on first use."""
+        if self._launched:
+            return
+        self._launcher = join_job(self._strategy, self.precision_plugin, self.accelerator, self.devices,
+                                  self.num_nodes)
+        self._launched = True
+
+    @property
+    def strategy(self) -> Strategy:
+        return self._strategy
+
+    global_rank = _strategy_attr("global_rank", "This process's rank in the job.")
+    local_rank = _strategy_attr("local_rank", "This process's rank on its node.")
+    world_size = _strategy_attr("world_size", "How many processes the job has.")
+    is_global_zero = _strategy_attr("is_global_zero", "Whether this process is global rank 0.")
+    device = _strategy_attr("device", "The device this rank computes on (batches go there).")
+
+    # ------------------------------------------------------------------ model, optimizer, data
+    @contextlib.contextmanager
+    def init_module(self) -> Iterator[None]:
+        """Build the model inside: under zero3 each parameter is partitioned as it is registered
+        (never whole on any rank, equal to an eager build from the same seed); elsewhere a plain
+        build. Create the optimizer after the block, on ``model.parameters()``."""
+        self.launch()
+        with self._strategy.init_context():
+            yield
+
+    def setup(self, model: nn.Module, *optimizers: torch.optim.Optimizer) -> tuple[Any, ...]:
+        """Collective: hand the model and its optimizer (built on ``model.parameters()``, not yet
+        stepped) to the strategy; returns ``(model, optimizer)`` wrappers to use from now on: the
+        model's forward runs through the strategy, the optimizer's ``step()`` is the strategy's."""
+        self.launch()
+        if not isinstance(model, nn.Module):
+            raise ConfigError(f"Engine.setup: model={type(model).__name__}; valid: an nn.Module")
+        s = self._strategy
+        bare = not optimizers and s.evaluates_without_optimizer  # Fabric's setup(model): the model alone
+        if not bare and (not optimizers or not all(isinstance(o, torch.optim.Optimizer) for o in optimizers)):
+            raise ConfigError(
+                f"Engine.setup: {len(optimizers)} optimizers given ({', '.join(type(o).__name__ for o in optimizers)}); "
+                "valid: one or more torch.optim.Optimizer, built on the model's parameters (none: the "
+                "model alone, under single or ddp)")
+        if any(m.module is model for m in self._models):
+            raise ConfigError("Engine.setup: called twice with the same model; valid: each model once (several "
+                              "models: one setup call each)")
+        if self._model is not None:  # one more model (Fabric's GAN): a strategy of its own
+            s = another_strategy(s, *self._specs, self.precision_plugin, self.world_size)
+        model = take_compiled(s, model, "Engine.setup")  # Fabric's setup(torch.compile(model)): per block
+        try:
+            s.setup_module(model)
+            s.compile_module()
+            if not bare:
+                s.setup_optimizer(optimizers[0] if len(optimizers) == 1 else OptimizerSet(optimizers))
+        except ValueError as exc:  # the strategy's checks (parameters outside the optimizer, ...)
+            raise ConfigError(f"Engine.setup: {exc}") from None
+        wrapped = EngineModule(s, model)
+        if bare:
+            self._models.append(wrapped)
+            self._model = self._model if self._model is not None else wrapped
+            return wrapped
+        opts = [EngineOptimizer(self, o, k if len(optimizers) > 1 else None, s) for k, o in enumerate(optimizers)]
+        self._models.append(wrapped)
+        self._optimizers.extend(opts)
+        if self._model is None:
+            self._model, self._optimizer = wrapped, opts[0]
+        return (wrapped, *opts)
+
+    def setup_dataloaders(self, *loaders: Any, move_to_device: bool = True, use_distributed_sampler: bool = True) -> Any:
+        """Each loader over a DistributedSampler (the Trainer's, same shuffle and ``seed``), its
+        batches moved to ``device``, ``set_epoch`` called for each pass. A sampler of the user's own
+        (``SubsetRandomSampler``, ...) is split over the ranks in its own order, not shuffled again
+        (Fabric's ``DistributedSamplerWrapper``); ``use_distributed_sampler=False`` keeps every
+        loader as it is. The first loader of the first call is the training loader: its position is
+        saved by ``save`` and restored by ``load``. Returns one loader, or a list for several."""
+        self.launch()
+        if not loaders:
+            raise ConfigError("Engine.setup_dataloaders: no loader given; valid: one or more DataLoaders")
+        out = []
+        for loader in loaders:
+            tracked = self._train_loader is None
+            # one data-parallel rank: the loader as it is (its own sampler and order), as Fabric
+            sharded = (loader if self._strategy.data_parallel_world_size == 1 or not use_distributed_sampler
+                       else distributed_loader(loader, self._strategy, sampler_seed(self.seed),
+                                               custom_sampler_shuffle=False))
+            wrapped = EngineLoader(sharded,
+                                   self.device if move_to_device else None, self.progress if tracked else None)
+            if tracked:
+                self._train_loader = wrapped
+            out.append(wrapped)
+        return out[0] if len(out) == 1 else out
+
+    # ------------------------------------------------------------------ the step
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()`` as the strategy does it (loss scaling, gradient buffers and
+        reductions). Divide the loss by the accumulation count yourself, as in plain PyTorch."""
+        self._require_setup("backward")
+        s = self._strategy
+        if len(self._models) > 1:
+            backward_across(loss, [(m._strategy, m.module) for m in self._models])
+        # several optimizers: a forward may be followed by several backwards (DDP re-arms per loss)
+        elif len(self._optimizers) == 1:
+            s.backward(loss)
+        else:
+            s.manual_backward(loss)
+        for o in self._optimizers:
+            o.dirty = True
+
+    def begin_external_backward(self) -> float:
+        """For an autograd pass the caller started itself (``zerotrain.deepspeed`` accepts a plain
+        ``loss.backward()`` as DeepSpeed does): the strategy's part before autograd, now. Returns
+        the loss scale the caller multiplies the gradients entering the model by (the precision's
+        loss scaling); call ``end_external_backward`` when autograd has finished."""
+        self._require_setup("backward")
+        self._strategy._before_backward()
+        return self._strategy.precision.loss_scale
+
+    def end_external_backward(self) -> None:
+        """The strategy's part after autograd (gradient reductions) for ``begin_external_backward``."""
+        self._strategy._after_backward()
+        for o in self._optimizers:
+            o.dirty = True
+
+    @contextlib.contextmanager
+    def no_backward_sync(self, model: Any, enabled: bool = True) -> Iterator[None]:
+        """Around the forward and backward of a micro-batch that only accumulates gradients
+        (``enabled``): the strategy skips or defers the gradient communication (DDP's
+        ``no_sync``, ZeRO's deferred reduction)."""
+        self._check_model(model, "no_backward_sync")
+        with self._resolve(model)._strategy.no_sync() if enabled else contextlib.nullcontext():
+            yield
+
+    def clip_gradients(self, model: Any, optimizer: Any, max_norm: float) -> None:
+        """Clip the next ``optimizer.step()``'s gradients to a global L2 norm of ``max_norm``. The
+        step clips, after it unscaled the gradients and checked them for overflow (the strategy's
+        sequence): so this returns nothing, and is called once per step, before ``step()``."""
+        self._clip_next_step(model, optimizer, "max_norm", max_norm)
+
+    def _clip_next_step(self, model: Any, optimizer: Any, name: str, bound: Any,
+                        error_if_nonfinite: bool = False) -> None:
+        """Set ``optimizer``'s next step to clip: by global L2 norm (``name="max_norm"``) or
+        element-wise by value (``name="clip_val"``), to ``bound``."""
+        self._check_model(model, "clip_gradients")
+        if not any(optimizer is o for o in self._optimizers):
+            raise ConfigError(f"{type(self).__name__}.clip_gradients: optimizer is not one engine.setup "
+                              "returned; valid: an optimizer wrapper from engine.setup(model, optimizer, ...)")
+        if isinstance(bound, bool) or not isinstance(bound, (int, float)) or not bound > 0:
+            raise ConfigError(f"{type(self).__name__}.clip_gradients: {name}={bound!r}; valid: a number > 0")
+        optimizer.clip_at = float(bound)
+        optimizer.clip_by = "value" if name == "clip_val" else "norm"
+        optimizer.clip_error_if_nonfinite = bool(error_if_nonfinite)
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The precision's forward context (autocast under the mixed precisions) for computation
+        outside the model's forward, e.g. a loss; the model's forward already runs in it."""
+        return self._strategy.precision.forward_context(self.device.type)
+
+    # ------------------------------------------------------------------ collectives
+    def barrier(self) -> None:
+        self._strategy.barrier()
+
+    def all_reduce(self, value: torch.Tensor | float, op: str = "mean") -> torch.Tensor:
+        """Collective: ``value`` summed, averaged or maxed over the ranks (``op``: sum, mean, max)."""
+        return self._strategy.reduce(value, op=op)
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Collective: every rank's ``tensor`` (same shape everywhere), stacked: shape
+        ``(world_size, *tensor.shape)``."""
+        t = torch.as_tensor(tensor).detach().to(self.device).contiguous()
+        if not self._strategy.distributed:
+            return t.unsqueeze(0)
+        out = [torch.empty_like(t) for _ in range(self.world_size)]
+        progress.mark("all_gather (Engine.all_gather)")
+        dist.all_gather(out, t)
+        return torch.stack(out)
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return self._strategy.broadcast(obj, src)
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on global rank 0 only."""
+        if self.is_global_zero:
+            print(*args, **kwargs)
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, path: str, state: dict[str, Any], update_latest: bool = True) -> None:
+        """Collective: write the checkpoint directory ``path`` in the Trainer's sharded format
+        (every rank its shard; ``latest`` beside it names it, unless ``update_latest`` is False).
+        ``state`` holds the model and optimizer from ``setup`` (under any keys) and anything else:
+        objects with ``state_dict()`` (an LR scheduler: the Trainer resumes it too) and plain
+        values (numbers, strings, tensors, lists and dicts of them)."""
+        self._require_setup("save")
+        self._one_model("save")
+        user = {k: self._saved_value(k, v) for k, v in state.items() if not self._is_setup_object(v)}
+        scheds = [v for v in state.values() if isinstance(v, torch.optim.lr_scheduler.LRScheduler)]
+        loader = self._train_loader
+
+        def engine_meta(meta: dict[str, Any]) -> None:  # rank 0: the Trainer's keys, and the user's
+            meta.update(loop=self.progress.state_dict(), callbacks={}, engine=user,
+                        scheduler=scheds[0].state_dict() if len(scheds) == 1 else None,
+                        data={"batch_size": loader.batch_size if loader is not None else None,
+                              "world": self._strategy.data_parallel_world_size})
+
+        checkpointing.save_strategy(self._strategy, self._strategy.optimizer, path, engine_meta, update_latest)
+
+    def load(self, path: str, state: dict[str, Any]) -> dict[str, Any]:
+        """Collective: load a checkpoint written by the Engine or the Trainer, with any strategy on
+        any world size (resharded as the Trainer does), into the model and optimizer in ``state``;
+        the other entries are restored in place (``load_state_dict`` for objects, the saved value
+        for plain ones; an LR scheduler from a Trainer's checkpoint gets its scheduler). The
+        training loader resumes at the saved position, the RNG states are restored. Returns the
+        saved entries ``state`` did not ask for."""
+        self._require_setup("load")
+        self._one_model("load")
+        s = self._strategy
+        meta = checkpointing.load_strategy(s, s.optimizer, path)
+        loop, note = reshard.resume_position(meta.get("loop", {}), meta.get("data"),
+                                             getattr(self._train_loader, "batch_size", None),
+                                             s.data_parallel_world_size)
+        if note:
+            log.warning("resume: %s", note)
+        self.progress.load_state_dict(loop)
+        self.progress.end_saved_epoch()  # saved at a Trainer's epoch end: the next epoch
+        self.progress.continue_cut_epoch()  # a Trainer's fit that max_steps cut: its epoch's remaining batches
+        saved = meta.get("engine", {})
+        for key, obj in state.items():
+            if self._is_setup_object(obj):
+                continue
+            value = saved.get(key)
+            if value is None and isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
+                value = meta.get("scheduler")
+            if value is None:
+                log.warning("Engine.load: %s has no entry %r; it is left as it is", path, key)
+            elif hasattr(obj, "load_state_dict"):
+                obj.load_state_dict(value)
+            else:
+                state[key] = value
+        self._restore_rng(meta, path)
+        s.barrier()
+        return {k: v for k, v in saved.items() if k not in state}
+
+    def _restore_rng(self, meta: dict[str, Any], path: Any) -> None:
+        """This rank's saved generator states (collective: a malformed one fails every rank at
+        once); a rank the saved job did not have keeps its own (the Trainer re-seeds it from its
+        seed, which the Engine does not own)."""
+        rng = meta.get("rng", [])
+        if not checkpointing.restore_rng(self._strategy, rng, path):
+            log.warning("resume: rank %d has no saved RNG state (saved on %d ranks); it keeps its own",
+                        self.global_rank, len(rng))
+
+    def _is_setup_object(self, obj: Any) -> bool:
+        return any(self._resolve(obj) is m for m in self._models) or any(obj is o for o in self._optimizers)
+
+    def _resolve(self, model: Any) -> Any:
+        """The model wrapper ``model`` stands for (Fabric's ``setup_module`` returns a stand-in)."""
+        return model
+
+    def _saved_value(self, key: str, value: Any) -> Any:
+        if isinstance(value, (EngineModule, EngineOptimizer, nn.Module, torch.optim.Optimizer)):
+            raise ConfigError(f"Engine.save: state[{key!r}] is a {type(value).__name__} that engine.setup "
+                              "did not return; valid: the model and optimizer from engine.setup, objects "
+                              "with state_dict() and plain values")
+        return value.state_dict() if hasattr(value, "state_dict") else value
+
+    # ------------------------------------------------------------------ checks
+    def _require_setup(self, what: str) -> None:
+        if self._model is None:
+            raise ConfigError(f"Engine.{what}: called before engine.setup(model, optimizer); valid: set up "
+                              "the model and optimizer first")
+
+    def _one_model(self, what: str) -> None:
+        if len(self._models) > 1:
+            raise ConfigError(f"Engine.{what}: {len(self._models)} models set up; valid: one (the checkpoint "
+                              "format holds one strategy's model: put the networks in one nn.Module to save them)")
+
+    def _check_model(self, model: Any, what: str) -> None:
+        self._require_setup(what)
+        if not any(self._resolve(model) is m for m in self._models):
+            raise ConfigError(f"Engine.{what}: model is not the one engine.setup returned; valid: the model "
+                              "wrapper from engine.setup(model, optimizer)")
+
+
+class EngineModule(ForwardMethods):
+    """The model as ``Engine.setup`` returns it: calling it runs the forward through the strategy
+    (``run_forward``: the precision's autocast; the strategy's model: DDP's reducer, ZeRO-3's gather
+    hooks), so do its forward methods (``engine_models.ForwardMethods``: ``training_step`` & co.,
+    ``mark_forward_method``; other methods running submodules are refused on several processes, as
+    Fabric's). Every other attribute is the user's module's (``.module``): ``train()``, ``eval()``,
+    ``parameters()`` - under zero3 placeholders outside a forward; read the weights with
+    ``engine.strategy.full_state_dict()``."""
+
+    def __init__(self, strategy: Strategy, module: nn.Module) -> None:
+        object.__setattr__(self, "module", module)
+        object.__setattr__(self, "_strategy", strategy)
+        object.__setattr__(self, "_forward_methods", set(STEP_METHODS))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        s = self._strategy
+        args, kwargs = s.precision.convert_input((args, kwargs))  # bf16-true: float inputs in bf16, as Fabric's
+        return s.run_forward(s.model, "__call__", *args, **kwargs)
+
+    forward = __call__
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Collective: the complete fp32 weights on global rank 0 (``{}`` elsewhere), whichever
+        way the strategy holds them."""
+        return self._strategy.full_state_dict()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``nn.Module.zero_grad`` that reaches the strategy's gradients too: ZeRO keeps them in its
+        partitions, out of the module's reach (a GAN's ``discriminator.zero_grad()`` left the
+        generator loss's gradients there, and the next discriminator step took them)."""
+        self._strategy.zero_grad()
+        self.module.zero_grad(set_to_none)
+
+    def __getattr__(self, name: str) -> Any:
+        return self._forward_method(name) or self._watched_method(name, getattr(self.module, name))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self.module, name, value)
+
+    def __repr__(self) -> str:
+        return f"EngineModule({self._strategy.name}, {self.module!r})"
+
+
+class EngineOptimizer(torch.optim.Optimizer):
+    """The optimizer as ``Engine.setup`` returns it: ``step()`` is the strategy's whole step
+    (``Strategy.optimizer_step``: gradients ready, unscale and overflow check, the clipping
+    ``clip_gradients`` asked for, the inner step of the user's optimizer, parameter refresh, zeroed
+    gradients); returns whether it stepped (False: an fp16 overflow skipped it). ``param_groups``
+    and every other attribute are the user's optimizer's, so setting ``lr`` and LR schedulers built
+    on it work as in plain PyTorch. One of several (``which``): its step and zeroing touch its own
+    parameters only; the others' gradients keep accumulating. It is a ``torch.optim.Optimizer``
+    (torch's LR schedulers check that) whose ``param_groups``, ``state`` and ``defaults`` are the
+    user's optimizer's own (``Optimizer.__init__`` is not run: nothing is copied)."""
+
+    param_groups = property(lambda self: self.optimizer.param_groups,
+                            lambda self, groups: setattr(self.optimizer, "param_groups", groups))
+    state = property(lambda self: self.optimizer.state)
+    defaults = property(lambda self: self.optimizer.defaults)
+
+    def __init__(self, engine: Engine, optimizer: torch.optim.Optimizer, which: int | None = None,
+                 strategy: Strategy | None = None) -> None:
+        self.engine, self.optimizer, self.which = engine, optimizer, which
+        self.strategy = strategy if strategy is not None else engine.strategy  # its model's
+        self.clip_at: float | None = None  # set by Engine.clip_gradients for the next step
+        self.clip_by, self.clip_error_if_nonfinite = "norm", False  # how it clips ("norm" / "value")
+        self.last_grad_norm: torch.Tensor | None = None  # the last step's norm before clipping by norm
+        self.clip_norm_out: torch.Tensor | None = None  # what Fabric.clip_gradients returned, filled by step()
+        self.dirty = False  # a backward ran since this optimizer's gradients were last zeroed
+
+    def step(self, closure: Any = None) -> bool:
+        if closure is not None:
+            raise ConfigError("EngineOptimizer.step: closure given; valid: step() without a closure (the "
+                              "strategy runs the forward and backward through the engine, not the optimizer)")
+        e = self.engine
+        try:
+            stepped = self.strategy.optimizer_step(self.clip_at, self.clip_by, which=self.which,
+                                                   error_if_nonfinite=self.clip_error_if_nonfinite)
+        finally:
+            self.clip_at, self.clip_by, self.clip_error_if_nonfinite = None, "norm", False
+        self.last_grad_norm = getattr(self.strategy, "last_grad_norm", None)
+        out, self.clip_norm_out = self.clip_norm_out, None
+        if out is not None and self.last_grad_norm is not None:  # Fabric.clip_gradients' returned norm
+            out.copy_(self.last_grad_norm.detach())
+        self.dirty = False
+        e.progress.global_step += 1
+        e.progress.skipped_steps += not stepped
+        return stepped
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The strategy's gradients dropped (it decides how they are kept; ``set_to_none`` is
+        accepted for plain PyTorch's signature). A no-op right after ``step()``, which zeroes."""
+        if self.dirty:
+            self.strategy.zero_grad(self.which)
+            self.dirty = False
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.optimizer, name)
+
+    def __repr__(self) -> str:
+        return f"EngineOptimizer({self.optimizer!r})"
+
+
+class EngineLoader:
+    """A loader as ``Engine.setup_dataloaders`` returns it: each pass calls the sampler's
+    ``set_epoch``, batches go to the device; the training loader also keeps the position in the
+    Engine's ``LoopState`` (epoch, batches of the epoch, as the Trainer counts them) and, after a
+    load, its next pass starts at the saved batch."""
+
+    def __init__(self, loader: Any, device: torch.device | None, position: LoopState | None) -> None:
+        self.loader, self.device = loader, device
+        self.position = position if position is not None else LoopState()
+        self._in_pass = False
+
+    @property
+    def batch_size(self) -> int | None:
+        return getattr(self.loader, "batch_size", None)
+
+    def __getattr__(self, name: str) -> Any:
+        """The loader's own attributes (``dataset``, ``sampler``, ``num_workers`` ...), as Fabric's."""
+        if name == "loader":
+            raise AttributeError(name)
+        return getattr(self.loader, name)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[Any]:
+        pos = self.position
+        if self._in_pass:  # the last pass was left unfinished: this one is the next epoch
+            pos.epoch, pos.batches_in_epoch = pos.epoch + 1, 0
+        skip = pos.batches_in_epoch  # > 0 only when resuming mid-epoch
+        if hasattr(getattr(self.loader, "sampler", None), "set_epoch"):
+            self.loader.sampler.set_epoch(pos.epoch)
+        try:
+            total = len(self.loader)
+        except TypeError:
+            total = None
+        self._in_pass = True
+        for i, batch in enumerate(epoch_iterator(self.loader, resuming=skip > 0)):
+            if i < skip:
+                continue
+            pos.batches_in_epoch += 1
+            pos.total_batches += 1
+            if total is not None and i + 1 == total:  # the epoch is over once its last batch is out
+                pos.epoch, pos.batches_in_epoch, self._in_pass = pos.epoch + 1, 0, False
+            yield _to_device(batch, self.device) if self.device is not None else batch
+        if self._in_pass:  # a loader without a length: the epoch ends when it is exhausted
+            pos.epoch, pos.batches_in_epoch, self._in_pass = pos.epoch + 1, 0, False
