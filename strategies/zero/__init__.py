@@ -13,9 +13,9 @@ every stage, in one place), ``strategy`` (the shared pieces of the step and chec
 ``stage3/`` (units, their runtime and partitioned construction). Each sub-package's ``__init__``
 says which module holds what.
 
-May import: ``strategies``' shared modules (``base``, ``options``, ``environment``, ...) and
-``ops``; never ``offload/`` or ``pipeline/``, which build on this package (but ``estimate``, the
-command, which prints offload's bytes too and which no module here imports).
+Never ``offload/`` or ``pipeline/``, which build on this package, but for ``estimate`` (the command,
+which prints offload's bytes too; no module here imports it), which reads ``offload``'s policy and formula.
+May import: ops, strategies.base, strategies.checkpoint, strategies.compile, strategies.environment, strategies.instrument, strategies.memory, strategies.optimizers, strategies.options, strategies.progress, strategies.step_wrapper, strategies.offload.config, strategies.offload.estimate.
 """
 from __future__ import annotations
 

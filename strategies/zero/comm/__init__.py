@@ -7,8 +7,7 @@ in flight, typed by what it is for, and the one place that waits on a handle), `
 be), ``grad_norm`` (the clip norm as torch's: per-parameter norms, boundary parameters assembled,
 one all-reduce) and ``reduction`` (stage 1/2's bucketed gradient reduction during backward).
 
-May import: ``strategies``' shared modules (``instrument``, ``progress``), ``zero.layout``,
-``zero.flat_buffer`` and ``zero.hooks``, and ``ops``. Not the stage strategies (``zero.strategy``,
-``zero.stage1/2``, ``zero.stage3``), which import this package. Nothing is imported here, so a
-module of this package may be imported without the others.
+Not the stage strategies (``zero.strategy``, ``zero.stage1/2``, ``zero.stage3``), which import
+this package. Nothing is imported here, so a module of this package may be imported without the others.
+May import: ops, strategies.instrument, strategies.progress, strategies.zero.layout, strategies.zero.flat_buffer, strategies.zero.hooks.
 """

@@ -6,8 +6,8 @@ together), ``unit`` (one unit's shards and its SHARDED/GATHERING/UNSHARDED state
 (what each forward/backward event does to the units), ``touch`` and ``materialize`` (partitioned
 construction: the model built a unit at a time, never whole).
 
-May import: ``strategies``' shared modules, ``zero``'s (``config``, ``layout``, ``strategy``,
-``hooks``, ``sharded_optimizer``) and ``zero.comm``. Only ``zero.hooks`` (the stage-3 hooks) and
-``zero/__init__`` import this package, plus ``offload.param_swap`` (a unit's shards on NVMe).
-Nothing is imported here, so ``unit`` or ``touch`` may be imported without the strategy.
+Only ``zero.hooks`` (the stage-3 hooks) and ``zero/__init__`` import this package, plus
+``offload.param_swap`` (a unit's shards on NVMe). Nothing is imported here, so ``unit`` or
+``touch`` may be imported without the strategy.
+May import: strategies.base, strategies.checkpoint, strategies.compile, strategies.environment, strategies.memory, strategies.optimizers, strategies.step_wrapper, strategies.zero.comm, strategies.zero.config, strategies.zero.hooks, strategies.zero.layout, strategies.zero.sharded_optimizer, strategies.zero.shards, strategies.zero.strategy.
 """
