@@ -40,8 +40,10 @@ precision's ``pre_backward``/``backward``/``post_backward``, and steps through `
     run_schedule                training_step (run_forward) -> hooks.loss_of -> hooks.before_backward
                                 -> backward(loss / hooks.accumulation) -> hooks.after_backward
     run_forward                 every forward, under the precision's forward context (autocast)
-    backward                    _before_backward -> precision.pre_backward (loss scale)
-                                -> precision.backward -> precision.post_backward -> _after_backward
+    backward                    _before_backward -> precision.backward_loss (pre_backward: the loss
+                                scale -> backward -> post_backward) -> _after_backward
+    user_backward               a backward the user runs: _before_backward -> [the user's autograd,
+                                gradients times the plugin's loss_scale] -> _after_backward
     optimizer_step              _gradients_ready -> step_gradients -> precision.unscale_and_check
                                 -> precision.update -> [no overflow: clip_grad_norm_ (_grad_norm,
                                 _scale_grads) -> _inner_step -> _refresh_params] -> _end_step
@@ -250,14 +252,34 @@ class Strategy(Ranks):
         return self.run_forward(self.model, "validation_step", batch, batch_idx)
 
     def backward(self, loss: torch.Tensor, **backward_kwargs: Any) -> None:
-        """The precision plugin's pre-backward (loss scaling), backward and post-backward, between
-        the strategy's own ``_before_backward``/``_after_backward`` (ZeRO: gradient buffers and
-        bucketed reductions). ``backward_kwargs`` (``retain_graph``, ...) go to ``Tensor.backward``."""
+        """The precision plugin's backward of the loss (``backward_loss``: loss scale, autograd),
+        between the strategy's own ``_before_backward``/``_after_backward`` (ZeRO: gradient buffers
+        and bucketed reductions). ``backward_kwargs`` (``retain_graph``, ...) go to ``Tensor.backward``."""
         self._before_backward()
-        loss = self.precision.pre_backward(loss)
-        self.precision.backward(loss, self.model, run=self.backward_call, **backward_kwargs)
-        self.precision.post_backward(loss)
+        self.precision.backward_loss(loss, self.model, run=self.backward_call, **backward_kwargs)
         self._after_backward()
+
+    def begin_user_backward(self, loss: torch.Tensor | None = None) -> float:
+        """For an autograd pass the user starts themselves (a DeepSpeed script's plain
+        ``loss.backward()``): the strategy's part before autograd, now (with ``loss``: as before a
+        ``manual_backward`` of it). Returns the precision plugin's loss scale, which the gradients
+        entering the model must carry. Then ``end_user_backward`` (or use ``user_backward``)."""
+        if loss is not None:
+            self._before_manual_backward(loss)
+        self._before_backward()
+        return self.precision.loss_scale
+
+    def end_user_backward(self) -> None:
+        """The strategy's part after autograd (gradient reductions) for ``begin_user_backward``."""
+        self._after_backward()
+
+    @contextlib.contextmanager
+    def user_backward(self, loss: torch.Tensor | None = None) -> Iterator[float]:
+        """``with strategy.user_backward() as scale: (loss * scale).backward()``: the strategy's
+        parts around it; not after an exception (its reductions would wait for missing gradients)."""
+        scale = self.begin_user_backward(loss)
+        yield scale
+        self.end_user_backward()
 
     def _before_backward(self) -> None:
         """Before autograd runs for one micro-batch."""
@@ -379,13 +401,6 @@ class Strategy(Ranks):
         """Clamp what the inner step will read (here: the step gradients, in place)."""
         for g in self.step_gradients():
             g.detach().clamp_(-clip_value, clip_value)
-
-    def _local_grad_sq_norm(self) -> torch.Tensor:
-        """The squared L2 norm of this rank's step gradients, in fp32."""
-        grads = self.step_gradients()
-        if not grads:
-            return torch.zeros((), device=self.device)
-        return torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum()
 
     def _grad_norm(self) -> torch.Tensor:
         """The global L2 norm of the step gradients. Replicated strategies: this rank's, computed

@@ -20,9 +20,9 @@ input shapes (``_sent_key``: unequal evaluation parts cross a boundary in two la
 
 Forward and backward go through the strategy's and the precision plugin's one copy of each:
 every micro-batch forward runs through ``run_forward`` (the strategy's, which enters the
-precision's forward context); the last stage's backward is the plugin's ``pre_backward`` (loss
-scale) -> ``backward`` -> ``post_backward``, and the other stages' backward from the received
-output gradients (already scaled) is the plugin's ``backward`` alone.
+precision's forward context); the last stage's backward is the plugin's ``backward_loss`` (the
+same call as ``Strategy.backward``'s: loss scale, autograd), and the other stages' backward from
+the received output gradients (already scaled) is the plugin's ``backward`` alone.
 """
 from __future__ import annotations
 
@@ -202,9 +202,7 @@ class StageExecutor:
     def _backward(self, slot: tuple[int, int], b: _Buffers) -> None:
         out = b.outputs.pop(slot)
         if self.is_last(slot[0]):
-            loss = self.precision.pre_backward(out * b.grad_scale if b.grad_scale != 1.0 else out)
-            self.precision.backward(loss, self.pipe)
-            self.precision.post_backward(loss)
+            self.precision.backward_loss(out * b.grad_scale if b.grad_scale != 1.0 else out, self.pipe)
         else:
             meta = self.comm.sent[self._sent_key(b, *slot)]
             tensors = meta.flatten(out)

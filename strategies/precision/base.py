@@ -2,10 +2,12 @@
 
 The base class is the "32" plugin and every method is a no-op (or the plain operation), so a
 strategy calls the same methods whatever the precision (a null object instead of ``if fp16:``
-branches). As in Lightning Fabric, the plugin owns the backward: ``Strategy.backward`` is
-``pre_backward`` (scale the loss) -> ``backward`` (run autograd) -> ``post_backward``, and the
-pipeline's stages call the same three for their schedule; nothing else in the library calls
-autograd's backward.
+branches). As in Lightning Fabric, the plugin owns the backward: ``backward_loss`` is
+``pre_backward`` (scale the loss) -> ``backward`` (run autograd) -> ``post_backward``, written once
+here; ``Strategy.backward`` and the pipeline's last stage call it, the other stages call
+``backward`` with the gradients they received. Nothing else in the library calls autograd's
+backward (``tests/unit/test_structure.py``). A backward the user starts themselves goes through
+``Strategy.user_backward``, which hands out ``loss_scale``.
 """
 from __future__ import annotations
 
@@ -53,6 +55,15 @@ class Precision:
         return loss
 
     # ------------------------------------------------------------------ the backward
+    def backward_loss(self, loss: torch.Tensor, model: torch.nn.Module | None, run: Callable | None = None,
+                      **backward_kwargs: Any) -> torch.Tensor:
+        """The backward of one loss: ``pre_backward`` (the loss scale) -> ``backward`` (autograd;
+        ``run`` and ``backward_kwargs`` as there) -> ``post_backward``; returns what autograd ran from."""
+        loss = self.pre_backward(loss)
+        self.backward(loss, model, run=run, **backward_kwargs)
+        self.post_backward(loss)
+        return loss
+
     def pre_backward(self, loss: torch.Tensor) -> torch.Tensor:
         """What autograd runs from: the loss, scaled if this plugin scales it."""
         return self.scale_loss(loss)

@@ -36,44 +36,71 @@ def test_no_constructor_takes_more_than_twelve_parameters():
     assert not big, f"constructors with more than 12 parameters: {big}"
 
 
-def _calls(*names: str) -> dict[str, list[str]]:
-    """Where each attribute call ``x.<name>(...)`` appears: name -> ["file:caller", ...]."""
-    out: dict[str, list[str]] = {n: [] for n in names}
-    for path in FILES:
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in out:
-                out[node.func.attr].append(f"{path.relative_to(STRATEGIES)}:{ast.unparse(node.func.value)}")
-    return out
+#: the library's code that may run a backward or a step: strategies/, trainer/ and callbacks/,
+#: searched whole (files move between sub-folders; call sites are named by class and function)
+ROOT = STRATEGIES.parent
+STEP_CODE = sorted(p for top in ("strategies", "trainer", "callbacks") for p in (ROOT / top).rglob("*.py"))
 
 
-def _references(dotted: str) -> list[str]:
-    """Where ``<x>.<dotted>`` is read without being called: ["file:x", ...]."""
-    owner, attr = dotted.rsplit(".", 1)
-    out = []
-    for path in FILES:
+def _sites():
+    """Every call ``<x>.<name>(...)`` and every read of ``<x>.backward`` that is not called, in
+    STEP_CODE: ``(kind, name, "Class.function:<x>")``, kind "call" or "ref"."""
+    for path in STEP_CODE:
         tree = ast.parse(path.read_text())
         called = {id(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)}
-        for node in ast.walk(tree):
-            if (isinstance(node, ast.Attribute) and node.attr == attr and id(node) not in called
-                    and ast.unparse(node.value).endswith(owner)):
-                out.append(f"{path.relative_to(STRATEGIES)}:{ast.unparse(node.value)}")
-    return out
+
+        def visit(node, scope):
+            for child in ast.iter_child_nodes(node):
+                inner = scope
+                if isinstance(child, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                    inner = f"{scope}.{child.name}" if scope else child.name
+                if isinstance(child, ast.Call) and isinstance(child.func, ast.Attribute):
+                    yield "call", child.func.attr, f"{inner}:{ast.unparse(child.func.value)}"
+                elif (isinstance(child, ast.Attribute) and child.attr == "backward" and id(child) not in called
+                      and ast.unparse(child.value).endswith(("Tensor", "autograd"))):
+                    yield "ref", "backward", f"{inner}:{ast.unparse(child.value)}"
+                yield from visit(child, inner)
+
+        yield from visit(tree, "")
+
+
+def _where(name: str, kind: str = "call") -> list[str]:
+    return sorted(site for k, n, site in _sites() if k == kind and n == name)
+
+
+#: calls of a method named ``backward`` that dispatch to the library's own ``backward`` methods (a
+#: strategy's, an engine's, a precision plugin's, the module's hook), not to autograd
+DISPATCH = {
+    "Strategy.run_schedule:self", "Strategy.manual_backward:self", "Strategy.backward:self.precision",
+    "Precision.backward_loss:self", "StageExecutor._backward:self.precision", "Engine.backward:s",
+    "DeepSpeedEngine.backward:self._zt", "backward_across:models[0][0].precision",
+    "TrainerSetup._module_backward:self.module", "_Builder.backward_pass:self", "interleaved_1f1b:b",
+}
 
 
 def test_the_step_sequence_is_written_once():
-    """The loss is scaled in one place (the precision plugin's pre_backward), autograd runs in one
-    place (the plugin's backward: the base strategy and the pipeline's per-micro-batch backward call
-    it), and unscale -> clip -> inner step are sequenced once, in the base strategy."""
-    calls = _calls("scale_loss", "backward", "unscale_and_check", "clip_grad_norm_", "_inner_step")
-    assert calls["scale_loss"] == ["precision/base.py:self"], calls["scale_loss"]
-    autograd = [c for c in calls["backward"] if not c.endswith(("self.precision", ":self", "schedule.py:b"))]
+    """Across strategies/, trainer/ and callbacks/: the loss is scaled in one place (the precision
+    plugin's ``pre_backward``, run by its ``backward_loss``, which both the base strategy and the
+    pipeline's last stage call), autograd runs in one place (the plugin's ``backward``), and
+    unscale -> clip -> inner step are sequenced once, in the base strategy. A backward the user
+    runs goes through ``Strategy.user_backward``: nothing outside strategies/ calls a strategy's
+    private ``_before_backward``/``_after_backward``."""
+    assert [s.split(":")[0] for s in _where("scale_loss")] == ["Precision.pre_backward"], _where("scale_loss")
+    for name in ("pre_backward", "post_backward"):  # the plugin's (stage 3's runtime has its own)
+        plugin = [s for s in _where(name) if s.startswith("Precision.") or s.endswith("precision")]
+        assert plugin == ["Precision.backward_loss:self"], (name, plugin)
+    autograd = [s for s in _where("backward") if s not in DISPATCH] + _where("backward", "ref")
     # a single loss through Tensor.backward (as Lightning's plugins call it; by reference, since the
-    # module's ``backward`` hook the Trainer lends may run instead), a stage's outputs with their incoming
-    # gradients through torch.autograd.backward: both in the plugin, nowhere else
-    assert sorted(autograd + _references("Tensor.backward")) == [
-        "precision/base.py:torch.Tensor", "precision/base.py:torch.autograd"], autograd
+    # module's ``backward`` hook the Trainer lends may run instead), a stage's outputs with their
+    # incoming gradients through torch.autograd.backward: both in the plugin. TrainModule.backward is
+    # that hook (Lightning's ``LightningModule.backward``): its default body is what the plugin runs.
+    assert sorted(autograd) == ["Precision.backward:torch.Tensor", "Precision.backward:torch.autograd",
+                                "TrainModule.backward:loss"], autograd
     for name in ("unscale_and_check", "clip_grad_norm_", "_inner_step"):
-        assert [c.split(":")[0] for c in calls[name]] == ["base.py"], (name, calls[name])
+        assert [s.split(":")[0] for s in _where(name)] == ["Strategy.optimizer_step"], (name, _where(name))
+    private = [s for s in _where("_before_backward") + _where("_after_backward")
+               if not s.startswith("Strategy.")]
+    assert not private, f"use Strategy.user_backward / begin_user_backward instead: {private}"
 
 
 def test_no_file_of_strategies_over_500_lines():

@@ -233,12 +233,11 @@ class Engine:
         the loss scale the caller multiplies the gradients entering the model by (the precision's
         loss scaling); call ``end_external_backward`` when autograd has finished."""
         self._require_setup("backward")
-        self._strategy._before_backward()
-        return self._strategy.precision.loss_scale
+        return self._strategy.begin_user_backward()
 
     def end_external_backward(self) -> None:
         """The strategy's part after autograd (gradient reductions) for ``begin_external_backward``."""
-        self._strategy._after_backward()
+        self._strategy.end_user_backward()
         for o in self._optimizers:
             o.dirty = True
 

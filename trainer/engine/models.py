@@ -59,11 +59,10 @@ def backward_across(loss: torch.Tensor, models: list[tuple[Strategy, nn.Module]]
     reached = reached_parameters(loss)
     touched = [s for s, m in models if any(id(p) in reached for p in m.parameters())]
     for s in touched:
-        s._before_manual_backward(loss)
-        s._before_backward()
-    loss.backward()
+        s.begin_user_backward(loss)  # the loss scale is 1 (setup refuses 16-mixed for several models)
+    models[0][0].precision.backward(loss, None)
     for s in touched:
-        s._after_backward()
+        s.end_user_backward()
 
 
 #: a set-up model's methods that run through the strategy as its forward does (Fabric's list)
