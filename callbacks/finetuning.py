@@ -22,7 +22,7 @@ def multiplicative(epoch: int) -> float:
 
 
 def _optimizers(trainer: Any) -> list:
-    optim = getattr(trainer, "_optim", None)
+    optim = getattr(trainer, "optimization", None)
     found = list(getattr(optim, "optimizers", []) or [])
     return found or ([trainer.optimizer] if trainer.optimizer is not None else [])
 

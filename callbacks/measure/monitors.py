@@ -45,7 +45,7 @@ class LearningRateMonitor(Callback):
         self.last_weight_decay_values = {f"{name}-weight_decay": None for name in names}
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if self.logging_interval != "epoch" and trainer._logging.step_row_due():
+        if self.logging_interval != "epoch" and trainer.metrics_connector.step_row_due():
             self._emit(trainer, "step" if self.logging_interval is None else "any")
 
     def on_train_epoch_start(self, trainer, pl_module) -> None:
@@ -94,7 +94,7 @@ class LearningRateMonitor(Callback):
                 if self.log_weight_decay:
                     value = float(g["weight_decay"])
                     metrics[f"{name}-weight_decay"] = self.last_weight_decay_values[f"{name}-weight_decay"] = value
-        trainer._emit(metrics, callback=True)
+        trainer.metrics_connector.emit(metrics, callback=True)
 
     def _regrouped(self, name: str) -> None:
         """An optimizer that gained param groups (``BaseFinetuning``): its values logged so far
@@ -133,7 +133,7 @@ class ThroughputMonitor(Callback):
         if fps and self.peak_flops:
             m["throughput/mfu"] = m["throughput/samples_per_sec"] * fps / (self.peak_flops * trainer.world_size)
         self.last = m
-        trainer._emit(m)
+        trainer.metrics_connector.emit(m)
         self._t, self._samples = time.perf_counter(), 0
 
 

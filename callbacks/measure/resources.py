@@ -160,7 +160,7 @@ class ResourceMonitor(Callback):
         self.steps.append(record)
         every = self.log_every_n_steps or trainer.log_every_n_steps
         if every and trainer.global_step % every == 0:
-            trainer._emit(_metric_names(record))
+            trainer.metrics_connector.emit(_metric_names(record))
 
     def _busy(self, start: float, end: float) -> float:
         """How long at least one collective was in flight within [start, end); collectives still

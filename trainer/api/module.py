@@ -227,19 +227,19 @@ class TrainModule(HyperparametersMixin, nn.Module, DataHooks, ModuleTools):
     def optimizers(self, use_pl_optimizer: bool = True) -> Any:
         """The optimizer wrappers (one, or a list for several); ``use_pl_optimizer=False``: the
         optimizers themselves."""
-        optim = self.trainer._optim
+        optim = self.trainer.optimization
         opts = optim.wrappers if use_pl_optimizer else optim.optimizers
         return opts[0] if len(opts) == 1 else list(opts)
 
     def lr_schedulers(self) -> Any:
         """The LR schedulers (None, one, or a list for several), to step yourself in manual mode."""
-        scheds = [c.scheduler for c in self.trainer._optim.schedulers]
+        scheds = [c.scheduler for c in self.trainer.optimization.schedulers]
         return None if not scheds else scheds[0] if len(scheds) == 1 else scheds
 
     def manual_backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         """``loss.backward(*args, **kwargs)`` as the strategy does it (loss scaling, gradient
         reduction), with the ``on_before_backward``/``on_after_backward`` hooks."""
-        self.trainer._optim.manual_backward(loss, *args, **kwargs)
+        self.trainer.optimization.manual_backward(loss, *args, **kwargs)
 
     def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         """How the Trainer runs autograd from a loss (automatic and ``manual_backward``), between
@@ -297,7 +297,7 @@ class TrainModule(HyperparametersMixin, nn.Module, DataHooks, ModuleTools):
             self.fabric.clip_gradients(self, optimizer, clip_val=gradient_clip_val if by_value else None,
                                        max_norm=None if by_value else gradient_clip_val)
             return
-        self.trainer._optim.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        self.trainer.optimization.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def log(self, name: str, value: Any, prog_bar: bool = False, logger: bool | None = None,
             on_step: bool | None = None, on_epoch: bool | None = None, reduce_fx: Any = "mean",
@@ -316,10 +316,11 @@ class TrainModule(HyperparametersMixin, nn.Module, DataHooks, ModuleTools):
             return
         if self._trainer is None:
             return
-        self._trainer._log(name, value, fx=self._current_fx_name, prog_bar=prog_bar, logger=logger,
-                           on_step=on_step, on_epoch=on_epoch, reduce_fx=reduce_fx, enable_graph=enable_graph,
-                           sync_dist=sync_dist, sync_dist_group=sync_dist_group, add_dataloader_idx=add_dataloader_idx,
-                           batch_size=batch_size, metric_attribute=metric_attribute, rank_zero_only=rank_zero_only)
+        self._trainer.metrics_connector.log(
+            name, value, fx=self._current_fx_name, prog_bar=prog_bar, logger=logger, on_step=on_step,
+            on_epoch=on_epoch, reduce_fx=reduce_fx, enable_graph=enable_graph, sync_dist=sync_dist,
+            sync_dist_group=sync_dist_group, add_dataloader_idx=add_dataloader_idx, batch_size=batch_size,
+            metric_attribute=metric_attribute, rank_zero_only=rank_zero_only)
 
     def log_dict(self, dictionary: "dict[str, Any]", prog_bar: bool = False, logger: bool | None = None,
                  on_step: bool | None = None, on_epoch: bool | None = None, reduce_fx: Any = "mean",

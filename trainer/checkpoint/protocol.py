@@ -34,13 +34,13 @@ def save(trainer: "Trainer", path: str, update_latest: bool = True) -> None:
 
     def loop_meta(meta: dict[str, Any]) -> None:  # rank 0: the Trainer's part, then the hook
         meta.update(loop=trainer.fit_loop.saved_position(), callbacks=trainer.hooks.state_dict(),
-                    scheduler=trainer._optim.scheduler_state(),
+                    scheduler=trainer.optimization.scheduler_state(),
                     data={"batch_size": getattr(loader, "batch_size", None),
                           "world": trainer.strategy.data_parallel_world_size,
                           "accumulate_grad_batches": trainer.accumulate_grad_batches},
                     **hparams.checkpoint_entries(trainer.module, trainer.datamodule))
         # Lightning's key, as its hooks read it: every scheduler's state, in order
-        meta["lr_schedulers"] = [c.scheduler.state_dict() for c in trainer._optim.schedulers]
+        meta["lr_schedulers"] = [c.scheduler.state_dict() for c in trainer.optimization.schedulers]
         dm = trainer.datamodule
         dm_state = datamodule_hook(trainer, dm, "state_dict") if dm is not None else None
         if dm_state:  # Lightning's key: the datamodule class's qualified name
@@ -205,7 +205,7 @@ def load(trainer: "Trainer", path: str) -> None:
     if note:
         log.warning("resume: %s", note)
     trainer.state.load_state_dict(loop)
-    trainer._optim.load_scheduler_state(meta.get("scheduler"))
+    trainer.optimization.load_scheduler_state(meta.get("scheduler"))
     dm = trainer.datamodule
     if dm is not None and type(dm).__qualname__ in meta:  # before the module's hook, as Lightning
         datamodule_hook(trainer, dm, "load_state_dict", meta[type(dm).__qualname__])

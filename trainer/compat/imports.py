@@ -54,3 +54,9 @@ _RICH_AVAILABLE = version_at_least("rich", "10.2.2")
 _ONNX_AVAILABLE = package_available("onnx")
 _TENSORBOARD_AVAILABLE = package_available("tensorboard")
 _TENSORBOARDX_AVAILABLE = package_available("tensorboardX")
+
+
+def rich_available() -> bool:
+    """Whether ``rich`` (10.2.2 or later) is there: Lightning's ``_RICH_AVAILABLE``, read at each call
+    (a test that switches the flag off here is seen)."""
+    return _RICH_AVAILABLE

@@ -14,7 +14,7 @@ from ..api.datamodule import DataModule, overrides_hook
 from ..errors import ConfigError, MisconfigurationException
 from ..loop.hooks import datamodule_hook
 from ..compat.lightning import data as _data
-from ..compat.lightning.data import _auto_add_worker_init_fn
+from ..compat.lightning.data import add_worker_init_fn
 from ..utilities import PossibleUserWarning, is_overridden, rank_zero_warn
 
 log = logging.getLogger("zerotrain")
@@ -70,7 +70,7 @@ class TrainerData:
         if isinstance(loader, DataLoader):
             _data.has_len_all_ranks(loader, self._strategy)  # Lightning's warnings: zero length, IterableDataset + len
             worker_check(loader, stage, self._strategy.world_size)
-            _auto_add_worker_init_fn(loader, self._strategy.global_rank)  # seed_everything(workers=True)
+            add_worker_init_fn(loader, self._strategy.global_rank)  # seed_everything(workers=True)
         if loader is None or not isinstance(loader, DataLoader) or not self.use_distributed_sampler:
             return loader
         if not job.shardable(loader):  # an iterable dataset (Lightning keeps it too) or the user's batch_sampler

@@ -70,8 +70,9 @@ def handled_signals() -> list[signal.Signals]:
 class SignalCheckpoint:
     """One ``fit``'s signal handling (module docstring)."""
 
-    def __init__(self, trainer: "Trainer") -> None:
+    def __init__(self, trainer: "Trainer", launcher: Any = None) -> None:
         self.trainer = trainer
+        self.launcher = launcher  # our LocalLauncher on rank 0 of a job it started: the signal goes on to its ranks
         self.received: int | None = None  # this rank's first signal
         self._previous: dict[int, Any] = {}
         self._parent = os.getppid()
@@ -124,7 +125,7 @@ class SignalCheckpoint:
 
     def _forward(self, signum: int) -> None:
         """Rank 0 of our launcher: the same signal to the ranks it started."""
-        launcher = self.trainer._launcher
+        launcher = self.launcher
         for proc in (launcher.children if launcher is not None and signum == signal.SIGTERM else []):
             if proc.returncode is None:
                 try:

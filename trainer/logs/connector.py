@@ -41,6 +41,8 @@ class MetricsConnector:
         self.logged: dict[str, torch.Tensor] = {}
         self.pbar: dict[str, float] = {}
         self.seen: dict[int, int] = {}
+        #: ``self.log`` calls so far: a step compares it before and after to know it logged something
+        self.log_calls = 0
 
     # ---- self.log
     def log(self, name: str, value: Any, prog_bar: bool = False, logger: bool | None = None,
@@ -48,7 +50,14 @@ class MetricsConnector:
             enable_graph: bool = False, sync_dist: bool = False, sync_dist_group: Any = None,
             add_dataloader_idx: bool = True, batch_size: int | None = None, metric_attribute: str | None = None,
             rank_zero_only: bool = False, fx: str | None = None) -> None:
-        """``TrainModule.log``: Lightning's checks, defaults and bookkeeping (see the module doc)."""
+        """``TrainModule.log``: Lightning's checks, defaults and bookkeeping (see the module doc), in
+        the running hook's name (else ``fx``, the module's ``_current_fx_name``, set by hand). Under
+        ``barebones`` nothing is logged, with a warning, as Lightning."""
+        if self.trainer.barebones:
+            rank_zero_warn("self.log() does nothing here: `Trainer(barebones=True)` is configured, and it turns "
+                           "logging off (logging costs speed)")
+            return
+        self.log_calls += 1
         value = as_value(name, value, self._device())
         fx = self.fx or fx
         on_step, on_epoch = log_levels(fx, on_step, on_epoch)
@@ -285,6 +294,18 @@ class MetricsConnector:
             lg.save()
 
 
+    def emit(self, metrics: dict[str, float], callback: bool = False) -> None:
+        """A callback's own row straight to the loggers (as Lightning's LearningRateMonitor writes
+        ``logger.log_metrics(..., step)``), at the logging step; not in ``logged_metrics``;
+        ``callback``: also into ``callback_metrics`` (as the LearningRateMonitor's values are)."""
+        t = self.trainer
+        if callback:
+            self.callback_metrics.update({k: torch.tensor(v) for k, v in metrics.items()})
+        if t.is_global_zero and metrics and not t.sanity_checking:
+            for lg in t.loggers:
+                lg.log_metrics(metrics=metrics, step=self.logging_step)
+
+
 class TrainerLogging:
     """The Trainer's logging surface (its ``_logging`` connector is made in ``Trainer.__init__``):
     Lightning's metric dicts and ``logger``, the entry point of ``TrainModule.log``, and the
@@ -305,6 +326,11 @@ class TrainerLogging:
         return self._logging.progress_bar_metrics
 
     @property
+    def metrics_connector(self) -> MetricsConnector:
+        """What the module's ``self.log`` and the callbacks' own rows (``emit``) go through."""
+        return self._logging
+
+    @property
     def _logger_connector(self) -> MetricsConnector:
         """Lightning's name for the Trainer's metrics connector (its tests read ``should_update_logs``)."""
         return self._logging
@@ -318,34 +344,13 @@ class TrainerLogging:
     def loggers(self, loggers: Any) -> None:
         self._loggers = [] if loggers is None else list(loggers)
 
-    def _log(self, name: str, value: Any, fx: str | None = None, **kwargs: Any) -> None:
-        """``TrainModule.log``: Lightning's semantics, in the running hook's name (else ``fx``, the
-        module's ``_current_fx_name``, set by hand). Under ``barebones`` nothing is logged, with a
-        warning, as Lightning."""
-        if self.barebones:
-            rank_zero_warn("self.log() does nothing here: `Trainer(barebones=True)` is configured, and it turns "
-                           "logging off (logging costs speed)")
-            return
-        self._train_logged = self._val_logged = True
-        self._logging.log(name, value, fx=fx, **kwargs)
-
     def _log_loss(self, name: str, loss: torch.Tensor) -> None:
         """As Lightning, a step's returned loss is not logged: only what ``self.log`` logs is. The
         exception is a strategy that runs its own schedule (the pipeline): the module's step never
         runs there, so nothing else could log the loss; it is logged as ``train_loss`` (per step) /
         ``val_loss`` / ``test_loss`` (epoch mean over ranks)."""
         if self._strategy.runs_own_schedule:
-            self._log(name, loss.detach(), sync_dist=name != "train_loss")
-
-    def _emit(self, metrics: dict[str, float], callback: bool = False) -> None:
-        """A callback's own row straight to the loggers (as Lightning's LearningRateMonitor writes
-        ``logger.log_metrics(..., step)``), at the logging step; not in ``logged_metrics``;
-        ``callback``: also into ``callback_metrics`` (as the LearningRateMonitor's values are)."""
-        if callback:
-            self._logging.callback_metrics.update({k: torch.tensor(v) for k, v in metrics.items()})
-        if self.is_global_zero and metrics and not self.sanity_checking:
-            for lg in self.loggers:
-                lg.log_metrics(metrics=metrics, step=self._logging.logging_step)
+            self._logging.log(name, loss.detach(), sync_dist=name != "train_loss")
 
 
 def _reduce_in_group(value: torch.Tensor, op: str, group: Any) -> torch.Tensor:

@@ -249,7 +249,7 @@ class TrainerEvaluation:
             loop.epoch_batch_indices = loop.epoch_batch_indices[:index] + [[]]
 
         def run_batch(batch: Any, batch_idx: int) -> Any:
-            self._val_logged = False
+            logs_before = self._logging.log_calls
             self._tick(spec.step)
             batch = transfer_batch(self, batch, index)  # trainer/data/batch_transfer.py
             self._logging.on_batch_start(batch, index if count > 1 else None)
@@ -260,7 +260,7 @@ class TrainerEvaluation:
             with hook_scope(self, spec.step):
                 out = self._eval_forward(spec, batch, batch_idx, kwargs)
                 loss = out.get("loss") if isinstance(out, Mapping) else out  # any output is fine
-                if not self._predicting and torch.is_tensor(loss) and not self._val_logged:
+                if not self._predicting and torch.is_tensor(loss) and self._logging.log_calls == logs_before:
                     self._log_loss(spec.loss_name, loss)  # nothing logged: track the loss
             self.hooks.both(f"on_{spec.hooks}_batch_end", self, self.module, out, batch, batch_idx, *kwargs.values())
             self._logging.on_batch_end()
@@ -359,10 +359,10 @@ def as_loader_list(loaders: Any) -> list:
 
 def _print_results(fn: str, results: list[dict[str, float]]) -> None:
     """Lightning's ``verbose`` table of a validate / test run (``trainer/loop/results_table.py``)."""
-    from ..compat.imports import _RICH_AVAILABLE
+    from ..compat.imports import rich_available
     from .results_table import print_results
 
-    print_results(results, fn, rich=_RICH_AVAILABLE)
+    print_results(results, fn, rich=rich_available())
 
 
 def to_device(batch: Any, device: torch.device) -> Any:

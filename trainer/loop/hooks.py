@@ -192,11 +192,12 @@ class BatchHooks:
         self.loss: torch.Tensor | None = None
         self.step_logged = False
         self.called = False  # loss_of ran (every run_schedule calls it once)
+        self._logs_before = trainer.metrics_connector.log_calls  # step_logged: self.log called since
 
     def loss_of(self, out: Any) -> torch.Tensor | None:
         self.called = True
         if out is None or self.trainer.fit_loop.skip_backward:  # Lightning: no backward for this batch
-            self.step_logged = self.trainer._train_logged
+            self.step_logged = self._logged()
             return None
         if isinstance(out, Mapping) and "loss" not in out:
             raise ConfigError("In automatic_optimization, when `training_step` returns a dict, the 'loss' key "
@@ -211,8 +212,11 @@ class BatchHooks:
         self.loss = loss
         # the closure's loss, detached as Lightning's: the Trainer holds no autograd graph between steps
         self.trainer._backward_in_step, self.trainer._step_loss = True, loss.detach()
-        self.step_logged = self.trainer._train_logged  # by the step itself, not by the hooks after it
+        self.step_logged = self._logged()  # by the step itself, not by the hooks after it
         return loss
+
+    def _logged(self) -> bool:
+        return self.trainer.metrics_connector.log_calls != self._logs_before
 
     def _before_zero_grad(self) -> None:
         """Lightning's ``on_before_zero_grad``, at Lightning's place: after the first training step

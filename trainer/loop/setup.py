@@ -161,3 +161,9 @@ class TrainerSetup:
         return self._optim.schedulers if self._optim is not None else []
 
     _optim: Optimization | None = None
+
+    @property
+    def optimization(self) -> Optimization | None:
+        """The optimizers and schedulers ``configure_optimizers`` gave, and the steps on them
+        (``trainer/optim/optimization.py``): what the module and the checkpoint use; None before set-up."""
+        return self._optim

@@ -318,7 +318,7 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
             progress.set_sink(self._watchdog.mark if self._watchdog is not None else None)
             self.hooks.both("on_fit_start", self, module)
             hparams.log_hyperparams(self)
-            self._signals = signals.SignalCheckpoint(self)
+            self._signals = signals.SignalCheckpoint(self, self._launcher)
             self._signals.install()
             if self._watchdog is not None:  # after the fit-start hooks (rank-0-only set-up may run there)
                 self._watchdog.arm()
@@ -516,7 +516,6 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
         batch_hooks = BatchHooks(self, batch_idx)
         with (s.no_sync() if not last_micro else contextlib.nullcontext()), hook_scope(self, "training_step"):
             self._tick("training_step")
-            self._train_logged = False
             out = s.run_schedule(batch, batch_idx, batch_hooks)
             loss = batch_hooks.loss
             if not batch_hooks.called:
@@ -529,7 +528,6 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
     _nonfinite_in_step = False
     _step_loss: Any = None  # the last loss backwarded (what the optimizer_step hook's closure returns)
     _backward_in_step = False  # a backward ran in this accumulation (training_step did not return None)
-    _train_logged = False
 
     def _warn_skipped_hooks(self) -> None:
         """A strategy that runs its own schedule never calls some hooks (``Strategy.skipped_hooks``):

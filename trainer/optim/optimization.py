@@ -235,10 +235,10 @@ class Optimization:
         ``global_step``); a returned loss is not logged (as Lightning; ``_log_loss``)."""
         t = self.trainer
         t._tick("training_step")
-        t._train_logged = False
+        logs_before = t.metrics_connector.log_calls
         out = t.strategy.training_step(batch, batch_idx)
         loss = out.get("loss") if isinstance(out, dict) else out
-        if torch.is_tensor(loss) and not t._train_logged:
+        if torch.is_tensor(loss) and t.metrics_connector.log_calls == logs_before:
             t._log_loss("train_loss", loss)
         return out
 

@@ -18,7 +18,7 @@ def _params(module: Any, optimizer: Any) -> Iterator[Any]:
     strategy re-targeted the groups (ZeRO steps fp32 master slices); else the groups' own."""
     from .optimization import Optimization
 
-    optim = getattr(module.trainer, "_optim", None)
+    optim = getattr(module.trainer, "optimization", None)
     if isinstance(optim, Optimization):
         for k, opt in enumerate(optim.optimizers):
             if opt is _unwrap(optimizer):

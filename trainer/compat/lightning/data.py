@@ -121,11 +121,14 @@ def seed_worker(worker_id: int, rank: int | None = None) -> None:
     np.random.seed(np.random.SeedSequence([base, worker_id, rank]).generate_state(4))
 
 
-def _auto_add_worker_init_fn(dataloader: object, rank: int) -> None:
+def add_worker_init_fn(dataloader: object, rank: int) -> None:
     """Give ``dataloader`` the seeding ``worker_init_fn`` (for global rank ``rank``) when
     ``seed_everything(workers=True)`` asked for it and it has none of its own."""
     if getattr(dataloader, "worker_init_fn", None) is None and int(os.environ.get(SEED_WORKERS_ENV, 0)):
         dataloader.worker_init_fn = functools.partial(seed_worker, rank=rank)  # type: ignore[attr-defined]
+
+
+_auto_add_worker_init_fn = add_worker_init_fn  # Lightning's name (lightning.fabric.utilities.data)
 
 
 def _request_dataloader(source: Any) -> Any:
