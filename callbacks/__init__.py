@@ -15,10 +15,11 @@ from .schedules import DeviceStatsMonitor, GradientAccumulationScheduler, OnExce
 from .summary import ModelSummary
 from .loggers.tensorboard import TensorBoardLogger
 from .timer import Timer
-from .tuning import StochasticWeightAveraging
+from .tuning import BatchSizeFinder, LearningRateFinder, StochasticWeightAveraging
 
 __all__ = ["Callback", "Logger", "ModelCheckpoint", "EarlyStopping", "LearningRateMonitor", "ThroughputMonitor",
            "ModelSummary", "ProgressBar", "TQDMProgressBar", "Timer", "TensorBoardLogger", "CSVLogger",
            "ResourceMonitor", "CommsLogger", "FlopsProfiler", "BaseFinetuning", "BackboneFinetuning",
            "GradientAccumulationScheduler", "OnExceptionCheckpoint", "DeviceStatsMonitor", "RichProgressBar",
-           "RichProgressBarTheme", "RichModelSummary", "LambdaCallback", "StochasticWeightAveraging"]
+           "RichProgressBarTheme", "RichModelSummary", "LambdaCallback", "StochasticWeightAveraging",
+           "LearningRateFinder", "BatchSizeFinder"]

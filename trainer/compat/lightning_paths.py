@@ -56,6 +56,8 @@ PATHS = {
     "callbacks.rich_model_summary": "callbacks.progress.rich_progress",
     "callbacks.progress.tqdm_progress": "callbacks.progress",
     "callbacks.stochastic_weight_avg": "callbacks.tuning.swa",
+    "callbacks.lr_finder": "callbacks.tuning.lr_finder",
+    "callbacks.batch_size_finder": "callbacks.tuning.batch_size_finder",
     # lightning.pytorch.trainer.*
     "trainer.states": "trainer.loop.state",
     # Lightning's modules zerotrain has no counterpart of: trainer/compat/ (small honest shims;
@@ -69,8 +71,10 @@ PATHS = {
     "profilers.base": "trainer.compat.lightning.profilers",
     "profilers.simple": "trainer.compat.lightning.profilers",
     "profilers.pytorch": "trainer.compat.lightning.profilers",
-    "tuner": "trainer.compat.lightning.tuner",
-    "tuner.tuning": "trainer.compat.lightning.tuner",
+    "tuner": "callbacks.tuning.tuner",
+    "tuner.tuning": "callbacks.tuning.tuner",
+    "tuner.lr_finder": "callbacks.tuning.lr_finder",
+    "tuner.batch_size_scaling": "callbacks.tuning.batch_size_finder",
     "loops": "trainer.compat.lightning.internals",
     "loops.loop": "trainer.compat.lightning.internals",
     "loops.fit_loop": "trainer.compat.lightning.internals",
@@ -116,6 +120,8 @@ PATHS = {
 #: Lightning's path -> {Lightning's name: "our module:our name"}
 NAMES = {
     "utilities": {"CombinedLoader": "trainer.compat.lightning.combined_loader:CombinedLoader"},
+    "utilities.parsing": {name: f"callbacks.tuning.attrs:{name}"
+                          for name in ("lightning_hasattr", "lightning_getattr", "lightning_setattr")},
     "strategies": {"SingleDeviceXLAStrategy": "trainer.compat.lightning.internals:SingleDeviceXLAStrategy"},
     "callbacks": {"BasePredictionWriter": "callbacks.prediction_writer:BasePredictionWriter"},
     "core.module": {"_TrainerFabricShim": "trainer.compat.lightning.internals:_TrainerFabricShim"},

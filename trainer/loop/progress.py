@@ -339,6 +339,26 @@ class FitLoop:
         self.epoch_loop.val_loop.batch_progress.total.reset()
         return st.batches_in_epoch
 
+    @property
+    def loaders_given(self) -> bool:
+        """The training loaders were passed to ``fit`` (not requested from the datamodule or module)."""
+        return bool(self.trainer._fit_loaders_given)
+
+    def run(self) -> None:
+        """Lightning's ``fit_loop.run()``: the running fit's training (its loader requested if not
+        yet), from ``on_train_start`` to ``on_train_end``. The tuners (``callbacks/tuning/``) run
+        their trial steps with it inside ``on_fit_start``."""
+        self.trainer._require_train_loader()
+        self.trainer._fit_loop()
+
+    def setup_data(self) -> None:
+        """Request fit's training loader again, from the datamodule or the module (loaders passed
+        to ``fit`` are kept): the batch-size finder's new ``batch_size``."""
+        t = self.trainer
+        if not t._fit_loaders_given:
+            t._train_source, t.train_dataloader = None, None
+        t._require_train_loader()
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(epoch_progress={self.epoch_progress!r}, max_epochs={self.max_epochs!r})"
 
