@@ -1,8 +1,9 @@
-"""DeepSpeed 0.19.8's ``torch_autocast`` section and its rules for ``bf16.bf16_master_weights_and_grads``
-/ ``bf16.bf16_optimizer_states`` (DeepSpeedExamples' training/bf16_master_weight/configs/bf16_full.json):
+"""DeepSpeed 0.19.8's ``torch_autocast`` section and its ``bf16.bf16_master_weights_and_grads`` /
+``bf16.bf16_optimizer_states`` (DeepSpeedExamples' training/bf16_master_weight/configs/bf16_full.json):
 zerotrain ignored all three, so its bf16_full run equalled its baseline run where DeepSpeed's differs
-(bench/CONFORMANCE.md). The forward now autocasts as DeepSpeed's; the master keys stay ignored
-(zerotrain's ZeRO keeps fp32 masters), but DeepSpeed's refusals of their bad combinations hold."""
+(bench/CONFORMANCE.md). The forward now autocasts as DeepSpeed's. The master keys are refused when
+true (DeepSpeed then steps bf16 master partitions, zerotrain's ZeRO has fp32 ones only), after
+DeepSpeed's own refusals of their bad combinations."""
 from __future__ import annotations
 
 import pytest
@@ -21,17 +22,32 @@ FULL = {"bf16": {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_o
 
 
 def test_the_keys_are_read():
-    c = cfg(2, zero_optimization={"stage": 1}, **FULL)
+    c = cfg(2, zero_optimization={"stage": 1}, bf16={"enabled": True, "bf16_master_weights_and_grads": False,
+                                                     "bf16_optimizer_states": False},
+            torch_autocast=FULL["torch_autocast"])
     assert c.torch_autocast_dtype == torch.bfloat16 and c.precision == "bf16-mixed"
-    # the bf16 master keys are checked, and named as ignored: zerotrain's ZeRO keeps fp32 masters
-    assert [k.split("=")[0] for k in c.ignored if "bf16" in k] == ["bf16.bf16_master_weights_and_grads",
-                                                                   "bf16.bf16_optimizer_states"]
-    assert not [k for k in c.ignored if "autocast" in k]
+    assert not [k for k in c.ignored if "bf16" in k or "autocast" in k]  # false: DeepSpeed's default, what runs
     for spelling, want in (("bf16", torch.bfloat16), ("bfloat16", torch.bfloat16), ("torch.float16", torch.float16),
                            ("half", torch.float16)):
         assert cfg(1, torch_autocast={"enabled": True, "dtype": spelling}).torch_autocast_dtype == want
     assert cfg(1, torch_autocast={"enabled": False, "dtype": "bf16"}).torch_autocast_dtype is None
     assert cfg(1, torch_autocast={"enabled": True}).torch_autocast_dtype == torch.get_autocast_dtype("cpu")
+
+
+@pytest.mark.parametrize("stage,offload", [(1, False), (2, False), (3, False), (2, True), (3, True)])
+@pytest.mark.parametrize("bf16", [{"enabled": True, "bf16_master_weights_and_grads": True},
+                                  {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True},
+                                  {"enabled": False, "bf16_master_weights_and_grads": True}])
+def test_bf16_masters_are_refused_where_deepspeed_would_step_bf16_partitions(bf16, stage, offload):
+    """Every combination DeepSpeed accepts gives it bf16 master partitions (its
+    ``_configure_master_weights``; whether or not ``bf16.enabled``); zerotrain's are fp32, so the
+    run would differ: a one-line ConfigError naming the key, before any process group or model."""
+    zero = {"stage": stage, **({"offload_optimizer": {"device": "cpu"}} if offload else {})}
+    with pytest.raises(ConfigError, match=r"^bf16\.bf16_master_weights_and_grads=True: not implemented .*"
+                                          r"valid: false \(DeepSpeed's default\)$"):
+        cfg(2, zero_optimization=zero, bf16=bf16)
+    with pytest.raises(ConfigError, match=r"^bfloat16\.bf16_master_weights_and_grads=True: not implemented"):
+        cfg(2, zero_optimization=zero, bfloat16=bf16)  # DeepSpeed's other spelling of the section
 
 
 @pytest.mark.parametrize("keys,match", [

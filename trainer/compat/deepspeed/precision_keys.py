@@ -1,9 +1,13 @@
 """DeepSpeed 0.19.8's finer precision keys: ``bf16.bf16_master_weights_and_grads``,
 ``bf16.bf16_optimizer_states`` and the ``torch_autocast`` section.
 
-* ``bf16_master_weights_and_grads`` (ZeRO 1-3 only) and ``bf16_optimizer_states`` (only with it), as
-  DeepSpeed asserts them: DeepSpeed then steps bf16 partitions with bf16 moments. zerotrain's ZeRO
-  keeps fp32 masters for 16-bit weights, so both are checked and reported as ignored;
+* ``bf16_master_weights_and_grads`` (ZeRO 1-3 only) and ``bf16_optimizer_states`` (only with it):
+  DeepSpeed then keeps this rank's master partition and its gradient in bf16 and steps it there
+  (with bf16 moments, or, without ``bf16_optimizer_states``, only under ZeRO-Offload with
+  DeepSpeedCPUAdam's fp32 moments). zerotrain's ZeRO keeps fp32 masters, gradients and moments for
+  16-bit weights (``strategies/zero/flat_buffer.py``, ``sharded_optimizer.py``; its CPU Adam kernel
+  steps fp32 masters), so a run with either key true would train differently from DeepSpeed's: both
+  are refused (after DeepSpeed's own rules for them); false, DeepSpeed's default, is what runs;
 * ``torch_autocast``: DeepSpeed runs the engine's forward under ``torch.autocast(device, dtype)``
   (``enabled``, ``dtype`` in DeepSpeed's spellings); ``lower_precision_safe_modules`` picks the
   parameters whose gradients DeepSpeed reduces in that type; zerotrain reduces all of them in one type
@@ -23,11 +27,12 @@ _DTYPES = {**dict.fromkeys(("torch.float16", "fp16", "float16", "half"), torch.f
            **dict.fromkeys(("torch.bfloat16", "bf16", "bfloat16"), torch.bfloat16)}
 
 
-def check_bf16_keys(raw: Mapping[str, Any], key: str, flag: Any, ignored: list[str]) -> None:
-    """DeepSpeed's rules for the two keys (its config asserts), then both reported as ignored:
-    zerotrain's ZeRO keeps fp32 masters (and fp32 moments) for 16-bit weights by design
-    (``strategies/zero/flat_buffer.py``), so bf16 masters are not available yet."""
+def check_bf16_keys(raw: Mapping[str, Any], key: str, flag: Any) -> None:
+    """DeepSpeed's rules for the two keys (its config asserts them whether or not bf16 is enabled),
+    then a refusal of either one true: zerotrain has no bf16 master weights (module docstring)."""
     section, zero = raw.get(key) or {}, raw.get("zero_optimization") or {}
+    if not isinstance(section, Mapping):
+        return  # the caller names the malformed section
     zero_stage = zero.get("stage", 0) if isinstance(zero, Mapping) else 0
     master = flag(f"{key}.bf16_master_weights_and_grads", section.get("bf16_master_weights_and_grads", False))
     states = flag(f"{key}.bf16_optimizer_states", section.get("bf16_optimizer_states", False))
@@ -37,8 +42,11 @@ def check_bf16_keys(raw: Mapping[str, Any], key: str, flag: Any, ignored: list[s
     if master and zero_stage not in (1, 2, 3):
         raise ConfigError(f"{key}.bf16_master_weights_and_grads=True: zero_optimization.stage={zero_stage}; valid: "
                           "stage 1, 2 or 3 (DeepSpeed's rule)")
-    ignored.extend(f"{key}.{k}=true (zerotrain's ZeRO keeps fp32 masters and moments)"
-                   for k, on in (("bf16_master_weights_and_grads", master), ("bf16_optimizer_states", states)) if on)
+    for name, on in (("bf16_master_weights_and_grads", master), ("bf16_optimizer_states", states)):
+        if on:
+            raise ConfigError(f"{key}.{name}=True: not implemented (zerotrain's ZeRO keeps fp32 master weights, "
+                              "gradients and optimizer states, so the run would differ from DeepSpeed's bf16 "
+                              "ones); valid: false (DeepSpeed's default)")
 
 
 def torch_autocast_dtype(raw: Mapping[str, Any], flag: Any, ignored: list[str]) -> torch.dtype | None:
