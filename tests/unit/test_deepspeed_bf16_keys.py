@@ -89,3 +89,19 @@ def test_stage_0_sums_gradients_in_the_16bit_type_as_deepspeed():
     assert cfg(2, zero_optimization={"stage": 0}, bf16={"enabled": True},
                communication_data_type="fp32").strategy_options.get("reduce_dtype", "fp32") == "fp32"
     assert cfg(1, bf16={"enabled": True}).strategy == "single"
+
+
+@pytest.mark.parametrize("stage,offload,enabled", [(1, True, True), (2, True, True), (3, True, True),
+                                                   (2, True, False), (2, False, True)])
+def test_fp16_masters_are_refused_too(stage, offload, enabled):
+    """``fp16.fp16_master_weights_and_grads`` was reported as "no effect"; DeepSpeed 0.19.8 keeps fp16
+    master partitions with it (``_configure_master_weights``; offload with DeepSpeedCPUAdam, or its
+    assert): refused as the bf16 keys. False stays read, not reported (DeepSpeedExamples' cifar)."""
+    zero = {"stage": stage, **({"offload_optimizer": {"device": "cpu"}} if offload else {})}
+    with pytest.raises(ConfigError, match=r"^fp16\.fp16_master_weights_and_grads=True: not implemented .*"
+                                          r"valid: false \(DeepSpeed's default\)$"):
+        cfg(2, zero_optimization=zero, fp16={"enabled": enabled, "fp16_master_weights_and_grads": True})
+    with pytest.raises(ConfigError, match=r"stage=0; valid: stage 1, 2 or 3 \(DeepSpeed's rule\)"):
+        cfg(2, zero_optimization={"stage": 0}, fp16={"enabled": enabled, "fp16_master_weights_and_grads": True})
+    quiet = cfg(2, zero_optimization=zero, fp16={"enabled": enabled, "fp16_master_weights_and_grads": False})
+    assert not [k for k in quiet.ignored if "fp16_master" in k]

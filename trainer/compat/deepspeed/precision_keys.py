@@ -1,5 +1,6 @@
 """DeepSpeed 0.19.8's finer precision keys: ``bf16.bf16_master_weights_and_grads``,
-``bf16.bf16_optimizer_states`` and the ``torch_autocast`` section.
+``bf16.bf16_optimizer_states``, ``fp16.fp16_master_weights_and_grads`` and the ``torch_autocast``
+section.
 
 * ``bf16_master_weights_and_grads`` (ZeRO 1-3 only) and ``bf16_optimizer_states`` (only with it):
   DeepSpeed then keeps this rank's master partition and its gradient in bf16 and steps it there
@@ -7,7 +8,8 @@
   DeepSpeedCPUAdam's fp32 moments). zerotrain's ZeRO keeps fp32 masters, gradients and moments for
   16-bit weights (``strategies/zero/flat_buffer.py``, ``sharded_optimizer.py``; its CPU Adam kernel
   steps fp32 masters), so a run with either key true would train differently from DeepSpeed's: both
-  are refused (after DeepSpeed's own rules for them); false, DeepSpeed's default, is what runs;
+  are refused (after DeepSpeed's own rules for them); false, DeepSpeed's default, is what runs.
+  ``fp16_master_weights_and_grads`` likewise (fp16 master partitions, under offload);
 * ``torch_autocast``: DeepSpeed runs the engine's forward under ``torch.autocast(device, dtype)``
   (``enabled``, ``dtype`` in DeepSpeed's spellings); ``lower_precision_safe_modules`` picks the
   parameters whose gradients DeepSpeed reduces in that type; zerotrain reduces all of them in one type
@@ -47,6 +49,23 @@ def check_bf16_keys(raw: Mapping[str, Any], key: str, flag: Any) -> None:
             raise ConfigError(f"{key}.{name}=True: not implemented (zerotrain's ZeRO keeps fp32 master weights, "
                               "gradients and optimizer states, so the run would differ from DeepSpeed's bf16 "
                               "ones); valid: false (DeepSpeed's default)")
+
+
+def check_fp16_master_key(raw: Mapping[str, Any], flag: Any) -> None:
+    """``fp16.fp16_master_weights_and_grads``: true, DeepSpeed 0.19.8 keeps fp16 master partitions
+    (ZeRO 1-3 under offload with DeepSpeedCPUAdam, whether or not ``fp16.enabled``); refused as the
+    bf16 keys are, after DeepSpeed's stage rule."""
+    section, zero = raw.get("fp16") or {}, raw.get("zero_optimization") or {}
+    if not isinstance(section, Mapping) or not flag("fp16.fp16_master_weights_and_grads",
+                                                    section.get("fp16_master_weights_and_grads", False)):
+        return
+    zero_stage = zero.get("stage", 0) if isinstance(zero, Mapping) else 0
+    if zero_stage not in (1, 2, 3):
+        raise ConfigError(f"fp16.fp16_master_weights_and_grads=True: zero_optimization.stage={zero_stage}; valid: "
+                          "stage 1, 2 or 3 (DeepSpeed's rule)")
+    raise ConfigError("fp16.fp16_master_weights_and_grads=True: not implemented (zerotrain's ZeRO keeps fp32 master "
+                      "weights, gradients and optimizer states, so the run would differ from DeepSpeed's fp16 "
+                      "ones); valid: false (DeepSpeed's default)")
 
 
 def torch_autocast_dtype(raw: Mapping[str, Any], flag: Any, ignored: list[str]) -> torch.dtype | None:

@@ -13,7 +13,7 @@ from typing import Any, Mapping
 
 from ...errors import ConfigError
 from .defaults import default
-from .precision_keys import check_bf16_keys
+from .precision_keys import check_bf16_keys, check_fp16_master_key
 
 
 ZERO_STAGES = (0, 1, 2, 3)
@@ -28,7 +28,7 @@ _NO_EFFECT = {
                           "sub_group_size"),
     "offload_optimizer": ("fast_init", "ratio", "pipeline_read", "pipeline_write"),
     "offload_param": ("buffer_size", "max_in_cpu"),
-    "fp16": ("auto_cast", "fp16_master_weights_and_grads"),
+    "fp16": ("auto_cast",),
     "bf16": ("immediate_grad_update", "check_grad_overflow"),
     "comms_logger": ("debug", "prof_ops"),
     "": ("zero_force_ds_cpu_optimizer", "prescale_gradients", "gradient_predivide_factor", "memory_breakdown"),
@@ -121,8 +121,9 @@ def _precision(raw: Mapping[str, Any], reader: _Reader) -> dict[str, Any]:
     if fp16_on and bf16_on:
         raise ConfigError(f"fp16.enabled=True, {bf16_key}.enabled=True: both; valid: at most one of them")
     check_bf16_keys(raw, bf16_key, _flag)
+    check_fp16_master_key(raw, _flag)
     if not fp16_on:
-        reader.take(fp16, "fp16.", ("enabled",), "fp16")
+        reader.take(fp16, "fp16.", ("enabled", "fp16_master_weights_and_grads"), "fp16")
         return {"precision": "bf16-mixed" if bf16_on else "32"}
     if fp16.get("loss_scale", 0) != 0:
         raise _fail("fp16.loss_scale", fp16["loss_scale"], "a static loss scale is not supported",
@@ -139,7 +140,8 @@ def _precision(raw: Mapping[str, Any], reader: _Reader) -> dict[str, Any]:
         raise _fail("fp16.min_loss_scale", fp16.get("min_loss_scale"), "out of range",
                     f"a number in (0, 2**initial_scale_power = {scaler['init_scale']}]")
     reader.take(fp16, "fp16.", ("enabled", "loss_scale", "consecutive_hysteresis", "initial_scale_power",
-                                "loss_scale_window", "hysteresis", "min_loss_scale"), "fp16")
+                                "loss_scale_window", "hysteresis", "min_loss_scale", "fp16_master_weights_and_grads"),
+                "fp16")
     return {"precision": "16-mixed", "loss_scaler": scaler}
 
 
