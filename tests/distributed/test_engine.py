@@ -376,5 +376,5 @@ def test_misuse_is_a_clear_error():
         Engine(strategy="pipeline")
     with pytest.raises(ConfigError, match="Engine: strategy='nope' is not registered"):
         Engine(strategy="nope")
-    with pytest.raises(ConfigError, match="devices=0; valid: an integer >= 1"):
+    with pytest.raises(ConfigError, match="Engine: devices=0 must be an integer >= 1"):
         Engine(devices=0)

@@ -229,7 +229,7 @@ FIELDS = [
     ("model.vocab_size=100", "model.vocab_size=100: must be >= 256"),
     ("trainer.max_steps=0", "trainer.max_steps=0"),
     ("trainer.seed=-1", "trainer.seed=-1"),
-    ("trainer.default_root_dir=/sys/zerotrain", "trainer.default_root_dir='/sys/zerotrain': is under /sys"),
+    ("trainer.default_root_dir=/sys/zerotrain", "trainer.default_root_dir='/sys/zerotrain' is under /sys"),
     ("callbacks.checkpoint_every_n_steps=0", "callbacks.checkpoint_every_n_steps=0"),
     ("callbacks.resources_json=/proc/zt.json", "callbacks.resources_json (its directory)='/proc': is under /proc"),
     ("sample_tokens=-1", "sample_tokens=-1"),

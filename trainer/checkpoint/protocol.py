@@ -212,13 +212,21 @@ def load(trainer: "Trainer", path: str) -> None:
     trainer.hooks.load_state_dict(meta.get("callbacks", {}))
     trainer.module.on_load_checkpoint(meta)  # Lightning's order: the module, then the callbacks
     trainer.hooks("on_load_checkpoint", trainer, trainer.module, meta)
-    if not restore_rng(s, meta["rng"], path):  # a rank the saved job did not have: a fresh stream of its own
-        from ..utilities import seed_rngs
-
-        seed_rngs(trainer.data_seed + 1_000_003 * s.global_rank + trainer.state.global_step)
-        log.warning("resume: rank %d has no saved RNG state (saved on %d ranks); re-seeded",
-                    s.global_rank, meta["world_size"])
+    restore_or_reseed(s, meta["rng"], path, trainer.seed, trainer.state.global_step)
     s.barrier()
+
+
+def restore_or_reseed(s: Any, states: list, path: str | os.PathLike, seed: int | None, step: int) -> None:
+    """Collective, the Trainer's and the Engine's resume alike: this rank's saved generator states;
+    a rank the saved job did not have (the job grew) gets a fresh stream of its own, the same on
+    every resume: seeded from the sampler seed (``seed``, else ``seed_everything``'s, else 0), its
+    global rank and the saved step."""
+    if not restore_rng(s, states, path):
+        from ..utilities import sampler_seed, seed_rngs
+
+        seed_rngs(sampler_seed(seed) + 1_000_003 * s.global_rank + step)
+        log.warning("resume: rank %d has no saved RNG state (saved on %d ranks); re-seeded", s.global_rank,
+                    len(states))
 
 
 def restore_rng(s: Any, states: list, path: str | os.PathLike) -> bool:

@@ -30,6 +30,7 @@ import dataclasses
 import math
 import os
 import re
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -39,7 +40,7 @@ from omegaconf import MISSING
 from ...strategies import Strategy, registry
 from ...strategies.precision import PRECISIONS
 from ..errors import ConfigError
-from ..loop.trainer import DEFAULT_STALL_TIMEOUT_S
+from ..settings import declaration
 
 _SIMPLE = (int, float, bool, str)
 
@@ -86,6 +87,9 @@ def _omegaconf_type(tp: Any) -> Any:
         return Any
     if tp in _SIMPLE:
         return tp
+    args = typing.get_args(tp)
+    if len(args) == 2 and type(None) in args and all(a in _SIMPLE for a in args if a is not type(None)):
+        return tp  # Optional[int], ...
     return Any
 
 
@@ -198,44 +202,47 @@ class DataConfig:
         return self.max_bytes if self.path is None else min(self.max_bytes, os.path.getsize(self.path))
 
 
-@dataclass
-class TrainerConfig:
-    accelerator: str = "auto"
-    devices: int = 2
-    num_nodes: int = 1
-    max_steps: int = 150
-    max_epochs: Optional[int] = None
-    accumulate_grad_batches: int = 1
-    gradient_clip_val: Optional[float] = 1.0
-    # int (batches / steps) or float (fraction of the loader / epoch), as in Lightning; the Trainer
-    # checks the ranges (limits >= 0, interval > 0)
-    val_check_interval: Any = 50
-    limit_train_batches: Any = None
-    limit_val_batches: Any = 10
-    log_every_n_steps: int = 10
-    enable_checkpointing: bool = True
-    enable_progress_bar: bool = True
-    default_root_dir: Optional[str] = None  # None = Hydra's output directory
-    seed: int = 0
-    deterministic: bool = False
-    max_restarts: int = 0  # restart the workers after a failure, resuming from `latest`
-    collective_timeout_s: Optional[float] = None  # process-group timeout after the first step
-    on_nonfinite: str = "raise"  # a nan/inf training loss under fp32/bf16: raise | skip | warn
-    stall_timeout_s: Optional[float] = DEFAULT_STALL_TIMEOUT_S  # a rank without progress ends the job; null: off
-    #: torch.compile per block (strategies/compile.py): false, true, or {backend: ..., mode: ..., regional: ...}
-    compile: Any = False
+#: the command line's own defaults where they differ from the Trainer's: a short demo run on 2
+#: processes, clipped at 1.0, checkpointed, seeded with 0
+CLI_DEFAULTS = {"devices": 2, "max_steps": 150, "gradient_clip_val": 1.0, "val_check_interval": 50,
+                "limit_val_batches": 10, "log_every_n_steps": 10, "enable_checkpointing": True,
+                "enable_progress_bar": True, "seed": 0, "compile": False}
 
-    def validate(self) -> None:
-        """What ``Trainer.__init__`` does not check, or checks more loosely than the CLI needs. The
-        other fields (devices, accelerator, limits, intervals, ...) are checked by the Trainer,
-        which ``train.py`` constructs before any other rank starts."""
-        if not _is_int(self.max_steps) or self.max_steps < 1:
-            raise _bad("trainer.max_steps", self.max_steps,
-                       "must be an integer >= 1 (the learning-rate schedule decays over it)", "1, 2, ...")
-        if not _is_int(self.seed) or not 0 <= self.seed < 2**32:
-            raise _bad("trainer.seed", self.seed, "must be an integer in [0, 2**32)", "0 .. 4294967295")
-        if self.default_root_dir is not None:
-            _check_dir("trainer.default_root_dir", self.default_root_dir)
+
+def _cli_type(f: dataclasses.Field) -> Any:
+    """The type OmegaConf checks for a setting: the one the declaration gives the command line
+    (``cli=int``), or the setting's own when it is a simple type or an optional one."""
+    tp = f.type if f.metadata["cli"] is True else f.metadata["cli"]
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    return Optional[args[0]] if len(args) == 1 and len(typing.get_args(tp)) == 2 else tp
+
+
+def _validate_trainer(self: Any) -> None:
+    """The declaration's checks of these fields (``trainer/settings/declaration.py``, the Trainer's
+    own), worded for the command line; then what the CLI needs beyond the Trainer: ``max_steps``
+    >= 1, which the learning-rate schedule decays over, and a seed numpy takes too. What only the
+    environment tells (CUDA, several nodes) is checked when ``train.py`` builds the Trainer, before
+    any other rank starts."""
+    try:
+        declaration.check({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+    except (ConfigError, TypeError) as exc:
+        raise ConfigError(str(exc).replace("Trainer: ", "trainer.", 1)) from None
+    if not _is_int(self.max_steps) or self.max_steps < 1:
+        raise _bad("trainer.max_steps", self.max_steps,
+                   "must be an integer >= 1 (the learning-rate schedule decays over it)", "1, 2, ...")
+    if self.seed is not None and not 0 <= self.seed < 2**32:
+        raise _bad("trainer.seed", self.seed, "must be an integer in [0, 2**32)", "0 .. 4294967295, or null")
+
+
+def _trainer_schema() -> type:
+    """The ``trainer`` section: the settings the declaration marks ``cli``, in its order, typed as
+    the command line takes them, with :data:`CLI_DEFAULTS`; nothing re-declared."""
+    fields_ = {f.name: (_cli_type(f), CLI_DEFAULTS.get(f.name, f.default))
+               for f in dataclasses.fields(declaration.TrainerSettings) if f.metadata["cli"]}
+    return schema("TrainerConfig", fields_, validate=_validate_trainer)
+
+
+TrainerConfig = _trainer_schema()
 
 
 @dataclass

@@ -64,17 +64,13 @@ from ..errors import ConfigError
 from ..launch.job import check_cuda, check_num_nodes, distributed_loader, join_job, plugins
 from ..launch.launcher import LocalLauncher
 from ..loop.state import LoopState
+from ..settings.declaration import ENGINE, canonical_accelerator, declared
+from ..settings.run_options import device_count
 from .models import another_strategy, backward_across
 from .wrappers import EngineLoader, EngineModule, EngineOptimizer
 from ..utilities import sampler_seed
 
 log = logging.getLogger("zerotrain")
-
-
-def _count(owner: str, name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{owner}: {name}={value!r}; valid: an integer >= 1")
-    return value
 
 
 def _strategy_attr(name: str, doc: str) -> property:
@@ -85,20 +81,19 @@ def _strategy_attr(name: str, doc: str) -> property:
 class Engine:
     """One rank of a job running the user's own loop; see the module docstring."""
 
-    def __init__(self, *, accelerator: str = "auto", devices: int | str = "auto", num_nodes: int = 1,
-                 strategy: str | Strategy = "auto", precision: str | int = "32", seed: int | None = None) -> None:
-        """``seed`` orders the DistributedSamplers of ``setup_dataloaders`` (as the Trainer's
-        ``seed`` does); None (the default): the seed ``seed_everything`` recorded, else 0, as
-        Fabric. It seeds nothing else: the loop seeds its own model and data."""
-        if accelerator not in ("cpu", "cuda", "auto"):
-            raise ConfigError(f"Engine: accelerator={accelerator!r}; valid choices: cpu, cuda, auto")
-        if devices == "auto":
-            devices = torch.cuda.device_count() if accelerator != "cpu" and torch.cuda.is_available() else 1
-        self.devices, self.num_nodes = _count("Engine", "devices", devices), _count("Engine", "num_nodes", num_nodes)
+    @declared("Engine", ENGINE)  # the settings shared with the Trainer: types, defaults and checks
+    def __init__(self, *, accelerator, devices, num_nodes, strategy, precision, seed) -> None:
+        """The Trainer's arguments of the same names (``trainer/settings/declaration.py``). ``seed``:
+        None (the default, as Fabric, which has no such argument: seed with ``seed_everything``)
+        seeds nothing, and the DistributedSamplers of ``setup_dataloaders`` take the seed
+        ``seed_everything`` recorded, else 0; an int seeds every rank's global RNGs with it at
+        ``launch`` and orders the samplers, as the Trainer's does at set-up."""
+        accelerator = canonical_accelerator(accelerator)
+        self.devices, self.num_nodes = device_count(devices, accelerator), num_nodes
         check_cuda("Engine", accelerator, self.devices)
         check_num_nodes("Engine", self.num_nodes)
         self.accelerator, self.seed = accelerator, seed
-        self.precision_plugin, self._strategy = plugins("Engine", strategy, precision, devices * num_nodes)
+        self.precision_plugin, self._strategy = plugins("Engine", strategy, precision, self.devices * num_nodes)
         self._specs = (strategy, precision)  # for the strategies of further models (engine_models.py)
         if self._strategy.runs_own_schedule:
             raise ConfigError(f"Engine: strategy={self._strategy.name!r} runs its own forward/backward "
@@ -125,7 +120,7 @@ class Engine:
         if self._launched:
             return
         self._launcher = join_job(self._strategy, self.precision_plugin, self.accelerator, self.devices,
-                                  self.num_nodes)
+                                  self.num_nodes, seed=self.seed)
         self._launched = True
 
     @property
@@ -355,18 +350,9 @@ class Engine:
                 obj.load_state_dict(value)
             else:
                 state[key] = value
-        self._restore_rng(meta, path)
+        checkpointing.restore_or_reseed(s, meta.get("rng", []), path, self.seed, self.progress.global_step)
         s.barrier()
         return {k: v for k, v in saved.items() if k not in state}
-
-    def _restore_rng(self, meta: dict[str, Any], path: Any) -> None:
-        """This rank's saved generator states (collective: a malformed one fails every rank at
-        once); a rank the saved job did not have keeps its own (the Trainer re-seeds it from its
-        seed, which the Engine does not own)."""
-        rng = meta.get("rng", [])
-        if not checkpointing.restore_rng(self._strategy, rng, path):
-            log.warning("resume: rank %d has no saved RNG state (saved on %d ranks); it keeps its own",
-                        self.global_rank, len(rng))
 
     def _is_setup_object(self, obj: Any) -> bool:
         return any(self._resolve(obj) is m for m in self._models) or any(obj is o for o in self._optimizers)

@@ -22,7 +22,7 @@ from ...strategies.environment import detect, in_launched_job, pick_device, set_
 from . import elastic
 from ..errors import ConfigError
 from .launcher import LocalLauncher
-from ..utilities import reset_seed
+from ..utilities import reset_seed, seed_rngs
 
 
 def plugins(owner: str, strategy: str | Strategy, precision: str | int, world_size: int
@@ -65,11 +65,14 @@ def check_num_nodes(owner: str, num_nodes: int) -> None:
 
 
 def join_job(strategy: Strategy, precision: Precision, accelerator: str, devices: int,
-             num_nodes: int = 1) -> LocalLauncher | None:
+             num_nodes: int = 1, seed: int | None = None) -> LocalLauncher | None:
     """Collective: make this process a rank of the job and connect ``strategy`` to it. A process
     that is not yet inside a job and asks for several devices becomes rank 0 and starts the other
     ranks by re-running its own command line (returned launcher); under torchrun, SLURM or a
-    process group the user made, it joins. Ranks other than 0 log warnings only."""
+    process group the user made, it joins. Ranks other than 0 log warnings only. The Trainer's and
+    the Engine's ``seed`` (declaration.py): an int seeds every rank's global RNGs with it here;
+    None leaves them as the user seeded them (``seed_everything``'s seed, re-applied on each rank
+    of a distributed job, as Lightning and Fabric)."""
     info = detect(devices, num_nodes)
     launcher = None
     if info.must_launch:
@@ -83,6 +86,8 @@ def join_job(strategy: Strategy, precision: Precision, accelerator: str, devices
     strategy.setup_environment()
     if info.world_size > 1:  # as Lightning's (and Fabric's) distributed strategies at set-up
         reset_seed()
+    if seed is not None:
+        seed_rngs(seed)
     if not strategy.is_global_zero:
         logging.getLogger("zerotrain").setLevel(logging.WARNING)
     return launcher

@@ -34,29 +34,6 @@ def announce_limits(fast_dev_run: Any, **given: Any) -> None:
         log.info("`Trainer(%s=%r)` was configured so %s", name, value, what)
 
 
-def check_max_limits(max_epochs: Any, max_steps: Any) -> None:
-    """``max_epochs``: None, -1 (no limit) or an int >= 0; ``max_steps``: -1 or an int >= 0; refused
-    in Lightning's words (its tests match them), then ours."""
-    from ..errors import ConfigError
-
-    for name, value, none_ok in (("max_epochs", max_epochs, True), ("max_steps", max_steps, False)):
-        if value is None and none_ok:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < -1:
-            raise ConfigError(f"`{name}` must be a non-negative integer or -1. You passed in {value!r}. Trainer: "
-                              f"{name}={value!r}; valid: -1 (no limit) or an integer >= 0")
-
-
-def check_val_schedule(val_check_interval: Any, check_val_every_n_epoch: Any) -> None:
-    """A fraction of an epoch means nothing when validation counts the batches of the whole run."""
-    from ..errors import ConfigError
-
-    if check_val_every_n_epoch is None and isinstance(val_check_interval, float):
-        raise ConfigError("`val_check_interval` should be an integer or a time-based duration (str 'DD:HH:MM:SS', "
-                          "datetime.timedelta, or dict kwargs for timedelta) when `check_val_every_n_epoch=None`. "
-                          f"Trainer: val_check_interval={val_check_interval!r}, check_val_every_n_epoch=None")
-
-
 def no_training(trainer: Any) -> bool:
     """Lightning's skipped fit loop: nothing to train (``max_epochs=0``, ``max_steps=0`` or
     ``limit_train_batches=0``), so no training hooks run; the sanity check still does."""

@@ -19,7 +19,6 @@ from .hooks import merge_callbacks
 from ..api.hparams import clean_namespace
 from ..api.module import TrainModule
 from ..optim.optimization import Optimization
-from ..utilities import seed_rngs
 
 
 class TrainerSetup:
@@ -91,9 +90,7 @@ class TrainerSetup:
 
     def _connect(self) -> None:
         self._launcher = job.join_job(self._strategy, self.precision_plugin, self._accelerator_flag, self.devices,
-                                      self.num_nodes)
-        if self.seed is not None:  # as Lightning: only a seed the user asked for
-            seed_rngs(self.seed)
+                                      self.num_nodes, seed=self.seed)  # seeds only a seed the user asked for
         if self.deterministic:
             torch.use_deterministic_algorithms(True)
 

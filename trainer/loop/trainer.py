@@ -12,27 +12,24 @@ import logging
 import math
 import os
 import time
-from datetime import timedelta
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable
 
 import torch
 from torch.utils.data import DataLoader
 
-from ...callbacks.base import Callback, DummyLogger, Logger
+from ...callbacks.base import DummyLogger
 from ...strategies import Strategy, instrument, progress
 from ...strategies.environment import detect
-from ...strategies.paths import directory_problem
 from ..checkpoint import weights_only as checkpoint_weights, protocol as checkpointing
 from ..launch import elastic, job, signals
 from ..settings import env_args, plugin_checks, run_options
 from ..api import hparams
-from ..compat.lightning.profilers import Profiler, profiler_of
+from ..compat.lightning.profilers import profiler_of
 from ..compat.lightning.validator import verify_stage
 from .compiled import compile_option, take_compiled
 from ..data.batch_transfer import transfer_batch
-from ..settings.arguments import (check_clip_val, check_limit, check_lightning_args, default_callbacks,
-                                  fast_dev_run_flags, lightning_callbacks, make_loggers, positive_int,
-                                  positive_number)
+from ..settings.arguments import check_limit, default_callbacks, fast_dev_run_flags, lightning_callbacks, make_loggers
+from ..settings.declaration import canonical_accelerator, declared
 from ..errors import ConfigError
 from .evaluation import TrainerEvaluation, split_datamodule
 from .hooks import BatchHooks, HookDispatcher, batch_end_outputs, hook_owners
@@ -42,7 +39,7 @@ from ..logs.connector import MetricsConnector, TrainerLogging, hook_scope
 from ..api.datamodule import DataModule, overrides_hook
 from .model_mode import zero_grad_before_validation
 from ..api.module import TrainModule
-from .limits import TrainerLimits, announce_limits, check_max_limits, check_val_schedule, no_training
+from .limits import TrainerLimits, announce_limits, no_training
 from .properties import TrainerProperties
 from .setup import TrainerSetup
 from .signature import step_call
@@ -53,66 +50,21 @@ from ..launch.watchdog import ProgressWatchdog, make_watchdog
 log = logging.getLogger("zerotrain")
 
 
-#: seconds a rank may make no progress while another waits for it (trainer/launch/watchdog.py)
-DEFAULT_STALL_TIMEOUT_S = 20.0
-#: what a non-finite training loss does under fp32/bf16 (16-mixed: the loss scaler skips the step)
-NONFINITE_POLICIES = ("raise", "skip", "warn")
-
-
 class NonFiniteLossError(FloatingPointError):
     """The training loss is inf or nan (``Trainer(on_nonfinite="raise")``, the default)."""
 
 
 class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, TrainerLogging, TrainerSetup):
     @env_args.environment_defaults  # PL_TRAINER_<ARGUMENT> variables, as Lightning
-    def __init__(
-        self,
-        *,
-        accelerator: str = "auto",
-        devices: int | str = "auto",
-        num_nodes: int = 1,
-        strategy: str | Strategy = "auto",
-        precision: str | int = "32",
-        max_steps: int = -1,
-        max_epochs: int | None = None,
-        accumulate_grad_batches: int = 1,
-        gradient_clip_val: float | None = None,
-        val_check_interval: "int | float | str | timedelta | dict[str, int] | None" = None,
-        limit_train_batches: int | float | None = None,
-        limit_val_batches: int | float | None = None,
-        limit_test_batches: int | float | None = None,
-        limit_predict_batches: int | float | None = None,
-        log_every_n_steps: int | None = None,
-        callbacks: list[Callback] | Callback | None = None,
-        logger: bool | Logger | Sequence[Logger] | None = None,
-        enable_checkpointing: bool | None = None,
-        enable_progress_bar: bool | None = None,
-        default_root_dir: str | None = None,
-        seed: int | None = None,
-        deterministic: bool = False,
-        max_restarts: int = 0,
-        collective_timeout_s: float | None = None,
-        on_nonfinite: str = "raise",
-        stall_timeout_s: float | None = DEFAULT_STALL_TIMEOUT_S,
-        use_distributed_sampler: bool = True,
-        fast_dev_run: bool | int = False,
-        num_sanity_val_steps: int | None = None,
-        check_val_every_n_epoch: int | None = 1,
-        min_epochs: int | None = None,
-        min_steps: int | None = None,
-        max_time: "str | timedelta | dict[str, int] | None" = None,
-        overfit_batches: int | float = 0.0,
-        gradient_clip_algorithm: str | None = None,
-        enable_model_summary: bool | None = None,
-        detect_anomaly: bool = False,
-        inference_mode: bool = True,
-        reload_dataloaders_every_n_epochs: int = 0,
-        benchmark: bool | None = None,
-        profiler: Profiler | str | None = None,
-        barebones: bool = False,
-        plugins: Any = None,
-        compile: Any = None,
-    ) -> None:
+    @declared()  # each argument's type, default and check: TrainerSettings (trainer/settings/declaration.py)
+    def __init__(self, *, accelerator, devices, num_nodes, strategy, precision, max_steps, max_epochs,
+                 accumulate_grad_batches, gradient_clip_val, val_check_interval, limit_train_batches,
+                 limit_val_batches, limit_test_batches, limit_predict_batches, log_every_n_steps, callbacks, logger,
+                 enable_checkpointing, enable_progress_bar, default_root_dir, seed, deterministic, max_restarts,
+                 collective_timeout_s, on_nonfinite, stall_timeout_s, use_distributed_sampler, fast_dev_run,
+                 num_sanity_val_steps, check_val_every_n_epoch, min_epochs, min_steps, max_time, overfit_batches,
+                 gradient_clip_algorithm, enable_model_summary, detect_anomaly, inference_mode,
+                 reload_dataloaders_every_n_epochs, benchmark, profiler, barebones, plugins, compile) -> None:
         """As Lightning's Trainer, plus zerotrain's own arguments. ``seed``: None (the default, as
         Lightning, which has no such argument) leaves the global RNGs as the user seeded them;
         an int seeds them with it on every rank at set-up. Either way every rank
@@ -131,35 +83,15 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
             num_sanity_val_steps = (flags[k] for k in ("enable_checkpointing", "logger", "enable_progress_bar",
                                                         "log_every_n_steps", "enable_model_summary",
                                                         "num_sanity_val_steps"))
-        run_options.check_run_options(inference_mode, reload_dataloaders_every_n_epochs, profiler)
-        accelerator = "cuda" if accelerator == "gpu" else accelerator  # Lightning's name for it
-        if accelerator not in ("cpu", "cuda", "auto"):
-            raise ConfigError(f"Trainer: accelerator={accelerator!r}; valid choices: cpu, cuda (or gpu), auto")
+        accelerator = canonical_accelerator(accelerator)  # Lightning's name "gpu"
         devices = run_options.device_count(devices, accelerator)
-        positive_int("devices", devices)
         job.check_cuda("Trainer", accelerator, devices)
-        positive_int("num_nodes", num_nodes)
         job.check_num_nodes("Trainer", num_nodes)
-        positive_int("accumulate_grad_batches", accumulate_grad_batches)
-        positive_int("log_every_n_steps", log_every_n_steps, minimum=0)  # 0: never, as Lightning
-        positive_int("max_restarts", max_restarts, minimum=0)
-        positive_number("collective_timeout_s", collective_timeout_s, "seconds")
-        check_max_limits(max_epochs, max_steps)
-        check_val_schedule(val_check_interval, check_val_every_n_epoch)
-        check_clip_val(gradient_clip_val)  # Lightning's TypeError for a value that is no number
         self._val_check_time = run_options.val_check_seconds(val_check_interval)  # None unless time-based
         limit_train_batches = check_limit("limit_train_batches", limit_train_batches, allow_zero=True)  # 0: no training
         limit_val_batches = check_limit("limit_val_batches", limit_val_batches, allow_zero=True)
         limit_test_batches = check_limit("limit_test_batches", limit_test_batches, allow_zero=True)
         limit_predict_batches = check_limit("limit_predict_batches", limit_predict_batches, allow_zero=True)
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise ConfigError(f"Trainer: seed={seed!r}; valid: None (do not seed) or an int")
-        if on_nonfinite not in NONFINITE_POLICIES:
-            raise ConfigError(f"Trainer: on_nonfinite={on_nonfinite!r}; valid choices: "
-                              f"{', '.join(NONFINITE_POLICIES)}")
-        positive_number("stall_timeout_s", stall_timeout_s, "seconds; None disables the progress watchdog")
-        check_lightning_args(fast_dev_run, num_sanity_val_steps, check_val_every_n_epoch, min_epochs, min_steps,
-                              overfit_batches, gradient_clip_algorithm)
         announce_limits(fast_dev_run, limit_train_batches=limit_train_batches, limit_val_batches=limit_val_batches,
                         limit_test_batches=limit_test_batches, limit_predict_batches=limit_predict_batches,
                         val_check_interval=val_check_interval, overfit_batches=overfit_batches)
@@ -177,11 +109,6 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
         self.log_every_n_steps = log_every_n_steps
         if isinstance(default_root_dir, (str, os.PathLike)) and default_root_dir:
             default_root_dir = os.path.expanduser(default_root_dir)  # as Lightning: "~/runs"
-        if default_root_dir:  # else found out at the first checkpoint, after training steps ("": the cwd)
-            problem = directory_problem(default_root_dir)
-            if problem:
-                raise ConfigError(f"Trainer: default_root_dir={default_root_dir!r} {problem}; valid: a writable "
-                                  "directory on a real file system (created if missing)")
         self.default_root_dir = os.path.abspath(default_root_dir or os.getcwd())
         self.seed, self.deterministic = seed, deterministic
         self.benchmark = run_options.set_benchmark(benchmark, deterministic)
@@ -207,8 +134,6 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
         self.overfit_batches = overfit_batches
         self.fast_dev_run = True if fast_dev_run == 1 else fast_dev_run  # Lightning's: 1 is True
         callbacks = plugin_checks.check_callbacks(callbacks)  # TypeError for callbacks=[1], logger='x'
-        plugin_checks.check_logger(logger)
-        plugin_checks.check_plugins(plugins)  # None or []: Lightning's, asking for nothing
         if fast_dev_run:
             callbacks = fast_dev_run_flags(self, int(fast_dev_run), callbacks)
             logger = DummyLogger() if logger else False  # Lightning's: logs nothing (checkpoints: the callbacks skip)

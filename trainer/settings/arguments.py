@@ -55,6 +55,25 @@ def positive_number(name: str, value: Any, what: str, allow_none: bool = True, a
                           + (", or None" if allow_none else ""))
 
 
+def check_max_limits(max_epochs: Any, max_steps: Any) -> None:
+    """``max_epochs``: None, -1 (no limit) or an int >= 0; ``max_steps``: -1 or an int >= 0; refused
+    in Lightning's words (its tests match them), then ours."""
+    for name, value, none_ok in (("max_epochs", max_epochs, True), ("max_steps", max_steps, False)):
+        if value is None and none_ok:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < -1:
+            raise ConfigError(f"`{name}` must be a non-negative integer or -1. You passed in {value!r}. Trainer: "
+                              f"{name}={value!r}; valid: -1 (no limit) or an integer >= 0")
+
+
+def check_val_schedule(val_check_interval: Any, check_val_every_n_epoch: Any) -> None:
+    """A fraction of an epoch means nothing when validation counts the batches of the whole run."""
+    if check_val_every_n_epoch is None and isinstance(val_check_interval, float):
+        raise ConfigError("`val_check_interval` should be an integer or a time-based duration (str 'DD:HH:MM:SS', "
+                          "datetime.timedelta, or dict kwargs for timedelta) when `check_val_every_n_epoch=None`. "
+                          f"Trainer: val_check_interval={val_check_interval!r}, check_val_every_n_epoch=None")
+
+
 #: Lightning's ``gradient_clip_algorithm`` choices (None: "norm")
 CLIP_ALGORITHMS = ("norm", "value")
 
@@ -65,10 +84,10 @@ def check_lightning_args(fast_dev_run: Any, num_sanity_val_steps: Any, check_val
     if not isinstance(fast_dev_run, (bool, int)) or fast_dev_run < 0:
         raise ConfigError(f"fast_dev_run={fast_dev_run!r} is not a valid configuration. It should be >= 0. "
                           f"Trainer: fast_dev_run={fast_dev_run!r}; valid: a bool or an int >= 0 (batches)")
-    if isinstance(num_sanity_val_steps, bool) or not isinstance(num_sanity_val_steps, int) or \
-            num_sanity_val_steps < -1:
+    if num_sanity_val_steps is not None and (isinstance(num_sanity_val_steps, bool) or not isinstance(
+            num_sanity_val_steps, int) or num_sanity_val_steps < -1):
         raise ConfigError(f"Trainer: num_sanity_val_steps={num_sanity_val_steps!r}; valid: an int >= 0 "
-                          "(batches), or -1 (the whole validation loader)")
+                          "(batches), -1 (the whole validation loader) or None (2)")
     n = check_val_every_n_epoch
     if n is not None and (isinstance(n, bool) or not isinstance(n, int)):  # Lightning's words first
         raise ConfigError(f"`check_val_every_n_epoch` should be an integer, found {n!r}. Trainer: "

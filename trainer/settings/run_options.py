@@ -60,9 +60,8 @@ def feature_flags(barebones: bool, **given: Any) -> dict[str, Any]:
 
 def set_benchmark(benchmark: Any, deterministic: bool) -> bool | None:
     """``benchmark``: True/False sets ``torch.backends.cudnn.benchmark``; None leaves the
-    session's value, except that ``deterministic=True`` turns it off (as Lightning)."""
-    if benchmark is not None and not isinstance(benchmark, bool):
-        raise ConfigError(f"Trainer: benchmark={benchmark!r}; valid: True, False or None (keep the session's)")
+    session's value, except that ``deterministic=True`` turns it off (as Lightning). Checked by
+    the declaration (``declaration.py``)."""
     if deterministic and benchmark:
         log.warning("Trainer(deterministic=True, benchmark=True): cudnn's benchmark picks algorithms by timing, "
                     "so results may not be reproducible")
