@@ -106,12 +106,18 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     ap.add_argument("--out", default="tune", help="output directory (default ./tune)")
     ap.add_argument("--name", default="best", help="the tuned config's name: +tuned=NAME (default best)")
     ap.add_argument("--dry-run", action="store_true", help="print the space and the pruning; run nothing")
+    ap.add_argument("--config-dir", "-cd", default=None,
+                    help="a config folder of the user's own (its model/, data/, ... groups beside ours), "
+                         "as zerotrain-train --config-dir takes it")
     ap.add_argument("overrides", nargs="*", help="zerotrain-train's Hydra overrides")
     return ap.parse_args(argv)
 
 
 def check_args(a: argparse.Namespace) -> None:
     """Every option's range, before anything is composed or started. Raises TuneError."""
+    if a.config_dir is not None and not os.path.isdir(a.config_dir):
+        raise T.TuneError(f"--config-dir={a.config_dir!r}: is not a directory; valid: a folder of config groups "
+                          "(model/, data/, ...)")
     T.check_strategies(a.strategies)
     if a.max_rss_gb is not None:
         T.check_cap(a.max_rss_gb)
@@ -141,9 +147,10 @@ def _key(override: str) -> str:
 
 
 def is_searched(override: str) -> bool:
-    """Set by the search (or by each run): the command line's value is replaced."""
+    """Set by the search (or by each run): the command line's value is replaced; the search path
+    (``--config-dir``) is kept."""
     k = _key(override)
-    return k in _SEARCHED or k.startswith(("strategy.", "hydra.", "hydra/"))
+    return k in _SEARCHED or (k.startswith(("strategy.", "hydra.", "hydra/")) and k != "hydra.searchpath")
 
 
 def compose(overrides: list[str], hydra: bool = False):
@@ -384,12 +391,26 @@ def report(plan: Plan, out: str, elapsed: float) -> Optional[T.Result]:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         header = (f"zerotrain-tune's winner: {best.candidate.label}, {best.step_s * 1e3:.1f} ms/step, peak RSS "
                   f"{max(best.peak_rss) / T.GiB:.3f} GiB per rank\n"
-                  f"use: zerotrain-train --config-dir {os.path.abspath(out)} +tuned={plan.args.name}")
+                  f"use: {train_command(plan.args, out)}")
         with open(path, "w") as f:
             f.write(tuned_config(plan.trial_overrides(best.candidate), header))
         print(f"winner: {best.candidate.label}; config: {path}\n"
-              f"train with it: zerotrain-train --config-dir {os.path.abspath(out)} +tuned={plan.args.name}")
+              f"train with it: {train_command(plan.args, out)}")
     return best
+
+
+def with_config_dir(config_dir: Optional[str], overrides: list[str]) -> list[str]:
+    """``--config-dir DIR`` as the override every composition and every trial run takes: Hydra's
+    search path with ``DIR`` on it (zerotrain-train's ``--config-dir`` puts it there too)."""
+    if config_dir is None:
+        return overrides
+    return [f"hydra.searchpath=[file://{os.path.abspath(config_dir)}]", *overrides]
+
+
+def train_command(a: argparse.Namespace, out: str) -> str:
+    """The ``zerotrain-train`` command line that trains the winner (the user's config folder too)."""
+    own = f" 'hydra.searchpath=[file://{os.path.abspath(a.config_dir)}]'" if a.config_dir else ""
+    return f"zerotrain-train --config-dir {os.path.abspath(out)}{own} +tuned={a.name}"
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -398,6 +419,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     a = parse_args(argv)
     try:
         check_args(a)
+        a.overrides = with_config_dir(a.config_dir, a.overrides)
         check_compose(train.hydra_overrides(a.overrides), "zerotrain.conf", "config")  # as zerotrain-train
         with hydra_context():
             plan = Plan(a)

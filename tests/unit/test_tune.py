@@ -312,3 +312,40 @@ def test_a_user_target_module_and_data_are_tuned(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit) as exc:  # a key the DataModule does not take: one line, rc 2
         tune.main(["--dry-run", *line, "data.batch_sise=2"])
     assert exc.value.code == 2 and "data.batch_sise" in capsys.readouterr().err
+
+
+def test_a_config_dir_of_the_users_own_is_taken_as_zerotrain_train_takes_it(tmp_path, monkeypatch, capsys):
+    """``zerotrain-tune --config-dir DIR model=my_model data=my_data``: the user's own groups beside
+    ours compose (every trial run of zerotrain-train gets the folder too, and so does the command
+    that trains the winner); a folder that does not exist is one line, rc 2, before anything runs."""
+    from cli_user_package import DATA, MODEL, write_package
+    from zerotrain import tune
+    from zerotrain.trainer.command.compose_check import check_compose
+
+    monkeypatch.syspath_prepend(str(write_package(tmp_path / "pkg")))
+    conf = tmp_path / "conf"
+    (conf / "model").mkdir(parents=True)
+    (conf / "data").mkdir()
+    (conf / "model" / "my_model.yaml").write_text(f"_target_: {MODEL}\nhidden: 16\n")
+    (conf / "data" / "my_data.yaml").write_text(f"_target_: {DATA}\nbatch_size: 4\n")
+    argv = ["--dry-run", "--config-dir", str(conf), "--strategies", "ddp,zero2", "--bucket-scales", "1",
+            "--base-rss-gb", "0.25", "model=my_model", "data=my_data", "trainer.devices=2"]
+    assert tune.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "4 configurations (ddp, zero2; global batch 8 = 4/rank x 2 ranks), 0 pruned" in out, out
+    assert "Regressor: " in out, out
+    a = tune.parse_args(argv)
+    a.overrides = tune.with_config_dir(a.config_dir, a.overrides)
+    with tune.hydra_context():
+        plan = tune.Plan(a)
+        trial = plan.trial_overrides(plan.results[0].candidate)
+        assert f"hydra.searchpath=[file://{conf}]" in trial
+        got = OmegaConf.to_container(tune.compose(trial))
+    assert got["model"] == {"_target_": MODEL, "hidden": 16}
+    assert f"--config-dir {tmp_path / 'out'} 'hydra.searchpath=[file://{conf}]' +tuned=best" in \
+        tune.train_command(a, str(tmp_path / "out"))
+    check_compose(["--config-dir", str(conf), "model=my_model", "data=my_data"], "zerotrain.conf", "config")
+    with pytest.raises(SystemExit) as info:
+        tune.main(["--dry-run", "--config-dir", str(tmp_path / "nowhere"), "model=my_model"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "--config-dir=" in err and "is not a directory" in err, err
