@@ -48,7 +48,7 @@ from ..base import Callback
 
 PARTS = ("data", "forward", "backward", "comm_wait", "io_wait", "optimizer", "refresh", "checkpoint", "validation",
          "other")
-#: the Trainer's progress ticks (``Trainer._tick``) and the step's marks -> the part that starts
+#: the loop's phases (``HookDispatcher.mark``) and the step's marks -> the part that starts
 _PART_OF = {"fetching the next training batch": "data", "training_step": "forward", "backward": "backward",
             "optimizer_step": "optimizer", "refresh": "refresh", "checkpoint": "checkpoint",
             "validation_step": "validation", "on_validation_epoch_end": "validation"}

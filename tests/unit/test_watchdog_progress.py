@@ -50,7 +50,7 @@ def test_each_callback_of_a_hook_is_a_phase():
         pass
 
     trainer = Trainerish()
-    hooks = HookDispatcher([A(), Callback(), B()])
+    hooks = HookDispatcher([A(), Callback(), B()], mark=trainer._tick)
     hooks("on_train_batch_end", trainer, None, None, None, 0)
     # Callback's own no-op hooks count too: every rank has the same callbacks, so the same phases
     assert trainer.phases == ["on_train_batch_end (A)", "on_train_batch_end (Callback)", "on_train_batch_end (B)"]

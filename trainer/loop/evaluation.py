@@ -224,7 +224,6 @@ class TrainerEvaluation:
                        for i, loader in enumerate(loaders)]
             if spec.fn == "validate":
                 self._last_val_step, self._last_val_time = self.state.global_step, time.monotonic()
-            self._tick(f"on_{spec.hooks}_epoch_end")
             self._logging.eval_epoch_end_reached()
             self.hooks.both(f"on_{spec.hooks}_epoch_end", self, module)
             self._logging.on_epoch_end()
@@ -250,7 +249,7 @@ class TrainerEvaluation:
 
         def run_batch(batch: Any, batch_idx: int) -> Any:
             logs_before = self._logging.log_calls
-            self._tick(spec.step)
+            self.hooks.mark(spec.step)
             batch = transfer_batch(self, batch, index)  # trainer/data/batch_transfer.py
             self._logging.on_batch_start(batch, index if count > 1 else None)
             if self._predicting:  # trainer/data/predict_indices.py

@@ -1,21 +1,22 @@
 """The one place that calls hooks: the callbacks', in the order the callbacks were given, then
-the module's - Lightning's order for every hook the two share."""
+the module's - Lightning's order for every hook the two share. The dispatcher also marks the
+loop's phases (``HookDispatcher.mark``: the progress watchdog's ticks, the ResourceMonitor's
+step-time parts): each loop hook marks its own, once and then per callback, so the loop's call
+sites never repeat a hook's name."""
 from __future__ import annotations
 
 import contextlib
 import inspect
 from collections.abc import Mapping
 import logging
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
 if TYPE_CHECKING:
     from ...callbacks.base import Callback
     from ..api.module import TrainModule
-    from .trainer import Trainer
 
-from ..errors import ConfigError
 from ..logs.connector import hook_scope
 
 log = logging.getLogger(__name__)
@@ -45,24 +46,32 @@ LOOP_HOOKS = frozenset({"on_train_epoch_start", "on_train_batch_start", "on_trai
 
 
 class HookDispatcher:
-    def __init__(self, callbacks: Sequence["Callback"]) -> None:
+    """Calls the hooks; ``mark(phase)`` (the Trainer's phase marker, None: no marks) is told each
+    loop phase: a loop hook's name before it runs, and once per callback (``LOOP_HOOKS``)."""
+
+    def __init__(self, callbacks: Sequence["Callback"], mark: Callable[[str], None] | None = None) -> None:
         self.callbacks = list(callbacks)
+        self._mark = mark
         self._legacy_warned: set[str] = set()
+
+    def mark(self, phase: str) -> None:
+        """A phase of the loop that is no hook (``training_step``, ``backward``, ``optimizer_step``...)."""
+        if self._mark is not None:
+            self._mark(phase)
 
     def __call__(self, hook: str, trainer: Any, module: Any, *args: Any, only: Any = None) -> None:
         """The callbacks' ``hook`` only (a callback-only hook, or one the module gets elsewhere);
         ``only(cb)`` picks which callbacks (None: all)."""
         if hook not in HOOKS:
             raise ValueError(f"unknown hook {hook!r}")
-        tick = getattr(trainer, "_tick", None)
         for cb in self.callbacks:
             if only is not None and not only(cb):
                 continue
             fn = getattr(cb, hook, None)  # a duck-typed callback may define only the hooks it uses
             if fn is None:
                 continue
-            if tick is not None and hook in LOOP_HOOKS:  # one watchdog tick per callback: a rank stuck
-                tick(f"{hook} ({type(cb).__name__})")  # in one callback (a rank-0-only forward) is behind
+            if hook in LOOP_HOOKS:  # one watchdog tick per callback: a rank stuck
+                self.mark(f"{hook} ({type(cb).__name__})")  # in one callback (a rank-0-only forward) is behind
                 # one whose peer waits in the next callback's collective (a checkpoint save)
             with hook_scope(trainer, hook), _profiled(trainer, f"[Callback]{_state_key(cb)}.{hook}"):
                 # a callback's pl_module.log logs under the hook's name
@@ -79,6 +88,8 @@ class HookDispatcher:
         result (``on_train_batch_start`` returning -1 ends the epoch). As Lightning, the monitoring
         callbacks (``EarlyStopping``, ``ModelCheckpoint``) get ``on_train_epoch_end`` after the
         module, so they see what the module's ``on_train_epoch_end`` logged."""
+        if hook in LOOP_HOOKS:
+            self.mark(hook)
         last = _monitoring if hook == "on_train_epoch_end" else None
         self(hook, trainer, module, *args, only=None if last is None else (lambda cb: not last(cb)))
         with hook_scope(trainer, hook), _profiled(trainer, f"[LightningModule]{type(module).__name__}.{hook}"):
@@ -181,69 +192,23 @@ def merge_callbacks(callbacks: list, extra: Any) -> list:
             + [cb for cb in merged if isinstance(cb, ModelCheckpoint)])
 
 
-class BatchHooks:
-    """The Trainer's side of one ``Strategy.run_schedule`` call (``strategies.base.BatchHooks``):
-    checks the loss, keeps it (the pipeline's ``train_loss``), and fires the backward
-    hooks when the strategy calls them."""
-
-    def __init__(self, trainer: "Trainer", batch_idx: int) -> None:
-        self.trainer, self.batch_idx = trainer, batch_idx
-        self.accumulation = trainer.accumulate_grad_batches
-        self.loss: torch.Tensor | None = None
-        self.step_logged = False
-        self.called = False  # loss_of ran (every run_schedule calls it once)
-        self._logs_before = trainer.metrics_connector.log_calls  # step_logged: self.log called since
-
-    def loss_of(self, out: Any) -> torch.Tensor | None:
-        self.called = True
-        if out is None or self.trainer.fit_loop.skip_backward:  # Lightning: no backward for this batch
-            self.step_logged = self._logged()
-            return None
-        if isinstance(out, Mapping) and "loss" not in out:
-            raise ConfigError("In automatic_optimization, when `training_step` returns a dict, the 'loss' key "
-                              f"needs to be present; got the keys {sorted(map(str, out))}")
-        loss = out["loss"] if isinstance(out, Mapping) else out
-        if not torch.is_tensor(loss):
-            raise ConfigError(f"training_step must return a loss tensor, a dict with 'loss', or None (skip the "
-                              f"batch); got {type(out).__name__}")
-        self.trainer._check_finite(loss, self.batch_idx)
-        if self.batch_idx % self.accumulation == 0:  # the first batch of an accumulation
-            self._before_zero_grad()
-        self.loss = loss
-        # the closure's loss, detached as Lightning's: the Trainer holds no autograd graph between steps
-        self.trainer._backward_in_step, self.trainer._step_loss = True, loss.detach()
-        self.step_logged = self._logged()  # by the step itself, not by the hooks after it
-        return loss
-
-    def _logged(self) -> bool:
-        return self.trainer.metrics_connector.log_calls != self._logs_before
-
-    def _before_zero_grad(self) -> None:
-        """Lightning's ``on_before_zero_grad``, at Lightning's place: after the first training step
-        of an accumulation, before its backward. The strategies release the previous step's gradients
-        right after that step, so here they are already gone: the hook marks a new accumulation."""
-        t = self.trainer
-        t.hooks.both("on_before_zero_grad", t, t.module, t.optimizer)
-        t._optim.zero_grad_hook(self.batch_idx)
-
-    def before_backward(self, loss: torch.Tensor) -> None:
-        t = self.trainer
-        t._tick("on_before_backward")
-        t.hooks.both("on_before_backward", t, t.module, loss)
-        t._tick("backward")
-
-    def after_backward(self) -> None:
-        t = self.trainer
-        t._tick("on_after_backward")
-        t.hooks.both("on_after_backward", t, t.module)
-
-
 def hook_owners(callbacks: list, module: "TrainModule | None") -> list[tuple[Any, type]]:
     """Each object whose hooks the Trainer calls, with the base class whose no-ops it overrides."""
     from ...callbacks.base import Callback
     from ..api.module import TrainModule
 
     return [(cb, Callback) for cb in callbacks] + ([(module, TrainModule)] if module is not None else [])
+
+
+def warn_skipped_hooks(strategy: Any, callbacks: list, module: "TrainModule", is_global_zero: bool) -> None:
+    """A strategy that runs its own schedule never calls some hooks (``Strategy.skipped_hooks``):
+    say once (global rank 0, first fit) which callbacks override one, so nothing is silently off."""
+    skipped = set(strategy.skipped_hooks)
+    found = [f"{type(obj).__name__}.{hook}" for obj, base in hook_owners(callbacks, module)
+             for hook in sorted(skipped) if getattr(type(obj), hook, None) is not getattr(base, hook, None)]
+    if found and is_global_zero:
+        log.warning("strategy=%r: runs its own forward/backward schedule and never calls %s; these "
+                    "overrides will not run: %s", strategy, ", ".join(sorted(skipped)), ", ".join(found))
 
 
 def batch_end_outputs(out: Any, manual: bool, accumulation: int) -> dict[str, Any]:

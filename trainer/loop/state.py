@@ -77,6 +77,17 @@ class TrainerState:
 
 
 @dataclass
+class StepState:
+    """What the running optimizer step has seen over its accumulation's batches; a new one after
+    each step (never saved)."""
+
+    batch: Any = None  # the last batch trained (an optimizer that re-evaluates, LBFGS, runs it again)
+    loss: Any = None  # the last loss backwarded, detached (what the optimizer_step hook's closure returns)
+    backward_ran: bool = False  # a backward ran (some training_step did not return None)
+    nonfinite: bool = False  # on_nonfinite="skip": a non-finite loss on this rank; the step is skipped
+
+
+@dataclass
 class LoopState:
     global_step: int = 0  # optimizer steps taken (skipped fp16 overflow steps included)
     skipped_steps: int = 0  # optimizer steps skipped for fp16 overflow
@@ -92,6 +103,9 @@ class LoopState:
     epoch_phase = 0  # 1: `epoch` is running, 2: its training is over (its on_train_epoch_end), 0: between epochs
     batch_ready = 0  # batches of `epoch` fetched, the running one included (Lightning's batch_progress.current.ready)
     epoch_cut = False  # on_train_batch_start returned -1: `epoch` ends with its running batch
+
+    def __post_init__(self) -> None:
+        self.step = StepState()  # the running optimizer step (not a field: never saved)
 
     @property
     def finished(self) -> bool:

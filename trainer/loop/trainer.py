@@ -7,7 +7,6 @@ through its interface: it never asks which strategy or precision it holds.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import os
@@ -32,7 +31,7 @@ from ..settings.arguments import check_limit, default_callbacks, fast_dev_run_fl
 from ..settings.declaration import canonical_accelerator, declared
 from ..errors import ConfigError
 from .evaluation import TrainerEvaluation, split_datamodule
-from .hooks import BatchHooks, HookDispatcher, batch_end_outputs, hook_owners
+from .hooks import HookDispatcher, batch_end_outputs, warn_skipped_hooks
 from ..launch.launcher import LocalLauncher
 from ..data.loaders import TrainerData, len_or_none, with_last
 from ..logs.connector import MetricsConnector, TrainerLogging, hook_scope
@@ -44,14 +43,11 @@ from .properties import TrainerProperties
 from .setup import TrainerSetup
 from .signature import step_call
 from .state import LoopState
+from .step import NonFiniteLossError, forward_backward, optimizer_step  # noqa: F401 (the error's old path)
 from ..utilities import GLOBAL_SEED_ENV
 from ..launch.watchdog import ProgressWatchdog, make_watchdog
 
 log = logging.getLogger("zerotrain")
-
-
-class NonFiniteLossError(FloatingPointError):
-    """The training loss is inf or nan (``Trainer(on_nonfinite="raise")``, the default)."""
 
 
 class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, TrainerLogging, TrainerSetup):
@@ -143,7 +139,7 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
         self.callbacks = default_callbacks(self._strategy, self.default_root_dir, callbacks, enable_checkpointing,
                                            enable_progress_bar)
         self.loggers = make_loggers(self.default_root_dir, logger)
-        self.hooks = HookDispatcher(self.callbacks)
+        self.hooks = HookDispatcher(self.callbacks, mark=self._tick)  # it marks the loop's phases
         self.state = LoopState()
         self.should_stop = False  # a callback ends fit at the next step boundary (EarlyStopping, Timer)
         self.module: TrainModule | None = None
@@ -237,7 +233,7 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
             self._logging.reset_metrics()
             self._fits += 1
             if self._fits == 1:
-                self._warn_skipped_hooks()
+                warn_skipped_hooks(self._strategy, self.callbacks, module, self.is_global_zero)
             self._watchdog = make_watchdog(self._strategy, self.stall_timeout_s,
                                            key=f"zerotrain/progress/{elastic.restart_count()}/{self._fits}")
             progress.set_sink(self._watchdog.mark if self._watchdog is not None else None)
@@ -297,6 +293,8 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
 
     # ------------------------------------------------------------------ the loop
     def _fit_loop(self) -> None:
+        """Lightning's fit loop: epochs of batches, each batch a micro-batch of an accumulation
+        (``_train_micro_batch``), validation where it is due, then the epoch's end (``_end_epoch``)."""
         st, module = self.state, self.module
         if no_training(self):  # Lightning: nothing to train, no training hooks
             return
@@ -323,9 +321,8 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
             job.set_sampler_epoch(loader, st.epoch)
             skip = self.fit_loop.start_epoch()  # > 0 only when resuming mid-epoch (trainer/loop/progress.py)
             batches = job.epoch_iterator(loader, resuming=skip > 0)  # before the epoch's hooks, as Lightning
-            self._tick("on_train_epoch_start")
             self.hooks.both("on_train_epoch_start", self, module)
-            batch_idx, cut = -1, False
+            batch_idx = -1
             for batch_idx, (batch, last) in enumerate(with_last(batches, n_batches)):
                 if batch_idx >= n_batches or self._done():
                     break
@@ -334,8 +331,7 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
                 st.batch_ready, self.is_last_batch = batch_idx + 1, last  # fetched (Lightning's fit_loop.batch_idx)
                 last_micro = (batch_idx + 1) % self.accumulate_grad_batches == 0 or batch_idx + 1 == n_batches
                 stepped = self._train_micro_batch(batch, batch_idx, last_micro)
-                cut = stepped is None  # the module's on_train_batch_start returned -1
-                if cut:  # the epoch ends here, without its end-of-epoch validation (as Lightning)
+                if stepped is None:  # on_train_batch_start returned -1: the epoch ends here, without its validation
                     break
                 if self._validation_due(val_batch, batch_idx):  # after every batch, as Lightning
                     if stepped and self._validation_defined():  # not inside an accumulation, as Lightning
@@ -344,18 +340,50 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
                 if stepped:  # ReduceLROnPlateau on steps: after the metrics of this step's validation
                     self._optim.step_schedulers("step", plateau=True, index=batch_idx)
                 self._logging.batch_done(stepped)
-                if stepped and self._signals is not None:  # a SIGTERM on any rank: every rank saves and exits
-                    self._tick("agreeing on stop signals")  # here (launch/signals.py); none yet in on_fit_start's tuners
+                if stepped:  # a SIGTERM on any rank: every rank saves and exits here (trainer/launch/signals.py)
+                    self.hooks.mark("agreeing on stop signals")
                     self._signals.at_step_boundary()
-                self._tick("fetching the next training batch")
+                self.hooks.mark("fetching the next training batch")
             else:
                 if batch_idx == -1 and self.max_epochs in (None, -1):  # an empty epoch, and no epoch limit
                     raise ConfigError(f"Trainer.fit: the training loader ({type(loader).__name__}) yielded no "
                                       f"batch in epoch {st.epoch}: an epoch without a training step would "
                                       "never end the run")
-                batch_idx = None
             self._end_epoch()  # also when max_steps cut it: Lightning's on_train_epoch_end runs then (no epoch scheduler)
         self.hooks.both("on_train_end", self, module)
+
+    def _train_micro_batch(self, batch: Any, batch_idx: int, last_micro: bool) -> bool | None:
+        """One training batch, nanoGPT's step with Lightning's hooks around it: the forwards and
+        backwards (under manual optimization the module's step, which steps itself), then on the
+        accumulation's last batch the optimizer step (both halves: ``trainer/loop/step.py``).
+        Returns whether it was the accumulation's last batch, or None when the module's
+        ``on_train_batch_start`` returned -1 (Lightning: the epoch ends before this batch)."""
+        st, module = self.state, self.module
+        batch = transfer_batch(self, batch)  # Lightning's batch transfer hooks (trainer/data/batch_transfer.py)
+        self._logging.on_batch_start(batch)
+        if self.hooks.both("on_train_batch_start", self, module, batch, batch_idx) == -1:
+            st.epoch_cut = self.is_last_batch = True  # as Lightning: the epoch ends with this batch; its schedulers step
+            self._optim.step_schedulers("step", plateau=False, index=batch_idx)
+            self._optim.step_schedulers("epoch", plateau=False, index=st.epoch)
+            return None
+        manual = self._optim.manual  # the step backwards and steps itself (trainer/optim/optimization.py)
+        if manual:
+            with hook_scope(self, "training_step"):
+                out = self._optim.run_manual_step(batch, batch_idx)
+        else:
+            out = forward_backward(self, batch, batch_idx, last_micro)
+        st.batches_in_epoch += 1
+        st.total_batches += 1
+        if last_micro and not manual:
+            self.hooks.both("on_before_optimizer_step", self, module, self.optimizer)
+            optimizer_step(self, batch_idx)
+        if self._epoch_complete():  # Lightning 2.6: the epoch's schedulers step here, before its validation
+            self._optim.step_schedulers("epoch", plateau=False, index=st.epoch)
+        out = batch_end_outputs(out, manual, self.accumulate_grad_batches)  # Lightning's outputs
+        self.hooks.both("on_train_batch_end", self, module, out, batch, batch_idx)
+        self._logging.on_batch_end()
+        self._logging.update_train_step_metrics(accumulating=not last_micro)
+        return last_micro
 
     _last_val_step = -1
 
@@ -366,7 +394,6 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
         other per-epoch schedulers stepped after the epoch's last batch, as Lightning 2.6 does.)"""
         st = self.state
         st.epoch_phase = 2  # the epoch's training is over (fit_loop.epoch_progress: processed)
-        self._tick("on_train_epoch_end")
         self._logging.epoch_end_reached()
         self.hooks.both("on_train_epoch_end", self, self.module)
         self._logging.on_epoch_end()
@@ -382,107 +409,11 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
         batches reached', or ``on_train_batch_start`` returned -1): not one cut short by ``max_steps`` or a stop."""
         return self.state.batches_in_epoch >= self.num_training_batches or self.state.epoch_cut
 
-    def _train_micro_batch(self, batch: Any, batch_idx: int, last_micro: bool) -> bool | None:
-        """One training batch: ``Strategy.run_schedule`` runs its forwards and backwards and calls
-        back the hooks it can honour (``hooks.BatchHooks``): every strategy the loss check, the ordinary
-        step also ``on_before_backward``/``on_after_backward``; a strategy running its own schedule
-        (the pipeline) skips those two (its ``skipped_hooks``, warned about at fit start; its loss is
-        logged as ``train_loss``). On the last batch of an accumulation the optimizer steps. Returns
-        whether it was the accumulation's last batch, or None when the module's
-        ``on_train_batch_start`` returned -1 (Lightning: the epoch ends before this batch)."""
-        st, s, module = self.state, self._strategy, self.module
-        batch = transfer_batch(self, batch)  # Lightning's batch transfer hooks (trainer/data/batch_transfer.py)
-        self._tick("on_train_batch_start")
-        self._logging.on_batch_start(batch)
-        if self.hooks.both("on_train_batch_start", self, module, batch, batch_idx) == -1:
-            st.epoch_cut = self.is_last_batch = True  # as Lightning: the epoch ends with this batch; its schedulers step
-            self._optim.step_schedulers("step", plateau=False, index=batch_idx)
-            self._optim.step_schedulers("epoch", plateau=False, index=st.epoch)
-            return None
-        manual = self._optim.manual  # the step backwards and steps itself (trainer/optim/optimization.py)
-        if manual:
-            with hook_scope(self, "training_step"):
-                out = self._optim.run_manual_step(batch, batch_idx)
-        else:
-            out = self._automatic_step(batch, batch_idx, last_micro)
-        st.batches_in_epoch += 1
-        st.total_batches += 1
-        if last_micro and not manual:
-            self._tick("on_before_optimizer_step")
-            self.hooks.both("on_before_optimizer_step", self, module, self.optimizer)
-            self._tick("optimizer_step")
-            # on_nonfinite="skip": a bad loss on any rank skips the step on every rank together
-            stepped = False
-            if self.on_nonfinite == "skip" and s.any_rank(self._nonfinite_in_step):
-                s.skip_step()
-            else:  # None: the module's optimizer_step did not step, or every training_step returned None
-                stepped = self._optim.optimizer_step(batch_idx)
-            self._nonfinite_in_step = self._backward_in_step = False
-            self._step_loss = None
-            elastic.lower_after_first_step(s, self.collective_timeout_s)
-            if self._watchdog is not None:
-                self._watchdog.warmed()
-            st.skipped_steps += stepped is False
-            st.global_step += 1
-            if stepped is not False:  # after the step is counted, as Lightning
-                self._optim.step_schedulers("step", plateau=False, index=batch_idx)
-        if self._epoch_complete():  # Lightning 2.6: the epoch's schedulers step here, before its validation
-            self._optim.step_schedulers("epoch", plateau=False, index=st.epoch)
-        self._tick("on_train_batch_end")
-        out = batch_end_outputs(out, manual, self.accumulate_grad_batches)  # Lightning's outputs
-        self.hooks.both("on_train_batch_end", self, module, out, batch, batch_idx)
-        self._logging.on_batch_end()
-        self._logging.update_train_step_metrics(accumulating=not last_micro)
-        return last_micro
-
-    def _automatic_step(self, batch: Any, batch_idx: int, last_micro: bool) -> Any:
-        """The batch's forwards and backwards through ``Strategy.run_schedule`` (see above)."""
-        s, self._step_batch = self._strategy, batch  # an optimizer that re-evaluates (LBFGS) runs it again
-        batch_hooks = BatchHooks(self, batch_idx)
-        with (s.no_sync() if not last_micro else contextlib.nullcontext()), hook_scope(self, "training_step"):
-            self._tick("training_step")
-            out = s.run_schedule(batch, batch_idx, batch_hooks)
-            loss = batch_hooks.loss
-            if not batch_hooks.called:
-                raise RuntimeError(f"strategy={s!r}: run_schedule returned without calling hooks.loss_of; "
-                                   "valid: every run_schedule checks its loss through hooks.loss_of once")
-            if loss is not None and not batch_hooks.step_logged:  # the pipeline's loss (logging._log_loss)
-                self._log_loss("train_loss", loss)
-        return out
-
-    _nonfinite_in_step = False
-    _step_loss: Any = None  # the last loss backwarded (what the optimizer_step hook's closure returns)
-    _backward_in_step = False  # a backward ran in this accumulation (training_step did not return None)
-
-    def _warn_skipped_hooks(self) -> None:
-        """A strategy that runs its own schedule never calls some hooks (``Strategy.skipped_hooks``):
-        say once (global rank 0, first fit) which callbacks override one, so nothing is silently off."""
-        skipped = set(self._strategy.skipped_hooks)
-        found = [f"{type(obj).__name__}.{hook}" for obj, base in hook_owners(self.callbacks, self.module)
-                 for hook in sorted(skipped) if getattr(type(obj), hook, None) is not getattr(base, hook, None)]
-        if found and self.is_global_zero:
-            log.warning("strategy=%r: runs its own forward/backward schedule and never calls %s; these "
-                        "overrides will not run: %s", self._strategy, ", ".join(sorted(skipped)), ", ".join(found))
-
     def _tick(self, phase: str) -> None:
+        """The dispatcher's phase marker (``HookDispatcher.mark``)."""
         instrument.phase(phase)  # the ResourceMonitor's step-time breakdown (no-op without one)
         if self._watchdog is not None:
             self._watchdog.tick(phase, self.state.global_step)
-
-    def _check_finite(self, loss: torch.Tensor, batch_idx: int) -> None:
-        """``on_nonfinite`` for fp32/bf16 (a 16-mixed loss scaler skips overflowing steps itself). With
-        ``detect_anomaly`` a nan is left to torch's anomaly mode, which names the op in the backward."""
-        anomaly_mode = self.detect_anomaly and bool(loss.detach().isnan().any())
-        if self.precision_plugin.skips_nonfinite_steps or anomaly_mode or bool(torch.isfinite(loss.detach()).all()):
-            return
-        where = (f"rank {self.global_rank}: the training loss is {float(loss.detach().float().mean())} at step "
-                 f"{self.state.global_step} (epoch {self.state.epoch}, batch {batch_idx})")
-        if self.on_nonfinite == "raise":
-            raise NonFiniteLossError(f"{where}. Lower the learning rate, clip gradients, check the data, or "
-                                     "set Trainer(on_nonfinite='skip' | 'warn')")
-        log.warning("%s; %s", where, "the step is skipped on every rank" if self.on_nonfinite == "skip"
-                    else "training goes on (on_nonfinite='warn')")
-        self._nonfinite_in_step = self.on_nonfinite == "skip"
 
     def _teardown(self) -> None:
         self._strategy.teardown()

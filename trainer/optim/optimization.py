@@ -169,7 +169,7 @@ class Optimization:
         Lightning's; the gradients are dropped; the step still counts and the schedulers step)."""
         t = self.trainer
         opt = AutomaticOptimizer(t, self.optimizers[0], self.clip_for_step())
-        closure = Closure(t._step_loss, functools.partial(self._evaluate_again, batch_idx))
+        closure = Closure(t.state.step.loss, functools.partial(self._evaluate_again, batch_idx))
         with hook_scope(t, "optimizer_step"):
             t.module.optimizer_step(t.current_epoch, batch_idx, opt, closure)
         if opt.stepped is None:
@@ -179,13 +179,13 @@ class Optimization:
     def _evaluate_again(self, batch_idx: int) -> Any:
         """A closure's later call (LBFGS): the gradients zeroed, the last batch's forwards and
         backwards run again through the strategy (hooks and all, as Lightning's closure); its loss."""
-        from ..loop.hooks import BatchHooks
+        from ..loop.step import BatchHooks
 
         t = self.trainer
         t.strategy.zero_grad()
         hooks = BatchHooks(t, batch_idx)
         with hook_scope(t, "training_step"):
-            t.strategy.run_schedule(t._step_batch, batch_idx, hooks)
+            t.strategy.run_schedule(t.state.step.batch, batch_idx, hooks)
         return hooks.loss
 
     def zero_grad_hook(self, batch_idx: int) -> None:
@@ -234,7 +234,7 @@ class Optimization:
         scope: the step only (it backwards and steps itself, each optimizer step counting one
         ``global_step``); a returned loss is not logged (as Lightning; ``_log_loss``)."""
         t = self.trainer
-        t._tick("training_step")
+        t.hooks.mark("training_step")
         logs_before = t.metrics_connector.log_calls
         out = t.strategy.training_step(batch, batch_idx)
         loss = out.get("loss") if isinstance(out, dict) else out
@@ -359,7 +359,7 @@ class AutomaticOptimizer(ManualOptimizer):
         """The strategy's step; the closure goes to the user's ``optimizer.step(closure=...)`` as
         Lightning's (an LBFGS calls it again to re-evaluate), and what that returns comes back."""
         t = self._trainer
-        if self.stepped is not None or not t._backward_in_step:  # nothing (more) to step on
+        if self.stepped is not None or not t.state.step.backward_ran:  # nothing (more) to step on
             return closure() if closure is not None else None
         counted = closure if isinstance(closure, Closure) or closure is None else _Counted(closure)
         if counted is not None:
