@@ -12,7 +12,8 @@
 Ops are built on first use (see :mod:`zerotrain.ops.builder` for the cache and the
 ``ZEROTRAIN_BUILD_OPS`` / ``ZEROTRAIN_EXTENSIONS_DIR`` variables); without a compiler they fall
 back, after one warning, to :mod:`zerotrain.ops.reference`.
-"""
+
+May import: nothing."""
 from __future__ import annotations
 
 import os

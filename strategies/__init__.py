@@ -15,7 +15,8 @@ table), so ``Trainer(strategy=ZeroStage3(...))`` needs no deeper import:
 =======================  ====================================================================
 
 ``strategy_from_name(name, **options)`` builds a preset by name, as ``Trainer(strategy=name)``.
-"""
+
+May import: ops, trainer.errors."""
 from .base import Strategy
 from .ddp import DDP, DDPConfig, DDPStrategy
 from .environment import ProcessInfo

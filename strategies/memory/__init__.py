@@ -8,7 +8,8 @@ order of :data:`CATEGORIES` and a storage is charged to the first one that names
 
 A strategy that knows its buffers implements ``memory_tensors() -> {category: [tensors]}``; any
 other strategy is treated as replicated (parameters, their ``.grad`` and the optimizer's state).
-"""
+
+May import: trainer.errors."""
 from __future__ import annotations
 
 from typing import Any, Iterable

@@ -7,7 +7,8 @@ files, resident only while used), ``transfer`` (gradients to the optimizer and w
 back: host memory or a GPU), ``optimizer`` (the fused sub-group Adam step, and the fallback for
 other optimizers), ``config`` (the validated :class:`OffloadPolicy`) and ``stepper`` (the part a
 ZeRO stage is composed with). :func:`Offload` composes them.
-"""
+
+May import: strategies, ops, trainer.errors."""
 from __future__ import annotations
 
 from dataclasses import fields

@@ -7,7 +7,8 @@ stages' lists run together: deadlock freedom, bubble, live activations), ``topol
 grid), ``p2p.py`` (headers and batched sends/receives), ``stage.py`` (runs one stage's
 instructions), ``collectives.py`` (gradient and weight reductions), ``zero1.py`` (ZeRO-1 over a
 stage's replicas), ``strategy.py`` (the Strategy the Trainer talks to).
-"""
+
+May import: strategies, ops, trainer.errors."""
 from .config import PipelineConfig
 from .module import LayerSpec, PipelineModule, Tie, TiedLayerSpec
 from .schedule import SCHEDULES

@@ -1,5 +1,7 @@
 """Precision plugins, chosen by name: "32", "bf16-mixed", "bf16-true", "16-mixed", "64-true", or one of
-Lightning's aliases for them (16, "16", "bf16", "32-true", ...)."""
+Lightning's aliases for them (16, "16", "bf16", "32-true", ...).
+
+May import: trainer.errors."""
 from __future__ import annotations
 
 from .base import Precision

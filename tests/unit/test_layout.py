@@ -196,7 +196,8 @@ def _declared_imports() -> dict[str, list[str]]:
         doc = ast.get_docstring(tree) or "" if MODULES[name].name == "__init__.py" else ""
         for line in doc.splitlines():
             if line.startswith("May import:"):
-                out[name] = [f"zerotrain.{n.strip().rstrip('.')}" for n in line[len("May import:"):].split(",") if n.strip()]
+                names = [n.strip().rstrip(".") for n in line[len("May import:"):].split(",")]
+                out[name] = [f"zerotrain.{n}" for n in names if n and n != "nothing"]
     return out
 
 
