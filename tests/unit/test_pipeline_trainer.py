@@ -94,20 +94,20 @@ class Piped(TrainModule):
 
 
 def _fit(module: TrainModule, strategy) -> tuple[Trainer, Counting, Recorder, Counter]:
-    """Fit on the same data; also count every ``Trainer._log`` call by name."""
+    """Fit on the same data; also count every ``self.log`` call (``trainer.metrics_connector.log``) by name."""
     g = torch.Generator().manual_seed(3)
     data = TensorDataset(torch.randn(BATCHES * ROWS, 4, generator=g), torch.randn(BATCHES * ROWS, 1, generator=g))
     counting, recorder, logged = Counting(), Recorder(), Counter()
     trainer = Trainer(accelerator="cpu", devices=1, strategy=strategy, max_epochs=1, log_every_n_steps=1,
                       accumulate_grad_batches=ACCUMULATE, callbacks=[counting], logger=recorder,
                       enable_checkpointing=False, enable_progress_bar=False)
-    log = trainer._log
+    log = trainer.metrics_connector.log
 
     def counted(name, value, **kw):
         logged[name] += 1
         log(name, value, **kw)
 
-    trainer._log = counted
+    trainer.metrics_connector.log = counted
     trainer.fit(module, DataLoader(data, batch_size=ROWS))
     return trainer, counting, recorder, logged
 
