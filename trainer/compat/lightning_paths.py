@@ -60,6 +60,7 @@ PATHS = {
     "callbacks.batch_size_finder": "callbacks.tuning.batch_size_finder",
     # lightning.pytorch.trainer.*
     "trainer.states": "trainer.loop.state",
+    "trainer.trainer": "trainer.loop.trainer",  # was trainer/trainer.py itself before the rooms
     # Lightning's modules zerotrain has no counterpart of: trainer/compat/ (small honest shims;
     # Lightning's loop, connector and launcher objects are importable names only)
     "accelerators": "trainer.compat.lightning.accelerators",

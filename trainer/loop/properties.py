@@ -46,6 +46,24 @@ class TrainerProperties(TrainerLoops):
         return CheckpointConnector(self)
 
     @property
+    def _data_connector(self) -> "DataConnector":
+        """The few entry points of Lightning's data connector (``DataConnector`` below)."""
+        return DataConnector(self)
+
+    def _attach_data(self, model: Any, loaders: tuple | None = None, datamodule: Any = None) -> None:
+        """``model`` and its data attached as ``fit`` attaches them, without running a stage: the
+        (training, validation) loaders given (None: the datamodule's or the module's hook, asked
+        when needed, e.g. by ``estimated_stepping_batches`` or ``fit_loop.setup_data()``)."""
+        self.module, model.trainer = model, self
+        if datamodule is not None:
+            self.datamodule, datamodule.trainer = datamodule, self
+        if loaders is None and self._train_source is not _UNSET:
+            return  # the loaders attached before stay
+        train, val = loaders or (None, None)
+        self.train_dataloader, self._train_source, self._fit_loaders_given = None, train, train is not None
+        self._start_val_data(val)
+
+    @property
     def accelerator(self) -> Any:
         """Lightning's: the Accelerator this Trainer runs on (``CPUAccelerator`` or
         ``CUDAAccelerator``, "auto" resolved); it compares equal to its name ("cpu", "cuda")."""
@@ -256,3 +274,46 @@ class TrainerProperties(TrainerLoops):
 
     _fit_loaders_given = False
 
+
+
+class DataConnector:
+    """``trainer._data_connector``: what Lightning's public tests call to give a Trainer its data
+    without running a stage (``attach_data``, ``attach_dataloaders``, ``attach_datamodule``,
+    ``prepare_data``), each a front on the Trainer's own data code. Not Lightning's connector:
+    nothing else of it is here."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+
+    def prepare_data(self) -> None:
+        """The datamodule's and then the module's ``prepare_data`` where this process runs it:
+        local rank 0 of each node (``prepare_data_per_node=True``, the default), else only node
+        0's local rank 0. No barrier (the stages' own call waits for it)."""
+        from ..api.datamodule import overrides_hook
+        from .hooks import datamodule_hook
+
+        t = self.trainer
+        for owner in (t.datamodule, t.lightning_module):
+            if owner is None or not overrides_hook(owner, "prepare_data"):
+                continue
+            if t.local_rank == 0 and (getattr(owner, "prepare_data_per_node", True) or t.node_rank == 0):
+                if owner is t.datamodule:
+                    datamodule_hook(t, owner, "prepare_data")
+                else:
+                    owner.prepare_data()
+
+    def attach_data(self, model: Any, train_dataloaders: Any = None, val_dataloaders: Any = None,
+                    test_dataloaders: Any = None, predict_dataloaders: Any = None, datamodule: Any = None) -> None:
+        self.attach_dataloaders(model, train_dataloaders, val_dataloaders, test_dataloaders, predict_dataloaders)
+        self.attach_datamodule(model, datamodule)
+
+    def attach_dataloaders(self, model: Any, train_dataloaders: Any = None, val_dataloaders: Any = None,
+                           test_dataloaders: Any = None, predict_dataloaders: Any = None) -> None:
+        """Only ``fit``'s loaders can be attached ahead: ``test``/``predict`` take theirs as arguments."""
+        if test_dataloaders is not None or predict_dataloaders is not None:
+            raise NotImplementedError("trainer._data_connector: attach test/predict loaders by passing them to "
+                                      "trainer.test(...) / trainer.predict(...)")
+        self.trainer._attach_data(model, (train_dataloaders, val_dataloaders))
+
+    def attach_datamodule(self, model: Any, datamodule: Any = None) -> None:
+        self.trainer._attach_data(model, datamodule=datamodule)
