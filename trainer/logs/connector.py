@@ -294,6 +294,14 @@ class MetricsConnector:
             lg.save()
 
 
+    def log_loss(self, name: str, loss: torch.Tensor) -> None:
+        """As Lightning, a step's returned loss is not logged: only what ``self.log`` logs is. The
+        exception is a strategy that runs its own schedule (the pipeline): the module's step never
+        runs there, so nothing else could log the loss; it is logged as ``train_loss`` (per step) /
+        ``val_loss`` / ``test_loss`` (epoch mean over ranks)."""
+        if self.trainer.strategy.runs_own_schedule:
+            self.log(name, loss.detach(), sync_dist=name != "train_loss")
+
     def emit(self, metrics: dict[str, float], callback: bool = False) -> None:
         """A callback's own row straight to the loggers (as Lightning's LearningRateMonitor writes
         ``logger.log_metrics(..., step)``), at the logging step; not in ``logged_metrics``;
@@ -308,8 +316,8 @@ class MetricsConnector:
 
 class TrainerLogging:
     """The Trainer's logging surface (its ``_logging`` connector is made in ``Trainer.__init__``):
-    Lightning's metric dicts and ``logger``, the entry point of ``TrainModule.log``, and the
-    pipeline's loss logging."""
+    Lightning's metric dicts and ``logger``, and the connector itself (``metrics_connector``: what
+    ``TrainModule.log``, the pipeline's loss and the callbacks' own rows go through)."""
 
     @property
     def callback_metrics(self) -> dict[str, torch.Tensor]:
@@ -343,14 +351,6 @@ class TrainerLogging:
     @loggers.setter
     def loggers(self, loggers: Any) -> None:
         self._loggers = [] if loggers is None else list(loggers)
-
-    def _log_loss(self, name: str, loss: torch.Tensor) -> None:
-        """As Lightning, a step's returned loss is not logged: only what ``self.log`` logs is. The
-        exception is a strategy that runs its own schedule (the pipeline): the module's step never
-        runs there, so nothing else could log the loss; it is logged as ``train_loss`` (per step) /
-        ``val_loss`` / ``test_loss`` (epoch mean over ranks)."""
-        if self._strategy.runs_own_schedule:
-            self._logging.log(name, loss.detach(), sync_dist=name != "train_loss")
 
 
 def _reduce_in_group(value: torch.Tensor, op: str, group: Any) -> torch.Tensor:

@@ -260,7 +260,7 @@ class TrainerEvaluation:
                 out = self._eval_forward(spec, batch, batch_idx, kwargs)
                 loss = out.get("loss") if isinstance(out, Mapping) else out  # any output is fine
                 if not self._predicting and torch.is_tensor(loss) and self._logging.log_calls == logs_before:
-                    self._log_loss(spec.loss_name, loss)  # nothing logged: track the loss
+                    self._logging.log_loss(spec.loss_name, loss)  # nothing logged: track the loss
             self.hooks.both(f"on_{spec.hooks}_batch_end", self, self.module, out, batch, batch_idx, *kwargs.values())
             self._logging.on_batch_end()
             self._logging.update_eval_step_metrics(index)

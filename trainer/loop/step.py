@@ -43,7 +43,7 @@ def forward_backward(trainer: "Trainer", batch: Any, batch_idx: int, last_micro:
             raise RuntimeError(f"strategy={s!r}: run_schedule returned without calling hooks.loss_of; "
                                "valid: every run_schedule checks its loss through hooks.loss_of once")
         if batch_hooks.loss is not None and not batch_hooks.step_logged:  # the pipeline's loss
-            trainer._log_loss("train_loss", batch_hooks.loss)
+            trainer.metrics_connector.log_loss("train_loss", batch_hooks.loss)
     return out
 
 

@@ -232,14 +232,14 @@ class Optimization:
     def run_manual_step(self, batch: Any, batch_idx: int) -> Any:
         """Manual optimization's training step, inside the Trainer's ``training_step`` logging
         scope: the step only (it backwards and steps itself, each optimizer step counting one
-        ``global_step``); a returned loss is not logged (as Lightning; ``_log_loss``)."""
+        ``global_step``); a returned loss is not logged (as Lightning; ``MetricsConnector.log_loss``)."""
         t = self.trainer
         t.hooks.mark("training_step")
         logs_before = t.metrics_connector.log_calls
         out = t.strategy.training_step(batch, batch_idx)
         loss = out.get("loss") if isinstance(out, dict) else out
         if torch.is_tensor(loss) and t.metrics_connector.log_calls == logs_before:
-            t._log_loss("train_loss", loss)
+            t.metrics_connector.log_loss("train_loss", loss)
         return out
 
     def manual_backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
