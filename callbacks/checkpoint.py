@@ -307,7 +307,7 @@ class ModelCheckpoint(Callback):
             message = (f"`ModelCheckpoint(monitor={self.monitor!r})` could not find the monitored key in the "
                        f"returned metrics: {list(candidates)}. HINT: Did you call `log({self.monitor!r}, value)` "
                        "in the `LightningModule`?")
-            if getattr(trainer, "_last_val_step", -1) >= 0:  # a validation of this fit ran: it should be there
+            if getattr(getattr(trainer, "state", None), "last_val_step", -1) >= 0:  # a validation ran: it should be there
                 raise ConfigError(message)
             if not self._said_missing:
                 self._said_missing = True

@@ -125,7 +125,7 @@ class TrainerEvaluation:
             return
         if not self._validation_defined() or not self._val_data_defined():
             return
-        kept = self._last_val_step
+        kept = self.state.last_val_step
         self._logging.reset_metrics()
         self.sanity_checking = True
         try:
@@ -137,7 +137,7 @@ class TrainerEvaluation:
             self.sanity_checking = False
             self.fit_loop.epoch_loop.val_loop.batch_progress.reset()  # as Lightning: the check's batches are not counted
             self._logging.reset_metrics()
-            self._last_val_step = kept
+            self.state.last_val_step = kept
 
     # ------------------------------------------------------------------ evaluation
     def _val_loaders(self, given: Any) -> Any:
@@ -223,7 +223,7 @@ class TrainerEvaluation:
             results = [self._evaluate_loader(spec, loader, i, len(loaders), outputs)
                        for i, loader in enumerate(loaders)]
             if spec.fn == "validate":
-                self._last_val_step, self._last_val_time = self.state.global_step, time.monotonic()
+                self.state.last_val_step, self._last_val_time = self.state.global_step, time.monotonic()
             self._logging.eval_epoch_end_reached()
             self.hooks.both(f"on_{spec.hooks}_epoch_end", self, module)
             self._logging.on_epoch_end()

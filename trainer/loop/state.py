@@ -103,6 +103,7 @@ class LoopState:
     epoch_phase = 0  # 1: `epoch` is running, 2: its training is over (its on_train_epoch_end), 0: between epochs
     batch_ready = 0  # batches of `epoch` fetched, the running one included (Lightning's batch_progress.current.ready)
     epoch_cut = False  # on_train_batch_start returned -1: `epoch` ends with its running batch
+    last_val_step = -1  # the global step of the last validation (-1: none ran)
 
     def __post_init__(self) -> None:
         self.step = StepState()  # the running optimizer step (not a field: never saved)

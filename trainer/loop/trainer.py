@@ -385,8 +385,6 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
         self._logging.update_train_step_metrics(accumulating=not last_micro)
         return last_micro
 
-    _last_val_step = -1
-
     def _end_epoch(self) -> None:
         """Lightning's order at the end of a training epoch (its validation ran after the last
         batch): ``on_train_epoch_end`` (``current_epoch`` is still the epoch that is ending), then the
