@@ -95,3 +95,11 @@ def test_prepare_data_runs_where_lightning_runs_it(per_node, local, node, runs):
             mock.patch.object(Trainer, "node_rank", new_callable=mock.PropertyMock, return_value=node):
         trainer._data_connector.prepare_data()
     assert calls == (["dm", "model"] if runs else [])
+
+
+@pytest.mark.parametrize("overfit, expected", [(4, 4), (0.25, 16), (0, 64)])
+def test_fit_loop_setup_data_counts_the_epochs_batches(overfit, expected):
+    trainer = _trainer(overfit_batches=overfit)
+    trainer._data_connector.attach_data(BoringModel())  # 64 training batches
+    trainer.fit_loop.setup_data()
+    assert trainer.num_training_batches == expected

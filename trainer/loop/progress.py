@@ -353,11 +353,13 @@ class FitLoop:
 
     def setup_data(self) -> None:
         """Request fit's training loader again, from the datamodule or the module (loaders passed
-        to ``fit`` are kept): the batch-size finder's new ``batch_size``."""
+        to ``fit`` are kept): the batch-size finder's new ``batch_size``; ``num_training_batches``
+        is its batches after ``limit_train_batches``/``overfit_batches``, as the epoch will run."""
         t = self.trainer
         if not t._fit_loaders_given:
             t._train_source, t.train_dataloader = None, None
         t._require_train_loader()
+        t.num_training_batches = t._limit(t._train_loader, t.limit_train_batches)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(epoch_progress={self.epoch_progress!r}, max_epochs={self.max_epochs!r})"
