@@ -1,7 +1,8 @@
 """Lightning's ``StochasticWeightAveraging`` callback: from ``swa_epoch_start`` on, each training
-epoch's start folds the module's weights into a running average (``torch.optim.swa_utils.AveragedModel``
-with Lightning's averaging rule) while ``torch.optim.swa_utils.SWALR`` takes over the learning
-rate; the average becomes the module's weights when training ends. A module with batch-norm layers
+epoch's start folds the module's weights into a running average held in a copy of the module
+(torch's SWA rule, ``torch.optim.swa_utils.get_swa_avg_fn``; the copy is made without the Trainer)
+while ``torch.optim.swa_utils.SWALR`` takes over the learning rate; the average becomes the
+module's weights when training ends. A module with batch-norm layers
 gets one more epoch of forwards only (``trainer.fit_loop.skip_backward``), whose batches recompute
 the running statistics of the averaged weights.
 
@@ -12,19 +13,18 @@ ZeRO-3 (each rank holds a shard of each parameter) and the pipeline (each rank a
 at set-up, as Lightning refuses FSDP and DeepSpeed."""
 from __future__ import annotations
 
-import logging
+import copy
 from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.optim.swa_utils import SWALR, AveragedModel
+from torch.optim.swa_utils import SWALR, get_swa_avg_fn
 
 from ...trainer.errors import MisconfigurationException
 from ...trainer.optim.optimizer_config import LRSchedulerConfig
+from ...trainer.utilities import rank_zero_info, rank_zero_warn
 from ..base import Callback
 from .write_back import write_back
-
-log = logging.getLogger("zerotrain")
 
 AvgFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -61,7 +61,8 @@ class StochasticWeightAveraging(Callback):
         self._avg_fn = avg_fn or self.avg_fn
         self._device = device
         self._model_contains_batch_norm: bool | None = None
-        self._average_model: AveragedModel | None = None
+        self._average_model: nn.Module | None = None
+        self.n_averaged: torch.Tensor | None = None
         self._initialized = False
         self._swa_scheduler: SWALR | None = None
         self._scheduler_state: dict | None = None
@@ -72,11 +73,6 @@ class StochasticWeightAveraging(Callback):
         self.momenta: dict[nn.Module, float | None] = {}
 
     # ------------------------------------------------------------------ Lightning's public names
-    @property
-    def n_averaged(self) -> torch.Tensor | None:
-        """How many weight sets the average holds (None before the first SWA epoch)."""
-        return self._average_model.n_averaged if self._initialized and self._average_model is not None else None
-
     @property
     def swa_start(self) -> int:
         return max(int(self._swa_epoch_start) - 1, 0)  # 0-based
@@ -89,11 +85,18 @@ class StochasticWeightAveraging(Callback):
     def pl_module_contains_batch_norm(pl_module: nn.Module) -> bool:
         return any(_is_batch_norm(m) for m in pl_module.modules())
 
+    #: the running mean: the average moved ``1 / (n + 1)`` of the way to the new weights (torch's)
+    avg_fn = staticmethod(get_swa_avg_fn())
+
     @staticmethod
-    def avg_fn(averaged_model_parameter: torch.Tensor, model_parameter: torch.Tensor,
-               num_averaged: torch.Tensor) -> torch.Tensor:
-        """The running mean: the average moved by ``1 / (n + 1)`` of the way to the new weights."""
-        return averaged_model_parameter + (model_parameter - averaged_model_parameter) / (num_averaged + 1)
+    def update_parameters(average_model: nn.Module, model: nn.Module, n_averaged: torch.Tensor,
+                          avg_fn: AvgFn) -> None:
+        """Fold ``model``'s parameters into ``average_model`` (the first time: a copy); ``n_averaged`` + 1."""
+        with torch.no_grad():
+            for avg, cur in zip(average_model.parameters(), model.parameters()):
+                cur = cur.detach().to(avg.device)
+                avg.detach().copy_(cur if n_averaged == 0 else avg_fn(avg.detach(), cur, n_averaged.to(avg.device)))
+        n_averaged += 1
 
     @staticmethod
     def transfer_weights(src_pl_module: nn.Module, dst_pl_module: nn.Module) -> None:
@@ -109,8 +112,13 @@ class StochasticWeightAveraging(Callback):
                 f"StochasticWeightAveraging: strategy={s.name!r} does not hold each parameter whole on every rank "
                 "(SWA does not currently support sharded models); valid: single, ddp, zero1, zero2 (offload at "
                 "stage 1/2)")
-        # the copy is made before the strategy lays the module out, as Lightning's before it moves it
-        self._average_model = AveragedModel(pl_module, device=self._device, avg_fn=self._avg_fn)
+        # the copy is made before the strategy lays the module out, as Lightning's before it moves it,
+        # and without the Trainer (its loaders and datamodule are not copied)
+        pl_module.trainer = None
+        try:
+            self._average_model = copy.deepcopy(pl_module)
+        finally:
+            pl_module.trainer = trainer
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         if len(trainer.optimizers) != 1:
@@ -136,7 +144,7 @@ class StochasticWeightAveraging(Callback):
         if not self._initialized and self.swa_start <= epoch <= self.swa_end:
             self._start_averaging(trainer, pl_module)
         if self.swa_start <= epoch <= self.swa_end and epoch > self._latest_update_epoch:
-            self._average_model.update_parameters(pl_module)
+            self.update_parameters(self._average_model, pl_module, self.n_averaged, self._avg_fn)
             self._latest_update_epoch = epoch
         if self._max_epochs != -1 and epoch == self.swa_end + 1:  # the batch-norm epoch
             self._load_average(trainer, pl_module)
@@ -149,7 +157,6 @@ class StochasticWeightAveraging(Callback):
     def _start_averaging(self, trainer: Any, pl_module: Any) -> None:
         self._initialized = True
         self._average_model = self._average_model.to(self._device or pl_module.device)
-        self._average_model.n_averaged.fill_(self._init_n_averaged)
         optimizer = trainer.optimizers[0]
         if isinstance(self._swa_lrs, float):
             self._swa_lrs = [self._swa_lrs] * len(optimizer.param_groups)
@@ -161,18 +168,20 @@ class StochasticWeightAveraging(Callback):
         if self._scheduler_state is not None:
             self._swa_scheduler.load_state_dict(self._scheduler_state)
         elif trainer.current_epoch != self.swa_start:
-            log.warning("SWA is initializing after swa_start without any checkpoint data. "
-                        "This may be caused by loading a checkpoint from an older version of PyTorch Lightning.")
+            rank_zero_warn("SWA is initializing after swa_start without any checkpoint data. "
+                           "This may be caused by loading a checkpoint from an older version of PyTorch Lightning.")
         config = LRSchedulerConfig(self._swa_scheduler)  # once per epoch
         configs = trainer.lr_scheduler_configs
         if configs:
             old = configs[0]
             if old.interval != "epoch" or old.frequency != 1:
-                log.warning("SWA is currently only supported every epoch. Found %s", old)
-            log.info("Swapping scheduler `%s` for `%s`", type(old.scheduler).__name__, type(self._swa_scheduler).__name__)
+                rank_zero_warn(f"SWA is currently only supported every epoch. Found {old}")
+            rank_zero_info(f"Swapping scheduler `{type(old.scheduler).__name__}` for `{type(self._swa_scheduler).__name__}`")
             configs[0] = config
         else:
             configs.append(config)
+        if self.n_averaged is None:
+            self.n_averaged = torch.tensor(self._init_n_averaged, dtype=torch.long, device=pl_module.device)
 
     def on_train_epoch_end(self, trainer: Any, *args: Any) -> None:
         trainer.fit_loop.skip_backward = False
@@ -190,7 +199,7 @@ class StochasticWeightAveraging(Callback):
                 self._load_average(trainer, pl_module)
 
     def _load_average(self, trainer: Any, pl_module: Any) -> None:
-        self.transfer_weights(self._average_model.module, pl_module)
+        self.transfer_weights(self._average_model, pl_module)
         write_back(trainer.strategy, pl_module)
 
     # ------------------------------------------------------------------ batch norm
@@ -209,16 +218,23 @@ class StochasticWeightAveraging(Callback):
             m.momentum = momentum
 
     # ------------------------------------------------------------------ checkpoint
+    def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        """Resuming after SWA began: the saved scheduler state is SWALR's, which this callback
+        restores itself when its epoch comes; the configured schedulers leave before the Trainer
+        loads scheduler states (Lightning clears them at fit start, before its own load)."""
+        if self._scheduler_state is not None and trainer.lr_scheduler_configs:
+            trainer.lr_scheduler_configs.clear()
+
     def state_dict(self) -> dict[str, Any]:
-        n = self.n_averaged
+        n, avg = self.n_averaged, self._average_model
         return {"n_averaged": 0 if n is None else int(n.item()),
                 "latest_update_epoch": self._latest_update_epoch,
                 "scheduler_state": None if self._swa_scheduler is None else self._swa_scheduler.state_dict(),
-                "average_model_state": None if self._average_model is None else self._average_model.module.state_dict()}
+                "average_model_state": None if avg is None else dict(avg.state_dict())}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._init_n_averaged = state_dict["n_averaged"]
         self._latest_update_epoch = state_dict["latest_update_epoch"]
         self._scheduler_state = state_dict["scheduler_state"]
         if self._average_model is not None and state_dict["average_model_state"] is not None:
-            self._average_model.module.load_state_dict(state_dict["average_model_state"])
+            self._average_model.load_state_dict(state_dict["average_model_state"])

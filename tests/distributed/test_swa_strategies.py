@@ -45,7 +45,7 @@ def _fit(strategy: str, bn: bool, precision: str = "32"):
         trainer.fit(model)
     except Exception as exc:  # the refusal, before any step
         return {"error": f"{type(exc).__name__}: {exc}"}
-    avg = {k: v.clone() for k, v in swa._average_model.module.state_dict().items()}
+    avg = {k: v.clone() for k, v in swa._average_model.state_dict().items()}
     return {"module": {k: v.clone() for k, v in model.state_dict().items()}, "full": grab.full, "avg": avg,
             "n": int(swa.n_averaged)}
 

@@ -67,7 +67,6 @@ def _swa_fit(name: str, bn: bool, root, **swa_kw):
                         **_quiet())
     trainer.fit(model)
     avg = swa._average_model
-    avg = getattr(avg, "module", avg)  # ours: a torch AveragedModel around the copy
     return {"state": {k: v.clone() for k, v in model.state_dict().items()},
             "avg": {k: v.clone() for k, v in avg.state_dict().items()}, "n": int(swa.n_averaged),
             "step": trainer.global_step, "epoch": trainer.current_epoch, "max_epochs": trainer.max_epochs,
@@ -325,3 +324,110 @@ def test_scale_batch_size_refusals(tmp_path):
     del model.batch_size
     with pytest.raises(Z.utilities.exceptions.MisconfigurationException, match="Field batch_size not found"):
         Tuner(Z.Trainer(default_root_dir=str(tmp_path), **_quiet())).scale_batch_size(model)
+
+
+# ---------------------------------------------------------------------------- found by Lightning's own tests
+def test_swa_copy_leaves_the_trainer_out(tmp_path):
+    """The average is a copy of the module made without the Trainer (Lightning: no loaders or
+    datamodule deep-copied)."""
+    import zerotrain as Z
+    from zerotrain.demos.boring_classes import BoringModel
+
+    seen = {}
+
+    class Probe(Z.callbacks.StochasticWeightAveraging):
+        def setup(self, trainer, pl_module, stage):
+            super().setup(trainer, pl_module, stage)
+            seen["copy_trainer"] = self._average_model._trainer
+            seen["module_trainer"] = pl_module.trainer
+
+    trainer = Z.Trainer(fast_dev_run=True, callbacks=[Probe(swa_lrs=0.01)], default_root_dir=str(tmp_path), **_quiet())
+    trainer.fit(BoringModel())
+    assert seen == {"copy_trainer": None, "module_trainer": trainer}
+
+
+def test_swa_resumes_after_swalr_took_over_a_lambda_scheduler(tmp_path):
+    """A checkpoint saved after SWA began holds SWALR's scheduler state: resuming with a LambdaLR
+    configured loads it into SWALR, not into the LambdaLR (which raised KeyError 'lr_lambdas')."""
+    import zerotrain as Z
+    from zerotrain.demos.boring_classes import BoringModel
+
+    class Model(BoringModel):
+        def configure_optimizers(self):
+            opt = torch.optim.SGD(self.parameters(), lr=0.1)
+            return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.1)}
+
+    def trainer(epochs):
+        return Z.Trainer(max_epochs=epochs, limit_train_batches=2, limit_val_batches=0, default_root_dir=str(tmp_path),
+                         callbacks=[Z.callbacks.StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=2)],
+                         **_quiet())
+
+    first = trainer(3)
+    first.fit(Model())
+    first.save_checkpoint(str(tmp_path / "swa.ckpt"))
+    second = trainer(4)
+    second.fit(Model(), ckpt_path=str(tmp_path / "swa.ckpt"))
+    swa = second.callbacks[0]
+    assert type(second.lr_scheduler_configs[0].scheduler).__name__ == "SWALR" and int(swa.n_averaged) == 3
+
+
+def test_single_file_checkpoint_with_a_frozen_matrix_loads_back(tmp_path):
+    """A frozen 2-D parameter is an extra of the ``.ckpt`` layout: read back whole in its shape
+    (was flat: a size mismatch), here through the lr finder's restore with BackboneFinetuning."""
+    import zerotrain as Z
+    from zerotrain.demos.boring_classes import BoringModel
+    from zerotrain.tuner import Tuner
+
+    class Model(BoringModel):
+        def __init__(self):
+            super().__init__()
+            self.backbone = nn.Sequential(nn.Linear(32, 16), nn.ReLU())
+            self.layer = nn.Linear(16, 2)
+            self.learning_rate = 1e-3
+
+        def forward(self, x):
+            return self.layer(self.backbone(x))
+
+        def configure_optimizers(self):
+            return torch.optim.Adam([p for p in self.parameters() if p.requires_grad], lr=self.learning_rate)
+
+    model = Model()
+    trainer = Z.Trainer(max_epochs=2, callbacks=[Z.callbacks.BackboneFinetuning(unfreeze_backbone_at_epoch=1)],
+                        default_root_dir=str(tmp_path), **_quiet())
+    before = model.backbone[0].weight.clone()
+    assert Tuner(trainer).lr_find(model, num_training=5).results["lr"]
+    assert torch.equal(model.backbone[0].weight, before)
+
+
+def test_lr_find_inside_a_running_epoch_as_lightning(tmp_path):
+    """A LearningRateFinder run again in on_train_epoch_start (Lightning's fine-tuning recipe): the
+    search's max_steps is the global step plus its steps, ``fit_loop.restarting`` stays False and
+    the fit goes on to Lightning's step count. (Not its weights: Lightning's running epoch then
+    iterates the loader requested after the search, ours the one the epoch started with.)"""
+    def run(name):
+        L = _lib(name)
+        expected = []
+
+        class Model(_regression_model(L)):
+            def on_train_batch_start(self, batch, batch_idx):
+                expected.append(self.trainer.fit_loop.max_steps)
+
+        class Finder(L.callbacks.LearningRateFinder):
+            def on_fit_start(self, trainer, pl_module):
+                pass
+
+            def on_train_epoch_start(self, trainer, pl_module):
+                if trainer.current_epoch in (0, 1):
+                    self.lr_find(trainer, pl_module)
+                    assert not trainer.fit_loop.restarting and not trainer.fit_loop.epoch_loop.restarting
+
+        L.seed_everything(0)
+        model = Model()
+        trainer = L.Trainer(max_epochs=3, limit_train_batches=10, limit_val_batches=0, num_sanity_val_steps=0,
+                            callbacks=[Finder(early_stop_threshold=None, num_training_steps=5)],
+                            default_root_dir=str(tmp_path / name), **_quiet())
+        trainer.fit(model)
+        return trainer.global_step, expected
+
+    pl, zt = run("pl"), run("zt")
+    assert zt[:2] == pl[:2] and zt[0] == 30

@@ -205,13 +205,15 @@ def load(trainer: "Trainer", path: str) -> None:
     if note:
         log.warning("resume: %s", note)
     trainer.state.load_state_dict(loop)
-    trainer.optimization.load_scheduler_state(meta.get("scheduler"))
     dm = trainer.datamodule
     if dm is not None and type(dm).__qualname__ in meta:  # before the module's hook, as Lightning
         datamodule_hook(trainer, dm, "load_state_dict", meta[type(dm).__qualname__])
     trainer.hooks.load_state_dict(meta.get("callbacks", {}))
     trainer.module.on_load_checkpoint(meta)  # Lightning's order: the module, then the callbacks
     trainer.hooks("on_load_checkpoint", trainer, trainer.module, meta)
+    # the schedulers after the callbacks, as Lightning's training state: a callback may have
+    # swapped them (StochasticWeightAveraging restores its own SWALR)
+    trainer.optimization.load_scheduler_state(meta.get("scheduler"))
     restore_or_reseed(s, meta["rng"], path, trainer.seed, trainer.state.global_step)
     s.barrier()
 

@@ -292,8 +292,9 @@ def tensors(path: Path, checkpoint: dict[str, Any]) -> dict[str, torch.Tensor]:
                 put(f"{kind}/{name}", per.get(base), numel)
             for kind, base in _of(p["scalars"], sfx):
                 put(f"scalar/{kind}/{name}", per.get(base), None)
-    for name, x in checkpoint.get("extras", {}).items():
+    for name, x in checkpoint.get("extras", {}).items():  # read whole (CheckpointReader.extra): keep the shape
         put(f"extra/{name}", state_dict.get(name), math.prod(x["shape"]))
+        out[f"extra/{name}"] = out[f"extra/{name}"].reshape(x["shape"])
     return out
 
 

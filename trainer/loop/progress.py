@@ -166,6 +166,10 @@ class EpochLoop:
     batches of this epoch, ``total``: of the run), ``global_step``, ``max_steps``/``min_steps`` (the
     Trainer's), ``_batches_that_stepped`` (the step the loggers see), ``val_loop``."""
 
+    #: Lightning's flag of a loop reloaded from a checkpoint mid-run: False here, the Trainer's
+    #: loop keeps no such state (a resume starts from the loaded counters)
+    restarting = False
+
     def __init__(self, trainer: Any) -> None:
         self.trainer = trainer
         st = trainer.state
@@ -244,6 +248,7 @@ class FitLoop:
     #: a callback runs the training steps' forwards only: no backward, no zero_grad (the
     #: StochasticWeightAveraging's batch-norm epoch; Lightning's ``fit_loop._skip_backward``)
     skip_backward = False
+    restarting = False  # as EpochLoop.restarting
     _skip_backward = property(lambda self: self.skip_backward,
                               lambda self, value: setattr(self, "skip_backward", bool(value)))
 
