@@ -65,7 +65,9 @@ class EarlyStopping(Callback):
 
     @property
     def state_key(self) -> str:
-        return f"EarlyStopping{{'monitor': {self.monitor!r}, 'mode': {self.mode!r}}}"
+        """Lightning's key of this callback's state in a checkpoint's ``callbacks``: the class's own
+        name (a subclass's state is its own), then the settings that tell instances apart."""
+        return f"{type(self).__qualname__}{ {'monitor': self.monitor, 'mode': self.mode} }"
 
     def _better(self, a: Any, b: Any) -> bool:
         return bool(a < b) if self.mode == "min" else bool(a > b)
