@@ -11,7 +11,7 @@ from typing import Any
 
 log = logging.getLogger("zerotrain")
 #: the logger Lightning's own lines of the fit loop come from (ported tests capture it by name)
-trainer_log = logging.getLogger("zerotrain.trainer.loop.trainer")
+trainer_log = logging.getLogger("zerotrain.trainer.trainer")  # Lightning's name, renamed: not our module path
 
 #: what a limit of exactly one (the int 1 or the float 1.0) means, said at construction as Lightning
 #: does, since 1 (one batch) and 1.0 (every batch) are easy to confuse
@@ -38,6 +38,16 @@ def no_training(trainer: Any) -> bool:
     """Lightning's skipped fit loop: nothing to train (``max_epochs=0``, ``max_steps=0`` or
     ``limit_train_batches=0``), so no training hooks run; the sanity check still does."""
     return trainer.max_epochs == 0 or trainer.max_steps == 0 or trainer.limit_train_batches == 0
+
+
+def check_resumed_epoch(trainer: Any) -> None:
+    """A fit resumed past its ``max_epochs`` is Lightning's MisconfigurationException (in its
+    words), not a run that trains nothing."""
+    from ..errors import MisconfigurationException
+
+    if trainer.max_epochs not in (None, -1) and trainer.current_epoch > trainer.max_epochs:
+        raise MisconfigurationException(f"You restored a checkpoint with current_epoch={trainer.current_epoch}, but "
+                                        f"you have set Trainer(max_epochs={trainer.max_epochs}).")
 
 
 class TrainerLimits:

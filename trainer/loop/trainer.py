@@ -38,7 +38,7 @@ from ..logs.connector import MetricsConnector, TrainerLogging, hook_scope
 from ..api.datamodule import DataModule, overrides_hook
 from .model_mode import zero_grad_before_validation
 from ..api.module import TrainModule
-from .limits import TrainerLimits, announce_limits, no_training
+from .limits import TrainerLimits, announce_limits, check_resumed_epoch, no_training
 from .properties import TrainerProperties
 from .setup import TrainerSetup
 from .signature import step_call
@@ -229,6 +229,7 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
             if ckpt_path:
                 self._require_train_loader()  # the resume position depends on its batch size (trainer/checkpoint/reshard.py)
                 checkpointing.load(self, ckpt_path)
+                check_resumed_epoch(self)
                 self._logging.logging_step = self.state.global_step  # Lightning restores its own counter
             self._logging.reset_metrics()
             self._fits += 1
