@@ -103,3 +103,13 @@ def test_fit_loop_setup_data_counts_the_epochs_batches(overfit, expected):
     trainer._data_connector.attach_data(BoringModel())  # 64 training batches
     trainer.fit_loop.setup_data()
     assert trainer.num_training_batches == expected
+
+
+def test_fit_loop_setup_data_loads_nothing_with_limit_train_batches_zero():
+    trainer = _trainer(limit_train_batches=0)
+    trainer._data_connector.attach_data(BoringModel())
+    trainer.fit_loop.setup_data()
+    assert trainer.train_dataloader is None and trainer.num_training_batches == 0
+    trainer.limit_train_batches = 1
+    trainer.fit_loop.setup_data()
+    assert trainer.train_dataloader is not None and trainer.num_training_batches == 1

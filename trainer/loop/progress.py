@@ -361,6 +361,9 @@ class FitLoop:
         to ``fit`` are kept): the batch-size finder's new ``batch_size``; ``num_training_batches``
         is its batches after ``limit_train_batches``/``overfit_batches``, as the epoch will run."""
         t = self.trainer
+        if t.limit_train_batches == 0:  # Lightning asks for no training data then
+            t.num_training_batches = 0
+            return
         if not t._fit_loaders_given:
             t._train_source, t.train_dataloader = None, None
         t._require_train_loader()
