@@ -42,6 +42,11 @@ def is_oom_error(exception: BaseException) -> bool:
         m in str(exception.args[0]) for m in _OOM_MESSAGES)
 
 
+def distributed(trainer: Any) -> bool:
+    """The Trainer runs (or will run) more than one process."""
+    return trainer.world_size > 1 or trainer.num_devices * trainer.num_nodes > 1
+
+
 def _collect_garbage() -> None:
     gc.collect()
     if torch.cuda.is_available():
@@ -71,6 +76,7 @@ class _Search:
         t.state.load_state_dict(self.loop_state)
         t.should_stop = False
         t.fit_loop.setup_data()
+        t.fit_loop.epoch_loop.val_loop.setup_data()
 
     def at_limit(self, size: int) -> bool:
         if size >= self.max_val:
@@ -115,6 +121,7 @@ class _Search:
             rank_zero_info(f"Batch size {size} {desc}, trying batch size {new}")
         lightning_setattr(t.lightning_module, self.name, new)
         t.fit_loop.setup_data()
+        t.fit_loop.epoch_loop.val_loop.setup_data()  # as Lightning's: both loaders at the new size
         return new, new != size
 
 
@@ -214,7 +221,7 @@ class BatchSizeFinder(Callback):
         self._said_eval = False
 
     def setup(self, trainer: Any, pl_module: Any, stage: str | None = None) -> None:
-        if trainer.world_size > 1:
+        if distributed(trainer):
             raise MisconfigurationException("The Batch size finder is not supported with distributed strategies.")
         if stage == "fit" and trainer.fit_loop.loaders_given:
             raise MisconfigurationException(

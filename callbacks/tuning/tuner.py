@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...trainer.errors import MisconfigurationException
-from .batch_size_finder import BatchSizeFinder
+from .batch_size_finder import BatchSizeFinder, distributed
 from .lr_finder import LearningRateFinder, _LRFinder
 
 _METHODS = ("fit", "validate", "test", "predict")
@@ -61,7 +61,7 @@ class Tuner:
         ``steps_per_trial`` steps do not run out of memory; left set on the module."""
         _check_tuner_configuration(train_dataloaders, val_dataloaders, dataloaders, method)
         t = self._trainer
-        if t.world_size > 1 or t.strategy.distributed:
+        if distributed(t):
             raise ValueError("Tuning the batch size is currently not supported with distributed strategies.")
         if any(isinstance(cb, BatchSizeFinder) for cb in t.callbacks):
             raise ValueError("Trainer is already configured with a `BatchSizeFinder` callback.Please remove it if you "

@@ -431,3 +431,37 @@ def test_lr_find_inside_a_running_epoch_as_lightning(tmp_path):
 
     pl, zt = run("pl"), run("zt")
     assert zt[:2] == pl[:2] and zt[0] == 30
+
+
+def test_scale_batch_size_leaves_both_loaders_at_the_size_found(tmp_path):
+    """As Lightning's: the training and validation loaders are requested again at the size found."""
+    def run(name):
+        L = _lib(name)
+        from importlib import import_module
+
+        L.seed_everything(0)
+        model = _regression_model(L)()
+        model.batch_size = 16
+
+        def val_dataloader():
+            return DataLoader(import_module(f"{L.__name__}.demos.boring_classes").RandomDataset(32, 64),
+                              batch_size=model.batch_size)
+
+        model.val_dataloader = val_dataloader
+        trainer = L.Trainer(max_epochs=1, default_root_dir=str(tmp_path / name), **_quiet())
+        found = import_module(f"{L.__name__}.tuner").Tuner(trainer).scale_batch_size(model, max_trials=2,
+                                                                                   steps_per_trial=2, init_val=8)
+        return found, trainer.train_dataloader.batch_size, trainer.val_dataloaders.batch_size
+
+    assert run("zt") == run("pl") == (16, 16, 16)
+
+
+def test_scale_batch_size_refuses_a_trainer_of_several_processes_before_it_starts():
+    import zerotrain as Z
+    from zerotrain.tuner import Tuner
+
+    trainer = Z.Trainer(devices=2, strategy="ddp", accelerator="cpu", logger=False)
+    with pytest.raises(ValueError, match="not supported with distributed strategies"):
+        Tuner(trainer).scale_batch_size(_regression_model(Z)())
+    with pytest.raises(Z.utilities.exceptions.MisconfigurationException, match="not supported with distributed"):
+        Z.callbacks.BatchSizeFinder().setup(trainer, _regression_model(Z)())

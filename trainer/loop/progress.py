@@ -128,6 +128,15 @@ class EvalLoop:
     def inference_mode(self) -> bool:
         return bool(self.trainer.inference_mode)
 
+    def setup_data(self) -> None:
+        """Lightning's ``val_loop.setup_data()`` in ``fit``: request the validation loaders again
+        now, from the datamodule or the module (loaders passed to ``fit`` are kept): the
+        batch-size finder's new ``batch_size``."""
+        t = self.trainer
+        if self.stage == "validate" and t._val_given is None:
+            t._val_pending = True
+            t._fit_val_loaders()
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(stage={self.stage!r}, batch_progress={self.batch_progress!r})"
 
