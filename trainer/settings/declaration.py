@@ -268,7 +268,10 @@ def declared(owner: str = "Trainer", names: Sequence[str] | None = None) -> Call
 
         @functools.wraps(init)
         def wrapped(self: Any, *args: Any, **kwargs: Any) -> None:
-            bound = sig.bind(self, *args, **kwargs)
+            try:
+                bound = sig.bind(self, *args, **kwargs)
+            except TypeError as exc:  # in Python's words for a call: "Trainer.__init__() got an unexpected ..."
+                raise TypeError(f"{init.__qualname__}() {exc}") from None
             bound.apply_defaults()
             values = {k: v for k, v in bound.arguments.items() if k != "self"}
             check(values, owner)
