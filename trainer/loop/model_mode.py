@@ -41,3 +41,15 @@ def zero_grad_before_validation(trainer: Any) -> None:
     """Lightning's ``on_validation_model_zero_grad`` before a validation inside ``fit`` that falls
     between accumulations (the strategies have released the step's gradients already)."""
     trainer.hooks.module_hook("on_validation_model_zero_grad", trainer, trainer.module)
+
+
+def warn_modules_in_eval(module: Any) -> None:
+    """Lightning's warning when training starts with submodules in eval mode (on rank 0; the
+    modes stay as the user set them)."""
+    from ..utilities import PossibleUserWarning, rank_zero_warn
+
+    in_eval = [name for name, m in module.named_modules() if not m.training]
+    if in_eval:
+        rank_zero_warn(f"Found {len(in_eval)} module(s) in eval mode at the start of training. This may lead to "
+                       "unexpected behavior during training. If this is intentional, you can ignore this warning.",
+                       category=PossibleUserWarning)

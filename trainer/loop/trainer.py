@@ -36,7 +36,7 @@ from ..launch.launcher import LocalLauncher
 from ..data.loaders import TrainerData, len_or_none, with_last
 from ..logs.connector import MetricsConnector, TrainerLogging, hook_scope
 from ..api.datamodule import DataModule, overrides_hook
-from .model_mode import zero_grad_before_validation
+from .model_mode import warn_modules_in_eval, zero_grad_before_validation
 from ..api.module import TrainModule
 from .limits import TrainerLimits, announce_limits, check_resumed_epoch, no_training
 from .properties import TrainerProperties
@@ -312,6 +312,7 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
         if self._validates_this_epoch():  # as Lightning, the validation data is there from the start (progress bars)
             self._fit_val_loaders()
         self.fit_loop.end_saved_epoch()  # resumed from a save at an epoch's end: the next epoch, as Lightning
+        warn_modules_in_eval(module)
         self.hooks.both("on_train_start", self, module)
         self.fit_loop.continue_cut_epoch()
         while not self._done():
