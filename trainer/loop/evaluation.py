@@ -90,8 +90,9 @@ class TrainerEvaluation:
             loaders = [self._prepare_loader(loader, fn) for loader in loaders]
             if fn == "predict":  # Lightning's: each batch's dataset indices, for BasePredictionWriter
                 loaders = [with_index_tracking(loader) for loader in loaders]
-            if fn in ("test", "predict"):  # Lightning's trainer.test_dataloaders / predict_dataloaders
-                setattr(self, f"{fn}_dataloaders", loaders[0] if len(loaders) == 1 else loaders)
+            # Lightning's trainer.val_dataloaders / test_dataloaders / predict_dataloaders: this stage's
+            setattr(self, "val_dataloader" if fn == "validate" else f"{fn}_dataloaders",
+                    None if not loaders else loaders[0] if len(loaders) == 1 else loaders)
             path = self.ckpt_path = checkpointing.resume_path(self, ckpt_path, fn, model is not None)
             if path:
                 self._load_weights(path)
