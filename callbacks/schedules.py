@@ -117,7 +117,7 @@ class DeviceStatsMonitor(Callback):
                                           "Run `pip install psutil` or pass cpu_stats=False.") from exc
 
     def _log(self, trainer: Any, key: str) -> None:
-        logging = getattr(trainer, "_logging", None)
+        logging = getattr(trainer, "metrics_connector", None)
         if logging is not None and not logging.step_row_due():
             return
         device = trainer.strategy.device

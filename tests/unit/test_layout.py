@@ -169,6 +169,12 @@ def _private_reaches() -> list[str]:
                 elif name.startswith("_") and not name.startswith("__") and not _inside(here, owner):
                     found.append(f"{module}: from {target} import {name}")
         for node in ast.walk(tree):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr")
+                    and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)
+                    and str(node.args[1].value).startswith("_") and not str(node.args[1].value).startswith("__")
+                    and ast.unparse(node.args[0]).endswith("trainer")
+                    and not here.startswith("zerotrain.trainer.loop")):
+                found.append(f"{module}: {ast.unparse(node)}")  # the same reach, spelt as a string
             if not (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")):
                 continue
             owner = aliases.get(node.value.id) if isinstance(node.value, ast.Name) else None

@@ -381,7 +381,7 @@ def running_module(caller: str) -> Any:
 def hook_scope(trainer: Any, fx: str) -> Iterator[None]:
     """While hook or step ``fx`` runs, ``self.log`` logs under its name (also the module's
     ``_current_fx_name``, as Lightning's); the previous one is restored after, so nested calls unwind."""
-    conn = getattr(trainer, "_logging", None)
+    conn = getattr(trainer, "metrics_connector", None)
     if not isinstance(conn, MetricsConnector):
         yield
         return
