@@ -73,6 +73,9 @@ class GradientShards(Protocol):
 
     def comm_buffers(self) -> list[torch.Tensor]: ...
 
+    def open(self) -> None:
+        """(Re)install what ``close()`` removed; nothing when in place (idempotent)."""
+
     def close(self) -> None: ...
 
 
@@ -236,6 +239,7 @@ class ZeroStrategy(Strategy):
     # (the sequence is Strategy.backward / Strategy.optimizer_step)
     def _before_backward(self) -> None:
         assert self.grads is not None, "setup_optimizer must run before backward"
+        self.grads.open()  # after a teardown (a second fit, or fit after a tuner's fit)
         self.grads.before_backward()
 
     def _after_backward(self) -> None:

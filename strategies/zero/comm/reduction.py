@@ -101,8 +101,15 @@ class BucketedReduction:
         self._next = 0  # first bucket not launched in this backward
         device = self.flat_groups[0].flat.device if self.flat_groups else torch.device("cpu")
         self.pool = BufferPool(max([b.flat.numel for b in buckets] or [1]), reduce_dtype, device)
-        self._hooks = GradientHooks([(bi, i, self.flat_groups[b.group].params[i])
-                                     for bi, b in enumerate(buckets) for i in b.slots], self._grad_ready)
+        self._slots = [(bi, i, self.flat_groups[b.group].params[i]) for bi, b in enumerate(buckets) for i in b.slots]
+        self._hooks: GradientHooks | None = None
+        self.open()
+
+    def open(self) -> None:
+        """Install the gradient hooks if they are not (at set-up, and before the backward of a
+        ``fit`` after ``close()``: without them that fit would step on zero gradients)."""
+        if self._hooks is None:
+            self._hooks = GradientHooks(self._slots, self._grad_ready)
 
     # ---------------------------------------------------------------- what a stage supplies
     def _active(self) -> bool:
@@ -237,6 +244,8 @@ class BucketedReduction:
         return list(self.pool.buffers) + self.quant.pool.buffers()
 
     def remove_hooks(self) -> None:
-        self._hooks.remove()
+        if self._hooks is not None:
+            self._hooks.remove()
+            self._hooks = None
         self.pool.clear()
         self.quant.pool.clear()

@@ -367,6 +367,10 @@ class Stage3Runtime:
     def comm_buffers(self) -> list[torch.Tensor]:
         return list(self.pool.buffers) + [t for p in self._quant_pools() for t in p.buffers()]
 
+    def open(self) -> None:
+        """Nothing: ``close()`` frees units and buffers, which come back on demand; the hooks are
+        the strategy's and stay."""
+
     def close(self) -> None:
         self.queue.wait_all()
         self.free_all()
