@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
 from ...errors import ConfigError
-from . import accelerator, checkpointing, comm, lr_schedules, moe, ops, pipe, runtime, utils, zero  # noqa: F401  (deepspeed.<module>)
+from . import accelerator, checkpointing, comm, lr_schedules, moe, ops, pipe, runtime, sequence, utils, zero  # noqa: F401  (deepspeed.<module>)
 from .comm import init_distributed
 from .config import DeepSpeedConfig, parse, report_ignored
 from .engine import DeepSpeedEngine
