@@ -1,0 +1,120 @@
+"""Expert parallelism (strategies/moe/): ``ep_size=2`` on 2 real processes, and ep=2 x 2 expert-data
+replicas on 4, equal one process holding every expert (fp32). Each rank routes its own tokens; the
+reference runs every rank's tokens through the all-expert layer with that rank's seed and sums the
+losses. Then each rank's output, l_aux and exp_counts equal the reference's for its tokens; dense
+gradients summed over the world and expert gradients summed over the expert-data-parallel group
+equal the reference's (an expert's gradient already holds every rank's tokens, by the all-to-all's
+backward). Cases: top-1 and top-2, dropping (the same tokens dropped: capacity is per rank) and
+no-drop (capacity = the busiest expert over the group), random token selection, residual.
+Tolerance: fp32 eps times the hidden size times the number of summed shards, times the scale."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness import init_dist, run_ranks
+from zerotrain.strategies import instrument
+from zerotrain.strategies.moe import MoE, expert_groups
+
+pytestmark = pytest.mark.timeout(240)
+
+HIDDEN, EXPERTS, TOKENS = 8, 4, (2, 6)
+CASES = {
+    "top1_rts_drop": dict(k=1, capacity_factor=0.5, min_capacity=1),
+    "top1_nodrop": dict(k=1, drop_tokens=False, use_rts=False),
+    "top2_drop": dict(k=2, capacity_factor=0.5, min_capacity=1),
+    "top2_nodrop_residual": dict(k=2, drop_tokens=False, use_residual=True),
+}
+
+
+def _expert() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(HIDDEN, 16), torch.nn.GELU(), torch.nn.Linear(16, HIDDEN))
+
+
+def _loss(layer, x, w, seed):
+    torch.manual_seed(seed)
+    out, l_aux, counts = layer(x)
+    return (out * w).sum() + l_aux, out.detach(), l_aux.detach(), counts
+
+
+class _Sink:
+    def __init__(self) -> None:
+        self.ops = []
+
+    def collective(self, event) -> None:
+        self.ops.append(event.op)
+
+
+def _case(rank: int, world: int, ep: int, kw: dict) -> dict:
+    torch.manual_seed(3)
+    full = MoE(HIDDEN, _expert(), num_experts=EXPERTS, **kw)
+    g = torch.Generator().manual_seed(5)
+    full.load_state_dict({k: torch.randn(v.shape, generator=g) * 0.5 for k, v in full.state_dict().items()})
+    part = MoE(HIDDEN, _expert(), num_experts=EXPERTS, ep_size=ep, **kw)
+    local = part.num_local_experts
+    first = (rank % ep) * local  # my place in my expert-parallel group
+    state = {}
+    for name, value in full.state_dict().items():
+        if ".experts.experts." in name:
+            prefix, idx, rest = name.split(".experts.experts.")[0], *name.split(".experts.experts.")[1].split(".", 1)
+            if first <= int(idx) < first + local:
+                state[f"{prefix}.experts.experts.{int(idx) - first}.{rest}"] = value
+        else:
+            state[name] = value
+    part.load_state_dict(state)
+    gen = torch.Generator().manual_seed(11)
+    shards = [(torch.randn(*TOKENS, HIDDEN, generator=gen), torch.randn(*TOKENS, HIDDEN, generator=gen))
+              for _ in range(world)]
+    want = {}
+    for s, (x, w) in enumerate(shards):
+        xs = x.clone().requires_grad_(True)
+        loss, out, l_aux, counts = _loss(full, xs, w, 100 + s)
+        loss.backward()
+        if s == rank:
+            want.update(out=out, l_aux=l_aux, counts=counts, x_grad=xs.grad)
+    for name, p in full.named_parameters():
+        want[name] = p.grad
+    x, w = shards[rank]
+    x = x.clone().requires_grad_(True)
+    sink = _Sink()
+    instrument.add_sink(sink)
+    try:
+        loss, out, l_aux, counts = _loss(part, x, w, 100 + rank)
+        loss.backward()
+    finally:
+        instrument.remove_sink(sink)
+    got = dict(out=out, l_aux=l_aux, counts=counts, x_grad=x.grad)
+    groups = expert_groups(ep)
+    for name, p in part.named_parameters():
+        if getattr(p, "allreduce", True):
+            dist.all_reduce(p.grad)
+            got[name] = p.grad
+        else:
+            if len(groups.edp_ranks) > 1:
+                dist.all_reduce(p.grad, group=groups.edp_group)
+            prefix, idx, rest = name.split(".experts.experts.")[0], *name.split(".experts.experts.")[1].split(".", 1)
+            got[f"{prefix}.experts.experts.{int(idx) + first}.{rest}"] = p.grad
+    return {"got": got, "want": want, "ops": sink.ops, "edp": list(groups.edp_ranks), "ep": list(groups.ep_ranks)}
+
+
+def _ranks(ep: int) -> dict:
+    rank, world = init_dist()
+    return {case: _case(rank, world, ep, kw) for case, kw in CASES.items()}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_expert_parallel_equals_all_experts_on_one_process(world, tmp_path):
+    results = run_ranks("test_moe_ep:_ranks", world, tmp_path, timeout=180, ep=2)
+    tol = 8 * torch.finfo(torch.float32).eps * HIDDEN * 16 * world
+    for rank, res in enumerate(results):
+        for case, r in res.items():
+            assert r["ep"] == [rank - rank % 2, rank - rank % 2 + 1] and r["edp"] == list(range(rank % 2, world, 2))
+            assert r["ops"].count("all_to_all") == 4, r["ops"]  # dispatch and combine, forward and backward
+            got, want = r["got"], r["want"]
+            mine = {f".experts.experts.{i}." for i in range((rank % 2) * 2, (rank % 2) * 2 + 2)}  # 4 experts, ep=2
+            held = {n for n in want if ".experts.experts." not in n or any(m in n for m in mine)}
+            assert got.keys() == held, (case, sorted(got), sorted(held))
+            assert torch.equal(got["counts"], want["counts"]), (rank, case)
+            for name in got:
+                torch.testing.assert_close(got[name], want[name], atol=tol, rtol=tol, msg=f"rank {rank} {case} {name}")
