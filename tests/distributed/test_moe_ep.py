@@ -118,3 +118,28 @@ def test_expert_parallel_equals_all_experts_on_one_process(world, tmp_path):
             assert torch.equal(got["counts"], want["counts"]), (rank, case)
             for name in got:
                 torch.testing.assert_close(got[name], want[name], atol=tol, rtol=tol, msg=f"rank {rank} {case} {name}")
+
+
+def _broadcast(world_seed: int) -> dict:
+    """``deepspeed.initialize``'s weight broadcast with MoE layers of ep=2 and ep=1 built from a
+    per-rank seed: dense weights become rank 0's, experts their expert-data-parallel group's first
+    rank's (ep=2 on 2 ranks: a group of one, so each keeps its own)."""
+    from zerotrain.deepspeed.moe.layer import MoE as DSMoE
+    from zerotrain.trainer.compat.deepspeed import _broadcast_weights
+
+    rank, _ = init_dist()
+    torch.manual_seed(world_seed + rank)
+    model = torch.nn.ModuleDict({"ep2": DSMoE(HIDDEN, _expert(), num_experts=EXPERTS, ep_size=2),
+                                 "ep1": DSMoE(HIDDEN, _expert(), num_experts=EXPERTS, ep_size=1)})
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    _broadcast_weights(model, torch.device("cpu"))
+    return {"before": before, "after": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def test_initialize_broadcasts_experts_only_over_their_replicas(tmp_path):
+    r0, r1 = run_ranks("test_moe_ep:_broadcast", 2, tmp_path, timeout=120, world_seed=40)
+    for name, value in r1["after"].items():
+        if name.startswith("ep2.") and ".deepspeed_experts." in name:
+            assert torch.equal(value, r1["before"][name]) and not torch.equal(value, r0["before"][name]), name
+        else:
+            assert torch.equal(value, r0["before"][name]), name

@@ -112,17 +112,20 @@ def _scheduler(cfg: DeepSpeedConfig, client: Any, optimizer: torch.optim.Optimiz
 
 def _broadcast_weights(model: nn.Module, device: torch.device) -> None:
     """Rank 0's initial weights everywhere, as DeepSpeed broadcasts them at initialize (a model
-    built under zero.Init is partitioned already: nothing to broadcast). Through ``device``: NCCL
+    built under zero.Init is partitioned already: nothing to broadcast); an MoE layer's experts
+    from the first rank of their expert-data-parallel group, over that group. Through ``device``: NCCL
     sends only what is on the GPU."""
     from ....strategies.zero.stage3.unit import is_placeholder
 
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
+    replicas = moe.layer.expert_data_groups(model)  # expert parameters: over their own replicas only
     with torch.no_grad():
         for p in model.parameters():
             if not is_placeholder(p):
+                group, src = replicas.get(id(p), (None, 0))
                 t = p.data.to(device)
-                dist.broadcast(t, 0)
+                dist.broadcast(t, src, group=group)
                 if t is not p.data:
                     p.data.copy_(t)
 

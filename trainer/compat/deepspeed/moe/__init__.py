@@ -1,2 +1,3 @@
-"""``deepspeed.moe``: only the helpers scripts import whether or not they use experts (``utils``)."""
-from . import utils  # noqa: F401
+"""``deepspeed.moe``: the mixture-of-experts layer (``layer.MoE``, on ``strategies/moe/``) and the
+helpers scripts call on their optimizer's parameter groups (``utils``)."""
+from . import layer, utils  # noqa: F401
