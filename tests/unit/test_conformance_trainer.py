@@ -129,7 +129,7 @@ def test_min_epochs_line_comes_from_the_trainers_logger(tmp_path, caplog):
             trainer.should_stop = True
 
     model = Net()
-    with caplog.at_level(logging.INFO, logger="zerotrain.trainer.loop.trainer"):
+    with caplog.at_level(logging.INFO, logger="zerotrain.trainer.trainer"):
         _trainer(tmp_path, max_epochs=5, min_epochs=3, callbacks=[StopAtOnce()]).fit(model, _data())
     lines = [r.getMessage() for r in caplog.records if "has not been met" in r.getMessage()]
     assert lines == ["Trainer was signaled to stop but the required `min_epochs=3` or `min_steps=None` has not been "
