@@ -11,6 +11,7 @@ from .trainer import CheckpointError, ConfigError, DataModule, Engine, Fabric, T
 from .strategies import (DDP, DDPStrategy, Offload, PipelineStrategy, SingleDevice, SingleDeviceStrategy,  # noqa: E402
                          Strategy, ZeroStage1, ZeroStage2, ZeroStage3)
 from .callbacks import loggers  # noqa: E402
+from .strategies import moe  # noqa: E402  (zerotrain.moe: the mixture-of-experts layer, strategies/moe/)
 from .trainer.compat import core, deepspeed, fabric_paths, lightning_paths
 from .trainer import demos, utilities  # noqa: E402
 from .trainer.cli import cli_lightning_logo  # noqa: E402  (Lightning's examples print it)
@@ -28,6 +29,7 @@ fabric_paths.register(__name__)
 _sys.modules[f"{__name__}.deepspeed"] = deepspeed
 for _name, _module in deepspeed.SUBMODULES.items():
     _sys.modules[f"{__name__}.deepspeed.{_name}"] = _module
+_sys.modules[f"{__name__}.moe"] = moe
 del _name, _module, lightning_paths, fabric_paths
 
 __all__ = ["Trainer", "Engine", "Fabric", "TrainModule", "DataModule", "Callback", "ModelCheckpoint", "EarlyStopping", "Timer",

@@ -105,3 +105,10 @@ def test_bad_arguments_say_what_is_valid():
         MoE(HIDDEN, _expert(), num_experts=4, noisy_gate_policy="Gumbel")
     with pytest.raises(ValueError, match="k=3; valid: 1, 2"):
         MoE(HIDDEN, _expert(), num_experts=4, k=3)
+
+
+def test_zerotrain_moe_is_the_layers_package():
+    import zerotrain
+    import zerotrain.moe
+
+    assert zerotrain.moe is zerotrain.strategies.moe and zerotrain.moe.MoE is MoE
