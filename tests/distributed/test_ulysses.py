@@ -35,6 +35,8 @@ B, S, D = 2, 8, 4
 # (query heads, KV heads): MHA; GQA that divides sp=2; one KV head, repeated to 2; 3 KV heads, each
 # repeated twice (repeat_interleave: a query head keeps its own group, which tiling would tear)
 HEADS = [(4, 4), (4, 2), (4, 1), (6, 3)]
+# on sp=4: 2 KV heads each repeated twice for 8 query heads (4 KV heads, 2 query heads per rank)
+HEADS_SP4 = [(4, 4), (8, 2), (4, 1)]
 
 
 def _qkv(h: int, hkv: int, seed: int = 0):
@@ -55,7 +57,7 @@ def _attention_ranks(face: str):
     rank, world = init_dist()
     group = dist.group.WORLD
     out = {}
-    for h, hkv in HEADS:
+    for h, hkv in HEADS if world == 2 else HEADS_SP4:
         full = _qkv(h, hkv)
         shards = [_shard(t, rank, world).requires_grad_() for t in full]
         if face == "ours":
@@ -152,9 +154,9 @@ def _step_ranks(data: int, sequence: int):
 
 
 # ---------------------------------------------------------------------------- the tests
-def _reference_attention():
+def _reference_attention(heads=HEADS):
     out = {}
-    for h, hkv in HEADS:
+    for h, hkv in heads:
         full = [t.clone().requires_grad_() for t in _qkv(h, hkv)]
         y = causal_sdpa(*full)
         (y * torch.linspace(-1, 1, y.numel()).reshape(B, S, h, D)).sum().backward()
@@ -165,10 +167,10 @@ def _reference_attention():
 _CACHE: dict = {}
 
 
-@pytest.mark.parametrize("face", ["ours", "deepspeed", "deepspeed_seq_first"])
-def test_attention_over_shards_equals_the_whole_sequence(face, tmp_path_factory):
-    ranks = run_ranks_once(_CACHE, face, "test_ulysses:_attention_ranks", 2, tmp_path_factory, face=face)
-    want = _reference_attention()
+@pytest.mark.parametrize("face, sp", [("ours", 2), ("deepspeed", 2), ("deepspeed_seq_first", 2), ("ours", 4)])
+def test_attention_over_shards_equals_the_whole_sequence(face, sp, tmp_path_factory):
+    ranks = run_ranks_once(_CACHE, (face, sp), "test_ulysses:_attention_ranks", sp, tmp_path_factory, face=face)
+    want = _reference_attention(HEADS if sp == 2 else HEADS_SP4)
     for case, tensors in want.items():
         for name, w in tensors.items():
             got = torch.cat([r[case][name] for r in ranks], dim=1)

@@ -89,3 +89,13 @@ def test_refusals_before_any_exchange():
         attn(q, q, q, 0, rotary_pos_emb=(q, q))
     with pytest.raises(ValueError, match="batch_dim_idx=2; valid: 0"):
         attn(q, q, q, 2)
+
+
+def test_the_path_is_registered_once():
+    import sys
+
+    import zerotrain.deepspeed as deepspeed
+    from zerotrain.deepspeed.sequence.layer import DistributedAttention
+    from zerotrain.trainer.compat.deepspeed.sequence import layer
+    assert "sequence.layer" in deepspeed.SUBMODULES and deepspeed.sequence.layer is layer
+    assert sys.modules["zerotrain.deepspeed.sequence.layer"] is layer and DistributedAttention is layer.DistributedAttention
