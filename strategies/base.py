@@ -64,7 +64,7 @@ from typing import Any, Callable, Iterator, Protocol
 import torch
 from torch import nn
 
-from . import instrument
+from . import instrument, partitioned
 from .checkpoint import ParamShard, ReplicatedCheckpoint, ShardReader, split_optimizer_state  # noqa: F401 (re-exported)
 from .environment import ProcessInfo, Ranks, init_process_group
 from .optimizers import accepted, group_indices, refuse_shared, selecting
@@ -196,6 +196,7 @@ class Strategy(Ranks):
         """Cast the module for the precision (the one place ``convert_module`` is called), move it
         to the device and wrap it for the step methods. Sharded strategies keep the parameters as
         built (fp32 unless "-true") until ``setup_optimizer``, so master weights start exact."""
+        partitioned.refuse_other(module, self)
         module = self.precision.convert_module(module).to(self.device)
         self.module = module
         self.model = StepWrapper(module, self.step_call)

@@ -56,3 +56,35 @@ def test_fit_after_a_tuner_fit_trains(strategy):
     t.fit(m2)
     assert_same_run((t, m2), (ref, m1))
 
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("second", ["zero3", "single"])
+def test_new_trainer_refuses_a_module_partitioned_by_zero3(second):
+    """After a zero3 fit the module's parameters are NaN placeholders (the values live in that
+    strategy's shards); a new Trainer given the module would train on NaN, so its set-up refuses
+    it, naming what to do. The first Trainer still fits on."""
+    first, m = trainer("zero3", 2), Net()
+    first.fit(m)
+    import gc
+    with pytest.raises(ValueError, match=r"partitioned by the zero3 strategy of an earlier.*fit again on that Trainer"):
+        trainer(second, 4).fit(m)
+    gc.collect()  # the refusal holds while the placeholders do, whatever is collected
+    with pytest.raises(ValueError, match="partitioned by the zero3 strategy"):
+        trainer(second, 4).fit(m)
+    first.fit_loop.max_steps = 4
+    first.fit(m)
+    assert first.global_step == 4
+
+
+@pytest.mark.timeout(120)
+def test_new_trainer_continues_from_a_zero2_fit():
+    """ZeRO-1/2 leave the module's parameters whole: a new Trainer continues from the trained weights."""
+    first, m = trainer("zero2", 3), Net()
+    first.fit(m)
+    trained = weights(first)
+    second = trainer("zero2", 1)
+    second.fit(m)
+    assert len(m.losses) == 4
+    ref = Net()
+    ref.load_state_dict(trained)
+    assert torch.equal(ref.training_step(next(iter(ref.train_dataloader())), 0), m.losses[3])

@@ -36,6 +36,7 @@ class TrainerSetup:
                 raise ConfigError(f"Trainer.{stage}: this Trainer is set up for {type(self.module).__name__} "
                                   f"(one module per Trainer); got another {type(module).__name__}: use a new "
                                   "Trainer, or model=None")
+            module._trainer = self  # again: another Trainer may have been given the module since
             self._setup_data(stage, datamodule, module)
             self._stage_setup(stage)
             if stage == "fit":

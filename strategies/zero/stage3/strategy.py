@@ -60,6 +60,7 @@ from ...optimizers import refuse_shared
 from ...step_wrapper import StepWrapper
 from ...environment import release_at_exit
 from ...memory.host import free_bytes_per_rank
+from ... import partitioned
 from ..comm.collectives import backend, broadcast_from, least_over_ranks, new_group, world_size
 from ..comm.grad_norm import ParamNorm, plan_param
 from ..hooks import Stage3Hooks
@@ -109,6 +110,7 @@ class ZeroStage3(ZeroStrategy):
         self._build = build if build.params else None
 
     def setup_module(self, module: nn.Module) -> None:
+        partitioned.refuse_other(module, self)
         meta = [n for n, p in module.named_parameters() if p.device.type == "meta"]
         if meta:
             raise ValueError(f"zero3: parameters {meta[:5]} are on the meta device; build the model in "
@@ -140,6 +142,7 @@ class ZeroStage3(ZeroStrategy):
         units = [(u, module.get_submodule(u.name)) for u in self.units if u.name not in (ROOT, PERSISTENT)]
         self.hooks = Stage3Hooks(self.runtime, units, [self.model, *self._scope_modules()],
                                  self.stage3.activation_checkpointing)
+        partitioned.mark(module, self)
 
     def compile_blocks(self) -> list[nn.Module] | None:
         """Each unit's module (its gather and release hooks stay outside the compiled forward)."""
