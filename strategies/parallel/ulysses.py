@@ -65,18 +65,16 @@ def heads_to_sequence(x: torch.Tensor, group) -> torch.Tensor:
 def repeat_kv_for(num_heads: int, num_kv_heads: int, sp: int) -> int:
     """How many times each KV head must be repeated for ``num_heads`` query heads and
     ``num_kv_heads`` KV heads to split over ``sp`` ranks with every query head's KV head on its rank
-    (1: none). Raises ValueError where no repetition can."""
+    (1: none). Raises ValueError where the query heads do not divide over ``sp`` or the KV heads do
+    not divide the query heads."""
     if num_heads % sp:
         raise ValueError(f"Ulysses: {num_heads} query heads do not divide over a sequence group of {sp}; "
                          f"valid: a multiple of {sp}")
     if num_kv_heads < 1 or num_heads % num_kv_heads:
         raise ValueError(f"Ulysses: {num_kv_heads} KV heads for {num_heads} query heads; valid: a divisor of "
                          f"{num_heads}")
-    repeat = sp // math.gcd(num_kv_heads, sp)
-    if num_heads % (num_kv_heads * repeat):
-        raise ValueError(f"Ulysses: {num_kv_heads} KV heads repeated to divide over {sp} ranks "
-                         f"({num_kv_heads * repeat}) no longer divide {num_heads} query heads")
-    return repeat
+    # num_kv_heads * repeat = lcm(num_kv_heads, sp), which divides num_heads (a multiple of both)
+    return sp // math.gcd(num_kv_heads, sp)
 
 
 def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
