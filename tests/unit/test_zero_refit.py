@@ -43,7 +43,7 @@ def test_second_fit_trains_as_one_fit(strategy):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("strategy", ["zero1", "zero2"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_fit_after_a_tuner_fit_trains(strategy):
     """``lr_find`` runs a fit (and tears it down), restores the model, then the user fits: that
     fit must equal a fit on a fresh Trainer."""
