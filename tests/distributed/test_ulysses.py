@@ -2,7 +2,8 @@
 against the whole sequence on one process (fp32):
 
 * causal attention over sequence shards (MHA, GQA, and KV heads that must be repeated to divide the
-  group): the outputs and the gradients of q, k, v equal single-process SDPA over the whole sequence;
+  group; sp=2 and sp=4), and attention with a whole-sequence mask (two packed documents) passed
+  through: the outputs and the gradients of q, k, v equal single-process SDPA over the whole sequence;
 * DeepSpeed's face, ``zerotrain.deepspeed.sequence.layer.DistributedAttention``, batch first and
   sequence first, equals the same;
 * one training step of a tiny GPT-like block stack with the sequence split over sp=2 (position ids
@@ -44,6 +45,18 @@ def _qkv(h: int, hkv: int, seed: int = 0):
     return [torch.randn(B, S, n, D, generator=g) for n in (h, hkv, hkv)]
 
 
+def _document_mask() -> torch.Tensor:
+    """Causal within two packed documents, tokens [0, 3) and [3, S): the boundary is not the shards'."""
+    doc = (torch.arange(S) >= 3).long()
+    return torch.ones(S, S, dtype=torch.bool).tril() & (doc[:, None] == doc[None, :])
+
+
+def masked_sdpa(q, k, v, mask):
+    """SDPA with a whole-sequence boolean mask ([S, S]) on [B, S, H, D] tensors (KV heads equal)."""
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)
+
+
 def _attention_bound() -> float:
     return 2 * sum_rtol(D + 2 * S + 3)  # dot product, softmax sum, weighted sum, max/exp/div
 
@@ -74,6 +87,11 @@ def _attention_ranks(face: str):
         w = _shard(torch.linspace(-1, 1, y.numel() * world).reshape(B, S, h, D), rank, world)
         (y * w).sum().backward()
         out[f"{h}x{hkv}"] = {"y": y.detach(), **{n: t.grad for n, t in zip("qkv", shards)}}
+    if face == "ours" and world == 2:  # a mask over the whole sequence, passed through to the attention
+        shards = [_shard(t, rank, world).requires_grad_() for t in _qkv(4, 4, seed=1)]
+        y = ulysses_attention(*shards, group, attention=masked_sdpa, mask=_document_mask())
+        (y * _shard(torch.linspace(-1, 1, y.numel() * world).reshape(B, S, 4, D), rank, world)).sum().backward()
+        out["4x4 masked"] = {"y": y.detach(), **{n: t.grad for n, t in zip("qkv", shards)}}
     return out
 
 
@@ -154,13 +172,18 @@ def _step_ranks(data: int, sequence: int):
 
 
 # ---------------------------------------------------------------------------- the tests
-def _reference_attention(heads=HEADS):
+def _reference_attention(heads=HEADS, masked=False):
     out = {}
     for h, hkv in heads:
         full = [t.clone().requires_grad_() for t in _qkv(h, hkv)]
         y = causal_sdpa(*full)
         (y * torch.linspace(-1, 1, y.numel()).reshape(B, S, h, D)).sum().backward()
         out[f"{h}x{hkv}"] = {"y": y.detach(), **{n: t.grad for n, t in zip("qkv", full)}}
+    if masked:
+        full = [t.clone().requires_grad_() for t in _qkv(4, 4, seed=1)]
+        y = masked_sdpa(*full, _document_mask())
+        (y * torch.linspace(-1, 1, y.numel()).reshape(B, S, 4, D)).sum().backward()
+        out["4x4 masked"] = {"y": y.detach(), **{n: t.grad for n, t in zip("qkv", full)}}
     return out
 
 
@@ -170,7 +193,8 @@ _CACHE: dict = {}
 @pytest.mark.parametrize("face, sp", [("ours", 2), ("deepspeed", 2), ("deepspeed_seq_first", 2), ("ours", 4)])
 def test_attention_over_shards_equals_the_whole_sequence(face, sp, tmp_path_factory):
     ranks = run_ranks_once(_CACHE, (face, sp), "test_ulysses:_attention_ranks", sp, tmp_path_factory, face=face)
-    want = _reference_attention(HEADS if sp == 2 else HEADS_SP4)
+    want = _reference_attention(HEADS if sp == 2 else HEADS_SP4, masked=(face, sp) == ("ours", 2))
+    assert set(ranks[0]) == set(want)
     for case, tensors in want.items():
         for name, w in tensors.items():
             got = torch.cat([r[case][name] for r in ranks], dim=1)
