@@ -17,6 +17,7 @@ from torch.nn.parallel.distributed import _find_tensors
 from . import instrument
 from .environment import release_at_exit
 from .base import PROCESS_GROUP_TIMEOUT_S, Strategy
+from .moe.grads import expert_norm_sq, expert_params, reduce_expert_grads
 from .step_wrapper import StepWrapper
 from .options import check_bool, check_choice, config_from, expose_options
 from .zero.comm.collectives import all_gather_into
@@ -67,8 +68,15 @@ class DDPStrategy(Strategy):
         if not self.distributed:
             return  # one process: DDP would only add overhead
         ids = [self.device.index] if self.device.type == "cuda" else None
+        wrapper = StepWrapper(self.module, self.step_call)
+        # experts (moe/): left out of torch's reducer and its start-up broadcast, reduced over
+        # their expert-data-parallel group after backward (moe/grads.py)
+        experts = expert_params(wrapper)
+        self._experts = list(experts.values())
+        if experts:
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(wrapper, list(experts))
         self.model = DistributedDataParallel(
-            StepWrapper(self.module, self.step_call), device_ids=ids, bucket_cap_mb=self.config.bucket_cap_mb,
+            wrapper, device_ids=ids, bucket_cap_mb=self.config.bucket_cap_mb,
             find_unused_parameters=self.config.find_unused_parameters,
             gradient_as_bucket_view=self.config.gradient_as_bucket_view, static_graph=self.config.static_graph)
         self._armed = False  # the last forward armed DDP's reducer and no backward has used that yet
@@ -127,9 +135,23 @@ class DDPStrategy(Strategy):
     #: gradients are summed in rank order (every rank's bucket all-gathered), not all-reduced
     sums_in_rank_order = False
 
+    _experts: list = []
+
     def _after_backward(self) -> None:
         if self._buckets is not None:
             self._buckets.settle()
+        if self._experts and self.model.require_backward_grad_sync:
+            reduce_expert_grads(self._experts, dist.get_world_size())
+
+    def _grad_norm(self) -> torch.Tensor:
+        """With experts (moe/): the dense gradients' norm as the base computes it, joined with the
+        norm of every expert of the model (each rank holds only its own: ``expert_norm_sq``)."""
+        if not self._experts:
+            return super()._grad_norm()
+        experts = {id(p.grad) for p in self._experts if p.grad is not None}
+        dense = [g.detach().float() for g in self.step_gradients() if id(g) not in experts]
+        dense_sq = torch.nn.utils.get_total_norm(dense, norm_type=2.0) ** 2 if dense else torch.zeros(())
+        return (dense_sq.to(self.device) + expert_norm_sq(self._experts).to(self.device)).sqrt()
 
     def _before_manual_backward(self, loss: torch.Tensor) -> None:
         """DDP arms its reducer for one backward at the end of each forward. Manual optimization

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from harness import init_dist, run_ranks
 from zerotrain.strategies import instrument
 from zerotrain.strategies.moe import MoE, expert_groups
+from zerotrain.trainer.api.module import TrainModule
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -54,15 +55,7 @@ def _case(rank: int, world: int, ep: int, kw: dict) -> dict:
     part = MoE(HIDDEN, _expert(), num_experts=EXPERTS, ep_size=ep, **kw)
     local = part.num_local_experts
     first = (rank % ep) * local  # my place in my expert-parallel group
-    state = {}
-    for name, value in full.state_dict().items():
-        if ".experts.experts." in name:
-            prefix, idx, rest = name.split(".experts.experts.")[0], *name.split(".experts.experts.")[1].split(".", 1)
-            if first <= int(idx) < first + local:
-                state[f"{prefix}.experts.experts.{int(idx) - first}.{rest}"] = value
-        else:
-            state[name] = value
-    part.load_state_dict(state)
+    part.load_state_dict(_local_state(full.state_dict(), rank, ep, local))
     gen = torch.Generator().manual_seed(11)
     shards = [(torch.randn(*TOKENS, HIDDEN, generator=gen), torch.randn(*TOKENS, HIDDEN, generator=gen))
               for _ in range(world)]
@@ -143,3 +136,78 @@ def test_initialize_broadcasts_experts_only_over_their_replicas(tmp_path):
             assert torch.equal(value, r1["before"][name]) and not torch.equal(value, r0["before"][name]), name
         else:
             assert torch.equal(value, r0["before"][name]), name
+
+
+# ---------------------------------------------------------------------------- under the DDP strategy
+class _Net(TrainModule):
+    def __init__(self, ep: int) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(HIDDEN, HIDDEN)
+        self.moe = MoE(HIDDEN, _expert(), num_experts=EXPERTS, ep_size=ep, k=1, capacity_factor=0.75, min_capacity=1)
+
+    def training_step(self, batch, idx):
+        x, w = batch
+        out, l_aux, _ = self.moe(self.inp(x))
+        return (out * w).mean() + 0.1 * l_aux
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5), None
+
+
+def _ddp(steps: int, clip: float | None) -> dict:
+    from zerotrain.strategies import DDP
+    from zerotrain.strategies.environment import detect
+    from zerotrain.strategies.precision import Precision
+    from harness import set_up_like_trainer
+
+    rank, world = init_dist()
+    torch.manual_seed(0)
+    full = _Net(1)
+    g = torch.Generator().manual_seed(5)
+    full.load_state_dict({k: torch.randn(v.shape, generator=g) * 0.5 for k, v in full.state_dict().items()})
+    part = _Net(2)
+    part.load_state_dict(_local_state(full.state_dict(), rank, 2, part.moe.num_local_experts))
+    out = {}
+    for ep, net in ((1, full), (2, part)):
+        strategy = DDP(process_group_timeout_s=60)
+        set_up_like_trainer(strategy, net, detect(world), Precision())
+        losses = []
+        for step in range(steps):
+            gen = torch.Generator().manual_seed(1000 * step + rank)  # each rank its own tokens
+            batch = (torch.randn(2, 6, HIDDEN, generator=gen), torch.randn(2, 6, HIDDEN, generator=gen))
+            torch.manual_seed(7 + 10 * step + rank)  # the same random token selection in both runs
+            loss = strategy.training_step(batch, 0)
+            strategy.backward(loss)
+            strategy.optimizer_step(clip)
+            losses.append(loss.detach())
+        out[ep] = {"losses": losses, "state": {k: v.clone() for k, v in net.state_dict().items()}}
+    return out
+
+
+def _local_state(state: dict, rank: int, ep: int, local: int) -> dict:
+    """The all-experts state's entries a rank of expert-parallel size ``ep`` holds, renumbered."""
+    first, out = (rank % ep) * local, {}
+    for name, value in state.items():
+        if ".experts.experts." in name:
+            prefix, rest = name.split(".experts.experts.")
+            idx, tail = rest.split(".", 1)
+            if first <= int(idx) < first + local:
+                out[f"{prefix}.experts.experts.{int(idx) - first}.{tail}"] = value
+        else:
+            out[name] = value
+    return out
+
+
+@pytest.mark.parametrize("clip", [None, 0.05])
+def test_ddp_reduces_experts_over_their_replicas_only(tmp_path, clip):
+    """DDP with ep=2 on 2 ranks trains as DDP with every expert on every rank: the same losses and
+    parameters after 3 SGD steps (torch's reducer would have averaged different experts together),
+    also when the gradient norm is clipped (the norm then joins every rank's experts)."""
+    results = run_ranks("test_moe_ep:_ddp", 2, tmp_path, timeout=180, steps=3, clip=clip)
+    tol = 8 * torch.finfo(torch.float32).eps * HIDDEN * 16 * 2 * 3
+    for rank, r in enumerate(results):
+        torch.testing.assert_close(r[2]["losses"], r[1]["losses"], atol=tol, rtol=tol)
+        want = _local_state(r[1]["state"], rank, 2, EXPERTS // 2)
+        assert r[2]["state"].keys() == want.keys()
+        for name, value in want.items():
+            torch.testing.assert_close(r[2]["state"][name], value, atol=tol, rtol=tol, msg=f"rank {rank} {name}")
