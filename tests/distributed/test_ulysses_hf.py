@@ -1,0 +1,76 @@
+"""Ulysses on a Hugging Face Llama (strategies/parallel/hf.py, issue 45): a tiny ``LlamaConfig``
+model (GQA: 4 query heads, 2 KV heads; rotary positions) switched to the Ulysses attention
+implementation with ``use_ulysses``; each of 2 ranks runs its half of every sequence with its own
+``position_ids`` and its token sum of the loss / all tokens; the summed loss and parameter
+gradients equal the whole sequence through transformers' own SDPA attention on one process.
+
+# tolerance: a forward-error bound (tests/tolerance.py) over the longest chain of fp32 sums an
+# element passes through: per layer the q/k/v/o projections (width), the MLP (width + intermediate),
+# the attention's dot product and two S-term sums; then the head (width) and the B*S-token sum.
+Skips without transformers (not a dependency of zerotrain).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from harness import init_dist, run_ranks
+from tolerance import rel_err, sum_rtol
+
+pytestmark = pytest.mark.timeout(300)
+
+B, S = 2, 16
+CONFIG = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=64, use_cache=False)
+
+
+def _model_and_batch(attn: str):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(3)
+    model = LlamaForCausalLM(LlamaConfig(**CONFIG, attn_implementation=attn)).float()
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, CONFIG["vocab_size"], (B, S + 1), generator=g)
+    return model, ids[:, :-1], ids[:, 1:]
+
+
+def _loss_sum(model, ids, targets, positions) -> torch.Tensor:
+    logits = model(input_ids=ids, position_ids=positions.expand(ids.shape[0], -1)).logits
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), reduction="sum")
+
+
+def _ranks():
+    from zerotrain.strategies.parallel import use_ulysses
+
+    rank, world = init_dist()
+    model, ids, targets = _model_and_batch("sdpa")
+    use_ulysses(model, dist.group.WORLD)
+    s = S // world
+    cols = slice(rank * s, (rank + 1) * s)
+    loss = _loss_sum(model, ids[:, cols], targets[:, cols], torch.arange(cols.start, cols.stop)) / (B * S)
+    loss.backward()
+    dist.all_reduce(total := loss.detach().clone())
+    grads = {}
+    for name, p in model.named_parameters():
+        dist.all_reduce(p.grad)
+        grads[name] = p.grad
+    return {"loss": total, "grads": grads}
+
+
+def test_llama_step_over_sequence_shards_equals_one_process(tmp_path):
+    pytest.importorskip("transformers")
+    ranks = run_ranks("test_ulysses_hf:_ranks", 2, tmp_path, timeout=240)
+    model, ids, targets = _model_and_batch("sdpa")
+    loss = _loss_sum(model, ids, targets, torch.arange(S)) / (B * S)
+    loss.backward()
+    c = CONFIG
+    head_dim = c["hidden_size"] // c["num_attention_heads"]
+    per_layer = 4 * c["hidden_size"] + c["hidden_size"] + c["intermediate_size"] + head_dim + 2 * S
+    bound = 2 * sum_rtol(c["num_hidden_layers"] * per_layer + c["hidden_size"] + B * S)
+    for r in ranks:
+        assert rel_err(r["loss"], loss) <= bound, (float(r["loss"]), float(loss))
+        for name, p in model.named_parameters():
+            err = rel_err(r["grads"][name], p.grad)
+            assert err <= bound, f"{name}: relative error {err:.3e} > {bound:.3e}"
