@@ -40,18 +40,21 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # q, k, v at once
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)  # residual projection
         self.resid_dropout = nn.Dropout(config.dropout)
+        #: None: causal SDPA here; else ``attention(q, k, v)`` on (B, T, n_head, head_dim) tensors,
+        #: e.g. Ulysses over a sequence group (:meth:`GPT.use_attention`)
+        self.attention = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(C, dim=2)
-        # (B, T, C) -> (B, n_head, T, head_dim)
-        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
-        )
-        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head) for t in self.c_attn(x).split(C, dim=2))
+        if self.attention is not None:
+            y = self.attention(q, k, v)
+        else:  # (B, T, n_head, head_dim) -> (B, n_head, T, head_dim) for SDPA, and back
+            y = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                dropout_p=self.dropout if self.training else 0.0, is_causal=True,
+            ).transpose(1, 2)
+        y = y.contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
 
@@ -198,18 +201,27 @@ class GPT(nn.Module):
             done.update(id(t) for t in own)
 
     # ---- forward
+    def use_attention(self, attention) -> None:
+        """Every block attends through ``attention(q, k, v)`` on (B, T, n_head, head_dim) tensors
+        (None: causal SDPA again); with ``zerotrain.strategies.parallel.ulysses_attention`` over a
+        sequence group, each rank runs its sequence shard with ``positions`` of its own."""
+        for block in self.blocks:
+            block.attn.attention = attention
+
     def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None, positions: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``idx``: (B, T) int64 token ids with T <= block_size. Returns logits (B, T, vocab_size)
-        and the mean cross-entropy against ``targets`` (B, T), or None without targets."""
+        and the mean cross-entropy against ``targets`` (B, T), or None without targets. ``positions``
+        (T,): the tokens' positions, ``arange(T)`` by default (a sequence shard's own otherwise)."""
         B, T = idx.shape
-        if T > self.config.block_size:
+        pos = torch.arange(T, device=idx.device) if positions is None else positions
+        last = T if positions is None else int(positions.max()) + 1
+        if last > self.config.block_size:
             raise ValueError(
-                f"sequence length {T} exceeds GPTConfig.block_size={self.config.block_size}; "
+                f"sequence length {last} exceeds GPTConfig.block_size={self.config.block_size}; "
                 f"crop the input or build the model with a larger block_size"
             )
-        pos = torch.arange(T, device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(pos))
         for block in self.blocks:
             x = block(x)

@@ -143,6 +143,28 @@ def _model_and_batch():
     return model, idx[:, :-1], idx[:, 1:]
 
 
+def summed_step(model, loss: torch.Tensor) -> dict:
+    """Backward of this rank's share of the mean loss, then the loss and every parameter gradient
+    summed over all ranks (over sp and dp alike: each rank's loss is its token sum / all tokens)."""
+    loss.backward()
+    total = loss.detach().clone()
+    dist.all_reduce(total)  # the mean over every token of the global batch
+    grads = {}
+    for name, p in model.named_parameters():
+        dist.all_reduce(p.grad)
+        grads[name] = p.grad
+    return {"loss": total, "grads": grads}
+
+
+def assert_same_step(ranks: list, loss: torch.Tensor, grads: dict, bound: float) -> None:
+    """Every rank's summed loss and gradients within ``bound`` (norm-wise relative) of one process's."""
+    for r in ranks:
+        assert rel_err(r["loss"], loss) <= bound, (float(r["loss"]), float(loss))
+        for name, g in grads.items():
+            err = rel_err(r["grads"][name], g)
+            assert err <= bound, f"{name}: relative error {err:.3e} > {bound:.3e}"
+
+
 def _token_loss_sum(model, idx, targets, positions, attend) -> torch.Tensor:
     logits = model(idx, positions, attend)
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum")
@@ -161,14 +183,7 @@ def _step_ranks(data: int, sequence: int):
     positions = torch.arange(cols.start, cols.stop)  # this shard's own positions
     attend = (lambda q, k, v: ulysses_attention(q, k, v, sp_group)) if sequence > 1 else causal_sdpa
     loss = _token_loss_sum(model, idx[rows, cols], targets[rows, cols], positions, attend) / (GB * GS)
-    loss.backward()
-    total = loss.detach().clone()
-    dist.all_reduce(total)  # the mean over every token of the global batch
-    grads = {}
-    for name, p in model.named_parameters():
-        dist.all_reduce(p.grad)  # each rank's share of d(mean loss): summed over sp and dp alike
-        grads[name] = p.grad
-    return {"coords": where, "groups": checks, "loss": total, "grads": grads}
+    return {"coords": where, "groups": checks, **summed_step(model, loss)}
 
 
 # ---------------------------------------------------------------------------- the tests
@@ -223,9 +238,4 @@ def test_training_step_over_sequence_shards_equals_one_process(data, sequence, t
         assert r["coords"] == mesh.coordinates(rank)
         assert r["groups"] == {axis: mesh.members(axis, rank) for axis in ("data", "sequence")}
     loss, grads = _reference_step()
-    bound = _model_bound()
-    for r in ranks:
-        assert rel_err(r["loss"], loss) <= bound, (float(r["loss"]), float(loss))
-        for name, g in grads.items():
-            err = rel_err(r["grads"][name], g)
-            assert err <= bound, f"{name}: relative error {err:.3e} > {bound:.3e}"
+    assert_same_step(ranks, loss, grads, _model_bound())

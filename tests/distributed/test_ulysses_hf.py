@@ -17,7 +17,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from harness import init_dist, run_ranks
-from tolerance import rel_err, sum_rtol
+from test_ulysses import assert_same_step, summed_step
+from tolerance import sum_rtol
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -50,13 +51,7 @@ def _ranks():
     s = S // world
     cols = slice(rank * s, (rank + 1) * s)
     loss = _loss_sum(model, ids[:, cols], targets[:, cols], torch.arange(cols.start, cols.stop)) / (B * S)
-    loss.backward()
-    dist.all_reduce(total := loss.detach().clone())
-    grads = {}
-    for name, p in model.named_parameters():
-        dist.all_reduce(p.grad)
-        grads[name] = p.grad
-    return {"loss": total, "grads": grads}
+    return summed_step(model, loss)
 
 
 def test_llama_step_over_sequence_shards_equals_one_process(tmp_path):
@@ -69,8 +64,4 @@ def test_llama_step_over_sequence_shards_equals_one_process(tmp_path):
     head_dim = c["hidden_size"] // c["num_attention_heads"]
     per_layer = 4 * c["hidden_size"] + c["hidden_size"] + c["intermediate_size"] + head_dim + 2 * S
     bound = 2 * sum_rtol(c["num_hidden_layers"] * per_layer + c["hidden_size"] + B * S)
-    for r in ranks:
-        assert rel_err(r["loss"], loss) <= bound, (float(r["loss"]), float(loss))
-        for name, p in model.named_parameters():
-            err = rel_err(r["grads"][name], p.grad)
-            assert err <= bound, f"{name}: relative error {err:.3e} > {bound:.3e}"
+    assert_same_step(ranks, loss, {n: p.grad for n, p in model.named_parameters()}, bound)
