@@ -136,6 +136,8 @@ class DDPStrategy(Strategy):
     sums_in_rank_order = False
 
     _experts: list = []
+    #: expert parameters (moe/) are summed over their expert-data-parallel group, not the world
+    reduces_expert_gradients = True
 
     def _after_backward(self) -> None:
         if self._buckets is not None:

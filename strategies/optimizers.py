@@ -230,9 +230,21 @@ def selecting(optimizer: Any, which: int | None) -> contextlib.AbstractContextMa
     return contextlib.nullcontext()
 
 
+def _refuse_expert_parallel(strategy: Any) -> None:
+    if getattr(strategy, "reduces_expert_gradients", False) or getattr(strategy, "module", None) is None:
+        return
+    for name, p in strategy.module.named_parameters():
+        if getattr(p, "allreduce", True) is False and getattr(p, "group_name", "ep_size_1") != "ep_size_1":
+            raise ValueError(f"strategy={strategy.name!r}: parameter {name!r} is an expert's of {p.group_name} "
+                             "(expert parallelism), which this strategy would average with other experts; "
+                             "valid: strategy='ddp' (ZeRO's expert groups are not built yet, issue 46) or ep_size=1")
+
+
 def refuse_shared(strategy: Any, optimizer: Any) -> None:
     """ValueError (one line) for a parameter in several optimizers where ``strategy`` cannot step
-    it from each (its ``optimizers_may_share_parameters`` is False)."""
+    it from each (its ``optimizers_may_share_parameters`` is False), and for expert-parallel
+    parameters (moe/, ``ep_size`` > 1) where ``strategy`` does not reduce them over their own group."""
+    _refuse_expert_parallel(strategy)
     if getattr(strategy, "optimizers_may_share_parameters", True) or not isinstance(optimizer, OptimizerSet):
         return
     for p, ks in optimizer.shared()[:1]:

@@ -1,0 +1,61 @@
+"""deepspeed_moe_script.py (DeepSpeed-MoE, ep_size=2, the optimizer over
+split_params_into_different_moe_groups_for_optimizer's groups) on 2 CPU ranks under DeepSpeed
+0.19.8 and, with its deepspeed imports renamed, under zerotrain.deepspeed: the same losses and
+final weights (experts included) at ZeRO stage 0, without gradient clipping (with it they differ
+by design: DeepSpeed clips by the mean over ranks of each rank's norm of its dense and local expert
+gradients, zerotrain by the whole model's norm, every expert once, as DDP with all experts local). Tolerance: DeepSpeed's and torch DDP's sums
+differ in order only: fp32 eps times the steps times a reduction length bound."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from harness import run_ranks
+
+pytestmark = [pytest.mark.timeout(900),
+              pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                                 reason="deepspeed is not installed; these tests compare against it")]
+
+SCRIPT = Path(__file__).with_name("deepspeed_moe_script.py")
+CONFIG = {"train_micro_batch_size_per_gpu": 12, "steps_per_print": 100, "zero_optimization": {"stage": 0}}
+
+
+def _zerotrain_script() -> str:
+    text = SCRIPT.read_text()
+    text, n = re.subn(r"^(import|from) deepspeed\b", r"\1 zerotrain.deepspeed", text, flags=re.MULTILINE)
+    assert n == 4
+    return text.replace("import zerotrain.deepspeed\n", "import zerotrain.deepspeed as deepspeed\n")
+
+
+def _run(script: str, config: str, out: str, flags: list) -> dict:
+    sys.argv = [script, "--deepspeed_config", config, "--out", out, *flags]
+    runpy.run_path(script, run_name="__main__")
+    import torch.distributed as dist
+    return torch.load(f"{out}.{dist.get_rank()}.pt", weights_only=True)
+
+
+@pytest.mark.parametrize("flags", [["--k", "1"], ["--k", "1", "--rts"], ["--k", "2"]], ids=["k1", "k1_rts", "k2"])
+def test_moe_script_trains_as_with_deepspeed(tmp_path, flags):
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps(CONFIG))
+    zt = tmp_path / "zt_script.py"
+    zt.write_text(_zerotrain_script())
+    out = {}
+    for side, script in (("ds", SCRIPT), ("zt", zt)):
+        out[side] = run_ranks("test_deepspeed_moe_script:_run", 2, tmp_path / side, timeout=400,
+                              env={"DS_ACCELERATOR": "cpu"}, script=str(script), config=str(config),
+                              out=str(tmp_path / side / "result"), flags=flags)
+    tol = 8 * torch.finfo(torch.float32).eps * 16 * 4
+    for rank, (want, got) in enumerate(zip(out["ds"], out["zt"])):
+        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]), atol=tol, rtol=tol)
+        assert got["weights"].keys() == want["weights"].keys()
+        for name in want["weights"]:
+            torch.testing.assert_close(got["weights"][name], want["weights"][name], atol=tol, rtol=tol,
+                                       msg=f"rank {rank} {name}")
