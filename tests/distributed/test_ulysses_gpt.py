@@ -72,3 +72,41 @@ def test_without_the_hook_the_model_is_unchanged():
     assert torch.equal(model(ids, positions=torch.arange(S))[0], plain)
     with pytest.raises(ValueError, match="sequence length 33 exceeds GPTConfig.block_size=32"):
         model(ids, positions=torch.arange(17, 17 + S))
+
+
+def _saved_activation_bytes(model, run) -> int:
+    """Bytes of the tensors autograd saves for backward while ``run()`` builds the graph, parameters
+    and 0-dim scalars (a fixed few bytes per graph) excluded, each tensor once (its own elements: a
+    slice of the batch counts as the slice)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[tuple, int] = {}
+
+    def pack(t):
+        if t.dim() and t.untyped_storage().data_ptr() not in params:
+            seen[(t.data_ptr(), tuple(t.shape), t.stride())] = t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run()
+    return sum(seen.values())
+
+
+def _memory_ranks():
+    from zerotrain.strategies.parallel import ulysses_attention
+
+    rank, world = init_dist()
+    model, ids, targets = _model_and_batch()
+    model.use_attention(lambda q, k, v: ulysses_attention(q, k, v, dist.group.WORLD))
+    s = S // world
+    cols = slice(rank * s, (rank + 1) * s)
+    return _saved_activation_bytes(
+        model, lambda: _loss_sum(model, ids[:, cols], targets[:, cols], torch.arange(cols.start, cols.stop)))
+
+
+def test_sp2_halves_the_saved_activations(tmp_path):
+    """The issue's formula: at a fixed sequence length, sp=2 halves each rank's activations (the
+    projections hold S/2 tokens, the attention H/2 heads of all S): exactly, tensor by tensor."""
+    model, ids, targets = _model_and_batch()
+    whole = _saved_activation_bytes(model, lambda: _loss_sum(model, ids, targets))
+    per_rank = run_ranks("test_ulysses_gpt:_memory_ranks", 2, tmp_path)
+    assert all(b == whole // 2 for b in per_rank), (whole, per_rank)
