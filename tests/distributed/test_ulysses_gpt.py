@@ -38,7 +38,9 @@ def _loss_sum(model, ids, targets, positions=None):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum")
 
 
-def _ranks():
+def _shard_loss():
+    """On a rank: the model attending through Ulysses over all ranks, and a function giving the
+    token sum of the loss on this rank's half of every sequence, at its own positions."""
     from zerotrain.strategies.parallel import ulysses_attention
 
     rank, world = init_dist()
@@ -46,8 +48,12 @@ def _ranks():
     model.use_attention(lambda q, k, v: ulysses_attention(q, k, v, dist.group.WORLD))
     s = S // world
     cols = slice(rank * s, (rank + 1) * s)
-    loss = _loss_sum(model, ids[:, cols], targets[:, cols], torch.arange(cols.start, cols.stop)) / (B * S)
-    return summed_step(model, loss)
+    return model, lambda: _loss_sum(model, ids[:, cols], targets[:, cols], torch.arange(cols.start, cols.stop))
+
+
+def _ranks():
+    model, loss_sum = _shard_loss()
+    return summed_step(model, loss_sum() / (B * S))
 
 
 def test_demo_gpt_step_over_sequence_shards_equals_one_process(tmp_path):
@@ -92,15 +98,8 @@ def _saved_activation_bytes(model, run) -> int:
 
 
 def _memory_ranks():
-    from zerotrain.strategies.parallel import ulysses_attention
-
-    rank, world = init_dist()
-    model, ids, targets = _model_and_batch()
-    model.use_attention(lambda q, k, v: ulysses_attention(q, k, v, dist.group.WORLD))
-    s = S // world
-    cols = slice(rank * s, (rank + 1) * s)
-    return _saved_activation_bytes(
-        model, lambda: _loss_sum(model, ids[:, cols], targets[:, cols], torch.arange(cols.start, cols.stop)))
+    model, loss_sum = _shard_loss()
+    return _saved_activation_bytes(model, loss_sum)
 
 
 def test_sp2_halves_the_saved_activations(tmp_path):
