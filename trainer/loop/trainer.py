@@ -342,8 +342,8 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
                 if stepped:  # ReduceLROnPlateau on steps: after the metrics of this step's validation
                     self._optim.step_schedulers("step", plateau=True, index=batch_idx)
                 self._logging.batch_done(stepped)
-                if stepped:  # a SIGTERM on any rank: every rank saves and exits here (trainer/launch/signals.py)
-                    self.hooks.mark("agreeing on stop signals")
+                if stepped and self._signals is not None:  # a SIGTERM on any rank: every rank saves and exits
+                    self.hooks.mark("agreeing on stop signals")  # here (trainer/launch/signals.py); none yet in on_fit_start's tuners
                     self._signals.at_step_boundary()
                 self.hooks.mark("fetching the next training batch")
             else:
