@@ -8,8 +8,8 @@ their expert-data-parallel group: DDP's, ``strategies/ddp.py``).
 
 May import: strategies.instrument.
 """
-from .gate import Routes, TopKGate
+from .gate import GateConfig, Routes, TopKGate
 from .groups import ExpertGroups, expert_groups, group_name
 from .layer import MOELayer, MoE
 
-__all__ = ["ExpertGroups", "MOELayer", "MoE", "Routes", "TopKGate", "expert_groups", "group_name"]
+__all__ = ["ExpertGroups", "GateConfig", "MOELayer", "MoE", "Routes", "TopKGate", "expert_groups", "group_name"]

@@ -119,24 +119,38 @@ def top2(logits: torch.Tensor, factor: float, min_capacity: int, drop_tokens: bo
     return Routes(idx, locs, torch.stack([w1 / total, w2 / total]), capacity, l_aux, exp_counts)
 
 
+@dataclass(frozen=True)
+class GateConfig:
+    """The gate's options, DeepSpeed-MoE's names and ``MoE``'s defaults (``top2_2nd_expert_sampling``:
+    the second expert of top-2 from Gumbel-perturbed logits)."""
+
+    k: int = 1
+    capacity_factor: float = 1.0
+    eval_capacity_factor: float = 1.0
+    min_capacity: int = 4
+    noisy_gate_policy: Optional[str] = None
+    drop_tokens: bool = True
+    use_rts: bool = True
+    top2_2nd_expert_sampling: bool = True
+
+    def __post_init__(self) -> None:
+        if self.k not in (1, 2):
+            raise ValueError(f"k={self.k!r}; valid: 1, 2")
+        if self.noisy_gate_policy not in NOISY_GATE_POLICIES:
+            raise ValueError(f"noisy_gate_policy={self.noisy_gate_policy!r}; valid: None, 'Jitter', 'RSample'")
+
+
 class TopKGate(torch.nn.Module):
     """The gate: ``wg`` scores tokens, ``top1``/``top2`` route them."""
 
-    def __init__(self, model_dim: int, num_experts: int, k: int = 1, capacity_factor: float = 1.0,
-                 eval_capacity_factor: float = 1.0, min_capacity: int = 8, noisy_gate_policy: Optional[str] = None,
-                 drop_tokens: bool = True, use_rts: bool = True, ep_group=None,
-                 top2_2nd_expert_sampling: bool = True) -> None:
+    def __init__(self, model_dim: int, num_experts: int, config: GateConfig = GateConfig(), ep_group=None) -> None:
         super().__init__()
-        if k not in (1, 2):
-            raise ValueError(f"k={k!r}; valid: 1, 2")
-        if noisy_gate_policy not in NOISY_GATE_POLICIES:
-            raise ValueError(f"noisy_gate_policy={noisy_gate_policy!r}; valid: None, 'Jitter', 'RSample'")
         self.wg = torch.nn.Linear(model_dim, num_experts, bias=False)
-        self.k, self.ep_group = k, ep_group
-        self.capacity_factor, self.eval_capacity_factor = capacity_factor, eval_capacity_factor
-        self.min_capacity, self.noisy_gate_policy = min_capacity, noisy_gate_policy
-        self.drop_tokens, self.use_rts = drop_tokens, use_rts
-        self.top2_2nd_expert_sampling = top2_2nd_expert_sampling
+        self.k, self.ep_group = config.k, ep_group
+        self.capacity_factor, self.eval_capacity_factor = config.capacity_factor, config.eval_capacity_factor
+        self.min_capacity, self.noisy_gate_policy = config.min_capacity, config.noisy_gate_policy
+        self.drop_tokens, self.use_rts = config.drop_tokens, config.use_rts
+        self.top2_2nd_expert_sampling = config.top2_2nd_expert_sampling
 
     def forward(self, tokens: torch.Tensor, used_token: Optional[torch.Tensor] = None) -> Routes:
         x = tokens.float()

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from . import dispatch
 from .experts import Experts
-from .gate import TopKGate
+from .gate import GateConfig, TopKGate
 from .groups import expert_groups, group_name
 
 
@@ -52,14 +52,14 @@ class MOELayer(torch.nn.Module):
 
 
 class MoE(torch.nn.Module):
-    """``MoE(hidden_size, expert, num_experts, ep_size, k, ...)`` (DeepSpeed's arguments and
-    defaults). ``layer_name``/``list_name``: the attribute names of the layer and of the expert list
-    (DeepSpeed's face passes ``deepspeed_moe``/``deepspeed_experts`` so its state dict keys match)."""
+    """``MoE(hidden_size, expert, num_experts, ep_size, gate=GateConfig(k=2, ...))``: DeepSpeed's layer,
+    its gate options in one :class:`GateConfig` (``zerotrain.deepspeed.moe.layer.MoE`` takes them
+    flat, as DeepSpeed). ``layer_name``/``list_name``: the attribute names of the layer and of the
+    expert list (DeepSpeed's face passes ``deepspeed_moe``/``deepspeed_experts`` so its state dict
+    keys match)."""
 
     def __init__(self, hidden_size: int, expert: torch.nn.Module, num_experts: int = 1, ep_size: int = 1,
-                 k: int = 1, capacity_factor: float = 1.0, eval_capacity_factor: float = 1.0, min_capacity: int = 4,
-                 use_residual: bool = False, noisy_gate_policy: Optional[str] = None, drop_tokens: bool = True,
-                 use_rts: bool = True, top2_2nd_expert_sampling: bool = True, *, layer_name: str = "moe",
+                 gate: GateConfig = GateConfig(), use_residual: bool = False, *, layer_name: str = "moe",
                  list_name: str = "experts") -> None:
         super().__init__()
         if ep_size < 1 or num_experts % ep_size:
@@ -69,9 +69,7 @@ class MoE(torch.nn.Module):
         self.expert_group_name = group_name(ep_size)
         self.layer_name = layer_name
         experts = Experts(expert, self.num_local_experts, self.expert_group_name, list_name)
-        gate = TopKGate(hidden_size, num_experts, k, capacity_factor, eval_capacity_factor, min_capacity,
-                        noisy_gate_policy, drop_tokens, use_rts, None, top2_2nd_expert_sampling)
-        setattr(self, layer_name, MOELayer(gate, experts, ep_size))
+        setattr(self, layer_name, MOELayer(TopKGate(hidden_size, num_experts, gate), experts, ep_size))
         if use_residual:
             self.mlp = expert
             self.coefficient = torch.nn.Linear(hidden_size, 2)

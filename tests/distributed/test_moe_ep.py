@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from harness import init_dist, run_ranks
 from zerotrain.strategies import instrument
-from zerotrain.strategies.moe import MoE, expert_groups
+from zerotrain.strategies.moe import GateConfig, MoE, expert_groups
 from zerotrain.trainer.api.module import TrainModule
 
 pytestmark = pytest.mark.timeout(240)
@@ -49,10 +49,12 @@ class _Sink:
 
 def _case(rank: int, world: int, ep: int, kw: dict) -> dict:
     torch.manual_seed(3)
-    full = MoE(HIDDEN, _expert(), num_experts=EXPERTS, **kw)
+    gate = {key: value for key, value in kw.items() if key != "use_residual"}
+    residual = kw.get("use_residual", False)
+    full = MoE(HIDDEN, _expert(), num_experts=EXPERTS, gate=GateConfig(**gate), use_residual=residual)
     g = torch.Generator().manual_seed(5)
     full.load_state_dict({k: torch.randn(v.shape, generator=g) * 0.5 for k, v in full.state_dict().items()})
-    part = MoE(HIDDEN, _expert(), num_experts=EXPERTS, ep_size=ep, **kw)
+    part = MoE(HIDDEN, _expert(), num_experts=EXPERTS, ep_size=ep, gate=GateConfig(**gate), use_residual=residual)
     local = part.num_local_experts
     first = (rank % ep) * local  # my place in my expert-parallel group
     part.load_state_dict(_local_state(full.state_dict(), rank, ep, local))
@@ -143,7 +145,8 @@ class _Net(TrainModule):
     def __init__(self, ep: int) -> None:
         super().__init__()
         self.inp = torch.nn.Linear(HIDDEN, HIDDEN)
-        self.moe = MoE(HIDDEN, _expert(), num_experts=EXPERTS, ep_size=ep, k=1, capacity_factor=0.75, min_capacity=1)
+        self.moe = MoE(HIDDEN, _expert(), num_experts=EXPERTS, ep_size=ep,
+                       gate=GateConfig(k=1, capacity_factor=0.75, min_capacity=1))
 
     def training_step(self, batch, idx):
         x, w = batch

@@ -12,7 +12,8 @@ import os
 import pytest
 import torch
 
-from zerotrain.strategies.moe import MoE
+from zerotrain.deepspeed.moe.layer import MoE as DeepSpeedMoE
+from zerotrain.strategies.moe import GateConfig, MoE
 from zerotrain.strategies.moe.gate import capacity_of
 
 pytestmark = pytest.mark.timeout(180)
@@ -38,7 +39,7 @@ def _pair(ds_moe, **kw):
     torch.manual_seed(3)
     theirs = ds_moe(HIDDEN, _expert(), num_experts=EXPERTS, **kw)
     torch.manual_seed(3)
-    ours = MoE(HIDDEN, _expert(), num_experts=EXPERTS, layer_name="deepspeed_moe", list_name="deepspeed_experts", **kw)
+    ours = DeepSpeedMoE(HIDDEN, _expert(), num_experts=EXPERTS, **kw)
     same_init = all(torch.equal(a, b) for a, b in zip(theirs.state_dict().values(), ours.state_dict().values()))
     g = torch.Generator().manual_seed(5)  # distinct experts: DeepSpeed's copies start equal
     state = {k: torch.randn(v.shape, generator=g) * 0.5 for k, v in theirs.state_dict().items()}
@@ -102,9 +103,9 @@ def test_bad_arguments_say_what_is_valid():
     with pytest.raises(ValueError, match="ep_size=3; valid: a divisor of num_experts=4"):
         MoE(HIDDEN, _expert(), num_experts=4, ep_size=3)
     with pytest.raises(ValueError, match="noisy_gate_policy='Gumbel'"):
-        MoE(HIDDEN, _expert(), num_experts=4, noisy_gate_policy="Gumbel")
+        MoE(HIDDEN, _expert(), num_experts=4, gate=GateConfig(noisy_gate_policy="Gumbel"))
     with pytest.raises(ValueError, match="k=3; valid: 1, 2"):
-        MoE(HIDDEN, _expert(), num_experts=4, k=3)
+        MoE(HIDDEN, _expert(), num_experts=4, gate=GateConfig(k=3))
 
 
 def test_zerotrain_moe_is_the_layers_package():

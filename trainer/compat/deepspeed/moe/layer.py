@@ -14,7 +14,7 @@ from typing import Optional
 
 from torch import nn
 
-from .....strategies.moe import MoE as _MoE
+from .....strategies.moe import GateConfig, MoE as _MoE
 
 
 class MoE(_MoE):
@@ -23,9 +23,10 @@ class MoE(_MoE):
                  use_residual: bool = False, noisy_gate_policy: Optional[str] = None, drop_tokens: bool = True,
                  use_rts: bool = True, use_tutel: bool = False, enable_expert_tensor_parallelism: bool = False,
                  top2_2nd_expert_sampling: bool = True) -> None:
-        super().__init__(hidden_size, expert, num_experts, ep_size, k, capacity_factor, eval_capacity_factor,
-                         min_capacity, use_residual, noisy_gate_policy, drop_tokens, use_rts,
-                         top2_2nd_expert_sampling, layer_name="deepspeed_moe", list_name="deepspeed_experts")
+        gate = GateConfig(k, capacity_factor, eval_capacity_factor, min_capacity, noisy_gate_policy, drop_tokens,
+                          use_rts, top2_2nd_expert_sampling)
+        super().__init__(hidden_size, expert, num_experts, ep_size, gate, use_residual,
+                         layer_name="deepspeed_moe", list_name="deepspeed_experts")
         self.use_tutel = use_tutel
         self.enable_expert_tensor_parallelism = enable_expert_tensor_parallelism
 
