@@ -94,5 +94,6 @@ def test_reduce_bucket_size_keeps_its_name_to_the_collective(tmp_path):
     assert s.buckets.reduce_bucket_size == 1234
     lib = pathlib.Path(zerotrain.__file__).parent / "strategies"
     for path in lib.rglob("*.py"):
-        for word in ("bucket_numel", "capacity"):
+        # moe/'s "capacity" is DeepSpeed-MoE's own term (an expert's token slots), not a bucket size
+        for word in ("bucket_numel",) + (("capacity",) if "moe" not in path.relative_to(lib).parts else ()):
             assert word not in path.read_text(), f"{path}: the reduce bucket size is called {word} there"
