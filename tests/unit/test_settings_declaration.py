@@ -158,7 +158,7 @@ def _checkpoint_without_rng_states(tmp_path):
     path = tmp_path / "ckpt"
     trainer.save_checkpoint(str(path))
     meta_path = path / "meta.pt"
-    meta = torch.load(meta_path, weights_only=False)
+    meta = torch.load(meta_path, weights_only=True)
     meta["rng"] = []
     torch.save(meta, meta_path)
     return str(path), meta["loop"]["global_step"]
