@@ -384,3 +384,40 @@ def test_host_mmap_threshold_is_applied_once_and_zero_leaves_glibc_alone(monkeyp
     assert not host_memory.set_mmap_threshold(0) and calls == []
     assert host_memory.set_mmap_threshold(8 << 20) and calls == [(-3, 8 << 20)]
     assert host_memory.set_mmap_threshold(8 << 20) and len(calls) == 1  # already set
+
+
+# ---------------------------------------------------------------------------- expert parameters (issue 46)
+def _mark(module: torch.nn.Module, group_name: str = "ep_size_2") -> torch.nn.Module:
+    for p in module.parameters():
+        p.allreduce, p.group_name = False, group_name
+    return module
+
+
+def test_expert_modules_are_units_of_their_own_kind():
+    """The topmost all-expert module becomes a unit even where the policy would not cut there, and
+    every unit has one kind; experts of ep_size_1 count as dense, and never go persistent."""
+    from zerotrain.strategies.zero.stage3.unit_plan import plan_units
+
+    block = torch.nn.Module()
+    block.lin = torch.nn.Linear(4, 4)
+    block.experts = _mark(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 4)))
+    block.replicated = _mark(torch.nn.Linear(4, 4), "ep_size_1")
+    root = torch.nn.Module()
+    root.blocks = torch.nn.ModuleList([block])
+    plan = plan_units(root, persistence_threshold=100)
+    kinds = {u.name: (u.kind, u.params) for u in plan.units}
+    assert kinds["blocks.0.experts"] == ("ep_size_2", ("blocks.0.experts.0.weight", "blocks.0.experts.0.bias",
+                                                       "blocks.0.experts.1.weight", "blocks.0.experts.1.bias"))
+    assert kinds["<persistent>"][0] is None and "blocks.0.replicated.weight" in kinds["<persistent>"][1]
+    assert all(k is None for n, (k, _) in kinds.items() if n != "blocks.0.experts")
+
+
+def test_a_unit_mixing_experts_and_dense_parameters_is_refused():
+    from zerotrain.strategies.zero.stage3.unit_plan import plan_units
+
+    mixed = torch.nn.Linear(4, 4)
+    mixed.weight.allreduce, mixed.weight.group_name = False, "ep_size_2"  # the bias stays dense
+    root = torch.nn.Module()
+    root.blocks = torch.nn.ModuleList([mixed])
+    with pytest.raises(ValueError, match=r"unit 'blocks.0' holds parameters of kinds .*dense and expert-parallel"):
+        plan_units(root)

@@ -19,6 +19,7 @@ import torch
 
 from ...checkpoint import ParamShard, ShardReader, split_optimizer_state
 from ..shards import ZeroCheckpoint
+from .experts import refuse_with_experts
 
 
 class Stage3Checkpoint(ZeroCheckpoint):
@@ -31,6 +32,7 @@ class Stage3Checkpoint(ZeroCheckpoint):
         under each of their names as one tensor, as in ``module.state_dict()``."""
         s = self.s
         assert s.module is not None
+        refuse_with_experts(s.units, "full_state_dict()", "strategy.gathered() on every rank, or ep_size=1")
         values: dict[int, torch.Tensor] = {}
         for u in s.units:
             full = u.gather_master(0, s.group)
@@ -44,7 +46,7 @@ class Stage3Checkpoint(ZeroCheckpoint):
         """``(unit, run, master view, [pieces of trainable params inside the run])``."""
         s = self.s
         for u, run, view in s._runs:
-            pieces = [pc for pc in u.layout.pieces(s.global_rank)
+            pieces = [pc for pc in u.layout.pieces(u.rank)
                       if run.start <= pc.partition_start < run.start + run.numel]
             yield u, run, view, pieces
 
@@ -59,6 +61,7 @@ class Stage3Checkpoint(ZeroCheckpoint):
         return out
 
     def param_shards(self) -> dict[str, ParamShard]:
+        refuse_with_experts(self.s.units, "a checkpoint", "ep_size=1, or strategy='ddp'")
         with self.s.stepper.exposed_state(self.s.sharded):
             return self._param_shards()
 
@@ -106,7 +109,7 @@ class Stage3Checkpoint(ZeroCheckpoint):
         names = self.trainable_names()
         with torch.no_grad():
             for u in s.units:
-                for pc in u.layout.pieces(s.global_rank):
+                for pc in u.layout.pieces(u.rank):
                     p = u.params[pc.index]
                     cut = u.master[pc.partition_start:pc.partition_start + pc.numel]
                     lo, hi = pc.param_start, pc.param_start + pc.numel

@@ -69,6 +69,7 @@ from .materialize import PartitionedBuild
 from ..comm.quantized import Quantization
 from ..sharded_optimizer import ShardedOptimizer
 from .checkpoint import Stage3Checkpoint
+from .experts import experts_norm_sq, refuse_with_experts, unit_group
 from .runtime import RuntimeOptions, Stage3Runtime
 from ..strategy import ZeroStrategy, trainable_groups
 from .unit import Unit
@@ -83,6 +84,9 @@ class ZeroStage3(ZeroStrategy):
     name = "zero3"
     stage = 3
     checkpoint_adapter = Stage3Checkpoint
+    #: expert parameters (moe/) get units of their own over their expert-data-parallel group
+    #: (``experts.py``), so ``optimizers.refuse_shared`` lets expert-parallel models through
+    reduces_expert_gradients = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -120,13 +124,17 @@ class ZeroStage3(ZeroStrategy):
         self.plan = plan_units(module, make_policy(self.stage3.unit_modules),
                                self.stage3.param_persistence_threshold)
         named = dict(module.named_parameters(remove_duplicate=False))
+        if self.offload is not None and any(spec.kind for spec in self.plan.units):
+            raise ValueError("zero3: offload with expert-parallel parameters (moe/, ep_size > 1) is not built "
+                             "yet (issue 46); valid: zero3 without offload, or ep_size=1")
         for spec in self.plan.units:
             self.units.append(self._build_unit(len(self.units), spec.name, spec.params,
-                                               [named[n] for n in spec.params]))
+                                               [named[n] for n in spec.params], spec.kind))
         if self._build is not None:
             self._build.release()
             self._build = None
         if self.stage3.hierarchical_partition:
+            refuse_with_experts(self.units, "hierarchical_partition=True", "hierarchical_partition=False")
             self._enable_secondary()
         managed = {id(p) for u in self.units for p in u.params}
         with torch.no_grad():
@@ -177,12 +185,18 @@ class ZeroStage3(ZeroStrategy):
             log.info("zero3: max_reuse_distance=%s (the least over ranks)", self.reuse_source)
         return budget
 
-    def _build_unit(self, index: int, name: str, names: tuple[str, ...], params: list[nn.Parameter]) -> Unit:
+    def _build_unit(self, index: int, name: str, names: tuple[str, ...], params: list[nn.Parameter],
+                    kind: str | None = None) -> Unit:
         """Collective: lay out one unit and move its values into this rank's shards; the unit's
-        full values exist only here, once, in fp32."""
-        layout = build_layout([p.numel() for p in params], self.world_size, self.config.partition_alignment)
+        full values exist only here, once, in fp32. An expert unit (``kind``, ``experts.py``) is
+        laid out over its expert-data-parallel group and takes that group's first rank's values."""
+        where = unit_group(kind, self.world_size, self.global_rank, self.group)
+        layout = build_layout([p.numel() for p in params], where.size, self.config.partition_alignment)
         build = self._build
         adopted = [build is not None and build.owns(p) for p in params]
+        if kind is not None and any(adopted):
+            raise ValueError(f"zero3: expert parameters of unit {name!r} were built in configure_model() (partitioned "
+                             "over the world); valid: build expert-parallel layers eagerly (in __init__)")
         slack = max([self.world_size * build.chunk_of(p) - p.numel() for p, a in zip(params, adopted) if a]
                     or [0])
         flat = torch.empty(layout.padded_numel + slack, dtype=torch.float32, device=self.device)
@@ -193,11 +207,13 @@ class ZeroStage3(ZeroStrategy):
                 flat[span.offset:span.end].copy_(p.detach().reshape(-1))
         flat[layout.numel:].zero_()
         if not all(adopted) and layout.padded_numel:  # eager parameters: rank 0's values, as DDP
-            self.queue.complete(broadcast_from(flat[:layout.padded_numel], 0, self.group), flat,
+            self.queue.complete(broadcast_from(flat[:layout.padded_numel], where.source, where.group), flat,
                                 label="broadcast unit")
-        unit = Unit(index, name, params, names, layout, self.global_rank, self.precision.param_dtype,
+        unit = Unit(index, name, params, names, layout, where.rank, self.precision.param_dtype,
                     self.config.torch_reduce_dtype, self.device, persistent=name == PERSISTENT,
                     inflight=self.queue, quant=self._quantization())
+        if kind is not None:
+            unit.use_group(where.group, self.world_size)
         unit.load_full(flat)
         self.stepper.place_unit(unit, self.global_rank)  # offload: shards to files, unit by unit
         return unit
@@ -254,7 +270,7 @@ class ZeroStage3(ZeroStrategy):
         masters: list[list[torch.Tensor]] = [[] for _ in groups]
         grads: list[list[torch.Tensor]] = [[] for _ in groups]
         for u in self.units:
-            runs = optimizer_runs(u.layout, self.global_rank, [group_of.get(id(p)) for p in u.params])
+            runs = optimizer_runs(u.layout, u.rank, [group_of.get(id(p)) for p in u.params])
             for r in runs:
                 masters[r.group].append(u.master[r.start:r.start + r.numel])
                 grads[r.group].append(u.grad[r.start:r.start + r.numel])
@@ -283,8 +299,23 @@ class ZeroStage3(ZeroStrategy):
                 k, r = next((k, r) for k, r in slots[id(u)] if r.start <= start < r.start + r.numel)
                 return k, start - r.start
             return at
-        return [plan_param(gi, p.shape, where[id(p)][0].layout, where[id(p)][1], self.global_rank,
-                           locate(where[id(p)][0])) for gi, ps in enumerate(groups) for p in ps]
+        return [plan_param(gi, p.shape, where[id(p)][0].layout, where[id(p)][1], where[id(p)][0].rank,
+                           locate(where[id(p)][0])) for gi, ps in enumerate(groups) for p in ps
+                if not where[id(p)][0].has_own_group]  # experts: ``_grad_norm``
+
+    def _grad_norm(self) -> torch.Tensor:
+        """The dense parameters' norm as ZeRO-1/2 take it (``_plan_norms`` leaves experts out),
+        joined with the experts' sum of squares (``experts.py``)."""
+        dense = super()._grad_norm()
+        if not any(u.has_own_group for u in self.units):
+            return dense
+        if self._step_groups is not None or self.stepper.norm_factor() != 1.0:
+            raise ValueError("zero3: clipping one optimizer's groups, or with a loss-scaled stepper, with "
+                             "expert-parallel units is not built yet (issue 46); valid: one optimizer, "
+                             "fp32/bf16 precision")
+        experts = experts_norm_sq(self.units, self.device, lambda h, t, label: self.queue.complete(h, t, label=label),
+                                  self.group)
+        return torch.sqrt(dense.float() ** 2 + experts)
 
     def _extra_state_names(self) -> list[str]:
         """State-dict entries that no unit holds: buffers and non-floating-point parameters."""

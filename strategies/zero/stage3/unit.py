@@ -80,6 +80,13 @@ def cast_gather(full: torch.Tensor, mine: torch.Tensor, group: object = None):
 class Unit:
     #: a reduction in flight reads this unit's ``full`` (``reduce_grads(in_full=True)``)
     reducing_in_full = False
+    #: an expert unit (moe/): its parameters are partitioned, gathered and reduced over its own
+    #: expert-data-parallel group (``own_group``, ``layout`` sized to it, ``rank`` its index there)
+    #: instead of the group the runtime passes, and its summed gradients are divided by
+    #: ``divisor`` (the whole world), not by that group's size
+    has_own_group = False
+    own_group: object = None
+    divisor: int | None = None
 
     def __init__(self, index: int, name: str, params: Sequence[nn.Parameter], names: Sequence[str],
                  layout: GroupLayout, rank: int, dtype: torch.dtype, reduce_dtype: torch.dtype,
@@ -139,6 +146,13 @@ class Unit:
         self.prefetched = False  # gathered ahead of use and not used yet
         self.in_backward = False  # between its pre-backward and its post-backward
 
+    def use_group(self, group: object, divisor: int) -> None:
+        """Make this an expert unit communicating over ``group`` (see the class attributes)."""
+        self.has_own_group, self.own_group, self.divisor = True, group, divisor
+
+    def comm_group(self, group: object) -> object:
+        return self.own_group if self.has_own_group else group
+
     # ------------------------------------------------------------------ sizes
     @property
     def numel(self) -> int:
@@ -173,6 +187,7 @@ class Unit:
         ``secondary``: from the node's copy (hpZ) when it holds this step's values."""
         if self.state is not ShardState.SHARDED:
             return False
+        group = self.comm_group(group)
         if self.reducing_in_full:  # the last backward's reduction still reads ``full``
             self.inflight.wait(Work.BUCKETS)
         self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
@@ -258,6 +273,7 @@ class Unit:
         (``copy=False``: the step wrote them already, as offload's kernel does; only the
         persistent all-gather is left)."""
         self.drop_secondary()
+        group = self.comm_group(group)
         if copy and self.working is not self.master:
             self.working.copy_(self.master)
         if self.persistent and self.layout.padded_numel:
@@ -266,6 +282,7 @@ class Unit:
 
     def gather_master(self, dst: int, group: object = None) -> torch.Tensor | None:
         """Collective: the unit's fp32 flat values on ``dst`` (None elsewhere)."""
+        group = self.comm_group(group)
         full = outs = None
         if self.rank == dst:
             full = torch.empty(self.layout.padded_numel, dtype=torch.float32, device=self.device)
@@ -285,6 +302,7 @@ class Unit:
         """Elements :meth:`reduce_grads` takes from the pool beyond the flat gradient."""
         if mode != "reduce_scatter":
             return 0
+        group = self.comm_group(group)
         return max(self.hi - self.lo, reduce_scatter_scratch(self.layout.padded_numel, group))
 
     def reduce_grads(self, mode: str, pool: BufferPool, queue: InFlightQueue, group: object = None,
@@ -303,6 +321,7 @@ class Unit:
         the reduction lands (:meth:`_free` leaves it until then), and a gather of the unit waits
         for that first."""
         layout, world = self.layout, self.layout.world_size
+        group = self.comm_group(group)
         n, part = layout.padded_numel, self.hi - self.lo
         # into ``grad`` itself while it is zeros: no pooled piece to land in, no add afterwards
         direct = (self.grad_clean and self.grad_sink is None and self.grad.dtype == pool.dtype
@@ -343,7 +362,7 @@ class Unit:
         self.grad_clean = False
 
         def add_mine() -> None:
-            reduced = (mine if summed is None else summed()).div_(world)
+            reduced = (mine if summed is None else summed()).div_(self.divisor or world)
             if self.grad_sink is not None:
                 self.grad_sink(self, reduced)
             elif not direct:  # direct: the sum landed in ``grad`` itself

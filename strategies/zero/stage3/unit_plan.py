@@ -14,7 +14,12 @@ Where a parameter goes:
   nearest unit enclosing *all* of them, so it is gathered whenever any of its users runs;
 * a floating-point parameter of at most ``persistence_threshold`` elements is *persistent*: whole
   on every rank, never gathered (its gradient is all-reduced, its optimizer state still sharded);
-* a non-floating-point parameter is left alone (replicated, not trained).
+* a non-floating-point parameter is left alone (replicated, not trained);
+* an expert parameter (moe/: ``allreduce = False`` with an expert-parallel ``group_name`` other
+  than ``ep_size_1``) is never in a unit with parameters of another kind: the topmost modules whose
+  parameters are all experts of one group are units of their own (kind = that ``group_name``), so
+  the strategy partitions, gathers and reduces them over their expert-data-parallel group; a unit
+  left mixing kinds (an expert parameter registered beside dense ones) is refused.
 
 Inside a unit, parameters keep ``named_parameters()`` order; :func:`optimizer_runs` maps a rank's
 partition of a unit onto the optimizer's param groups.
@@ -43,6 +48,8 @@ class UnitSpec:
 
     name: str
     params: tuple[str, ...]
+    #: ``None`` for dense parameters, else the experts' ``group_name`` (``"ep_size_<n>"``)
+    kind: str | None = None
 
     @property
     def persistent(self) -> bool:
@@ -108,12 +115,18 @@ def plan_units(root: nn.Module, policy: UnitPolicy | None = None,
     if policy is None:
         in_lists = {id(c) for m in root.modules() if isinstance(m, nn.ModuleList) for c in m.children()}
         policy = lambda name, module: id(module) in in_lists  # noqa: E731
+    expert_roots = _expert_roots(root)
+    if expert_roots:
+        given = policy
+        policy = lambda name, module: id(module) in expert_roots or given(name, module)  # noqa: E731
     unit_chain = _unit_chains(root, policy)  # module path -> unit paths from the root down
     owners: dict[int, list[str]] = {}
     first_name: dict[int, str] = {}
     params: dict[int, nn.Parameter] = {}
     aliases: dict[str, str] = {}
+    id_of: dict[str, int] = {}
     for full_name, p in root.named_parameters(remove_duplicate=False):
+        id_of.setdefault(full_name, id(p))
         module_path = full_name.rpartition(".")[0]
         owners.setdefault(id(p), []).append(module_path)
         first_name.setdefault(id(p), full_name)
@@ -126,14 +139,59 @@ def plan_units(root: nn.Module, policy: UnitPolicy | None = None,
         p = params[pid]
         if not p.is_floating_point():
             unmanaged.append(name)
-        elif p.numel() <= persistence_threshold:
+        elif p.numel() <= persistence_threshold and expert_kind(p) is None:
             members[PERSISTENT].append(name)
         else:
             members[_common_unit([unit_chain[m] for m in owners[pid]])].append(name)
-    units = tuple(UnitSpec(n, tuple(ps)) for n, ps in members.items()
-                  if ps or n == ROOT)  # the root is kept even when empty: it scopes the step
+    units = tuple(UnitSpec(n, tuple(ps), _kind_of(n, [params[id_of[q]] for q in ps]))
+                  for n, ps in members.items() if ps or n == ROOT)  # the root is kept even when empty
     aliases = {k: v for k, v in aliases.items() if v not in unmanaged}
     return UnitPlan(units, tuple(unmanaged), aliases)
+
+
+def expert_kind(p: nn.Parameter) -> str | None:
+    """The expert-parallel group name of an expert parameter (moe/'s marks), None for a dense one
+    (experts of ``ep_size_1`` are replicated over the world, as dense ones)."""
+    if getattr(p, "allreduce", True) is not False:
+        return None
+    name = getattr(p, "group_name", "ep_size_1")
+    return None if name == "ep_size_1" else name
+
+
+def _expert_roots(root: nn.Module) -> set[int]:
+    """ids of the topmost modules whose parameters (with their children's) are all experts of one
+    group."""
+    kinds: dict[int, set] = {}
+
+    def walk(m: nn.Module) -> set:
+        mine = {expert_kind(p) for p in m.parameters(recurse=False)}
+        for child in m.children():
+            mine |= walk(child) if id(child) not in kinds else kinds[id(child)]
+        kinds[id(m)] = mine
+        return mine
+
+    walk(root)
+    out: set[int] = set()
+
+    def pick(m: nn.Module) -> None:
+        k = kinds[id(m)]
+        if len(k) == 1 and None not in k:
+            out.add(id(m))
+            return
+        for child in m.children():
+            pick(child)
+
+    pick(root)
+    return out
+
+
+def _kind_of(unit: str, params: list[nn.Parameter]) -> str | None:
+    kinds = {expert_kind(p) for p in params}
+    if len(kinds) > 1:
+        raise ValueError(f"zero3: unit {unit or 'root'!r} holds parameters of kinds {sorted(map(str, kinds))} "
+                         "(dense and expert-parallel); valid: expert parameters in a module that holds no "
+                         "dense ones (e.g. the MoE layer's experts container)")
+    return kinds.pop() if kinds else None
 
 
 def _unit_chains(root: nn.Module, policy: UnitPolicy) -> dict[str, tuple[str, ...]]:

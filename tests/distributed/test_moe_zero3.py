@@ -1,0 +1,142 @@
+"""ZeRO-3 with expert parallelism (strategies/zero/stage3/experts.py): ep=2 on 2 real processes
+equals the plain single-process loop with every expert local (fp32, 3 SGD steps).
+
+The model: two blocks of a dense linear layer and an MoE layer (4 experts, 2 per rank), a dense
+layer before them. Each rank trains on its own tokens; the reference runs every rank's tokens
+through the all-expert model with that rank's seed (the same gate draws), each loss divided by the
+world size (DDP's average), and steps once. Compared: every step's loss and aux loss, and the final
+parameters (this rank's experts against the reference's experts of the same global index).
+Cases: top-1 with a capacity that drops tokens and random token selection, top-2 without
+dropping, and the dropping case with the gradient norm clipped (the norm joins both ranks' experts).
+Tolerance: fp32 eps times the hidden size, the expert width, the ranks summed and the steps."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harness import init_dist, run_ranks, set_up_like_trainer
+from zerotrain.strategies.moe import GateConfig, MoE
+from zerotrain.trainer.api.module import TrainModule
+
+pytestmark = pytest.mark.timeout(300)
+
+HIDDEN, EXPERTS, WIDTH, STEPS = 8, 4, 16, 3
+CASES = {
+    "top1_rts_drop": (dict(k=1, capacity_factor=0.75, min_capacity=1), None),
+    "top2_nodrop": (dict(k=2, drop_tokens=False), None),
+    "top1_rts_drop_clip": (dict(k=1, capacity_factor=0.75, min_capacity=1), 0.05),
+}
+
+
+def _expert() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(HIDDEN, WIDTH), torch.nn.GELU(), torch.nn.Linear(WIDTH, HIDDEN))
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, ep: int, gate: dict) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(HIDDEN, HIDDEN)
+        self.moe = MoE(HIDDEN, _expert(), num_experts=EXPERTS, ep_size=ep, gate=GateConfig(**gate))
+
+    def forward(self, x):
+        out, l_aux, _ = self.moe(torch.tanh(self.lin(x)))
+        return x + out, l_aux
+
+
+class _Net(TrainModule):
+    def __init__(self, ep: int, gate: dict) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(HIDDEN, HIDDEN)
+        self.blocks = torch.nn.ModuleList(_Block(ep, gate) for _ in range(2))
+        self.aux: list[torch.Tensor] = []
+
+    def training_step(self, batch, idx):
+        x, w = batch
+        h, aux = self.inp(x), 0.0
+        for block in self.blocks:
+            h, l_aux = block(h)
+            aux = aux + l_aux
+        self.aux.append(aux.detach())
+        return (h * w).mean() + 0.1 * aux
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5), None
+
+
+def _global(name: str, rank: int, local: int) -> str:
+    """A local expert's name -> the all-experts model's name of the same expert."""
+    if ".experts.experts." not in name:
+        return name
+    prefix, rest = name.split(".experts.experts.")
+    idx, tail = rest.split(".", 1)
+    return f"{prefix}.experts.experts.{int(idx) + (rank % 2) * local}.{tail}"
+
+
+def _batch(step: int, rank: int):
+    gen = torch.Generator().manual_seed(1000 * step + rank)  # each rank its own tokens
+    return torch.randn(2, 6, HIDDEN, generator=gen), torch.randn(2, 6, HIDDEN, generator=gen)
+
+
+def _case(rank: int, world: int, gate: dict, clip: float | None) -> dict:
+    from zerotrain.strategies import ZeroStage3
+    from zerotrain.strategies.environment import detect
+    from zerotrain.strategies.precision import Precision
+
+    torch.manual_seed(0)
+    full = _Net(1, gate)
+    g = torch.Generator().manual_seed(5)
+    full.load_state_dict({k: torch.randn(v.shape, generator=g) * 0.5 for k, v in full.state_dict().items()})
+    start = {k: v.clone() for k, v in full.state_dict().items()}
+    # the plain loop: every rank's tokens through every expert, one process
+    opt = torch.optim.SGD(full.parameters(), lr=0.5)
+    ref_losses, ref_aux = [], []
+    for step in range(STEPS):
+        opt.zero_grad()
+        for s in range(world):
+            torch.manual_seed(7 + 10 * step + s)  # the gate's draws of rank s
+            loss = full.training_step(_batch(step, s), 0)
+            (loss / world).backward()
+            if s == rank:
+                ref_losses.append(loss.detach())
+                ref_aux.append(full.aux[-1])
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(full.parameters(), clip)
+        opt.step()
+    # zero3, ep=2: this rank's experts of the same starting values
+    part = _Net(2, gate)
+    local = EXPERTS // 2
+    part.load_state_dict({k: start[_global(k, rank, local)] for k in part.state_dict()})
+    strategy = ZeroStage3(process_group_timeout_s=60)
+    set_up_like_trainer(strategy, part, detect(world), Precision())
+    losses = []
+    for step in range(STEPS):
+        torch.manual_seed(7 + 10 * step + rank)
+        loss = strategy.training_step(_batch(step, rank), 0)
+        strategy.backward(loss)
+        strategy.optimizer_step(clip)
+        losses.append(loss.detach())
+    with strategy.gathered():
+        got = {k: v.detach().clone() for k, v in part.named_parameters()}
+    kinds = {u.name: (u.has_own_group, u.layout.world_size, len(u.params)) for u in strategy.units}
+    return {"losses": losses, "aux": part.aux, "ref_losses": ref_losses, "ref_aux": ref_aux, "params": got,
+            "want": {k: full.state_dict()[_global(k, rank, local)] for k in got}, "kinds": kinds}
+
+
+def _ranks() -> dict:
+    rank, world = init_dist()
+    return {case: _case(rank, world, gate, clip) for case, (gate, clip) in CASES.items()}
+
+
+def test_zero3_with_expert_parallelism_equals_the_plain_loop(tmp_path):
+    results = run_ranks("test_moe_zero3:_ranks", 2, tmp_path, timeout=240)
+    tol = 8 * torch.finfo(torch.float32).eps * HIDDEN * WIDTH * 2 * STEPS
+    for rank, res in enumerate(results):
+        for case, r in res.items():
+            expert_units = {n: k for n, k in r["kinds"].items() if k[0]}
+            # one unit per local expert (a ModuleList child), each on an expert-data group of 1 rank
+            assert len(expert_units) == 2 * 2 and all(k == (True, 1, 4) for k in expert_units.values()), r["kinds"]
+            assert all(k[1] == 2 for n, k in r["kinds"].items() if not k[0]), r["kinds"]
+            torch.testing.assert_close(r["losses"], r["ref_losses"], atol=tol, rtol=tol, msg=f"{rank} {case}")
+            torch.testing.assert_close(r["aux"], r["ref_aux"], atol=tol, rtol=tol, msg=f"{rank} {case} aux")
+            for name, value in r["params"].items():
+                torch.testing.assert_close(value, r["want"][name], atol=tol, rtol=tol, msg=f"{rank} {case} {name}")
