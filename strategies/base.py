@@ -28,9 +28,8 @@ Checkpoints (``trainer/checkpoint/protocol.py``) have one path: a save writes ev
 strategy family implements them once, in its adapter (``checkpoint.py``: ``checkpoint_adapter``),
 and the methods here forward to it. Where this process sits and the collectives are ``environment.Ranks``.
 
-The defaults here implement a *replicated* strategy: every rank holds the whole model and whole
-optimizer, and gradients are already identical on every rank when ``optimizer_step`` runs. Single
-process and DDP use them as they are.
+The defaults implement a *replicated* strategy (single process, DDP): every rank holds the whole
+model and optimizer, and gradients are identical on every rank when ``optimizer_step`` runs.
 
 The step is written once, here, as a sequence of small pieces; other strategies override pieces,
 never the sequence (``run_schedule`` as a whole is the one exception, above; the pipeline's
@@ -47,8 +46,8 @@ precision's ``pre_backward``/``backward``/``post_backward``, and steps through `
     optimizer_step              _gradients_ready -> step_gradients -> precision.unscale_and_check
                                 -> precision.update -> [no overflow: clip_grad_norm_ (_grad_norm,
                                 _scale_grads) -> _inner_step -> _refresh_params] -> _end_step
-                                -> zero_grad -> _after_step   (``which=k``: optimizer k's groups only)
-    skip_step                   _gradients_ready -> zero_grad
+                                -> zero_grad -> _after_step   (``which=k``: optimizer k's groups only;
+                                ``skip_step``: _gradients_ready -> zero_grad)
 
 ZeRO supplies the gradient buffers around backward, its fp32 gradient partitions, the
 all-reduced norm, the sharded inner step and the parameter all-gather; offload its host stepper
@@ -66,7 +65,7 @@ from torch import nn
 
 from . import instrument, partitioned
 from .checkpoint import ParamShard, ReplicatedCheckpoint, ShardReader, split_optimizer_state  # noqa: F401 (re-exported)
-from .environment import ProcessInfo, Ranks, init_process_group
+from .environment import ProcessInfo, Ranks, init_process_group, mesh_sizes
 from .optimizers import accepted, group_indices, refuse_shared, selecting
 from .precision import Precision
 from .step_wrapper import StepCall, StepWrapper
@@ -133,12 +132,13 @@ class Strategy(Ranks):
     #: this strategy family's side of the checkpoint format (``checkpoint.py``): ``checkpointer``
     checkpoint_adapter: Callable[[Any], ReplicatedCheckpoint] = ReplicatedCheckpoint
 
-    def __init__(self, process_group_timeout_s: float = PROCESS_GROUP_TIMEOUT_S) -> None:
+    def __init__(self, process_group_timeout_s: float = PROCESS_GROUP_TIMEOUT_S, *, sequence_parallel: int = 1) -> None:
         if (isinstance(process_group_timeout_s, bool) or not isinstance(process_group_timeout_s, (int, float))
                 or not math.isfinite(process_group_timeout_s) or process_group_timeout_s <= 0):
             raise ValueError(f"process_group_timeout_s={process_group_timeout_s!r} must be a finite number > 0 "
                              "(seconds)")
         self.process_group_timeout_s = float(process_group_timeout_s)
+        self.parallel_sizes = mesh_sizes(type(self).__name__, sequence=sequence_parallel)  # environment.Ranks
         self.info = ProcessInfo()
         self.device = torch.device("cpu")
         self.precision = Precision()
@@ -175,10 +175,12 @@ class Strategy(Ranks):
 
     def check_world_size(self, world_size: int) -> None:
         """Raise ValueError when this strategy cannot run on ``world_size`` processes; called by
-        the Trainer (and Engine) before any rank starts. Every size by default."""
+        the Trainer (and Engine) before any rank starts. Every size the mesh's axes divide."""
+        self.check_mesh(world_size)
 
     def setup_environment(self) -> None:
         init_process_group(self.info, self.device, self.process_group_timeout_s)
+        self.build_mesh()
 
     # ------------------------------------------------------------------ model and optimizer
     def configure_model(self, module: nn.Module) -> None:
@@ -247,10 +249,10 @@ class Strategy(Ranks):
         return out
 
     def training_step(self, batch: Any, batch_idx: int) -> Any:
-        return self.run_forward(self.model, "training_step", batch, batch_idx)
+        return self.run_forward(self.model, "training_step", self.local_batch(batch), batch_idx)
 
     def validation_step(self, batch: Any, batch_idx: int) -> Any:
-        return self.run_forward(self.model, "validation_step", batch, batch_idx)
+        return self.run_forward(self.model, "validation_step", self.local_batch(batch), batch_idx)
 
     def backward(self, loss: torch.Tensor, **backward_kwargs: Any) -> None:
         """The precision plugin's backward of the loss (``backward_loss``: loss scale, autograd),
@@ -443,11 +445,7 @@ class Strategy(Ranks):
         """A hint the progress watchdog prints when a rank of this strategy stalls the others."""
         return ""
 
-    # ------------------------------------------------------------------ checkpoints
-    # One adapter per strategy family (``checkpoint.py``): every rank saves, per canonical
-    # parameter name, the flat element range of the full parameter it holds; a load maps any saved
-    # layout onto this run's. These methods are the Trainer's interface to it.
-
+    # ------------------------------------------------------------------ checkpoints (the adapter's)
     @property
     def checkpointer(self) -> ReplicatedCheckpoint:
         """This strategy's checkpoint adapter (stateless: a new one per call, so that the strategy

@@ -54,13 +54,16 @@ class DDPConfig:
 
 class DDPStrategy(Strategy):
     name = "ddp"
+    #: gradients are averaged over ``replica_group`` (the ranks holding the same parameters)
+    mesh_axes = ("sequence", "tensor")
     inference_mode_evaluation = True
     supports_float64 = True
     evaluates_without_optimizer = True
 
     def __init__(self, config: DDPConfig | None = None, *,
-                 process_group_timeout_s: float = PROCESS_GROUP_TIMEOUT_S, **options: Any) -> None:
-        super().__init__(process_group_timeout_s=process_group_timeout_s)
+                 process_group_timeout_s: float = PROCESS_GROUP_TIMEOUT_S, sequence_parallel: int = 1,
+                 **options: Any) -> None:
+        super().__init__(process_group_timeout_s=process_group_timeout_s, sequence_parallel=sequence_parallel)
         self.config = config_from(DDPConfig, config, options, "DDP")
 
     def setup_module(self, module) -> None:
@@ -76,7 +79,7 @@ class DDPStrategy(Strategy):
         if experts:
             DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(wrapper, list(experts))
         self.model = DistributedDataParallel(
-            wrapper, device_ids=ids, bucket_cap_mb=self.config.bucket_cap_mb,
+            wrapper, device_ids=ids, bucket_cap_mb=self.config.bucket_cap_mb, process_group=self.replica_group,
             find_unused_parameters=self.config.find_unused_parameters,
             gradient_as_bucket_view=self.config.gradient_as_bucket_view, static_graph=self.config.static_graph)
         self._armed = False  # the last forward armed DDP's reducer and no backward has used that yet
@@ -85,14 +88,14 @@ class DDPStrategy(Strategy):
         self.model.register_forward_pre_hook(self._forward_starts)
         self.model.module.register_forward_hook(self._inner_forward_done)
         self.model.register_forward_hook(self._forward_done)
-        world, watch = dist.get_world_size(), instrument.active()
+        world, watch = self.replica_world_size, instrument.active()
         # gloo sums a bucket's values in an order that depends on their place in the bucket with
         # more than 2 ranks, and DDP's first step after a start uses its unrebuilt buckets: a
         # resume would round that step differently from a run that never stopped (the fault
         # campaign, issue 40). There the sum is taken in rank order, whatever the layout.
-        ordered = self.sums_in_rank_order = world > 2 and dist.get_backend() == "gloo"
+        ordered = self.sums_in_rank_order = world > 2 and dist.get_backend(self.replica_group) == "gloo"
         low = None if self.config.reduce_dtype == "fp32" else REDUCE_DTYPES[self.config.reduce_dtype]
-        hook = _BucketHook.attach(self.model, ordered, watch, low) if ordered or watch or low else None
+        hook = _BucketHook.attach(self.model, ordered, watch, low, self.replica_group) if ordered or watch or low else None
         self._buckets = hook if watch else None
         release_at_exit(self)
 
@@ -191,15 +194,16 @@ class _BucketHook:
     backward sat blocked is estimated as the stretch from the last bucket's launch (autograd is
     done by then) to the last bucket's completion."""
 
-    def __init__(self, world: int, ordered: bool = False, watch: bool = True, dtype: torch.dtype | None = None) -> None:
-        self.world, self.ordered, self.watch, self.dtype = world, ordered, watch, dtype
+    def __init__(self, world: int, ordered: bool = False, watch: bool = True, dtype: torch.dtype | None = None,
+                 group: Any = None) -> None:
+        self.world, self.ordered, self.watch, self.dtype, self.group = world, ordered, watch, dtype, group
         self.last_issue: float | None = None
         self.last_done: float | None = None
 
     @classmethod
     def attach(cls, model: DistributedDataParallel, ordered: bool = False, watch: bool = True,
-               dtype: torch.dtype | None = None) -> "_BucketHook":
-        hook = cls(dist.get_world_size(), ordered, watch, dtype)
+               dtype: torch.dtype | None = None, group: Any = None) -> "_BucketHook":
+        hook = cls(dist.get_world_size(group), ordered, watch, dtype, group)
         model.register_comm_hook(None, hook.hook)
         return hook
 
@@ -208,11 +212,11 @@ class _BucketHook:
         # fp32: divided, then summed; a 16-bit type: summed in it, then divided (DeepSpeed's order)
         buf = out.div_(self.world) if self.dtype is None else out.to(self.dtype)
         if self.ordered:
-            fut = _sum_in_rank_order(buf, self.world)  # all_gather_into reports its collective
+            fut = _sum_in_rank_order(buf, self.world, self.group)  # all_gather_into reports its collective
         else:
-            work = dist.all_reduce(buf, async_op=True)
+            work = dist.all_reduce(buf, group=self.group, async_op=True)
             if self.watch:
-                instrument.issued("all_reduce", work, None, buf)
+                instrument.issued("all_reduce", work, self.group, buf)
             fut = work.get_future().then(lambda f: f.value()[0])
         if self.dtype is not None:
             fut = fut.then(lambda f: out.copy_(f.value().mul_(1.0 / self.world)))
@@ -230,10 +234,10 @@ class _BucketHook:
         self.last_issue = self.last_done = None
 
 
-def _sum_in_rank_order(buf: torch.Tensor, world: int) -> torch.futures.Future:
-    """A future of ``buf`` holding the sum over ranks of their ``buf``, added in rank order."""
+def _sum_in_rank_order(buf: torch.Tensor, world: int, group: Any = None) -> torch.futures.Future:
+    """A future of ``buf`` holding the sum over ``group``'s ranks of their ``buf``, added in rank order."""
     gathered = torch.empty(world * buf.numel(), dtype=buf.dtype, device=buf.device)
-    handle = all_gather_into(gathered, buf)
+    handle = all_gather_into(gathered, buf, group)
     pieces = gathered.view(world, -1)
 
     def add(_: torch.futures.Future) -> torch.Tensor:

@@ -7,6 +7,10 @@ of a job it may still have to launch.
 
 ``Ranks`` (the base of ``Strategy``) reads this process's place as properties and offers the
 collectives every strategy gives the Trainer (``reduce``, ``any_rank``, ``barrier``, ``broadcast``).
+Its ``mesh`` (``parallel.ParallelMesh``; None: every rank a data-parallel replica) answers where the
+rank sits along the data, sequence and tensor axes: ``data_parallel_*`` (what the loaders shard
+by), ``replica_*`` (the ranks holding the same parameters: what ZeRO partitions and DDP reduces
+over) and ``mesh_group(axis)``.
 """
 from __future__ import annotations
 
@@ -25,6 +29,8 @@ import torch
 import torch.distributed as dist
 
 from . import instrument, progress
+from .parallel.mesh import ParallelMesh, mesh_shape, mesh_sizes
+from .parallel.sequence import sequence_mean, shard_sequence
 
 
 @dataclass(frozen=True)
@@ -245,6 +251,52 @@ class Ranks:
 
     info: ProcessInfo
     device: torch.device
+    #: the job's shape (``parallel.ParallelMesh``), set at ``setup_environment`` where a strategy
+    #: has a sequence or tensor axis; None: every rank is a data-parallel replica of the others
+    mesh: "ParallelMesh | None" = None
+    #: the sizes of the mesh's axes other than data (``mesh_sizes``: the strategy's
+    #: ``sequence_parallel=``); the data axis is what remains of the world
+    parallel_sizes: dict[str, int] = {}
+    #: the axes besides data this strategy runs over (a size > 1 elsewhere is refused before any
+    #: rank starts). A sequence axis needs nothing of the gradient reductions (its ranks are
+    #: replicas); a tensor axis needs them over ``replica_group``.
+    mesh_axes: tuple[str, ...] = ("sequence",)
+
+    def check_mesh(self, world_size: int) -> None:
+        """ValueError (the option, its value, what is valid) before any rank starts."""
+        mesh_shape(self.parallel_sizes, world_size, type(self).__name__, self.mesh_axes)
+
+    def build_mesh(self) -> None:
+        """``self.mesh`` from ``parallel_sizes`` over this job's world (None where every axis but
+        data has size 1). Collective: the mesh's process groups are made here, on every rank alike."""
+        sizes = mesh_shape(self.parallel_sizes, self.world_size, type(self).__name__, self.mesh_axes)
+        self.mesh = ParallelMesh(**sizes) if any(n > 1 for a, n in sizes.items() if a != "data") else None
+        if self.mesh is not None and self.distributed:
+            self.mesh.device_mesh(self.device.type)
+            self.mesh.replica_group()
+
+    def local_batch(self, batch: Any) -> Any:
+        """This rank's part of a batch its sequence group shares: the module's
+        ``shard_batch(batch, rank, size)`` where it has one, else ``parallel.shard_sequence``
+        (tensors cut along dimension 1). The batch itself without a sequence axis."""
+        size = self.mesh_size("sequence")
+        if size == 1:
+            return batch
+        module = getattr(self, "module", None)
+        cut = getattr(module, "shard_batch", None) or shard_sequence
+        return cut(batch, self.mesh_rank("sequence"), size)
+
+    def sequence_positions(self, length: int) -> torch.Tensor:
+        """The positions in the whole sequence of this rank's ``length`` tokens (its shard)."""
+        start = self.mesh_rank("sequence") * length
+        return torch.arange(start, start + length, device=self.device)
+
+    def sequence_loss(self, loss_sum: torch.Tensor, count: "torch.Tensor | int") -> torch.Tensor:
+        """This rank's loss where its sequence group shares one batch: ``loss_sum`` (its tokens'
+        summed loss) x group size / the tokens the whole group counts, so that the mean over the
+        replicas - what DDP and ZeRO average gradients by - is the mean over every token of the
+        global batch (``parallel.sequence_mean``). Without a sequence axis: ``loss_sum / count``."""
+        return sequence_mean(loss_sum, count, self.mesh_group("sequence"), self.mesh_size("sequence"))
     @property
     def world_size(self) -> int:
         return self.info.world_size
@@ -264,12 +316,50 @@ class Ranks:
     @property
     def data_parallel_world_size(self) -> int:
         """How many replicas see different data (the Trainer's DistributedSampler uses this).
-        Equal to world_size unless a strategy splits ranks another way (pipeline stages)."""
-        return self.world_size
+        Equal to world_size unless a strategy splits ranks another way (pipeline stages, the
+        mesh's sequence and tensor axes: their ranks see the same batch)."""
+        return self.world_size if self.mesh is None else self.mesh.data
 
     @property
     def data_parallel_rank(self) -> int:
-        return self.global_rank
+        return self.global_rank if self.mesh is None else self._coordinate("data")
+
+    def _coordinate(self, axis: str) -> int:
+        return 0 if self.mesh is None else self.mesh.coordinates(self.global_rank)[axis]
+
+    def mesh_size(self, axis: str) -> int:
+        """The mesh's size along ``axis`` ("data", "sequence", "tensor"); without a mesh: the
+        world along "data", 1 along the others."""
+        if self.mesh is None:
+            return self.world_size if axis == "data" else 1
+        return getattr(self.mesh, axis)
+
+    def mesh_rank(self, axis: str) -> int:
+        """This rank's index along ``axis`` (its rank in ``mesh_group(axis)``)."""
+        return self.global_rank if self.mesh is None and axis == "data" else self._coordinate(axis)
+
+    def mesh_group(self, axis: str) -> "dist.ProcessGroup | None":
+        """This rank's process group along ``axis``; None without a mesh (along "data": the
+        default group, the whole world)."""
+        return None if self.mesh is None else self.mesh.group(axis, self.device.type)
+
+    @property
+    def replica_world_size(self) -> int:
+        """How many ranks hold the same parameters as this one (data x sequence): ZeRO's
+        partitions and DDP's gradient average run over them."""
+        return self.world_size if self.mesh is None else self.mesh.replica_size
+
+    @property
+    def replica_rank(self) -> int:
+        """This rank's index among its replicas (its ZeRO partition)."""
+        if self.mesh is None:
+            return self.global_rank
+        return self.mesh.replicas(self.global_rank).index(self.global_rank)
+
+    @property
+    def replica_group(self) -> "dist.ProcessGroup | None":
+        """The process group of this rank's replicas; None: the default group (every rank)."""
+        return None if self.mesh is None or not self.distributed else self.mesh.replica_group()
 
     @property
     def distributed(self) -> bool:

@@ -11,6 +11,7 @@ class SingleDeviceStrategy(Strategy):
     evaluates_without_optimizer = True
 
     def check_world_size(self, world_size: int) -> None:
+        self.check_mesh(world_size)
         if world_size != 1:
             raise ValueError(
                 f"strategy='single' runs one process but {world_size} were requested; "

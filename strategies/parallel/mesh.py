@@ -1,8 +1,14 @@
-"""The parallel shape of a job: how its ranks factor into a data axis and a sequence axis.
+"""The parallel shape of a job: how its ranks factor into a data, a sequence and a tensor axis.
 
-``ParallelMesh(data=2, sequence=2)`` on 4 ranks puts the sequence axis innermost (consecutive ranks
-share a sequence group, as DeepSpeed lays out its sequence-parallel groups, and as
-``init_device_mesh`` orders a row-major mesh): rank = data_index * sequence + sequence_index.
+``ParallelMesh(data=2, sequence=2)`` on 4 ranks puts the sequence axis inside the data axis
+(consecutive ranks share a sequence group, as DeepSpeed lays out its sequence-parallel groups, and as
+``init_device_mesh`` orders a row-major mesh): rank = data_index * sequence + sequence_index. The
+tensor axis is innermost (Megatron's order: a tensor group's ranks are neighbours):
+rank = (data_index * sequence + sequence_index) * tensor + tensor_index.
+
+The *replicas* of a rank are the ranks that hold the same parameters: those differing from it along
+the data and sequence axes only (every rank with its tensor index). ZeRO partitions, and DDP
+all-reduces, over them (``Ranks.replica_group``); the data axis alone is what the loaders shard by.
 
 The arithmetic (coordinates, the members of each sub-group) is plain Python and needs no process
 group; ``device_mesh()`` builds torch's ``DeviceMesh`` over the joined default group with
@@ -15,14 +21,17 @@ import dataclasses
 
 import torch.distributed as dist
 
-#: the mesh's axes, outermost first; a tensor axis will go innermost
-AXES = ("data", "sequence")
+#: the mesh's axes, outermost first
+AXES = ("data", "sequence", "tensor")
+#: the axes along which parameters are replicated (a tensor axis shards them)
+REPLICA_AXES = ("data", "sequence")
 
 
 @dataclasses.dataclass(frozen=True)
 class ParallelMesh:
     data: int = 1
     sequence: int = 1
+    tensor: int = 1
 
     def __post_init__(self) -> None:
         for axis in AXES:
@@ -75,6 +84,16 @@ class ParallelMesh:
         where = self.coordinates(rank)
         return [self.rank_of(**{**where, axis: i}) for i in range(getattr(self, axis))]
 
+    def replicas(self, rank: int) -> list[int]:
+        """The ranks holding the same parameters as ``rank`` (``REPLICA_AXES``), in rank order."""
+        self._check_rank(rank)
+        mine = self.coordinates(rank)["tensor"]
+        return [r for r in range(self.world_size) if self.coordinates(r)["tensor"] == mine]
+
+    @property
+    def replica_size(self) -> int:
+        return self.data * self.sequence
+
     def all_groups(self, axis: str) -> list[list[int]]:
         """Every sub-group along ``axis`` (each rank in exactly one), by their first rank."""
         seen: dict[int, list[int]] = {}
@@ -101,6 +120,40 @@ class ParallelMesh:
             raise ValueError(f"ParallelMesh: axis={axis!r}; valid: {list(AXES)}")
         return self.device_mesh(device_type).get_group(axis)
 
+    def replica_group(self) -> "dist.ProcessGroup | None":
+        """This rank's process group of replicas (``replicas``); None where that is every rank (the
+        default group: what ZeRO and DDP used before there was a mesh). Collective: every rank
+        calls it (each group is made on every rank, in the same order)."""
+        if self.tensor == 1:
+            return None
+        return _MESHES.replica_group(self)
+
+
+def mesh_sizes(owner: str, **sizes: int) -> dict[str, int]:
+    """A strategy's ``<axis>_parallel=`` options, checked (a whole number >= 1 each)."""
+    for axis, size in sizes.items():
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"{owner}: {axis}_parallel={size!r}; valid: a whole number >= 1")
+    return dict(sizes)
+
+
+def mesh_shape(sizes: dict[str, int], world_size: int, owner: str = "strategy",
+               supported: tuple[str, ...] = AXES[1:]) -> dict[str, int]:
+    """Every axis's size for ``world_size`` ranks, given the sizes of the axes other than data
+    (the data axis is what remains); ValueError naming the option where they do not divide it or
+    ``owner`` does not run over that axis."""
+    inner = 1
+    for axis, size in sizes.items():
+        if size > 1 and axis not in supported:
+            raise ValueError(f"{owner}: {axis}_parallel={size}; this strategy runs over "
+                             f"{', '.join(supported) or 'no axis but data'}; valid: {axis}_parallel=1")
+        inner *= size
+    if world_size % inner:
+        named = " x ".join(f"{axis}_parallel={n}" for axis, n in sizes.items() if n > 1)
+        raise ValueError(f"{owner}: {named} does not divide the {world_size} processes (devices x num_nodes); "
+                         f"valid: a process count that is a multiple of {inner}")
+    return {"data": world_size // inner, **sizes}
+
 
 class _MeshCache:
     """One ``DeviceMesh`` per (shape, device type) and process group: building one issues
@@ -115,6 +168,17 @@ class _MeshCache:
         key = (mesh, device_type, id(dist.group.WORLD))
         if key not in self._meshes:
             self._meshes[key] = init_device_mesh(device_type, mesh.shape, mesh_dim_names=AXES)
+        return self._meshes[key]
+
+    def replica_group(self, mesh: ParallelMesh):
+        key = ("replicas", mesh, id(dist.group.WORLD))
+        if key not in self._meshes:
+            mine, rank = None, dist.get_rank()
+            for t in range(mesh.tensor):  # every rank makes every group, in the same order
+                members = mesh.replicas(mesh.rank_of(tensor=t))
+                group = dist.new_group(members)
+                mine = group if rank in members else mine
+            self._meshes[key] = mine
         return self._meshes[key]
 
 

@@ -121,8 +121,9 @@ class ZeroStrategy(Strategy):
     checkpoint_adapter = ZeroCheckpoint
 
     def __init__(self, spec: ZeroSpec | None = None, stepper: Stepper | None = None, *,
-                 process_group_timeout_s: float = PROCESS_GROUP_TIMEOUT_S, **options: Any) -> None:
-        super().__init__(process_group_timeout_s=process_group_timeout_s)
+                 process_group_timeout_s: float = PROCESS_GROUP_TIMEOUT_S, sequence_parallel: int = 1,
+                 **options: Any) -> None:
+        super().__init__(process_group_timeout_s=process_group_timeout_s, sequence_parallel=sequence_parallel)
         if spec is None:
             spec = ZeroSpec.from_options(self.stage, owner=self.name, **options)
         elif options:

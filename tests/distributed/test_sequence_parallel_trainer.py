@@ -1,0 +1,127 @@
+"""Sequence parallelism in the Trainer (issue 45): ``strategy=DDP(sequence_parallel=2)`` on 2 ranks
+and ``ZeroStage3(sequence_parallel=2)`` on 4 ranks (dp=2 x sp=2) train the demo GPT as the plain
+single-process loop over the same global batches does.
+
+What the strategy does: its mesh (data x sequence) shards the loaders by the data axis only, so both
+ranks of a sequence group get the same batch; ``local_batch`` cuts every batch tensor along the
+sequence; the module attends through ``ulysses_attention`` over ``mesh_group("sequence")``, embeds
+its shard at ``sequence_positions`` and returns ``sequence_loss`` (its token sum x sp / the group's
+tokens), whose mean over the replicas is the global batch's mean token loss.
+
+# tolerance: rel <= 1e-5 (issue 45's bound for fp32 against the plain loop), on the losses and on
+# every parameter after the steps.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from harness import run_ranks
+from toy import global_batches
+from zerotrain import Trainer, TrainModule
+from zerotrain.examples.gpt import GPT, GPTConfig
+
+pytestmark = pytest.mark.timeout(300)
+
+B, S, N, STEPS, LR = 2, 16, 16, 3, 1e-3
+CONFIG = GPTConfig(vocab_size=32, block_size=32, n_layer=2, n_head=4, n_embd=16, dropout=0.0)
+RTOL = 1e-5
+
+
+def _data() -> TensorDataset:
+    ids = torch.randint(0, CONFIG.vocab_size, (N, S + 1), generator=torch.Generator().manual_seed(6))
+    return TensorDataset(ids[:, :-1].contiguous(), ids[:, 1:].contiguous())
+
+
+def _gpt() -> GPT:
+    torch.manual_seed(5)
+    return GPT(CONFIG)
+
+
+class GPTModule(TrainModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gpt = _gpt()
+        self.losses: list[float] = []
+        self._attends = False
+
+    def training_step(self, batch, batch_idx):
+        strategy = self.trainer.strategy
+        if not self._attends and strategy.mesh_size("sequence") > 1:
+            from zerotrain.strategies.parallel import ulysses_attention
+            group = strategy.mesh_group("sequence")
+            self.gpt.use_attention(lambda q, k, v: ulysses_attention(q, k, v, group))
+            self._attends = True
+        ids, targets = batch  # this rank's shard of every sequence
+        logits, _ = self.gpt(ids, positions=strategy.sequence_positions(ids.shape[1]))
+        loss_sum = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum")
+        loss = strategy.sequence_loss(loss_sum, targets.numel())
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=LR)
+
+    def train_dataloader(self):
+        return DataLoader(_data(), batch_size=B, shuffle=False)
+
+
+def _fit(strategy: str, devices: int, sequence_parallel: int) -> dict:
+    from zerotrain.strategies import strategy_from_name
+
+    module = GPTModule()
+    trainer = Trainer(strategy=strategy_from_name(strategy, sequence_parallel=sequence_parallel), devices=devices,
+                      max_steps=STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      precision="32")
+    trainer.fit(module)
+    s = trainer.strategy
+    return {"params": {k.removeprefix("gpt."): v for k, v in trainer.full_state_dict().items()},
+            "losses": module.losses, "dp": s.data_parallel_world_size, "dp_rank": s.data_parallel_rank,
+            "sp_rank": s.mesh_rank("sequence")}
+
+
+def _reference(data_parallel: int) -> dict:
+    """The plain loop: each global batch (the ranks' batches as the Trainer's samplers deal them)
+    through the whole model, mean token loss, AdamW."""
+    model, data = _gpt(), _data()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for idx in global_batches(N, data_parallel, B, shuffle=data_parallel > 1)[:STEPS]:
+        ids, targets = data[idx]
+        logits, _ = model(ids)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        losses.append(loss.item())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return {"params": {k: v.detach() for k, v in model.state_dict().items()}, "losses": losses}
+
+
+def _assert_equal_to_reference(results: list[dict], data_parallel: int) -> None:
+    ref = _reference(data_parallel)
+    got = results[0]["params"]
+    assert set(got) == set(ref["params"])
+    for name, want in ref["params"].items():
+        err = ((got[name] - want).norm() / want.norm().clamp_min(1e-30)).item()
+        assert err <= RTOL, (name, err)
+    # each global batch's loss: the mean over the replicas (every rank) of their sequence losses
+    world = len(results)
+    mean = [sum(r["losses"][i] for r in results) / world for i in range(STEPS)]
+    assert mean == pytest.approx(ref["losses"], rel=RTOL)
+
+
+def test_sequence_parallel_2_on_2_ranks_equals_one_process(tmp_path):
+    results = run_ranks("test_sequence_parallel_trainer:_fit", 2, tmp_path, timeout=240, strategy="ddp",
+                        devices=2, sequence_parallel=2)
+    assert [(r["dp"], r["dp_rank"], r["sp_rank"]) for r in results] == [(1, 0, 0), (1, 0, 1)]
+    _assert_equal_to_reference(results, 1)
+
+
+@pytest.mark.slow
+def test_dp2_by_sp2_zero3_on_4_ranks_equals_one_process(tmp_path):
+    results = run_ranks("test_sequence_parallel_trainer:_fit", 4, tmp_path, timeout=280, strategy="zero3",
+                        devices=4, sequence_parallel=2)
+    assert [(r["dp"], r["dp_rank"], r["sp_rank"]) for r in results] == [(2, 0, 0), (2, 0, 1), (2, 1, 0), (2, 1, 1)]
+    _assert_equal_to_reference(results, 2)
