@@ -93,6 +93,8 @@ class PipelineStrategy(Strategy):
     name = "pipeline"
     skipped_hooks = ("on_before_backward", "on_after_backward")
     runs_own_schedule = True
+    #: no sequence or tensor axis (its stages and replicas are its own grid)
+    mesh_axes = ()
     checkpoint_adapter = PipelineCheckpoint
 
     def __init__(self, config: PipelineConfig | None = None, *,

@@ -65,6 +65,8 @@ PRE_SPAWN = [
     (["+strategy.bogus=3"], ["strategy.bogus: no such key in strategy", "bucket_cap_mb"]),
     (["+foo=1"], ["foo: no such key in the top level", "trainer"]),
     (["strategy.process_group_timeout_s=inf"], ["strategy.process_group_timeout_s=inf", "finite number > 0"]),
+    (["strategy.sequence_parallel=0"], ["sequence_parallel=0", "valid: a whole number >= 1"]),
+    (["strategy.sequence_parallel=3"], ["sequence_parallel=3 does not divide the 2 processes", "multiple of 3"]),
     (["trainer.num_nodes=2"], ["trainer.num_nodes=2: a multi-node job needs", "torchrun or SLURM"]),
     (["trainer.collective_timeout_s=nan"], ["trainer.collective_timeout_s=nan", "finite number > 0"]),
     (["trainer.gradient_clip_val=nan"], ["trainer.gradient_clip_val=nan", "finite number > 0"]),
