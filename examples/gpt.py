@@ -46,7 +46,9 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head) for t in self.c_attn(x).split(C, dim=2))
+        # the heads are counted from c_attn's output: all n_head of them, or this rank's under a
+        # tensor-parallel plan (GPT.tp_plan cuts c_attn's q, k and v by heads)
+        q, k, v = (t.view(B, T, -1, C // self.n_head) for t in self.c_attn(x).chunk(3, dim=2))
         if self.attention is not None:
             y = self.attention(q, k, v)
         else:  # (B, T, n_head, head_dim) -> (B, n_head, T, head_dim) for SDPA, and back
@@ -54,7 +56,7 @@ class CausalSelfAttention(nn.Module):
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                 dropout_p=self.dropout if self.training else 0.0, is_causal=True,
             ).transpose(1, 2)
-        y = y.contiguous().view(B, T, C)
+        y = y.contiguous().view(B, T, -1)
         return self.resid_dropout(self.c_proj(y))
 
 
@@ -131,6 +133,15 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 class GPT(nn.Module):
     """A GPT-style causal LM. ``forward(idx, targets=None)`` returns ``(logits, loss)``."""
+
+    #: Megatron's tensor-parallel plan, in Hugging Face's vocabulary (for
+    #: ``zerotrain.strategies.parallel.parallelize_tensor``): q/k/v cut by heads (one fused
+    #: projection of 3 blocks), the attention's and the MLP's second projections by rows, the
+    #: embedding and the tied LM head by vocabulary; the logits stay vocabulary-sharded, for
+    #: ``vocab_parallel_cross_entropy``
+    tp_plan = {"wte": "embedding_rowwise", "blocks.*.attn.c_attn": ("packed_colwise", 3),
+               "blocks.*.attn.c_proj": "rowwise", "blocks.*.mlp.c_fc": "colwise", "blocks.*.mlp.c_proj": "rowwise",
+               "lm_head": "colwise"}
 
     def __init__(self, config: GPTConfig | None = None) -> None:
         super().__init__()
@@ -228,6 +239,10 @@ class GPT(nn.Module):
         logits = self.lm_head(self.ln_f(x))
         loss = None
         if targets is not None:
+            if logits.size(-1) != self.config.vocab_size:
+                raise ValueError(f"GPT.forward: the logits hold {logits.size(-1)} of {self.config.vocab_size} classes "
+                                 f"(a vocabulary-parallel lm_head); compute the loss with "
+                                 f"vocab_parallel_cross_entropy(logits, targets, group)")
             loss = lm_loss(logits, targets)
         return logits, loss
 

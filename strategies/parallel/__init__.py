@@ -1,7 +1,9 @@
 """Parallelism beyond data and depth (issue 45): the device mesh a job's ranks form (``mesh.py``:
-data x sequence, tensor to come) and Ulysses sequence parallelism (``ulysses.py``: all-to-alls that
+data x sequence x tensor) and Ulysses sequence parallelism (``ulysses.py``: all-to-alls that
 turn sequence shards into head shards around any local attention, and back; ``hf.py``: the same
-for a Hugging Face model through its attention-implementation hook).
+for a Hugging Face model through its attention-implementation hook), and tensor parallelism on plain
+local parameters (``tensor.py``: the layers, their collectives and the vocabulary-parallel loss;
+``tensor_plan.py``: plans in Hugging Face's and torch's vocabulary applied to a model).
 
 In the Trainer: ``Strategy(sequence_parallel=n)`` builds the mesh (``environment.Ranks``), and
 ``sequence.py`` cuts each batch along the sequence and gives the loss over all tokens
@@ -11,7 +13,11 @@ May import: nothing."""
 from .hf import use_ulysses
 from .mesh import AXES, ParallelMesh
 from .sequence import sequence_mean, shard_sequence
+from .tensor import (ParallelLinear, TensorShard, VocabParallelEmbedding, full_tensor,
+                     vocab_parallel_cross_entropy)
+from .tensor_plan import parallelize_tensor, plan_of
 from .ulysses import heads_to_sequence, repeat_kv_for, sequence_to_heads, ulysses_attention
 
-__all__ = ["AXES", "ParallelMesh", "heads_to_sequence", "repeat_kv_for", "sequence_mean", "sequence_to_heads",
-           "shard_sequence", "ulysses_attention", "use_ulysses"]
+__all__ = ["AXES", "ParallelLinear", "ParallelMesh", "TensorShard", "VocabParallelEmbedding", "full_tensor",
+           "heads_to_sequence", "parallelize_tensor", "plan_of", "repeat_kv_for", "sequence_mean", "sequence_to_heads",
+           "shard_sequence", "ulysses_attention", "use_ulysses", "vocab_parallel_cross_entropy"]

@@ -1,0 +1,263 @@
+"""Tensor parallelism (Megatron-LM, Shoeybi et al., 2019) on plain local parameters: each rank of a
+tensor group holds its shard of a layer's weight as an ordinary ``nn.Parameter``, and the
+collectives over the group are autograd functions around the layer's local matmul:
+
+* ``copy_to_group``: identity forward, all-reduce (sum) of the gradient backward (Megatron's
+  ``f``): where a replicated activation enters a column-parallel layer;
+* ``reduce_from_group``: all-reduce (sum) forward, identity backward (``g``): where a row-parallel
+  layer's (or a vocabulary-parallel embedding's) partial results meet;
+* ``gather_from_group``: all-gather along the last dimension forward, this rank's slice of the
+  gradient backward: a column-parallel output wanted whole (``colwise_rep``).
+
+A sharded parameter carries ``tensor_parallel`` (a :class:`TensorShard`: the dimension it is cut
+along, into how many packed blocks, over how many ranks), which ``full_tensor`` uses to gather it
+back. Everything else (norms, biases of row-parallel layers, position embeddings) stays replicated
+over the tensor group, and its gradient is the same on every rank of it (every rank computes the
+same replicated activations, and ``copy_to_group`` sums the gradients that leave the sharded
+regions), so a data-parallel strategy reduces every local parameter over the data group only, as it
+would without tensor parallelism.
+
+``vocab_parallel_cross_entropy`` computes the cross-entropy from vocabulary-sharded logits without
+gathering them: the max, the sum of exponentials and the target's logit are all-reduced, ``[N]``
+numbers each, never ``[N, V]``.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+def _size(group) -> int:
+    return dist.get_world_size(group)
+
+
+def _rank(group) -> int:
+    return dist.get_rank(group)
+
+
+class _CopyToGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.contiguous().clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherFromGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        parts = [torch.empty_like(x) for _ in range(_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.chunk(_size(ctx.group), dim=-1)[_rank(ctx.group)].contiguous(), None
+
+
+def copy_to_group(x: torch.Tensor, group) -> torch.Tensor:
+    return _CopyToGroup.apply(x, group)
+
+
+def reduce_from_group(x: torch.Tensor, group) -> torch.Tensor:
+    return _ReduceFromGroup.apply(x, group)
+
+
+def gather_from_group(x: torch.Tensor, group) -> torch.Tensor:
+    return _GatherFromGroup.apply(x, group)
+
+
+# ---------------------------------------------------------------------------- shards
+@dataclasses.dataclass(frozen=True)
+class TensorShard:
+    """How a local parameter is cut from the whole one: along ``dim``, the whole being ``chunks``
+    packed blocks along it (a fused q/k/v projection: 3), each block split into ``size`` equal parts,
+    this rank holding part ``rank`` of every block."""
+    dim: int
+    size: int
+    rank: int
+    chunks: int = 1
+
+    def cut(self, whole: torch.Tensor) -> torch.Tensor:
+        n = whole.shape[self.dim]
+        if n % (self.chunks * self.size):
+            raise ValueError(f"tensor parallel: dimension {self.dim} of a {tuple(whole.shape)} weight ({n}) does "
+                             f"not divide into {self.chunks} block(s) x {self.size} ranks")
+        blocks = whole.chunk(self.chunks, dim=self.dim)
+        return torch.cat([b.chunk(self.size, dim=self.dim)[self.rank] for b in blocks], dim=self.dim).clone()
+
+    def join(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """The whole tensor from every rank's part (in rank order)."""
+        per_rank = [p.chunk(self.chunks, dim=self.dim) for p in parts]
+        return torch.cat([per_rank[r][c] for c in range(self.chunks) for r in range(self.size)], dim=self.dim)
+
+
+def shard_parameter(param: nn.Parameter, shard: TensorShard) -> nn.Parameter:
+    local = nn.Parameter(shard.cut(param.detach()), requires_grad=param.requires_grad)
+    local.tensor_parallel = shard
+    return local
+
+
+def full_tensor(param: torch.Tensor, group) -> torch.Tensor:
+    """The whole of a (possibly) tensor-parallel parameter or gradient: gathered over ``group`` where
+    the parameter is sharded, itself otherwise. Pass the parameter, or ``(param, tensor)`` to gather
+    a tensor shaped like it (its gradient)."""
+    param, tensor = param if isinstance(param, tuple) else (param, param)
+    shard = getattr(param, "tensor_parallel", None)
+    if shard is None:
+        return tensor.detach()
+    parts = [torch.empty_like(tensor) for _ in range(shard.size)]
+    dist.all_gather(parts, tensor.detach().contiguous(), group=group)
+    return shard.join(parts)
+
+
+# ---------------------------------------------------------------------------- layers
+class ParallelLinear(nn.Module):
+    """A ``nn.Linear`` cut over a tensor group, its parameters under the same names.
+
+    ``style``: ``colwise`` (output features split; the input replicated, the output this rank's
+    features), ``colwise_rep`` (the same, the output gathered whole), ``rowwise`` (input features
+    split; the input this rank's features, the output summed over the group, the bias added once
+    after), ``rowwise_rep`` (the same from a replicated input, of which the layer takes its slice)."""
+
+    STYLES = ("colwise", "colwise_rep", "rowwise", "rowwise_rep")
+
+    def __init__(self, linear: nn.Linear, style: str, group, chunks: int = 1, shared: dict | None = None) -> None:
+        super().__init__()
+        if style not in self.STYLES:
+            raise ValueError(f"ParallelLinear: style={style!r}; valid: {', '.join(self.STYLES)}")
+        self.style, self.group = style, group
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        size, rank = _size(group), _rank(group)
+        col = style.startswith("colwise")
+        if not col and chunks != 1:
+            raise ValueError(f"ParallelLinear: packed blocks (chunks={chunks}) are for colwise layers only")
+        self.weight = _shared(linear.weight, TensorShard(0 if col else 1, size, rank, chunks), shared)
+        bias = linear.bias
+        if bias is not None:
+            bias = _shared(bias, TensorShard(0, size, rank, chunks), shared) if col else bias
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.style.startswith("colwise"):
+            y = F.linear(copy_to_group(x, self.group), self.weight, self.bias)
+            return gather_from_group(y, self.group) if self.style == "colwise_rep" else y
+        if self.style == "rowwise_rep":
+            x = x.chunk(_size(self.group), dim=-1)[_rank(self.group)]
+        y = reduce_from_group(F.linear(x, self.weight), self.group)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features}, {self.out_features}, style={self.style}, local={tuple(self.weight.shape)}"
+
+
+class VocabParallelEmbedding(nn.Module):
+    """A ``nn.Embedding`` whose rows (the vocabulary) are cut over a tensor group: each rank looks
+    up the ids in its range, zeros elsewhere, and the group's sum is every id's row."""
+
+    def __init__(self, embedding: nn.Embedding, group, shared: dict | None = None) -> None:
+        super().__init__()
+        if embedding.max_norm is not None or embedding.sparse:
+            raise ValueError("VocabParallelEmbedding: max_norm and sparse embeddings are not supported")
+        self.group, self.padding_idx = group, embedding.padding_idx
+        self.num_embeddings = embedding.num_embeddings
+        self.weight = _shared(embedding.weight, TensorShard(0, _size(group), _rank(group)), shared)
+        self.start = _rank(group) * self.weight.shape[0]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return reduce_from_group(out.masked_fill(outside.unsqueeze(-1), 0.0), self.group)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, local={tuple(self.weight.shape)}, rows from {self.start}"
+
+
+def _shared(param: nn.Parameter, shard: TensorShard, shared: dict | None) -> nn.Parameter:
+    """The local shard of ``param``; a parameter shared by two modules (tied embedding and LM head)
+    is cut once, and both get the same local Parameter (refused if they cut it differently)."""
+    if shared is None:
+        return shard_parameter(param, shard)
+    key = id(param)
+    if key in shared:
+        local = shared[key]
+        if local.tensor_parallel != shard:
+            raise ValueError(f"tensor parallel: a parameter shared by two modules is cut two ways "
+                             f"({local.tensor_parallel} and {shard}); valid: the same cut (tied embedding "
+                             f"and LM head: embedding_rowwise with colwise)")
+        return local
+    shared[key] = shard_parameter(param, shard)
+    return shared[key]
+
+
+# ---------------------------------------------------------------------------- the loss
+class _VocabParallelCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, targets, group, ignore_index):
+        logits = logits.float()
+        vl = logits.shape[-1]
+        start = _rank(group) * vl
+        top = logits.max(dim=-1).values
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+        exp = (logits - top.unsqueeze(-1)).exp()
+        total = exp.sum(dim=-1)
+        dist.all_reduce(total, group=group)
+        local = targets - start
+        mine = (local >= 0) & (local < vl)
+        index = local.clamp(0, vl - 1).unsqueeze(-1)
+        picked = torch.where(mine, logits.gather(-1, index).squeeze(-1) - top, torch.zeros_like(top))
+        dist.all_reduce(picked, group=group)
+        kept = targets != ignore_index
+        loss = torch.where(kept, total.log() - picked, torch.zeros_like(picked))
+        ctx.save_for_backward(exp, total, index, mine & kept, kept)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        exp, total, index, mine, kept = ctx.saved_tensors
+        g = exp / total.unsqueeze(-1)
+        g.scatter_add_(-1, index, -mine.to(g.dtype).unsqueeze(-1))
+        g = g * (grad * kept).unsqueeze(-1)
+        return g, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, group, ignore_index: int = -100,
+                                 reduction: str = "mean") -> torch.Tensor:
+    """``F.cross_entropy`` of logits whose last dimension (the vocabulary) is cut over ``group``
+    (rank r holds classes ``[r*V/tp, (r+1)*V/tp)``, as a ``colwise`` LM head gives them), without
+    gathering them. ``logits`` ``[..., V/tp]``, ``targets`` ``[...]`` (``ignore_index`` skipped);
+    ``reduction``: mean (over the targets kept), sum or none. Every rank gets the same loss."""
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"vocab_parallel_cross_entropy: reduction={reduction!r}; valid: mean, sum, none")
+    if logits.shape[:-1] != targets.shape:
+        raise ValueError(f"vocab_parallel_cross_entropy: logits {tuple(logits.shape)} and targets "
+                         f"{tuple(targets.shape)}; valid: targets shaped as the logits without their last dimension")
+    loss = _VocabParallelCE.apply(logits, targets, group, ignore_index)
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return loss.sum()
+    return loss.sum() / (targets != ignore_index).sum()

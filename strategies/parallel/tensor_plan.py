@@ -1,0 +1,142 @@
+"""Tensor-parallel plans: ``parallelize_tensor(model, group, plan)`` replaces each planned module
+by its tensor-parallel form on plain local parameters (``tensor.py``), under the same names.
+
+A plan maps module paths (``*`` matches one path component: ``blocks.*.attn.c_attn``) to a style
+in one of three vocabularies, all taken as input:
+
+* Hugging Face ``tp_plan`` strings: ``colwise``, ``rowwise``, ``colwise_rep`` /
+  ``colwise_gather_output``, ``rowwise_rep``, ``packed_colwise`` (a fused projection of 2 blocks,
+  gate and up), ``embedding_rowwise`` (the vocabulary-parallel embedding);
+* ``(style, chunks)``: a fused projection of ``chunks`` blocks, each split (``("packed_colwise", 3)``:
+  a fused q/k/v);
+* torch's ``ColwiseParallel()`` / ``RowwiseParallel()`` (``torch.distributed.tensor.parallel``), read
+  for their layouts: input Replicate and output Shard(-1) is ``colwise``, output Replicate
+  ``colwise_rep``; input Shard(-1) is ``rowwise``, input Replicate ``rowwise_rep``;
+  ``RowwiseParallel`` on an ``nn.Embedding`` is ``embedding_rowwise``, as torch shards it.
+
+With no plan, the model's own: ``model.tp_plan`` (a Hugging Face model's, from its config's
+``base_model_tp_plan`` and its ``_tp_plan``), else ``model._tp_plan``.
+
+Refused before any module changes: a style outside these (the sequence-parallel variants among
+them: ``SequenceParallel``, layouts Shard(1)), a pattern that matches no module, a module of the
+wrong type, and a tied parameter whose other module the plan leaves whole.
+"""
+from __future__ import annotations
+
+import re
+
+from torch import nn
+
+from .tensor import ParallelLinear, VocabParallelEmbedding
+
+#: Hugging Face's names -> (our style, packed blocks)
+STYLES = {"colwise": ("colwise", 1), "colwise_rep": ("colwise_rep", 1), "colwise_gather_output": ("colwise_rep", 1),
+          "rowwise": ("rowwise", 1), "rowwise_rep": ("rowwise_rep", 1), "packed_colwise": ("colwise", 2),
+          "embedding_rowwise": ("embedding_rowwise", 1)}
+
+
+def _torch_style(spec, module: nn.Module) -> tuple[str, int]:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    def one(layouts):
+        return layouts[0] if isinstance(layouts, (tuple, list)) else layouts
+
+    def is_last(layout) -> bool:
+        return isinstance(layout, Shard) and layout.dim == -1
+
+    name = type(spec).__name__
+    if not getattr(spec, "use_local_output", True):
+        raise NotImplementedError(f"tensor plan: {name}(use_local_output=False) gives DTensors; zerotrain's "
+                                  f"tensor parallelism keeps plain local tensors (use_local_output=True)")
+    inp, out = one(spec.input_layouts), one(spec.output_layouts)
+    if isinstance(spec, RowwiseParallel) and isinstance(module, nn.Embedding):
+        if isinstance(inp, Replicate) and isinstance(out, Replicate):
+            return "embedding_rowwise", 1
+    elif isinstance(spec, ColwiseParallel) and isinstance(inp, Replicate):
+        if is_last(out):
+            return "colwise", 1
+        if isinstance(out, Replicate):
+            return "colwise_rep", 1
+    elif isinstance(spec, RowwiseParallel) and isinstance(out, Replicate):
+        if is_last(inp):
+            return "rowwise", 1
+        if isinstance(inp, Replicate):
+            return "rowwise_rep", 1
+    raise NotImplementedError(f"tensor plan: {name}(input_layouts={inp}, output_layouts={out}) on "
+                              f"{type(module).__name__} is not supported (sequence-parallel layouts are not built); "
+                              f"valid: ColwiseParallel with input Replicate and output Shard(-1) or Replicate, "
+                              f"RowwiseParallel with output Replicate")
+
+
+def resolve_style(spec, module: nn.Module, where: str) -> tuple[str, int]:
+    """``(style, chunks)`` of one plan entry for ``module``, or a clear error naming ``where``."""
+    if isinstance(spec, tuple) and len(spec) == 2 and isinstance(spec[1], int) and spec[1] >= 1:
+        style, _ = resolve_style(spec[0], module, where)
+        return style, spec[1]
+    if isinstance(spec, str):
+        if spec not in STYLES:
+            raise ValueError(f"tensor plan: {where!r}: {spec!r}; valid: {', '.join(STYLES)}")
+        style, chunks = STYLES[spec]
+    elif type(spec).__module__.startswith("torch.distributed.tensor.parallel"):
+        style, chunks = _torch_style(spec, module)
+    else:
+        raise ValueError(f"tensor plan: {where!r}: {spec!r}; valid: one of {', '.join(STYLES)}, (style, chunks), "
+                         f"ColwiseParallel(), RowwiseParallel()")
+    want = nn.Embedding if style == "embedding_rowwise" else nn.Linear
+    if not isinstance(module, want):
+        raise ValueError(f"tensor plan: {where!r} is a {type(module).__name__}; {style} applies to an "
+                         f"nn.{want.__name__}")
+    return style, chunks
+
+
+def plan_of(model: nn.Module) -> dict:
+    """The model's own plan: ``model.tp_plan`` (Hugging Face), else ``model._tp_plan``."""
+    plan = getattr(model, "tp_plan", None) or getattr(model, "_tp_plan", None)
+    return dict(plan or {})
+
+
+def _pattern(key: str) -> re.Pattern:
+    return re.compile(r"[^.]+".join(re.escape(part) for part in key.split("*")))
+
+
+def parallelize_tensor(model: nn.Module, group, plan: dict | None = None) -> dict[str, str]:
+    """Cut ``model``'s planned modules over ``group`` (in place); returns ``{module path: style}``
+    of what was cut. ``plan``: see the module's doc; None: the model's own."""
+    plan = plan_of(model) if plan is None else dict(plan)
+    if not plan:
+        raise ValueError(f"parallelize_tensor: no plan given and {type(model).__name__} has none "
+                         f"(tp_plan / _tp_plan); valid: a dict of module path -> style")
+    modules = dict(model.named_modules())
+    chosen: dict[str, tuple[str, int]] = {}
+    for key, spec in plan.items():
+        pattern = _pattern(key)
+        hits = [name for name in modules if name and pattern.fullmatch(name)]
+        if not hits:
+            raise ValueError(f"tensor plan: {key!r} matches no module of {type(model).__name__}")
+        for name in hits:
+            chosen[name] = resolve_style(spec, modules[name], key)
+    _check_ties(model, modules, chosen)
+    shared: dict = {}
+    for name, (style, chunks) in chosen.items():
+        old = modules[name]
+        new = (VocabParallelEmbedding(old, group, shared) if style == "embedding_rowwise"
+               else ParallelLinear(old, style, group, chunks, shared))
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, new)
+    return {name: style for name, (style, _) in chosen.items()}
+
+
+def _check_ties(model: nn.Module, modules: dict, chosen: dict) -> None:
+    """A parameter shared by a planned module and one left whole would be cut in one and not the
+    other: refused, naming both."""
+    owners: dict[int, list[str]] = {}
+    for name, module in modules.items():
+        for pname, p in module.named_parameters(recurse=False):
+            owners.setdefault(id(p), []).append(f"{name}.{pname}" if name else pname)
+    for names in owners.values():
+        cut = [n for n in names if n.rpartition(".")[0] in chosen]
+        if cut and len(cut) != len(names):
+            whole = sorted(set(names) - set(cut))
+            raise ValueError(f"tensor plan: {cut[0]} is tied to {whole[0]}, which the plan leaves whole; "
+                             f"valid: plan both (embedding_rowwise with colwise) or untie them")

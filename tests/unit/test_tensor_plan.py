@@ -1,0 +1,62 @@
+"""Tensor-parallel plans (strategies/parallel/tensor_plan.py, issue 45) without processes: the three
+vocabularies resolve to the same styles, bad plans are refused before any module changes, and a
+packed shard (a fused q/k/v cut by heads) joins back to the whole."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from zerotrain.examples.gpt import GPT, GPTConfig
+from zerotrain.strategies.parallel import TensorShard, parallelize_tensor
+from zerotrain.strategies.parallel.tensor_plan import resolve_style
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_vocabularies_resolve_alike():
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    linear, emb = nn.Linear(4, 4), nn.Embedding(8, 4)
+    assert resolve_style("colwise", linear, "x") == resolve_style(ColwiseParallel(), linear, "x") == ("colwise", 1)
+    assert resolve_style("colwise_gather_output", linear, "x") == ("colwise_rep", 1)
+    assert resolve_style(ColwiseParallel(output_layouts=Replicate()), linear, "x") == ("colwise_rep", 1)
+    assert resolve_style("rowwise", linear, "x") == resolve_style(RowwiseParallel(), linear, "x") == ("rowwise", 1)
+    assert resolve_style(RowwiseParallel(input_layouts=Replicate()), linear, "x") == ("rowwise_rep", 1)
+    assert resolve_style("embedding_rowwise", emb, "x") == ("embedding_rowwise", 1)
+    assert resolve_style(RowwiseParallel(input_layouts=Replicate()), emb, "x") == ("embedding_rowwise", 1)
+    assert resolve_style("packed_colwise", linear, "x") == ("colwise", 2)
+    assert resolve_style(("packed_colwise", 3), linear, "x") == ("colwise", 3)
+    with pytest.raises(NotImplementedError, match="sequence-parallel layouts are not built"):
+        resolve_style(RowwiseParallel(output_layouts=Shard(1)), linear, "x")
+    with pytest.raises(NotImplementedError, match="use_local_output=False"):
+        resolve_style(ColwiseParallel(use_local_output=False), linear, "x")
+
+
+@pytest.mark.parametrize("plan, error", [
+    ({"blocks.*.attn.c_attn": "diagonal"}, "'blocks.*.attn.c_attn': 'diagonal'; valid: colwise, colwise_rep"),
+    ({"blocks.*.attention": "colwise"}, "'blocks.*.attention' matches no module of GPT"),
+    ({"ln_f": "colwise"}, "'ln_f' is a LayerNorm; colwise applies to an nn.Linear"),
+    ({"lm_head": "colwise"}, "lm_head.weight is tied to wte.weight, which the plan leaves whole"),
+])
+def test_bad_plans_are_refused_before_any_change(plan, error):
+    model = GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=8))
+    before = {n: type(m) for n, m in model.named_modules()}
+    with pytest.raises(ValueError, match=error.replace("*", r"\*").replace("(", r"\(").replace(")", r"\)")):
+        parallelize_tensor(model, group=None, plan=plan)
+    assert {n: type(m) for n, m in model.named_modules()} == before
+
+
+def test_no_plan_at_all_is_refused():
+    with pytest.raises(ValueError, match="no plan given and Sequential has none"):
+        parallelize_tensor(nn.Sequential(nn.Linear(2, 2)), group=None)
+
+
+def test_packed_shards_take_every_block_by_heads_and_join_back():
+    whole = torch.arange(3 * 8 * 2.0).reshape(3 * 8, 2)  # q, k, v of 8 rows each (4 heads of 2)
+    parts = [TensorShard(dim=0, size=4, rank=r, chunks=3).cut(whole) for r in range(4)]
+    assert torch.equal(parts[1], torch.cat([whole[2:4], whole[10:12], whole[18:20]]))  # head 1 of q, k, v
+    assert torch.equal(TensorShard(0, 4, 0, 3).join(parts), whole)
+    with pytest.raises(ValueError, match="does not divide into 3 block"):
+        TensorShard(dim=0, size=4, rank=0, chunks=3).cut(torch.zeros(18, 2))
