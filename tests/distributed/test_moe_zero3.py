@@ -140,3 +140,56 @@ def test_zero3_with_expert_parallelism_equals_the_plain_loop(tmp_path):
             torch.testing.assert_close(r["aux"], r["ref_aux"], atol=tol, rtol=tol, msg=f"{rank} {case} aux")
             for name, value in r["params"].items():
                 torch.testing.assert_close(value, r["want"][name], atol=tol, rtol=tol, msg=f"{rank} {case} {name}")
+
+
+# ---------------------------------------------------------------------------- per-rank memory
+def _held() -> dict:
+    """8 experts, ep=2: the expert and dense elements this rank holds under zero3 (the units'
+    fp32 masters and the gathered buffers' capacity) and under DDP (the module's tensors), beside
+    ``moe.estimate``'s figures from the all-experts model."""
+    from zerotrain.strategies import DDP, ZeroStage3
+    from zerotrain.strategies.environment import detect
+    from zerotrain.strategies.moe.estimate import parameter_split
+    from zerotrain.strategies.precision import Precision
+
+    rank, world = init_dist()
+    gate = dict(k=2, drop_tokens=False)
+
+    def net(ep: int) -> TrainModule:
+        torch.manual_seed(0)
+        n = _Net(ep, gate)
+        for block in n.blocks:
+            block.moe = MoE(HIDDEN, _expert(), num_experts=8, ep_size=ep, gate=GateConfig(**gate))
+        return n
+
+    split = parameter_split(net(1), ep_size=2)
+    out = {"estimate": {"ddp": split.per_rank(world, False), "zero3": split.per_rank(world, True)},
+           "total": (split.dense, split.experts)}
+    z = ZeroStage3(process_group_timeout_s=60)
+    set_up_like_trainer(z, net(2), detect(world), Precision())
+    z.training_step(_batch(0, rank), 0)  # a step: the experts' gathers and reductions run too
+    experts = sum(u.master.numel() for u in z.units if u.has_own_group)
+    dense = [u.master.numel() for u in z.units if not u.has_own_group]
+    out["zero3"] = (sum(dense), experts)
+    out["padding"] = len(dense) * world * z.config.partition_alignment  # at most, per unit
+    d = DDP(process_group_timeout_s=60)
+    model = net(2)
+    set_up_like_trainer(d, model, detect(world), Precision())
+    held = [p for p in model.parameters()]
+    out["ddp"] = (sum(p.numel() for p in held if getattr(p, "allreduce", True)),
+                  sum(p.numel() for p in held if getattr(p, "allreduce", True) is False))
+    out["placed"] = parameter_split(model).per_rank(world, False)
+    return out
+
+
+def test_each_rank_holds_half_the_experts_with_ep2(tmp_path):
+    """8 experts, ep=2 on 2 ranks: each rank holds exactly half of the expert parameters, under
+    zero3 (measured: its expert units' masters; the expert-data-parallel group is the rank alone,
+    so nothing partitions them further) and under DDP, as ``moe.estimate`` says; zero3's dense
+    parameters are halved too (over the world)."""
+    for r in run_ranks("test_moe_zero3:_held", 2, tmp_path, timeout=120):
+        dense, experts = r["total"]
+        assert experts == 2 * 8 * (HIDDEN * WIDTH + WIDTH + WIDTH * HIDDEN + HIDDEN)
+        assert r["zero3"][1] == experts // 2 and r["estimate"]["zero3"] == (dense // 2, experts // 2)
+        assert dense / 2 <= r["zero3"][0] <= dense / 2 + r["padding"], (r["zero3"], dense)
+        assert r["ddp"] == (dense, experts // 2) == r["estimate"]["ddp"] == r["placed"]
