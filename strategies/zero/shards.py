@@ -99,7 +99,7 @@ class ZeroCheckpoint(ReplicatedCheckpoint):
         s.queue.wait(Work.PARAMS)
         values: dict[int, torch.Tensor] = {}
         for i, fg in enumerate(s.flat_groups):
-            full = s.sharded.gather_full(i, fg.layout, s.global_rank, s.queue, s.group)
+            full = s.sharded.gather_full(i, fg.layout, s.replica_rank, s.queue, s.group)
             if full is not None:
                 # one tensor per parameter (not views of one buffer: writers such as
                 # safetensors refuse tensors that share storage)
@@ -131,7 +131,7 @@ class ZeroCheckpoint(ReplicatedCheckpoint):
         s = self.s
         assert s.sharded is not None
         s.queue.wait(Work.PARAMS)
-        return partition_shards(s.flat_groups, s.sharded, s.global_rank, self.trainable_names())
+        return partition_shards(s.flat_groups, s.sharded, s.replica_rank, self.trainable_names())
 
     def extra_state(self) -> dict[str, torch.Tensor]:
         s = self.s
@@ -148,5 +148,5 @@ class ZeroCheckpoint(ReplicatedCheckpoint):
         s = self.s
         assert s.sharded is not None and s.module is not None
         s.queue.wait(Work.PARAMS)
-        load_partitions(s.flat_groups, s.sharded, s.optimizer, s.global_rank, self.trainable_names(), reader)
+        load_partitions(s.flat_groups, s.sharded, s.optimizer, s.replica_rank, self.trainable_names(), reader)
         self.finish_load(reader)

@@ -36,7 +36,7 @@ from ...ops import host_cache
 from ..memory.host import set_mmap_threshold
 from ..memory import count_bytes
 from ..optimizers import group_indices, refuse_shared
-from .comm.collectives import all_reduce_sum, backend, broadcast_from, world_size
+from .comm.collectives import all_reduce_sum, backend, broadcast_from, global_rank, world_size
 from ..options import expose_options
 from .config import BucketConfig, Stage3Config, ZeroConfig, ZeroSpec
 from ..memory.formula import estimate_model_states, format_bytes
@@ -119,6 +119,8 @@ class ZeroStrategy(Strategy):
     #: each parameter's optimizer state is one partition of one flat group
     optimizers_may_share_parameters = False
     checkpoint_adapter = ZeroCheckpoint
+    #: partitioned and reduced over ``replica_group`` (the ranks holding the same parameters)
+    mesh_axes = ("sequence", "tensor")
 
     def __init__(self, spec: ZeroSpec | None = None, stepper: Stepper | None = None, *,
                  process_group_timeout_s: float = PROCESS_GROUP_TIMEOUT_S, sequence_parallel: int = 1,
@@ -142,7 +144,7 @@ class ZeroStrategy(Strategy):
         #: (``Work.PARAMS``)
         self._param_hooks: ParamGatherHooks | None = None  # installed at the first such gather
         self._gather_plan: list | None = None  # planned at the first overlapped gather
-        self.group: object = None  # the default process group
+        self.group: object = None  # the replicas' process group (None: the default group), at set-up
         self.flat_groups: list[FlatParamGroup] = []
         self.sharded: Any = None  # the stepper's optimizer (ShardedOptimizer, or offload's)
         self.grads: GradientShards | None = None
@@ -158,6 +160,7 @@ class ZeroStrategy(Strategy):
         on a CPU rank, the host cache (``host_cache_min_bytes``) on this rank, before the model is
         built."""
         super().setup_environment()
+        self.group = self.replica_group  # the ranks holding the same parameters (None: every rank)
         set_mmap_threshold(self.config.host_mmap_threshold)
         if self.device.type == "cpu" and self.config.host_cache_min_bytes:
             host_cache.enable(self.config.host_cache_min_bytes, self.config.host_cache_slack_bytes)
@@ -170,9 +173,9 @@ class ZeroStrategy(Strategy):
         self._broadcast_extras()
         masters = []
         for params in groups:
-            layout = build_layout([p.numel() for p in params], self.world_size,
+            layout = build_layout([p.numel() for p in params], self.replica_world_size,
                                   self.config.partition_alignment)
-            fg, master = flatten_group(params, layout, self.precision.param_dtype, self.global_rank,
+            fg, master = flatten_group(params, layout, self.precision.param_dtype, self.replica_rank,
                                        self.queue, self.group)
             self.flat_groups.append(fg)
             masters.append(master)
@@ -193,7 +196,7 @@ class ZeroStrategy(Strategy):
             self.grads.on_reduced = fn
 
         self.sharded = self.stepper.setup(sharded, lambda: (self.grads.partitions(), working), self.device,
-                                          self.global_rank, masters_external, on_reduced, lambda: self._sync)
+                                          self.replica_rank, masters_external, on_reduced, lambda: self._sync)
         #: the param group of each master slot (``partitions()`` index), for one optimizer's step
         self._slot_groups = [gi for gi, g in enumerate(self.optimizer.param_groups) for _ in g["params"]]
         self.stepper.log_setup(self.sharded, self.stage) if self.is_global_zero else None
@@ -214,7 +217,7 @@ class ZeroStrategy(Strategy):
     def _reduction_args(self) -> tuple:
         """What stages 1/2's bucketed reduction (``reduction.BucketedReduction``) is built from."""
         order = {id(p): i for i, p in enumerate(self.module.parameters())}
-        return (self.flat_groups, self.global_rank, self.config.torch_reduce_dtype, self.reduce_mode,
+        return (self.flat_groups, self.replica_rank, self.config.torch_reduce_dtype, self.reduce_mode,
                 self.buckets.reduce_bucket_size, self.queue, order, self.group)
 
     def _build_gradients(self) -> GradientShards:
@@ -222,13 +225,14 @@ class ZeroStrategy(Strategy):
 
     def _broadcast_extras(self) -> None:
         """Collective: rank 0's buffers and frozen parameters everywhere (as DDP does)."""
-        if self.world_size == 1:
+        if self.replica_world_size == 1:
             return
         sd = self.module.state_dict(keep_vars=True)
         for name in self.checkpointer.extra_names():
             t = sd[name].data if isinstance(sd[name], torch.Tensor) else None
             if t is not None and t.numel():
-                self.queue.push(InFlight((broadcast_from(t, 0, self.group),), (t,), _nothing, name))
+                handle = broadcast_from(t, global_rank(self.group, 0), self.group)
+                self.queue.push(InFlight((handle,), (t,), _nothing, name))
         self.queue.wait(Work.BUCKETS)
 
     @property
@@ -282,7 +286,7 @@ class ZeroStrategy(Strategy):
         groups = None if self._step_groups is None else set(self._step_groups)
         total = exact_total_norm(self._norm_plan, self.stepper.norm_reader(grads), groups, self.device,
                                  lambda h, t, label: self.queue.complete(h, t, label=label),
-                                 self.group, self.global_rank == 0)
+                                 self.group, self.replica_rank == 0)
         factor = self.stepper.norm_factor()
         return total if factor == 1.0 else total * factor
 
@@ -374,7 +378,7 @@ class ZeroStrategy(Strategy):
         psi = self._model_numel()
         pdt = self.precision.param_dtype
         est = estimate_model_states(
-            psi, self.world_size, param_bytes=pdt.itemsize, grad_bytes=self._grad_bytes_per_param(),
+            psi, self.replica_world_size, param_bytes=pdt.itemsize, grad_bytes=self._grad_bytes_per_param(),
             master_bytes=0 if pdt == torch.float32 else 4,
             optimizer_bytes=8)[f"zero{self.stage}"]
         got = count_bytes(self)
@@ -383,7 +387,7 @@ class ZeroStrategy(Strategy):
         log.info("%s: model states per rank %s, %s; total %s (formula %s, optimizer counted as Adam's "
                  "8 B/param); communication buffers %s; %d trainable params on %d ranks", self.name,
                  when, parts, format_bytes(got["total"] - got["comm_buffers"]), format_bytes(est.total),
-                 format_bytes(got["comm_buffers"]), psi, self.world_size)
+                 format_bytes(got["comm_buffers"]), psi, self.replica_world_size)
 
     def teardown(self) -> None:
         self.queue.wait(Work.PARAMS)

@@ -21,10 +21,10 @@ def test_option_checked_before_any_rank_starts():
 
 
 def test_an_axis_the_strategy_does_not_run_over_is_refused():
-    s = ZeroStage1(sequence_parallel=1)
-    s.parallel_sizes = {"sequence": 1, "tensor": 2}  # a tensor axis: ZeRO does not reduce over replicas yet
+    s = SingleDevice()
+    s.parallel_sizes = {"sequence": 1, "tensor": 2}  # the base's axes: sequence only
     with pytest.raises(ValueError, match=r"tensor_parallel=2; this strategy runs over sequence; valid: tensor_parallel=1"):
-        s.check_world_size(4)
+        s.check_world_size(2)
 
 
 def test_without_a_mesh_every_rank_is_a_data_replica():

@@ -240,13 +240,13 @@ def broadcast_from(buf: torch.Tensor, src: int = 0, group: object = None) -> Han
 
 def gather_to(inp: torch.Tensor, outs: Sequence[torch.Tensor] | None, dst: int = 0,
               group: object = None) -> Handle:
-    """``outs[r]`` on ``dst`` = rank r's ``inp``; ``outs`` is None on the other ranks."""
+    """``outs[r]`` on ``dst`` (a rank of ``group``) = rank r's ``inp``; ``outs`` is None on the other ranks."""
     if world_size(group) == 1:
         outs[0].copy_(inp)
         return Done()
     progress.mark("gather", group)
-    work = dist.gather(inp, gather_list=list(outs) if outs is not None else None, dst=dst, group=group,
-                       async_op=True)
+    work = dist.gather(inp, gather_list=list(outs) if outs is not None else None, dst=global_rank(group, dst),
+                       group=group, async_op=True)
     return instrument.issued("gather", work, group, inp, ranks=world_size(group))
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..comm.collectives import all_reduce_sum
+from ..comm.collectives import all_reduce_sum, global_rank
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ class UnitGroup:
 def unit_group(kind: str | None, world: int, rank: int, group: object) -> UnitGroup:
     """Dense (``kind`` None): the strategy's group; an expert kind: its EDP group."""
     if kind is None:
-        return UnitGroup(group, world, rank, 0)
+        return UnitGroup(group, world, rank, global_rank(group, 0))
     from ...moe.groups import expert_groups  # the groups are made collectively at the first call
 
     if not kind.startswith("ep_size_") or not kind[len("ep_size_"):].isdigit():

@@ -107,7 +107,7 @@ class ZeroStage3(ZeroStrategy):
     def init_context(self) -> Iterator[None]:
         """Parameters created inside are partitioned as they are registered (``PartitionedBuild``);
         ``setup_module`` then moves them into their units without gathering any model whole."""
-        build = PartitionedBuild(self.global_rank, self.world_size, self.group, self.queue,
+        build = PartitionedBuild(self.replica_rank, self.replica_world_size, self.group, self.queue,
                                  self.stepper.build_chunks(self.global_rank))
         with build:
             yield
@@ -190,14 +190,14 @@ class ZeroStage3(ZeroStrategy):
         """Collective: lay out one unit and move its values into this rank's shards; the unit's
         full values exist only here, once, in fp32. An expert unit (``kind``, ``experts.py``) is
         laid out over its expert-data-parallel group and takes that group's first rank's values."""
-        where = unit_group(kind, self.world_size, self.global_rank, self.group)
+        where = unit_group(kind, self.replica_world_size, self.replica_rank, self.group)
         layout = build_layout([p.numel() for p in params], where.size, self.config.partition_alignment)
         build = self._build
         adopted = [build is not None and build.owns(p) for p in params]
         if kind is not None and any(adopted):
             raise ValueError(f"zero3: expert parameters of unit {name!r} were built in configure_model() (partitioned "
                              "over the world); valid: build expert-parallel layers eagerly (in __init__)")
-        slack = max([self.world_size * build.chunk_of(p) - p.numel() for p, a in zip(params, adopted) if a]
+        slack = max([self.replica_world_size * build.chunk_of(p) - p.numel() for p, a in zip(params, adopted) if a]
                     or [0])
         flat = torch.empty(layout.padded_numel + slack, dtype=torch.float32, device=self.device)
         for p, span, a in zip(params, layout.spans, adopted):  # in order: a gather's tail is overwritten
@@ -213,7 +213,7 @@ class ZeroStage3(ZeroStrategy):
                     self.config.torch_reduce_dtype, self.device, persistent=name == PERSISTENT,
                     inflight=self.queue, quant=self._quantization())
         if kind is not None:
-            unit.use_group(where.group, self.world_size)
+            unit.use_group(where.group, self.replica_world_size)
         unit.load_full(flat)
         self.stepper.place_unit(unit, self.global_rank)  # offload: shards to files, unit by unit
         return unit
@@ -222,6 +222,9 @@ class ZeroStage3(ZeroStrategy):
         """Collective (hpZ): one process group per node (every rank creates every group, in the
         same order), and each unit's node copy."""
         world, local = self.world_size, max(1, self.info.local_world_size)
+        if self.replica_world_size != world:
+            raise ValueError(f"zero3: hierarchical_partition=True with a tensor axis (mesh {self.mesh}); valid: "
+                             "hierarchical_partition=False")
         if world % local:
             raise ValueError(f"zero3: hierarchical_partition=True with local_world_size={local}: world_size="
                              f"{world} is not a multiple of it; valid: nodes with equal numbers of ranks")
