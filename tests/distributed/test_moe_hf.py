@@ -107,10 +107,11 @@ def _ranks(arch: str) -> dict:
     return {"ref": ref, **{s: _ours(arch, rank, world, s) for s in ("ddp", "zero3")}}
 
 
-@pytest.mark.parametrize("arch", sorted(ARCHS))
-def test_hf_moe_with_expert_parallelism_equals_torch_ddp(arch, tmp_path):
-    results = run_ranks("test_moe_hf:_ranks", 2, tmp_path, timeout=300, arch=arch)
-    tol = torch.finfo(torch.float32).eps * (2 * BATCH * SEQ) * STEPS
+@pytest.mark.parametrize("arch, world", [(a, 2) for a in sorted(ARCHS)] + [("mixtral", 4)])
+def test_hf_moe_with_expert_parallelism_equals_torch_ddp(arch, world, tmp_path):
+    """ep=2 on 2 ranks, and (Mixtral) ep=2 x 2 expert-data replicas on 4."""
+    results = run_ranks("test_moe_hf:_ranks", world, tmp_path, timeout=300, arch=arch)
+    tol = torch.finfo(torch.float32).eps * (world * BATCH * SEQ) * STEPS
     for rank, res in enumerate(results):
         ref = res["ref"]
         for name in ("ddp", "zero3"):
@@ -119,6 +120,6 @@ def test_hf_moe_with_expert_parallelism_equals_torch_ddp(arch, tmp_path):
             torch.testing.assert_close(got["losses"], ref["losses"], atol=tol, rtol=tol, msg=f"{rank} {name}")
             for pname, value in got["params"].items():
                 want = ref["params"][pname]
-                if ".mlp.experts." in pname:  # this rank's half of the experts
-                    want = want[rank * (EXPERTS // 2):(rank + 1) * (EXPERTS // 2)]
+                if ".mlp.experts." in pname:  # the half of the experts of this rank's place
+                    want = want[(rank % 2) * (EXPERTS // 2):(rank % 2 + 1) * (EXPERTS // 2)]
                 torch.testing.assert_close(value, want, atol=tol, rtol=tol, msg=f"{rank} {name} {pname}")

@@ -1,5 +1,6 @@
 """ZeRO-3 with expert parallelism (strategies/zero/stage3/experts.py): ep=2 on 2 real processes
-equals the plain single-process loop with every expert local (fp32, 3 SGD steps).
+and ep=2 x 2 expert-data replicas on 4 equal the plain single-process loop with every expert
+local (fp32, 3 SGD steps).
 
 The model: two blocks of a dense linear layer and an MoE layer (4 experts, 2 per rank), a dense
 layer before them. Each rank trains on its own tokens; the reference runs every rank's tokens
@@ -127,15 +128,19 @@ def _ranks() -> dict:
     return {case: _case(rank, world, gate, clip) for case, (gate, clip) in CASES.items()}
 
 
-def test_zero3_with_expert_parallelism_equals_the_plain_loop(tmp_path):
-    results = run_ranks("test_moe_zero3:_ranks", 2, tmp_path, timeout=240)
-    tol = 8 * torch.finfo(torch.float32).eps * HIDDEN * WIDTH * 2 * STEPS
+@pytest.mark.parametrize("world", [2, 4])
+def test_zero3_with_expert_parallelism_equals_the_plain_loop(tmp_path, world):
+    """ep=2 on 2 ranks (each expert on one rank: never gathered) and ep=2 x 2 expert-data replicas
+    on 4 (each expert partitioned over its 2 replicas, gathered and reduce-scattered there)."""
+    results = run_ranks("test_moe_zero3:_ranks", world, tmp_path, timeout=240)
+    tol = 8 * torch.finfo(torch.float32).eps * HIDDEN * WIDTH * world * STEPS
     for rank, res in enumerate(results):
         for case, r in res.items():
             expert_units = {n: k for n, k in r["kinds"].items() if k[0]}
-            # one unit per local expert (a ModuleList child), each on an expert-data group of 1 rank
-            assert len(expert_units) == 2 * 2 and all(k == (True, 1, 4) for k in expert_units.values()), r["kinds"]
-            assert all(k[1] == 2 for n, k in r["kinds"].items() if not k[0]), r["kinds"]
+            # one unit per local expert (a ModuleList child), each over its expert-data-parallel group
+            assert len(expert_units) == 2 * 2, r["kinds"]
+            assert all(k == (True, world // 2, 4) for k in expert_units.values()), r["kinds"]
+            assert all(k[1] == world for n, k in r["kinds"].items() if not k[0]), r["kinds"]
             torch.testing.assert_close(r["losses"], r["ref_losses"], atol=tol, rtol=tol, msg=f"{rank} {case}")
             torch.testing.assert_close(r["aux"], r["ref_aux"], atol=tol, rtol=tol, msg=f"{rank} {case} aux")
             for name, value in r["params"].items():
