@@ -15,9 +15,10 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.nn.parallel.distributed import _find_tensors
 
 from . import instrument
-from .environment import release_at_exit
+from .environment import mesh_sizes, release_at_exit
 from .base import PROCESS_GROUP_TIMEOUT_S, Strategy
 from .moe.grads import expert_norm_sq, expert_params, reduce_expert_grads
+from .parallel import full_tensor, parallelize_tensor
 from .step_wrapper import StepWrapper
 from .options import check_bool, check_choice, config_from, expose_options
 from .zero.comm.collectives import all_gather_into
@@ -55,19 +56,22 @@ class DDPConfig:
 class DDPStrategy(Strategy):
     name = "ddp"
     #: gradients are averaged over ``replica_group`` (the ranks holding the same parameters)
-    mesh_axes = ("sequence", "tensor")
+    mesh_axes = ("sequence", "tensor")  # tensor_parallel=n: the module cut by its own tp_plan at set-up
     inference_mode_evaluation = True
     supports_float64 = True
     evaluates_without_optimizer = True
 
     def __init__(self, config: DDPConfig | None = None, *,
                  process_group_timeout_s: float = PROCESS_GROUP_TIMEOUT_S, sequence_parallel: int = 1,
-                 **options: Any) -> None:
+                 tensor_parallel: int = 1, **options: Any) -> None:
         super().__init__(process_group_timeout_s=process_group_timeout_s, sequence_parallel=sequence_parallel)
+        self.parallel_sizes = mesh_sizes(type(self).__name__, sequence=sequence_parallel, tensor=tensor_parallel)
         self.config = config_from(DDPConfig, config, options, "DDP")
 
     def setup_module(self, module) -> None:
         super().setup_module(module)
+        if self.mesh_size("tensor") > 1:  # the model's own plan (parallel/tensor_plan.py), before wrapping
+            parallelize_tensor(self.module, self.mesh_group("tensor"))
         if not self.distributed:
             return  # one process: DDP would only add overhead
         ids = [self.device.index] if self.device.type == "cuda" else None
@@ -148,9 +152,33 @@ class DDPStrategy(Strategy):
         if self._experts and self.model.require_backward_grad_sync:
             reduce_expert_grads(self._experts, dist.get_world_size())
 
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Collective; with a tensor axis, each tensor-parallel parameter gathered whole."""
+        state = super().full_state_dict()
+        group = self.mesh_group("tensor")
+        if group is None:
+            return state
+        whole = {n: full_tensor(p, group).cpu() for n, p in self.module.named_parameters(remove_duplicate=False)
+                 if hasattr(p, "tensor_parallel")}
+        return {k: whole.get(k, v) for k, v in state.items()}
+
+    def param_shards(self):
+        self._refuse_tensor_parallel("checkpoints")
+        return super().param_shards()
+
+    def load_param_shards(self, reader) -> None:
+        self._refuse_tensor_parallel("checkpoints")
+        super().load_param_shards(reader)
+
+    def _refuse_tensor_parallel(self, what: str) -> None:
+        if self.mesh_size("tensor") > 1:
+            raise NotImplementedError(f"DDP(tensor_parallel={self.mesh_size('tensor')}): {what} of tensor-parallel "
+                                      f"parameters are not built yet (strategies/README.md, tensor parallelism)")
+
     def _grad_norm(self) -> torch.Tensor:
         """With experts (moe/): the dense gradients' norm as the base computes it, joined with the
         norm of every expert of the model (each rank holds only its own: ``expert_norm_sq``)."""
+        self._refuse_tensor_parallel("gradient clipping by norm")
         if not self._experts:
             return super()._grad_norm()
         experts = {id(p.grad) for p in self._experts if p.grad is not None}

@@ -91,9 +91,16 @@ def resolve_style(spec, module: nn.Module, where: str) -> tuple[str, int]:
 
 
 def plan_of(model: nn.Module) -> dict:
-    """The model's own plan: ``model.tp_plan`` (Hugging Face), else ``model._tp_plan``."""
+    """The model's own plan: ``model.tp_plan`` (Hugging Face), else ``model._tp_plan``; for a
+    module that declares none (a TrainModule holding a model), its outermost submodules' plans,
+    each key prefixed by the submodule's path."""
     plan = getattr(model, "tp_plan", None) or getattr(model, "_tp_plan", None)
-    return dict(plan or {})
+    if plan:
+        return dict(plan)
+    out: dict = {}
+    for name, child in model.named_children():
+        out.update({f"{name}.{key}": spec for key, spec in plan_of(child).items()})
+    return out
 
 
 def _pattern(key: str) -> re.Pattern:

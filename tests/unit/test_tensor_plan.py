@@ -60,3 +60,13 @@ def test_packed_shards_take_every_block_by_heads_and_join_back():
     assert torch.equal(TensorShard(0, 4, 0, 3).join(parts), whole)
     with pytest.raises(ValueError, match="does not divide into 3 block"):
         TensorShard(dim=0, size=4, rank=0, chunks=3).cut(torch.zeros(18, 2))
+
+
+def test_a_module_without_a_plan_takes_its_submodules_plans_under_their_paths():
+    from zerotrain.strategies.parallel import plan_of
+
+    holder = nn.Module()
+    holder.gpt = GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=1, n_head=2, n_embd=8))
+    holder.head = nn.Linear(2, 2)
+    plan = plan_of(holder)
+    assert plan == {f"gpt.{k}": v for k, v in GPT.tp_plan.items()} and plan_of(holder.gpt) == GPT.tp_plan
