@@ -178,6 +178,10 @@ class Strategy(Ranks):
         the Trainer (and Engine) before any rank starts. Every size the mesh's axes divide."""
         self.check_mesh(world_size)
 
+    def check_precision(self, precision: "Precision", name: str) -> None:
+        """Raise ValueError when this strategy's options cannot run under ``precision`` (named
+        ``name``); called by the Trainer (and Engine) before any rank starts. Any by default."""
+
     def setup_environment(self) -> None:
         init_process_group(self.info, self.device, self.process_group_timeout_s)
         self.build_mesh()

@@ -35,6 +35,14 @@ class ZeroConfig:
     overlap_comm: bool = True
     #: dtype of the gradient reduction and of the gradient partitions
     reduce_dtype: str = "fp32"
+    #: dtype of this rank's master partitions, the gradients the optimizer reads and (with the
+    #: user's optimizer, which makes its state like its parameters) its state: "fp32", or the
+    #: precision's own 16-bit type ("bf16" under bf16-mixed, "fp16" under 16-mixed), when the
+    #: master partition *is* the working one, stepped in place (DeepSpeed's
+    #: ``bf16_master_weights_and_grads`` / ``fp16_master_weights_and_grads``): 2 bytes per
+    #: element instead of 4 (+4) for the master, and the step's rounding is the optimizer's in
+    #: that type
+    master_dtype: str = "fp32"
     #: "all_reduce" (all-reduce a bucket, keep your slice), "reduce_scatter" (each rank receives
     #: only its slice; on gloo one all-to-all), or "auto": reduce_scatter, except stages 1 and 2
     #: on gloo with more than 2 ranks (see ``resolved_reduce_mode``)
@@ -76,11 +84,26 @@ class ZeroConfig:
         for f in ("overlap_comm", "comms_logger", "quantize_gradients"):
             check_bool("ZeRO", f, getattr(self, f))
         check_choice("ZeRO", "reduce_dtype", self.reduce_dtype, REDUCE_DTYPES)
+        check_choice("ZeRO", "master_dtype", self.master_dtype, REDUCE_DTYPES)
         check_choice("ZeRO", "reduce_mode", self.reduce_mode, REDUCE_MODES)
 
     @property
     def torch_reduce_dtype(self) -> torch.dtype:
         return REDUCE_DTYPES[self.reduce_dtype]
+
+    @property
+    def torch_master_dtype(self) -> torch.dtype:
+        return REDUCE_DTYPES[self.master_dtype]
+
+    def check_master_dtype(self, param_dtype: torch.dtype, precision: str) -> None:
+        """A 16-bit ``master_dtype`` is the working partition itself, so it must be the working
+        parameters' type (``param_dtype`` of ``precision``)."""
+        if self.master_dtype != "fp32" and self.torch_master_dtype != param_dtype:
+            same = next((k for k, v in REDUCE_DTYPES.items() if v == param_dtype), None)
+            valid = "fp32" + (f" or {same}" if same not in (None, "fp32") else "")
+            raise ValueError(f"ZeRO: master_dtype={self.master_dtype!r} with precision={precision!r} (working "
+                             f"parameters {str(param_dtype).replace('torch.', '')}): 16-bit masters are the "
+                             f"working partitions, stepped in place; valid: {valid}")
 
     def resolved_reduce_mode(self, backend: str, world: int, even_pieces: bool = False) -> str:
         """``reduce_mode``, "auto" resolved: reduce_scatter, which on gloo is one all-to-all

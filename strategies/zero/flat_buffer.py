@@ -116,13 +116,15 @@ def _nothing() -> None:
 
 
 def flatten_group(params: Sequence[nn.Parameter], layout: GroupLayout, dtype: torch.dtype, rank: int,
-                  queue: InFlightQueue, group: object = None) -> tuple[FlatParamGroup, torch.Tensor]:
+                  queue: InFlightQueue, group: object = None, master_dtype: torch.dtype = torch.float32
+                  ) -> tuple[FlatParamGroup, torch.Tensor]:
     """Collective: move ``params`` into a new flat buffer of ``dtype`` holding rank 0's values
     (broadcast, as DDP does at start; ``group``'s rank 0 for a subgroup) and return it with this
     rank's fp32 master slice (``rank``: this process's rank in ``group``).
 
-    In fp32 the master slice is a view of the working buffer (no second copy of the owned
-    elements); otherwise it is an fp32 copy taken before the cast, so masters start exact."""
+    When ``master_dtype`` is the working dtype (fp32, or 16-bit masters: ``ZeroConfig.master_dtype``)
+    the master slice is a view of the working buffer (no second copy of the owned elements);
+    otherwise it is an fp32 copy taken before the cast, so masters start exact."""
     device = params[0].device if params else torch.device("cpu")
     full = torch.zeros(layout.padded_numel, dtype=torch.float32, device=device)
     for p, span in zip(params, layout.spans):
@@ -132,6 +134,9 @@ def flatten_group(params: Sequence[nn.Parameter], layout: GroupLayout, dtype: to
     lo, hi = layout.partition_range(rank)
     if dtype == torch.float32:
         flat, master = full, full[lo:hi]
+    elif master_dtype == dtype:
+        flat = full.to(dtype)
+        master = flat[lo:hi]
     else:
         flat, master = full.to(dtype), full[lo:hi].clone()
     fg = FlatParamGroup(params, layout, flat)

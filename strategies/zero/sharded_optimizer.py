@@ -1,4 +1,5 @@
-"""This rank's fp32 master slices, with the user's own optimizer object re-targeted onto them.
+"""This rank's master slices (fp32, or the working 16-bit type: ``ZeroConfig.master_dtype``), with
+the user's own optimizer object re-targeted onto them.
 
 Re-targeting: group i's ``"params"`` becomes ``[master_i]`` (one fp32 leaf tensor holding this
 rank's partition of group i) and the optimizer's (still empty) state is cleared. The object the
@@ -24,6 +25,9 @@ from .comm.collectives import gather_to
 from .comm.inflight import InFlightQueue
 from .layout import GroupLayout
 
+#: the dtypes a master slice may have (16-bit: the working partition itself, ``ZeroConfig.master_dtype``)
+MASTER_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
 
 class ShardedOptimizer:
     def __init__(self, optimizer: torch.optim.Optimizer,
@@ -40,19 +44,19 @@ class ShardedOptimizer:
         for group, master in zip(optimizer.param_groups, masters):
             slices = [master] if isinstance(master, torch.Tensor) else list(master)
             for m in slices:
-                if m.dtype != torch.float32:
-                    raise ValueError(f"master slices must be fp32, got {m.dtype}")
+                if m.dtype not in MASTER_DTYPES:
+                    raise ValueError(f"master slices must be fp32, bf16 or fp16, got {m.dtype}")
             group["params"] = slices
             self.masters.extend(slices)
         optimizer.state.clear()
         self.optimizer = optimizer
 
     def set_grads(self, grads: Sequence[torch.Tensor]) -> None:
-        """Give each master slice its fp32 gradient slice (same size) for the next ``step()``."""
+        """Give each master slice its gradient slice (same size and dtype) for the next ``step()``."""
         for m, g in zip(self.masters, grads):
-            if g.shape != m.shape or g.dtype != torch.float32:
+            if g.shape != m.shape or g.dtype != m.dtype:
                 raise ValueError(f"gradient slice {tuple(g.shape)} {g.dtype} does not match master "
-                                 f"{tuple(m.shape)} fp32")
+                                 f"{tuple(m.shape)} {m.dtype}")
             m.grad = g
 
     def clear_grads(self) -> None:
@@ -84,13 +88,14 @@ class ShardedOptimizer:
 
     def gather_full(self, index: int, layout: GroupLayout, rank: int, queue: InFlightQueue,
                     group: object = None, dst: int = 0) -> torch.Tensor | None:
-        """Collective: the complete fp32 flat buffer of group ``index`` on ``dst``, None elsewhere."""
+        """Collective: the complete flat master buffer (the masters' dtype) of group ``index`` on
+        ``dst``, None elsewhere."""
         master = self.masters[index].detach()
         if layout.padded_numel == 0:
             return torch.zeros(0) if rank == dst else None
         full = outs = None
         if rank == dst:
-            full = torch.empty(layout.padded_numel, dtype=torch.float32, device=master.device)
+            full = torch.empty(layout.padded_numel, dtype=master.dtype, device=master.device)
             outs = [full[slice(*layout.partition_range(r))] for r in range(layout.world_size)]
         queue.complete(gather_to(master.contiguous(), outs, dst, group), master, label="gather masters")
         return full

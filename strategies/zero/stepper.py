@@ -139,10 +139,10 @@ class ShardedStepper:
 
     # ------------------------------------------------------------------ pieces of the step
     def gradients(self, partitions: list[torch.Tensor], sharded: ShardedOptimizer) -> list[torch.Tensor]:
-        """fp32 copies of this rank's reduced gradient slices (the partitions themselves when fp32),
-        attached to the master slices."""
+        """This rank's reduced gradient slices in the masters' dtype (the partitions themselves
+        when already in it, else copies), attached to the master slices."""
         if self._grads is None:
-            self._grads = [g if g.dtype == torch.float32 else g.float() for g in partitions]
+            self._grads = [g if g.dtype == m.dtype else g.to(m.dtype) for g, m in zip(partitions, sharded.masters)]
             sharded.set_grads(self._grads)
         return self._grads
 
@@ -155,8 +155,8 @@ class ShardedStepper:
         return 1.0
 
     def scale(self, grads: list[torch.Tensor], coef: torch.Tensor) -> None:
-        for g in grads:
-            g.detach().mul_(coef.to(g.dtype))
+        for g in grads:  # a 16-bit slice (16-bit masters) times the fp32 coefficient, rounded once
+            g.detach().mul_(coef if coef.dim() == 0 else coef.to(g.dtype))
 
     def clamp(self, grads: list[torch.Tensor], value: float, loss_scale: float) -> None:
         """Value clipping: element-wise, so this rank's partitions clamp its share of the gradient."""

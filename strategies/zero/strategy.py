@@ -137,6 +137,9 @@ class ZeroStrategy(Strategy):
         self.stepper: Stepper = stepper if stepper is not None else ShardedStepper()
         self.stepper.check_stage(self.stage)
         self.name = self.stepper.name or type(self).name
+        if self.config.master_dtype != "fp32" and self.stepper.policy is not None:
+            raise ValueError(f"{self.name}: master_dtype={self.config.master_dtype!r} with offload: the offload "
+                             "stepper's kernel steps fp32 masters; valid: 'fp32'")
         #: where masters and optimizer state live (None: with the working parameters)
         self.offload = self.stepper.policy
         #: with ``buckets.overlap_param_gather`` the post-step all-gathers are left in flight;
@@ -155,6 +158,9 @@ class ZeroStrategy(Strategy):
         self._norm_plan: list[ParamNorm] | None = None  # planned at the first clip by norm
 
     # ------------------------------------------------------------------ set-up
+    def check_precision(self, precision: Any, name: str) -> None:
+        self.config.check_master_dtype(precision.param_dtype, name)
+
     def setup_environment(self) -> None:
         """The process group, then the host allocator's threshold (``host_mmap_threshold``) and,
         on a CPU rank, the host cache (``host_cache_min_bytes``) on this rank, before the model is
@@ -169,6 +175,7 @@ class ZeroStrategy(Strategy):
         assert self.module is not None, "setup_module must run before setup_optimizer"
         refuse_shared(self, optimizer)
         self.stepper.check(self.stage, self.device, optimizer, self.precision)
+        self.check_precision(self.precision, type(self.precision).__name__)
         groups = trainable_groups(optimizer, self.module)
         self._broadcast_extras()
         masters = []
@@ -176,7 +183,7 @@ class ZeroStrategy(Strategy):
             layout = build_layout([p.numel() for p in params], self.replica_world_size,
                                   self.config.partition_alignment)
             fg, master = flatten_group(params, layout, self.precision.param_dtype, self.replica_rank,
-                                       self.queue, self.group)
+                                       self.queue, self.group, self.config.torch_master_dtype)
             self.flat_groups.append(fg)
             masters.append(master)
         self.optimizer = optimizer

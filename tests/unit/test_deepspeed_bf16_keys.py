@@ -1,9 +1,10 @@
 """DeepSpeed 0.19.8's ``torch_autocast`` section and its ``bf16.bf16_master_weights_and_grads`` /
 ``bf16.bf16_optimizer_states`` (DeepSpeedExamples' training/bf16_master_weight/configs/bf16_full.json):
 zerotrain ignored all three, so its bf16_full run equalled its baseline run where DeepSpeed's differs
-(bench/CONFORMANCE.md). The forward now autocasts as DeepSpeed's. The master keys are refused when
-true (DeepSpeed then steps bf16 master partitions, zerotrain's ZeRO has fp32 ones only), after
-DeepSpeed's own refusals of their bad combinations."""
+(bench/CONFORMANCE.md). The forward now autocasts as DeepSpeed's. Both master keys true without
+offload are ZeRO's ``master_dtype="bf16"`` (bf16 master partitions and moments, as DeepSpeed's);
+every combination DeepSpeed refuses is refused with its rule, and the offload ones (DeepSpeedCPUAdam
+stepping bf16 partitions) as not implemented."""
 from __future__ import annotations
 
 import pytest
@@ -34,20 +35,33 @@ def test_the_keys_are_read():
     assert cfg(1, torch_autocast={"enabled": True}).torch_autocast_dtype == torch.get_autocast_dtype("cpu")
 
 
-@pytest.mark.parametrize("stage,offload", [(1, False), (2, False), (3, False), (2, True), (3, True)])
-@pytest.mark.parametrize("bf16", [{"enabled": True, "bf16_master_weights_and_grads": True},
-                                  {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True},
-                                  {"enabled": False, "bf16_master_weights_and_grads": True}])
-def test_bf16_masters_are_refused_where_deepspeed_would_step_bf16_partitions(bf16, stage, offload):
-    """Every combination DeepSpeed accepts gives it bf16 master partitions (its
-    ``_configure_master_weights``; whether or not ``bf16.enabled``); zerotrain's are fp32, so the
-    run would differ: a one-line ConfigError naming the key, before any process group or model."""
-    zero = {"stage": stage, **({"offload_optimizer": {"device": "cpu"}} if offload else {})}
-    with pytest.raises(ConfigError, match=r"^bf16\.bf16_master_weights_and_grads=True: not implemented .*"
-                                          r"valid: false \(DeepSpeed's default\)$"):
-        cfg(2, zero_optimization=zero, bf16=bf16)
-    with pytest.raises(ConfigError, match=r"^bfloat16\.bf16_master_weights_and_grads=True: not implemented"):
-        cfg(2, zero_optimization=zero, bfloat16=bf16)  # DeepSpeed's other spelling of the section
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("key", ["bf16", "bfloat16"])  # DeepSpeed's two spellings of the section
+def test_bf16_masters_and_states_are_zeros_bf16_master_dtype(stage, key):
+    """Both keys true without offload: DeepSpeed steps bf16 master partitions with bf16 moments on
+    the device (``_configure_master_weights`` calls no offload check then): ``master_dtype="bf16"``."""
+    c = cfg(2, zero_optimization={"stage": stage}, **{key: FULL["bf16"]})
+    assert c.strategy_options["master_dtype"] == "bf16" and c.make_strategy().config.master_dtype == "bf16"
+    assert "master_dtype" not in cfg(2, zero_optimization={"stage": stage}, bf16={"enabled": True}).strategy_options
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_bf16_master_combinations_are_refused_as_deepspeed_refuses_them_or_named(stage):
+    """DeepSpeed: fp32 moments beside bf16 masters (``bf16_optimizer_states`` false) need ZeRO-Offload
+    with DeepSpeedCPUAdam; under offload it steps bf16 partitions with DeepSpeedCPUAdam, which zerotrain's
+    offload kernel does not (fp32 masters): refused, naming the key. One line, before any process."""
+    offload = {"stage": stage, "offload_optimizer": {"device": "cpu"}}
+    master_only = {"enabled": True, "bf16_master_weights_and_grads": True}
+    with pytest.raises(ConfigError, match=r"^bf16\.bf16_master_weights_and_grads=True without bf16\.bf16_optimizer_"
+                                          r"states and without zero_optimization\.offload_optimizer: .*DeepSpeed's rule"):
+        cfg(2, zero_optimization={"stage": stage}, bf16=master_only)
+    for bf16 in (master_only, FULL["bf16"]):
+        with pytest.raises(ConfigError, match=r"^bf16\.bf16_master_weights_and_grads=True with zero_optimization\."
+                                              r"offload_optimizer: not implemented .*valid: no offload_optimizer"):
+            cfg(2, zero_optimization=offload, bf16=bf16)
+    with pytest.raises(ConfigError, match=r"^bfloat16\.bf16_master_weights_and_grads=True with bfloat16\.enabled "
+                                          r"false: .*valid: bfloat16\.enabled true$"):
+        cfg(2, zero_optimization={"stage": stage}, bfloat16={**FULL["bf16"], "enabled": False})
 
 
 @pytest.mark.parametrize("keys,match", [
@@ -95,13 +109,20 @@ def test_stage_0_sums_gradients_in_the_16bit_type_as_deepspeed():
                                                    (2, True, False), (2, False, True)])
 def test_fp16_masters_are_refused_too(stage, offload, enabled):
     """``fp16.fp16_master_weights_and_grads`` was reported as "no effect"; DeepSpeed 0.19.8 keeps fp16
-    master partitions with it (``_configure_master_weights``; offload with DeepSpeedCPUAdam, or its
-    assert): refused as the bf16 keys. False stays read, not reported (DeepSpeedExamples' cifar)."""
+    master partitions with it, always under offload with DeepSpeedCPUAdam (``_configure_master_weights``
+    calls its offload check for fp16 whatever the states): without offload DeepSpeed's refusal, with it
+    not implemented (zerotrain's offload kernel steps fp32 masters). False stays read, not reported
+    (DeepSpeedExamples' cifar)."""
     zero = {"stage": stage, **({"offload_optimizer": {"device": "cpu"}} if offload else {})}
-    with pytest.raises(ConfigError, match=r"^fp16\.fp16_master_weights_and_grads=True: not implemented .*"
-                                          r"valid: false \(DeepSpeed's default\)$"):
+    match = (r"^fp16\.fp16_master_weights_and_grads=True with zero_optimization\.offload_optimizer: not implemented "
+             r".*valid: false \(DeepSpeed's default\)$" if offload else
+             r"^fp16\.fp16_master_weights_and_grads=True without zero_optimization\.offload_optimizer: .*DeepSpeed's rule")
+    with pytest.raises(ConfigError, match=match):
         cfg(2, zero_optimization=zero, fp16={"enabled": enabled, "fp16_master_weights_and_grads": True})
     with pytest.raises(ConfigError, match=r"stage=0; valid: stage 1, 2 or 3 \(DeepSpeed's rule\)"):
         cfg(2, zero_optimization={"stage": 0}, fp16={"enabled": enabled, "fp16_master_weights_and_grads": True})
+    with pytest.raises(ConfigError, match=r"mutually exclusive \(DeepSpeed's rule\)"):
+        cfg(2, zero_optimization=zero, fp16={"enabled": False, "fp16_master_weights_and_grads": True},
+            bf16=FULL["bf16"])
     quiet = cfg(2, zero_optimization=zero, fp16={"enabled": enabled, "fp16_master_weights_and_grads": False})
     assert not [k for k in quiet.ignored if "fp16_master" in k]

@@ -34,6 +34,7 @@ def plugins(owner: str, strategy: str | Strategy, precision: str | int, world_si
     try:
         plugin, built = precision_from_name(precision), strategy_from_name(strategy)
         built.check_world_size(detect(world_size).world_size)  # before any rank starts; under torchrun, its world
+        built.check_precision(plugin, str(precision))
         if plugin.param_dtype == torch.float64 and not built.supports_float64:
             raise ValueError(f"precision={precision!r} with strategy={built.name!r}: float64 training keeps the "
                              "module whole; valid: strategy='single' or 'ddp' (or another precision)")

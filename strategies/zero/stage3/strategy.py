@@ -115,6 +115,7 @@ class ZeroStage3(ZeroStrategy):
 
     def setup_module(self, module: nn.Module) -> None:
         partitioned.refuse_other(module, self)
+        self.check_precision(self.precision, type(self.precision).__name__)
         meta = [n for n, p in module.named_parameters() if p.device.type == "meta"]
         if meta:
             raise ValueError(f"zero3: parameters {meta[:5]} are on the meta device; build the model in "
@@ -214,6 +215,8 @@ class ZeroStage3(ZeroStrategy):
                     inflight=self.queue, quant=self._quantization())
         if kind is not None:
             unit.use_group(where.group, self.replica_world_size)
+        if self.config.master_dtype != "fp32":  # checked: the working dtype
+            unit.master_in_working()
         unit.load_full(flat)
         self.stepper.place_unit(unit, self.global_rank)  # offload: shards to files, unit by unit
         return unit

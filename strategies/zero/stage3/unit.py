@@ -255,6 +255,11 @@ class Unit:
             self.full.untyped_storage().resize_(0)
 
     # ------------------------------------------------------------------ values
+    def master_in_working(self) -> None:
+        """16-bit masters (``ZeroConfig.master_dtype`` = the working dtype): the working partition
+        is the master, stepped in place; the separate fp32 master is dropped. Before ``load_full``."""
+        self.master = self.working
+
     def load_full(self, flat: torch.Tensor) -> None:
         """Take this rank's partition of the unit's full flat values (fp32 or working dtype, at
         least ``layout.numel`` elements) as master and working copy."""
@@ -281,11 +286,11 @@ class Unit:
             self.inflight.complete(all_gather_into(self.full, mine, group), mine, label="zero3 refresh")
 
     def gather_master(self, dst: int, group: object = None) -> torch.Tensor | None:
-        """Collective: the unit's fp32 flat values on ``dst`` (None elsewhere)."""
+        """Collective: the unit's flat master values (the masters' dtype) on ``dst`` (None elsewhere)."""
         group = self.comm_group(group)
         full = outs = None
         if self.rank == dst:
-            full = torch.empty(self.layout.padded_numel, dtype=torch.float32, device=self.device)
+            full = torch.empty(self.layout.padded_numel, dtype=self.master.dtype, device=self.device)
             outs = [full[slice(*self.layout.partition_range(r))] for r in range(self.layout.world_size)]
         mine = self.master.detach().contiguous()
         self.inflight.complete(gather_to(mine, outs, dst, group), mine, label="zero3 gather masters")

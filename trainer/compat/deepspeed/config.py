@@ -209,7 +209,10 @@ def parse(config: "str | os.PathLike | Mapping[str, Any]", world_size: int) -> D
         raise _fail("gradient_clipping", clip, "not a number >= 0", "0 (off) or a positive max norm")
     out["gradient_clipping"] = float(clip)
     out.update(_precision(raw, reader))
+    master = out.pop("master_dtype", None)  # bf16 masters: ZeRO's master_dtype (stages 1-3, checked)
     out.update(_zero(raw, reader, world_size))
+    if master:
+        out["strategy_options"]["master_dtype"] = master
     comm = _communication_dtype(raw, out["precision"])
     if out["strategy"] != "single" and comm != "fp32":  # gradients summed in DeepSpeed's communication_data_type
         out["strategy_options"].setdefault("reduce_dtype", comm)

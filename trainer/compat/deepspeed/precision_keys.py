@@ -3,13 +3,13 @@
 section.
 
 * ``bf16_master_weights_and_grads`` (ZeRO 1-3 only) and ``bf16_optimizer_states`` (only with it):
-  DeepSpeed then keeps this rank's master partition and its gradient in bf16 and steps it there
-  (with bf16 moments, or, without ``bf16_optimizer_states``, only under ZeRO-Offload with
-  DeepSpeedCPUAdam's fp32 moments). zerotrain's ZeRO keeps fp32 masters, gradients and moments for
-  16-bit weights (``strategies/zero/flat_buffer.py``, ``sharded_optimizer.py``; its CPU Adam kernel
-  steps fp32 masters), so a run with either key true would train differently from DeepSpeed's: both
-  are refused (after DeepSpeed's own rules for them); false, DeepSpeed's default, is what runs.
-  ``fp16_master_weights_and_grads`` likewise (fp16 master partitions, under offload);
+  DeepSpeed then keeps this rank's master partition and its gradient in bf16 and steps it there,
+  with bf16 moments (the optimizer makes its state like its parameters) or, without
+  ``bf16_optimizer_states``, only under ZeRO-Offload with DeepSpeedCPUAdam's fp32 moments. Both
+  true without offload is ZeRO's ``master_dtype="bf16"`` here (the working bf16 partition is the
+  master, stepped in place by the user's optimizer); the offload combinations are refused (the
+  offload kernel steps fp32 masters), as is every combination DeepSpeed refuses.
+  ``fp16_master_weights_and_grads``: DeepSpeed keeps fp16 masters only under offload: refused;
 * ``torch_autocast``: DeepSpeed runs the engine's forward under ``torch.autocast(device, dtype)``
   (``enabled``, ``dtype`` in DeepSpeed's spellings); ``lower_precision_safe_modules`` picks the
   parameters whose gradients DeepSpeed reduces in that type; zerotrain reduces all of them in one type
@@ -29,43 +29,74 @@ _DTYPES = {**dict.fromkeys(("torch.float16", "fp16", "float16", "half"), torch.f
            **dict.fromkeys(("torch.bfloat16", "bf16", "bfloat16"), torch.bfloat16)}
 
 
-def check_bf16_keys(raw: Mapping[str, Any], key: str, flag: Any) -> None:
-    """DeepSpeed's rules for the two keys (its config asserts them whether or not bf16 is enabled),
-    then a refusal of either one true: zerotrain has no bf16 master weights (module docstring)."""
-    section, zero = raw.get(key) or {}, raw.get("zero_optimization") or {}
+def _zero_stage_and_offload(raw: Mapping[str, Any]) -> tuple[Any, bool]:
+    zero = raw.get("zero_optimization") or {}
+    if not isinstance(zero, Mapping):
+        return 0, False
+    section = zero.get("offload_optimizer") or {}
+    device = section.get("device", "none") if isinstance(section, Mapping) else "none"
+    return zero.get("stage", 0), device in ("cpu", "nvme")
+
+
+def check_bf16_keys(raw: Mapping[str, Any], key: str, flag: Any, bf16_on: bool) -> str | None:
+    """DeepSpeed's rules for the two keys (its config asserts them whether or not bf16 is enabled;
+    its ZeRO optimizers' ``_configure_master_weights``: without ``bf16_optimizer_states``, or under
+    offload, the masters need ZeRO-Offload with DeepSpeedCPUAdam); "bf16" when the masters are
+    bf16 (ZeRO's ``master_dtype``), None when they stay fp32."""
+    section = raw.get(key) or {}
     if not isinstance(section, Mapping):
-        return  # the caller names the malformed section
-    zero_stage = zero.get("stage", 0) if isinstance(zero, Mapping) else 0
+        return None  # the caller names the malformed section
+    zero_stage, offload = _zero_stage_and_offload(raw)
     master = flag(f"{key}.bf16_master_weights_and_grads", section.get("bf16_master_weights_and_grads", False))
     states = flag(f"{key}.bf16_optimizer_states", section.get("bf16_optimizer_states", False))
     if states and not master:
         raise ConfigError(f"{key}.bf16_optimizer_states=True without {key}.bf16_master_weights_and_grads; valid: "
                           "both true, or bf16_optimizer_states false (DeepSpeed's rule)")
-    if master and zero_stage not in (1, 2, 3):
+    if not master:
+        return None
+    if zero_stage not in (1, 2, 3):
         raise ConfigError(f"{key}.bf16_master_weights_and_grads=True: zero_optimization.stage={zero_stage}; valid: "
                           "stage 1, 2 or 3 (DeepSpeed's rule)")
-    for name, on in (("bf16_master_weights_and_grads", master), ("bf16_optimizer_states", states)):
-        if on:
-            raise ConfigError(f"{key}.{name}=True: not implemented (zerotrain's ZeRO keeps fp32 master weights, "
-                              "gradients and optimizer states, so the run would differ from DeepSpeed's bf16 "
-                              "ones); valid: false (DeepSpeed's default)")
+    fp16 = raw.get("fp16") or {}
+    if isinstance(fp16, Mapping) and flag("fp16.fp16_master_weights_and_grads",
+                                          fp16.get("fp16_master_weights_and_grads", False)):
+        raise ConfigError(f"fp16.fp16_master_weights_and_grads=True with {key}.bf16_master_weights_and_grads=True: "
+                          "mutually exclusive (DeepSpeed's rule); valid: at most one of them")
+    if not states and not offload:
+        raise ConfigError(f"{key}.bf16_master_weights_and_grads=True without {key}.bf16_optimizer_states and "
+                          "without zero_optimization.offload_optimizer: fp32 optimizer states beside bf16 masters "
+                          "need ZeRO-Offload with DeepSpeedCPUAdam (DeepSpeed's rule); valid: bf16_optimizer_states "
+                          "true, or offload_optimizer.device cpu")
+    if offload:
+        raise ConfigError(f"{key}.bf16_master_weights_and_grads=True with zero_optimization.offload_optimizer: not "
+                          "implemented (zerotrain's offload kernel steps fp32 masters); valid: no offload_optimizer "
+                          "with bf16_optimizer_states true (bf16 masters and moments on the device)")
+    if not bf16_on:
+        raise ConfigError(f"{key}.bf16_master_weights_and_grads=True with {key}.enabled false: zerotrain's 16-bit "
+                          f"masters are the working bf16 partitions; valid: {key}.enabled true")
+    return "bf16"
 
 
 def check_fp16_master_key(raw: Mapping[str, Any], flag: Any) -> None:
     """``fp16.fp16_master_weights_and_grads``: true, DeepSpeed 0.19.8 keeps fp16 master partitions
-    (ZeRO 1-3 under offload with DeepSpeedCPUAdam, whether or not ``fp16.enabled``); refused as the
-    bf16 keys are, after DeepSpeed's stage rule."""
-    section, zero = raw.get("fp16") or {}, raw.get("zero_optimization") or {}
+    and always requires ZeRO-Offload with DeepSpeedCPUAdam for them (``_configure_master_weights``,
+    whether or not ``fp16.enabled``); refused after DeepSpeed's rules: zerotrain's offload kernel
+    steps fp32 masters."""
+    section = raw.get("fp16") or {}
     if not isinstance(section, Mapping) or not flag("fp16.fp16_master_weights_and_grads",
                                                     section.get("fp16_master_weights_and_grads", False)):
         return
-    zero_stage = zero.get("stage", 0) if isinstance(zero, Mapping) else 0
+    zero_stage, offload = _zero_stage_and_offload(raw)
     if zero_stage not in (1, 2, 3):
         raise ConfigError(f"fp16.fp16_master_weights_and_grads=True: zero_optimization.stage={zero_stage}; valid: "
                           "stage 1, 2 or 3 (DeepSpeed's rule)")
-    raise ConfigError("fp16.fp16_master_weights_and_grads=True: not implemented (zerotrain's ZeRO keeps fp32 master "
-                      "weights, gradients and optimizer states, so the run would differ from DeepSpeed's fp16 "
-                      "ones); valid: false (DeepSpeed's default)")
+    if not offload:
+        raise ConfigError("fp16.fp16_master_weights_and_grads=True without zero_optimization.offload_optimizer: "
+                          "fp16 masters need ZeRO-Offload with DeepSpeedCPUAdam (DeepSpeed's rule); valid: "
+                          "offload_optimizer.device cpu, or false")
+    raise ConfigError("fp16.fp16_master_weights_and_grads=True with zero_optimization.offload_optimizer: not "
+                      "implemented (zerotrain's offload kernel steps fp32 masters); valid: false (DeepSpeed's "
+                      "default)")
 
 
 def torch_autocast_dtype(raw: Mapping[str, Any], flag: Any, ignored: list[str]) -> torch.dtype | None:

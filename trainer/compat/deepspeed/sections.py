@@ -120,11 +120,11 @@ def _precision(raw: Mapping[str, Any], reader: _Reader) -> dict[str, Any]:
     reader.take(bf16, f"{bf16_key}.", ("enabled", "bf16_master_weights_and_grads", "bf16_optimizer_states"), "bf16")
     if fp16_on and bf16_on:
         raise ConfigError(f"fp16.enabled=True, {bf16_key}.enabled=True: both; valid: at most one of them")
-    check_bf16_keys(raw, bf16_key, _flag)
+    master = check_bf16_keys(raw, bf16_key, _flag, bf16_on)
     check_fp16_master_key(raw, _flag)
     if not fp16_on:
         reader.take(fp16, "fp16.", ("enabled", "fp16_master_weights_and_grads"), "fp16")
-        return {"precision": "bf16-mixed" if bf16_on else "32"}
+        return {"precision": "bf16-mixed" if bf16_on else "32", **({"master_dtype": master} if master else {})}
     if fp16.get("loss_scale", 0) != 0:
         raise _fail("fp16.loss_scale", fp16["loss_scale"], "a static loss scale is not supported",
                     "0 (dynamic loss scaling)")
