@@ -18,7 +18,7 @@ from . import instrument
 from .environment import mesh_sizes, release_at_exit
 from .base import PROCESS_GROUP_TIMEOUT_S, Strategy
 from .moe.grads import expert_norm_sq, expert_params, reduce_expert_grads
-from .parallel import full_tensor, parallelize_tensor
+from .parallel import full_tensor, parallelize_tensor, tensor_parallel_norm
 from .step_wrapper import StepWrapper
 from .options import check_bool, check_choice, config_from, expose_options
 from .zero.comm.collectives import all_gather_into
@@ -177,8 +177,13 @@ class DDPStrategy(Strategy):
 
     def _grad_norm(self) -> torch.Tensor:
         """With experts (moe/): the dense gradients' norm as the base computes it, joined with the
-        norm of every expert of the model (each rank holds only its own: ``expert_norm_sq``)."""
-        self._refuse_tensor_parallel("gradient clipping by norm")
+        norm of every expert of the model (each rank holds only its own: ``expert_norm_sq``). With
+        a tensor axis: the sharded parameters' squares summed over the tensor group, the replicated
+        ones' (equal on its ranks) counted once."""
+        if self.mesh_size("tensor") > 1:
+            if self._experts:
+                raise NotImplementedError("DDP: experts (moe/) with tensor_parallel > 1 are not supported")
+            return tensor_parallel_norm(self.module.parameters(), self.step_gradients(), self.mesh_group("tensor"))
         if not self._experts:
             return super()._grad_norm()
         experts = {id(p.grad) for p in self._experts if p.grad is not None}

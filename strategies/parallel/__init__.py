@@ -13,11 +13,11 @@ May import: nothing."""
 from .hf import use_ulysses
 from .mesh import AXES, ParallelMesh
 from .sequence import sequence_mean, shard_sequence
-from .tensor import (ParallelLinear, TensorShard, VocabParallelEmbedding, full_tensor,
+from .tensor import (ParallelLinear, TensorShard, VocabParallelEmbedding, full_tensor, tensor_parallel_norm,
                      vocab_parallel_cross_entropy)
 from .tensor_plan import parallelize_tensor, plan_of
 from .ulysses import heads_to_sequence, repeat_kv_for, sequence_to_heads, ulysses_attention
 
 __all__ = ["AXES", "ParallelLinear", "ParallelMesh", "TensorShard", "VocabParallelEmbedding", "full_tensor",
            "heads_to_sequence", "parallelize_tensor", "plan_of", "repeat_kv_for", "sequence_mean", "sequence_to_heads",
-           "shard_sequence", "ulysses_attention", "use_ulysses", "vocab_parallel_cross_entropy"]
+           "shard_sequence", "tensor_parallel_norm", "ulysses_attention", "use_ulysses", "vocab_parallel_cross_entropy"]

@@ -133,6 +133,21 @@ def full_tensor(param: torch.Tensor, group) -> torch.Tensor:
     return shard.join(parts)
 
 
+def tensor_parallel_norm(params, grads, group) -> torch.Tensor:
+    """The L2 norm of the whole model's ``grads`` (those of ``params`` a step uses) where some
+    parameters are tensor-parallel: their squares summed over ``group``, the replicated ones'
+    (equal on every rank of it) counted once. Each part as ``torch.nn.utils.get_total_norm``."""
+    grads = {id(g) for g in grads}
+    sharded, replicated = [], []
+    for p in params:
+        if p.grad is not None and id(p.grad) in grads:
+            (sharded if hasattr(p, "tensor_parallel") else replicated).append(p.grad.detach().float())
+    zero = torch.zeros((), device=next(iter([*sharded, *replicated]), torch.zeros(())).device)
+    sq = torch.nn.utils.get_total_norm(sharded) ** 2 if sharded else zero.clone()
+    dist.all_reduce(sq, group=group)
+    return (sq + (torch.nn.utils.get_total_norm(replicated) ** 2 if replicated else zero)).sqrt()
+
+
 # ---------------------------------------------------------------------------- layers
 class ParallelLinear(nn.Module):
     """A ``nn.Linear`` cut over a tensor group, its parameters under the same names.

@@ -3,8 +3,9 @@ by its own plan (the demo GPT's ``GPT.tp_plan``, found inside the TrainModule) o
 group at set-up, and DDP averages gradients over the replicas (the ranks with the same tensor
 index). tp=2 on 2 ranks and dp=2 x tp=2 on 4 ranks train as the plain single-process loop over the
 same global batches; the loss is the vocabulary-parallel cross-entropy of the sharded logits.
-``trainer.full_state_dict()`` gathers the shards back; checkpoints and clipping by norm are refused
-(not built yet) rather than wrong.
+``trainer.full_state_dict()`` gathers the shards back; clipping by norm takes the whole model's
+norm (the sharded parameters' squares summed over the tensor group); checkpoints are refused (not
+built yet) rather than wrong.
 
 # tolerance: rel <= 1e-5 (issue 45's bound for fp32 against the plain loop), on the losses and on
 # every parameter after the steps (test_sequence_parallel_trainer's check).
@@ -16,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from harness import run_ranks
-from test_sequence_parallel_trainer import GPTModule, _assert_equal_to_reference
+from test_sequence_parallel_trainer import B, LR, RTOL, STEPS, GPTModule, _assert_equal_to_reference, _data, _gpt
 from zerotrain import Trainer
 
 pytestmark = pytest.mark.timeout(300)
@@ -35,19 +36,18 @@ class TensorParallelGPT(GPTModule):
         return loss
 
 
-def _fit(tensor_parallel: int, devices: int) -> dict:
+def _fit(tensor_parallel: int, devices: int, clip: float | None = None) -> dict:
     from zerotrain.strategies.ddp import DDPStrategy
 
     module = TensorParallelGPT()
     trainer = Trainer(strategy=DDPStrategy(tensor_parallel=tensor_parallel), devices=devices, max_steps=3,
-                      logger=False, enable_checkpointing=False, enable_progress_bar=False, precision="32")
+                      logger=False, enable_checkpointing=False, enable_progress_bar=False, precision="32",
+                      gradient_clip_val=clip)
     trainer.fit(module)
     s = trainer.strategy
     local = {n: p.numel() for n, p in module.gpt.named_parameters()}
     with pytest.raises(NotImplementedError, match=r"checkpoints of tensor-parallel parameters are not built yet"):
         s.param_shards()
-    with pytest.raises(NotImplementedError, match=r"gradient clipping by norm of tensor-parallel parameters"):
-        s._grad_norm()
     return {"params": {k.removeprefix("gpt."): v for k, v in trainer.full_state_dict().items()},
             "losses": module.losses, "dp": s.data_parallel_world_size, "tp_rank": s.mesh_rank("tensor"),
             "local": local, "c_fc": type(module.gpt.blocks[0].mlp.c_fc).__name__}
@@ -72,3 +72,30 @@ def test_dp2_by_tp2_ddp_on_4_ranks_trains_as_one_process(tmp_path):
     results = run_ranks("test_tensor_parallel_trainer:_fit", 4, tmp_path, timeout=280, tensor_parallel=2, devices=4)
     assert [r["tp_rank"] for r in results] == [0, 1, 0, 1]
     _check(results, 2)
+
+
+CLIP = 0.05
+
+
+def test_tp2_clipped_by_norm_trains_as_the_plain_clipped_loop(tmp_path):
+    """gradient_clip_val clips by the whole model's norm: the plain loop with
+    ``clip_grad_norm_`` (active at every step: the norm exceeds the clip)."""
+    results = run_ranks("test_tensor_parallel_trainer:_fit", 2, tmp_path, timeout=240, tensor_parallel=2, devices=2,
+                        clip=CLIP)
+    model, data = _gpt(), _data()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for step in range(STEPS):
+        ids, targets = data[torch.arange(B * step, B * (step + 1))]  # the loader, unshuffled on one replica
+        logits, _ = model(ids)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        losses.append(loss.item())
+        opt.zero_grad()
+        loss.backward()
+        assert torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP) > CLIP
+        opt.step()
+    got = results[0]["params"]
+    for name, want in model.state_dict().items():
+        err = ((got[name] - want).norm() / want.norm().clamp_min(1e-30)).item()
+        assert err <= RTOL, (name, err)
+    assert results[0]["losses"] == pytest.approx(losses, rel=RTOL) == results[1]["losses"]
