@@ -123,3 +123,53 @@ def test_hf_moe_with_expert_parallelism_equals_torch_ddp(arch, world, tmp_path):
                 if ".mlp.experts." in pname:  # the half of the experts of this rank's place
                     want = want[(rank % 2) * (EXPERTS // 2):(rank % 2 + 1) * (EXPERTS // 2)]
                 torch.testing.assert_close(value, want, atol=tol, rtol=tol, msg=f"{rank} {name} {pname}")
+
+
+# ---------------------------------------------------------------------------- under the Trainer
+class _Fit(_LM):
+    """Experts placed in ``configure_model`` (the process group exists by then; under zero3 it
+    runs inside the partitioned build, which the in-place cut leaves alone)."""
+
+    def __init__(self, ep: int) -> None:
+        super().__init__(_model("mixtral"))
+        self.ep, self.losses = ep, []
+
+    def configure_model(self):
+        if self.ep > 1:
+            from zerotrain.moe import use_expert_parallel
+            use_expert_parallel(self.model, self.ep)
+
+    def training_step(self, batch, idx):
+        loss = self(batch[0])
+        self.losses.append(loss.detach())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    def train_dataloader(self):
+        from torch.utils.data import DataLoader, TensorDataset
+        g = torch.Generator().manual_seed(1)
+        return DataLoader(TensorDataset(torch.randint(0, 64, (16, SEQ), generator=g)), batch_size=BATCH)
+
+
+def _trainer_fit(strategy: str, ep: int) -> list:
+    from zerotrain import Trainer
+
+    t = Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=STEPS, logger=False,
+                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    model = _Fit(ep)
+    t.fit(model)
+    return model.losses
+
+
+def test_the_trainer_fits_mixtral_with_expert_parallelism(tmp_path):
+    """The Trainer (2 ranks, AdamW) with Mixtral's experts placed at ep=2 under zero3 and DDP gives
+    every rank the losses of DDP with every expert everywhere."""
+    want = run_ranks("test_moe_hf:_trainer_fit", 2, tmp_path / "ref", timeout=300, strategy="ddp", ep=1)
+    tol = torch.finfo(torch.float32).eps * (2 * BATCH * SEQ) * STEPS
+    for strategy in ("ddp", "zero3"):
+        got = run_ranks("test_moe_hf:_trainer_fit", 2, tmp_path / strategy, timeout=300, strategy=strategy, ep=2)
+        for rank in (0, 1):
+            assert len(got[rank]) == STEPS
+            torch.testing.assert_close(got[rank], want[rank], atol=tol, rtol=tol, msg=f"{strategy} rank {rank}")
