@@ -13,18 +13,12 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ..instrument import blocking
-from .groups import expert_groups
+from .groups import ep_size_of, expert_groups
 
 
 def expert_params(module: nn.Module) -> dict[str, nn.Parameter]:
     """``name -> parameter`` of ``module``'s expert parameters (marked ``allreduce = False``)."""
     return {n: p for n, p in module.named_parameters() if getattr(p, "allreduce", True) is False}
-
-
-def _ep_size(name: str) -> int:
-    if not name.startswith("ep_size_"):
-        raise ValueError(f"expert group_name={name!r}; valid: 'ep_size_<n>' (DeepSpeed's names)")
-    return int(name[len("ep_size_"):])
 
 
 def reduce_expert_grads(params: list[nn.Parameter], world: int) -> None:
@@ -35,7 +29,7 @@ def reduce_expert_grads(params: list[nn.Parameter], world: int) -> None:
             by_group.setdefault(p.group_name, []).append(p)
     for name in sorted(by_group):
         grads = [p.grad for p in by_group[name]]
-        groups = expert_groups(_ep_size(name))
+        groups = expert_groups(ep_size_of(name))
         if len(groups.edp_ranks) > 1:
             flat = _flatten_dense_tensors(grads)
             with blocking("all_reduce", flat, groups.edp_group):
@@ -55,7 +49,7 @@ def expert_norm_sq(params: list[nn.Parameter]) -> torch.Tensor:
     total = torch.zeros(())
     for name in sorted(by_group):
         part = torch.nn.utils.get_total_norm(by_group[name], norm_type=2.0) ** 2
-        groups = expert_groups(_ep_size(name))
+        groups = expert_groups(ep_size_of(name))
         if len(groups.ep_ranks) > 1:
             with blocking("all_reduce", part, groups.ep_group):
                 dist.all_reduce(part, group=groups.ep_group)

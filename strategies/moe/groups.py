@@ -36,6 +36,13 @@ def group_name(ep_size: int) -> str:
     return f"ep_size_{ep_size}"
 
 
+def ep_size_of(name: str) -> int:
+    """The ``ep_size`` of an expert group named by :func:`group_name`; ValueError for another name."""
+    if not (isinstance(name, str) and name.startswith("ep_size_") and name[len("ep_size_"):].isdigit()):
+        raise ValueError(f"expert group_name={name!r}; valid: 'ep_size_<n>' (DeepSpeed's names)")
+    return int(name[len("ep_size_"):])
+
+
 def layout(world: int, ep_size: int) -> tuple[list[list[int]], list[list[int]]]:
     """(expert-parallel groups, expert-data-parallel groups), pure."""
     if ep_size < 1 or world % ep_size:

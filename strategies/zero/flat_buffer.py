@@ -28,6 +28,10 @@ class FlatParamGroup:
         self.params = list(params)
         self.layout = layout
         self.flat = flat
+        #: the process group that partitions this buffer (None: the default) and this rank's
+        #: index in it (``flatten_group`` sets both; an expert group's: its expert-data-parallel group)
+        self.group: object = None
+        self.rank = 0
 
     @property
     def dtype(self) -> torch.dtype:
@@ -140,5 +144,6 @@ def flatten_group(params: Sequence[nn.Parameter], layout: GroupLayout, dtype: to
     else:
         flat, master = full.to(dtype), full[lo:hi].clone()
     fg = FlatParamGroup(params, layout, flat)
+    fg.group, fg.rank = group, rank
     fg.bind()
     return fg, master

@@ -76,7 +76,7 @@ class ReplicatedGradients(BucketedReduction):
         exactly once; the slice is then averaged again. Reduction is linear, so this equals one
         reduction of everything accumulated, as DDP gives."""
         buf = self.buffers[g]
-        lo, hi = self.flat_groups[g].layout.partition_range(self.rank)
+        lo, hi = self.flat_groups[g].layout.partition_range(self.flat_groups[g].rank)
         buf[:lo].zero_()
         buf[hi:].zero_()
         buf[lo:hi].mul_(self.world)
@@ -154,7 +154,7 @@ class ReplicatedGradients(BucketedReduction):
         for g in range(len(self.flat_groups)):
             if self.stale[g]:  # read before a synchronising backward settled it (a step without one)
                 self._settle_group(g)
-        return [fg.partition(self.rank, buf) for fg, buf in zip(self.flat_groups, self.buffers)]
+        return [fg.partition(fg.rank, buf) for fg, buf in zip(self.flat_groups, self.buffers)]
 
     def close(self) -> None:
         self.remove_hooks()

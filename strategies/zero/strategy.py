@@ -40,6 +40,7 @@ from .comm.collectives import all_reduce_sum, backend, broadcast_from, global_ra
 from ..options import expose_options
 from .config import BucketConfig, Stage3Config, ZeroConfig, ZeroSpec
 from ..memory.formula import estimate_model_states, format_bytes
+from .experts import Partitioning, expert_norm_entries, group_kind, partitioning
 from .flat_buffer import FlatParamGroup, flatten_group
 from .comm.grad_norm import ParamNorm, exact_total_norm, plan_param
 from .hooks import ParamGatherHooks
@@ -149,6 +150,8 @@ class ZeroStrategy(Strategy):
         self._gather_plan: list | None = None  # planned at the first overlapped gather
         self.group: object = None  # the replicas' process group (None: the default group), at set-up
         self.flat_groups: list[FlatParamGroup] = []
+        #: who partitions each flat group: the replicas, or an expert group's EDP group (``experts.py``)
+        self._partitions: list[Partitioning] = []
         self.sharded: Any = None  # the stepper's optimizer (ShardedOptimizer, or offload's)
         self.grads: GradientShards | None = None
         self.reduce_mode: str | None = None  # "auto" resolved at setup_optimizer
@@ -177,13 +180,15 @@ class ZeroStrategy(Strategy):
         self.stepper.check(self.stage, self.device, optimizer, self.precision)
         self.check_precision(self.precision, type(self.precision).__name__)
         groups = trainable_groups(optimizer, self.module)
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        kinds = [group_kind(i, params, names) for i, params in enumerate(groups)]
         self._broadcast_extras()
+        self._partitions = [partitioning(k, self.group, self.replica_rank, self.replica_world_size) for k in kinds]
         masters = []
-        for params in groups:
-            layout = build_layout([p.numel() for p in params], self.replica_world_size,
-                                  self.config.partition_alignment)
-            fg, master = flatten_group(params, layout, self.precision.param_dtype, self.replica_rank,
-                                       self.queue, self.group, self.config.torch_master_dtype)
+        for params, part in zip(groups, self._partitions):
+            layout = build_layout([p.numel() for p in params], part.size, self.config.partition_alignment)
+            fg, master = flatten_group(params, layout, self.precision.param_dtype, part.rank, self.queue,
+                                       part.group, self.config.torch_master_dtype)
             self.flat_groups.append(fg)
             masters.append(master)
         self.optimizer = optimizer
@@ -193,7 +198,7 @@ class ZeroStrategy(Strategy):
 
     def _working_partitions(self) -> list[torch.Tensor]:
         """This rank's slice of each group's working buffer (what an offload stepper writes)."""
-        return [fg.partition(self.global_rank) for fg in self.flat_groups]
+        return [fg.partition(fg.rank) for fg in self.flat_groups]
 
     def _attach_stepper(self, sharded: ShardedOptimizer, working: list[torch.Tensor],
                         masters_external: bool = False) -> None:
@@ -306,9 +311,26 @@ class ZeroStrategy(Strategy):
 
     def _plan_norms(self) -> list[ParamNorm]:
         """Each trainable parameter in the optimizer's order, with where its gradient lies (one
-        master slot per flat group here)."""
-        return [plan_param(gi, p.shape, fg.layout, i, self.global_rank, lambda s, gi=gi: (gi, s))
-                for gi, fg in enumerate(self.flat_groups) for i, p in enumerate(fg.params)]
+        master slot per flat group here); an expert's once per expert-parallel place (``experts.py``)."""
+        plan: list[ParamNorm] = []
+        for gi, (fg, part) in enumerate(zip(self.flat_groups, self._partitions)):
+            if part.experts is not None:
+                plan += expert_norm_entries(gi, fg.params, fg.layout, part)
+            else:
+                plan += [plan_param(gi, p.shape, fg.layout, i, fg.rank, lambda s, gi=gi: (gi, s))
+                         for i, p in enumerate(fg.params)]
+        return plan
+
+    @property
+    def holds_experts(self) -> bool:
+        """Whether some flat group is an expert group's, partitioned over its EDP group."""
+        return any(part.experts is not None for part in self._partitions)
+
+    @property
+    def reduces_expert_gradients(self) -> bool:
+        """Expert parameters (moe/) are partitioned and reduced over their expert-data-parallel
+        group: stages 1/2 on the device (``experts.py``); others refuse them at set-up."""
+        return self.stage in (1, 2) and self.offload is None
 
     def _inner_step(self, loss_scale: float) -> None:
         self.stepper.step(self.sharded, loss_scale)
@@ -337,8 +359,7 @@ class ZeroStrategy(Strategy):
         stepped = set(range(len(self.flat_groups)) if self._step_groups is None else self._step_groups)
         if not self.buckets.overlap_param_gather:
             for fg, values in (x for g, x in enumerate(zip(self.flat_groups, updated)) if g in stepped):
-                fg.gather_from(values, self.global_rank, self.buckets.allgather_bucket_size,
-                               self.queue, self.group)
+                fg.gather_from(values, fg.rank, self.buckets.allgather_bucket_size, self.queue, fg.group)
             return
         # launch every chunk of every group, in the order forward first needs them, and return
         if self._gather_plan is None:
@@ -354,7 +375,7 @@ class ZeroStrategy(Strategy):
             self._param_hooks = ParamGatherHooks(self.queue, self.module,
                                                  [p for fg in self.flat_groups for p in fg.params])
         for _, g, s, e, single, writes in (c for c in self._gather_plan if c[1] in stepped):
-            item = self.flat_groups[g].launch_gather(updated[g], s, e, single, self.group)
+            item = self.flat_groups[g].launch_gather(updated[g], s, e, single, self.flat_groups[g].group)
             self.queue.push(item._replace(writes=writes), Work.PARAMS)
 
     # ------------------------------------------------------------------ memory and end

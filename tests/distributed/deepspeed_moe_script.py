@@ -3,11 +3,11 @@ with ``ep_size=2``, the optimizer over ``split_params_into_different_moe_groups_
 groups, ``deepspeed.initialize``, forward/backward/step. test_deepspeed_moe_script.py runs it with
 DeepSpeed 0.19.8 and again with the deepspeed import lines renamed to zerotrain.deepspeed.
 
-    python deepspeed_moe_script.py --deepspeed_config ds.json --out result --k 1 [--rts]
+    python deepspeed_moe_script.py --deepspeed_config ds.json --out result --k 1 [--rts] [--noisy Jitter]
 
 The experts start distinct (each filled from a generator seeded by its global index), each rank
 draws its own batches and seeds its gate's random draws (RTS, the second expert's sampling) per
-step alike on both libraries. Every rank saves its losses and final weights to ``<out>.<rank>.pt``.
+step alike on both libraries (also the Jitter noise's draws). Every rank saves its losses and final weights to ``<out>.<rank>.pt``.
 """
 import argparse
 
@@ -24,12 +24,12 @@ STEPS, EXPERTS, EP = 4, 4, 2
 
 
 class Net(nn.Module):
-    def __init__(self, k: int, rts: bool) -> None:
+    def __init__(self, k: int, rts: bool, noisy: str = None) -> None:
         super().__init__()
         self.inp = nn.Linear(8, 8)
         expert = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
         self.moe = MoE(8, expert, num_experts=EXPERTS, ep_size=EP, k=k, capacity_factor=1.0, min_capacity=1,
-                       use_rts=rts)
+                       use_rts=rts, noisy_gate_policy=noisy)
         self.out = nn.Linear(8, 4)
 
     def forward(self, x):
@@ -43,11 +43,12 @@ def main() -> None:
     parser.add_argument("--out")
     parser.add_argument("--k", type=int, default=1)
     parser.add_argument("--rts", action="store_true")
+    parser.add_argument("--noisy", default=None)  # noisy_gate_policy: Jitter, RSample
     args = parser.parse_args()
     deepspeed.init_distributed()
     rank = dist.get_rank()
     torch.manual_seed(0)
-    net = Net(args.k, args.rts)
+    net = Net(args.k, args.rts, args.noisy)
     local = EXPERTS // EP
     with torch.no_grad():
         for j, expert in enumerate(net.moe.deepspeed_moe.experts.deepspeed_experts):

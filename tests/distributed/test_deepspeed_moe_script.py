@@ -1,7 +1,9 @@
 """deepspeed_moe_script.py (DeepSpeed-MoE, ep_size=2, the optimizer over
 split_params_into_different_moe_groups_for_optimizer's groups) on 2 CPU ranks under DeepSpeed
 0.19.8 and, with its deepspeed imports renamed, under zerotrain.deepspeed: the same losses and
-final weights (experts included) at ZeRO stage 0, without gradient clipping (with it they differ
+final weights (experts included) at ZeRO stages 0, 1 and 2 (1/2: zerotrain partitions the expert
+groups over their expert-data-parallel group, DeepSpeed its ``moe`` param groups alike), k=1, k=1
+with random token selection, k=2, k=2 with the Jitter noise, without gradient clipping (with it they differ
 by design: DeepSpeed clips by the mean over ranks of each rank's norm of its dense and local expert
 gradients, zerotrain by the whole model's norm, every expert once, as DDP with all experts local). Tolerance: DeepSpeed's and torch DDP's sums
 differ in order only: fp32 eps times the steps times a reduction length bound."""
@@ -41,10 +43,12 @@ def _run(script: str, config: str, out: str, flags: list) -> dict:
     return torch.load(f"{out}.{dist.get_rank()}.pt", weights_only=True)
 
 
-@pytest.mark.parametrize("flags", [["--k", "1"], ["--k", "1", "--rts"], ["--k", "2"]], ids=["k1", "k1_rts", "k2"])
-def test_moe_script_trains_as_with_deepspeed(tmp_path, flags):
+@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("flags", [["--k", "1"], ["--k", "1", "--rts"], ["--k", "2"], ["--k", "2", "--noisy", "Jitter"]],
+                         ids=["k1", "k1_rts", "k2", "k2_jitter"])
+def test_moe_script_trains_as_with_deepspeed(tmp_path, flags, stage):
     config = tmp_path / "ds.json"
-    config.write_text(json.dumps(CONFIG))
+    config.write_text(json.dumps({**CONFIG, "zero_optimization": {"stage": stage}}))
     zt = tmp_path / "zt_script.py"
     zt.write_text(_zerotrain_script())
     out = {}

@@ -216,14 +216,14 @@ def test_ddp_reduces_experts_over_their_replicas_only(tmp_path, clip):
             torch.testing.assert_close(r[2]["state"][name], value, atol=tol, rtol=tol, msg=f"rank {rank} {name}")
 
 
-def _zero_refuses(stage: int) -> str:
-    from zerotrain.strategies import ZeroStage1, ZeroStage2, ZeroStage3
+def _refuses(name: str) -> str:
     from zerotrain.strategies.environment import detect
     from zerotrain.strategies.precision import Precision
+    from zerotrain.strategies.registry import strategy_from_name
     from harness import set_up_like_trainer
 
     _, world = init_dist()
-    strategy = {1: ZeroStage1, 2: ZeroStage2, 3: ZeroStage3}[stage](process_group_timeout_s=60)
+    strategy = strategy_from_name(name, process_group_timeout_s=60)
     try:
         set_up_like_trainer(strategy, _Net(2), detect(world), Precision())
     except ValueError as e:
@@ -231,8 +231,10 @@ def _zero_refuses(stage: int) -> str:
     return "accepted"
 
 
-@pytest.mark.parametrize("stage", [1, 2])  # ZeRO-3: tests/distributed/test_moe_zero3.py
-def test_zero_refuses_expert_parallel_models_until_it_reduces_them(tmp_path, stage):
-    """ZeRO would average different experts' gradients over the world: a clear error instead."""
-    for message in run_ranks("test_moe_ep:_zero_refuses", 2, tmp_path, timeout=120, stage=stage):
-        assert "is an expert's of ep_size_2" in message and "valid: strategy='ddp'" in message, message
+def test_offload_refuses_expert_parallel_models_until_it_reduces_them(tmp_path):
+    """ZeRO-2 with its optimizer offloaded (the host stepper) would average different experts'
+    gradients over the world: a clear error instead (ZeRO-1/2 on the device partition them over
+    their expert-data-parallel group: test_moe_zero12.py)."""
+    for message in run_ranks("test_moe_ep:_refuses", 2, tmp_path, timeout=120, name="offload_cpu"):
+        assert "is an expert's of ep_size_2" in message and "valid: strategy='ddp', 'zero1' or 'zero2'" in message, \
+            message

@@ -46,6 +46,11 @@ class ParamNorm:
     numel: int
     whole: bool  # lies in one rank's partition
     mine: tuple[LocalPiece, ...]  # the pieces in this rank's partition
+    #: the group a boundary parameter is assembled over (None: ``exact_total_norm``'s; an
+    #: expert's: its expert-data-parallel group, ``zero/experts.py``)
+    comm: object = None
+    #: whether this rank writes the boundary parameter's norm (None: ``exact_total_norm``'s ``leader``)
+    lead: bool | None = None
 
 
 def plan_param(group: int, shape: torch.Size, layout: GroupLayout, index: int, rank: int,
@@ -114,8 +119,8 @@ def exact_total_norm(plan: Sequence[ParamNorm], read: Reader, groups: set[int] |
         def put(i: int, t: torch.Tensor, p: ParamNorm = p, full: torch.Tensor = full) -> None:
             full[p.mine[i].param_start:p.mine[i].param_start + p.mine[i].numel].copy_(t)
         read([(pc.slot, pc.offset, pc.numel) for pc in p.mine], put)
-        complete(all_reduce_sum(full, group), full, "grad norm (boundary parameter)")
-        if leader:
+        complete(all_reduce_sum(full, group if p.comm is None else p.comm), full, "grad norm (boundary parameter)")
+        if leader if p.lead is None else p.lead:
             norms[k] = tensor_norms([full.view(p.shape)])[0]
     complete(all_reduce_sum(norms, group), norms, "grad norm")
     if not chosen:

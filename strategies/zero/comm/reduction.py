@@ -29,7 +29,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from .collectives import BufferPool, all_reduce_sum, owners_scratch, reduce_to_owners
+from .collectives import BufferPool, all_reduce_sum, owners_scratch, reduce_to_owners, world_size
 from ..flat_buffer import FlatParamGroup
 from ..hooks import GradientHooks
 from .inflight import InFlight, InFlightQueue, Work
@@ -86,10 +86,12 @@ class BucketedReduction:
         self.flat_groups = list(flat_groups)
         self.rank, self.reduce_mode, self.queue, self.group = rank, reduce_mode, queue, group
         self.reduce_dtype = reduce_dtype
-        self.world = self.flat_groups[0].layout.world_size if self.flat_groups else 1
+        #: the divisor of every gradient: the whole world, also for an expert flat group reduced
+        #: over its expert-data-parallel group only (``zero/experts.py``)
+        self.world = world_size(group)
         buckets = []
         for gi, fg in enumerate(self.flat_groups):
-            lo, hi = fg.layout.partition_range(rank)
+            lo, hi = fg.layout.partition_range(fg.rank)
             for fb in flat_buckets(fg.layout, reduce_bucket_size):
                 slots = {i: (fg.layout.spans[i].offset - fb.lo, fg.layout.spans[i].numel) for i in fb.indices}
                 hit = intersect(fb.lo, fb.hi, lo, hi)
@@ -162,19 +164,20 @@ class BucketedReduction:
             self._next += 1
 
     def _launch(self, b: Bucket) -> None:
+        fg = self.flat_groups[b.group]  # its process group: the world's, or an expert group's EDP group
         buf, pooled = self._source(b)
         keep: tuple[torch.Tensor, ...] = ()
         summed = land = out = piece = None
         release = [buf] if pooled else []  # pooled buffers, given back once the reduction landed
         if self.reduce_mode == "all_reduce":
-            handles = (all_reduce_sum(buf, self.group),)
+            handles = (all_reduce_sum(buf, fg.group),)
         elif self.reduce_mode == "quantized":  # the fp32 sum lands in my piece of an fp32 bucket
             piece = buf[b.mine[0]:b.mine[0] + b.mine[2]] if b.mine is not None else None
             out = piece if piece is not None and buf.dtype == torch.float32 else None
-            handles, keep, summed = self.quant.reduce(buf, self._pieces(b), self.rank, self.group, out=out)
+            handles, keep, summed = self.quant.reduce(buf, self._pieces(b), fg.rank, fg.group, out=out)
         else:  # on gloo one all-to-all, each piece to its owner only (comm.reduce_to_owners)
             sizes = [n for _, n in self._pieces(b)]
-            need = owners_scratch(sizes, self.group)
+            need = owners_scratch(sizes, fg.group)
             land = self._landing(b) if b.clean else None
             if land is not None and need > land.numel():
                 land = None
@@ -188,7 +191,7 @@ class BucketedReduction:
                 release.append(scratch)
             else:
                 scratch = torch.empty(need, dtype=buf.dtype, device=buf.device)
-            handles = (reduce_to_owners(buf, sizes, self.group, out=land, scratch=scratch),)
+            handles = (reduce_to_owners(buf, sizes, fg.group, out=land, scratch=scratch),)
             keep = () if scratch is None else (scratch,)
 
         def done() -> None:
@@ -208,7 +211,7 @@ class BucketedReduction:
 
     def _pieces(self, b: Bucket) -> list[tuple[int, int]]:
         """Each rank's (offset, numel) in bucket ``b`` (numel 0 for a rank owning none of it)."""
-        pieces = [(0, 0)] * self.world
+        pieces = [(0, 0)] * self.flat_groups[b.group].layout.world_size
         for r in b.runs:
             pieces[r.rank] = (r.offset, r.numel)
         return pieces
