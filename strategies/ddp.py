@@ -18,7 +18,8 @@ from . import instrument
 from .environment import mesh_sizes, release_at_exit
 from .base import PROCESS_GROUP_TIMEOUT_S, Strategy
 from .moe.grads import expert_norm_sq, expert_params, reduce_expert_grads
-from .parallel import full_tensor, parallelize_tensor, tensor_parallel_norm
+from .parallel import tensor_parallel_norm
+from .parallel.tensor_plan import cut_for_mesh, gather_full_state, refuse_tensor_parallel
 from .step_wrapper import StepWrapper
 from .options import check_bool, check_choice, config_from, expose_options
 from .zero.comm.collectives import all_gather_into
@@ -70,8 +71,7 @@ class DDPStrategy(Strategy):
 
     def setup_module(self, module) -> None:
         super().setup_module(module)
-        if self.mesh_size("tensor") > 1:  # the model's own plan (parallel/tensor_plan.py), before wrapping
-            parallelize_tensor(self.module, self.mesh_group("tensor"))
+        cut_for_mesh(self)  # a tensor axis: the module's own plan (parallel/tensor_plan.py), before wrapping
         if not self.distributed:
             return  # one process: DDP would only add overhead
         ids = [self.device.index] if self.device.type == "cuda" else None
@@ -154,26 +154,15 @@ class DDPStrategy(Strategy):
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective; with a tensor axis, each tensor-parallel parameter gathered whole."""
-        state = super().full_state_dict()
-        group = self.mesh_group("tensor")
-        if group is None:
-            return state
-        whole = {n: full_tensor(p, group).cpu() for n, p in self.module.named_parameters(remove_duplicate=False)
-                 if hasattr(p, "tensor_parallel")}
-        return {k: whole.get(k, v) for k, v in state.items()}
+        return gather_full_state(self, super().full_state_dict())
 
     def param_shards(self):
-        self._refuse_tensor_parallel("checkpoints")
+        refuse_tensor_parallel(self, "checkpoints")
         return super().param_shards()
 
     def load_param_shards(self, reader) -> None:
-        self._refuse_tensor_parallel("checkpoints")
+        refuse_tensor_parallel(self, "checkpoints")
         super().load_param_shards(reader)
-
-    def _refuse_tensor_parallel(self, what: str) -> None:
-        if self.mesh_size("tensor") > 1:
-            raise NotImplementedError(f"DDP(tensor_parallel={self.mesh_size('tensor')}): {what} of tensor-parallel "
-                                      f"parameters are not built yet (strategies/README.md, tensor parallelism)")
 
     def _grad_norm(self) -> torch.Tensor:
         """With experts (moe/): the dense gradients' norm as the base computes it, joined with the

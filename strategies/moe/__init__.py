@@ -8,7 +8,7 @@ their expert-data-parallel group: DDP's, ``strategies/ddp.py``), ``hf`` (Hugging
 own experts modules placed by expert parallelism: ``use_expert_parallel``), ``estimate`` (the
 dense/expert split and each rank's share).
 
-May import: strategies.instrument.
+May import: strategies.instrument, strategies.memory.
 """
 from .gate import GateConfig, Routes, TopKGate
 from .groups import ExpertGroups, expert_groups, group_name

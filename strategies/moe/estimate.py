@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from ..memory.formula import ModelStates, estimate_model_states, format_bytes
+
 
 @dataclass(frozen=True)
 class ParameterSplit:
@@ -49,3 +51,37 @@ def parameter_split(module: nn.Module, ep_size: int = 1) -> ParameterSplit:
         raise ValueError(f"ep_size={ep_size} but the model's experts are placed with ep_size {sorted(placed)}; "
                          "valid: one ep_size, the placed one")
     return ParameterSplit(dense, experts, placed.pop() if placed else ep_size)
+
+
+def estimate_with_experts(dense: int, experts: int, world: int, ep_size: int, precision: str = "bf16-mixed",
+                          optimizer_bytes: int | None = None) -> dict:
+    """Per-rank model-state bytes for every stage (``memory.formula.estimate_model_states``'s
+    shape) of ``dense`` parameters replicated over ``world`` ranks and ``experts`` (all experts,
+    every rank's) spread over ``ep_size``: a rank's experts are a model of ``experts / ep_size``
+    parameters replicated over its expert-data-parallel group of ``world / ep_size`` ranks."""
+    if ep_size < 1 or world % ep_size or experts % ep_size:
+        raise ValueError(f"ep_size={ep_size}; valid: a divisor of the world size {world} and of the expert "
+                         f"parameters {experts}")
+    if dense < 0 or experts < 0:
+        raise ValueError(f"dense={dense}, experts={experts}; valid: counts >= 0 (experts at most the parameters)")
+    d = estimate_model_states(dense, world, precision, optimizer_bytes=optimizer_bytes)
+    e = estimate_model_states(experts // ep_size, world // ep_size, precision, optimizer_bytes=optimizer_bytes)
+    return {s: ModelStates(d[s].params + e[s].params, d[s].grads + e[s].grads, d[s].master + e[s].master,
+                           d[s].optimizer + e[s].optimizer) for s in d}
+
+
+def format_expert_table(num_params: int, experts: int, ep_size: int, world_sizes, precision: str = "bf16-mixed",
+                        optimizer_bytes: int = 8) -> str:
+    """``zerotrain-estimate --expert-params E --ep-size n``: the model-state table with the dense
+    and expert split."""
+    lines = [f"Model states per rank for {num_params:,} parameters ({num_params - experts:,} dense, {experts:,} in "
+             f"experts over ep_size={ep_size}), precision {precision}, optimizer {optimizer_bytes} bytes/param",
+             f"{'ranks':>6} {'stage':>6} {'params':>12} {'grads':>12} {'master':>12} {'optimizer':>12} {'total':>12}"]
+    for n in world_sizes:
+        for stage, s in estimate_with_experts(num_params - experts, experts, n, ep_size, precision,
+                                              optimizer_bytes).items():
+            lines.append(f"{n:>6} {stage:>6} " + " ".join(
+                f"{format_bytes(v):>12}" for v in (s.params, s.grads, s.master, s.optimizer, s.total)))
+    lines.append("Experts: 1/ep_size of them on a rank, partitioned over its ep_size-strided replicas where the "
+                 "stage partitions. Activations, buckets and all-to-all buffers come on top.")
+    return "\n".join(lines)

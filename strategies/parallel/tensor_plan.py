@@ -27,7 +27,7 @@ import re
 
 from torch import nn
 
-from .tensor import ParallelLinear, VocabParallelEmbedding
+from .tensor import ParallelLinear, VocabParallelEmbedding, full_tensor
 
 #: Hugging Face's names -> (our style, packed blocks)
 STYLES = {"colwise": ("colwise", 1), "colwise_rep": ("colwise_rep", 1), "colwise_gather_output": ("colwise_rep", 1),
@@ -147,3 +147,30 @@ def _check_ties(model: nn.Module, modules: dict, chosen: dict) -> None:
             whole = sorted(set(names) - set(cut))
             raise ValueError(f"tensor plan: {cut[0]} is tied to {whole[0]}, which the plan leaves whole; "
                              f"valid: plan both (embedding_rowwise with colwise) or untie them")
+
+
+# ---------------------------------------------------------------------------- a strategy's side
+def cut_for_mesh(strategy) -> None:
+    """At a strategy's ``setup_module``: its module cut by the module's own plan over the mesh's
+    tensor group (nothing without a tensor axis), before anything flattens or wraps its parameters."""
+    if strategy.mesh_size("tensor") > 1:
+        parallelize_tensor(strategy.module, strategy.mesh_group("tensor"))
+
+
+def gather_full_state(strategy, state: dict) -> dict:
+    """Collective over the tensor group: ``state`` (the strategy's full state dict, ``{}`` off rank
+    0) with every tensor-parallel parameter gathered whole from the module (its current values)."""
+    group = strategy.mesh_group("tensor")
+    if group is None:
+        return state
+    whole = {n: full_tensor(p, group).cpu() for n, p in strategy.module.named_parameters(remove_duplicate=False)
+             if hasattr(p, "tensor_parallel")}
+    return {k: whole.get(k, v) for k, v in state.items()}
+
+
+def refuse_tensor_parallel(strategy, what: str) -> None:
+    """NotImplementedError where ``strategy`` has a tensor axis and ``what`` is not built for it."""
+    if strategy.mesh_size("tensor") > 1:
+        raise NotImplementedError(f"{type(strategy).__name__}(tensor_parallel={strategy.mesh_size('tensor')}): {what} "
+                                  f"of tensor-parallel parameters are not built yet (strategies/README.md, tensor "
+                                  f"parallelism)")

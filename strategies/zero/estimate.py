@@ -109,6 +109,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="default bf16-mixed; with the offload options 32 (what offload runs on CPUs)")
     ap.add_argument("--optimizer-bytes", type=int, default=8,
                     help="optimizer state bytes per parameter (Adam 8, SGD+momentum 4, SGD 0)")
+    ap.add_argument("--expert-params", type=float, help="how many of the parameters are experts' (all "
+                    "experts, every rank's): prints the dense/expert split (with --ep-size)")
+    ap.add_argument("--ep-size", type=int, default=1, help="expert parallelism: ranks sharing the experts")
     off = ap.add_argument_group("offload (any of these prints the Offload strategy's RAM and disk)")
     off.add_argument("--offload-stage", type=int, choices=OFFLOAD_STAGES, help="ZeRO stage under Offload")
     off.add_argument("--optimizer-device", choices=OPTIMIZER_DEVICES, help="default nvme")
@@ -141,6 +144,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         ap.error("give --num-params, or both --n-layer and --n-embd")
     offload = [args.offload_stage, args.optimizer_device, args.param_device, args.ram_gb, args.disk_gb]
+    if args.expert_params is not None:
+        from ..moe.estimate import format_expert_table  # the dense/expert split (issue 46)
+        experts = int(args.expert_params)
+        if not 0 <= experts <= num_params or any(v is not None for v in offload):
+            ap.error(f"--expert-params={args.expert_params:g}: expected a count in [0, the parameters "
+                     f"{num_params}], without offload options")
+        try:
+            print(format_expert_table(num_params, experts, args.ep_size, args.world_size,
+                                      args.precision or "bf16-mixed", args.optimizer_bytes))
+        except ValueError as exc:
+            ap.error(str(exc))
+        return 0
     if all(v is None for v in offload) and all(getattr(args, k) == POLICY_DEFAULTS[k]
                                                for k in ("optimizer_state_dtype", "param_dtype")):
         print(format_table(num_params, args.world_size, args.precision or "bf16-mixed", args.optimizer_bytes))

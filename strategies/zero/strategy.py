@@ -36,6 +36,8 @@ from ...ops import host_cache
 from ..memory.host import set_mmap_threshold
 from ..memory import count_bytes
 from ..optimizers import group_indices, refuse_shared
+from ..environment import mesh_sizes
+from ..parallel.tensor_plan import cut_for_mesh, gather_full_state, refuse_tensor_parallel
 from .comm.collectives import all_reduce_sum, backend, broadcast_from, global_rank, world_size
 from ..options import expose_options
 from .config import BucketConfig, Stage3Config, ZeroConfig, ZeroSpec
@@ -125,8 +127,12 @@ class ZeroStrategy(Strategy):
 
     def __init__(self, spec: ZeroSpec | None = None, stepper: Stepper | None = None, *,
                  process_group_timeout_s: float = PROCESS_GROUP_TIMEOUT_S, sequence_parallel: int = 1,
-                 **options: Any) -> None:
+                 tensor_parallel: int = 1, **options: Any) -> None:
         super().__init__(process_group_timeout_s=process_group_timeout_s, sequence_parallel=sequence_parallel)
+        self.parallel_sizes = mesh_sizes(type(self).__name__, sequence=sequence_parallel, tensor=tensor_parallel)
+        if tensor_parallel != 1 and self.stage == 3:
+            raise ValueError(f"{type(self).__name__}: tensor_parallel={tensor_parallel}; valid: 1 (ZeRO-3 over a "
+                             f"tensor axis is not built; ZeRO-1/2 and DDP take one)")
         if spec is None:
             spec = ZeroSpec.from_options(self.stage, owner=self.name, **options)
         elif options:
@@ -173,6 +179,22 @@ class ZeroStrategy(Strategy):
         set_mmap_threshold(self.config.host_mmap_threshold)
         if self.device.type == "cpu" and self.config.host_cache_min_bytes:
             host_cache.enable(self.config.host_cache_min_bytes, self.config.host_cache_slack_bytes)
+
+    def setup_module(self, module: nn.Module) -> None:
+        super().setup_module(module)
+        cut_for_mesh(self)  # a tensor axis: the module's own plan (parallel/tensor_plan.py), before flattening
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Collective; with a tensor axis, each tensor-parallel parameter gathered whole."""
+        return gather_full_state(self, super().full_state_dict())
+
+    def param_shards(self):
+        refuse_tensor_parallel(self, "checkpoints")
+        return super().param_shards()
+
+    def load_param_shards(self, reader) -> None:
+        refuse_tensor_parallel(self, "checkpoints")
+        super().load_param_shards(reader)
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         assert self.module is not None, "setup_module must run before setup_optimizer"
@@ -292,6 +314,7 @@ class ZeroStrategy(Strategy):
     def _grad_norm(self) -> torch.Tensor:
         """Collective: the global L2 norm, rounded exactly as ``torch.nn.utils.clip_grad_norm_``
         over the full gradients rounds it (``grad_norm.py``: per-parameter norms, then their norm)."""
+        refuse_tensor_parallel(self, "gradient clipping by norm")
         if self._norm_plan is None:
             self._norm_plan = self._plan_norms()
         grads = self.stepper.gradients(self.grads.partitions(), self.sharded)

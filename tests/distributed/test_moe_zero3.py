@@ -184,6 +184,10 @@ def _held() -> dict:
     out["ddp"] = (sum(p.numel() for p in held if getattr(p, "allreduce", True)),
                   sum(p.numel() for p in held if getattr(p, "allreduce", True) is False))
     out["placed"] = parameter_split(model).per_rank(world, False)
+    from zerotrain.strategies.moe.estimate import estimate_with_experts
+    est = estimate_with_experts(split.dense, split.experts, world, 2, "32")
+    out["bytes"] = {"zero3": (4 * (sum(dense) + experts), est["zero3"].params),
+                    "ddp": (4 * sum(p.numel() for p in held), est["ddp"].params)}
     return out
 
 
@@ -191,10 +195,14 @@ def test_each_rank_holds_half_the_experts_with_ep2(tmp_path):
     """8 experts, ep=2 on 2 ranks: each rank holds exactly half of the expert parameters, under
     zero3 (measured: its expert units' masters; the expert-data-parallel group is the rank alone,
     so nothing partitions them further) and under DDP, as ``moe.estimate`` says; zero3's dense
-    parameters are halved too (over the world)."""
+    parameters are halved too (over the world); the parameter bytes beside ``zerotrain-estimate
+    --expert-params``'s formula (``estimate_with_experts``)."""
     for r in run_ranks("test_moe_zero3:_held", 2, tmp_path, timeout=120):
         dense, experts = r["total"]
         assert experts == 2 * 8 * (HIDDEN * WIDTH + WIDTH + WIDTH * HIDDEN + HIDDEN)
         assert r["zero3"][1] == experts // 2 and r["estimate"]["zero3"] == (dense // 2, experts // 2)
         assert dense / 2 <= r["zero3"][0] <= dense / 2 + r["padding"], (r["zero3"], dense)
         assert r["ddp"] == (dense, experts // 2) == r["estimate"]["ddp"] == r["placed"]
+        measured, estimated = r["bytes"]["zero3"]  # zerotrain-estimate's formula, fp32 parameters
+        assert estimated <= measured <= estimated + 4 * r["padding"], r["bytes"]
+        assert r["bytes"]["ddp"][0] == r["bytes"]["ddp"][1], r["bytes"]

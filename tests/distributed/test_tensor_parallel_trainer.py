@@ -1,8 +1,9 @@
-"""Tensor parallelism in the Trainer (issue 45): ``strategy=DDP(tensor_parallel=2)`` cuts the module
-by its own plan (the demo GPT's ``GPT.tp_plan``, found inside the TrainModule) over the mesh's tensor
-group at set-up, and DDP averages gradients over the replicas (the ranks with the same tensor
-index). tp=2 on 2 ranks and dp=2 x tp=2 on 4 ranks train as the plain single-process loop over the
-same global batches; the loss is the vocabulary-parallel cross-entropy of the sharded logits.
+"""Tensor parallelism in the Trainer (issue 45): ``strategy=DDP(tensor_parallel=2)`` (or
+``ZeroStage1/2(tensor_parallel=2)``) cuts the module by its own plan (the demo GPT's ``GPT.tp_plan``,
+found inside the TrainModule) over the mesh's tensor group at set-up, and DDP averages gradients
+over the replicas (the ranks with the same tensor index), ZeRO partitions and reduces over them.
+tp=2 on 2 ranks (DDP, ZeRO-1) and dp=2 x tp=2 on 4 ranks (DDP, ZeRO-1, ZeRO-2) train as the plain
+single-process loop over the same global batches; the loss is the vocabulary-parallel cross-entropy of the sharded logits.
 ``trainer.full_state_dict()`` gathers the shards back; clipping by norm takes the whole model's
 norm (the sharded parameters' squares summed over the tensor group); checkpoints are refused (not
 built yet) rather than wrong.
@@ -36,11 +37,13 @@ class TensorParallelGPT(GPTModule):
         return loss
 
 
-def _fit(tensor_parallel: int, devices: int, clip: float | None = None) -> dict:
+def _fit(tensor_parallel: int, devices: int, clip: float | None = None, strategy: str = "ddp") -> dict:
     from zerotrain.strategies.ddp import DDPStrategy
+    from zerotrain.strategies.zero import ZeroStage1, ZeroStage2
 
     module = TensorParallelGPT()
-    trainer = Trainer(strategy=DDPStrategy(tensor_parallel=tensor_parallel), devices=devices, max_steps=3,
+    build = {"ddp": DDPStrategy, "zero1": ZeroStage1, "zero2": ZeroStage2}[strategy]
+    trainer = Trainer(strategy=build(tensor_parallel=tensor_parallel), devices=devices, max_steps=3,
                       logger=False, enable_checkpointing=False, enable_progress_bar=False, precision="32",
                       gradient_clip_val=clip)
     trainer.fit(module)
@@ -67,9 +70,17 @@ def test_tp2_on_2_ranks_trains_as_one_process(tmp_path):
     _check(results, 1)
 
 
+def test_tp2_under_zero1_on_2_ranks_trains_as_one_process(tmp_path):
+    results = run_ranks("test_tensor_parallel_trainer:_fit", 2, tmp_path, timeout=240, tensor_parallel=2, devices=2,
+                        strategy="zero1")
+    _check(results, 1)
+
+
 @pytest.mark.slow
-def test_dp2_by_tp2_ddp_on_4_ranks_trains_as_one_process(tmp_path):
-    results = run_ranks("test_tensor_parallel_trainer:_fit", 4, tmp_path, timeout=280, tensor_parallel=2, devices=4)
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2"])
+def test_dp2_by_tp2_on_4_ranks_trains_as_one_process(tmp_path, strategy):
+    results = run_ranks("test_tensor_parallel_trainer:_fit", 4, tmp_path, timeout=280, tensor_parallel=2, devices=4,
+                        strategy=strategy)
     assert [r["tp_rank"] for r in results] == [0, 1, 0, 1]
     _check(results, 2)
 

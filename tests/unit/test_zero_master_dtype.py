@@ -71,3 +71,24 @@ def test_bf16_masters_step_as_torch_adamw_on_the_bf16_module(stage):
             assert p.dtype == torch.bfloat16 and torch.equal(p.detach(), r.detach())
     if state is not None:  # the moments follow the masters' type
         assert state and all(v.dtype == torch.bfloat16 for st in state.values() for k, v in st.items() if k != "step")
+
+
+def test_bf16_masters_keep_no_fp32_copy_and_half_the_moments():
+    """The memory the option is for: no master bytes beside the working bf16 parameters, and the
+    Adam moments (plus the 4-byte step counter) in 2 bytes instead of 4."""
+    reports = {}
+    for master in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+        config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2},
+                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+                  "bf16": {"enabled": True, "bf16_master_weights_and_grads": master, "bf16_optimizer_states": master}}
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        engine.backward(engine(torch.randn(2, 64).bfloat16()).float().sum())
+        engine.step()
+        reports[master] = engine._zt._strategy.memory_report()
+        torch.distributed.destroy_process_group()
+    numel = 2 * (64 * 64 + 64)
+    assert reports[False]["master"] == 4 * numel and reports[True]["master"] == 0
+    assert reports[False]["optimizer"] - 4 == 8 * numel and reports[True]["optimizer"] - 4 == 4 * numel
+    assert reports[True]["params"] == reports[False]["params"] == 2 * numel
