@@ -6,7 +6,8 @@ What the strategy does: its mesh (data x sequence) shards the loaders by the dat
 ranks of a sequence group get the same batch; ``local_batch`` cuts every batch tensor along the
 sequence; the module attends through ``ulysses_attention`` over ``mesh_group("sequence")``, embeds
 its shard at ``sequence_positions`` and returns ``sequence_loss`` (its token sum x sp / the group's
-tokens), whose mean over the replicas is the global batch's mean token loss.
+tokens), whose mean over the replicas is the global batch's mean token loss. After fit, ``test``
+(the evaluation loop's own forward) cuts its batches too: its losses are the trained model's.
 
 # tolerance: rel <= 1e-5 (issue 45's bound for fp32 against the plain loop), on the losses and on
 # every parameter after the steps.
@@ -45,9 +46,18 @@ class GPTModule(TrainModule):
         super().__init__()
         self.gpt = _gpt()
         self.losses: list[float] = []
+        self.test_losses: list[float] = []
         self._attends = False
 
+    def test_step(self, batch, batch_idx):
+        self.test_losses.append(self._loss(batch).item())
+
     def training_step(self, batch, batch_idx):
+        loss = self._loss(batch)
+        self.losses.append(loss.item())
+        return loss
+
+    def _loss(self, batch):
         strategy = self.trainer.strategy
         if not self._attends and strategy.mesh_size("sequence") > 1:
             from zerotrain.strategies.parallel import ulysses_attention
@@ -57,9 +67,7 @@ class GPTModule(TrainModule):
         ids, targets = batch  # this rank's shard of every sequence
         logits, _ = self.gpt(ids, positions=strategy.sequence_positions(ids.shape[1]))
         loss_sum = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum")
-        loss = strategy.sequence_loss(loss_sum, targets.numel())
-        self.losses.append(loss.item())
-        return loss
+        return strategy.sequence_loss(loss_sum, targets.numel())
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=LR)
@@ -76,8 +84,9 @@ def _fit(strategy: str, devices: int, sequence_parallel: int) -> dict:
                       max_steps=STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                       precision="32")
     trainer.fit(module)
+    trainer.test(module, dataloaders=DataLoader(_data(), batch_size=B), verbose=False)
     s = trainer.strategy
-    return {"params": {k.removeprefix("gpt."): v for k, v in trainer.full_state_dict().items()},
+    return {"test_losses": module.test_losses, "params": {k.removeprefix("gpt."): v for k, v in trainer.full_state_dict().items()},
             "losses": module.losses, "dp": s.data_parallel_world_size, "dp_rank": s.data_parallel_rank,
             "sp_rank": s.mesh_rank("sequence")}
 
@@ -96,7 +105,10 @@ def _reference(data_parallel: int) -> dict:
         opt.zero_grad()
         loss.backward()
         opt.step()
-    return {"params": {k: v.detach() for k, v in model.state_dict().items()}, "losses": losses}
+    with torch.no_grad():  # the trained model on every batch of the data set, in order (the test loop)
+        tests = [F.cross_entropy(model(ids)[0].reshape(-1, CONFIG.vocab_size), targets.reshape(-1)).item()
+                 for ids, targets in DataLoader(data, batch_size=B)]
+    return {"params": {k: v.detach() for k, v in model.state_dict().items()}, "losses": losses, "tests": tests}
 
 
 def _assert_equal_to_reference(results: list[dict], data_parallel: int) -> None:
@@ -110,6 +122,9 @@ def _assert_equal_to_reference(results: list[dict], data_parallel: int) -> None:
     world = len(results)
     mean = [sum(r["losses"][i] for r in results) / world for i in range(STEPS)]
     assert mean == pytest.approx(ref["losses"], rel=RTOL)
+    if data_parallel == 1:  # every rank tests every batch (its shard of it)
+        tests = [sum(r["test_losses"][i] for r in results) / world for i in range(len(ref["tests"]))]
+        assert tests == pytest.approx(ref["tests"], rel=RTOL)
 
 
 def test_sequence_parallel_2_on_2_ranks_equals_one_process(tmp_path):

@@ -294,7 +294,7 @@ class TrainerEvaluation:
             return s.validation_step(batch, batch_idx)
         if spec.fn == "validate" and not kwargs:
             return s.validation_step(batch, batch_idx)
-        return s.run_forward(s.model, spec.step, batch, batch_idx, **kwargs)
+        return s.run_forward(s.model, spec.step, s.local_batch(batch), batch_idx, **kwargs)  # sequence shard
 
 
 class _EvalStage(NamedTuple):
