@@ -92,3 +92,36 @@ def test_bf16_masters_keep_no_fp32_copy_and_half_the_moments():
     assert reports[False]["master"] == 4 * numel and reports[True]["master"] == 0
     assert reports[False]["optimizer"] - 4 == 8 * numel and reports[True]["optimizer"] - 4 == 4 * numel
     assert reports[True]["params"] == reports[False]["params"] == 2 * numel
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_checkpoint_resumes_bf16_masters_exactly(stage, tmp_path):
+    """Saved after 3 of 6 steps and loaded into a fresh engine: the last 3 losses, the weights and
+    the moments' type as without the interruption."""
+    config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": stage},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+              "bf16": {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}}
+    xs = [x.bfloat16() for x, _ in _batches()] * 2
+    runs = []
+    for resume in (False, True):
+        model = _model()
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        if resume:
+            engine.load_checkpoint(str(tmp_path))
+        losses = []
+        for i, x in enumerate(xs[3:] if resume else xs):
+            if not resume and i == 3:
+                engine.save_checkpoint(str(tmp_path))
+            loss = (engine(x).float() ** 2).mean()
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        with deepspeed.zero.GatheredParameters(list(model.parameters())):
+            weights = [p.detach().clone() for p in model.parameters()]
+        runs.append((losses[-3:], weights))
+        if stage != 3:
+            assert all(v.dtype == torch.bfloat16 for st in engine.optimizer.state_dict()["state"].values()
+                       for k, v in st.items() if k != "step")
+        torch.distributed.destroy_process_group()
+    assert runs[0][0] == runs[1][0]
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
