@@ -26,7 +26,7 @@ from zerotrain.examples.gpt import GPT, GPTConfig
 
 pytestmark = pytest.mark.timeout(300)
 
-B, S, N, STEPS, LR = 2, 16, 16, 3, 1e-3
+B, S, N, STEPS, LR, CLIP = 2, 16, 16, 3, 1e-3, 0.5
 CONFIG = GPTConfig(vocab_size=32, block_size=32, n_layer=2, n_head=4, n_embd=16, dropout=0.0)
 RTOL = 1e-5
 
@@ -81,8 +81,8 @@ def _fit(strategy: str, devices: int, sequence_parallel: int) -> dict:
 
     module = GPTModule()
     trainer = Trainer(strategy=strategy_from_name(strategy, sequence_parallel=sequence_parallel), devices=devices,
-                      max_steps=STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                      precision="32")
+                      max_steps=STEPS, gradient_clip_val=CLIP, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, precision="32")
     trainer.fit(module)
     trainer.test(module, dataloaders=DataLoader(_data(), batch_size=B), verbose=False)
     s = trainer.strategy
@@ -93,7 +93,7 @@ def _fit(strategy: str, devices: int, sequence_parallel: int) -> dict:
 
 def _reference(data_parallel: int) -> dict:
     """The plain loop: each global batch (the ranks' batches as the Trainer's samplers deal them)
-    through the whole model, mean token loss, AdamW."""
+    through the whole model, mean token loss, clipped by the gradients' norm, AdamW."""
     model, data = _gpt(), _data()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses = []
@@ -104,6 +104,7 @@ def _reference(data_parallel: int) -> dict:
         losses.append(loss.item())
         opt.zero_grad()
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
     with torch.no_grad():  # the trained model on every batch of the data set, in order (the test loop)
         tests = [F.cross_entropy(model(ids)[0].reshape(-1, CONFIG.vocab_size), targets.reshape(-1)).item()

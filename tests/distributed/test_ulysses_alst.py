@@ -57,7 +57,7 @@ def _epoch(adapter) -> list[dict]:
             return out
 
 
-def _llama_step(batch) -> dict:
+def _llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(3)
@@ -79,7 +79,7 @@ def _compare_ranks():
     out = {}
     for name, lib in (("deepspeed", theirs), ("zerotrain", ours)):
         ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa  # each registration wraps the plain SDPA
-        model = _llama_step(None)
+        model = _llama()
         mpu = lib.UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", world, 1, seq_length=S,
                                                                    seq_length_is_variable=True)
         group = mpu.get_sequence_parallel_group()
