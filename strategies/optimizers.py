@@ -237,7 +237,7 @@ def _refuse_expert_parallel(strategy: Any) -> None:
         if getattr(p, "allreduce", True) is False and getattr(p, "group_name", "ep_size_1") != "ep_size_1":
             raise ValueError(f"strategy={strategy.name!r}: parameter {name!r} is an expert's of {p.group_name} "
                              "(expert parallelism), which this strategy would average with other experts; "
-                             "valid: strategy='ddp', 'zero1' or 'zero2' (ZeRO-3's and offload's expert groups "
+                             "valid: strategy='ddp', 'zero1' or 'zero2' (or 'zero3'; offload's expert groups "
                              "are not built yet, issue 46) or ep_size=1")
 
 
