@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from harness import init_dist, run_ranks, set_up_like_trainer
+from zerotrain.strategies import instrument
 from zerotrain.trainer.api.module import TrainModule
 
 transformers = pytest.importorskip("transformers")
@@ -79,6 +80,14 @@ def _torch_ddp(arch: str, rank: int) -> dict:
     return {"losses": losses, "params": {n: p.detach().clone() for n, p in lm.named_parameters()}}
 
 
+class _Sink:
+    def __init__(self) -> None:
+        self.ops = []
+
+    def collective(self, event) -> None:
+        self.ops.append(event.op)
+
+
 def _ours(arch: str, rank: int, world: int, strategy_name: str) -> dict:
     from zerotrain.strategies import DDP, ZeroStage3
     from zerotrain.strategies.environment import detect
@@ -89,16 +98,22 @@ def _ours(arch: str, rank: int, world: int, strategy_name: str) -> dict:
     placed = use_expert_parallel(lm, 2)
     strategy = {"ddp": DDP, "zero3": ZeroStage3}[strategy_name](process_group_timeout_s=60)
     set_up_like_trainer(strategy, lm, detect(world), Precision())
-    losses = []
+    losses, ops = [], []
     for step in range(STEPS):
-        loss = strategy.training_step(_batch(step, rank), 0)
-        strategy.backward(loss)
+        sink = _Sink()
+        instrument.add_sink(sink)
+        try:
+            loss = strategy.training_step(_batch(step, rank), 0)
+            strategy.backward(loss)
+        finally:
+            instrument.remove_sink(sink)
         strategy.optimizer_step(None)
         losses.append(loss.detach())
+        ops.append(sink.ops.count("all_to_all"))
     gathered = strategy.gathered() if strategy_name == "zero3" else torch.no_grad()
     with gathered:
         params = {n: p.detach().clone() for n, p in lm.named_parameters()}
-    return {"losses": losses, "params": params, "placed": placed}
+    return {"losses": losses, "params": params, "placed": placed, "all_to_all": ops}
 
 
 def _ranks(arch: str) -> dict:
@@ -118,6 +133,9 @@ def test_hf_moe_with_expert_parallelism_equals_torch_ddp(arch, world, tmp_path):
             got = res[name]
             assert got["placed"] == [f"model.model.layers.{i}.mlp.experts" for i in range(2)], got["placed"]
             torch.testing.assert_close(got["losses"], ref["losses"], atol=tol, rtol=tol, msg=f"{rank} {name}")
+            # per layer and step, reported to the CommsLogger/ResourceMonitor: forward the counts, the
+            # routes, their expert numbers and the outputs back; backward the outputs' and routes' gradients
+            assert got["all_to_all"] == [2 * 6] * STEPS, got["all_to_all"]
             for pname, value in got["params"].items():
                 want = ref["params"][pname]
                 if ".mlp.experts." in pname:  # the half of the experts of this rank's place
