@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from . import instrument, progress
-from .parallel.mesh import ParallelMesh, mesh_shape, mesh_sizes
+from .parallel.mesh import AXES, ParallelMesh, mesh_shape, mesh_sizes
 from .parallel.sequence import sequence_mean, shard_sequence
 
 
@@ -273,7 +273,9 @@ class Ranks:
         self.mesh = ParallelMesh(**sizes) if any(n > 1 for a, n in sizes.items() if a != "data") else None
         if self.mesh is not None and self.distributed:
             self.mesh.device_mesh(self.device.type)
-            self.mesh.replica_group()
+            for axis in (a for a in AXES if getattr(self.mesh, a) > 1):  # the comms logger's names
+                instrument.name_group(self.mesh.group(axis, self.device.type), axis)
+            instrument.name_group(self.mesh.replica_group(), "replicas")
 
     def local_batch(self, batch: Any) -> Any:
         """This rank's part of a batch its sequence group shares: the module's

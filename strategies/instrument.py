@@ -55,11 +55,15 @@ class Collective:
     the loop's own agreement (``Strategy.reduce``/``any_rank``/``barrier``/``broadcast``: metrics,
     stop flags), not the model's traffic that the ZeRO formulas count."""
 
-    __slots__ = ("op", "nbytes", "group_size", "t_issue", "t_done", "blocking", "step", "kind", "control")
+    __slots__ = ("op", "nbytes", "group_size", "t_issue", "t_done", "blocking", "step", "kind", "control", "group")
 
-    def __init__(self, op: str, nbytes: int, group_size: int, blocking: bool = False, control: bool = False) -> None:
+    def __init__(self, op: str, nbytes: int, group_size: int, blocking: bool = False, control: bool = False,
+                 group: str = "world") -> None:
         self.op, self.nbytes, self.group_size, self.blocking = op, nbytes, group_size, blocking
         self.control = control
+        #: which process group: "world", a mesh axis ("data", "sequence", "tensor"), "replicas"
+        #: (``name_group``), else "<n> ranks"
+        self.group = group
         self.t_issue, self.t_done = time.perf_counter(), None
         self.step: Any = None  # set by a sink (which training step it belongs to)
         self.kind = ""
@@ -141,13 +145,35 @@ def group_size(group: object = None) -> int:
     return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
 
 
+#: process groups (by torch's name of the group: one group may come back as several Python
+#: objects) -> the name their collectives are filed under (``name_group``)
+_NAMES: dict[object, str] = {}
+
+
+def _key(group: object) -> object:
+    return getattr(group, "group_name", None) or id(group)
+
+
+def name_group(group: object, name: str) -> None:
+    """File ``group``'s collectives under ``name`` (the strategy mesh names its axes' groups); the
+    default group stays "world" (a mesh axis over every rank is that group)."""
+    if group is not None and group is not dist.group.WORLD:
+        _NAMES[_key(group)] = name
+
+
+def group_name(group: object = None) -> str:
+    if group is None or (dist.is_available() and dist.is_initialized() and group is dist.group.WORLD):
+        return "world"
+    return _NAMES.get(_key(group), f"{group_size(group)} ranks")
+
+
 def issued(op: str, work: Any, group: object, message: torch.Tensor, ranks: int = 1) -> Any:
     """Collective ``op`` over ``group`` was launched as ``work`` (an async handle); its message
     is ``message`` (times ``ranks``: a gather's per-rank input). Returns ``work`` unchanged. Sinks
     learn its completion time from the handle's future."""
     if not _sinks:
         return work
-    event = Collective(op, nbytes(message) * ranks, group_size(group))
+    event = Collective(op, nbytes(message) * ranks, group_size(group), group=group_name(group))
     try:
         work.get_future().then(event.finish)
     except (AttributeError, RuntimeError):  # a backend/op without futures: the latency stays unknown
@@ -166,7 +192,7 @@ def blocking(op: str, message: torch.Tensor | None, group: object = None, contro
         return
     size = nbytes(message) if message is not None else 0
     event = Collective(op, size, group_size(group) if op not in ("send", "recv") else 2, blocking=True,
-                       control=control)
+                       control=control, group=group_name(group))
     _tell(event)
     try:
         yield

@@ -40,7 +40,9 @@ What each strategy moves per optimizer step (Psi: trainable elements; ``expected
 In the ZeRO paper's units an all-reduce of S bytes moves 2S(n-1)/n per rank (reduce-scatter plus
 all-gather), so zero1/2 all-reducing move 2Psi + Psi ("2Psi reduce + Psi gather") and ddp 2Psi;
 a reduce to the owners moves Psi, as a reduce-scatter does, so zero1/2 by default move Psi + Psi.
-The per-step table shows both the message bytes and these bus bytes.
+The per-step table shows both the message bytes and these bus bytes. Each collective is filed
+under its process group (``group_bytes``): "world", or a strategy mesh's axis ("data",
+"sequence": Ulysses' all-to-alls, forward and backward; "tensor"; "replicas").
 """
 from __future__ import annotations
 
@@ -75,6 +77,8 @@ class CommsLogger(Callback):
         self.events: list[instrument.Collective] = []
         self.summary: list[dict[str, Any]] = []
         self.step_bytes: dict[int, dict[str, int]] = {}
+        #: process group -> op -> message bytes over the training steps (``bytes_by_group``)
+        self.group_bytes: dict[str, dict[str, int]] = {}
         self.expected: dict[str, int] = {}
         #: the first step's formula where it differs (zero3's reuse distance keeps nothing yet)
         self.expected_first: dict[str, int] = {}
@@ -115,10 +119,13 @@ class CommsLogger(Callback):
         instrument.remove_sink(self)
         self.summary = summarise(self.events)
         self.step_bytes = bytes_per_step(self.events)
+        self.group_bytes = bytes_by_group(self.events)
         self.expected = expected_step_bytes(trainer.strategy, trainer)
         self.expected_first = expected_step_bytes(trainer.strategy, trainer, first=True)
         if trainer.is_global_zero:
             print(format_report(self.summary, self.step_bytes, self.expected))
+            if len(self.group_bytes) > 1:
+                print(f"bytes by process group over the training steps: {self.group_bytes}")
 
 
 class StepRecorder:
@@ -156,20 +163,30 @@ def comms_logger_for(strategy: Any, callbacks: list) -> list:
 
 # ---------------------------------------------------------------------- summaries
 def summarise(events: list[instrument.Collective]) -> list[dict[str, Any]]:
-    """One row per (op, message bytes, group size): count, latency and bandwidths (mean over the
-    events whose completion was observed)."""
-    rows: dict[tuple[str, int, int], list[instrument.Collective]] = defaultdict(list)
+    """One row per (op, message bytes, group size, process group): count, latency and bandwidths
+    (mean over the events whose completion was observed)."""
+    rows: dict[tuple[str, int, int, str], list[instrument.Collective]] = defaultdict(list)
     for e in events:
-        rows[(e.op + (CONTROL if e.control else ""), e.nbytes, e.group_size)].append(e)
+        rows[(e.op + (CONTROL if e.control else ""), e.nbytes, e.group_size, e.group)].append(e)
     out = []
-    for (op, size, n), evs in sorted(rows.items()):
+    for (op, size, n, group), evs in sorted(rows.items()):
         timed = [e.seconds for e in evs if e.seconds]
         mean = sum(timed) / len(timed) if timed else None
         algbw = size / mean if mean else None
-        out.append({"op": op, "bytes": size, "group_size": n, "count": len(evs),
+        out.append({"op": op, "bytes": size, "group_size": n, "group": group, "count": len(evs),
                     "total_bytes": size * len(evs), "mean_latency_s": mean, "algbw": algbw,
                     "busbw": algbw * bus_factor(op.removesuffix(CONTROL), n) if algbw else None})
     return out
+
+
+def bytes_by_group(events: list[instrument.Collective]) -> dict[str, dict[str, int]]:
+    """Process group ("world", a mesh axis: "data", "sequence", "tensor", "replicas") -> op ->
+    message bytes of the training steps (not set-up, validation or the loop's control)."""
+    out: dict[str, Counter] = defaultdict(Counter)
+    for e in events:
+        if e.kind == "train" and not e.control:
+            out[e.group][e.op] += e.nbytes
+    return {g: dict(c) for g, c in out.items()}
 
 
 def bytes_per_step(events: list[instrument.Collective]) -> dict[int, dict[str, int]]:

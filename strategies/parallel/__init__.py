@@ -9,7 +9,7 @@ In the Trainer: ``Strategy(sequence_parallel=n)`` builds the mesh (``environment
 ``sequence.py`` cuts each batch along the sequence and gives the loss over all tokens
 (strategies/README.md, "Sequence parallelism in the Trainer").
 
-May import: nothing."""
+May import: strategies.instrument."""
 from .hf import use_ulysses
 from .mesh import AXES, ParallelMesh
 from .sequence import sequence_mean, shard_sequence

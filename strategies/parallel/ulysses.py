@@ -3,8 +3,9 @@ contiguous shard of the sequence, ``[B, S/sp, H, D]``; an all-to-all turns the s
 into head shards, ``[B, S, H/sp, D]``, so any local attention sees the whole sequence for its heads
 (causal masks, softmax over all keys: unchanged), and a second all-to-all turns the output back.
 
-The exchanges are ``torch.distributed.nn.functional.all_to_all_single``, whose backward is the
-opposite all-to-all, so gradients reach every rank's shard.
+The exchanges are all-to-alls whose backward is the opposite all-to-all (``_Exchange``), so
+gradients reach every rank's shard; each, forward and backward, is reported to ``instrument``
+(the comms logger files it under the group's name: "sequence" for a strategy mesh's).
 
 Layout: the sequence is dimension 1 and the heads dimension 2 (batch first, as
 ``[B, S, H, D]``); rank i of the group holds tokens ``[i*S/sp, (i+1)*S/sp)`` and, between the
@@ -23,14 +24,36 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.nn.functional import all_to_all_single
+
+from .. import instrument
+
+
+def _all_to_all(chunks: torch.Tensor, group) -> torch.Tensor:
+    chunks = chunks.contiguous()
+    out = torch.empty_like(chunks)
+    with instrument.blocking("all_to_all", chunks, group):
+        dist.all_to_all_single(out, chunks, group=group)
+    return out
+
+
+class _Exchange(torch.autograd.Function):
+    """An all-to-all forward; the same all-to-all of the gradient backward (the exchange is its
+    own inverse: chunk j of the result came from rank j, and goes back there)."""
+
+    @staticmethod
+    def forward(ctx, chunks: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return _all_to_all(chunks, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _all_to_all(grad, ctx.group), None
 
 
 def _exchange(chunks: torch.Tensor, group) -> torch.Tensor:
     """All-to-all along dim 0 of ``chunks`` ([sp, ...]): chunk j goes to rank j; the result's
     chunk j came from rank j. Differentiable."""
-    chunks = chunks.contiguous()
-    return all_to_all_single(torch.empty_like(chunks), chunks, group=group)
+    return _Exchange.apply(chunks, group)
 
 
 def _size(group) -> int:

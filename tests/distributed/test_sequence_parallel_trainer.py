@@ -77,16 +77,17 @@ class GPTModule(TrainModule):
 
 
 def _fit(strategy: str, devices: int, sequence_parallel: int) -> dict:
+    from zerotrain.callbacks import CommsLogger
     from zerotrain.strategies import strategy_from_name
 
-    module = GPTModule()
+    module, comms = GPTModule(), CommsLogger()
     trainer = Trainer(strategy=strategy_from_name(strategy, sequence_parallel=sequence_parallel), devices=devices,
                       max_steps=STEPS, gradient_clip_val=CLIP, logger=False, enable_checkpointing=False,
-                      enable_progress_bar=False, precision="32")
+                      enable_progress_bar=False, precision="32", callbacks=[comms])
     trainer.fit(module)
     trainer.test(module, dataloaders=DataLoader(_data(), batch_size=B), verbose=False)
     s = trainer.strategy
-    return {"test_losses": module.test_losses, "params": {k.removeprefix("gpt."): v for k, v in trainer.full_state_dict().items()},
+    return {"test_losses": module.test_losses, "group_bytes": comms.group_bytes, "params": {k.removeprefix("gpt."): v for k, v in trainer.full_state_dict().items()},
             "losses": module.losses, "dp": s.data_parallel_world_size, "dp_rank": s.data_parallel_rank,
             "sp_rank": s.mesh_rank("sequence")}
 
@@ -112,6 +113,10 @@ def _reference(data_parallel: int) -> dict:
     return {"params": {k: v.detach() for k, v in model.state_dict().items()}, "losses": losses, "tests": tests}
 
 
+def _shard_bytes() -> int:
+    return B * (S // 2) * CONFIG.n_embd * 4
+
+
 def _assert_equal_to_reference(results: list[dict], data_parallel: int) -> None:
     ref = _reference(data_parallel)
     got = results[0]["params"]
@@ -133,6 +138,9 @@ def test_sequence_parallel_2_on_2_ranks_equals_one_process(tmp_path):
                         devices=2, sequence_parallel=2)
     assert [(r["dp"], r["dp_rank"], r["sp_rank"]) for r in results] == [(1, 0, 0), (1, 0, 1)]
     _assert_equal_to_reference(results, 1)
+    # Ulysses' exchanges: per step and layer, q, k, v and the output forward and their gradients
+    # backward, [B, S/2, heads, D] fp32 each; the sequence axis spans every rank: the world group
+    assert results[0]["group_bytes"]["world"]["all_to_all"] == STEPS * CONFIG.n_layer * 8 * _shard_bytes()
 
 
 @pytest.mark.slow
@@ -141,3 +149,8 @@ def test_dp2_by_sp2_zero3_on_4_ranks_equals_one_process(tmp_path):
                         devices=4, sequence_parallel=2)
     assert [(r["dp"], r["dp_rank"], r["sp_rank"]) for r in results] == [(2, 0, 0), (2, 0, 1), (2, 1, 0), (2, 1, 1)]
     _assert_equal_to_reference(results, 2)
+    # the comms logger files Ulysses' exchanges under the mesh's "sequence" groups, ZeRO's under the
+    # world (its replicas), nothing under "data"
+    for r in results:
+        assert r["group_bytes"]["sequence"] == {"all_to_all": STEPS * CONFIG.n_layer * 8 * _shard_bytes()}
+        assert "all_to_all" not in r["group_bytes"]["world"] and "data" not in r["group_bytes"]
