@@ -44,6 +44,7 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=1)
     parser.add_argument("--rts", action="store_true")
     parser.add_argument("--noisy", default=None)  # noisy_gate_policy: Jitter, RSample
+    parser.add_argument("--sgd", action="store_true")  # SGD: the update shows the gradients' scale
     args = parser.parse_args()
     deepspeed.init_distributed()
     rank = dist.get_rank()
@@ -57,7 +58,7 @@ def main() -> None:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.3)
     groups = split_params_into_different_moe_groups_for_optimizer({"params": list(net.parameters()),
                                                                    "name": "parameters"})
-    optimizer = torch.optim.AdamW(groups, lr=0.01)
+    optimizer = torch.optim.SGD(groups, lr=0.1) if args.sgd else torch.optim.AdamW(groups, lr=0.01)
     engine, _, _, _ = deepspeed.initialize(model=net, optimizer=optimizer, config=args.deepspeed_config)
     losses = []
     for step in range(STEPS):
