@@ -92,13 +92,15 @@ def _fit(strategy: str, devices: int, sequence_parallel: int) -> dict:
             "sp_rank": s.mesh_rank("sequence")}
 
 
-def _reference(data_parallel: int) -> dict:
+def _reference(data_parallel: int, steps: int = STEPS) -> dict:
     """The plain loop: each global batch (the ranks' batches as the Trainer's samplers deal them)
     through the whole model, mean token loss, clipped by the gradients' norm, AdamW."""
     model, data = _gpt(), _data()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses = []
-    for idx in global_batches(N, data_parallel, B, shuffle=data_parallel > 1)[:STEPS]:
+    order = [i for epoch in range(-(-steps * B * data_parallel // N))
+             for i in global_batches(N, data_parallel, B, epoch, shuffle=data_parallel > 1)]
+    for idx in order[:steps]:
         ids, targets = data[idx]
         logits, _ = model(ids)
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
@@ -154,3 +156,32 @@ def test_dp2_by_sp2_zero3_on_4_ranks_equals_one_process(tmp_path):
     for r in results:
         assert r["group_bytes"]["sequence"] == {"all_to_all": STEPS * CONFIG.n_layer * 8 * _shard_bytes()}
         assert "all_to_all" not in r["group_bytes"]["world"] and "data" not in r["group_bytes"]
+
+
+def _fit_and_save(path: str) -> None:
+    """ZeRO-2 with sp=2 on 2 ranks for one epoch, then the Trainer's checkpoint."""
+    from zerotrain.strategies import ZeroStage2
+
+    trainer = Trainer(strategy=ZeroStage2(sequence_parallel=2), devices=2, max_epochs=1, gradient_clip_val=CLIP,
+                      logger=False, enable_checkpointing=False, enable_progress_bar=False, precision="32")
+    trainer.fit(GPTModule())
+    trainer.save_checkpoint(path)
+
+
+def test_a_sequence_parallel_checkpoint_resumes_in_one_process(tmp_path):
+    """Parameters are replicated over the sequence axis, so the checkpoint is the usual one: an
+    epoch at sp=2 (ZeRO-2, 2 ranks), resumed by one process for a second epoch, equals the plain
+    loop over both epochs (parameters, and the optimizer state they depend on)."""
+    ckpt = str(tmp_path / "sp2.ckpt")
+    run_ranks("test_sequence_parallel_trainer:_fit_and_save", 2, tmp_path, timeout=240, path=ckpt)
+    module = GPTModule()
+    trainer = Trainer(strategy="single", devices=1, max_epochs=2, gradient_clip_val=CLIP, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, precision="32")
+    trainer.fit(module, ckpt_path=ckpt)
+    assert trainer.global_step == 2 * N // B
+    ref = _reference(1, steps=2 * N // B)
+    for name, want in ref["params"].items():
+        got = module.gpt.state_dict()[name]
+        err = ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
+        assert err <= RTOL, (name, err)
+    assert module.losses == pytest.approx(ref["losses"][N // B:], rel=RTOL)  # the second epoch's, in one process
