@@ -19,7 +19,7 @@ from .environment import mesh_sizes, release_at_exit
 from .base import PROCESS_GROUP_TIMEOUT_S, Strategy
 from .moe.grads import expert_norm_sq, expert_params, reduce_expert_grads
 from .parallel import tensor_parallel_norm
-from .parallel.tensor_plan import cut_for_mesh, gather_full_state, refuse_tensor_parallel
+from .parallel.tensor_plan import cut_for_mesh, gather_full_state, refuse_stale_optimizer, refuse_tensor_parallel
 from .step_wrapper import StepWrapper
 from .options import check_bool, check_choice, config_from, expose_options
 from .zero.comm.collectives import all_gather_into
@@ -151,6 +151,10 @@ class DDPStrategy(Strategy):
             self._buckets.settle()
         if self._experts and self.model.require_backward_grad_sync:
             reduce_expert_grads(self._experts, dist.get_world_size())
+
+    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        refuse_stale_optimizer(self.module, optimizer)
+        super().setup_optimizer(optimizer)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective; with a tensor axis, each tensor-parallel parameter gathered whole."""

@@ -24,6 +24,7 @@ wrong type, and a tied parameter whose other module the plan leaves whole.
 from __future__ import annotations
 
 import re
+import warnings
 
 from torch import nn
 
@@ -125,12 +126,14 @@ def parallelize_tensor(model: nn.Module, group, plan: dict | None = None) -> dic
             chosen[name] = resolve_style(spec, modules[name], key)
     _check_ties(model, modules, chosen)
     shared: dict = {}
+    replaced = {id(p) for name in chosen for p in modules[name].parameters(recurse=False)}
     for name, (style, chunks) in chosen.items():
         old = modules[name]
         new = (VocabParallelEmbedding(old, group, shared) if style == "embedding_rowwise"
                else ParallelLinear(old, style, group, chunks, shared))
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, new)
+    model._tensor_parallel_replaced = frozenset(replaced)  # for refuse_stale_optimizer
     return {name: style for name, (style, _) in chosen.items()}
 
 
@@ -150,11 +153,33 @@ def _check_ties(model: nn.Module, modules: dict, chosen: dict) -> None:
 
 
 # ---------------------------------------------------------------------------- a strategy's side
+def is_cut(module: nn.Module) -> bool:
+    """Whether ``module`` holds tensor-parallel parameters."""
+    return any(hasattr(p, "tensor_parallel") for p in module.parameters())
+
+
 def cut_for_mesh(strategy) -> None:
     """At a strategy's ``setup_module``: its module cut by the module's own plan over the mesh's
-    tensor group (nothing without a tensor axis), before anything flattens or wraps its parameters."""
-    if strategy.mesh_size("tensor") > 1:
-        parallelize_tensor(strategy.module, strategy.mesh_group("tensor"))
+    tensor group (nothing without a tensor axis), before anything flattens or wraps its parameters.
+    A module cut already (the DeepSpeed face cuts before building the optimizer) is left as is; a
+    module with no plan at all stays whole on every tensor rank (each computes the same), with a
+    warning."""
+    if strategy.mesh_size("tensor") == 1 or is_cut(strategy.module):
+        return
+    if not plan_of(strategy.module):
+        warnings.warn(f"tensor_parallel={strategy.mesh_size('tensor')}: {type(strategy.module).__name__} declares no "
+                      f"tp_plan (in itself or a submodule); nothing is cut: every tensor rank holds the whole model")
+        return
+    parallelize_tensor(strategy.module, strategy.mesh_group("tensor"))
+
+
+def refuse_stale_optimizer(module: nn.Module, optimizer) -> None:
+    """ValueError where ``optimizer`` holds a parameter the tensor-parallel cut replaced (an
+    optimizer built before the module was set up would step what no longer computes)."""
+    replaced = getattr(module, "_tensor_parallel_replaced", frozenset())
+    if any(id(p) in replaced for group in optimizer.param_groups for p in group["params"]):
+        raise ValueError("tensor parallelism: the optimizer holds parameters the tensor-parallel cut replaced; "
+                         "valid: build the optimizer from the module after it is set up (its local shards)")
 
 
 def gather_full_state(strategy, state: dict) -> dict:
@@ -169,8 +194,9 @@ def gather_full_state(strategy, state: dict) -> dict:
 
 
 def refuse_tensor_parallel(strategy, what: str) -> None:
-    """NotImplementedError where ``strategy`` has a tensor axis and ``what`` is not built for it."""
-    if strategy.mesh_size("tensor") > 1:
+    """NotImplementedError where ``strategy``'s module holds tensor-parallel parameters and ``what``
+    is not built for them."""
+    if strategy.module is not None and is_cut(strategy.module):
         raise NotImplementedError(f"{type(strategy).__name__}(tensor_parallel={strategy.mesh_size('tensor')}): {what} "
                                   f"of tensor-parallel parameters are not built yet (strategies/README.md, tensor "
                                   f"parallelism)")

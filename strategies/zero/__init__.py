@@ -15,7 +15,7 @@ says which module holds what.
 
 Never ``offload/`` or ``pipeline/``, which build on this package, but for ``estimate`` (the command,
 which prints offload's bytes too; no module here imports it), which reads ``offload``'s policy and formula.
-May import: ops, strategies.base, strategies.checkpoint, strategies.compile, strategies.environment, strategies.instrument, strategies.memory, strategies.moe, strategies.optimizers, strategies.options, strategies.progress, strategies.step_wrapper, strategies.offload.config, strategies.offload.estimate.
+May import: ops, strategies.base, strategies.checkpoint, strategies.compile, strategies.environment, strategies.instrument, strategies.memory, strategies.moe, strategies.optimizers, strategies.options, strategies.parallel, strategies.progress, strategies.step_wrapper, strategies.offload.config, strategies.offload.estimate.
 """
 from __future__ import annotations
 

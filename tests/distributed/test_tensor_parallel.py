@@ -100,16 +100,21 @@ def _full(model, group, grads: bool = False) -> dict:
 
 def _gpt_ranks():
     from zerotrain.strategies.parallel import parallelize_tensor
+    from zerotrain.strategies.parallel.tensor_plan import refuse_stale_optimizer
 
     rank, world = init_dist()
     group = dist.group.WORLD
     model, ids, targets = _model_and_batch()
     whole = {n: p.numel() for n, p in model.named_parameters(remove_duplicate=False)}  # lm_head's tied too
+    stale = torch.optim.SGD(model.parameters(), lr=LR)  # built before the cut: refused by the strategies
     cut = parallelize_tensor(model, group)
+    with pytest.raises(ValueError, match="the optimizer holds parameters the tensor-parallel cut replaced"):
+        refuse_stale_optimizer(model, stale)
     local = {n: p.numel() for n, p in model.named_parameters(remove_duplicate=False)}
     sharded = sorted(n for n, p in model.named_parameters(remove_duplicate=False) if hasattr(p, "tensor_parallel"))
     assert model.lm_head.weight is model.wte.weight  # the tie holds: one local shard
     opt = torch.optim.Adam(model.parameters(), lr=LR)
+    refuse_stale_optimizer(model, opt)
     losses, first_grads = [], None
     for _ in range(STEPS):
         loss = _tp_loss(model, ids, targets, group)

@@ -17,14 +17,22 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from torch.utils.data import DataLoader
+
 from harness import run_ranks
-from test_sequence_parallel_trainer import B, LR, RTOL, STEPS, GPTModule, _assert_equal_to_reference, _data, _gpt
-from zerotrain import Trainer
+from test_sequence_parallel_trainer import B, LR, N, RTOL, STEPS, _data, _gpt  # the same demo GPT and data
+from toy import global_batches
+from zerotrain import Trainer, TrainModule
 
 pytestmark = pytest.mark.timeout(300)
 
 
-class TensorParallelGPT(GPTModule):
+class TensorParallelGPT(TrainModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gpt = _gpt()
+        self.losses: list[float] = []
+
     def training_step(self, batch, batch_idx):
         from zerotrain.strategies.parallel import vocab_parallel_cross_entropy
 
@@ -36,6 +44,43 @@ class TensorParallelGPT(GPTModule):
         self.losses.append(loss.item())
         return loss
 
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=LR)
+
+    def train_dataloader(self):
+        return DataLoader(_data(), batch_size=B, shuffle=False)
+
+
+def _reference(data_parallel: int, clip: float | None = None) -> dict:
+    """The plain loop over the same global batches (the Trainer's samplers' order), mean token
+    loss, AdamW; clipped by the gradients' norm with ``clip`` (active at every step)."""
+    model, data = _gpt(), _data()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for idx in global_batches(N, data_parallel, B, shuffle=data_parallel > 1)[:STEPS]:
+        ids, targets = data[idx]
+        logits, _ = model(ids)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        losses.append(loss.item())
+        opt.zero_grad()
+        loss.backward()
+        if clip is not None:
+            assert torch.nn.utils.clip_grad_norm_(model.parameters(), clip) > clip
+        opt.step()
+    return {"params": {k: v.detach() for k, v in model.state_dict().items()}, "losses": losses}
+
+
+def _assert_equal_to_reference(results: list[dict], data_parallel: int, clip: float | None = None) -> None:
+    ref = _reference(data_parallel, clip)
+    got = results[0]["params"]
+    assert set(got) == set(ref["params"])
+    for name, want in ref["params"].items():
+        err = ((got[name] - want).norm() / want.norm().clamp_min(1e-30)).item()
+        assert err <= RTOL, (name, err)
+    # each global batch's loss: the mean over the replicas (a tensor group's ranks agree)
+    mean = [sum(r["losses"][i] for r in results) / len(results) for i in range(STEPS)]
+    assert mean == pytest.approx(ref["losses"], rel=RTOL)
+
 
 def _fit(tensor_parallel: int, devices: int, clip: float | None = None, strategy: str = "ddp") -> dict:
     from zerotrain.strategies.ddp import DDPStrategy
@@ -43,7 +88,7 @@ def _fit(tensor_parallel: int, devices: int, clip: float | None = None, strategy
 
     module = TensorParallelGPT()
     build = {"ddp": DDPStrategy, "zero1": ZeroStage1, "zero2": ZeroStage2}[strategy]
-    trainer = Trainer(strategy=build(tensor_parallel=tensor_parallel), devices=devices, max_steps=3,
+    trainer = Trainer(strategy=build(tensor_parallel=tensor_parallel), devices=devices, max_steps=STEPS,
                       logger=False, enable_checkpointing=False, enable_progress_bar=False, precision="32",
                       gradient_clip_val=clip)
     trainer.fit(module)
@@ -56,12 +101,12 @@ def _fit(tensor_parallel: int, devices: int, clip: float | None = None, strategy
             "local": local, "c_fc": type(module.gpt.blocks[0].mlp.c_fc).__name__}
 
 
-def _check(results: list[dict], data_parallel: int) -> None:
+def _check(results: list[dict], data_parallel: int, clip: float | None = None) -> None:
     for r in results:
         assert r["dp"] == data_parallel and r["c_fc"] == "ParallelLinear"
     full = results[0]["params"]  # full_state_dict: rank 0's, gathered whole
     assert all(r["local"][n] * 2 == full[n].numel() for r in results for n in ("blocks.0.mlp.c_fc.weight", "wte.weight"))
-    _assert_equal_to_reference(results, data_parallel)
+    _assert_equal_to_reference(results, data_parallel, clip)
 
 
 def test_tp2_on_2_ranks_trains_as_one_process(tmp_path):
@@ -89,24 +134,8 @@ CLIP = 0.05
 
 
 def test_tp2_clipped_by_norm_trains_as_the_plain_clipped_loop(tmp_path):
-    """gradient_clip_val clips by the whole model's norm: the plain loop with
-    ``clip_grad_norm_`` (active at every step: the norm exceeds the clip)."""
+    """gradient_clip_val clips by the whole model's norm: the plain loop with ``clip_grad_norm_``."""
     results = run_ranks("test_tensor_parallel_trainer:_fit", 2, tmp_path, timeout=240, tensor_parallel=2, devices=2,
                         clip=CLIP)
-    model, data = _gpt(), _data()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses = []
-    for step in range(STEPS):
-        ids, targets = data[torch.arange(B * step, B * (step + 1))]  # the loader, unshuffled on one replica
-        logits, _ = model(ids)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-        losses.append(loss.item())
-        opt.zero_grad()
-        loss.backward()
-        assert torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP) > CLIP
-        opt.step()
-    got = results[0]["params"]
-    for name, want in model.state_dict().items():
-        err = ((got[name] - want).norm() / want.norm().clamp_min(1e-30)).item()
-        assert err <= RTOL, (name, err)
-    assert results[0]["losses"] == pytest.approx(losses, rel=RTOL) == results[1]["losses"]
+    _check(results, 1, CLIP)
+    assert results[0]["losses"] == results[1]["losses"]

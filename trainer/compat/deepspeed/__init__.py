@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from ...errors import ConfigError
 from . import accelerator, checkpointing, comm, lr_schedules, moe, ops, pipe, runtime, sequence, utils, zero  # noqa: F401  (deepspeed.<module>)
+from .autotp import cut_for_autotp
 from .comm import init_distributed
 from .config import DeepSpeedConfig, parse, report_ignored
 from .engine import DeepSpeedEngine
@@ -204,7 +205,8 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         if cfg.activation_checkpointing is not None and not checkpointing.is_configured():
             log.info("initialize: the config's \"activation_checkpointing\" applies once the script calls "
                      "deepspeed.checkpointing.configure(None, deepspeed_config=...), as in DeepSpeed")
-    _broadcast_weights(model, engine.device)
+    _broadcast_weights(model, engine.device)  # the whole model (rank 0's), then
+    cut_for_autotp(engine.strategy, model)  # tensor_parallel.autotp_size: each rank's shards, before the optimizer
     _round_to_16bit(model, cfg)
     opt = _optimizer(cfg, optimizer, model, model_parameters)
     wrapped_model, wrapped_opt = engine.setup(model, opt)

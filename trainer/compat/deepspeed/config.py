@@ -30,7 +30,7 @@ from .ops.adam import DeepSpeedCPUAdam, FusedAdam
 from .precision_keys import torch_autocast_dtype
 from .sections import (  # noqa: F401  (re-exported: the sections were read here)
     OFFLOAD_DEVICES, ZERO_STAGES, _communication_dtype, _fail, _flag, _monitoring, _precision, _Reader, _section,
-    _whole, _zero, batch_sizes,
+    _tensor_parallel, _whole, _zero, batch_sizes,
 )
 
 log = logging.getLogger("zerotrain")
@@ -211,6 +211,7 @@ def parse(config: "str | os.PathLike | Mapping[str, Any]", world_size: int) -> D
     out.update(_precision(raw, reader))
     master = out.pop("master_dtype", None)  # bf16 masters: ZeRO's master_dtype (stages 1-3, checked)
     out.update(_zero(raw, reader, world_size))
+    _tensor_parallel(raw, reader, out)
     if master:
         out["strategy_options"]["master_dtype"] = master
     comm = _communication_dtype(raw, out["precision"])
@@ -230,7 +231,7 @@ def parse(config: "str | os.PathLike | Mapping[str, Any]", world_size: int) -> D
     known = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
              "optimizer", "scheduler", "fp16", "bf16", "bfloat16", "zero_optimization", "zero_allow_untested_optimizer",
              "activation_checkpointing", "steps_per_print", "wall_clock_breakdown", "tensorboard",
-             "comms_logger", "dataloader_drop_last", "communication_data_type", "torch_autocast")
+             "comms_logger", "dataloader_drop_last", "communication_data_type", "torch_autocast", "tensor_parallel")
     reader.take(raw, "", known, "")
     out["torch_autocast_dtype"] = torch_autocast_dtype(raw, _flag, reader.ignored)
     if "activation_checkpointing" in raw:

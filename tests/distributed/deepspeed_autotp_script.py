@@ -1,0 +1,46 @@
+"""A DeepSpeed AutoTP training script: a tiny Hugging Face Llama (GQA heads, untied head) trained
+with ``"tensor_parallel": {"autotp_size": 2}`` in its config, as DeepSpeed's AutoTP training
+tutorial writes it. test_deepspeed_autotp.py runs it with DeepSpeed 0.19.8 itself and again with only
+its two deepspeed import lines renamed to zerotrain.deepspeed.
+
+    python deepspeed_autotp_script.py --deepspeed_config ds.json --out result
+
+Every rank saves its losses and its own parameters (its tensor-parallel shards) to ``<out>.<rank>.pt``.
+"""
+import argparse
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import deepspeed
+from deepspeed import comm as dist
+
+STEPS, BATCH, SEQ, VOCAB = 3, 2, 16, 32
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--deepspeed_config", required=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(7)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+                         tie_word_embeddings=False, attn_implementation="sdpa")
+    model = LlamaForCausalLM(config)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                           config=args.deepspeed_config)
+    ids = torch.randint(0, VOCAB, (STEPS, BATCH, SEQ), generator=torch.Generator().manual_seed(8))
+    losses = []
+    for step in range(STEPS):
+        loss = engine(input_ids=ids[step], labels=ids[step]).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    params = {name: p.detach().clone() for name, p in engine.module.named_parameters()}
+    torch.save({"losses": torch.tensor(losses), "params": params}, f"{args.out}.{dist.get_rank()}.pt")
+
+
+if __name__ == "__main__":
+    main()
