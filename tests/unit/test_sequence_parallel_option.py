@@ -17,7 +17,7 @@ def test_option_checked_before_any_rank_starts():
     with pytest.raises(ValueError, match=r"sequence_parallel=2 does not divide the 1 processes"):
         SingleDevice(sequence_parallel=2).check_world_size(1)
     ZeroStage3(sequence_parallel=2).check_world_size(4)
-    assert strategy_from_name("zero2", sequence_parallel=2).parallel_sizes == {"sequence": 2}
+    assert strategy_from_name("zero2", sequence_parallel=2).parallel_sizes == {"sequence": 2, "tensor": 1}
 
 
 def test_an_axis_the_strategy_does_not_run_over_is_refused():
