@@ -42,7 +42,8 @@ def check_inputs(master, grad, exp_avg, exp_avg_sq, param_out, h: AdamHyper) -> 
     if not isinstance(master, torch.Tensor):
         raise TypeError(f"fused_adam_step: `master` must be a tensor, got {type(master).__name__}")
     n, device = master.numel(), master.device
-    _check_tensor(master, "master", n, (torch.float32,), "float32 (the fp32 master weights)", device)
+    _check_tensor(master, "master", n, _GRAD_DTYPES,
+                  "float32, bfloat16 or float16 (a 16-bit master is stepped in fp32, rounded once)", device)
     _check_tensor(grad, "grad", n, _GRAD_DTYPES, "float32, bfloat16 or float16", device)
     _check_tensor(exp_avg, "exp_avg", n, _STATE_DTYPES, "float32 or bfloat16", device)
     _check_tensor(exp_avg_sq, "exp_avg_sq", n, _STATE_DTYPES, "float32 or bfloat16", device)
@@ -51,6 +52,12 @@ def check_inputs(master, grad, exp_avg, exp_avg_sq, param_out, h: AdamHyper) -> 
             f"fused_adam_step: `exp_avg` ({exp_avg.dtype}) and `exp_avg_sq` ({exp_avg_sq.dtype}) "
             "must have the same dtype"
         )
+    if master.dtype != torch.float32 and grad.dtype != master.dtype:
+        raise TypeError(f"fused_adam_step: a {master.dtype} `master` takes a gradient of its own dtype (as the "
+                        f"optimizer reads it), got {grad.dtype}")
+    if master.dtype != torch.float32 and param_out is not None:
+        raise ValueError(f"fused_adam_step: a {master.dtype} `master` is the working copy itself; `param_out` "
+                         "must be None")
     named = [(master, "master"), (grad, "grad"), (exp_avg, "exp_avg"), (exp_avg_sq, "exp_avg_sq")]
     if param_out is not None:
         _check_tensor(param_out, "param_out", n, _OUT_DTYPES, "bfloat16 or float16", device)
@@ -96,7 +103,9 @@ def fused_adam_step(
     """One in-place Adam/AdamW step on a flat slice, in one pass over memory.
 
     Args:
-        master: fp32 master weights, updated in place.
+        master: fp32 master weights, updated in place; or a bf16/fp16 master (ZeRO's
+            ``master_dtype``: the working copy itself), read into fp32, stepped there and rounded
+            to nearest even once; its gradient then has its dtype and there is no ``param_out``.
         grad: fp32, bf16 or fp16 gradient (read only), multiplied by ``grad_scale`` first (fold
             the loss scale's inverse and the clip coefficient into it).
         exp_avg, exp_avg_sq: Adam state, both fp32 or both bf16, updated in place. bf16 state is
@@ -127,6 +136,12 @@ def fused_adam_step(
     module = builder.cpu_adam_module()
     if module is None:
         check_inputs(master, grad, exp_avg, exp_avg_sq, param_out, h)
+        if master.dtype != torch.float32:  # a 16-bit master: stepped in fp32, rounded once
+            wide = master.float()
+            fallback_adam_step(wide, grad, exp_avg, exp_avg_sq, stochastic_rounding=stochastic_rounding,
+                               seed=seed, **hyper)
+            master.copy_(wide)
+            return
         fallback_adam_step(master, grad, exp_avg, exp_avg_sq, param_out=param_out,
                            stochastic_rounding=stochastic_rounding, seed=seed, **hyper)
         return

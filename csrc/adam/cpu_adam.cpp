@@ -2,9 +2,12 @@
 //
 // One call updates one flat slice in a single pass over memory:
 //
-//   reads   master (fp32), grad (fp32|bf16|fp16), exp_avg, exp_avg_sq (fp32|bf16)
+//   reads   master (fp32, or bf16|fp16), grad (fp32|bf16|fp16), exp_avg, exp_avg_sq (fp32|bf16)
 //   writes  master, exp_avg, exp_avg_sq and, optionally, param_out (bf16|fp16), the low-precision
 //           working copy of the parameter, rounded from the new master in the same pass.
+//
+// A 16-bit master (ZeRO's master_dtype: the working partition is the master) is read into fp32,
+// stepped in fp32 and rounded to nearest even once when stored; there is no param_out then.
 //
 // For the mixed-precision offload case (bf16 grad in, bf16 param out, fp32 state) that is
 // 4+2+4+4 bytes read and 4+4+4+2 written = 28 B/param; the unfused pipeline (grad.float(), Adam,
@@ -54,7 +57,7 @@ using isa::Isa;
 // Everything one span of the step needs: the step's scalars (adam_scalars.h, shared with the CUDA
 // kernel) and the buffers.
 struct StepArgs : AdamScalars {
-  float* master = nullptr;
+  void* master = nullptr;
   const void* grad = nullptr;
   void* exp_avg = nullptr;
   void* exp_avg_sq = nullptr;
@@ -96,8 +99,8 @@ inline void store_state(St* dst, typename S::V x, const StepArgs& a, uint32_t in
 
 // S::kWidth consecutive elements starting at pointer offset 0; `index` is the element index used
 // by the stochastic-rounding hash.
-template <class S, class G, class St, class P>
-inline void adam_lanes(const StepArgs& a, const Consts<S>& c, float* pp, const G* pg, St* pm,
+template <class S, class G, class St, class P, class M>
+inline void adam_lanes(const StepArgs& a, const Consts<S>& c, M* pp, const G* pg, St* pm,
                        St* pv, P* pout, uint32_t index) {
   using V = typename S::V;
   V p = S::load(pp);
@@ -122,11 +125,11 @@ inline void adam_lanes(const StepArgs& a, const Consts<S>& c, float* pp, const G
 
 // Elements [begin, end). The last partial vector goes through zero-padded stack buffers so that it
 // runs the very same vector code as the body.
-template <class S, class G, class St, class P>
+template <class S, class G, class St, class P, class M>
 inline void adam_span(const StepArgs& a, int64_t begin, int64_t end) {
   constexpr int W = S::kWidth;
   const Consts<S> c(a);
-  float* master = a.master;
+  M* master = static_cast<M*>(a.master);
   const G* grad = static_cast<const G*>(a.grad);
   St* m = static_cast<St*>(a.exp_avg);
   St* v = static_cast<St*>(a.exp_avg_sq);
@@ -135,12 +138,12 @@ inline void adam_span(const StepArgs& a, int64_t begin, int64_t end) {
   for (; i + W <= end; i += W) {
     P* o = nullptr;
     if constexpr (!std::is_same_v<P, NoOut>) o = out + i;
-    adam_lanes<S, G, St, P>(a, c, master + i, grad + i, m + i, v + i, o,
-                            static_cast<uint32_t>(i));
+    adam_lanes<S, G, St, P, M>(a, c, master + i, grad + i, m + i, v + i, o,
+                               static_cast<uint32_t>(i));
   }
   const int64_t rest = end - i;
   if (rest <= 0) return;
-  float bp[W] = {};
+  M bp[W] = {};
   G bg[W] = {};
   St bm[W] = {};
   St bv[W] = {};
@@ -149,7 +152,7 @@ inline void adam_span(const StepArgs& a, int64_t begin, int64_t end) {
   std::copy(grad + i, grad + end, bg);
   std::copy(m + i, m + end, bm);
   std::copy(v + i, v + end, bv);
-  adam_lanes<S, G, St, P>(a, c, bp, bg, bm, bv, bo, static_cast<uint32_t>(i));
+  adam_lanes<S, G, St, P, M>(a, c, bp, bg, bm, bv, bo, static_cast<uint32_t>(i));
   std::copy(bp, bp + rest, master + i);
   std::copy(bm, bm + rest, m + i);
   std::copy(bv, bv + rest, v + i);
@@ -160,29 +163,29 @@ using SpanFn = void (*)(const StepArgs&, int64_t, int64_t);
 
 // One wrapper per ISA. `flatten` inlines the whole kernel (and S's target-specific members) into
 // a function compiled for that ISA, so nothing else in this file needs -mavx*.
-template <class G, class St, class P>
+template <class G, class St, class P, class M>
 __attribute__((flatten)) void span_scalar(const StepArgs& a, int64_t b, int64_t e) {
-  adam_span<simd::Scalar, G, St, P>(a, b, e);
+  adam_span<simd::Scalar, G, St, P, M>(a, b, e);
 }
 #if ZT_SIMD_X86
-template <class G, class St, class P>
+template <class G, class St, class P, class M>
 ZT_TARGET_AVX2 __attribute__((flatten)) void span_avx2(const StepArgs& a, int64_t b, int64_t e) {
-  adam_span<simd::Avx2, G, St, P>(a, b, e);
+  adam_span<simd::Avx2, G, St, P, M>(a, b, e);
 }
-template <class G, class St, class P>
+template <class G, class St, class P, class M>
 ZT_TARGET_AVX512 __attribute__((flatten)) void span_avx512(const StepArgs& a, int64_t b,
                                                            int64_t e) {
-  adam_span<simd::Avx512, G, St, P>(a, b, e);
+  adam_span<simd::Avx512, G, St, P, M>(a, b, e);
 }
 #endif
 
-template <class G, class St, class P>
+template <class G, class St, class P, class M = float>
 SpanFn pick_isa(Isa isa) {
 #if ZT_SIMD_X86
-  if (isa == Isa::kAvx512) return &span_avx512<G, St, P>;
-  if (isa == Isa::kAvx2) return &span_avx2<G, St, P>;
+  if (isa == Isa::kAvx512) return &span_avx512<G, St, P, M>;
+  if (isa == Isa::kAvx2) return &span_avx2<G, St, P, M>;
 #endif
-  return &span_scalar<G, St, P>;
+  return &span_scalar<G, St, P, M>;
 }
 
 template <class G, class St>
@@ -196,8 +199,16 @@ SpanFn pick_state(Isa isa, at::ScalarType state, std::optional<at::ScalarType> o
   return state == at::kBFloat16 ? pick_out<G, Bf16>(isa, out) : pick_out<G, float>(isa, out);
 }
 
-SpanFn pick_kernel(Isa isa, at::ScalarType grad, at::ScalarType state,
+// A 16-bit master (no param_out): its gradient has its own type (checked), the state fp32 or bf16.
+template <class M>
+SpanFn pick_low_master(Isa isa, at::ScalarType state) {
+  return state == at::kBFloat16 ? pick_isa<M, Bf16, NoOut, M>(isa) : pick_isa<M, float, NoOut, M>(isa);
+}
+
+SpanFn pick_kernel(Isa isa, at::ScalarType master, at::ScalarType grad, at::ScalarType state,
                    std::optional<at::ScalarType> out) {
+  if (master == at::kBFloat16) return pick_low_master<Bf16>(isa, state);
+  if (master == at::kHalf) return pick_low_master<Fp16>(isa, state);
   if (grad == at::kBFloat16) return pick_state<Bf16>(isa, state, out);
   if (grad == at::kHalf) return pick_state<Fp16>(isa, state, out);
   return pick_state<float>(isa, state, out);
@@ -255,7 +266,8 @@ void adam_step(at::Tensor master, at::Tensor grad, at::Tensor exp_avg, at::Tenso
                double grad_scale, bool stochastic_rounding, int64_t seed, int64_t n_threads,
                const std::string& isa_request) {
   const int64_t n = master.numel();
-  check_dtype(master, "master", {at::kFloat}, "float32 (the fp32 master weights)");
+  check_dtype(master, "master", {at::kFloat, at::kBFloat16, at::kHalf},
+              "float32, bfloat16 or float16 (a 16-bit master is stepped in fp32, rounded once)");
   check_tensor(master, "master", n);
   check_dtype(grad, "grad", {at::kFloat, at::kBFloat16, at::kHalf}, "float32, bfloat16 or float16");
   check_tensor(grad, "grad", n);
@@ -274,6 +286,13 @@ void adam_step(at::Tensor master, at::Tensor grad, at::Tensor exp_avg, at::Tenso
     check_tensor(*param_out, "param_out", n);
     out_type = param_out->scalar_type();
     buffers.emplace_back(&*param_out, "param_out");
+  }
+  if (master.scalar_type() != at::kFloat) {
+    TORCH_CHECK_TYPE(grad.scalar_type() == master.scalar_type(), "cpu_adam: a ", master.scalar_type(),
+                     " `master` takes a gradient of its own dtype (as the optimizer reads it), got ",
+                     grad.scalar_type());
+    TORCH_CHECK_VALUE(!param_out, "cpu_adam: a ", master.scalar_type(),
+                      " `master` is the working copy itself; `param_out` must be None");
   }
   check_no_overlap(buffers);
   TORCH_CHECK_VALUE(lr >= 0.0, "cpu_adam: `lr` must be >= 0, got ", lr);
@@ -295,7 +314,7 @@ void adam_step(at::Tensor master, at::Tensor grad, at::Tensor exp_avg, at::Tenso
 
   StepArgs a{adam_scalars(step, lr, beta1, beta2, eps, weight_decay, adamw, bias_correction,
                           grad_scale)};
-  a.master = master.data_ptr<float>();
+  a.master = master.data_ptr();
   a.grad = grad.data_ptr();
   a.exp_avg = exp_avg.data_ptr();
   a.exp_avg_sq = exp_avg_sq.data_ptr();
@@ -304,7 +323,7 @@ void adam_step(at::Tensor master, at::Tensor grad, at::Tensor exp_avg, at::Tenso
   a.stochastic = stochastic_rounding && exp_avg.scalar_type() == at::kBFloat16;
   a.seed = static_cast<uint32_t>(static_cast<uint64_t>(seed) & 0xFFFFFFFFu);
 
-  const SpanFn fn = pick_kernel(isa, grad.scalar_type(), exp_avg.scalar_type(), out_type);
+  const SpanFn fn = pick_kernel(isa, master.scalar_type(), grad.scalar_type(), exp_avg.scalar_type(), out_type);
 
   // Threads over contiguous spans of >= kMinSpan elements, cut at multiples of 64 elements (a
   // cache line of fp32 and whole vectors of every ISA).

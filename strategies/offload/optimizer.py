@@ -178,8 +178,8 @@ class OffloadedAdam(_GatherMasters):
     def _rounding(self, k: int, exp_avg: torch.Tensor) -> dict[str, Any]:
         """bf16 moments (swapped with ``optimizer_state_dtype="bf16"``) are rounded stochastically,
         so updates smaller than a bf16 step still move them on average."""
-        if exp_avg.dtype != torch.bfloat16:
-            return {}
+        if exp_avg.dtype != torch.bfloat16 or self.masters[0].dtype != torch.float32:
+            return {}  # 16-bit masters (``master_dtype``): moments rounded to nearest, as DeepSpeed's
         return {"stochastic_rounding": True, "seed": self.states.rounding_seed(k)}
 
     # ------------------------------------------------------------------ what it holds

@@ -71,6 +71,7 @@ class OffloadStepper:
         self.io: AsyncFileIO | None = None
         self.direct_io = DirectIOProbe(False, "no swap files")  # what set-up detected
         self._clip_coef = 1.0
+        self._low_master = False  # 16-bit masters (ZeroConfig.master_dtype): set at setup
         self._wrote_working = False  # the last step wrote the working shards (took_working)
         self._param_dir: str | None = None
         self._param_shards: list = []
@@ -168,6 +169,11 @@ class OffloadStepper:
         if on_gpu:  # host copies; the stage's device masters are dropped below
             masters = [m.to("cpu").pin_memory() if cfg.pin_memory else m.to("cpu") for m in masters]
         grads, working = slots()
+        self._low_master = any(m.dtype != torch.float32 for m in masters)
+        if self._low_master and (on_gpu or any(g.dtype != m.dtype for g, m in zip(grads, masters))):
+            raise ValueError(f"Offload: {masters[0].dtype} masters (master_dtype) are stepped on the host with "
+                             f"gradients of their own type; valid: a CPU device and reduce_dtype equal to "
+                             f"master_dtype (got {grads[0].dtype if grads else None})")
         if on_gpu:
             self.transfer = DeviceWorking(working, grads, cfg.pin_memory)
             on_reduced(lambda slot, start, numel: self.transfer.stream_grad(slot, start, numel)
@@ -246,7 +252,12 @@ class OffloadStepper:
 
     def scale(self, grads: list[torch.Tensor], coef: torch.Tensor) -> None:
         """The clip coefficient is folded into the next step's kernel (``grad_scale``) instead of
-        rewriting the gradients in place."""
+        rewriting the gradients in place; with 16-bit masters the 16-bit gradients are multiplied
+        in place (rounded once, as the device stepper and DeepSpeed's offload do)."""
+        if self._low_master:
+            for g in grads:
+                g.detach().mul_(coef)
+            return
         self._clip_coef *= float(coef)
 
     def clamp(self, grads: list[torch.Tensor], value: float, loss_scale: float) -> None:

@@ -54,9 +54,12 @@ class _HostBuffers:
         raise NotImplementedError
 
     def param_out(self, sg: SubGroup, master: torch.Tensor) -> torch.Tensor | None:
-        """Where the kernel writes the low-precision working copy (None: fp32, see after_step)."""
+        """Where the kernel writes the low-precision working copy (None: fp32, see after_step; or
+        a 16-bit master, which is the working copy itself)."""
         out = self.host_out[sg.slot]
-        return out[sg.lo:sg.hi] if out.dtype != torch.float32 else None
+        if out.dtype == torch.float32 or out[sg.lo:sg.hi].data_ptr() == master.data_ptr():
+            return None
+        return out[sg.lo:sg.hi]
 
 
 class HostWorking(_HostBuffers):

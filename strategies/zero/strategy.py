@@ -144,9 +144,13 @@ class ZeroStrategy(Strategy):
         self.stepper: Stepper = stepper if stepper is not None else ShardedStepper()
         self.stepper.check_stage(self.stage)
         self.name = self.stepper.name or type(self).name
-        if self.config.master_dtype != "fp32" and self.stepper.policy is not None:
-            raise ValueError(f"{self.name}: master_dtype={self.config.master_dtype!r} with offload: the offload "
-                             "stepper's kernel steps fp32 masters; valid: 'fp32'")
+        policy = self.stepper.policy
+        if self.config.master_dtype != "fp32" and policy is not None and \
+                (policy.optimizer_device, policy.param_device) != ("cpu", "none"):
+            raise ValueError(f"{self.name}: master_dtype={self.config.master_dtype!r} with optimizer_device="
+                             f"{policy.optimizer_device!r}, param_device={policy.param_device!r}: 16-bit masters are "
+                             "stepped in host RAM only; valid: optimizer_device='cpu' and param_device='none', or "
+                             "master_dtype='fp32'")
         #: where masters and optimizer state live (None: with the working parameters)
         self.offload = self.stepper.policy
         #: with ``buckets.overlap_param_gather`` the post-step all-gathers are left in flight;
@@ -430,14 +434,15 @@ class ZeroStrategy(Strategy):
         pdt = self.precision.param_dtype
         est = estimate_model_states(
             psi, self.replica_world_size, param_bytes=pdt.itemsize, grad_bytes=self._grad_bytes_per_param(),
-            master_bytes=0 if pdt == torch.float32 else 4,
-            optimizer_bytes=8)[f"zero{self.stage}"]
+            master_bytes=0 if self.config.torch_master_dtype == pdt else 4,
+            optimizer_bytes=2 * self.config.torch_master_dtype.itemsize)[f"zero{self.stage}"]
         got = count_bytes(self)
         parts = ", ".join(f"{k} {format_bytes(got[k])} (formula {format_bytes(getattr(est, k))})"
                           for k in ("params", "grads", "master", "optimizer"))
         log.info("%s: model states per rank %s, %s; total %s (formula %s, optimizer counted as Adam's "
-                 "8 B/param); communication buffers %s; %d trainable params on %d ranks", self.name,
+                 "%d B/param); communication buffers %s; %d trainable params on %d ranks", self.name,
                  when, parts, format_bytes(got["total"] - got["comm_buffers"]), format_bytes(est.total),
+                 2 * self.config.torch_master_dtype.itemsize,
                  format_bytes(got["comm_buffers"]), psi, self.replica_world_size)
 
     def teardown(self) -> None:

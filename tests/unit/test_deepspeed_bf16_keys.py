@@ -38,27 +38,33 @@ def test_the_keys_are_read():
 @pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("key", ["bf16", "bfloat16"])  # DeepSpeed's two spellings of the section
 def test_bf16_masters_and_states_are_zeros_bf16_master_dtype(stage, key):
-    """Both keys true without offload: DeepSpeed steps bf16 master partitions with bf16 moments on
-    the device (``_configure_master_weights`` calls no offload check then): ``master_dtype="bf16"``."""
+    """Both keys true: DeepSpeed steps bf16 master partitions with bf16 moments, on the device
+    (``_configure_master_weights`` calls no offload check then) or under CPU offload with
+    DeepSpeedCPUAdam (``fp32_optimizer_states`` forced false): ``master_dtype="bf16"``."""
     c = cfg(2, zero_optimization={"stage": stage}, **{key: FULL["bf16"]})
     assert c.strategy_options["master_dtype"] == "bf16" and c.make_strategy().config.master_dtype == "bf16"
+    off = cfg(2, zero_optimization={"stage": stage, "offload_optimizer": {"device": "cpu"}}, **{key: FULL["bf16"]})
+    assert off.strategy == "offload" and off.make_strategy().config.master_dtype == "bf16"
     assert "master_dtype" not in cfg(2, zero_optimization={"stage": stage}, bf16={"enabled": True}).strategy_options
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_bf16_master_combinations_are_refused_as_deepspeed_refuses_them_or_named(stage):
     """DeepSpeed: fp32 moments beside bf16 masters (``bf16_optimizer_states`` false) need ZeRO-Offload
-    with DeepSpeedCPUAdam; under offload it steps bf16 partitions with DeepSpeedCPUAdam, which zerotrain's
-    offload kernel does not (fp32 masters): refused, naming the key. One line, before any process."""
+    with DeepSpeedCPUAdam; zerotrain's 16-bit masters keep moments of their own type, and are stepped
+    in host RAM only: those refused as not implemented, naming the key. One line, before any process."""
     offload = {"stage": stage, "offload_optimizer": {"device": "cpu"}}
     master_only = {"enabled": True, "bf16_master_weights_and_grads": True}
     with pytest.raises(ConfigError, match=r"^bf16\.bf16_master_weights_and_grads=True without bf16\.bf16_optimizer_"
                                           r"states and without zero_optimization\.offload_optimizer: .*DeepSpeed's rule"):
         cfg(2, zero_optimization={"stage": stage}, bf16=master_only)
-    for bf16 in (master_only, FULL["bf16"]):
-        with pytest.raises(ConfigError, match=r"^bf16\.bf16_master_weights_and_grads=True with zero_optimization\."
-                                              r"offload_optimizer: not implemented .*valid: no offload_optimizer"):
-            cfg(2, zero_optimization=offload, bf16=bf16)
+    with pytest.raises(ConfigError, match=r"^bf16\.bf16_master_weights_and_grads=True under zero_optimization\."
+                                          r"offload_optimizer: fp32 moments beside bf16 masters .*not implemented"):
+        cfg(2, zero_optimization=offload, bf16=master_only)
+    nvme = {"stage": stage, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}
+    with pytest.raises(ConfigError, match=r"offload_optimizer\.device='nvme' \(16-bit masters are stepped in host "
+                                          r"RAM only\) not implemented"):
+        cfg(2, zero_optimization=nvme, bf16=FULL["bf16"])
     with pytest.raises(ConfigError, match=r"^bfloat16\.bf16_master_weights_and_grads=True with bfloat16\.enabled "
                                           r"false: .*valid: bfloat16\.enabled true$"):
         cfg(2, zero_optimization={"stage": stage}, bfloat16={**FULL["bf16"], "enabled": False})
@@ -111,7 +117,7 @@ def test_fp16_masters_are_refused_too(stage, offload, enabled):
     """``fp16.fp16_master_weights_and_grads`` was reported as "no effect"; DeepSpeed 0.19.8 keeps fp16
     master partitions with it, always under offload with DeepSpeedCPUAdam (``_configure_master_weights``
     calls its offload check for fp16 whatever the states): without offload DeepSpeed's refusal, with it
-    not implemented (zerotrain's offload kernel steps fp32 masters). False stays read, not reported
+    not implemented (DeepSpeed's fp32 moments beside them). False stays read, not reported
     (DeepSpeedExamples' cifar)."""
     zero = {"stage": stage, **({"offload_optimizer": {"device": "cpu"}} if offload else {})}
     match = (r"^fp16\.fp16_master_weights_and_grads=True with zero_optimization\.offload_optimizer: not implemented "

@@ -6,9 +6,10 @@ section.
   DeepSpeed then keeps this rank's master partition and its gradient in bf16 and steps it there,
   with bf16 moments (the optimizer makes its state like its parameters) or, without
   ``bf16_optimizer_states``, only under ZeRO-Offload with DeepSpeedCPUAdam's fp32 moments. Both
-  true without offload is ZeRO's ``master_dtype="bf16"`` here (the working bf16 partition is the
-  master, stepped in place by the user's optimizer); the offload combinations are refused (the
-  offload kernel steps fp32 masters), as is every combination DeepSpeed refuses.
+  true is ZeRO's ``master_dtype="bf16"`` here (the working bf16 partition is the master, stepped in
+  place by the user's optimizer; under ``offload_optimizer.device="cpu"`` by the fused host Adam
+  kernel in fp32, rounded once, as DeepSpeedCPUAdam); fp32 moments beside bf16 masters and NVMe are
+  refused as not implemented, every combination DeepSpeed refuses with its rule.
   ``fp16_master_weights_and_grads``: DeepSpeed keeps fp16 masters only under offload: refused;
 * ``torch_autocast``: DeepSpeed runs the engine's forward under ``torch.autocast(device, dtype)``
   (``enabled``, ``dtype`` in DeepSpeed's spellings); ``lower_precision_safe_modules`` picks the
@@ -29,13 +30,14 @@ _DTYPES = {**dict.fromkeys(("torch.float16", "fp16", "float16", "half"), torch.f
            **dict.fromkeys(("torch.bfloat16", "bf16", "bfloat16"), torch.bfloat16)}
 
 
-def _zero_stage_and_offload(raw: Mapping[str, Any]) -> tuple[Any, bool]:
+def _zero_stage_and_offload(raw: Mapping[str, Any]) -> tuple[Any, str | None]:
+    """The ZeRO stage and the optimizer's offload device (None: no offload)."""
     zero = raw.get("zero_optimization") or {}
     if not isinstance(zero, Mapping):
-        return 0, False
+        return 0, None
     section = zero.get("offload_optimizer") or {}
     device = section.get("device", "none") if isinstance(section, Mapping) else "none"
-    return zero.get("stage", 0), device in ("cpu", "nvme")
+    return zero.get("stage", 0), device if device in ("cpu", "nvme") else None
 
 
 def check_bf16_keys(raw: Mapping[str, Any], key: str, flag: Any, bf16_on: bool) -> str | None:
@@ -67,10 +69,12 @@ def check_bf16_keys(raw: Mapping[str, Any], key: str, flag: Any, bf16_on: bool) 
                           "without zero_optimization.offload_optimizer: fp32 optimizer states beside bf16 masters "
                           "need ZeRO-Offload with DeepSpeedCPUAdam (DeepSpeed's rule); valid: bf16_optimizer_states "
                           "true, or offload_optimizer.device cpu")
-    if offload:
-        raise ConfigError(f"{key}.bf16_master_weights_and_grads=True with zero_optimization.offload_optimizer: not "
-                          "implemented (zerotrain's offload kernel steps fp32 masters); valid: no offload_optimizer "
-                          "with bf16_optimizer_states true (bf16 masters and moments on the device)")
+    if offload and (offload != "cpu" or not states):
+        what = (f"offload_optimizer.device={offload!r} (16-bit masters are stepped in host RAM only)" if states else
+                "fp32 moments beside bf16 masters (DeepSpeedCPUAdam's fp32_optimizer_states)")
+        raise ConfigError(f"{key}.bf16_master_weights_and_grads=True under zero_optimization.offload_optimizer: "
+                          f"{what} not implemented; valid: bf16_optimizer_states true with offload_optimizer.device "
+                          "cpu or without offload_optimizer")
     if not bf16_on:
         raise ConfigError(f"{key}.bf16_master_weights_and_grads=True with {key}.enabled false: zerotrain's 16-bit "
                           f"masters are the working bf16 partitions; valid: {key}.enabled true")
@@ -80,8 +84,8 @@ def check_bf16_keys(raw: Mapping[str, Any], key: str, flag: Any, bf16_on: bool) 
 def check_fp16_master_key(raw: Mapping[str, Any], flag: Any) -> None:
     """``fp16.fp16_master_weights_and_grads``: true, DeepSpeed 0.19.8 keeps fp16 master partitions
     and always requires ZeRO-Offload with DeepSpeedCPUAdam for them (``_configure_master_weights``,
-    whether or not ``fp16.enabled``); refused after DeepSpeed's rules: zerotrain's offload kernel
-    steps fp32 masters."""
+    whether or not ``fp16.enabled``), with fp32 moments: refused after DeepSpeed's rules (zerotrain's
+    16-bit masters keep moments of their own type)."""
     section = raw.get("fp16") or {}
     if not isinstance(section, Mapping) or not flag("fp16.fp16_master_weights_and_grads",
                                                     section.get("fp16_master_weights_and_grads", False)):
@@ -95,8 +99,8 @@ def check_fp16_master_key(raw: Mapping[str, Any], flag: Any) -> None:
                           "fp16 masters need ZeRO-Offload with DeepSpeedCPUAdam (DeepSpeed's rule); valid: "
                           "offload_optimizer.device cpu, or false")
     raise ConfigError("fp16.fp16_master_weights_and_grads=True with zero_optimization.offload_optimizer: not "
-                      "implemented (zerotrain's offload kernel steps fp32 masters); valid: false (DeepSpeed's "
-                      "default)")
+                      "implemented (DeepSpeedCPUAdam keeps fp32 moments beside the fp16 masters; zerotrain's 16-bit "
+                      "masters keep moments of their own type); valid: false (DeepSpeed's default)")
 
 
 def torch_autocast_dtype(raw: Mapping[str, Any], flag: Any, ignored: list[str]) -> torch.dtype | None:
