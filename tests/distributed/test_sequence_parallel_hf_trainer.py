@@ -1,5 +1,5 @@
-"""A Hugging Face Llama under sequence parallelism in the Trainer (issue 45): ``DDP(sequence_parallel=2)``
-on 2 ranks, the model switched to Ulysses attention with ``use_ulysses(model, strategy.mesh_group("sequence"))``,
+"""A Hugging Face Llama under sequence parallelism in the Trainer (issue 45): ``DDP(sequence_parallel=sp)``
+on sp = 2 and 4 ranks, the model switched to Ulysses attention with ``use_ulysses(model, strategy.mesh_group("sequence"))``,
 dict batches (``input_ids``, next-token ``labels`` with ignored positions) cut by the strategy's
 default ``shard_sequence`` (which adds the whole sequence's ``position_ids``), the loss through
 ``sequence_loss`` over the tokens not ignored (their count differs between the shards): three AdamW
@@ -78,20 +78,22 @@ class LlamaModule(TrainModule):
         return DataLoader(_Tokens(), batch_size=B, shuffle=False)
 
 
-def _fit() -> dict:
+def _fit(sp: int) -> dict:
     from zerotrain.strategies import DDP
 
     module = LlamaModule()
-    trainer = Trainer(strategy=DDP(sequence_parallel=2), devices=2, max_steps=STEPS, logger=False,
+    trainer = Trainer(strategy=DDP(sequence_parallel=sp), devices=sp, max_steps=STEPS, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, precision="32")
     trainer.fit(module)
     return {"params": {k.removeprefix("llama."): v for k, v in trainer.full_state_dict().items()},
             "losses": module.losses}
 
 
-def test_llama_sequence_parallel_2_through_the_trainer_equals_one_process(tmp_path):
+@pytest.mark.parametrize("sp", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_llama_sequence_parallel_through_the_trainer_equals_one_process(tmp_path, sp):
+    """sp=4: the 2 KV heads are repeated to 4 (one per rank) around the attention."""
     pytest.importorskip("transformers")
-    results = run_ranks("test_sequence_parallel_hf_trainer:_fit", 2, tmp_path, timeout=280)
+    results = run_ranks("test_sequence_parallel_hf_trainer:_fit", sp, tmp_path, timeout=280, sp=sp)
     model, data = _llama(), _Tokens()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses = []
@@ -106,5 +108,5 @@ def test_llama_sequence_parallel_2_through_the_trainer_equals_one_process(tmp_pa
     for name, want in model.state_dict().items():
         err = ((got[name] - want).norm() / want.norm().clamp_min(1e-30)).item()
         assert err <= RTOL, (name, err)
-    mean = [(a + b) / 2 for a, b in zip(results[0]["losses"], results[1]["losses"])]
+    mean = [sum(r["losses"][i] for r in results) / sp for i in range(STEPS)]
     assert mean == pytest.approx(losses, rel=RTOL)
