@@ -63,6 +63,11 @@ def _kind(p: nn.Parameter) -> str | None:
     return None if name == "ep_size_1" else name
 
 
+def is_expert_group(params: Sequence[nn.Parameter]) -> bool:
+    """Whether a flat group's parameters are experts' (of ``ep_size`` > 1; a group is one kind)."""
+    return bool(params) and _kind(params[0]) is not None
+
+
 def partitioning(kind: str | None, replica_group: Any, replica_rank: int, replicas: int) -> Partitioning:
     """Who partitions a flat group of ``kind`` (:func:`group_kind`): dense ones the replicas (the
     world without sequence/tensor axes); experts their EDP group. Collective the first time an
@@ -101,3 +106,27 @@ def expert_norm_entries(slot: int, params: Sequence[nn.Parameter], layout: Group
 def _global(part: Partitioning) -> int:
     assert part.experts is not None
     return part.experts.edp_ranks[part.rank]
+
+
+def global_names(module: nn.Module) -> dict[str, str]:
+    """``local name -> global name`` of every expert parameter of ``ep_size`` > 1 in ``module``: a
+    rank at place ``i`` of its expert-parallel group holds experts ``i * local ... (i + 1) * local - 1``,
+    so its ``<layer>.<list>.<j>.*`` is saved as ``<layer>.<list>.<i * local + j>.*`` and a load at
+    another ``ep_size`` reads the experts it holds by their global names (each EDP group's
+    partitions together hold its place's experts once)."""
+    from ..moe.experts import Experts
+
+    out: dict[str, str] = {}
+    for prefix, mod in module.named_modules():
+        if not isinstance(mod, Experts):
+            continue
+        kinds = {_kind(p) for p in mod.parameters()} - {None}
+        if not kinds:
+            continue
+        groups = expert_groups(ep_size_of(kinds.pop()))
+        place = groups.ep_ranks.index(dist.get_rank() if dist.is_initialized() else 0)
+        head = f"{prefix}.{mod.list_name}." if prefix else f"{mod.list_name}."
+        for j, expert in enumerate(mod.local):
+            for name, _ in expert.named_parameters():
+                out[f"{head}{j}.{name}"] = f"{head}{place * mod.num_local + j}.{name}"
+    return out

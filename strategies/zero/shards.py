@@ -16,7 +16,14 @@ import torch
 
 from ..checkpoint import ParamShard, ReplicatedCheckpoint, ShardReader, split_optimizer_state
 from .comm.inflight import Work
+from .experts import global_names, is_expert_group
 from .flat_buffer import FlatParamGroup
+
+
+def _rank_in(fg: FlatParamGroup, rank: int) -> int:
+    """This rank's index in the group partitioning ``fg``: ``rank`` for the replicas', its own for an
+    expert group's (``experts.py``: its expert-data-parallel group)."""
+    return fg.rank if is_expert_group(fg.params) else rank
 
 
 def partition_shards(flat_groups: Sequence[FlatParamGroup], sharded: Any, rank: int,
@@ -29,7 +36,7 @@ def partition_shards(flat_groups: Sequence[FlatParamGroup], sharded: Any, rank: 
     for g, fg in enumerate(flat_groups):
         master = saved["master"][g].reshape(-1)
         per, scalars = split_optimizer_state(f"param group {g}", master, state.get(g, {}))
-        for pc in fg.layout.pieces(rank):
+        for pc in fg.layout.pieces(_rank_in(fg, rank)):
             cut = slice(pc.partition_start, pc.partition_start + pc.numel)
             out[names[id(fg.params[pc.index])]] = ParamShard(
                 pc.param_start, pc.param_start + pc.numel,
@@ -44,12 +51,12 @@ def load_partitions(flat_groups: Sequence[FlatParamGroup], sharded: Any, optimiz
     gathers them afterwards."""
     masters, state = [], {}
     for g, fg in enumerate(flat_groups):
-        lo, hi = fg.layout.partition_range(rank)
+        lo, hi = fg.layout.partition_range(_rank_in(fg, rank))
         group = [names[id(p)] for p in fg.params]
         kinds = sorted({k for n in group for k in reader.kinds(n)} - {"param"})
         master = torch.zeros(hi - lo, dtype=torch.float32)
         per = {k: torch.zeros(hi - lo, dtype=torch.float32) for k in kinds}
-        mine = fg.layout.pieces(rank)
+        mine = fg.layout.pieces(_rank_in(fg, rank))
         for pc in mine:
             n, cut = group[pc.index], slice(pc.partition_start, pc.partition_start + pc.numel)
             reader.read(n, "param", pc.param_start, pc.param_start + pc.numel, out=master[cut])
@@ -72,14 +79,35 @@ class ZeroCheckpoint(ReplicatedCheckpoint):
     state; the extras (buffers, frozen parameters) are replicated and saved by rank 0. Reads the
     strategy's ``flat_groups``, ``sharded``, ``queue`` and ``group``."""
 
+    def trainable_names(self) -> dict[int, str]:
+        """Expert parameters (ep_size > 1) under their global expert index (``experts.global_names``),
+        so any ``ep_size`` reads them back; the others as the base names them."""
+        names = super().trainable_names()
+        if not getattr(self.s, "holds_experts", False):
+            return names
+        renamed = global_names(self.s.module)
+        return {i: renamed.get(n, n) for i, n in names.items()}
+
+    def checkpoint_model_info(self) -> dict[str, Any]:
+        info = super().checkpoint_model_info()
+        if not getattr(self.s, "holds_experts", False):
+            return info
+        renamed = global_names(self.s.module)
+        for local, p in self.s.module.named_parameters():  # the base took their local names for aliases
+            if local in renamed:
+                info["aliases"].pop(local, None)
+                info["params"][renamed[local]] = (tuple(p.shape), p.dtype)
+        info["keys"] = [renamed.get(k, k) for k in info["keys"]]
+        return info
+
     def _refuse_experts(self, what: str) -> None:
-        """Expert parameters partitioned over their EDP groups would be saved under each rank's
-        local expert names (``experts.0`` on every expert-parallel place): refused until experts
-        are saved under their global index (strategies/README.md, the expert plan's item 5)."""
+        """The full state dict of expert-parallel parameters (every place's experts gathered on
+        rank 0) is not built: refused (checkpoints save them under their global index)."""
         if getattr(self.s, "holds_experts", False):
             raise NotImplementedError(f"{self.s.name}: {what} of a model with expert-parallel parameters (moe/, "
-                                      "ep_size > 1) is not built yet (issue 46: experts saved under their global "
-                                      "index); valid: strategy='ddp' to checkpoint it, or ep_size=1")
+                                      "ep_size > 1) is not built yet (issue 46: every place's experts gathered); "
+                                      "valid: a checkpoint (its shards hold every expert under its global index), "
+                                      "or ep_size=1")
 
     def extra_names(self) -> list[str]:
         """State-dict entries that are not trainable parameters: buffers and frozen parameters."""
@@ -140,7 +168,6 @@ class ZeroCheckpoint(ReplicatedCheckpoint):
         the optimizer state of that partition (padding excluded)."""
         s = self.s
         assert s.sharded is not None
-        self._refuse_experts("a checkpoint")
         s.queue.wait(Work.PARAMS)
         return partition_shards(s.flat_groups, s.sharded, s.replica_rank, self.trainable_names())
 
@@ -158,7 +185,6 @@ class ZeroCheckpoint(ReplicatedCheckpoint):
         parameters."""
         s = self.s
         assert s.sharded is not None and s.module is not None
-        self._refuse_experts("a checkpoint load")
         s.queue.wait(Work.PARAMS)
         load_partitions(s.flat_groups, s.sharded, s.optimizer, s.replica_rank, self.trainable_names(), reader)
         self.finish_load(reader)

@@ -155,3 +155,94 @@ def test_ep2_by_edp2_under_zero_equals_one_process_with_every_expert(tmp_path, s
     EDP group), dense over the 4; dropping capacity, clipped."""
     results = run_ranks("test_moe_zero12:_zero", 4, tmp_path, timeout=360, stage=stage, mode="drop", clip=0.25)
     _check(results, 4, "drop", 0.25)
+
+
+# ---------------------------------------------------------------------------- checkpoints
+def _setup(stage: int, ep: int, world: int):
+    from zerotrain.strategies import ZeroStage1, ZeroStage2
+    from zerotrain.strategies.environment import detect
+    from zerotrain.strategies.precision import Precision
+
+    torch.manual_seed(0)
+    net = _Net(ep, MODES["drop"])
+    strategy = {1: ZeroStage1, 2: ZeroStage2}[stage](process_group_timeout_s=60, reduce_bucket_size=100)
+    set_up_like_trainer(strategy, net, detect(world), Precision())
+    return strategy, net
+
+
+def _save(path: str) -> dict:
+    """ZeRO-2, ep=2 on 2 ranks: two steps from distinct experts, then a checkpoint."""
+    from harness import save_checkpoint
+
+    rank, world = init_dist()
+    strategy, net = _setup(2, 2, world)
+    g = torch.Generator().manual_seed(5)
+    full = {k: torch.randn(v.shape, generator=g) * 0.5 for k, v in _Net(1, MODES["drop"]).state_dict().items()}
+    _load_working(strategy, net, _local_state(full, rank, 2, EXPERTS // 2))
+    for step in range(2):
+        _seed(step, rank)
+        strategy.backward(strategy.training_step(_batch(step, rank), 0))
+        strategy.optimizer_step(None)
+    save_checkpoint(strategy, path)
+    saved = {k: v.clone() for k, v in net.state_dict().items()}
+    _step(strategy, 2, rank)
+    return {"saved": saved, "next": {k: v.clone() for k, v in net.state_dict().items()}}
+
+
+def _step(strategy, step: int, rank: int) -> None:
+    _seed(step, rank)
+    strategy.backward(strategy.training_step(_batch(step, rank), 0))
+    strategy.optimizer_step(None)
+
+
+def _load_working(strategy, net, state: dict) -> None:
+    """Set the weights of a set-up ZeRO-1/2 module: its working views and this rank's masters."""
+    with torch.no_grad():
+        for name, p in net.named_parameters():
+            p.copy_(state[name])
+        for fg, master in zip(strategy.flat_groups, strategy.sharded.masters):
+            master.copy_(fg.partition(fg.rank))
+
+
+def _load(path: str, ep: int, stage: int, step: bool = False) -> dict:
+    from harness import load_checkpoint
+
+    rank, world = init_dist()
+    strategy, net = _setup(stage, ep, world)
+    load_checkpoint(strategy, path)
+    if step:  # the step after the save, from the loaded weights and momentum
+        _step(strategy, 2, rank)
+    return {k: v.clone() for k, v in net.state_dict().items()}
+
+
+def test_experts_are_saved_under_their_global_index_and_reshard_across_ep_size(tmp_path):
+    """ZeRO-2 ep=2 on 2 ranks saves each expert once, under its global index (each rank's local
+    expert 0 is another expert); ZeRO-1 ep=1 on one process loads all six experts, ZeRO-1 ep=2 x
+    edp=2 on 4 ranks its place's three: every weight equal to the saving rank's; ZeRO-1 ep=2 on the
+    same 2 ranks then takes the step the saving run took after the save, bit for bit."""
+    path = str(tmp_path / "ckpt")
+    saved = run_ranks("test_moe_zero12:_save", 2, tmp_path / "save", timeout=300, path=path)
+    everything = {}
+    for rank, state in enumerate(saved):
+        for name, value in state["saved"].items():
+            if ".experts.experts." in name:
+                prefix, rest = name.split(".experts.experts.")
+                idx, tail = rest.split(".", 1)
+                name = f"{prefix}.experts.experts.{int(idx) + rank * (EXPERTS // 2)}.{tail}"
+            everything.setdefault(name, value)
+    (one,) = run_ranks("test_moe_zero12:_load", 1, tmp_path / "one", timeout=300, path=path, ep=1, stage=1)
+    assert one.keys() == everything.keys()
+    for name, value in everything.items():
+        assert torch.equal(one[name], value), name
+    four = run_ranks("test_moe_zero12:_load", 4, tmp_path / "four", timeout=300, path=path, ep=2, stage=1)
+    for rank, state in enumerate(four):
+        want = _local_state(everything, rank, 2, EXPERTS // 2)
+        assert state.keys() == want.keys()
+        for name, value in want.items():
+            assert torch.equal(state[name], value), (rank, name)
+    # the same 2 ranks under ZeRO-1: the next step equals the saving run's (SGD momentum restored)
+    again = run_ranks("test_moe_zero12:_load", 2, tmp_path / "again", timeout=300, path=path, ep=2, stage=1,
+                      step=True)
+    for rank, state in enumerate(again):
+        for name, value in saved[rank]["next"].items():
+            torch.testing.assert_close(state[name], value, atol=0, rtol=0, msg=f"rank {rank} {name}")
