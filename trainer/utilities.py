@@ -112,11 +112,19 @@ def seed_everything(seed: int | None = None, workers: bool = False, verbose: boo
     if seed is None:
         env = os.environ.get(GLOBAL_SEED_ENV)
         if env is None and verbose:
-            _warnings.warn("seed_everything(): no seed given or recorded; seed set to 0", stacklevel=2)
-        seed = int(env) if env is not None else 0
+            _warnings.warn("seed_everything(): No seed found, seed set to 0 (no seed given, none recorded in "
+                           f"{GLOBAL_SEED_ENV})", stacklevel=2)
+        try:
+            seed = int(env) if env is not None else 0
+        except ValueError:
+            raise ConfigError(f"seed_everything: Invalid seed specified via {GLOBAL_SEED_ENV}={env!r}; valid: an "
+                              f"integer from 0 to {MAX_SEED}") from None
     seed = int(seed)
     if not 0 <= seed <= MAX_SEED:
-        raise ConfigError(f"seed_everything: seed={seed}; valid: an integer from 0 to {MAX_SEED} (numpy's range)")
+        raise ConfigError(f"seed_everything: seed={seed}; valid: an integer from 0 to {MAX_SEED} (numpy's range; "
+                          f"{seed} is not in bounds)")
+    if verbose:
+        log.info("Seed set to %d", seed)
     os.environ[GLOBAL_SEED_ENV] = str(seed)
     os.environ[SEED_WORKERS_ENV] = str(int(workers))
     seed_rngs(seed)

@@ -71,7 +71,7 @@ def test_the_names_are_zerotrains_own_objects():
     assert distributed._distributed_is_initialized is utilities.distributed_is_initialized
     assert distributed._distributed_is_initialized() is False
     with pytest.raises(ImportError):  # a path Lightning has and zerotrain does not: a plain ImportError
-        importlib.import_module("zerotrain.fabric.strategies")
+        importlib.import_module("zerotrain.fabric.accelerators")
 
 
 def _draws() -> tuple:

@@ -6,4 +6,4 @@ modules registered under Lightning's paths by ``trainer/compat/lightning_paths.p
 internals zerotrain does not have (loop and connector objects, launchers, XLA), is a class whose
 use raises ``NotImplementedError`` saying so; importing never fails.
 
-May import: trainer.api, callbacks."""
+May import: trainer.api, trainer.engine, trainer.loop, callbacks."""

@@ -24,6 +24,21 @@ class TensorBoardLogger(_TensorBoardLogger):
                  sub_dir: "str | os.PathLike | None" = None, **kwargs: Any) -> None:
         super().__init__(root_dir, name=name, version=version, default_hp_metric=default_hp_metric, prefix=prefix,
                          sub_dir=sub_dir, **kwargs)
+        self._fabric_root_dir = os.fspath(root_dir)
+
+    @property
+    def root_dir(self) -> str:
+        """The ``root_dir`` as given (Fabric's; the Trainer's logger's is ``save_dir/name``)."""
+        return self._fabric_root_dir
+
+    @property
+    def log_dir(self) -> str:
+        """``root_dir/name/version[/sub_dir]``, ``~`` and ``$VARS`` expanded, as the Trainer's logger."""
+        version = self.version
+        path = os.path.join(self.save_dir, self.name, version if isinstance(version, str) else f"version_{version}")
+        if self.sub_dir is not None:
+            path = os.path.join(path, self.sub_dir)
+        return os.path.expandvars(os.path.expanduser(path))
 
 
 class CSVLogger(_CSVLogger):

@@ -34,6 +34,9 @@ MODULES = {
     "plugins.io.torch_io": "trainer.compat.lightning.plugins",
     "plugins.environments": "trainer.compat.lightning.plugins",
     "plugins.precision": "trainer.compat.lightning.plugins",
+    "fabric": "trainer.engine.fabric",
+    "utilities.apply_func": "trainer.compat.fabric_names",
+    "utilities.device_dtype_mixin": "trainer.compat.fabric_names",
 }
 #: Lightning's path -> {Lightning's name: "our module:our name"}; "" is ``zerotrain.fabric`` itself
 NAMESPACES = {
@@ -41,6 +44,33 @@ NAMESPACES = {
          "disable_possible_user_warnings": "trainer.utilities:disable_possible_user_warnings"},
     "utilities.cloud_io": {"_load": "trainer.api.from_checkpoint:load_checkpoint"},
     "utilities.distributed": {"_distributed_is_initialized": "trainer.utilities:distributed_is_initialized"},
+    "wrappers": {"_FabricModule": "trainer.engine.wrappers:EngineModule",
+                 "_FabricOptimizer": "trainer.engine.wrappers:EngineOptimizer",
+                 "_FabricDataLoader": "trainer.engine.wrappers:EngineLoader",
+                 **{n: f"trainer.compat.fabric_names:{n}" for n in ("is_wrapped", "_unwrap_objects", "_unwrap_compiled")}},
+    "strategies": {"Strategy": "strategies.base:Strategy", "DDPStrategy": "strategies:DDPStrategy",
+                   "SingleDeviceStrategy": "strategies:SingleDeviceStrategy",
+                   **{n: f"trainer.compat.fabric_names:{n}" for n in (
+                       "ParallelStrategy", "DataParallelStrategy", "DeepSpeedStrategy", "FSDPStrategy",
+                       "ModelParallelStrategy", "XLAStrategy", "XLAFSDPStrategy")}},
+    "strategies.strategy": {"Strategy": "strategies.base:Strategy", "_Sharded": "trainer.compat.fabric_names:_Sharded"},
+}
+#: names set on a module registered above (Lightning's path -> {name: "our module:our name"}), where
+#: Fabric's module has names ours has not (private helpers its tests import)
+EXTRA = {
+    "utilities.seed": {"pl_worker_init_function": "trainer.compat.lightning.data:seed_worker",
+                       **{n: f"trainer.compat.fabric_names:{n}"
+                          for n in ("_collect_rng_states", "_set_rng_states", "_generate_seed_sequence")}},
+    "utilities.rank_zero": {n: f"trainer.compat.fabric_names:{n}" for n in ("_get_rank", "rank_zero_deprecation")},
+    "utilities.warnings": {"_is_path_in_lightning": "trainer.compat.fabric_names:_is_path_in_lightning"},
+    "utilities.logger": {"_convert_json_serializable": "trainer.compat.fabric_names:_convert_json_serializable"},
+    "utilities.types": {"Optimizable": "trainer.compat.fabric_names:Optimizable"},
+    "utilities.data": {"AttributeDict": "trainer.api.hparams:AttributeDict",
+                       **{n: f"trainer.compat.fabric_names:{n}" for n in (
+                           "_set_sampler_epoch", "_update_dataloader", "_get_dataloader_init_args_and_kwargs",
+                           "_replace_dunder_methods", "_replace_value_in_saved_args", "_WrapAttrTag")}},
+    "loggers.csv_logs": {"_ExperimentWriter": "callbacks.loggers:ExperimentWriter"},
+    "loggers.tensorboard": {"_TENSORBOARD_AVAILABLE": "trainer.compat.fabric_names:_TENSORBOARD_AVAILABLE"},
 }
 
 
@@ -65,3 +95,9 @@ def register(package: str) -> None:
         else:
             module = importlib.import_module(f"{package}.{MODULES[alias]}")
         install(name, module)
+    for alias, names in EXTRA.items():
+        module = importlib.import_module(f"{package}.fabric.{alias}")
+        for leaf, target in names.items():
+            where, _, attr = target.partition(":")
+            if not hasattr(module, leaf):
+                setattr(module, leaf, getattr(importlib.import_module(f"{package}.{where}"), attr))

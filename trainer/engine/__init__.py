@@ -3,4 +3,4 @@ and loaders its ``setup`` hands back (``wrappers.py``), several models in one En
 (``models.py``), Fabric's names for it (``fabric.py``) and a TrainModule logging through a Fabric
 (``module_fabric.py``).
 
-May import: trainer.api, trainer.checkpoint, trainer.errors, trainer.launch, trainer.loop, trainer.settings, trainer.utilities, strategies."""
+May import: trainer.api, trainer.checkpoint, trainer.compat, trainer.errors, trainer.launch, trainer.loop, trainer.settings, trainer.utilities, strategies."""

@@ -222,6 +222,9 @@ class Engine:
         for o in self._optimizers:
             o.dirty = True
 
+    def _after_optimizer_step(self, optimizer: EngineOptimizer) -> None:
+        """Called by each optimizer wrapper after its step (``Fabric``: its callbacks' hook)."""
+
     def begin_external_backward(self) -> float:
         """For an autograd pass the caller started itself (``zerotrain.deepspeed`` accepts a plain
         ``loss.backward()`` as DeepSpeed does): the strategy's part before autograd, now. Returns

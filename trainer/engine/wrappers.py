@@ -42,6 +42,12 @@ class EngineModule(ForwardMethods):
 
     forward = __call__
 
+    @property
+    def device(self) -> torch.device:
+        """Where the module's parameters are (the strategy's device when it has none), as Fabric's."""
+        first = next(self.module.parameters(), None)
+        return first.device if first is not None else self._strategy.device
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: the complete fp32 weights on global rank 0 (``{}`` elsewhere), whichever
         way the strategy holds them."""
@@ -107,6 +113,7 @@ class EngineOptimizer(torch.optim.Optimizer):
         self.dirty = False
         e.progress.global_step += 1
         e.progress.skipped_steps += not stepped
+        e._after_optimizer_step(self)
         return stepped
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -3,6 +3,8 @@
 writes, and which checkpoints a logger that uploads them has not uploaded yet."""
 from __future__ import annotations
 
+import dataclasses
+
 from argparse import Namespace
 from pathlib import Path
 from typing import Any, MutableMapping
@@ -20,9 +22,11 @@ def _convert_params(params: "dict[str, Any] | Namespace | None") -> dict[str, An
 
 
 def _sanitize_callable_params(params: dict[str, Any]) -> dict[str, Any]:
-    """Each callable value replaced by what calling it without arguments returns, where that is
-    a plain value; else by its name (a class or function)."""
+    """Each class replaced by its name; each other callable value by what calling it without
+    arguments returns, where that is a plain value, else by its name."""
     def sanitized(value: Any) -> Any:
+        if isinstance(value, type):  # a class: its name, never an instance
+            return value.__name__
         if not callable(value):
             return value
         try:
@@ -37,15 +41,21 @@ def _sanitize_callable_params(params: dict[str, Any]) -> dict[str, Any]:
 
 
 def _flatten_dict(params: MutableMapping[Any, Any], delimiter: str = "/", parent_key: str = "") -> dict[str, Any]:
-    """Nested dicts (and Namespaces, and dataclass instances' fields are left as values) flattened
-    into one level, keys joined by ``delimiter``: ``{"a": {"b": 1}}`` -> ``{"a/b": 1}``."""
+    """Nested dicts, Namespaces and dataclass instances flattened into one level, keys joined by
+    ``delimiter``: ``{"a": {"b": 1}}`` -> ``{"a/b": 1}``; a list of dicts is indexed
+    (``{"l": [{"a": 1}]}`` -> ``{"l/0/a": 1}``), other lists stay values (Lightning's rule)."""
     flat: dict[str, Any] = {}
     for key, value in params.items():
         name = f"{parent_key}{delimiter}{key}" if parent_key else str(key)
-        if isinstance(value, Namespace):
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            value = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+        elif isinstance(value, Namespace):
             value = vars(value)
         if isinstance(value, MutableMapping):
             flat.update(_flatten_dict(value, delimiter, name))
+        elif isinstance(value, list) and all(isinstance(item, MutableMapping) for item in value):
+            for i, item in enumerate(value):
+                flat.update(_flatten_dict(item, delimiter, f"{name}{delimiter}{i}"))
         else:
             flat[name] = value
     return flat
