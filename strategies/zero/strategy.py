@@ -25,6 +25,7 @@ buffers -> zero gradients.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from typing import Any, Protocol
 
@@ -318,14 +319,13 @@ class ZeroStrategy(Strategy):
     def _grad_norm(self) -> torch.Tensor:
         """Collective: the global L2 norm, rounded exactly as ``torch.nn.utils.clip_grad_norm_``
         over the full gradients rounds it (``grad_norm.py``: per-parameter norms, then their norm)."""
-        refuse_tensor_parallel(self, "gradient clipping by norm")
         if self._norm_plan is None:
             self._norm_plan = self._plan_norms()
         grads = self.stepper.gradients(self.grads.partitions(), self.sharded)
         groups = None if self._step_groups is None else set(self._step_groups)
         total = exact_total_norm(self._norm_plan, self.stepper.norm_reader(grads), groups, self.device,
                                  lambda h, t, label: self.queue.complete(h, t, label=label),
-                                 self.group, self.replica_rank == 0)
+                                 self.group, self.replica_rank == 0, self.mesh_group("tensor"))
         factor = self.stepper.norm_factor()
         return total if factor == 1.0 else total * factor
 
@@ -344,7 +344,8 @@ class ZeroStrategy(Strategy):
             if part.experts is not None:
                 plan += expert_norm_entries(gi, fg.params, fg.layout, part)
             else:
-                plan += [plan_param(gi, p.shape, fg.layout, i, fg.rank, lambda s, gi=gi: (gi, s))
+                plan += [dataclasses.replace(plan_param(gi, p.shape, fg.layout, i, fg.rank, lambda s, gi=gi: (gi, s)),
+                                             tensor_parallel=hasattr(p, "tensor_parallel"))
                          for i, p in enumerate(fg.params)]
         return plan
 

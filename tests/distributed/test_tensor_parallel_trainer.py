@@ -5,8 +5,8 @@ over the replicas (the ranks with the same tensor index), ZeRO partitions and re
 tp=2 on 2 ranks (DDP, ZeRO-1) and dp=2 x tp=2 on 4 ranks (DDP, ZeRO-1, ZeRO-2) train as the plain
 single-process loop over the same global batches; the loss is the vocabulary-parallel cross-entropy of the sharded logits.
 ``trainer.full_state_dict()`` gathers the shards back; clipping by norm takes the whole model's
-norm (the sharded parameters' squares summed over the tensor group); checkpoints are refused (not
-built yet) rather than wrong.
+norm (the sharded parameters' squares summed over the tensor group), under DDP, ZeRO-1 and ZeRO-2;
+checkpoints are refused (not built yet) rather than wrong.
 
 # tolerance: rel <= 1e-5 (issue 45's bound for fp32 against the plain loop), on the losses and on
 # every parameter after the steps (test_sequence_parallel_trainer's check).
@@ -133,9 +133,11 @@ def test_dp2_by_tp2_on_4_ranks_trains_as_one_process(tmp_path, strategy):
 CLIP = 0.05
 
 
-def test_tp2_clipped_by_norm_trains_as_the_plain_clipped_loop(tmp_path):
-    """gradient_clip_val clips by the whole model's norm: the plain loop with ``clip_grad_norm_``."""
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2"])
+def test_tp2_clipped_by_norm_trains_as_the_plain_clipped_loop(tmp_path, strategy):
+    """gradient_clip_val clips by the whole model's norm (the shards' squares summed over the
+    tensor group, the replicated parameters' once): the plain loop with ``clip_grad_norm_``."""
     results = run_ranks("test_tensor_parallel_trainer:_fit", 2, tmp_path, timeout=240, tensor_parallel=2, devices=2,
-                        clip=CLIP)
+                        clip=CLIP, strategy=strategy)
     _check(results, 1, CLIP)
     assert results[0]["losses"] == results[1]["losses"]

@@ -51,6 +51,9 @@ class ParamNorm:
     comm: object = None
     #: whether this rank writes the boundary parameter's norm (None: ``exact_total_norm``'s ``leader``)
     lead: bool | None = None
+    #: a tensor-parallel shard (parallel/tensor.py): its square is summed over ``exact_total_norm``'s
+    #: ``tensor_group`` (each rank holds a different shard); a replicated parameter's counts once
+    tensor_parallel: bool = False
 
 
 def plan_param(group: int, shape: torch.Size, layout: GroupLayout, index: int, rank: int,
@@ -90,11 +93,12 @@ def slice_reader(grads: Sequence[torch.Tensor]) -> Reader:
 
 def exact_total_norm(plan: Sequence[ParamNorm], read: Reader, groups: set[int] | None,
                      device: torch.device, complete: Callable, group: object = None,
-                     leader: bool = True) -> torch.Tensor:
+                     leader: bool = True, tensor_group: object = None) -> torch.Tensor:
     """Collective: the 2-norm of the gradients of the parameters of optimizer groups ``groups``
     (all when None), as ``get_total_norm`` over the whole fp32 gradients. ``read``: this rank's
     step-gradient slots (``plan``'s slot indices); ``complete(handle, tensor, label)`` waits for a
-    collective; ``leader``: this rank writes the boundary parameters' norms."""
+    collective; ``leader``: this rank writes the boundary parameters' norms; ``tensor_group``: the
+    tensor-parallel group over which the shards' squares are summed (None: no tensor axis)."""
     chosen = [p for p in plan if groups is None or p.group in groups]
     norms = torch.zeros(len(chosen), dtype=torch.float32, device=device)
     whole = [k for k, p in enumerate(chosen) if p.whole and p.mine]
@@ -125,7 +129,13 @@ def exact_total_norm(plan: Sequence[ParamNorm], read: Reader, groups: set[int] |
     complete(all_reduce_sum(norms, group), norms, "grad norm")
     if not chosen:
         return torch.zeros((), device=device)
-    return torch.linalg.vector_norm(norms, 2.0)
+    if tensor_group is None:
+        return torch.linalg.vector_norm(norms, 2.0)
+    sharded = torch.tensor([p.tensor_parallel for p in chosen], device=device)
+    squares = norms.pow(2)
+    across = squares[sharded].sum()
+    complete(all_reduce_sum(across, tensor_group), across, "grad norm (tensor-parallel shards)")
+    return (across + squares[~sharded].sum()).sqrt()
 
 
 def _fp32(t: torch.Tensor) -> torch.Tensor:
