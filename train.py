@@ -57,7 +57,7 @@ from .trainer.command.hydra_target import build_target, check_target, is_target,
 register_configs()
 demo_gpt_cli.register_schema()
 #: the built-in options of the target groups that have a typed schema (Hydra checks their keys)
-TYPED_OPTIONS = {"model": tuple(demo_gpt_cli.SIZES), "data": ("stdlib", "text")}
+TYPED_OPTIONS = {"model": (*demo_gpt_cli.SIZES, *demo_gpt_cli.MOE_SIZES), "data": ("stdlib", "text")}
 log = logging.getLogger("zerotrain")
 
 _PRECISION_OVERRIDE = re.compile(r"^(\+{0,2})precision=(.*)$")

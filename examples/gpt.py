@@ -29,7 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..trainer.command.demo_gpt import GPTConfig  # noqa: F401  (its shape is the command line's schema: in the library)
+from ..strategies.moe import GateConfig, MoE, Routes
+from ..strategies.moe.experts import Experts
+from ..strategies.moe.groups import ep_size_of
+from ..trainer.command.demo_gpt import GPTConfig, GPTMoEConfig  # noqa: F401  (the command line's schema: in the library)
 
 
 class CausalSelfAttention(nn.Module):
@@ -72,15 +75,42 @@ class MLP(nn.Module):
         return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
 
 
-class Block(nn.Module):
-    """One pre-LN decoder layer: ``x + attn(ln_1(x))``, then ``x + mlp(ln_2(x))``."""
+class MoEMLP(nn.Module):
+    """A block's MLP as a mixture of experts (:class:`GPTMoEConfig`): ``moe``, the library's
+    ``MoE`` with ``num_experts`` copies of :class:`MLP` spread over ``ep_size`` ranks. ``forward``
+    returns the output only; the last forward's aux loss, expert counts (tokens routed to each
+    expert before any were dropped) and dropped routes stay on the module for the loss and the logs."""
 
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTMoEConfig) -> None:
+        super().__init__()
+        gate = GateConfig(k=config.k, capacity_factor=config.capacity_factor,
+                          eval_capacity_factor=config.capacity_factor, min_capacity=config.min_capacity,
+                          drop_tokens=config.drop_tokens)
+        self.moe = MoE(config.n_embd, MLP(config), num_experts=config.num_experts, ep_size=config.ep_size, gate=gate)
+        self.moe.layer.gate.register_forward_hook(self._count_dropped)
+        self.l_aux: torch.Tensor | None = None
+        self.exp_counts: torch.Tensor | None = None
+        self.dropped: torch.Tensor | None = None
+
+    def _count_dropped(self, gate: nn.Module, inputs: tuple, routes: Routes) -> None:
+        self.dropped = (routes.indices < 0).sum().detach()  # routes (token, expert) past the capacity
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, self.l_aux, self.exp_counts = self.moe(x)
+        return out
+
+
+class Block(nn.Module):
+    """One pre-LN decoder layer: ``x + attn(ln_1(x))``, then ``x + mlp(ln_2(x))``; ``mlp`` is an
+    :class:`MoEMLP` in the blocks a :class:`GPTMoEConfig` makes MoE blocks (``index``: this block's)."""
+
+    def __init__(self, config: GPTConfig, index: int = 0) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.attn = CausalSelfAttention(config)
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.mlp = MLP(config)
+        moe = isinstance(config, GPTMoEConfig) and config.is_moe_block(index)
+        self.mlp = MoEMLP(config) if moe else MLP(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -126,6 +156,28 @@ class AddPositions(nn.Module):
         return self.drop(x + F.embedding(torch.arange(T, device=x.device), self.weight))
 
 
+@torch.no_grad()
+def _init_experts(experts: Experts, std: float, resid_std: float) -> None:
+    """Every expert of the layer drawn in turn, expert by expert (each Linear's weight ~ N(0, std),
+    ``c_proj``'s ~ N(0, resid_std), biases zero), and this rank's own kept: the first
+    ``num_local`` at ep_size=1, so the same seed gives each expert the same weights whatever the
+    ep_size (rank r of an expert-parallel group holds experts ``r * num_local ...``)."""
+    local = experts.local
+    param = next(iter(local[0].parameters()))
+    ep = ep_size_of(param.group_name)
+    rank = torch.distributed.get_rank() if ep > 1 and torch.distributed.is_initialized() else 0
+    first = (rank % ep) * experts.num_local
+    template = [(n, m) for n, m in local[0].named_modules() if isinstance(m, nn.Linear)]
+    for j in range(ep * experts.num_local):
+        for name, linear in template:
+            drawn = torch.empty_like(linear.weight).normal_(0.0, resid_std if name.endswith("c_proj") else std)
+            if first <= j < first + experts.num_local:
+                mine = local[j - first].get_submodule(name)
+                mine.weight.copy_(drawn)
+                if mine.bias is not None:
+                    mine.bias.zero_()
+
+
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """The mean cross-entropy :meth:`GPT.forward` computes, from logits (B, T, V) and targets (B, T)."""
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
@@ -150,7 +202,7 @@ class GPT(nn.Module):
         self.wte = nn.Embedding(c.vocab_size, c.n_embd)
         self.wpe = nn.Embedding(c.block_size, c.n_embd)
         self.drop = nn.Dropout(c.dropout)
-        self.blocks = nn.ModuleList(Block(c) for _ in range(c.n_layer))
+        self.blocks = nn.ModuleList(Block(c, i) for i in range(c.n_layer))
         self.ln_f = nn.LayerNorm(c.n_embd, bias=c.bias)
         self.lm_head = nn.Linear(c.n_embd, c.vocab_size, bias=False)
         self.tie_weights()
@@ -187,6 +239,9 @@ class GPT(nn.Module):
         done: set[int] = set()  # ids of tensors already initialised (tied weights appear twice)
 
         for name, module in self.named_modules():
+            if isinstance(module, Experts):  # a rank's share of the experts, as drawn for all of them
+                _init_experts(module, std, resid_std)
+                done.update(id(t) for t in module.parameters())
             own = [t for t in (*module.parameters(recurse=False), *module.buffers(recurse=False))
                    if id(t) not in done]
             if not own:
@@ -210,6 +265,25 @@ class GPT(nn.Module):
                     f"({type(module).__name__}); add a branch for it"
                 )
             done.update(id(t) for t in own)
+
+    # ---- mixture of experts
+    def moe_layers(self) -> list[MoEMLP]:
+        """The blocks' MoE MLPs (none for a dense GPT)."""
+        return [block.mlp for block in self.blocks if isinstance(block.mlp, MoEMLP)]
+
+    def moe_stats(self) -> dict[str, torch.Tensor]:
+        """The last forward's MoE numbers on this rank, summed over the MoE layers: ``moe/aux_loss``
+        (the load-balancing losses, before ``aux_loss_coef``), ``moe/tokens_dropped`` (routes past an
+        expert's capacity: tokens at k=1) and the load histogram ``moe/load/expert_<j>`` (tokens
+        routed to expert j before dropping). Empty for a dense GPT or before a forward."""
+        layers = [m for m in self.moe_layers() if m.l_aux is not None]
+        if not layers:
+            return {}
+        out = {"moe/aux_loss": sum(m.l_aux.detach().float() for m in layers),
+               "moe/tokens_dropped": sum(m.dropped.float() for m in layers)}
+        load = sum(m.exp_counts.float() for m in layers)
+        out.update({f"moe/load/expert_{j}": load[j] for j in range(load.numel())})
+        return out
 
     # ---- forward
     def use_attention(self, attention) -> None:
@@ -244,6 +318,9 @@ class GPT(nn.Module):
                                  f"(a vocabulary-parallel lm_head); compute the loss with "
                                  f"vocab_parallel_cross_entropy(logits, targets, group)")
             loss = lm_loss(logits, targets)
+            moe = self.moe_layers()
+            if moe:  # the experts' load-balancing loss, weighted
+                loss = loss + self.config.aux_loss_coef * sum(m.l_aux for m in moe)
         return logits, loss
 
     def pipeline_layers(self) -> list[tuple[str, nn.Module]]:

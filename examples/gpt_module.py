@@ -121,6 +121,9 @@ class GPTModule(TrainModule):
         x, y = batch
         _, loss = self.model(x, y)
         self.log("train_loss", loss.detach(), prog_bar=True)
+        if isinstance(self.model, GPT):  # the MoE GPT's aux loss, dropped tokens and expert load (this rank's)
+            for name, value in self.model.moe_stats().items():
+                self.log(name, value)
         return loss
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
@@ -136,12 +139,19 @@ class GPTModule(TrainModule):
         self._require_model()
         # named_parameters() yields the tied wte/lm_head weight once.
         params = [p for _, p in self.named_parameters() if p.requires_grad]
-        decay = [p for p in params if p.dim() >= 2]
-        no_decay = [p for p in params if p.dim() < 2]
+        # the MoE GPT's experts (marked allreduce=False) in groups of their own, after the dense
+        # ones: ZeRO partitions each kind over its own process group
+        experts = [p for p in params if getattr(p, "allreduce", True) is False]
+        dense = [p for p in params if getattr(p, "allreduce", True) is not False]
+        decay = [p for p in dense if p.dim() >= 2]
+        no_decay = [p for p in dense if p.dim() < 2]
         # Both groups always, even empty: a pipeline stage may hold no vectors (wte and wpe alone),
         # and every stage's optimizer and LR schedule must have the plain model's two groups for
         # checkpoints to move between layouts (the schedule's state is rank 0's).
         groups = [{"params": decay, "weight_decay": self.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        if experts:
+            groups += [g for g in ({"params": [p for p in experts if p.dim() >= 2], "weight_decay": self.weight_decay},
+                                   {"params": [p for p in experts if p.dim() < 2], "weight_decay": 0.0}) if g["params"]]
         fusable = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
         optimizer = None
         if fusable:

@@ -120,7 +120,7 @@ def test_hydra_compose_errors_are_one_line_with_code_2(tmp_path, overrides, expe
     (["trainer.max_epochs=x"], "trainer.max_epochs=x: is not an integer or null; valid: an integer or null"),
     (["strategy=zero3", "strategy.prefetch_bucket_size=x"], "strategy.prefetch_bucket_size=x: is not an integer"),
     (["model.n_embd=x"], "model.n_embd=x: is not an integer; valid: an integer, e.g. 256 (the default)"),
-    (["model=gpt_huge"], "model=gpt_huge: no such option; valid: gpt_118m, gpt_21m, gpt_small, gpt_tiny"),
+    (["model=gpt_huge"], "model=gpt_huge: no such option; valid: gpt_118m, gpt_21m, gpt_moe_small, gpt_moe_tiny, gpt_small, gpt_tiny"),
     (["nosuch=3"], "nosuch=3: no such key in the top level; valid keys: callbacks, ckpt_path, data,"),
     (["-m", "trainer.devices=1,x"], "trainer.devices=x: is not an integer"),
     (["trainer.devices=${oc.env:ZT_NO_SUCH_VARIABLE}", "--cfg", "job"], None),  # resolved later, in run()

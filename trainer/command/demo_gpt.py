@@ -55,6 +55,51 @@ class GPTConfig:
             raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}")
 
 
+@dataclass
+class GPTMoEConfig(GPTConfig):
+    """The demo GPT with a mixture of experts (``zerotrain.moe.MoE``, DeepSpeed-MoE's layer) as the
+    MLP of every ``moe_every``-th block (blocks ``moe_every - 1``, ``2 * moe_every - 1``, ...; 1:
+    every block, 2: every other). ``num_experts`` copies of the block's MLP, ``k`` (1 or 2) of them
+    per token, ``capacity_factor`` (slots per expert: ``tokens / num_experts * capacity_factor * k``,
+    at least ``min_capacity``; the rest dropped) unless ``drop_tokens=False``; ``ep_size`` ranks
+    share the experts (expert parallelism: it divides ``num_experts`` and the world).
+    ``aux_loss_coef`` times the layers' summed load-balancing loss is added to the loss."""
+
+    num_experts: int = 4
+    k: int = 1
+    capacity_factor: float = 1.0
+    min_capacity: int = 4
+    drop_tokens: bool = True
+    ep_size: int = 1
+    moe_every: int = 1
+    aux_loss_coef: float = 0.01
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("num_experts", "ep_size", "moe_every"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"GPTMoEConfig.{name} must be a positive int, got {value!r}")
+        if self.k not in (1, 2) or self.k > self.num_experts:
+            raise ValueError(f"GPTMoEConfig.k={self.k!r}; valid: 1, 2 (at most num_experts={self.num_experts})")
+        if self.num_experts % self.ep_size:
+            raise ValueError(f"GPTMoEConfig.ep_size={self.ep_size} does not divide num_experts={self.num_experts}; "
+                             f"valid: " + ", ".join(str(d) for d in range(1, self.num_experts + 1)
+                                                    if self.num_experts % d == 0))
+        if self.moe_every > self.n_layer:
+            raise ValueError(f"GPTMoEConfig.moe_every={self.moe_every} leaves no MoE block among "
+                             f"n_layer={self.n_layer}; valid: 1 .. {self.n_layer}")
+        if not self.capacity_factor > 0:
+            raise ValueError(f"GPTMoEConfig.capacity_factor must be > 0, got {self.capacity_factor!r}")
+        if self.min_capacity < 0 or self.aux_loss_coef < 0:
+            raise ValueError(f"GPTMoEConfig.min_capacity={self.min_capacity!r}, aux_loss_coef={self.aux_loss_coef!r}; "
+                             "valid: both >= 0")
+
+    def is_moe_block(self, index: int) -> bool:
+        """Whether block ``index`` (0-based) has the MoE as its MLP."""
+        return index % self.moe_every == self.moe_every - 1
+
+
 #: the model group's sizes: ``conf/model/<name>.yaml`` selects ``/schema_model_<name>`` (written here once;
 #: the other fields keep GPTConfig's defaults)
 SIZES = {
@@ -62,6 +107,11 @@ SIZES = {
     "gpt_small": dict(block_size=128, n_layer=4, n_head=4, n_embd=256),  # ~3.2M: the demo
     "gpt_21m": dict(block_size=256, n_layer=4, n_head=8, n_embd=512),  # the MACHINE_FACTS benchmark model
     "gpt_118m": dict(block_size=256, n_layer=8, n_head=16, n_embd=1024),  # communication-bound benchmark
+}
+#: the MoE variants (:class:`GPTMoEConfig`), selected as ``model=gpt_moe_tiny`` the same way
+MOE_SIZES = {
+    "gpt_moe_tiny": dict(block_size=64, n_layer=2, n_head=2, n_embd=64, num_experts=4),  # smoke tests
+    "gpt_moe_small": dict(block_size=128, n_layer=4, n_head=4, n_embd=256, num_experts=8, moe_every=2),
 }
 
 
@@ -74,10 +124,11 @@ def register_schema() -> None:
     target = [("_target_", str, dataclasses.field(default=DEMO_TARGET))]
     cs.store(name=schema_name("model", "gpt"),
              node=dataclasses.make_dataclass("GPTConfig_cli", target, bases=(GPTConfig,)))
-    for name, values in SIZES.items():
-        sizes = [(k, int, dataclasses.field(default=v)) for k, v in values.items()]
-        node = dataclasses.make_dataclass(f"GPTConfig_{name}", sizes + target, bases=(GPTConfig,))
-        cs.store(name=schema_name("model", name), node=node)
+    for base, sizes_of in ((GPTConfig, SIZES), (GPTMoEConfig, MOE_SIZES)):
+        for name, values in sizes_of.items():
+            sizes = [(k, type(v), dataclasses.field(default=v)) for k, v in values.items()]
+            node = dataclasses.make_dataclass(f"{base.__name__}_{name}", sizes + target, bases=(base,))
+            cs.store(name=schema_name("model", name), node=node)
 
 
 def _bad(field: str, value, problem: str, valid: str) -> ConfigError:
@@ -113,6 +164,21 @@ def validate_pipeline(cfg: Any, world: int) -> int:
     return world // stages
 
 
+def validate_moe(cfg: Any, world: int) -> None:
+    """The MoE GPT's expert parallelism against the world: ``model.ep_size`` ranks share the experts,
+    so it divides the world (and ``model.num_experts``, checked by GPTMoEConfig); the pipeline
+    (whose stages compute the plain loss, without the aux loss) does not take it."""
+    model = cfg.model
+    if world % model.ep_size:
+        raise _bad("model.ep_size", model.ep_size, f"does not divide the {world} processes (trainer.devices x "
+                   "trainer.num_nodes): the world is ep_size x expert-data-parallel replicas",
+                   "a divisor of both " + f"{world} and model.num_experts={model.num_experts}: " + ", ".join(
+                       str(d) for d in range(1, world + 1) if world % d == 0 and model.num_experts % d == 0))
+    if getattr(cfg.strategy, "name", None) == "pipeline":
+        raise _bad("strategy", "pipeline", "does not train the MoE GPT (its stages compute the loss without "
+                   "the experts' aux loss)", "ddp, zero1, zero2, zero3")
+
+
 def validate(cfg: Any) -> None:
     """What only the demo knows: its GPT reads bytes, a pipeline's shape fits the world, the GPT
     and the batch, and each data-parallel rank gets at least one full batch (the loader drops a
@@ -123,6 +189,8 @@ def validate(cfg: Any) -> None:
         raise _bad("model.vocab_size", model.vocab_size, "must be >= 256: the data are bytes", "256 or more")
     if world < 1:
         return  # the Trainer names the bad trainer.devices / trainer.num_nodes
+    if isinstance(model, GPTMoEConfig):
+        validate_moe(cfg, world)
     if getattr(cfg.strategy, "name", None) == "pipeline":
         world = validate_pipeline(cfg, world)  # the data are split over the replicas only
     chunk, size = model.block_size + 1, data.size()
