@@ -133,12 +133,14 @@ def run_interleaved(args: argparse.Namespace, cases: list[str],
     return results
 
 
-def driver(args: argparse.Namespace) -> None:
+def driver(args: argparse.Namespace, known: dict = CASES, render: Callable = render, run: Callable = run_case) -> None:
+    """Every case of ``--cases`` (each one of ``known``) by ``run``, interleaved; the table by ``render``
+    printed and appended to ``--out`` (moe_bench.py passes its own three)."""
     cases = args.cases.split(",")
-    unknown = [c for c in cases if c not in CASES]
+    unknown = [c for c in cases if c not in known]
     if unknown:
-        raise SystemExit(f"--cases={args.cases!r}: {unknown} unknown; valid: {', '.join(CASES)}")
-    table = render(args, run_interleaved(args, cases, run_case))
+        raise SystemExit(f"--cases={args.cases!r}: {unknown} unknown; valid: {', '.join(known)}")
+    table = render(args, run_interleaved(args, cases, run))
     print(table)
     if args.out:
         with open(args.out, "a") as f:
