@@ -69,3 +69,16 @@ def test_moe_every_other_block_and_config_checks():
         GPTMoEConfig(k=3)
     with pytest.raises(ValueError, match="moe_every=5"):
         GPTMoEConfig(n_layer=4, moe_every=5)
+
+
+@pytest.mark.slow
+def test_moe_gpt_ep2_same_losses_under_zero(tmp_path):
+    """ep=2 under zero2 and zero3 (experts partitioned/gathered over their expert-data-parallel group)
+    logs DDP's losses and routing: rel 1e-5 (a few fp32 roundings of sums over 2 ranks, 3 steps)."""
+    runs = {}
+    for strategy in ("ddp", "zero2", "zero3"):
+        (tmp_path / strategy).mkdir()
+        runs[strategy] = _train(tmp_path / strategy, "model.ep_size=2", f"strategy={strategy}")
+    for strategy in ("zero2", "zero3"):
+        assert runs[strategy]["moe/tokens_dropped"] == runs["ddp"]["moe/tokens_dropped"]
+        assert runs[strategy]["train_loss"] == pytest.approx(runs["ddp"]["train_loss"], rel=1e-5), strategy
