@@ -54,11 +54,12 @@ def _train(impl: str, stages: list, master: bool = True) -> dict:
     rank = dist.get_rank()
     out = {}
     for case in stages:
-        stage, offload = int(str(case)[0]), str(case).endswith("_off")
+        stage, offload, fused = int(str(case)[0]), str(case).endswith("_off"), str(case).endswith("_fused")
         bf16 = {**CONFIG["bf16"], "bf16_master_weights_and_grads": master, "bf16_optimizer_states": master}
         zero = {"stage": stage, **({"offload_optimizer": {"device": "cpu"}} if offload else {})}
         optimizer = CONFIG["optimizer"]
-        if offload:  # DeepSpeed's bf16 masters under offload need its DeepSpeedCPUAdam, not torch's
+        if offload or fused:  # offload: DeepSpeed's bf16 masters need its DeepSpeedCPUAdam, not torch's;
+            # fused: the config as DeepSpeedExamples gives it, DeepSpeed's FusedAdam on the device
             optimizer = {"type": "AdamW", "params": {k: v for k, v in optimizer["params"].items() if k != "torch_adam"}}
         config = {**CONFIG, "bf16": bf16, "zero_optimization": zero, "optimizer": optimizer}
         model = _model()
@@ -84,7 +85,7 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bf16_masters")
     env = {"DS_ACCELERATOR": "cpu"}
     return {impl: run_ranks("test_deepspeed_bf16_masters:_train", 2, tmp / impl, timeout=400, env=env,
-                            impl=impl, stages=["1", "2", "3", "1_off", "2_off"])
+                            impl=impl, stages=["1", "2", "3", "1_off", "2_off", "1_fused", "2_fused", "3_fused"])
             for impl in ("ds", "zt")}
 
 
@@ -110,3 +111,27 @@ def test_bf16_masters_under_offload_are_deepspeedcpuadams_within_a_bf16_ulp_per_
         for i, (a, b) in enumerate(zip(got["weights"], want["weights"])):
             assert (a - b).abs().max() <= bound * b.abs().max(), (rank, i, (a - b).abs().max().item())
         assert got["weights"][0].ne(runs["zt"][rank][stage[0]]["weights"][0]).any()  # not the device run
+
+
+@pytest.mark.parametrize("stage", ["1", "2", "3"])
+def test_bf16_masters_on_device_step_as_deepspeeds_fusedadam(runs, stage):
+    """No ``torch_adam`` and no offload: DeepSpeed steps the bf16 partitions with its FusedAdam,
+    on its CPU accelerator the host kernel DeepSpeedCPUAdam runs (fp32 arithmetic, one rounding),
+    not torch's AdamW (every operation in bf16). The face's "AdamW" steps bf16 parameters with
+    zerotrain's fused host kernel, so a device run equals the offload run of the same stage bit
+    for bit (same kernel, same operands; DeepSpeed's two runs are equal too, checked here) and is
+    within the offload bound of DeepSpeed's. torch's AdamW on the bf16 partitions parts from the
+    kernel within the 5 steps (fails without the face's kernel step)."""
+    bound = STEPS * BF16_ULP
+    for rank in range(2):
+        want, got = runs["ds"][rank][stage + "_fused"], runs["zt"][rank][stage + "_fused"]
+        for a, b in zip(got["losses"], want["losses"]):
+            assert abs(a - b) <= bound * abs(b), (rank, got["losses"], want["losses"])
+        for i, (a, b) in enumerate(zip(got["weights"], want["weights"])):
+            assert (a - b).abs().max() <= bound * b.abs().max(), (rank, i, (a - b).abs().max().item())
+        if stage + "_off" in runs["zt"][rank]:
+            for impl in ("ds", "zt"):
+                off, dev = runs[impl][rank][stage + "_off"], runs[impl][rank][stage + "_fused"]
+                assert dev["losses"] == off["losses"], (impl, rank, dev["losses"], off["losses"])
+                for i, (a, b) in enumerate(zip(dev["weights"], off["weights"])):
+                    assert torch.equal(a, b), (impl, rank, i, (a - b).abs().max().item())

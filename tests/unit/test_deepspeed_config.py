@@ -22,6 +22,7 @@ import zerotrain.deepspeed as deepspeed
 from zerotrain import ConfigError
 from zerotrain.deepspeed import lr_schedules
 from zerotrain.deepspeed.config import parse, report_ignored
+from zerotrain.trainer.compat.deepspeed.ops.adam import DeepSpeedAdam, DeepSpeedAdamW
 
 from deepspeed_unit_common import BASE, _own_group_and_checkpointing, cfg  # noqa: F401 - autouse fixture
 
@@ -109,10 +110,11 @@ def test_inconsistent_batch_sizes_are_errors(given, world, match):
 # ---------------------------------------------------------------------------- optimizer
 @pytest.mark.parametrize("section, cls, kwargs", [
     ({"type": "Adam", "params": {"lr": 0.1, "torch_adam": True}}, torch.optim.AdamW, {"lr": 0.1}),
-    ({"type": "Adam", "params": {"lr": 0.1, "adam_w_mode": False, "weight_decay": 0.1}}, torch.optim.Adam,
+    # without torch_adam: DeepSpeed's FusedAdam, torch's Adam(W) stepping bf16 parameters by its kernel
+    ({"type": "Adam", "params": {"lr": 0.1, "adam_w_mode": False, "weight_decay": 0.1}}, DeepSpeedAdam,
      {"lr": 0.1, "weight_decay": 0.1}),
     # without torch_adam DeepSpeed steps FusedAdam, whose weight_decay defaults to 0 (not AdamW's 0.01)
-    ({"type": "adamw", "params": {"lr": 0.1, "adam_w_mode": False}}, torch.optim.AdamW,
+    ({"type": "adamw", "params": {"lr": 0.1, "adam_w_mode": False}}, DeepSpeedAdamW,
      {"lr": 0.1, "weight_decay": 0.0}),
     ({"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}, torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
     ({"type": "Adagrad", "params": {"lr": 0.1}}, torch.optim.Adagrad, {"lr": 0.1}),

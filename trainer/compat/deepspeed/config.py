@@ -26,7 +26,7 @@ import torch
 from ...errors import ConfigError
 from . import lr_schedules
 from .defaults import default
-from .ops.adam import DeepSpeedCPUAdam, FusedAdam
+from .ops.adam import DeepSpeedAdam, DeepSpeedAdamW, DeepSpeedCPUAdam, FusedAdam
 from .precision_keys import torch_autocast_dtype
 from .sections import (  # noqa: F401  (re-exported: the sections were read here)
     OFFLOAD_DEVICES, ZERO_STAGES, _communication_dtype, _fail, _flag, _monitoring, _precision, _Reader, _section,
@@ -42,7 +42,8 @@ _UNSUPPORTED_OPTIMIZERS = ("lamb", "lion", "muon", "muadam", "muadamw", "musgd",
                            "zerooneadam", "onebitlamb")
 #: what DeepSpeed's ZeRO runs without ``zero_allow_untested_optimizer`` (its list, with
 #: ``deepspeed.ops.adam``'s two as zerotrain has them)
-ZERO_TESTED_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, FusedAdam, DeepSpeedCPUAdam)
+ZERO_TESTED_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, FusedAdam, DeepSpeedCPUAdam,
+                          DeepSpeedAdamW, DeepSpeedAdam)
 SCHEDULERS: dict[str, type] = {"WarmupLR": lr_schedules.WarmupLR, "WarmupDecayLR": lr_schedules.WarmupDecayLR,
                                "WarmupCosineLR": lr_schedules.WarmupCosineLR}
 
@@ -262,13 +263,18 @@ def optimizer_spec(section: dict[str, Any], reader: _Reader) -> OptimizerSpec:
         adam_w = _flag("optimizer.params.adam_w_mode", params.pop("adam_w_mode", True))
         # DeepSpeed's switch to torch's Adam (zerotrain always steps torch's): without it DeepSpeed
         # builds FusedAdam / DeepSpeedCPUAdam, whose weight_decay defaults to 0, not AdamW's 0.01
-        if not params.pop("torch_adam", False):
+        torch_adam = _flag("optimizer.params.torch_adam", params.pop("torch_adam", False))
+        if not torch_adam:
             params.setdefault("weight_decay", default("optimizer.params.weight_decay (Adam, AdamW)"))
         params.pop("fp32_optimizer_states", None)
         if not _flag("optimizer.params.bias_correction", params.pop("bias_correction", True)):
             raise _fail("optimizer.params.bias_correction", False, "not supported (torch's Adam always corrects)",
                         "true")
-        cls = torch.optim.AdamW if lower == "adamw" or adam_w else torch.optim.Adam
+        adamw = lower == "adamw" or adam_w
+        if torch_adam:
+            cls = torch.optim.AdamW if adamw else torch.optim.Adam
+        else:  # DeepSpeed's FusedAdam: its kernel's arithmetic on bf16 parameters (16-bit masters)
+            cls = DeepSpeedAdamW if adamw else DeepSpeedAdam
     elif lower in _UNSUPPORTED_OPTIMIZERS:
         raise _fail("optimizer.type", name, "a DeepSpeed kernel optimizer zerotrain does not have",
                     "Adam, AdamW, Adagrad or a torch.optim class name (SGD, ...)")

@@ -7,6 +7,8 @@ default). What cannot be mirrored is refused here, when the script builds the op
 Adam always corrects; ``CPUAdam`` does not need to). ``DeepSpeedCPUAdam``'s
 ``fp32_optimizer_states`` has no effect: the parameters a zerotrain optimizer holds are always the
 fp32 master weights, so its state is fp32 either way (DeepSpeed's is the parameters' dtype).
+bf16 CPU parameters (ZeRO's 16-bit masters) are stepped by DeepSpeed's host-kernel arithmetic
+(:class:`Bf16KernelSteps`), by ``FusedAdam`` and by the config's "Adam"/"AdamW" alike.
 """
 from __future__ import annotations
 
@@ -15,8 +17,69 @@ from typing import Any, Iterable
 
 import torch
 
-from .....ops import CPUAdam
+from .....ops import CPUAdam, fused_adam_step
 from ....errors import ConfigError
+
+
+class Bf16KernelSteps:
+    """Mixed into a torch Adam(W): its bf16 CPU parameters (ZeRO's 16-bit masters, or a bf16
+    module) are stepped as DeepSpeed's ``FusedAdam`` steps them on its CPU accelerator (one
+    host kernel for every dtype, the one ``DeepSpeedCPUAdam`` runs): parameter and bf16 moments
+    read into fp32, the update computed there, each rounded to nearest even once, by
+    :func:`zerotrain.ops.fused_adam_step`. torch's Adam(W) would do every operation in bf16,
+    rounding after each (one bf16 ulp apart within a few steps). Every other parameter (fp32,
+    fp16, CUDA, non-contiguous; amsgrad/maximize groups) is torch's step, unchanged. The state
+    layout (``step``, ``exp_avg``, ``exp_avg_sq`` of the parameter's dtype) is torch's."""
+
+    _kernel_adamw = True
+
+    def _kernel_param(self, p: torch.Tensor, group: dict) -> bool:
+        return (p.grad is not None and p.dtype == torch.bfloat16 and p.device.type == "cpu"
+                and p.is_contiguous() and not p.grad.is_sparse and not group.get("amsgrad")
+                and not group.get("maximize") and not group.get("differentiable"))
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        hidden: list[tuple[torch.Tensor, torch.Tensor]] = []
+        try:
+            for group in self.param_groups:
+                beta1, beta2 = group["betas"]
+                for p in group["params"]:
+                    if not self._kernel_param(p, group):
+                        continue
+                    state = self.state[p]
+                    if not state:
+                        state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                        state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                    state["step"] += 1
+                    fused_adam_step(p, p.grad.contiguous(), state["exp_avg"], state["exp_avg_sq"],
+                                    step=int(state["step"].item()), lr=float(group["lr"]), beta1=float(beta1),
+                                    beta2=float(beta2), eps=group["eps"], weight_decay=group["weight_decay"],
+                                    adamw=self._kernel_adamw or bool(group.get("decoupled_weight_decay")))
+                    hidden.append((p, p.grad))
+                    p.grad = None  # torch's step below skips it
+            super().step()  # type: ignore[misc]
+        finally:
+            for p, g in hidden:
+                p.grad = g
+        return loss
+
+
+class DeepSpeedAdamW(Bf16KernelSteps, torch.optim.AdamW):
+    """The config's "Adam"/"AdamW" (DeepSpeed builds its ``FusedAdam`` there, AdamW mode):
+    ``torch.optim.AdamW``, bf16 CPU parameters by DeepSpeed's kernel arithmetic."""
+
+
+class DeepSpeedAdam(Bf16KernelSteps, torch.optim.Adam):
+    """The config's "Adam" with ``adam_w_mode: false``: ``torch.optim.Adam`` (L2 weight decay),
+    bf16 CPU parameters by DeepSpeed's kernel arithmetic."""
+
+    _kernel_adamw = False
 
 
 def _refuse_amsgrad(owner: str, amsgrad: bool) -> None:
@@ -24,7 +87,7 @@ def _refuse_amsgrad(owner: str, amsgrad: bool) -> None:
         raise ConfigError(f"{owner}: amsgrad=True; valid: False (DeepSpeed's Adam kernels have no AMSGrad variant)")
 
 
-class FusedAdam(torch.optim.Adam):
+class FusedAdam(Bf16KernelSteps, torch.optim.Adam):
     """DeepSpeed's ``FusedAdam`` (its CUDA multi-tensor Adam): ``torch.optim.Adam`` with
     ``fused=True`` (one kernel over all parameters, on CUDA and CPU) and decoupled weight decay
     unless ``adam_w_mode=False``. ``set_grad_none`` is torch's ``zero_grad(set_to_none=True)``,
@@ -43,6 +106,7 @@ class FusedAdam(torch.optim.Adam):
         super().__init__(params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                          decoupled_weight_decay=bool(adam_w_mode), fused=True)
         self.adam_w_mode = bool(adam_w_mode)
+        self._kernel_adamw = self.adam_w_mode
         self.set_grad_none = set_grad_none
 
 
