@@ -105,6 +105,7 @@ class ReplicatedCheckpoint:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: the complete fp32 model state on global rank 0, ``{}`` elsewhere."""
         assert self.s.module is not None
+        self.refuse_local_experts("a full state dict")
         if not self.s.is_global_zero:
             return {}
         return {k: v.detach().to("cpu", copy=True) for k, v in self.s.module.state_dict().items()}
@@ -112,6 +113,25 @@ class ReplicatedCheckpoint:
     def writes_shard(self) -> bool:
         """Whether this rank's ``param_shards``/``extra_state`` hold anything (replicated: rank 0)."""
         return self.s.is_global_zero
+
+    def globally_named_experts(self) -> set[str]:
+        """Local names of the expert parameters (moe/, ``ep_size`` > 1) this adapter saves under
+        their global expert index. None here: rank 0 would save only its own experts, under names
+        every expert-parallel place uses for other experts."""
+        return set()
+
+    def refuse_local_experts(self, what: str) -> None:
+        """Refuse (the same on every rank, before any collective) a save or load that would mix up
+        expert-parallel parameters this adapter does not name globally."""
+        assert self.s.module is not None
+        covered = self.globally_named_experts()
+        for n, p in self.s.module.named_parameters():
+            kind = getattr(p, "group_name", "ep_size_1") if getattr(p, "allreduce", True) is False else "ep_size_1"
+            if kind != "ep_size_1" and n not in covered:
+                raise NotImplementedError(
+                    f"{self.s.name}: {what} of expert-parallel parameter {n!r} ({kind}) is not built for this "
+                    "strategy (each expert-parallel rank holds other experts under that name); valid: zero1 or "
+                    "zero2 with zerotrain.moe.MoE experts (saved under their global index), or ep_size=1")
 
     def trainable_names(self) -> dict[int, str]:
         """``id(parameter) -> canonical name`` (its first name) for the trainable parameters."""
@@ -141,6 +161,7 @@ class ReplicatedCheckpoint:
     def param_shards(self) -> dict[str, ParamShard]:
         """This rank's part of every trainable parameter, with its optimizer state."""
         assert self.s.module is not None and self.s.optimizer is not None
+        self.refuse_local_experts("a checkpoint")
         if not self.writes_shard():
             return {}
         names = self.trainable_names()
@@ -168,6 +189,7 @@ class ReplicatedCheckpoint:
         """Collective: fill this rank's parameters, optimizer state and extras from ``reader``.
         Replicated: every rank reads every full parameter of its module."""
         assert self.s.module is not None and self.s.optimizer is not None
+        self.refuse_local_experts("a checkpoint load")
         names = self.trainable_names()
         slots = state_slots(self.s.optimizer)  # each optimizer's state of p: its index and kind suffix
         state: dict[int, dict[str, torch.Tensor]] = {}

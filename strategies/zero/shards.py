@@ -163,11 +163,17 @@ class ZeroCheckpoint(ReplicatedCheckpoint):
         names = self.trainable_names()
         return [[names[id(p)] for p in fg.params] for fg in self.s.flat_groups]
 
+    def globally_named_experts(self) -> set[str]:
+        """The experts of zerotrain.moe's layer (``experts.global_names``); Hugging Face's stacked
+        expert tensors (moe/hf.py) are not renamed, so the base refuses to save them."""
+        return set(global_names(self.s.module)) if getattr(self.s, "holds_experts", False) else set()
+
     def param_shards(self) -> dict[str, ParamShard]:
         """Each parameter's intersection with this rank's partition, from the fp32 masters and
         the optimizer state of that partition (padding excluded)."""
         s = self.s
         assert s.sharded is not None
+        self.refuse_local_experts("a checkpoint")
         s.queue.wait(Work.PARAMS)
         return partition_shards(s.flat_groups, s.sharded, s.replica_rank, self.trainable_names())
 
@@ -185,6 +191,7 @@ class ZeroCheckpoint(ReplicatedCheckpoint):
         parameters."""
         s = self.s
         assert s.sharded is not None and s.module is not None
+        self.refuse_local_experts("a checkpoint load")
         s.queue.wait(Work.PARAMS)
         load_partitions(s.flat_groups, s.sharded, s.optimizer, s.replica_rank, self.trainable_names(), reader)
         self.finish_load(reader)

@@ -61,7 +61,7 @@ class Stage3Checkpoint(ZeroCheckpoint):
         return out
 
     def param_shards(self) -> dict[str, ParamShard]:
-        refuse_with_experts(self.s.units, "a checkpoint", "ep_size=1, or strategy='ddp'")
+        refuse_with_experts(self.s.units, "a checkpoint", "ep_size=1, or strategy='zero1'/'zero2' (experts saved under their global index)")
         with self.s.stepper.exposed_state(self.s.sharded):
             return self._param_shards()
 
