@@ -134,3 +134,28 @@ def test_fabric_tensorboard_logger_root_dir_is_the_argument(monkeypatch, tmp_pat
     logger = TensorBoardLogger("$FAB42_DIR/logs", name="name", version="v", sub_dir="sub")
     assert logger.root_dir == "$FAB42_DIR/logs"
     assert logger.log_dir == os.path.join(str(tmp_path), "logs", "name", "v", "sub")
+
+
+def test_device_dtype_mixin_tracks_moves_and_dtype_context():
+    from zerotrain.fabric.plugins.precision.utils import _DtypeContextManager
+    from zerotrain.fabric.utilities.device_dtype_mixin import _DeviceDtypeModuleMixin
+
+    class Inner(_DeviceDtypeModuleMixin):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(2, 2)
+
+    class Outer(_DeviceDtypeModuleMixin):
+        def __init__(self):
+            super().__init__()
+            self.inner = Inner()
+
+    with _DtypeContextManager(torch.float64):
+        built = Outer()
+    assert torch.get_default_dtype() == torch.float32 and built.dtype == built.inner.dtype == torch.float64
+    model = Outer()
+    assert (model.dtype, model.device) == (torch.float32, torch.device("cpu"))
+    model.half()
+    assert model.inner.dtype == torch.float16 and model.inner.layer.weight.dtype == torch.float16
+    model.to(torch.device("cpu"), torch.float64)
+    assert model.dtype == model.inner.dtype == torch.float64

@@ -200,6 +200,20 @@ class _DeviceDtypeModuleMixin(nn.Module):
         return super().bfloat16()
 
 
+class _DtypeContextManager:
+    """Inside, tensors are created with ``dtype`` as the default floating dtype (restored after)."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self._dtype, self._before = dtype, torch.get_default_dtype()
+
+    def __enter__(self) -> None:
+        self._before = torch.get_default_dtype()
+        torch.set_default_dtype(self._dtype)
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.set_default_dtype(self._before)
+
+
 # ---------------------------------------------------------------------- strategies
 
 

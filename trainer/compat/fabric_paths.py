@@ -54,6 +54,7 @@ NAMESPACES = {
                        "ParallelStrategy", "DataParallelStrategy", "DeepSpeedStrategy", "FSDPStrategy",
                        "ModelParallelStrategy", "XLAStrategy", "XLAFSDPStrategy")}},
     "strategies.strategy": {"Strategy": "strategies.base:Strategy", "_Sharded": "trainer.compat.fabric_names:_Sharded"},
+    "plugins.precision.utils": {"_DtypeContextManager": "trainer.compat.fabric_names:_DtypeContextManager"},
 }
 #: names set on a module registered above (Lightning's path -> {name: "our module:our name"}), where
 #: Fabric's module has names ours has not (private helpers its tests import)
