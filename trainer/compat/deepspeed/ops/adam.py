@@ -27,7 +27,9 @@ class Bf16KernelSteps:
     host kernel for every dtype, the one ``DeepSpeedCPUAdam`` runs): parameter and bf16 moments
     read into fp32, the update computed there, each rounded to nearest even once, by
     :func:`zerotrain.ops.fused_adam_step`. torch's Adam(W) would do every operation in bf16,
-    rounding after each (one bf16 ulp apart within a few steps). Every other parameter (fp32,
+    rounding after each (one bf16 ulp apart within a few steps). Not bit-identical to DeepSpeed's
+    ``ds_adam_step``: the fp32 operations run in another order (its FMAs), so a stored bf16 value
+    may differ by one ulp (bench/CONFORMANCE.md). Every other parameter (fp32,
     fp16, CUDA, non-contiguous; amsgrad/maximize groups) is torch's step, unchanged. The state
     layout (``step``, ``exp_avg``, ``exp_avg_sq`` of the parameter's dtype) is torch's."""
 
