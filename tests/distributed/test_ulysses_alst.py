@@ -10,8 +10,8 @@
 
 # tolerance: the data exactly (values are only moved); the loss and gradients within rel 1e-4
 # (issue 45's bound for DeepSpeed's faces; both run transformers' SDPA on the same gathered heads).
-Not compared: training under ``deepspeed.initialize(mpu=...)`` at ZeRO 0-3 (zerotrain's engine
-does not take an ``mpu`` yet). Skips without deepspeed or transformers.
+Training under ``deepspeed.initialize(mpu=...)`` at ZeRO 0-3: test_deepspeed_alst.py. Skips without
+deepspeed or transformers.
 """
 from __future__ import annotations
 

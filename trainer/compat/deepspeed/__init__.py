@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from ...errors import ConfigError
 from . import accelerator, checkpointing, comm, lr_schedules, moe, ops, pipe, runtime, sequence, utils, zero  # noqa: F401  (deepspeed.<module>)
-from .autotp import cut_for_autotp
+from .autotp import cut_for_autotp, sequence_parallel_of
 from .comm import init_distributed
 from .config import DeepSpeedConfig, parse, report_ignored
 from .engine import DeepSpeedEngine
@@ -185,16 +185,18 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     (the dataloader None without ``training_data``, the scheduler None without one). Collective."""
     if not isinstance(model, nn.Module):
         raise ConfigError(f"initialize: model={type(model).__name__}; valid: an nn.Module")
-    for name, value in (("mpu", mpu), ("mesh_param", mesh_param)):
-        if value is not None:
-            raise ConfigError(f"initialize: {name}={value!r}; valid: None (zerotrain.deepspeed trains data-parallel "
-                              "only: no tensor or sequence parallelism)")
+    if mesh_param is not None:
+        raise ConfigError(f"initialize: mesh_param={mesh_param!r}; valid: None (zerotrain.deepspeed takes no device "
+                          "mesh: AutoTP through the config's tensor_parallel, Ulysses through ALST's mpu)")
     source = _config_source(args, config, config_params)
     _local_rank_from_args(args)
     comm.init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
+    sp = sequence_parallel_of(mpu)  # ALST's mpu: the strategy's sequence axis
     if isinstance(model, pipe.PipelineModule):  # DeepSpeed's PipelineEngine, on the pipeline strategy
+        if sp > 1:
+            raise ConfigError("initialize: a PipelineModule with ALST's mpu; valid: mpu=None for a pipeline")
         return pipe.engine.initialize(source, model, optimizer, model_parameters, training_data, lr_scheduler, collate_fn)
-    cfg = _bf16_module_under_fp32(parse(source, comm.get_world_size()), model)
+    cfg = _bf16_module_under_fp32(parse(source, comm.get_world_size(), sp), model)
     engine = zero.take_pending(cfg) or zero.new_engine(cfg)
     engine.launch()
     if engine.global_rank == 0:

@@ -7,9 +7,15 @@ that ``embedding_rowwise`` is applied only where the output head (``lm_head`` / 
 tied to the embedding; an untied embedding stays whole on every rank, as DeepSpeed leaves it. A
 model without a ``tp_plan`` is refused (DeepSpeed would fall back to its heuristic AutoTP, which
 zerotrain does not have).
+
+``sequence_parallel_of``: ALST's ``mpu`` (Ulysses sequence parallelism) as the strategy's
+``sequence_parallel``.
 """
 from __future__ import annotations
 
+from typing import Any
+
+import torch.distributed as dist
 from torch import nn
 
 from ...errors import ConfigError
@@ -37,3 +43,25 @@ def cut_for_autotp(strategy, model: nn.Module) -> None:
     """Cut ``model`` over the strategy's tensor group (nothing without a tensor axis)."""
     if strategy.mesh_size("tensor") > 1:
         parallelize_tensor(model, strategy.mesh_group("tensor"), autotp_plan(model))
+
+
+def sequence_parallel_of(mpu: Any) -> int:
+    """``initialize(mpu=...)``: the sequence-parallel size of ALST's ``mpu`` (what
+    ``UlyssesSPAttentionHF.register_with_transformers`` returns; 1 for None). DeepSpeed 0.19.8 then
+    runs ZeRO over every rank (data x sequence) and takes the data-parallel size as world / sp; the
+    strategy's ``sequence_parallel`` is that mesh. Its sequence groups must be consecutive ranks
+    (zerotrain's mesh, and DeepSpeed's own ``parallel_state_sp``). Any other ``mpu`` (Megatron's
+    tensor / pipeline groups) is refused."""
+    if mpu is None:
+        return 1
+    if not hasattr(mpu, "initialize_sequence_parallel") or not hasattr(mpu, "get_sequence_parallel_group"):
+        raise ConfigError(f"initialize: mpu={getattr(mpu, '__name__', type(mpu).__name__)}; valid: None, or ALST's mpu "
+                          "(UlyssesSPAttentionHF.register_with_transformers; zerotrain has no Megatron "
+                          "tensor/pipeline mpu)")
+    size = int(mpu.get_sequence_parallel_world_size())
+    ranks = dist.get_process_group_ranks(mpu.get_sequence_parallel_group())
+    first = dist.get_rank() // size * size
+    if ranks != list(range(first, first + size)):
+        raise ConfigError(f"initialize: mpu's sequence group {ranks} on rank {dist.get_rank()}; valid: "
+                          f"consecutive ranks {list(range(first, first + size))} (groups of sequence_parallel_size)")
+    return size

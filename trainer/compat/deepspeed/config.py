@@ -30,7 +30,7 @@ from .ops.adam import DeepSpeedAdam, DeepSpeedAdamW, DeepSpeedCPUAdam, FusedAdam
 from .precision_keys import torch_autocast_dtype
 from .sections import (  # noqa: F401  (re-exported: the sections were read here)
     OFFLOAD_DEVICES, ZERO_STAGES, _communication_dtype, _fail, _flag, _monitoring, _precision, _Reader, _section,
-    _tensor_parallel, _whole, _zero, batch_sizes,
+    _sequence_parallel, _tensor_parallel, _whole, _zero, batch_sizes,
 )
 
 log = logging.getLogger("zerotrain")
@@ -197,14 +197,16 @@ class DeepSpeedConfig:
                 '"zero_allow_untested_optimizer": true')
 
 
-def parse(config: "str | os.PathLike | Mapping[str, Any]", world_size: int) -> DeepSpeedConfig:
-    """Read and check ``config`` (a dict or a JSON path) for a job of ``world_size`` processes."""
+def parse(config: "str | os.PathLike | Mapping[str, Any]", world_size: int, sequence_parallel: int = 1) -> DeepSpeedConfig:
+    """Read and check ``config`` (a dict or a JSON path) for a job of ``world_size`` processes, of
+    which groups of ``sequence_parallel`` share each sample (ALST's mpu): DeepSpeed's batch
+    arithmetic and ``world_size`` count data-parallel ranks (world / sp)."""
     raw = load_config(config)
     if not isinstance(raw, dict):
         raise _fail("config", raw, "not a JSON object", "an object of DeepSpeed keys")
     reader = _Reader(raw)
-    out: dict[str, Any] = dict(raw=raw, world_size=world_size)
-    out.update(batch_sizes(raw, world_size))
+    out: dict[str, Any] = dict(raw=raw, world_size=world_size // sequence_parallel)
+    out.update(batch_sizes(raw, world_size // sequence_parallel))
     clip = raw.get("gradient_clipping", default("gradient_clipping"))  # DeepSpeed's 1.0: clipping is on
     if isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip >= 0:
         raise _fail("gradient_clipping", clip, "not a number >= 0", "0 (off) or a positive max norm")
@@ -213,6 +215,7 @@ def parse(config: "str | os.PathLike | Mapping[str, Any]", world_size: int) -> D
     master = out.pop("master_dtype", None)  # bf16 masters: ZeRO's master_dtype (stages 1-3, checked)
     out.update(_zero(raw, reader, world_size))
     _tensor_parallel(raw, reader, out)
+    _sequence_parallel(raw, sequence_parallel, out)
     if master:
         out["strategy_options"]["master_dtype"] = master
     comm = _communication_dtype(raw, out["precision"])
@@ -232,7 +235,8 @@ def parse(config: "str | os.PathLike | Mapping[str, Any]", world_size: int) -> D
     known = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
              "optimizer", "scheduler", "fp16", "bf16", "bfloat16", "zero_optimization", "zero_allow_untested_optimizer",
              "activation_checkpointing", "steps_per_print", "wall_clock_breakdown", "tensorboard",
-             "comms_logger", "dataloader_drop_last", "communication_data_type", "torch_autocast", "tensor_parallel")
+             "comms_logger", "dataloader_drop_last", "communication_data_type", "torch_autocast", "tensor_parallel",
+             "sequence_parallel_size")
     reader.take(raw, "", known, "")
     out["torch_autocast_dtype"] = torch_autocast_dtype(raw, _flag, reader.ignored)
     if "activation_checkpointing" in raw:

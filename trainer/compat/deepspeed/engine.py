@@ -267,9 +267,16 @@ class DeepSpeedEngine(CompileMethods, ConfigAccessors):
         if self._in_backward:
             return grad
         if self._external_scale is None:
-            self._external_scale = self._zt.begin_external_backward() / self.gradient_accumulation_steps()
+            self._external_scale = (self._zt.begin_external_backward() * self._sequence_scale()
+                                    / self.gradient_accumulation_steps())
             torch.autograd.Variable._execution_engine.queue_callback(self._end_external_backward)
         return grad * self._external_scale
+
+    def _sequence_scale(self) -> int:
+        """ALST (a sequence axis): DeepSpeed divides the gradients summed over data x sequence by
+        the data-parallel size (world / sp), the strategy by every replica (world): the loss is
+        taken sp times."""
+        return self._zt.strategy.mesh_size("sequence")
 
     def _end_external_backward(self) -> None:
         self._external_scale = None
@@ -287,9 +294,10 @@ class DeepSpeedEngine(CompileMethods, ConfigAccessors):
         scaled = loss / self.gradient_accumulation_steps() if scale_wrt_gas else loss
         self._monitor.loss(loss)
         self._in_backward = True
+        sp = self._sequence_scale()
         try:
             with self._monitor.timed("backward"):
-                self._zt.backward(scaled)
+                self._zt.backward(scaled * sp if sp > 1 else scaled)
         finally:
             self._in_backward = False
             self._end_deferral()

@@ -254,6 +254,24 @@ def _tensor_parallel(raw: Mapping[str, Any], reader: _Reader, zero: dict[str, An
     zero["strategy_options"]["tensor_parallel"] = size
 
 
+def _sequence_parallel(raw: Mapping[str, Any], size: int, zero: dict[str, Any]) -> None:
+    """ALST's ``initialize(mpu=...)`` (``size``: its sequence-parallel size): the strategy's
+    ``sequence_parallel`` (DDP, ZeRO 1-3 over data x sequence); ``sequence_parallel_size`` in the
+    config must agree with the mpu (DeepSpeed reads it only for the batch arithmetic)."""
+    key = raw.get("sequence_parallel_size", size)
+    if key != size:
+        problem = f"the mpu's sequence-parallel size is {size}" if size > 1 else "initialize got no sequence-parallel mpu"
+        raise _fail("sequence_parallel_size", key, problem,
+                    f"{size}, or pass ALST's mpu (UlyssesSPAttentionHF.register_with_transformers) to initialize")
+    if size == 1:
+        return
+    if zero["strategy"] not in ("ddp", "zero1", "zero2", "zero3") or "tensor_parallel" in zero["strategy_options"]:
+        raise _fail("initialize(mpu=...)", f"sequence_parallel_size {size}", f"zerotrain runs ALST under ZeRO stage "
+                    f"0-3 without offload or AutoTP (strategy {zero['strategy']}, options {zero['strategy_options']})",
+                    "zero_optimization.stage 0-3, no offload_optimizer, no tensor_parallel")
+    zero["strategy_options"]["sequence_parallel"] = size
+
+
 def _hpz(value: Any) -> bool:
     """ZeRO++ hpZ's ``zero_hpz_partition_size``: the ranks holding the secondary copy of each
     unit's parameters. zerotrain's copy spans one node (``hierarchical_partition``), so 1 (off)
