@@ -142,22 +142,23 @@ def test_initialize_broadcasts_experts_only_over_their_replicas(tmp_path):
 
 # ---------------------------------------------------------------------------- under the DDP strategy
 class _Net(TrainModule):
-    def __init__(self, ep: int) -> None:
+    def __init__(self, ep: int, drop: bool = True) -> None:
         super().__init__()
         self.inp = torch.nn.Linear(HIDDEN, HIDDEN)
-        self.moe = MoE(HIDDEN, _expert(), num_experts=EXPERTS, ep_size=ep,
-                       gate=GateConfig(k=1, capacity_factor=0.75, min_capacity=1))
+        gate = GateConfig(k=1, capacity_factor=0.75, min_capacity=1) if drop else GateConfig(k=1, drop_tokens=False)
+        self.moe = MoE(HIDDEN, _expert(), num_experts=EXPERTS, ep_size=ep, gate=gate)
 
     def training_step(self, batch, idx):
         x, w = batch
-        out, l_aux, _ = self.moe(self.inp(x))
+        out, l_aux, counts = self.moe(self.inp(x))
+        self.aux, self.counts = l_aux.detach(), counts
         return (out * w).mean() + 0.1 * l_aux
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.5), None
 
 
-def _ddp(steps: int, clip: float | None) -> dict:
+def _ddp(steps: int, clip: float | None, drop: bool = True) -> dict:
     from zerotrain.strategies import DDP
     from zerotrain.strategies.environment import detect
     from zerotrain.strategies.precision import Precision
@@ -165,16 +166,16 @@ def _ddp(steps: int, clip: float | None) -> dict:
 
     rank, world = init_dist()
     torch.manual_seed(0)
-    full = _Net(1)
+    full = _Net(1, drop)
     g = torch.Generator().manual_seed(5)
     full.load_state_dict({k: torch.randn(v.shape, generator=g) * 0.5 for k, v in full.state_dict().items()})
-    part = _Net(2)
+    part = _Net(2, drop)
     part.load_state_dict(_local_state(full.state_dict(), rank, 2, part.moe.num_local_experts))
     out = {}
     for ep, net in ((1, full), (2, part)):
         strategy = DDP(process_group_timeout_s=60)
         set_up_like_trainer(strategy, net, detect(world), Precision())
-        losses = []
+        losses, auxes, counts = [], [], []
         for step in range(steps):
             gen = torch.Generator().manual_seed(1000 * step + rank)  # each rank its own tokens
             batch = (torch.randn(2, 6, HIDDEN, generator=gen), torch.randn(2, 6, HIDDEN, generator=gen))
@@ -183,7 +184,9 @@ def _ddp(steps: int, clip: float | None) -> dict:
             strategy.backward(loss)
             strategy.optimizer_step(clip)
             losses.append(loss.detach())
-        out[ep] = {"losses": losses, "state": {k: v.clone() for k, v in net.state_dict().items()}}
+            auxes.append(net.aux)
+            counts.append(net.counts)
+        out[ep] = {"losses": losses, "aux": auxes, "counts": counts, "state": {k: v.clone() for k, v in net.state_dict().items()}}
     return out
 
 
@@ -201,15 +204,20 @@ def _local_state(state: dict, rank: int, ep: int, local: int) -> dict:
     return out
 
 
-@pytest.mark.parametrize("clip", [None, 0.05])
-def test_ddp_reduces_experts_over_their_replicas_only(tmp_path, clip):
-    """DDP with ep=2 on 2 ranks trains as DDP with every expert on every rank: the same losses and
+@pytest.mark.parametrize("clip,drop", [(None, True), (0.05, True), (None, False)])
+def test_ddp_reduces_experts_over_their_replicas_only(tmp_path, clip, drop):
+    """DDP with ep=2 on 2 ranks trains as DDP with every expert on every rank (which equals one
+    process over the global batch, tests/distributed/test_ddp.py): the same losses, aux losses and
     parameters after 3 SGD steps (torch's reducer would have averaged different experts together),
-    also when the gradient norm is clipped (the norm then joins every rank's experts)."""
-    results = run_ranks("test_moe_ep:_ddp", 2, tmp_path, timeout=180, steps=3, clip=clip)
+    also when the gradient norm is clipped (the norm then joins every rank's experts), with a
+    capacity that drops tokens (the same tokens: the counts per expert agree) and without."""
+    results = run_ranks("test_moe_ep:_ddp", 2, tmp_path, timeout=180, steps=3, clip=clip, drop=drop)
     tol = 8 * torch.finfo(torch.float32).eps * HIDDEN * 16 * 2 * 3
     for rank, r in enumerate(results):
         torch.testing.assert_close(r[2]["losses"], r[1]["losses"], atol=tol, rtol=tol)
+        torch.testing.assert_close(r[2]["aux"], r[1]["aux"], atol=tol, rtol=tol)
+        for got, want in zip(r[2]["counts"], r[1]["counts"]):
+            assert torch.equal(got, want), (rank, got, want)
         want = _local_state(r[1]["state"], rank, 2, EXPERTS // 2)
         assert r[2]["state"].keys() == want.keys()
         for name, value in want.items():
