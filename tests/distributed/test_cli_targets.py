@@ -67,6 +67,7 @@ def test_user_module_from_the_command_line_equals_trainer_fit(tmp_path, strategy
 
 
 @pytest.mark.timeout(900)
+@pytest.mark.slow  # ~21 s alone: keeps the default suite under its 15 minutes
 def test_multirun_over_strategies_and_learning_rates_ends_with_its_table(tmp_path):
     root = write_package(tmp_path / "pkg")
     proc = run_cli(root, tmp_path, "--multirun", f"model._target_={MODEL}", "model.hidden=6", "model.lr=0.05,0.1",

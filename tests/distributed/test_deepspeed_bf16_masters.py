@@ -31,7 +31,10 @@ from harness import run_ranks
 pytestmark = [pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                                  reason="deepspeed is not installed (zerotrain's `dev` extra); this compares "
                                         "against it"),
-              pytest.mark.timeout(600)]
+              pytest.mark.timeout(600),
+              # the module's fixture runs both libraries at every stage (~90 s alone): the default
+              # suite keeps tests/unit/test_deepspeed_fused_adam_bf16.py and test_zero_master_dtype.py
+              pytest.mark.slow]
 
 STEPS = 5
 CONFIG = {"train_micro_batch_size_per_gpu": 4, "steps_per_print": 1000,

@@ -51,7 +51,11 @@ CASES = {"k1-0": (K1, 0), "k1_rts-0": (K1_RTS, 0), "k2-0": (K2, 0), "k1_sgd-1": 
          "k2_jitter-1": (K2_JITTER, 1), "k1_rts-2": (K1_RTS, 2), "k2_sgd-2": (K2 + ["--sgd"], 2)}
 
 
-@pytest.mark.parametrize("case", list(CASES))
+# the default suite keeps k2_sgd-2 (it fails with a wrong expert divisor); the rest run with -m slow
+SLOW = ("k1-0", "k1_rts-0", "k2-0", "k1_sgd-1", "k2_jitter-1", "k1_rts-2")
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW else c for c in CASES])
 def test_moe_script_trains_as_with_deepspeed(tmp_path, case):
     flags, stage = CASES[case]
     config = tmp_path / "ds.json"

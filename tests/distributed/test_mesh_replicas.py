@@ -37,7 +37,7 @@ def _fit(strategy: str) -> dict:
     return out
 
 
-@pytest.mark.parametrize("strategy", ["zero1", pytest.param("zero2", marks=pytest.mark.slow), "zero3"])
+@pytest.mark.parametrize("strategy", [pytest.param("zero1", marks=pytest.mark.slow), pytest.param("zero2", marks=pytest.mark.slow), "zero3"])
 def test_replica_groups_train_as_two_rank_data_parallelism(tmp_path, strategy):
     results = run_ranks("test_mesh_replicas:_fit", 4, tmp_path, timeout=280, strategy=strategy)
     # rank = data * 2 + tensor: the replicas of ranks 0 and 1 are {0, 2} and {1, 3}

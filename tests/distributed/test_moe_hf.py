@@ -122,7 +122,7 @@ def _ranks(arch: str) -> dict:
     return {"ref": ref, **{s: _ours(arch, rank, world, s) for s in ("ddp", "zero3")}}
 
 
-@pytest.mark.parametrize("arch, world", [(a, 2) for a in sorted(ARCHS)] + [("mixtral", 4)])
+@pytest.mark.parametrize("arch, world", [(a, 2) for a in sorted(ARCHS)] + [pytest.param("mixtral", 4, marks=pytest.mark.slow)])
 def test_hf_moe_with_expert_parallelism_equals_torch_ddp(arch, world, tmp_path):
     """ep=2 on 2 ranks, and (Mixtral) ep=2 x 2 expert-data replicas on 4."""
     results = run_ranks("test_moe_hf:_ranks", world, tmp_path, timeout=300, arch=arch)
@@ -181,6 +181,7 @@ def _trainer_fit(strategy: str, ep: int) -> list:
     return model.losses
 
 
+@pytest.mark.slow  # ~8 s alone; the 2-rank equivalence of each architecture stays in the default suite
 def test_the_trainer_fits_mixtral_with_expert_parallelism(tmp_path):
     """The Trainer (2 ranks, AdamW) with Mixtral's experts placed at ep=2 under zero3 and DDP gives
     every rank the losses of DDP with every expert everywhere."""
