@@ -226,7 +226,8 @@ def _refusals() -> dict:
             out[what] = str(e)
     z = ZeroStage3(process_group_timeout_s=60)
     set_up_like_trainer(z, _Net(2, gate), detect(world), Precision())
-    for what, call in (("checkpoint", z.param_shards), ("full_state_dict", z.full_state_dict)):
+    for what, call in (("checkpoint", z.param_shards), ("full_state_dict", z.full_state_dict),
+                       ("load", lambda: z.load_param_shards(None))):
         try:
             call()
             out[what] = "accepted"
@@ -243,3 +244,5 @@ def test_what_zero3_does_not_do_with_experts_yet_is_refused(tmp_path):
         assert "offload with expert-parallel parameters" in r["offload"], r["offload"]
         assert "a checkpoint with expert-parallel units" in r["checkpoint"] and "valid:" in r["checkpoint"]
         assert "full_state_dict() with expert-parallel units" in r["full_state_dict"], r["full_state_dict"]
+        # a load read local expert names: every expert-parallel place got experts 0..local-1
+        assert "a checkpoint load with expert-parallel units" in r["load"], r["load"]

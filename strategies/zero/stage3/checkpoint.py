@@ -106,6 +106,8 @@ class Stage3Checkpoint(ZeroCheckpoint):
         """Collective: this rank's master partitions, the optimizer state of its runs, and the
         extras, from whatever ranges the checkpoint holds; then the working shards are refreshed."""
         s = self.s
+        refuse_with_experts(s.units, "a checkpoint load",
+                            "ep_size=1, or strategy='zero1'/'zero2' (experts saved under their global index)")
         names = self.trainable_names()
         with torch.no_grad():
             for u in s.units:
