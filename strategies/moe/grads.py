@@ -25,8 +25,9 @@ def reduce_expert_grads(params: list[nn.Parameter], world: int) -> None:
     """Sum each expert gradient over its expert-data-parallel group, divided by ``world``."""
     by_group: dict[str, list[nn.Parameter]] = {}
     for p in params:
-        if p.grad is not None:
-            by_group.setdefault(p.group_name, []).append(p)
+        if p.grad is None:  # no token reached it here: its peers' sums still come, and every rank joins
+            p.grad = torch.zeros_like(p)
+        by_group.setdefault(p.group_name, []).append(p)
     for name in sorted(by_group):
         grads = [p.grad for p in by_group[name]]
         groups = expert_groups(ep_size_of(name))
@@ -43,9 +44,9 @@ def expert_norm_sq(params: list[nn.Parameter]) -> torch.Tensor:
     """The sum of squares of every expert gradient of the model (after ``reduce_expert_grads``):
     this rank's experts' summed over their expert-parallel group, which holds each expert once."""
     by_group: dict[str, list[torch.Tensor]] = {}
-    for p in params:
-        if p.grad is not None:
-            by_group.setdefault(p.group_name, []).append(p.grad.detach().float())
+    for p in params:  # a gradient-less expert counts as zeros, so every rank joins its group's sum
+        grad = p.grad if p.grad is not None else torch.zeros_like(p)
+        by_group.setdefault(p.group_name, []).append(grad.detach().float())
     total = torch.zeros(())
     for name in sorted(by_group):
         part = torch.nn.utils.get_total_norm(by_group[name], norm_type=2.0) ** 2

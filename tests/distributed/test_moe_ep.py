@@ -246,3 +246,25 @@ def test_offload_refuses_expert_parallel_models_until_it_reduces_them(tmp_path):
     for message in run_ranks("test_moe_ep:_refuses", 2, tmp_path, timeout=120, name="offload_cpu"):
         assert "is an expert's of ep_size_2" in message and "valid: strategy='ddp', 'zero1' or 'zero2'" in message, \
             message
+
+
+def _gradless_expert() -> dict:
+    from zerotrain.strategies.moe.experts import mark_expert
+    from zerotrain.strategies.moe.grads import expert_norm_sq, reduce_expert_grads
+
+    rank, world = init_dist()
+    p = torch.nn.Parameter(torch.zeros(3))
+    mark_expert(p, "ep_size_2")
+    if rank == 1:  # rank 0's expert saw no token this step: no gradient at all
+        p.grad = torch.full((3,), 2.0)
+    norm_sq = expert_norm_sq([p])  # every rank joins the expert-parallel sum
+    reduce_expert_grads([p], world)
+    return {"norm_sq": norm_sq.item(), "grad": p.grad.clone()}
+
+
+def test_an_expert_without_gradient_still_joins_its_groups_collectives(tmp_path):
+    """A rank whose expert got no token has no gradient for it; it must still join the norm's and
+    the gradients' collectives (skipping them hung its peers), counting zeros."""
+    r0, r1 = run_ranks("test_moe_ep:_gradless_expert", 2, tmp_path, timeout=60)
+    assert r0["norm_sq"] == r1["norm_sq"] == 12.0
+    assert torch.equal(r0["grad"], torch.zeros(3)) and torch.equal(r1["grad"], torch.full((3,), 1.0))
