@@ -63,6 +63,17 @@ def _kind(p: nn.Parameter) -> str | None:
     return None if name == "ep_size_1" else name
 
 
+def refuse_frozen_experts(module: nn.Module, owner: str) -> None:
+    """Frozen expert parameters (``ep_size`` > 1) would be treated as replicated extras: broadcast
+    from rank 0 over every expert-parallel place and saved under local names. Refused, the same on
+    every rank, before any collective."""
+    frozen = [n for n, p in module.named_parameters() if not p.requires_grad and _kind(p) is not None]
+    if frozen:
+        raise ValueError(f"{owner}: frozen expert-parallel parameter {frozen[0]!r} ({_kind(module.get_parameter(frozen[0]))}) "
+                         "is not supported: each expert-parallel rank holds other experts; valid: train the experts "
+                         "(requires_grad=True), or ep_size=1")
+
+
 def is_expert_group(params: Sequence[nn.Parameter]) -> bool:
     """Whether a flat group's parameters are experts' (of ``ep_size`` > 1; a group is one kind)."""
     return bool(params) and _kind(params[0]) is not None
@@ -76,8 +87,8 @@ def partitioning(kind: str | None, replica_group: Any, replica_rank: int, replic
         return Partitioning(replica_group, replica_rank, replicas)
     world = dist.get_world_size() if dist.is_initialized() else 1
     if replicas != world:
-        raise ValueError(f"expert parameters ({kind}) with {world // replicas} ranks per replica (a sequence or "
-                         "tensor axis): not built; valid: expert parallelism over data-parallel ranks only")
+        raise ValueError(f"expert parameters ({kind}) with {world // replicas} ranks per replica (a tensor "
+                         "axis): not built; valid: expert parallelism over data-parallel ranks only")
     groups = expert_groups(ep_size_of(kind))
     me = dist.get_rank() if dist.is_initialized() else 0
     return Partitioning(groups.edp_group, groups.edp_ranks.index(me), len(groups.edp_ranks), groups)

@@ -43,7 +43,7 @@ from .comm.collectives import all_reduce_sum, backend, broadcast_from, global_ra
 from ..options import expose_options
 from .config import BucketConfig, Stage3Config, ZeroConfig, ZeroSpec
 from ..memory.formula import estimate_model_states, format_bytes
-from .experts import Partitioning, expert_norm_entries, group_kind, partitioning
+from .experts import Partitioning, expert_norm_entries, group_kind, partitioning, refuse_frozen_experts
 from .flat_buffer import FlatParamGroup, flatten_group
 from .comm.grad_norm import ParamNorm, exact_total_norm, plan_param
 from .hooks import ParamGatherHooks
@@ -209,6 +209,7 @@ class ZeroStrategy(Strategy):
         groups = trainable_groups(optimizer, self.module)
         names = {id(p): n for n, p in self.module.named_parameters()}
         kinds = [group_kind(i, params, names) for i, params in enumerate(groups)]
+        refuse_frozen_experts(self.module, self.name)
         self._broadcast_extras()
         self._partitions = [partitioning(k, self.group, self.replica_rank, self.replica_world_size) for k in kinds]
         masters = []

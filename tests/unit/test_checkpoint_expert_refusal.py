@@ -36,3 +36,17 @@ def test_refused_loads_too():
 def test_experts_of_ep_size_1_are_dense_and_saved():
     shards = ReplicatedCheckpoint(_owner("ep_size_1")).param_shards()
     assert sorted(shards) == ["0.bias", "0.weight", "1.bias", "1.weight"]
+
+
+def test_zero_refuses_frozen_expert_parameters_before_any_collective():
+    """ZeRO would broadcast a frozen expert from rank 0 over every expert-parallel place (extras are
+    replicated): refused at set-up with one line naming the parameter."""
+    from zerotrain.strategies.zero.experts import refuse_frozen_experts
+
+    module = _owner("ep_size_2").module
+    refuse_frozen_experts(module, "zero2")  # trainable experts: accepted
+    module[1].weight.requires_grad_(False)
+    with pytest.raises(ValueError, match=r"zero2: frozen expert-parallel parameter '1.weight' \(ep_size_2\)"):
+        refuse_frozen_experts(module, "zero2")
+    module[1].weight.allreduce = True  # no longer an expert: a frozen dense parameter is fine
+    refuse_frozen_experts(module, "zero2")
