@@ -41,7 +41,8 @@ class UlyssesSPAttentionHF(torch.nn.Module):
                                       "valid: False")
         sp = dist.get_world_size(process_group)
         if attn_head_count % sp:
-            raise ValueError(f"Attention head count {attn_head_count} is not divisible by SP size {sp}")
+            raise ValueError(f"UlyssesSPAttentionHF: {attn_head_count} attention heads cannot be split over "
+                             f"sequence_parallel_size={sp}; valid: a size dividing the head count")
         self.attn, self.process_group, self.world_size = attn, process_group, sp
         self.sp_rank = dist.get_rank(process_group)
         self.batch_size, self.attn_head_count, self.attn_head_size = batch_size, attn_head_count, attn_head_size
@@ -76,8 +77,9 @@ class UlyssesSPAttentionHF(torch.nn.Module):
             return None
         seq_length = seq_length if seq_length is not None else max_length
         if not seq_length_is_variable and seq_length is None:
-            raise ValueError("Either `seq_length_is_variable` needs to be `True` or `seq_length` needs to be set to an "
-                             "integer value of the fixed batch size length.")
+            raise ValueError("UlyssesSPAttentionHF.register_with_transformers: seq_length=None with "
+                             "seq_length_is_variable=False; valid: a fixed seq_length (or max_length), or "
+                             "seq_length_is_variable=True")
         from transformers import AutoConfig
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -92,8 +94,8 @@ class UlyssesSPAttentionHF(torch.nn.Module):
             raise ValueError(f"{core_attn_implementation} attn_implementation isn't supported by Ulysses sequence "
                              "parallelism (it needs a 4D attention_mask); valid: 'sdpa' or a flash attention")
         if core_attn_implementation not in ALL_ATTENTION_FUNCTIONS:
-            raise ValueError(f"{core_attn_implementation} is not a valid attn_implementation. The choices are "
-                             f"{ALL_ATTENTION_FUNCTIONS.valid_keys()}")
+            raise ValueError(f"core_attn_implementation={core_attn_implementation!r} is not one of transformers' "
+                             f"attention functions; valid: {ALL_ATTENTION_FUNCTIONS.valid_keys()}")
         arch = config.get_text_config()
         local = None if seq_length_is_variable else seq_length // sequence_parallel_size
         uattn = cls(ALL_ATTENTION_FUNCTIONS[core_attn_implementation], micro_batch_size, arch.num_attention_heads,
@@ -148,7 +150,8 @@ class UlyssesSPDataLoaderAdapter:
             if torch.is_tensor(value):
                 value = value.to(self.device)
                 if value.shape[1] != length:
-                    raise ValueError(f"{key}'s shape {value.shape} must match input_ids's shape {batch['input_ids'].shape}")
+                    raise ValueError(f"UlyssesSPDataLoaderAdapter: batch[{key!r}] has shape {tuple(value.shape)}, "
+                                     f"input_ids {tuple(batch['input_ids'].shape)}; valid: the same shape")
                 parts = [torch.zeros((value.shape[0], int(n)), dtype=value.dtype, device=value.device) for n in lengths]
                 with torch.no_grad():
                     dist.all_gather(parts, value, group=self.sp_group)
@@ -163,7 +166,8 @@ class UlyssesSPDataLoaderAdapter:
     def _shard(self, batch: dict) -> dict:
         length = batch["input_ids"].shape[1]
         if length % self.sp_world_size:
-            raise ValueError(f"batch's seqlen={length} isn't divisible by sp-size={self.sp_world_size}")
+            raise ValueError(f"UlyssesSPDataLoaderAdapter: a sequence of {length} tokens cannot be cut into "
+                             f"{self.sp_world_size} equal shards; valid: a length divisible by the sequence-parallel size")
         labels = batch.pop("labels")  # the next token of each, shifted before the cut (-100 after the last)
         batch["shift_labels"] = torch.cat([labels[..., 1:], torch.full_like(labels[..., :1], -100)], dim=-1)
         chunk = length // self.sp_world_size
