@@ -152,6 +152,10 @@ class ZeroStrategy(Strategy):
                              f"{policy.optimizer_device!r}, param_device={policy.param_device!r}: 16-bit masters are "
                              "stepped in host RAM only; valid: optimizer_device='cpu' and param_device='none', or "
                              "master_dtype='fp32'")
+        if self.config.master_dtype != "fp32" and policy is not None and self.config.reduce_dtype != self.config.master_dtype:
+            raise ValueError(f"{self.name}: master_dtype={self.config.master_dtype!r} with reduce_dtype="
+                             f"{self.config.reduce_dtype!r}: the host steps 16-bit masters with gradients of their own "
+                             f"type; valid: reduce_dtype={self.config.master_dtype!r}")
         #: where masters and optimizer state live (None: with the working parameters)
         self.offload = self.stepper.policy
         #: with ``buckets.overlap_param_gather`` the post-step all-gathers are left in flight;

@@ -36,7 +36,12 @@ def test_bad_values_and_combinations_are_refused_before_any_process():
     with pytest.raises(ValueError, match=r"^offload: master_dtype='bf16' with optimizer_device='nvme', "
                                          r"param_device='none': 16-bit masters are stepped in host RAM only"):
         strategy_from_name("offload", stage=2, master_dtype="bf16", optimizer_device="nvme", nvme_path="/tmp")
-    assert strategy_from_name("offload", stage=2, master_dtype="bf16").config.master_dtype == "bf16"
+    # the host steps 16-bit masters with gradients of their own type: said at construction, not at set-up
+    with pytest.raises(ValueError, match=r"^offload: master_dtype='bf16' with reduce_dtype='fp32': .*valid: "
+                                         r"reduce_dtype='bf16'$"):
+        strategy_from_name("offload", stage=2, master_dtype="bf16")
+    built = strategy_from_name("offload", stage=2, master_dtype="bf16", reduce_dtype="bf16")
+    assert built.config.master_dtype == "bf16"
 
 
 def _model() -> nn.Module:
