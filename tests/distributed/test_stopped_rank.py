@@ -57,7 +57,9 @@ def _alive_after(pid: int, grace_s: float) -> bool:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("launcher", ["local", "torchrun"])
+# local runs with -m slow (~24 s; keeps the default suite under 15 minutes): the default suite keeps
+# torchrun's, and our launcher's stopped rank 0 below
+@pytest.mark.parametrize("launcher", [pytest.param("local", marks=pytest.mark.slow), "torchrun"])
 def test_a_stopped_rank_is_ended_by_its_peer_and_left_behind_by_nobody(tmp_path, launcher):
     pid_file = tmp_path / "rank1.pid"
     script = tmp_path / "job.py"
