@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 
 def run_worker(tmp_path, system: str) -> list[list[float]]:
     scale = float(os.environ.get("ZEROTRAIN_TEST_TIMEOUT_SCALE", "1"))
@@ -21,6 +23,7 @@ def run_worker(tmp_path, system: str) -> list[list[float]]:
     return [json.loads((out / f"rank{r}.json").read_text())["losses"] for r in range(2)]
 
 
+@pytest.mark.slow  # moved out of the default suite for its 15-minute budget
 def test_solo_starts_as_ddp_and_steps_on_its_own_gradient(tmp_path):
     ddp, solo = run_worker(tmp_path, "ddp"), run_worker(tmp_path, "solo")
     for r in range(2):

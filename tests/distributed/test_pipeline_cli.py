@@ -253,6 +253,7 @@ def test_zero_bubble_two_stages_from_the_cli_match_a_plain_loop(tmp_path_factory
     _check_continues_exactly(run_dir)
 
 
+@pytest.mark.slow  # moved out of the default suite for its 15-minute budget
 def test_compute_balanced_cut_from_the_cli_splits_a_block_and_matches_a_plain_loop(tmp_path_factory):
     """``model.pipeline_cut=compute`` with 3 blocks: the stage bound falls inside block 1 (its
     attention half on stage 0, its MLP half with the head on stage 1), under ZB-H1; the same

@@ -31,6 +31,7 @@ def _train(tmp_path, *overrides) -> dict:
     return {tag: [e.value for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
 
 
+@pytest.mark.slow  # moved out of the default suite for its 15-minute budget
 def test_moe_gpt_ep2_logs_and_equals_ep1(tmp_path):
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
