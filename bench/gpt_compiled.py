@@ -111,22 +111,13 @@ def compiled_runner(system: str) -> Callable:
 
 # =============================================================================== MFU
 @functools.lru_cache(maxsize=None)
-def matmul_peak(dtype: str = "fp32", n: int = 1024, seconds: float = 0.5) -> float:
-    """FLOP/s of one thread's ``n x n`` matmul in ``dtype`` (fp32 or bf16), the best of 3 rounds."""
+def matmul_peak(dtype: str = "fp32") -> float:
+    """FLOP/s of one thread's fastest square matmul in ``dtype`` (``ops/peak.py``'s probe)."""
+    from zerotrain.ops.peak import probe_cpu_matmul
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        t = torch.bfloat16 if dtype == "bf16" else torch.float32
-        a, b = torch.randn(n, n).to(t), torch.randn(n, n).to(t)
-        torch.mm(a, b)
-        best = 0.0
-        for _ in range(3):
-            reps, start = 0, time.perf_counter()
-            while (elapsed := time.perf_counter() - start) < seconds / 3:
-                torch.mm(a, b)
-                reps += 1
-            best = max(best, 2 * n ** 3 * reps / elapsed)
-        return best
+        return probe_cpu_matmul(dtype)
     finally:
         torch.set_num_threads(threads)
 

@@ -62,7 +62,7 @@ def worker(args: argparse.Namespace) -> dict:
     """One system's run on this process's GPU; returns its figures."""
     import torch
 
-    from zerotrain.callbacks.measure.flops import gpu_peak_flops
+    from zerotrain.ops.peak import gpu_peak_flops
     from zerotrain.examples.gpt import GPT
 
     cfg, dev, steps = _config(args), torch.device("cuda", 0), args.warmup + args.steps

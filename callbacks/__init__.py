@@ -1,6 +1,6 @@
 """Callbacks observe the run; loggers receive its metrics.
 
-May import: trainer.api, trainer.checkpoint, trainer.compat, trainer.errors, trainer.loop, trainer.optim, trainer.utilities, strategies."""
+May import: trainer.api, trainer.checkpoint, trainer.compat, trainer.errors, trainer.loop, trainer.optim, trainer.utilities, strategies, ops."""
 from .base import Callback, Logger
 from .checkpoint import ModelCheckpoint
 from .measure.comms import CommsLogger

@@ -4,7 +4,9 @@ what this machine would run (like DeepSpeed's ``ds_report``).
     zerotrain-build-ops               # or: python -m zerotrain.ops.report --build
     zerotrain-report                  # or: python -m zerotrain.ops.report
 
-The report never compiles: it loads an op only if it is already built.
+The report never compiles: it loads an op only if it is already built. It prints the matmul peak
+per process in fp32 and bf16 that MFU is taken against (``peak.py``: probed once per machine, a
+second or so, then cached).
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from . import builder
+from . import builder, peak
 from .providers import apex_fused_adam_available
 
 ISA_ENV = "ZEROTRAIN_ADAM_ISA"
@@ -148,11 +150,27 @@ def main_report(argv: Optional[Sequence[str]] = None) -> int:
     ]
     for spec in builder.ALL_OPS:
         lines += _op_lines(spec, policy)
+    lines += _peak_lines()
     apex = apex_fused_adam_available()
     lines.append(f"apex       FusedAdam {'available' if apex else 'not available'} "
                  "(NVIDIA apex with amp_C and a CUDA device)")
     print("\n".join(lines), flush=True)
     return 0
+
+
+def _peak_lines() -> list[str]:
+    """The peak of one process here, per dtype (GPU: the table's; CPU: probed or cached)."""
+    out = []
+    for dtype in ("fp32", "bf16"):
+        if torch.cuda.is_available():
+            flops, where = peak.gpu_peak_flops(torch.device("cuda", 0), dtype), "the GPU table"
+            shown = f"{flops / 1e12:.1f} TFLOP/s" if flops else "unknown GPU"
+        else:
+            flops, cached = peak.cpu_peak_flops(dtype)
+            where = f"{'cached' if cached else 'measured now'} in {peak.cache_path()}"
+            shown = f"{flops / 1e9:.1f} GFLOP/s ({torch.get_num_threads()} threads)"
+        out.append(f"peak {dtype:<5} {shown}, {where}")
+    return out
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

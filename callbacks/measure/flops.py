@@ -8,9 +8,10 @@ attention kernel, which torch's table lacks (counted with torch's SDPA formulas)
 convention. For a transformer the total is 6 N per token (N: the parameters of its matmuls) plus
 attention's 12 L d T, the PaLM estimate (``examples/gpt.py``'s ``flops_per_token``).
 
-The peak: on CUDA from a table of known GPUs (dense tensor-core numbers for the precision's
-compute dtype; fp32 without TF32 unless torch allows TF32), on CPU measured at the start of fit
-by timing an fp32 matmul (per process, with the threads it has). MFU = the counted step's FLOPs / the
+The peak (``ops/peak.py``): on CUDA from a table of known GPUs (dense tensor-core numbers for the
+precision's compute dtype; fp32 without TF32 unless torch allows TF32), on CPU a matmul probe in
+the precision's compute dtype (per process, with the threads it has), measured once per machine and
+cached. MFU = the counted step's FLOPs / the
 latency of the step after it (timed without the counter) / peak, per rank. Latency per module is
 its forward in that step (hooks around it; the step's latency also holds backward and the
 optimizer step); on CUDA the device is synchronised around each module in that step only.
@@ -24,21 +25,8 @@ import torch
 from torch import nn
 from torch.utils import flop_counter
 
+from ...ops.peak import peak_flops
 from ..base import Callback
-
-#: dense peak FLOP/s by GPU name fragment and compute dtype (vendor data sheets, SXM where both)
-KNOWN_GPUS: dict[str, dict[str, float]] = {
-    "H200": {"bf16": 989.4e12, "fp16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12},
-    "H100": {"bf16": 989.4e12, "fp16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12},
-    "A100": {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12},
-    "L40S": {"bf16": 362e12, "fp16": 362e12, "tf32": 183e12, "fp32": 91.6e12},
-    "L4": {"bf16": 121e12, "fp16": 121e12, "tf32": 60e12, "fp32": 30.3e12},
-    "A10": {"bf16": 125e12, "fp16": 125e12, "tf32": 62.5e12, "fp32": 31.2e12},
-    "RTX 4090": {"bf16": 165.2e12, "fp16": 165.2e12, "tf32": 82.6e12, "fp32": 82.6e12},
-    "V100": {"fp16": 125e12, "fp32": 15.7e12},
-    "T4": {"fp16": 65e12, "fp32": 8.1e12},
-}
-
 
 def _cpu_flash(query: Any, key: Any, value: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
     return flop_counter.sdpa_flop_count(query, key, value)
@@ -61,30 +49,6 @@ def _custom_mapping() -> dict[Any, Any]:
 def compute_dtype(precision: Any) -> str:
     dtype = getattr(precision, "autocast_dtype", None) or getattr(precision, "param_dtype", torch.float32)
     return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
-
-
-def gpu_peak_flops(device: torch.device, dtype: str) -> float | None:
-    """The known GPU's dense peak for ``dtype`` (fp32: TF32's when torch allows it), else None."""
-    name = torch.cuda.get_device_name(device)
-    if dtype == "fp32" and torch.get_float32_matmul_precision() != "highest":
-        dtype = "tf32"
-    for fragment, peaks in KNOWN_GPUS.items():
-        if fragment in name:
-            return peaks.get(dtype) or peaks.get("fp16")
-    return None
-
-
-def cpu_peak_flops(n: int = 512, seconds: float = 0.2) -> float:
-    """FLOP/s of an fp32 ``n x n`` matmul on this process's threads, timed for ``seconds``."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    torch.mm(a, b)  # warm-up
-    reps, start = 0, time.perf_counter()
-    while True:
-        torch.mm(a, b)
-        reps += 1
-        elapsed = time.perf_counter() - start
-        if elapsed >= seconds:
-            return 2 * n ** 3 * reps / elapsed
 
 
 class FlopsProfiler(Callback):
@@ -115,10 +79,7 @@ class FlopsProfiler(Callback):
     def on_fit_start(self, trainer, pl_module) -> None:
         self._device = trainer.strategy.device
         if self.peak_flops is None:
-            if self._device.type == "cuda":
-                self.peak_flops = gpu_peak_flops(self._device, compute_dtype(trainer.precision_plugin))
-            else:
-                self.peak_flops = cpu_peak_flops()
+            self.peak_flops = peak_flops(self._device, compute_dtype(trainer.precision_plugin))
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         step = trainer.global_step

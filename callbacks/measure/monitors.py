@@ -4,8 +4,10 @@ from __future__ import annotations
 import time
 import warnings
 
+from ...ops.peak import peak_flops
 from ...trainer.errors import ConfigError
 from ..base import Callback
+from .flops import compute_dtype
 
 
 class LearningRateMonitor(Callback):
@@ -105,13 +107,18 @@ class LearningRateMonitor(Callback):
 
 class ThroughputMonitor(Callback):
     """Samples/s and tokens/s over the whole job, and model FLOPs utilisation when the module
-    reports ``flops_per_sample()`` and ``peak_flops`` (per process) is given."""
+    reports ``flops_per_sample()``, against ``peak_flops`` per process (None: the machine's peak for
+    the precision's compute dtype, ``ops/peak.py``, taken at the start of fit; 0: no MFU)."""
 
     def __init__(self, peak_flops: float | None = None, window: int = 10) -> None:
         self.peak_flops, self.window = peak_flops, window
         self._t = None
         self._samples = 0
         self.last: dict[str, float] = {}
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        if self.peak_flops is None and pl_module.flops_per_sample():
+            self.peak_flops = peak_flops(trainer.strategy.device, compute_dtype(trainer.precision_plugin))
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self._t is None:
