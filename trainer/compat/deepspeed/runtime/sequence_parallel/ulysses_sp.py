@@ -133,28 +133,37 @@ class UlyssesSPDataLoaderAdapter:
         return self.micro_batches.popleft()
 
     def refill(self) -> None:
-        """Collective over the sequence group: one batch from each rank, this rank's shard of each."""
+        """Collective over the sequence group: one batch from each rank, this rank's shard of each.
+
+        The ranks first exchange one header each (ended, or an error, or each key's shape and dtype),
+        so that an exhausted loader or a bad batch on one rank is raised on every rank of the group
+        before any tensor collective, rather than leaving its peers waiting in one."""
         try:
-            batch = next(self.iter)
+            batch, header = next(self.iter), None
         except StopIteration:
             self.iter = iter(self.dl)  # the next epoch starts afresh
-            raise
-        if "position_ids" not in batch:
-            raise ValueError("Ulysses SP requires `position_ids` in every dataloader batch (each token keeps its "
-                             "global position after the sequence is cut); valid: a collator that adds them")
-        length = batch["input_ids"].shape[1]
-        lengths = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(self.sp_world_size)]
-        dist.all_gather(lengths, torch.tensor([length], dtype=torch.int64, device=self.device), group=self.sp_group)
+            batch, header = None, "end"
+        if header is None:
+            header = self._header(batch)
+        headers: list = [None] * self.sp_world_size
+        dist.all_gather_object(headers, header, group=self.sp_group)
+        if "end" in headers:
+            if header != "end":  # the peers' loaders ran out first: this rank's next epoch restarts too
+                self.iter = iter(self.dl)
+            raise StopIteration
+        for r, h in enumerate(headers):
+            if isinstance(h, str):
+                raise ValueError(f"UlyssesSPDataLoaderAdapter, sequence-parallel rank {r}: {h}")
+        if len({tuple(h["__keys__"]) for h in headers}) > 1:
+            keys = ", ".join(f"rank {r} {h['__keys__']}" for r, h in enumerate(headers))
+            raise ValueError(f"UlyssesSPDataLoaderAdapter: the sequence-parallel ranks' batches have different keys "
+                             f"({keys}); valid: the same keys on every rank")
         gathered: list[dict] = [{} for _ in range(self.sp_world_size)]
         for key, value in batch.items():
             if torch.is_tensor(value):
-                value = value.to(self.device)
-                if value.shape[1] != length:
-                    raise ValueError(f"UlyssesSPDataLoaderAdapter: batch[{key!r}] has shape {tuple(value.shape)}, "
-                                     f"input_ids {tuple(batch['input_ids'].shape)}; valid: the same shape")
-                parts = [torch.zeros((value.shape[0], int(n)), dtype=value.dtype, device=value.device) for n in lengths]
+                parts = [torch.empty(h[key][0], dtype=h[key][1], device=self.device) for h in headers]
                 with torch.no_grad():
-                    dist.all_gather(parts, value, group=self.sp_group)
+                    dist.all_gather(parts, value.to(self.device).contiguous(), group=self.sp_group)
             else:
                 parts = [None] * self.sp_world_size
                 dist.all_gather_object(parts, value, group=self.sp_group)
@@ -162,6 +171,24 @@ class UlyssesSPDataLoaderAdapter:
                 gathered[r][key] = part
         for micro in gathered:
             self.micro_batches.append(self._shard(micro))
+
+    @staticmethod
+    def _header(batch: Any) -> Any:
+        """What the peers must know of this rank's batch before gathering it, or what is wrong with it."""
+        if not isinstance(batch, dict) or "input_ids" not in batch:
+            return "a batch must be a dict with `input_ids`; valid: a dict of [batch, sequence] tensors"
+        if "position_ids" not in batch:
+            return ("Ulysses SP requires `position_ids` in every dataloader batch (each token keeps its global "
+                    "position after the sequence is cut); valid: a collator that adds them")
+        shape = tuple(batch["input_ids"].shape)
+        header: dict = {"__keys__": list(batch)}
+        for key, value in batch.items():
+            if torch.is_tensor(value):
+                if tuple(value.shape[:2]) != shape[:2]:
+                    return (f"batch[{key!r}] has shape {tuple(value.shape)}, input_ids {shape}; valid: the same "
+                            "[batch, sequence] shape")
+                header[key] = (tuple(value.shape), value.dtype)
+        return header
 
     def _shard(self, batch: dict) -> dict:
         length = batch["input_ids"].shape[1]
