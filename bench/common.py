@@ -76,6 +76,11 @@ class UntiedGPT(GPT):
     def tie_weights(self) -> None:
         pass
 
+    def flops_per_token(self) -> float:
+        """``GPT.flops_per_token`` less ``wte``'s 6 x its size: untied, the token table is only
+        looked up (no matmul), and the head, a matrix of the same size, is counted already."""
+        return super().flops_per_token() - 6 * self.wte.weight.numel()
+
 
 def gpt_class(tied: bool) -> type[GPT]:
     return GPT if tied else UntiedGPT
