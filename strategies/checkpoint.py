@@ -94,6 +94,9 @@ class CheckpointOwner(Protocol):
     @property
     def is_global_zero(self) -> bool: ...
 
+    @property
+    def replica_rank(self) -> int: ...
+
 
 class ReplicatedCheckpoint:
     """The replicated strategies' checkpoints: the ranks that ``writes_shard()`` hold every full
@@ -111,8 +114,10 @@ class ReplicatedCheckpoint:
         return {k: v.detach().to("cpu", copy=True) for k, v in self.s.module.state_dict().items()}
 
     def writes_shard(self) -> bool:
-        """Whether this rank's ``param_shards``/``extra_state`` hold anything (replicated: rank 0)."""
-        return self.s.is_global_zero
+        """Whether this rank's ``param_shards``/``extra_state`` hold anything (replicated: the first
+        replica, rank 0 without a tensor axis; with one, each tensor index's first rank, whose
+        shards ``parallel/tensor_checkpoint.py`` joins)."""
+        return self.s.replica_rank == 0
 
     def globally_named_experts(self) -> set[str]:
         """Local names of the expert parameters (moe/, ``ep_size`` > 1) this adapter saves under

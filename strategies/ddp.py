@@ -17,9 +17,11 @@ from torch.nn.parallel.distributed import _find_tensors
 from . import instrument
 from .environment import mesh_sizes, release_at_exit
 from .base import PROCESS_GROUP_TIMEOUT_S, Strategy
+from .checkpoint import ReplicatedCheckpoint
 from .moe.grads import expert_norm_sq, expert_params, reduce_expert_grads
 from .parallel import tensor_parallel_norm
-from .parallel.tensor_plan import cut_for_mesh, gather_full_state, refuse_stale_optimizer, refuse_tensor_parallel
+from .parallel.tensor_checkpoint import TensorAxis
+from .parallel.tensor_plan import cut_for_mesh, refuse_stale_optimizer
 from .step_wrapper import StepWrapper
 from .options import check_bool, check_choice, config_from, expose_options
 from .zero.comm.collectives import all_gather_into
@@ -61,6 +63,8 @@ class DDPStrategy(Strategy):
     inference_mode_evaluation = True
     supports_float64 = True
     evaluates_without_optimizer = True
+    #: with a tensor axis, tensor-parallel parameters saved whole and loaded cut (parallel/tensor_checkpoint.py)
+    checkpoint_adapter = TensorAxis(ReplicatedCheckpoint)
 
     def __init__(self, config: DDPConfig | None = None, *,
                  process_group_timeout_s: float = PROCESS_GROUP_TIMEOUT_S, sequence_parallel: int = 1,
@@ -155,18 +159,6 @@ class DDPStrategy(Strategy):
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         refuse_stale_optimizer(self.module, optimizer)
         super().setup_optimizer(optimizer)
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Collective; with a tensor axis, each tensor-parallel parameter gathered whole."""
-        return gather_full_state(self, super().full_state_dict())
-
-    def param_shards(self):
-        refuse_tensor_parallel(self, "checkpoints")
-        return super().param_shards()
-
-    def load_param_shards(self, reader) -> None:
-        refuse_tensor_parallel(self, "checkpoints")
-        super().load_param_shards(reader)
 
     def _grad_norm(self) -> torch.Tensor:
         """With experts (moe/): the dense gradients' norm as the base computes it, joined with the

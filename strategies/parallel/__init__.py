@@ -3,13 +3,15 @@ data x sequence x tensor) and Ulysses sequence parallelism (``ulysses.py``: all-
 turn sequence shards into head shards around any local attention, and back; ``hf.py``: the same
 for a Hugging Face model through its attention-implementation hook), and tensor parallelism on plain
 local parameters (``tensor.py``: the layers, their collectives and the vocabulary-parallel loss;
-``tensor_plan.py``: plans in Hugging Face's and torch's vocabulary applied to a model).
+``tensor_plan.py``: plans in Hugging Face's and torch's vocabulary applied to a model;
+``tensor_checkpoint.py``: tensor-parallel parameters saved whole in the reshardable checkpoint format
+and loaded cut, for any strategy on any mesh).
 
 In the Trainer: ``Strategy(sequence_parallel=n)`` builds the mesh (``environment.Ranks``), and
 ``sequence.py`` cuts each batch along the sequence and gives the loss over all tokens
 (strategies/README.md, "Sequence parallelism in the Trainer").
 
-May import: strategies.instrument."""
+May import: strategies.checkpoint, strategies.instrument."""
 from .hf import use_ulysses
 from .mesh import AXES, ParallelMesh
 from .sequence import sequence_mean, shard_sequence

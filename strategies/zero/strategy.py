@@ -38,7 +38,8 @@ from ..memory.host import set_mmap_threshold
 from ..memory import count_bytes
 from ..optimizers import group_indices, refuse_shared
 from ..environment import mesh_sizes
-from ..parallel.tensor_plan import cut_for_mesh, gather_full_state, refuse_tensor_parallel
+from ..parallel.tensor_checkpoint import TensorAxis
+from ..parallel.tensor_plan import cut_for_mesh
 from .comm.collectives import all_reduce_sum, backend, broadcast_from, global_rank, world_size
 from ..options import expose_options
 from .config import BucketConfig, Stage3Config, ZeroConfig, ZeroSpec
@@ -122,7 +123,8 @@ class ZeroStrategy(Strategy):
     stage = 0
     #: each parameter's optimizer state is one partition of one flat group
     optimizers_may_share_parameters = False
-    checkpoint_adapter = ZeroCheckpoint
+    #: with a tensor axis, tensor-parallel parameters saved whole and loaded cut (parallel/tensor_checkpoint.py)
+    checkpoint_adapter = TensorAxis(ZeroCheckpoint)
     #: partitioned and reduced over ``replica_group`` (the ranks holding the same parameters)
     mesh_axes = ("sequence", "tensor")
 
@@ -192,18 +194,6 @@ class ZeroStrategy(Strategy):
     def setup_module(self, module: nn.Module) -> None:
         super().setup_module(module)
         cut_for_mesh(self)  # a tensor axis: the module's own plan (parallel/tensor_plan.py), before flattening
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Collective; with a tensor axis, each tensor-parallel parameter gathered whole."""
-        return gather_full_state(self, super().full_state_dict())
-
-    def param_shards(self):
-        refuse_tensor_parallel(self, "checkpoints")
-        return super().param_shards()
-
-    def load_param_shards(self, reader) -> None:
-        refuse_tensor_parallel(self, "checkpoints")
-        super().load_param_shards(reader)
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         assert self.module is not None, "setup_module must run before setup_optimizer"

@@ -6,7 +6,7 @@ tp=2 on 2 ranks (DDP, ZeRO-1) and dp=2 x tp=2 on 4 ranks (DDP, ZeRO-1, ZeRO-2) t
 single-process loop over the same global batches; the loss is the vocabulary-parallel cross-entropy of the sharded logits.
 ``trainer.full_state_dict()`` gathers the shards back; clipping by norm takes the whole model's
 norm (the sharded parameters' squares summed over the tensor group), under DDP, ZeRO-1 and ZeRO-2;
-checkpoints are refused (not built yet) rather than wrong.
+checkpoints name and shape each parameter whole (test_tensor_parallel_checkpoint.py).
 
 # tolerance: rel <= 1e-5 (issue 45's bound for fp32 against the plain loop), on the losses and on
 # every parameter after the steps (test_sequence_parallel_trainer's check).
@@ -94,8 +94,8 @@ def _fit(tensor_parallel: int, devices: int, clip: float | None = None, strategy
     trainer.fit(module)
     s = trainer.strategy
     local = {n: p.numel() for n, p in module.gpt.named_parameters()}
-    with pytest.raises(NotImplementedError, match=r"checkpoints of tensor-parallel parameters are not built yet"):
-        s.param_shards()
+    c_fc = module.gpt.blocks[0].mlp.c_fc  # a checkpoint names and shapes each parameter whole
+    assert s.checkpoint_model_info()["params"]["gpt.blocks.0.mlp.c_fc.weight"][0] == (c_fc.out_features, c_fc.in_features)
     return {"params": {k.removeprefix("gpt."): v for k, v in trainer.full_state_dict().items()},
             "losses": module.losses, "dp": s.data_parallel_world_size, "tp_rank": s.mesh_rank("tensor"),
             "local": local, "c_fc": type(module.gpt.blocks[0].mlp.c_fc).__name__}

@@ -17,7 +17,7 @@ def _owner(ep_group: str) -> SimpleNamespace:
     for p in module[1].parameters():
         mark_expert(p, ep_group)
     optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
-    return SimpleNamespace(module=module, optimizer=optimizer, name="ddp", is_global_zero=True)
+    return SimpleNamespace(module=module, optimizer=optimizer, name="ddp", is_global_zero=True, replica_rank=0)
 
 
 @pytest.mark.parametrize("what", ["param_shards", "full_state_dict"])
