@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from . import builder
+from .deepspeed_adam import DeepSpeedBetaPowers, deepspeed_adam_reference, deepspeed_beta_powers
 from .reference import AdamHyper, fallback_adam_step, stochastic_rounding_key
 
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -98,6 +99,8 @@ def fused_adam_step(
     seed: int = 0,
     n_threads: Optional[int] = None,
     isa: Optional[str] = None,
+    order: str = "torch",
+    beta_powers: Optional[tuple[float, float]] = None,
     **hyper: Any,
 ) -> None:
     """One in-place Adam/AdamW step on a flat slice, in one pass over memory.
@@ -117,6 +120,12 @@ def fused_adam_step(
         n_threads: OpenMP threads (default ``torch.get_num_threads()``).
         isa: force "avx512", "avx2" or "scalar" (default: $ZEROTRAIN_ADAM_ISA, else the best the
             CPU has). Ignored by the fallback.
+        order: "torch" (default): torch.optim.Adam/AdamW's operation order; "deepspeed": DeepSpeed
+            0.19.8's host kernel's (``ds_adam_step``, what ``DeepSpeedCPUAdam`` runs), bit for bit
+            (csrc/adam/cpu_adam.cpp; CPU tensors only).
+        beta_powers: with ``order="deepspeed"``, the fp32 ``(beta1^step, beta2^step)`` DeepSpeed's
+            optimizer object holds (:class:`~zerotrain.ops.deepspeed_adam.DeepSpeedBetaPowers`);
+            default: those of a run that took steps 1, 2, ..., ``step``.
         hyper: the fields of :class:`~zerotrain.ops.reference.AdamHyper`: ``step`` (the step being
             taken, counted from 1; bias correction uses it), ``lr``, ``beta1``, ``beta2``,
             ``eps``, ``weight_decay``, ``adamw`` (True: decoupled weight decay, AdamW; False: L2
@@ -127,6 +136,14 @@ def fused_adam_step(
     CUDA tensors go to the multi-tensor CUDA kernel (:mod:`zerotrain.ops.cuda_adam`).
     """
     h = AdamHyper.of("fused_adam_step", hyper)
+    if order not in ("torch", "deepspeed"):
+        raise ValueError(f"fused_adam_step: order={order!r}; valid: 'torch', 'deepspeed'")
+    if order == "deepspeed":
+        if isinstance(master, torch.Tensor) and master.device.type != "cpu":
+            raise ValueError(f"fused_adam_step: order='deepspeed' is DeepSpeed's host kernel; `master` is on "
+                             f"{master.device}, valid: a CPU tensor")
+        if beta_powers is None:
+            beta_powers = deepspeed_beta_powers(h.beta1, h.beta2, h.step)
     if isinstance(master, torch.Tensor) and master.is_cuda:
         from .cuda_adam import multi_tensor_adam_step
 
@@ -134,6 +151,11 @@ def fused_adam_step(
                                param_outs=None if param_out is None else [param_out], **hyper)
         return
     module = builder.cpu_adam_module()
+    if module is None and order == "deepspeed":
+        check_inputs(master, grad, exp_avg, exp_avg_sq, param_out, h)
+        deepspeed_adam_reference(master, grad, exp_avg, exp_avg_sq, param_out=param_out, beta_powers=beta_powers,
+                                 stochastic_rounding=stochastic_rounding, seed=seed, **hyper)
+        return
     if module is None:
         check_inputs(master, grad, exp_avg, exp_avg_sq, param_out, h)
         if master.dtype != torch.float32:  # a 16-bit master: stepped in fp32, rounded once
@@ -148,7 +170,7 @@ def fused_adam_step(
     module.adam_step(
         master, grad, exp_avg, exp_avg_sq, param_out, *h.native_args(),
         bool(stochastic_rounding), stochastic_rounding_key(int(seed), int(h.step)),
-        int(n_threads or 0), isa or "",
+        int(n_threads or 0), isa or "", order, *(beta_powers or (0.0, 0.0)),
     )
 
 
@@ -160,6 +182,10 @@ class CPUAdam(torch.optim.Optimizer):
     or stochastically with ``stochastic_rounding=True``). Gradients may be fp32, bf16 or fp16.
     The state layout (``step``, ``exp_avg``, ``exp_avg_sq``) is torch's, so fp32 state dicts move
     between this and ``torch.optim.AdamW``.
+
+    ``order="deepspeed"`` steps as DeepSpeed's ``DeepSpeedCPUAdam`` does, bit for bit (see
+    :func:`fused_adam_step`; its fp32 ``beta^step`` pair is this optimizer's, as DeepSpeed's is
+    its C++ object's) and then also takes bf16/fp16 parameters (stepped in fp32, rounded once).
     """
 
     def __init__(
@@ -176,7 +202,10 @@ class CPUAdam(torch.optim.Optimizer):
         stochastic_rounding: bool = False,
         seed: Optional[int] = None,
         n_threads: Optional[int] = None,
+        order: str = "torch",
     ) -> None:
+        if order not in ("torch", "deepspeed"):
+            raise ValueError(f"CPUAdam: order={order!r}; valid: 'torch', 'deepspeed'")
         if not lr >= 0.0:
             raise ValueError(f"CPUAdam: lr must be >= 0, got {lr}")
         if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
@@ -198,6 +227,8 @@ class CPUAdam(torch.optim.Optimizer):
         self.stochastic_rounding = stochastic_rounding
         self.seed = (torch.initial_seed() if seed is None else seed) & 0xFFFFFFFF
         self.n_threads = n_threads
+        self.order = order
+        self._beta_powers = DeepSpeedBetaPowers(tuple(betas))
 
     def _state_for(self, p: torch.Tensor) -> dict:
         state = self.state[p]
@@ -227,7 +258,8 @@ class CPUAdam(torch.optim.Optimizer):
                     continue
                 if p.grad.is_sparse:
                     raise RuntimeError("CPUAdam does not support sparse gradients")
-                if p.dtype != torch.float32 or p.device.type != "cpu" or not p.is_contiguous():
+                wide = p.dtype == torch.float32 or (self.order == "deepspeed" and p.dtype in _GRAD_DTYPES)
+                if not wide or p.device.type != "cpu" or not p.is_contiguous():
                     raise ValueError(
                         "CPUAdam updates contiguous fp32 CPU parameters in place; got a parameter "
                         f"of shape {tuple(p.shape)}, {p.dtype} on {p.device}"
@@ -237,6 +269,7 @@ class CPUAdam(torch.optim.Optimizer):
                 state = self._state_for(p)
                 state["step"] += 1
                 step = int(state["step"].item())
+                powers = self._beta_powers.advance(step, beta1, beta2) if self.order == "deepspeed" else None
                 fused_adam_step(
                     p, p.grad.contiguous(), state["exp_avg"], state["exp_avg_sq"], step=step,
                     lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
@@ -244,5 +277,6 @@ class CPUAdam(torch.optim.Optimizer):
                     bias_correction=group["bias_correction"],
                     stochastic_rounding=self.stochastic_rounding,
                     seed=self.seed + 0x632BE5AB * index, n_threads=self.n_threads,
+                    order=self.order, beta_powers=powers,
                 )
         return loss

@@ -27,6 +27,18 @@
 // little faster). The ISA paths can differ from each other in the last bit where the vector paths
 // use fused multiply-add and the scalar path does not.
 //
+// order="deepspeed" runs DeepSpeed 0.19.8's host Adam instead (ds_adam_step: csrc/adam/
+// cpu_adam_impl.cpp, includes/cpu_adam.h, as DeepSpeed builds it on an AVX-512 CPU), operation for
+// operation, so that its results are bit-identical: scalars in fp32 (adam_scalars.h's
+// deepspeed_scalars), and per element, with fma(a, b, c) = a*b+c rounded once,
+//   Adam:  g = fma(p, weight_decay, g)            AdamW: p = fma(p, -lr * weight_decay, p)
+//   m      = fma(g, 1 - beta1, m * beta1)          v = fma(g * g, 1 - beta2, v * beta2)
+//   p      = fma(m / fma(sqrt(v), 1 / sqrt(1 - beta2^step), eps), -lr / (1 - beta1^step), p)
+// except the last numel % 16 elements of the call (DeepSpeed's scalar tail, where its compiler fuses
+// the other products): m = fma(m, beta1, g * (1 - beta1)), v = fma(v, beta2, (g * g) * (1 - beta2)).
+// Which elements are "tail" depends on the call's numel only, so every ISA path here gives the same
+// bits; the parameter and moments are stored rounded to nearest even as DeepSpeed's are.
+//
 // ISA: one object file holds the AVX-512, AVX2 and scalar paths (GCC/Clang target attributes);
 // the path is chosen per call: the `isa` argument, else $ZEROTRAIN_ADAM_ISA, else the best the CPU
 // supports. Asking for a path the CPU lacks is an error, never a silent downgrade.
@@ -35,6 +47,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <optional>
@@ -65,6 +78,8 @@ struct StepArgs : AdamScalars {
   int64_t numel = 0;
   bool stochastic = false;  // stochastic rounding of bf16 state
   uint32_t seed = 0;        // key of the stochastic-rounding hash
+  bool ds_order = false;    // DeepSpeed's operation order (ds_span)
+  DeepSpeedScalars ds{};    // order="deepspeed" only
 };
 
 struct NoOut {};  // "no param_out" marker type
@@ -159,23 +174,114 @@ inline void adam_span(const StepArgs& a, int64_t begin, int64_t end) {
   if constexpr (!std::is_same_v<P, NoOut>) std::copy(bo, bo + rest, out + i);
 }
 
+// order="deepspeed": fma that rounds once on every path (the scalar path's S::fmadd does not fuse).
+template <class S>
+inline typename S::V fused(typename S::V a, typename S::V b, typename S::V c) {
+  if constexpr (std::is_same_v<S, simd::Scalar>) {
+    return std::fma(a, b, c);
+  } else {
+    return S::fmadd(a, b, c);
+  }
+}
+
+template <class S>
+struct DsConsts {
+  typename S::V grad_scale, beta1, one_minus_beta1, beta2, one_minus_beta2, bias_correction2, eps,
+      step_size, decoupled_decay, weight_decay;
+  explicit DsConsts(const DeepSpeedScalars& d)
+      : grad_scale(S::set1(d.grad_scale)),
+        beta1(S::set1(d.beta1)),
+        one_minus_beta1(S::set1(d.one_minus_beta1)),
+        beta2(S::set1(d.beta2)),
+        one_minus_beta2(S::set1(d.one_minus_beta2)),
+        bias_correction2(S::set1(d.bias_correction2)),
+        eps(S::set1(d.eps)),
+        step_size(S::set1(d.step_size)),
+        decoupled_decay(S::set1(d.decoupled_decay)),
+        weight_decay(S::set1(d.weight_decay)) {}
+};
+
+// DeepSpeed's element step (see the top of the file); kTail: its scalar tail's products.
+template <class S, bool kTail, class G, class St, class P, class M>
+inline void ds_lanes(const StepArgs& a, const DsConsts<S>& c, M* pp, const G* pg, St* pm, St* pv,
+                     P* pout, uint32_t index) {
+  using V = typename S::V;
+  V p = S::load(pp);
+  V g = S::load(pg);
+  if (a.ds.grad_scale != 1.0f) g = S::mul(g, c.grad_scale);
+  if (a.ds.wd_mode == WeightDecay::kL2) g = fused<S>(p, c.weight_decay, g);
+  V m = S::load(pm);
+  V v = S::load(pv);
+  if constexpr (kTail) {
+    m = fused<S>(m, c.beta1, S::mul(g, c.one_minus_beta1));
+    v = fused<S>(v, c.beta2, S::mul(S::mul(g, g), c.one_minus_beta2));
+  } else {
+    m = fused<S>(g, c.one_minus_beta1, S::mul(m, c.beta1));
+    v = fused<S>(S::mul(g, g), c.one_minus_beta2, S::mul(v, c.beta2));
+  }
+  const V update = S::div(m, fused<S>(S::sqrt(v), c.bias_correction2, c.eps));
+  if (a.ds.wd_mode == WeightDecay::kDecoupled) p = fused<S>(p, c.decoupled_decay, p);
+  p = fused<S>(update, c.step_size, p);
+  S::store(pp, p);
+  store_state<S>(pm, m, a, index, 0x3C6EF372u);
+  store_state<S>(pv, v, a, index, 0xA54FF53Au);
+  if constexpr (!std::is_same_v<P, NoOut>) S::store(pout, p);
+}
+
+// Elements [begin, end): below numel rounded down to 16 DeepSpeed's vector step (whole vectors:
+// begin is a multiple of 64), the rest its scalar tail, one element at a time.
+template <class S, class G, class St, class P, class M>
+inline void ds_span(const StepArgs& a, int64_t begin, int64_t end) {
+  constexpr int W = S::kWidth;
+  const DsConsts<S> c(a.ds);
+  const DsConsts<simd::Scalar> c1(a.ds);
+  M* master = static_cast<M*>(a.master);
+  const G* grad = static_cast<const G*>(a.grad);
+  St* m = static_cast<St*>(a.exp_avg);
+  St* v = static_cast<St*>(a.exp_avg_sq);
+  P* out = static_cast<P*>(a.param_out);
+  const int64_t vec_end = std::min(end, std::max(begin, a.numel & ~static_cast<int64_t>(15)));
+  int64_t i = begin;
+  for (; i < vec_end; i += W) {
+    P* o = nullptr;
+    if constexpr (!std::is_same_v<P, NoOut>) o = out + i;
+    ds_lanes<S, false, G, St, P, M>(a, c, master + i, grad + i, m + i, v + i, o,
+                                    static_cast<uint32_t>(i));
+  }
+  for (; i < end; ++i) {
+    P* o = nullptr;
+    if constexpr (!std::is_same_v<P, NoOut>) o = out + i;
+    ds_lanes<simd::Scalar, true, G, St, P, M>(a, c1, master + i, grad + i, m + i, v + i, o,
+                                              static_cast<uint32_t>(i));
+  }
+}
+
+template <class S, class G, class St, class P, class M>
+inline void any_span(const StepArgs& a, int64_t begin, int64_t end) {
+  if (a.ds_order) {
+    ds_span<S, G, St, P, M>(a, begin, end);
+  } else {
+    adam_span<S, G, St, P, M>(a, begin, end);
+  }
+}
+
 using SpanFn = void (*)(const StepArgs&, int64_t, int64_t);
 
 // One wrapper per ISA. `flatten` inlines the whole kernel (and S's target-specific members) into
 // a function compiled for that ISA, so nothing else in this file needs -mavx*.
 template <class G, class St, class P, class M>
 __attribute__((flatten)) void span_scalar(const StepArgs& a, int64_t b, int64_t e) {
-  adam_span<simd::Scalar, G, St, P, M>(a, b, e);
+  any_span<simd::Scalar, G, St, P, M>(a, b, e);
 }
 #if ZT_SIMD_X86
 template <class G, class St, class P, class M>
 ZT_TARGET_AVX2 __attribute__((flatten)) void span_avx2(const StepArgs& a, int64_t b, int64_t e) {
-  adam_span<simd::Avx2, G, St, P, M>(a, b, e);
+  any_span<simd::Avx2, G, St, P, M>(a, b, e);
 }
 template <class G, class St, class P, class M>
 ZT_TARGET_AVX512 __attribute__((flatten)) void span_avx512(const StepArgs& a, int64_t b,
                                                            int64_t e) {
-  adam_span<simd::Avx512, G, St, P, M>(a, b, e);
+  any_span<simd::Avx512, G, St, P, M>(a, b, e);
 }
 #endif
 
@@ -264,7 +370,8 @@ void adam_step(at::Tensor master, at::Tensor grad, at::Tensor exp_avg, at::Tenso
                std::optional<at::Tensor> param_out, int64_t step, double lr, double beta1,
                double beta2, double eps, double weight_decay, bool adamw, bool bias_correction,
                double grad_scale, bool stochastic_rounding, int64_t seed, int64_t n_threads,
-               const std::string& isa_request) {
+               const std::string& isa_request, const std::string& order, double beta1_power,
+               double beta2_power) {
   const int64_t n = master.numel();
   check_dtype(master, "master", {at::kFloat, at::kBFloat16, at::kHalf},
               "float32, bfloat16 or float16 (a 16-bit master is stepped in fp32, rounded once)");
@@ -304,6 +411,8 @@ void adam_step(at::Tensor master, at::Tensor grad, at::Tensor exp_avg, at::Tenso
   TORCH_CHECK_VALUE(step >= 1 || !bias_correction,
                     "cpu_adam: `step` must be >= 1 (the step being taken, counted from 1), got ",
                     step);
+  TORCH_CHECK_VALUE(order == "torch" || order == "deepspeed", "cpu_adam: `order` must be ",
+                    "\"torch\" or \"deepspeed\", got \"", order, "\"");
   const Isa isa = isa::resolve_isa(isa_request, kIsaEnv);
   // Like any in-place torch op, tell autograd these tensors changed (inference tensors have no
   // version counter).
@@ -322,6 +431,11 @@ void adam_step(at::Tensor master, at::Tensor grad, at::Tensor exp_avg, at::Tenso
   a.numel = n;
   a.stochastic = stochastic_rounding && exp_avg.scalar_type() == at::kBFloat16;
   a.seed = static_cast<uint32_t>(static_cast<uint64_t>(seed) & 0xFFFFFFFFu);
+  a.ds_order = order == "deepspeed";
+  if (a.ds_order) {
+    a.ds = deepspeed_scalars(lr, beta1, beta2, eps, weight_decay, adamw, bias_correction, grad_scale,
+                             beta1_power, beta2_power);
+  }
 
   const SpanFn fn = pick_kernel(isa, master.scalar_type(), grad.scalar_type(), exp_avg.scalar_type(), out_type);
 
@@ -354,7 +468,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
         py::arg("weight_decay"), py::arg("adamw"), py::arg("bias_correction"),
         py::arg("grad_scale"), py::arg("stochastic_rounding"), py::arg("seed"),
-        py::arg("n_threads"), py::arg("isa"), py::call_guard<py::gil_scoped_release>(),
+        py::arg("n_threads"), py::arg("isa"), py::arg("order") = "torch",
+        py::arg("beta1_power") = 0.0, py::arg("beta2_power") = 0.0, py::call_guard<py::gil_scoped_release>(),
         "In-place fused Adam/AdamW step on one flat slice; see zerotrain.ops.fused_adam_step.");
   m.def("selected_isa", &zerotrain::selected_isa, py::arg("requested") = "",
         "The ISA a call with this `isa` argument would use (honours $ZEROTRAIN_ADAM_ISA).");

@@ -53,4 +53,42 @@ inline AdamScalars adam_scalars(int64_t step, double lr, double beta1, double be
   return h;
 }
 
+// DeepSpeed's order (`order="deepspeed"`, csrc/adam/cpu_adam.cpp): the scalars as DeepSpeed
+// 0.19.8's host Adam (ds_adam_step) derives them, every one in fp32: the hyperparameters rounded
+// to fp32 first, the bias corrections from the caller's fp32 powers beta^step (DeepSpeed keeps
+// them as a running fp32 product), bias_correction2 = 1 / sqrt(1 - beta2^step) (a multiplier),
+// step_size = -lr / (1 - beta1^step), decoupled_decay = -lr * weight_decay. Weight decay applies
+// only when it is > 0.
+struct DeepSpeedScalars {
+  float grad_scale, beta1, one_minus_beta1, beta2, one_minus_beta2, bias_correction2, eps;
+  float step_size, decoupled_decay, weight_decay;
+  WeightDecay wd_mode;
+};
+
+inline DeepSpeedScalars deepspeed_scalars(double lr, double beta1, double beta2, double eps,
+                                          double weight_decay, bool adamw, bool bias_correction,
+                                          double grad_scale, double beta1_power,
+                                          double beta2_power) {
+  DeepSpeedScalars h{};
+  const float alpha = static_cast<float>(lr);
+  h.grad_scale = static_cast<float>(grad_scale);
+  h.beta1 = static_cast<float>(beta1);
+  h.beta2 = static_cast<float>(beta2);
+  h.one_minus_beta1 = 1.0f - h.beta1;
+  h.one_minus_beta2 = 1.0f - h.beta2;
+  h.eps = static_cast<float>(eps);
+  h.weight_decay = static_cast<float>(weight_decay);
+  float bc1 = 1.0f;
+  h.bias_correction2 = 1.0f;
+  if (bias_correction) {
+    bc1 = 1.0f - static_cast<float>(beta1_power);
+    h.bias_correction2 = 1.0f / std::sqrt(1.0f - static_cast<float>(beta2_power));
+  }
+  h.step_size = -alpha / bc1;
+  h.decoupled_decay = -alpha * h.weight_decay;
+  h.wd_mode = h.weight_decay > 0.0f ? (adamw ? WeightDecay::kDecoupled : WeightDecay::kL2)
+                                    : WeightDecay::kNone;
+  return h;
+}
+
 }  // namespace zerotrain

@@ -69,8 +69,11 @@ def adam_hyper(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> dict[
     else:
         adamw = bool(group.get("decoupled_weight_decay", False)) or isinstance(optimizer, torch.optim.AdamW)
         bias_correction = True
+    # DeepSpeed's faces (DeepSpeedCPUAdam, the config's Adam/AdamW) ask for its kernel's operation order
+    order = getattr(optimizer, "kernel_order", "torch")
     return dict(lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
-                weight_decay=float(group["weight_decay"]), adamw=adamw, bias_correction=bias_correction)
+                weight_decay=float(group["weight_decay"]), adamw=adamw, bias_correction=bias_correction,
+                order=order)
 
 
 class _GatherMasters:

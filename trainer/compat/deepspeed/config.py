@@ -277,7 +277,7 @@ def optimizer_spec(section: dict[str, Any], reader: _Reader) -> OptimizerSpec:
         adamw = lower == "adamw" or adam_w
         if torch_adam:
             cls = torch.optim.AdamW if adamw else torch.optim.Adam
-        else:  # DeepSpeed's FusedAdam: its kernel's arithmetic on bf16 parameters (16-bit masters)
+        else:  # DeepSpeed's FusedAdam: its host kernel's arithmetic on fp32 and bf16 CPU parameters
             cls = DeepSpeedAdamW if adamw else DeepSpeedAdam
     elif lower in _UNSUPPORTED_OPTIMIZERS:
         raise _fail("optimizer.type", name, "a DeepSpeed kernel optimizer zerotrain does not have",

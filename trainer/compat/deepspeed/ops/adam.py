@@ -4,11 +4,9 @@ arguments, as the optimizers zerotrain steps: torch's fused Adam(W) and :class:`
 Both compute DeepSpeed's update (Adam, or AdamW under ``adam_w_mode``/``adamw_mode``, DeepSpeed's
 default). What cannot be mirrored is refused here, when the script builds the optimizer:
 ``amsgrad`` (DeepSpeed refuses it too) and, for ``FusedAdam``, ``bias_correction=False`` (torch's
-Adam always corrects; ``CPUAdam`` does not need to). ``DeepSpeedCPUAdam``'s
-``fp32_optimizer_states`` has no effect: the parameters a zerotrain optimizer holds are always the
-fp32 master weights, so its state is fp32 either way (DeepSpeed's is the parameters' dtype).
-bf16 CPU parameters (ZeRO's 16-bit masters) are stepped by DeepSpeed's host-kernel arithmetic
-(:class:`Bf16KernelSteps`), by ``FusedAdam`` and by the config's "Adam"/"AdamW" alike.
+Adam always corrects; ``CPUAdam`` does not need to). fp32 and bf16 CPU parameters (ZeRO's masters) are stepped by DeepSpeed's host kernel, bit for bit
+(:class:`HostKernelSteps`), by ``FusedAdam`` and by the config's "Adam"/"AdamW" alike, as DeepSpeed's
+CPU accelerator steps them; ``DeepSpeedCPUAdam`` steps every CPU parameter so.
 """
 from __future__ import annotations
 
@@ -18,25 +16,33 @@ from typing import Any, Iterable
 import torch
 
 from .....ops import CPUAdam, fused_adam_step
+from .....ops.deepspeed_adam import DeepSpeedBetaPowers
 from ....errors import ConfigError
 
+# DeepSpeed's CPU FusedAdam keeps one host-kernel object per mode (AdamW, Adam) and process, created
+# with zero betas; its fp32 beta^step pair is shared by every FusedAdam of the process.
+_FUSED_ADAM_POWERS = {True: DeepSpeedBetaPowers(), False: DeepSpeedBetaPowers()}
 
-class Bf16KernelSteps:
-    """Mixed into a torch Adam(W): its bf16 CPU parameters (ZeRO's 16-bit masters, or a bf16
-    module) are stepped as DeepSpeed's ``FusedAdam`` steps them on its CPU accelerator (one
-    host kernel for every dtype, the one ``DeepSpeedCPUAdam`` runs): parameter and bf16 moments
-    read into fp32, the update computed there, each rounded to nearest even once, by
-    :func:`zerotrain.ops.fused_adam_step`. torch's Adam(W) would do every operation in bf16,
-    rounding after each (one bf16 ulp apart within a few steps). Not bit-identical to DeepSpeed's
-    ``ds_adam_step``: the fp32 operations run in another order (its FMAs), so a stored bf16 value
-    may differ by one ulp (bench/CONFORMANCE.md). Every other parameter (fp32,
-    fp16, CUDA, non-contiguous; amsgrad/maximize groups) is torch's step, unchanged. The state
-    layout (``step``, ``exp_avg``, ``exp_avg_sq`` of the parameter's dtype) is torch's."""
+
+class HostKernelSteps:
+    """Mixed into a torch Adam(W): its fp32 and bf16 CPU parameters (ZeRO's fp32 or 16-bit masters,
+    a module on the CPU) are stepped as DeepSpeed's ``FusedAdam`` steps them on its CPU accelerator
+    (one host kernel for every dtype, ``ds_adam_step``, the one ``DeepSpeedCPUAdam`` runs): the
+    parameter and moments read into fp32, the update computed there in DeepSpeed's operation order,
+    each stored value rounded once, by :func:`zerotrain.ops.fused_adam_step` with
+    ``order="deepspeed"`` (bit-identical to ``ds_adam_step``; its fp32 ``beta^step`` kept per mode
+    and process as DeepSpeed's CPU FusedAdam keeps it). torch's Adam(W) would differ in the last
+    fp32 bit, and on bf16 would do every operation in bf16. Every other parameter (fp16, CUDA,
+    non-contiguous; amsgrad/maximize groups) is torch's step, unchanged. The state layout
+    (``step``, ``exp_avg``, ``exp_avg_sq`` of the parameter's dtype) is torch's.
+    ``kernel_order`` tells ZeRO-Offload's stepper to step the masters in DeepSpeed's order too."""
 
     _kernel_adamw = True
+    kernel_order = "deepspeed"
 
     def _kernel_param(self, p: torch.Tensor, group: dict) -> bool:
-        return (p.grad is not None and p.dtype == torch.bfloat16 and p.device.type == "cpu"
+        return (p.grad is not None and p.dtype in (torch.float32, torch.bfloat16) and p.device.type == "cpu"
+                and (p.grad.dtype == p.dtype or p.dtype == torch.float32)
                 and p.is_contiguous() and not p.grad.is_sparse and not group.get("amsgrad")
                 and not group.get("maximize") and not group.get("differentiable"))
 
@@ -59,10 +65,13 @@ class Bf16KernelSteps:
                         state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
                         state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
                     state["step"] += 1
+                    step = int(state["step"].item())
+                    adamw = self._kernel_adamw or bool(group.get("decoupled_weight_decay"))
                     fused_adam_step(p, p.grad.contiguous(), state["exp_avg"], state["exp_avg_sq"],
-                                    step=int(state["step"].item()), lr=float(group["lr"]), beta1=float(beta1),
+                                    step=step, lr=float(group["lr"]), beta1=float(beta1),
                                     beta2=float(beta2), eps=group["eps"], weight_decay=group["weight_decay"],
-                                    adamw=self._kernel_adamw or bool(group.get("decoupled_weight_decay")))
+                                    adamw=adamw, order="deepspeed",
+                                    beta_powers=_FUSED_ADAM_POWERS[adamw].advance(step, beta1, beta2))
                     hidden.append((p, p.grad))
                     p.grad = None  # torch's step below skips it
             super().step()  # type: ignore[misc]
@@ -72,14 +81,14 @@ class Bf16KernelSteps:
         return loss
 
 
-class DeepSpeedAdamW(Bf16KernelSteps, torch.optim.AdamW):
+class DeepSpeedAdamW(HostKernelSteps, torch.optim.AdamW):
     """The config's "Adam"/"AdamW" (DeepSpeed builds its ``FusedAdam`` there, AdamW mode):
-    ``torch.optim.AdamW``, bf16 CPU parameters by DeepSpeed's kernel arithmetic."""
+    ``torch.optim.AdamW``, fp32 and bf16 CPU parameters by DeepSpeed's host kernel."""
 
 
-class DeepSpeedAdam(Bf16KernelSteps, torch.optim.Adam):
+class DeepSpeedAdam(HostKernelSteps, torch.optim.Adam):
     """The config's "Adam" with ``adam_w_mode: false``: ``torch.optim.Adam`` (L2 weight decay),
-    bf16 CPU parameters by DeepSpeed's kernel arithmetic."""
+    fp32 and bf16 CPU parameters by DeepSpeed's host kernel."""
 
     _kernel_adamw = False
 
@@ -89,7 +98,7 @@ def _refuse_amsgrad(owner: str, amsgrad: bool) -> None:
         raise ConfigError(f"{owner}: amsgrad=True; valid: False (DeepSpeed's Adam kernels have no AMSGrad variant)")
 
 
-class FusedAdam(Bf16KernelSteps, torch.optim.Adam):
+class FusedAdam(HostKernelSteps, torch.optim.Adam):
     """DeepSpeed's ``FusedAdam`` (its CUDA multi-tensor Adam): ``torch.optim.Adam`` with
     ``fused=True`` (one kernel over all parameters, on CUDA and CPU) and decoupled weight decay
     unless ``adam_w_mode=False``. ``set_grad_none`` is torch's ``zero_grad(set_to_none=True)``,
@@ -113,18 +122,27 @@ class FusedAdam(Bf16KernelSteps, torch.optim.Adam):
 
 
 class DeepSpeedCPUAdam(CPUAdam):
-    """DeepSpeed's ``DeepSpeedCPUAdam``: :class:`zerotrain.ops.CPUAdam` (zerotrain's compiled
-    one-pass Adam for fp32 CPU parameters), AdamW unless ``adamw_mode=False``, with or without
-    bias correction. For parameters on the CPU: under ZeRO offload (``offload_optimizer``) or a CPU run."""
+    """DeepSpeed's ``DeepSpeedCPUAdam``: :class:`zerotrain.ops.CPUAdam` with ``order="deepspeed"``
+    (DeepSpeed's host kernel bit for bit, fp32, bf16 or fp16 CPU parameters), AdamW unless
+    ``adamw_mode=False``, with or without bias correction; moments fp32, or of the parameter's
+    dtype with ``fp32_optimizer_states=False`` (bf16 only: the kernel has no fp16 moments). For
+    parameters on the CPU: under ZeRO offload (``offload_optimizer``) or a CPU run."""
+
+    kernel_order = "deepspeed"
 
     def __init__(self, model_params: Iterable[Any], lr: float = 1e-3, bias_correction: bool = True,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
                  amsgrad: bool = False, adamw_mode: bool = True, fp32_optimizer_states: bool = True) -> None:
         _refuse_amsgrad("DeepSpeedCPUAdam", amsgrad)
         super().__init__(model_params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                         adamw_mode=bool(adamw_mode), bias_correction=bool(bias_correction))
+                         adamw_mode=bool(adamw_mode), bias_correction=bool(bias_correction), order="deepspeed")
         self.adam_w_mode = bool(adamw_mode)
         self.fp32_optimizer_states = fp32_optimizer_states
+
+    def _state_for(self, p: torch.Tensor) -> dict:
+        keep = self.fp32_optimizer_states or p.dtype == torch.float32
+        self.state_dtype = torch.float32 if keep else p.dtype
+        return super()._state_for(p)
 
 
 __all__ = ["FusedAdam", "DeepSpeedCPUAdam"]
