@@ -152,3 +152,61 @@ class DeepSpeedInitRules:
 
 #: the rules of the ``zero.Init`` block now open (GatheredParameters reads it)
 active: list[DeepSpeedInitRules] = []
+
+
+# ------------------------------------------------------------------ ZeRO-3's linear layer
+class Stage3Linear(torch.autograd.Function):
+    """``F.linear`` as DeepSpeed 0.19.8 computes it once a ZeRO-3 engine exists
+    (``zero_optimization.memory_efficient_linear``, default true: ``deepspeed.initialize`` at stage 3
+    replaces ``torch.nn.functional.linear`` with its own autograd function). Its arithmetic, not
+    torch's fused one: the bias is added to the rounded product unless the input is 2-D; the weight's
+    gradient is one matrix product over the flattened leading dimensions, the bias's a sum over them;
+    the backward runs under the forward's autocast state. In 16-bit types this rounds differently
+    from ``F.linear``, so DeepSpeed's stage 3 trains on other gradients than its stages 1/2."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        device = x.device.type
+        ctx.autocast = (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device), device)
+        ctx.save_for_backward(x, weight, bias)
+        if bias is not None and x.dim() == 2:
+            return torch.addmm(bias, x, weight.t())
+        out = x.matmul(weight.t())
+        if bias is not None:
+            out += bias
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, weight, bias = ctx.saved_tensors
+        enabled, dtype, device = ctx.autocast
+        d_x = d_w = d_b = None
+        with torch.autocast(device, enabled=enabled, dtype=dtype):
+            if ctx.needs_input_grad[0]:
+                d_x = grad.matmul(weight)
+            if ctx.needs_input_grad[1]:
+                if grad.dim() == 1:
+                    d_w = grad.unsqueeze(-1) * x.unsqueeze(0)
+                else:
+                    d_w = grad.reshape(-1, grad.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]))
+            if bias is not None and ctx.needs_input_grad[2]:
+                d_b = grad if grad.dim() == 1 else grad.sum(list(range(grad.dim() - 1)))
+        return d_x, d_w, d_b
+
+
+def stage3_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return Stage3Linear.apply(x, weight, bias)
+
+
+@contextlib.contextmanager
+def deepspeed_stage3_linear(enabled: bool) -> Iterator[None]:
+    """``torch.nn.functional.linear`` is :func:`stage3_linear` for the block (the engine's forward)."""
+    if not enabled:
+        yield
+        return
+    original = torch.nn.functional.linear
+    torch.nn.functional.linear = stage3_linear
+    try:
+        yield
+    finally:
+        torch.nn.functional.linear = original

@@ -1,0 +1,78 @@
+"""DeepSpeed 0.19.8's ZeRO-3 replaces ``torch.nn.functional.linear`` with its own autograd function
+(``zero_optimization.memory_efficient_linear``, default true): the bias added to the rounded product
+of a 3-D input, the weight's gradient one product over the flattened leading dimensions. In bf16 it
+rounds otherwise than torch's fused linear, so DeepSpeed's stage 3 trains on other gradients than its
+stages 1/2 (DeepSpeedExamples' bf16_master_weight: bench/CONFORMANCE.md). The face's stage-3 engine
+runs its forward with zerotrain's own such function (zero_init.Stage3Linear): the same outputs and
+gradients as DeepSpeed's, bit for bit (the same operations on the same operands), when deepspeed is
+installed; the engine uses it at stage 3 only, and not with the key false."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import zerotrain.deepspeed as deepspeed
+from zerotrain.trainer.compat.deepspeed.zero_init import stage3_linear
+
+from deepspeed_unit_common import BASE, _own_group_and_checkpointing  # noqa: F401 - autouse fixture
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _operands(shape, bias=True, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(*shape, 48, generator=g).to(dtype).requires_grad_()
+    w = (torch.randn(40, 48, generator=g) / 7).to(dtype).requires_grad_()
+    b = torch.randn(40, generator=g).to(dtype).requires_grad_() if bias else None
+    up = torch.randn(*shape, 40, generator=g).to(dtype)
+    return x, w, b, up
+
+
+def _run(fn, shape, bias=True, dtype=torch.bfloat16):
+    x, w, b, up = _operands(shape, bias, dtype)
+    out = fn(x, w, b)
+    out.backward(up)
+    return [out.detach()] + [t.grad for t in (x, w, b) if t is not None]
+
+
+@pytest.mark.parametrize("shape,bias", [((4, 16), True), ((4, 16), False), ((24,), True), ((), True)],
+                         ids=["3d", "3d-no-bias", "2d", "1d"])
+def test_stage3_linear_is_deepspeeds(shape, bias, monkeypatch):
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    linear = pytest.importorskip("deepspeed.runtime.zero.linear")
+    got, want = _run(stage3_linear, shape, bias), _run(linear.zero3_linear_wrap, shape, bias)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_it_is_not_torchs_linear_in_bf16():
+    """What the face ran before: torch's linear on the same bf16 operands parts from it."""
+    got, torchs = _run(stage3_linear, (4, 16)), _run(F.linear, (4, 16))
+    assert any(not torch.equal(a, b) for a, b in zip(got, torchs))
+    fp32 = [_run(fn, (4, 16), dtype=torch.float32) for fn in (stage3_linear, F.linear)]
+    for a, b in zip(*fp32):  # the same function: fp32 products agree to rounding
+        torch.testing.assert_close(a, b)
+
+
+class _Probe(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+        self.seen = None
+
+    def forward(self, x):
+        self.seen = torch.nn.functional.linear  # what nn.Linear calls now
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("zero,used", [({"stage": 3}, True), ({"stage": 2}, False),
+                                       ({"stage": 3, "memory_efficient_linear": False}, False)])
+def test_the_stage3_engine_forward_uses_it(zero, used):
+    torch.manual_seed(0)
+    config = {**BASE, "optimizer": {"type": "Adam", "params": {"lr": 0.1}}, "zero_optimization": zero}
+    engine, *_ = deepspeed.initialize(model=_Probe(), config=config)
+    engine(torch.randn(2, 4)).sum()
+    assert (engine.module.seen is stage3_linear) is used
+    assert torch.nn.functional.linear is not stage3_linear  # only for the forward
