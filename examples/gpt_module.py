@@ -8,6 +8,8 @@ import math
 import torch
 from torch.utils.data import DataLoader
 
+from ..strategies.parallel import vocab_parallel_cross_entropy
+from ..strategies.parallel.tensor_plan import is_cut
 from ..strategies.pipeline import PipelineModule
 from ..trainer.api.module import TrainModule
 from .data import ByteDataset, decode, encode, load_text, split_train_val
@@ -105,8 +107,22 @@ class GPTModule(TrainModule):
         if not isinstance(model, PipelineModule):
             layers, method = (model.pipeline_cut(num_stages) if model.config.pipeline_cut == "compute"
                               else (model.pipeline_layers(), "parameters"))
-            self.model = PipelineModule.from_modules(layers, num_stages, loss_fn=lm_loss, partition_method=method)
+            self.model = PipelineModule.from_modules(layers, num_stages, loss_fn=self.logits_loss,
+                                                     partition_method=method)
         return self.model
+
+    def logits_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The GPT's mean cross-entropy; from vocabulary-sharded logits (the strategy's
+        ``tensor_parallel`` cut the LM head by ``GPT.tp_plan``) the vocabulary-parallel one over its
+        tensor group, which never gathers them."""
+        if logits.size(-1) == self.config.vocab_size:
+            return lm_loss(logits, targets)
+        return vocab_parallel_cross_entropy(logits, targets, self.trainer.strategy.mesh_group("tensor"))
+
+    def _loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.model.lm_head, torch.nn.Linear):  # not cut by a tensor-parallel strategy
+            return self.model(x, y)[1]
+        return self.logits_loss(self.model(x)[0], y)  # the logits are this rank's part of the vocabulary
 
     def _require_model(self) -> GPT:
         if self.model is None:
@@ -119,7 +135,7 @@ class GPTModule(TrainModule):
     # ---- steps
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
-        _, loss = self.model(x, y)
+        loss = self._loss(x, y)
         self.log("train_loss", loss.detach(), prog_bar=True)
         if isinstance(self.model, GPT):  # the MoE GPT's aux loss, dropped tokens and expert load (this rank's)
             for name, value in self.model.moe_stats().items():
@@ -128,7 +144,7 @@ class GPTModule(TrainModule):
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
-        _, loss = self.model(x, y)
+        loss = self._loss(x, y)
         self.log("val_loss", loss.detach(), prog_bar=True, sync_dist=True)  # the mean over every rank's batches
         return loss
 
@@ -230,15 +246,15 @@ class GPTModule(TrainModule):
         model = self._require_model()
         if not prompt:
             raise ValueError("sample needs a non-empty prompt (the model has no start token)")
-        if isinstance(model, PipelineModule):
+        if isinstance(model, PipelineModule) or is_cut(model):  # gathered whole on rank 0
             whole = self._gathered_gpt()
             text = None if whole is None else self._sample_with(whole, prompt, max_new_tokens, temperature, top_k)
             return self.trainer.strategy.broadcast(text)
         return self._sample_with(model, prompt, max_new_tokens, temperature, top_k)
 
     def _gathered_gpt(self) -> GPT | None:
-        """Collective: the pipelined model as one GPT on global rank 0 (None elsewhere), from the
-        full state dict, which the pipeline names as the GPT does."""
+        """Collective: the pipelined (or tensor-parallel) model as one GPT on global rank 0 (None
+        elsewhere), from the full state dict, which the pipeline names as the GPT does."""
         state = self.trainer.full_state_dict()
         if not state:
             return None

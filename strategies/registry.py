@@ -25,13 +25,15 @@ class Preset:
     values: Mapping[str, Any] = field(default_factory=dict)
 
     def fields(self) -> dict[str, tuple[Any, Any]]:
-        """Every option: name -> (annotation, default), ``sequence_parallel`` (where the strategy
-        runs over the mesh's sequence axis: its ``mesh_axes``) and ``process_group_timeout_s`` last."""
+        """Every option: name -> (annotation, default), ``sequence_parallel`` / ``tensor_parallel``
+        (where the strategy runs over the mesh's sequence / tensor axis: its ``mesh_axes``) and
+        ``process_group_timeout_s`` last."""
         out = {f.name: (f.type, f.default) for cls in self.options for f in dataclasses.fields(cls)}
         for k, v in self.values.items():
             out[k] = (out[k][0] if k in out else type(v).__name__, v)
-        if "sequence" in getattr(self.build, "mesh_axes", ()):
-            out["sequence_parallel"] = ("int", 1)
+        for axis in ("sequence", "tensor"):
+            if axis in getattr(self.build, "mesh_axes", ()):
+                out[f"{axis}_parallel"] = ("int", 1)
         out["process_group_timeout_s"] = ("float", PROCESS_GROUP_TIMEOUT_S)
         return out
 

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint import ParamShard, ReplicatedCheckpoint, ShardReader
+from ..parallel.tensor_plan import gather_full_state, refuse_tensor_parallel
 
 
 def _read_parameter(reader: ShardReader, key: str, p: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -35,14 +36,16 @@ class PipelineCheckpoint(ReplicatedCheckpoint):
         return s.replica == 0 or s._zero is not None
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Collective: every stage's layers, under the non-pipelined model's names, on global rank 0."""
+        """Collective: every stage's layers, under the non-pipelined model's names, on global rank 0
+        (tensor-parallel shards gathered whole over their stage's tensor group first)."""
         s = self.s
         assert s.module is not None
-        mine = {self.plain(k): v.detach().to("cpu", copy=True) for k, v in s.module.state_dict().items()}
+        local = {k: v.detach().to("cpu", copy=True) for k, v in s.module.state_dict().items()}
+        mine = {self.plain(k): v for k, v in gather_full_state(s, local).items()}
         if not s.distributed:
             return mine
         parts = [None] * s.world_size if s.is_global_zero else None
-        dist.gather_object(mine if s.replica == 0 else None, parts, dst=0)
+        dist.gather_object(mine if s.replica == 0 and s.mesh_rank("tensor") == 0 else None, parts, dst=0)
         if not s.is_global_zero:
             return {}
         full: dict[str, torch.Tensor] = {}
@@ -99,6 +102,7 @@ class PipelineCheckpoint(ReplicatedCheckpoint):
         replica's partition pieces; a tied parameter only from its lowest owning stage (the other
         owners' copies, masters and optimizer state are equal to it)."""
         s = self.s
+        refuse_tensor_parallel(s, "checkpoints")
         if s._zero is None:
             shards = super().param_shards()
         else:
@@ -121,6 +125,7 @@ class PipelineCheckpoint(ReplicatedCheckpoint):
         of the masters and state, then the working parameters gathered from every replica."""
         s = self.s
         assert s.module is not None and s.optimizer is not None
+        refuse_tensor_parallel(s, "checkpoints")
         names = self.checkpoint_names()
         with torch.no_grad():
             extras = super().checkpoint_model_info()["extras"]

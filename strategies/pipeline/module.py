@@ -276,6 +276,19 @@ class PipelineModule(nn.Module):
         self._check_ties()
         object.__setattr__(self, "_specs", None)  # release the layers other stages own
 
+    def follow_replaced_layers(self, replaced: Mapping[int, nn.Module]) -> None:
+        """After layers of this stage were replaced in place (a tensor-parallel cut swaps a layer
+        for its parallel form under the same name), run the new ones: ``replaced`` maps
+        ``id(old module)`` to its replacement, in this stage's forward (and a tied layer's
+        ``forward_fn``)."""
+        def swap(fn: Any) -> Any:
+            if isinstance(fn, functools.partial) and fn.args and id(fn.args[0]) in replaced:
+                return functools.partial(fn.func, replaced[id(fn.args[0])], *fn.args[1:], **fn.keywords)
+            return replaced.get(id(fn), fn)
+
+        self._forward_fns = [swap(fn) for fn in self._forward_fns]
+        self._chunk_fns = [[swap(fn) for fn in chunk] for chunk in self._chunk_fns]
+
     def _check_ties(self) -> None:
         for tie in self.ties:
             if not tie.shares_module or len(self.tie_owner_stages(tie)) < 2:

@@ -3,7 +3,11 @@
 The Trainer's calls map onto a pipeline like this:
 
 * ``setup_environment``: join the world, lay out the grid (``PipelineGrid``: replica ``r`` is ranks
-  ``r*stages .. r*stages+stages-1``) and make one data-parallel group per stage.
+  ``r*stages .. r*stages+stages-1``) and make one data-parallel group per stage. With
+  ``tensor_parallel=n`` each stage is ``n`` consecutive ranks, a tensor-parallel group
+  (``tensor.py``): the stage is cut by the model's plan at ``configure_model``, activations and
+  gradients travel between matching tensor ranks, and the data-parallel and tie groups join one
+  tensor index each.
 * ``configure_model``: the TrainModule builds itself; then its first ``PipelineModule`` (or, if it
   holds none, the one its ``to_pipeline(num_stages)`` returns: the demo GPT cuts itself so) builds
   only this rank's stage.
@@ -54,6 +58,8 @@ from ..base import PROCESS_GROUP_TIMEOUT_S, BatchHooks, Strategy
 from ..environment import release_at_exit
 from ..memory import replicated_tensors
 from ..options import config_from, expose_options
+from ..parallel.mesh import mesh_sizes
+from ..parallel.tensor_plan import plan_of
 from .checkpoint import PipelineCheckpoint
 from .collectives import all_reduce_grads, broadcast_tensors, sum_over_world
 from .config import PipelineConfig
@@ -61,6 +67,7 @@ from .module import PipelineModule, Tie, find_pipeline_module
 from .p2p import PipeComm
 from .schedule import inference, interleaved_1f1b, schedule_from_name
 from .stage import StageExecutor, StepStats
+from .tensor import counted_once, cut_stage, tensor_groups
 from .topology import PipelineGrid
 from .zero1 import StageZero1
 
@@ -93,13 +100,16 @@ class PipelineStrategy(Strategy):
     name = "pipeline"
     skipped_hooks = ("on_before_backward", "on_after_backward")
     runs_own_schedule = True
-    #: no sequence or tensor axis (its stages and replicas are its own grid)
-    mesh_axes = ()
+    #: a tensor axis inside each stage (``tensor_parallel``); no sequence axis (its stages and
+    #: replicas are its own grid, ``PipelineGrid``, not a ``ParallelMesh``)
+    mesh_axes = ("tensor",)
     checkpoint_adapter = PipelineCheckpoint
 
     def __init__(self, config: PipelineConfig | None = None, *,
-                 process_group_timeout_s: float = PROCESS_GROUP_TIMEOUT_S, **options: Any) -> None:
+                 process_group_timeout_s: float = PROCESS_GROUP_TIMEOUT_S, tensor_parallel: int = 1,
+                 **options: Any) -> None:
         super().__init__(process_group_timeout_s=process_group_timeout_s)
+        self.parallel_sizes = mesh_sizes(type(self).__name__, sequence=1, tensor=tensor_parallel)
         self.config = config = config_from(PipelineConfig, config, options, "pipeline")
         self.schedule_name = config.schedule
         self._schedule = schedule_from_name(config.schedule)
@@ -113,6 +123,7 @@ class PipelineStrategy(Strategy):
         self.pipe: PipelineModule | None = None
         self.executor: StageExecutor | None = None
         self._dp_group: Any = None
+        self._tp_group: Any = None  # this stage's tensor-parallel group (None: tensor_parallel=1)
         self._tie_groups: list[TieGroup] = []
         self._groups: list[Any] = []  # every subgroup this rank belongs to, destroyed in teardown
         self._pipe_prefix = ""  # the PipelineModule's path inside the TrainModule, with its dot
@@ -127,18 +138,42 @@ class PipelineStrategy(Strategy):
 
     # ------------------------------------------------------------------ topology
     def check_world_size(self, world_size: int) -> None:
-        self.config.check_grid(PipelineGrid(world_size, self.stages_option or world_size).stages)
+        self.check_mesh(world_size)
+        self.config.check_grid(self._grid_of(world_size).stages)
+
+    def _grid_of(self, world_size: int) -> PipelineGrid:
+        tensor = self.parallel_sizes.get("tensor", 1)
+        return PipelineGrid(world_size, self.stages_option or max(1, world_size // tensor), tensor)
 
     def setup_environment(self) -> None:
-        self.grid = PipelineGrid(self.world_size, self.stages_option or self.world_size)  # validates first
+        self.grid = self._grid_of(self.world_size)  # validates first
         self.config.check_grid(self.grid.stages)
         super().setup_environment()
+        tensor = self.grid.tensor_of(self.global_rank)
         for stage in range(self.grid.stages):  # every rank creates every group, in the same order
-            ranks = self.grid.data_parallel_ranks(stage)
-            # ZeRO-1 partitions over the group even when it is this rank alone (never the world)
-            group = self._new_group(ranks) if len(ranks) > 1 or (self.zero_stage and self.distributed) else None
-            if stage == self.stage:
-                self._dp_group = group
+            for t in range(self.grid.tensor):
+                ranks = self.grid.data_parallel_ranks(stage, t)
+                # ZeRO-1 partitions over the group even when it is this rank alone (never the world)
+                group = self._new_group(ranks) if len(ranks) > 1 or (self.zero_stage and self.distributed) else None
+                if (stage, t) == (self.stage, tensor):
+                    self._dp_group = group
+        if self.distributed:
+            self._tp_group = tensor_groups(self.grid, self.global_rank, self._new_group)
+
+    def build_mesh(self) -> None:
+        """No ``ParallelMesh``: the stages are not one of its axes; the grid is the shape and
+        ``setup_environment`` makes the tensor groups (``mesh_size`` / ``mesh_rank`` /
+        ``mesh_group`` answer the tensor axis from them)."""
+        self.mesh = None
+
+    def mesh_size(self, axis: str) -> int:
+        return self.parallel_sizes["tensor"] if axis == "tensor" else super().mesh_size(axis)
+
+    def mesh_rank(self, axis: str) -> int:  # the tensor axis is the grid's innermost (PipelineGrid.tensor_of)
+        return self.global_rank % self.parallel_sizes["tensor"] if axis == "tensor" else super().mesh_rank(axis)
+
+    def mesh_group(self, axis: str) -> Any:
+        return self._tp_group if axis == "tensor" else super().mesh_group(axis)
 
     def _new_group(self, ranks: Sequence[int]) -> Any:
         group = dist.new_group(list(ranks), timeout=datetime.timedelta(seconds=self.process_group_timeout_s))
@@ -151,7 +186,7 @@ class PipelineStrategy(Strategy):
         """Interpreter exit: drop this rank's references to its subgroups (replicas, ties, ZeRO-1),
         so that destroying the process groups joins their gloo threads
         (``environment.release_at_exit``)."""
-        self._groups, self._dp_group, self._tie_groups, self._zero = [], None, [], None
+        self._groups, self._dp_group, self._tp_group, self._tie_groups, self._zero = [], None, None, [], None
 
     @property
     def num_stages(self) -> int:
@@ -175,7 +210,7 @@ class PipelineStrategy(Strategy):
 
     def _grid(self) -> PipelineGrid:
         # pure arithmetic on the rank info, so the sampler may ask before setup_environment
-        return self.grid or PipelineGrid(self.world_size, self.stages_option or self.world_size)
+        return self.grid or self._grid_of(self.world_size)
 
     # ------------------------------------------------------------------ model
     def setup_optimizer(self, optimizer: Any) -> None:
@@ -196,6 +231,7 @@ class PipelineStrategy(Strategy):
     # ------------------------------------------------------------------ model
     def configure_model(self, module: nn.Module) -> None:
         module.configure_model()
+        plan = plan_of(module) if self.mesh_size("tensor") > 1 else {}  # the plain model's (before to_pipeline)
         pipe = find_pipeline_module(module, self.num_stages)
         if pipe.num_stages != self.num_stages:
             raise ValueError(f"pipeline: the PipelineModule has num_stages={pipe.num_stages} but the strategy "
@@ -211,6 +247,8 @@ class PipelineStrategy(Strategy):
         self.pipe = pipe
         name = next(n for n, m in module.named_modules() if m is pipe)
         self._pipe_prefix = name + "." if name else ""
+        if self.mesh_size("tensor") > 1:
+            cut_stage(module, pipe, self._pipe_prefix, plan, self._tp_group, self.mesh_size("tensor"))
 
     def _cut_chunks(self, pipe: PipelineModule) -> None:
         """Interleaved 1F1B: the layers in stages x virtual_stages chunks."""
@@ -237,16 +275,18 @@ class PipelineStrategy(Strategy):
             if len(owners) < 2:
                 continue
             for replica in range(grid.replicas):
-                ranks = tuple(grid.tie_ranks(owners, replica))
-                group = self._new_group(ranks)
-                if self.global_rank in ranks:
-                    self._tie_groups.append(TieGroup(tie, ranks, group, tuple(self.pipe.tied_parameters(tie))))
+                for t in range(grid.tensor):
+                    ranks = tuple(grid.tie_ranks(owners, replica, t))
+                    group = self._new_group(ranks)
+                    if self.global_rank in ranks:
+                        self._tie_groups.append(TieGroup(tie, ranks, group, tuple(self.pipe.tied_parameters(tie))))
         if self.distributed:
             for tg in self._tie_groups:
                 broadcast_tensors(tg.params, src=tg.ranks[0], group=tg.group)
             if self._dp_group is not None:
                 state = list(module.parameters()) + list(module.buffers())
-                broadcast_tensors(state, src=grid.rank_of(self.stage, 0), group=self._dp_group)
+                broadcast_tensors(state, src=grid.rank_of(self.stage, 0, grid.tensor_of(self.global_rank)),
+                                  group=self._dp_group)
         comm = None
         if grid.stages > 1 and self.virtual_stages > 1:  # the chunks go round the ring of stages
             comm = PipeComm(grid.ring_prev_rank(self.global_rank), grid.ring_next_rank(self.global_rank), self.device)
@@ -328,11 +368,13 @@ class PipelineStrategy(Strategy):
         return self._mean_over_replicas(loss)
 
     def _mean_over_replicas(self, loss: torch.Tensor) -> torch.Tensor:
-        """The last stage of each replica holds its loss: sum them over the world (other ranks
-        add 0) and divide by the replicas, so every rank returns the same value."""
+        """The last stage of each replica holds its loss (on every tensor rank of it: tensor rank
+        0's counts): sum them over the world (other ranks add 0) and divide by the replicas, so
+        every rank returns the same value."""
         if not self.distributed:
             return loss.detach()
-        mine = loss.detach().float() if self.stage == self.num_stages - 1 else torch.zeros((), device=self.device)
+        last = self.stage == self.num_stages - 1 and self.mesh_rank("tensor") == 0
+        mine = loss.detach().float() if last else torch.zeros((), device=self.device)
         return sum_over_world(mine) / self._grid().replicas
 
     def run_schedule(self, batch: Any, batch_idx: int, hooks: BatchHooks) -> torch.Tensor:
@@ -377,9 +419,11 @@ class PipelineStrategy(Strategy):
                              divide_by=self._grid().replicas)
 
     def _uncounted(self) -> set[int]:
-        """``id``s of the tied weights whose gradient the global norm counts on another stage
-        (a tied weight counts only on its lowest owning stage)."""
-        return {id(p) for tg in self._tie_groups if tg.ranks[0] != self.global_rank for p in tg.params}
+        """``id``s of the parameters whose gradient the global norm counts on another rank: a tied
+        weight only on its lowest owning stage, a parameter replicated over the tensor group only
+        on its tensor rank 0."""
+        tied = {id(p) for tg in self._tie_groups if tg.ranks[0] != self.global_rank for p in tg.params}
+        return tied | counted_once(self.module, self.mesh_rank("tensor"))
 
     def _counted_here(self) -> list[torch.Tensor]:
         """Gradients for the global norm (``norm_stages``: all of a listed stage's, none elsewhere)."""
@@ -431,6 +475,7 @@ class PipelineStrategy(Strategy):
         grid = f"{self.grid.stages}x{self.grid.replicas}" if self.grid else "unset"
         extra = f", virtual_stages={self.virtual_stages}" if self.virtual_stages > 1 else ""
         extra += f", zero_stage={self.zero_stage}" if self.zero_stage else ""
+        extra += f", tensor_parallel={self.mesh_size('tensor')}" if self.mesh_size("tensor") > 1 else ""
         return (f"PipelineStrategy(stages x replicas={grid}, schedule={self.schedule_name!r}, "
                 f"micro_batches={self.micro_batches}{extra})")
 

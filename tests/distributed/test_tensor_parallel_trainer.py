@@ -51,11 +51,12 @@ class TensorParallelGPT(TrainModule):
         return DataLoader(_data(), batch_size=B, shuffle=False)
 
 
-def _reference(data_parallel: int, clip: float | None = None) -> dict:
+def _reference(data_parallel: int, clip: float | None = None, sgd_lr: float | None = None) -> dict:
     """The plain loop over the same global batches (the Trainer's samplers' order), mean token
-    loss, AdamW; clipped by the gradients' norm with ``clip`` (active at every step)."""
+    loss, AdamW (SGD at ``sgd_lr`` where given); clipped by the gradients' norm with ``clip``
+    (active at every step)."""
     model, data = _gpt(), _data()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR) if sgd_lr is None else torch.optim.SGD(model.parameters(), lr=sgd_lr)
     losses = []
     for idx in global_batches(N, data_parallel, B, shuffle=data_parallel > 1)[:STEPS]:
         ids, targets = data[idx]

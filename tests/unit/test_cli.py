@@ -23,7 +23,8 @@ BAD = [
 #: each case starts a CLI process (~5 s of imports on 2 cores): these run by default, the rest are
 #: `slow`; test_every_section_checks_its_ranges checks every field's message in-process
 DEFAULT_CASES = {"strategy=zero9", "trainer.max_step=5", "strategy=offload_nvme strategy.nvme_path=/proc",
-                 "precision=fp8", "+trainer.gradient_clip_algorithm=value", "strategy.process_group_timeout_s=inf"}
+                 "precision=fp8", "+trainer.gradient_clip_algorithm=value", "strategy.process_group_timeout_s=inf",
+                 "strategy=pipeline strategy.tensor_parallel=2"}
 
 
 def _cases(rows, name):
@@ -67,6 +68,12 @@ PRE_SPAWN = [
     (["strategy.process_group_timeout_s=inf"], ["strategy.process_group_timeout_s=inf", "finite number > 0"]),
     (["strategy.sequence_parallel=0"], ["sequence_parallel=0", "valid: a whole number >= 1"]),
     (["strategy.sequence_parallel=3"], ["sequence_parallel=3 does not divide the 2 processes", "multiple of 3"]),
+    (["strategy.tensor_parallel=0"], ["tensor_parallel=0", "valid: a whole number >= 1"]),
+    (["strategy.tensor_parallel=3"], ["DDPStrategy: tensor_parallel=3 does not divide the 2 processes",
+                                      "multiple of 3"]),
+    (["strategy=pipeline", "strategy.tensor_parallel=2"], ["strategy.tensor_parallel=2: the pipeline does not save or "
+                                                           "load checkpoints of tensor-parallel stages yet; valid: 1, "
+                                                           "or trainer.enable_checkpointing=false and no ckpt_path"]),
     (["trainer.num_nodes=2"], ["trainer.num_nodes=2: a multi-node job needs", "torchrun or SLURM"]),
     (["trainer.collective_timeout_s=nan"], ["trainer.collective_timeout_s=nan", "finite number > 0"]),
     (["trainer.gradient_clip_val=nan"], ["trainer.gradient_clip_val=nan", "finite number > 0"]),

@@ -72,9 +72,9 @@ def test_strategy_schema_defaults_are_the_option_dataclasses(name):
     for key, default in expected.items():
         got = node[key]
         assert (tuple(got) if isinstance(default, tuple) and got is not None else got) == default, (name, key)
-    mesh = {"sequence_parallel"} if "sequence" in getattr(preset.build, "mesh_axes", ()) else set()
+    mesh = {f"{axis}_parallel" for axis in ("sequence", "tensor") if axis in getattr(preset.build, "mesh_axes", ())}
     assert set(node) == {"name", "process_group_timeout_s", *mesh, *expected}
-    assert all(node[key] == 1 for key in mesh)  # the mesh's sequence axis: 1 unless given
+    assert all(node[key] == 1 for key in mesh)  # the mesh's sequence and tensor axes: 1 unless given
     assert node["process_group_timeout_s"] == PROCESS_GROUP_TIMEOUT_S
 
 

@@ -143,11 +143,16 @@ def pipeline_layers(model: GPTConfig) -> int:
 
 def validate_pipeline(cfg: Any, world: int) -> int:
     """The pipeline's shape against the world, the GPT and the batch, before any rank starts;
-    returns the data-parallel replicas (each of which reads its own share of the data)."""
+    returns the data-parallel replicas (each of which reads its own share of the data). With
+    ``strategy.tensor_parallel`` each stage is that many ranks."""
+    tensor = getattr(cfg.strategy, "tensor_parallel", 1)
+    if isinstance(tensor, int) and tensor >= 1 and world % tensor == 0:  # else the strategy names it
+        world //= tensor
     stages, m = cfg.strategy.stages or world, cfg.strategy.micro_batches
     if world % stages:
         raise _bad("strategy.stages", stages, f"does not divide the {world} processes (trainer.devices x "
-                   "trainer.num_nodes): the world is stages x data-parallel replicas",
+                   "trainer.num_nodes" + (f" / strategy.tensor_parallel={tensor}" if tensor > 1 else "")
+                   + "): the world is stages x data-parallel replicas",
                    f"a divisor of {world}: " + ", ".join(str(d) for d in range(1, world + 1) if world % d == 0))
     layers = pipeline_layers(cfg.model)
     if stages > layers:
@@ -162,6 +167,28 @@ def validate_pipeline(cfg: Any, world: int) -> int:
         raise _bad("data.batch_size", cfg.data.batch_size, f"is each replica's batch and must split into "
                    f"strategy.micro_batches={m} equal micro-batches", f"a multiple of {m}")
     return world // stages
+
+
+def validate_tensor(cfg: Any, world: int) -> int:
+    """``strategy.tensor_parallel`` against the world and the GPT, whose plan (``GPT.tp_plan``) cuts
+    its heads and its vocabulary over the tensor group; returns the ranks that read distinct data
+    (the world over the tensor and sequence axes)."""
+    tensor = getattr(cfg.strategy, "tensor_parallel", 1)
+    inner = tensor * getattr(cfg.strategy, "sequence_parallel", 1)
+    if not isinstance(inner, int) or inner < 1 or world % inner:
+        return world  # the strategy names the option (before any rank starts)
+    if tensor == 1:
+        return world // inner
+    model = cfg.model
+    if isinstance(model, GPTMoEConfig):
+        raise _bad("strategy.tensor_parallel", tensor, "does not cut the MoE GPT (GPT.tp_plan is the dense "
+                   "GPT's: its experts are not planned)", "1 with the MoE GPT")
+    cut = [(name, getattr(model, name)) for name in ("n_head", "vocab_size") if getattr(model, name) % tensor]
+    if cut:
+        fits = [d for d in range(1, world + 1) if not (world % d or model.n_head % d or model.vocab_size % d)]
+        raise _bad("strategy.tensor_parallel", tensor, f"does not divide model.{cut[0][0]}={cut[0][1]} (the GPT's "
+                   "tensor-parallel plan cuts its heads and its vocabulary)", ", ".join(map(str, fits)))
+    return world // inner
 
 
 def validate_moe(cfg: Any, world: int) -> None:
@@ -192,7 +219,10 @@ def validate(cfg: Any) -> None:
     if isinstance(model, GPTMoEConfig):
         validate_moe(cfg, world)
     if getattr(cfg.strategy, "name", None) == "pipeline":
+        validate_tensor(cfg, world)
         world = validate_pipeline(cfg, world)  # the data are split over the replicas only
+    else:
+        world = validate_tensor(cfg, world)  # the data are split over the data axis only
     chunk, size = model.block_size + 1, data.size()
     n_val = int(size * data.val_fraction)
     per_rank = -(-((size - n_val) // chunk) // world)  # the sampler pads the ranks to equal shares
