@@ -200,6 +200,17 @@ def gather_full_state(strategy, state: dict) -> dict:
     return {k: whole.get(k, v) for k, v in state.items()}
 
 
+def join_shards(module: nn.Module, values: dict[int, torch.Tensor], group, device) -> dict[int, torch.Tensor]:
+    """Collective over the tensor group ``group``: ``values`` (tensors by parameter id, each shaped
+    as this rank's local parameter: ZeRO-3's gathered fp32 masters) with each tensor-parallel
+    parameter's joined whole from its ranks' parts (on the CPU)."""
+    out = dict(values)
+    for _, p in module.named_parameters():
+        if hasattr(p, "tensor_parallel") and id(p) in values:
+            out[id(p)] = full_tensor((p, values[id(p)].to(device)), group).cpu()
+    return out
+
+
 def refuse_tensor_parallel(strategy, what: str) -> None:
     """NotImplementedError where ``strategy``'s module holds tensor-parallel parameters and ``what``
     is not built for them."""

@@ -133,9 +133,6 @@ class ZeroStrategy(Strategy):
                  tensor_parallel: int = 1, **options: Any) -> None:
         super().__init__(process_group_timeout_s=process_group_timeout_s, sequence_parallel=sequence_parallel)
         self.parallel_sizes = mesh_sizes(type(self).__name__, sequence=sequence_parallel, tensor=tensor_parallel)
-        if tensor_parallel != 1 and self.stage == 3:
-            raise ValueError(f"{type(self).__name__}: tensor_parallel={tensor_parallel}; valid: 1 (ZeRO-3 over a "
-                             f"tensor axis is not built; ZeRO-1/2 and DDP take one)")
         if spec is None:
             spec = ZeroSpec.from_options(self.stage, owner=self.name, **options)
         elif options:

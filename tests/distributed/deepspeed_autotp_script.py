@@ -38,7 +38,8 @@ def main() -> None:
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
-    params = {name: p.detach().clone() for name, p in engine.module.named_parameters()}
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):  # stage 3: this rank's whole shards
+        params = {name: p.detach().clone() for name, p in engine.module.named_parameters()}
     torch.save({"losses": torch.tensor(losses), "params": params}, f"{args.out}.{dist.get_rank()}.pt")
 
 

@@ -1,9 +1,9 @@
 """DeepSpeed's AutoTP training face (issue 45): deepspeed_autotp_script.py (a tiny Hugging Face Llama,
 ``"tensor_parallel": {"autotp_size": 2}``) on 2 CPU ranks under DeepSpeed 0.19.8 and, with its
-deepspeed imports renamed, under zerotrain.deepspeed, at ZeRO stages 0, 1 and 2: each rank holds
+deepspeed imports renamed, under zerotrain.deepspeed, at ZeRO stages 0, 1, 2 and 3: each rank holds
 the shard DeepSpeed gives it (the model's HF ``tp_plan``; the untied embedding left whole, as
-DeepSpeed leaves it) and the losses and every rank's parameters after 3 AdamW steps equal
-DeepSpeed's, also with gradient clipping (stages 0 and 2).
+DeepSpeed leaves it; at stage 3 read inside ``GatheredParameters``) and the losses and every rank's
+parameters after 3 AdamW steps equal DeepSpeed's, also with gradient clipping (stages 0, 2 and 3).
 
 # tolerance: 1e-4 relative (the issue's bound for DeepSpeed's faces); measured: identical (0.0)
 # unclipped, 5e-7 clipped.
@@ -55,8 +55,8 @@ def _run(script: str, config: str, out: str) -> dict:
 #: 3% off the unclipped weights), the sharded parameters' squares summed over the tensor group as
 #: DeepSpeed sums them
 CASES = {"stage0": (0, 0.0), "stage2-clipped": (2, 0.1), "stage0-clipped": (0, 0.1), "stage1": (1, 0.0),
-         "stage2": (2, 0.0)}
-SLOW = ("stage0", "stage0-clipped", "stage1", "stage2")  # the default suite keeps stage2-clipped
+         "stage2": (2, 0.0), "stage3": (3, 0.0), "stage3-clipped": (3, 0.1)}
+SLOW = ("stage0", "stage0-clipped", "stage1", "stage2", "stage3", "stage3-clipped")  # default: stage2-clipped
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW else c for c in CASES])
@@ -79,12 +79,48 @@ def test_autotp_script_trains_as_with_deepspeed(tmp_path, case):
     assert not torch.equal(out["zt"][0]["params"]["lm_head.weight"], out["zt"][1]["params"]["lm_head.weight"])
 
 
-def test_autotp_outside_zero_0_to_2_is_refused():
+def test_autotp_with_offload_is_refused():
     from zerotrain.trainer.compat.deepspeed.config import parse
     from zerotrain.trainer.errors import ConfigError
 
-    with pytest.raises(ConfigError, match=r"tensor_parallel.autotp_size=2: zerotrain runs AutoTP under ZeRO stage 0"):
-        parse(_config(3), 2)
+    offload = {**_config(3), "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}
+    with pytest.raises(ConfigError, match=r"tensor_parallel.autotp_size=2: zerotrain runs AutoTP under ZeRO stage 0 "
+                                          r".*1, 2 or 3 without offload"):
+        parse(offload, 2)
     assert parse(_config(2), 2).strategy_options["tensor_parallel"] == 2
+    assert parse(_config(3), 2).strategy == "zero3" and parse(_config(3), 2).strategy_options["tensor_parallel"] == 2
     assert parse({**_config(1), "tensor_parallel": {"autotp_size": 2, "tp_grain_size": 8}}, 2).ignored == (
         "tensor_parallel.tp_grain_size (not implemented)",)
+
+
+def _write_through_gathered(out: str) -> dict:
+    import torch.distributed as dist
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import zerotrain.deepspeed as deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(7)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+                                         tie_word_embeddings=False))
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=_config(3))
+    norm, q = engine.module.model.norm.weight, engine.module.model.layers[0].self_attn.q_proj.weight
+    with deepspeed.zero.GatheredParameters([norm, q], modifier_rank=0):
+        norm.data.fill_(2.0)
+        q.data.fill_(float(dist.get_rank()))
+    with deepspeed.zero.GatheredParameters([norm, q]):
+        return {"norm": norm.detach().clone(), "q": q.detach().clone()}
+
+
+@pytest.mark.slow
+def test_gathered_parameters_modifier_rank_is_a_rank_of_the_replicas(tmp_path):
+    """At stage 3 with AutoTP each tensor rank's parameters are partitioned over its replicas (here
+    itself alone); ``modifier_rank`` is a rank of that group, as in DeepSpeed (which converts it with
+    ``get_global_rank``): rank 1 keeps its own write to its q_proj shard (it broadcast from global rank
+    0, outside its group, before)."""
+    out = run_ranks("test_deepspeed_autotp:_write_through_gathered", 2, tmp_path, timeout=200,
+                    env={"DS_ACCELERATOR": "cpu"}, out=str(tmp_path))
+    for rank, r in enumerate(out):
+        assert torch.equal(r["norm"], torch.full((16,), 2.0)) and r["q"].shape == (8, 16)
+        assert torch.equal(r["q"], torch.full((8, 16), float(rank)))

@@ -1,11 +1,13 @@
 """Tensor parallelism in the Trainer (issue 45): ``strategy=DDP(tensor_parallel=2)`` (or
-``ZeroStage1/2(tensor_parallel=2)``) cuts the module by its own plan (the demo GPT's ``GPT.tp_plan``,
+``ZeroStage1/2/3(tensor_parallel=2)``) cuts the module by its own plan (the demo GPT's ``GPT.tp_plan``,
 found inside the TrainModule) over the mesh's tensor group at set-up, and DDP averages gradients
-over the replicas (the ranks with the same tensor index), ZeRO partitions and reduces over them.
-tp=2 on 2 ranks (DDP, ZeRO-1) and dp=2 x tp=2 on 4 ranks (DDP, ZeRO-1, ZeRO-2) train as the plain
-single-process loop over the same global batches; the loss is the vocabulary-parallel cross-entropy of the sharded logits.
-``trainer.full_state_dict()`` gathers the shards back; clipping by norm takes the whole model's
-norm (the sharded parameters' squares summed over the tensor group), under DDP, ZeRO-1 and ZeRO-2;
+over the replicas (the ranks with the same tensor index), ZeRO partitions and reduces over them
+(ZeRO-3: each rank's local shards are what its units hold, partitioned and gathered over the
+replicas only). tp=2 on 2 ranks (DDP, ZeRO-1, ZeRO-3) and dp=2 x tp=2 on 4 ranks (DDP, ZeRO-1,
+ZeRO-2, ZeRO-3) train as the plain single-process loop over the same global batches; the loss is
+the vocabulary-parallel cross-entropy of the sharded logits. ``trainer.full_state_dict()`` gathers
+the shards back; clipping by norm takes the whole model's norm (the sharded parameters' squares
+summed over the tensor group, the replicated ones counted once), under DDP and ZeRO-1/2/3;
 checkpoints name and shape each parameter whole (test_tensor_parallel_checkpoint.py).
 
 # tolerance: rel <= 1e-5 (issue 45's bound for fp32 against the plain loop), on the losses and on
@@ -85,10 +87,10 @@ def _assert_equal_to_reference(results: list[dict], data_parallel: int, clip: fl
 
 def _fit(tensor_parallel: int, devices: int, clip: float | None = None, strategy: str = "ddp") -> dict:
     from zerotrain.strategies.ddp import DDPStrategy
-    from zerotrain.strategies.zero import ZeroStage1, ZeroStage2
+    from zerotrain.strategies.zero import ZeroStage1, ZeroStage2, ZeroStage3
 
     module = TensorParallelGPT()
-    build = {"ddp": DDPStrategy, "zero1": ZeroStage1, "zero2": ZeroStage2}[strategy]
+    build = {"ddp": DDPStrategy, "zero1": ZeroStage1, "zero2": ZeroStage2, "zero3": ZeroStage3}[strategy]
     trainer = Trainer(strategy=build(tensor_parallel=tensor_parallel), devices=devices, max_steps=STEPS,
                       logger=False, enable_checkpointing=False, enable_progress_bar=False, precision="32",
                       gradient_clip_val=clip)
@@ -99,12 +101,14 @@ def _fit(tensor_parallel: int, devices: int, clip: float | None = None, strategy
     assert s.checkpoint_model_info()["params"]["gpt.blocks.0.mlp.c_fc.weight"][0] == (c_fc.out_features, c_fc.in_features)
     return {"params": {k.removeprefix("gpt."): v for k, v in trainer.full_state_dict().items()},
             "losses": module.losses, "dp": s.data_parallel_world_size, "tp_rank": s.mesh_rank("tensor"),
-            "local": local, "c_fc": type(module.gpt.blocks[0].mlp.c_fc).__name__}
+            "local": local, "c_fc": type(module.gpt.blocks[0].mlp.c_fc).__name__,
+            "partitions": [u.layout.world_size for u in getattr(s, "units", [])]}
 
 
 def _check(results: list[dict], data_parallel: int, clip: float | None = None) -> None:
     for r in results:
         assert r["dp"] == data_parallel and r["c_fc"] == "ParallelLinear"
+        assert all(n == data_parallel for n in r["partitions"])  # zero3's units: over the replicas only
     full = results[0]["params"]  # full_state_dict: rank 0's, gathered whole
     assert all(r["local"][n] * 2 == full[n].numel() for r in results for n in ("blocks.0.mlp.c_fc.weight", "wte.weight"))
     _assert_equal_to_reference(results, data_parallel, clip)
@@ -116,25 +120,27 @@ def test_tp2_on_2_ranks_trains_as_one_process(tmp_path):
     _check(results, 1)
 
 
-def test_tp2_under_zero1_on_2_ranks_trains_as_one_process(tmp_path):
+@pytest.mark.parametrize("strategy", ["zero1", pytest.param("zero3", marks=pytest.mark.slow)])
+def test_tp2_under_zero_on_2_ranks_trains_as_one_process(tmp_path, strategy):
     results = run_ranks("test_tensor_parallel_trainer:_fit", 2, tmp_path, timeout=240, tensor_parallel=2, devices=2,
-                        strategy="zero1")
-    _check(results, 1)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2"])
-def test_dp2_by_tp2_on_4_ranks_trains_as_one_process(tmp_path, strategy):
-    results = run_ranks("test_tensor_parallel_trainer:_fit", 4, tmp_path, timeout=280, tensor_parallel=2, devices=4,
                         strategy=strategy)
-    assert [r["tp_rank"] for r in results] == [0, 1, 0, 1]
-    _check(results, 2)
+    _check(results, 1)
 
 
 CLIP = 0.05
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2"])
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy,clip", [("ddp", None), ("zero1", None), ("zero2", None), ("zero3", None),
+                                           ("zero3", CLIP)])
+def test_dp2_by_tp2_on_4_ranks_trains_as_one_process(tmp_path, strategy, clip):
+    results = run_ranks("test_tensor_parallel_trainer:_fit", 4, tmp_path, timeout=280, tensor_parallel=2, devices=4,
+                        strategy=strategy, clip=clip)
+    assert [r["tp_rank"] for r in results] == [0, 1, 0, 1]
+    _check(results, 2, clip)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "zero3"])
 def test_tp2_clipped_by_norm_trains_as_the_plain_clipped_loop(tmp_path, strategy):
     """gradient_clip_val clips by the whole model's norm (the shards' squares summed over the
     tensor group, the replicated parameters' once): the plain loop with ``clip_grad_norm_``."""

@@ -10,5 +10,5 @@ over their expert-data-parallel group, issue 46).
 Only ``zero.hooks`` (the stage-3 hooks) and ``zero/__init__`` import this package, plus
 ``offload.param_swap`` (a unit's shards on NVMe). Nothing is imported here, so ``unit`` or
 ``touch`` may be imported without the strategy.
-May import: strategies.base, strategies.checkpoint, strategies.compile, strategies.environment, strategies.memory, strategies.moe, strategies.optimizers, strategies.partitioned, strategies.step_wrapper, strategies.zero.comm, strategies.zero.config, strategies.zero.hooks, strategies.zero.layout, strategies.zero.sharded_optimizer, strategies.zero.shards, strategies.zero.strategy.
+May import: strategies.base, strategies.checkpoint, strategies.compile, strategies.environment, strategies.memory, strategies.moe, strategies.optimizers, strategies.parallel, strategies.partitioned, strategies.step_wrapper, strategies.zero.comm, strategies.zero.config, strategies.zero.hooks, strategies.zero.layout, strategies.zero.sharded_optimizer, strategies.zero.shards, strategies.zero.strategy.
 """

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from ...checkpoint import ParamShard, ShardReader, split_optimizer_state
+from ...parallel.tensor_plan import join_shards
 from ..shards import ZeroCheckpoint
 from .experts import refuse_with_experts
 
@@ -25,6 +26,9 @@ from .experts import refuse_with_experts
 class Stage3Checkpoint(ZeroCheckpoint):
     """ZeRO-3's checkpoint adapter: reads the strategy's ``units``, ``_runs`` (what the optimizer
     steps), ``_group_of``, ``plan``, ``sharded``, ``stepper`` and ``group``; never imports it."""
+
+    #: ``full_state_dict`` joins tensor-parallel shards itself, from the masters (the module holds placeholders)
+    joins_tensor_shards = True
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: the complete fp32 weights on rank 0, gathered one unit at a time (no rank
@@ -40,6 +44,9 @@ class Stage3Checkpoint(ZeroCheckpoint):
                 full = full.to("cpu")
                 values.update({id(p): v.clone() for p, v in zip(u.params, u.param_views(full))})
                 del full
+        tensor = s.mesh_group("tensor")
+        if tensor is not None and s.replica_rank == 0:  # this tensor group's ranks hold every unit's masters
+            values = join_shards(s.module, values, tensor, s.device)
         return self.full_state_from(values)
 
     def _pieces_by_run(self):

@@ -15,7 +15,8 @@ Set-up (the Trainer's order):
 * ``configure_model`` (``init_context``): ``TrainModule.configure_model()`` - or the Engine's
   ``init_module()`` block - runs inside ``PartitionedBuild``; a model built there is never whole on
   any rank and equals an eager build with the same seed.
-* ``setup_module``: plan the units; move each unit's values (from the partitioned build, or from
+* ``setup_module``: with a tensor axis, cut the module by its plan first (each rank's shards are
+  then ordinary parameters, partitioned over the replicas: ``replica_group``); plan the units; move each unit's values (from the partitioned build, or from
   rank 0's eagerly built parameters) into its shards, one unit at a time; install the hooks.
 * ``setup_optimizer``: the user's optimizer is re-targeted onto views of the units' fp32 masters
   (one run of one param group at a time, ``unit_plan.optimizer_runs``).
@@ -50,6 +51,7 @@ that differs between ranks (units would be gathered in different orders, as with
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from typing import Any, Iterator
 
@@ -61,6 +63,8 @@ from ...step_wrapper import StepWrapper
 from ...environment import release_at_exit
 from ...memory.host import free_bytes_per_rank
 from ... import partitioned
+from ...parallel.tensor_checkpoint import TensorAxis
+from ...parallel.tensor_plan import cut_for_mesh
 from ..comm.collectives import backend, broadcast_from, least_over_ranks, new_group, world_size
 from ..comm.grad_norm import ParamNorm, plan_param
 from ..hooks import Stage3Hooks
@@ -83,7 +87,8 @@ class ZeroStage3(ZeroStrategy):
 
     name = "zero3"
     stage = 3
-    checkpoint_adapter = Stage3Checkpoint
+    #: with a tensor axis, tensor-parallel parameters saved whole and loaded cut (parallel/tensor_checkpoint.py)
+    checkpoint_adapter = TensorAxis(Stage3Checkpoint)
     #: expert parameters (moe/) get units of their own over their expert-data-parallel group
     #: (``experts.py``), so ``optimizers.refuse_shared`` lets expert-parallel models through
     reduces_expert_gradients = True
@@ -122,9 +127,17 @@ class ZeroStage3(ZeroStrategy):
                              "TrainModule.configure_model() on the CPU (zero3 partitions it as it is "
                              "built) or eagerly in __init__")
         self.module = module
+        if self._build is not None and self.mesh_size("tensor") > 1:
+            raise ValueError(f"zero3: tensor_parallel={self.mesh_size('tensor')} with a model built partitioned "
+                             "(configure_model(), Engine.init_module(), deepspeed.zero.Init: never whole, so not "
+                             "cut); valid: build it eagerly (in __init__)")
+        cut_for_mesh(self)  # a tensor axis: each rank's shards (parallel/tensor_plan.py) are what the units hold
         self.plan = plan_units(module, make_policy(self.stage3.unit_modules),
                                self.stage3.param_persistence_threshold)
         named = dict(module.named_parameters(remove_duplicate=False))
+        if self.mesh_size("tensor") > 1 and any(spec.kind for spec in self.plan.units):
+            raise ValueError(f"zero3: expert-parallel parameters (moe/, ep_size > 1) with tensor_parallel="
+                             f"{self.mesh_size('tensor')} are not built yet; valid: tensor_parallel=1, or ep_size=1")
         if self.offload is not None and any(spec.kind for spec in self.plan.units):
             raise ValueError("zero3: offload with expert-parallel parameters (moe/, ep_size > 1) is not built "
                              "yet (issue 46); valid: zero3 without offload, or ep_size=1")
@@ -305,9 +318,10 @@ class ZeroStage3(ZeroStrategy):
                 k, r = next((k, r) for k, r in slots[id(u)] if r.start <= start < r.start + r.numel)
                 return k, start - r.start
             return at
-        return [plan_param(gi, p.shape, where[id(p)][0].layout, where[id(p)][1], where[id(p)][0].rank,
-                           locate(where[id(p)][0])) for gi, ps in enumerate(groups) for p in ps
-                if not where[id(p)][0].has_own_group]  # experts: ``_grad_norm``
+        return [dataclasses.replace(plan_param(gi, p.shape, where[id(p)][0].layout, where[id(p)][1],
+                                               where[id(p)][0].rank, locate(where[id(p)][0])),
+                                    tensor_parallel=hasattr(p, "tensor_parallel"))  # a shard: summed over tp
+                for gi, ps in enumerate(groups) for p in ps if not where[id(p)][0].has_own_group]  # experts: ``_grad_norm``
 
     def _grad_norm(self) -> torch.Tensor:
         """The dense parameters' norm as ZeRO-1/2 take it (``_plan_norms`` leaves experts out),

@@ -240,17 +240,17 @@ def _zero(raw: Mapping[str, Any], reader: _Reader, world_size: int) -> dict[str,
 
 
 def _tensor_parallel(raw: Mapping[str, Any], reader: _Reader, zero: dict[str, Any]) -> None:
-    """``tensor_parallel.autotp_size``: the strategy's ``tensor_parallel`` (DDP, ZeRO-1/2 cut the
+    """``tensor_parallel.autotp_size``: the strategy's ``tensor_parallel`` (DDP, ZeRO-1/2/3 cut the
     model by its Hugging Face ``tp_plan``); the section's other keys are reported as ignored."""
     section = _section("tensor_parallel", raw.get("tensor_parallel") or {})
     size = _whole("tensor_parallel.autotp_size", section.get("autotp_size", 1), 1)
     reader.take(section, "tensor_parallel.", ("autotp_size",), "tensor_parallel")
     if size == 1:
         return
-    if zero["strategy"] not in ("ddp", "zero1", "zero2"):
+    if zero["strategy"] not in ("ddp", "zero1", "zero2", "zero3"):
         raise _fail("tensor_parallel.autotp_size", size, f"zerotrain runs AutoTP under ZeRO stage 0 (more than one "
-                    f"process), 1 or 2 without offload (zero_optimization.stage={zero['zero_stage']}, strategy "
-                    f"{zero['strategy']})", "1, or zero_optimization.stage 0, 1 or 2")
+                    f"process), 1, 2 or 3 without offload (zero_optimization.stage={zero['zero_stage']}, strategy "
+                    f"{zero['strategy']})", "1, or zero_optimization.stage 0-3 without offload")
     zero["strategy_options"]["tensor_parallel"] = size
 
 

@@ -181,9 +181,11 @@ class GatheredParameters:
 
     def _write_back(self, s: Any) -> None:
         """``modifier_rank``'s full values to every rank, each keeping its partition of them (the
-        fp32 master and the working shard)."""
+        fp32 master and the working shard). As DeepSpeed, ``modifier_rank`` is a rank of the group
+        the parameters are partitioned over (the replicas, with AutoTP's tensor axis)."""
         with torch.no_grad():
             for u in self._units:
                 if dist.is_initialized():
-                    dist.broadcast(u.full, self.modifier_rank, group=s.group)
+                    src = self.modifier_rank if s.group is None else dist.get_global_rank(s.group, self.modifier_rank)
+                    dist.broadcast(u.full, src, group=s.group)
                 u.load_full(u.full.detach().clone())
