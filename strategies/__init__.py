@@ -12,6 +12,8 @@ table), so ``Trainer(strategy=ZeroStage3(...))`` needs no deeper import:
                          ``"offload_cpu"``, ``"offload_nvme"``; options: ``OffloadPolicy``)
 ``PipelineStrategy``     pipeline parallelism (``"pipeline"``; ``PipelineConfig``,
                          ``PipelineModule``, ``LayerSpec``)
+``ModelParallel...``     ``ModelParallelStrategy``, Lightning's: the user's torch tensor
+                         parallelism / FSDP2 on a (data, tensor) ``DeviceMesh`` (``model_parallel/``)
 =======================  ====================================================================
 
 ``strategy_from_name(name, **options)`` builds a preset by name, as ``Trainer(strategy=name)``.
@@ -26,8 +28,9 @@ from .single_device import SingleDevice, SingleDeviceStrategy
 from .zero import BucketConfig, Stage3Config, ZeroConfig, ZeroSpec, ZeroStage1, ZeroStage2, ZeroStage3  # noqa: I001
 from .offload import Offload, OffloadPolicy
 from .pipeline import LayerSpec, PipelineConfig, PipelineModule, PipelineStrategy
+from .model_parallel import ModelParallelStrategy
 
 __all__ = ["Strategy", "DDP", "DDPConfig", "DDPStrategy", "SingleDevice", "SingleDeviceStrategy", "ZeroStage1",
            "ZeroStage2", "ZeroStage3", "ZeroSpec", "ZeroConfig", "BucketConfig", "Stage3Config", "Offload",
-           "OffloadPolicy", "PipelineStrategy", "PipelineConfig", "PipelineModule", "LayerSpec", "ProcessInfo",
-           "Precision", "precision_from_name", "available", "register", "strategy_from_name"]
+           "OffloadPolicy", "PipelineStrategy", "PipelineConfig", "PipelineModule", "LayerSpec", "ModelParallelStrategy",
+           "ProcessInfo", "Precision", "precision_from_name", "available", "register", "strategy_from_name"]

@@ -187,6 +187,17 @@ class TrainModule(HyperparametersMixin, nn.Module, DataHooks, ModuleTools):
         self.__dict__["_fabric"] = fabric
 
     @property
+    def device_mesh(self) -> Any:
+        """Lightning's ``self.device_mesh``: the torch ``DeviceMesh`` a strategy that has one lends the
+        module before ``configure_model`` (``ModelParallelStrategy``: dimensions ``"data_parallel"``
+        and ``"tensor_parallel"``); None otherwise."""
+        return self.__dict__.get("_device_mesh")
+
+    @device_mesh.setter
+    def device_mesh(self, mesh: Any) -> None:
+        self.__dict__["_device_mesh"] = mesh
+
+    @property
     def global_rank(self) -> int:
         return self._trainer.global_rank if self._trainer is not None else 0
 

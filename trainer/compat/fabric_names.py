@@ -232,7 +232,6 @@ DataParallelStrategy = _internal("DataParallelStrategy", "torch DataParallel str
 DeepSpeedStrategy = _internal("DeepSpeedStrategy", "DeepSpeed strategy", why=_WHY + " (DeepSpeed's own API: "
                               "zerotrain.deepspeed)")
 FSDPStrategy = _internal("FSDPStrategy", "FSDP strategy", why=_WHY)
-ModelParallelStrategy = _internal("ModelParallelStrategy", "model-parallel strategy", why=_WHY)
 XLAStrategy = _internal("XLAStrategy", "XLA (TPU) strategy", why=_WHY)
 XLAFSDPStrategy = _internal("XLAFSDPStrategy", "XLA FSDP strategy", why=_WHY)
 

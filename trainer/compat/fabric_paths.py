@@ -50,9 +50,10 @@ NAMESPACES = {
                  **{n: f"trainer.compat.fabric_names:{n}" for n in ("is_wrapped", "_unwrap_objects", "_unwrap_compiled")}},
     "strategies": {"Strategy": "strategies.base:Strategy", "DDPStrategy": "strategies:DDPStrategy",
                    "SingleDeviceStrategy": "strategies:SingleDeviceStrategy",
+                   "ModelParallelStrategy": "strategies.model_parallel:FabricModelParallelStrategy",
                    **{n: f"trainer.compat.fabric_names:{n}" for n in (
                        "ParallelStrategy", "DataParallelStrategy", "DeepSpeedStrategy", "FSDPStrategy",
-                       "ModelParallelStrategy", "XLAStrategy", "XLAFSDPStrategy")}},
+                       "XLAStrategy", "XLAFSDPStrategy")}},
     "strategies.strategy": {"Strategy": "strategies.base:Strategy", "_Sharded": "trainer.compat.fabric_names:_Sharded"},
     "plugins.precision.utils": {"_DtypeContextManager": "trainer.compat.fabric_names:_DtypeContextManager"},
 }

@@ -79,7 +79,9 @@ class TrainerData:
         builtin = isinstance(loader.sampler, (RandomSampler, SequentialSampler))
         n_samples = len(loader.dataset) if builtin else len_or_none(loader.sampler)
         self._note_sampler_differences(stage, isinstance(loader.sampler, RandomSampler), n_samples, builtin)
-        if self._strategy.data_parallel_world_size == 1 and isinstance(loader.sampler, SequentialSampler):
+        every_process = self._strategy.world_size > 1 and getattr(self._strategy, "lightning_sampler", False)
+        if self._strategy.data_parallel_world_size == 1 and isinstance(loader.sampler, SequentialSampler) \
+                and not every_process:  # Lightning's strategy on several processes: its sampler even on one replica
             return loader  # one replica, in order: the user's loader itself, as Lightning (the same batches)
         return job.distributed_loader(loader, self._strategy, self.data_seed, custom_sampler_shuffle=stage == "fit",
                                       shuffle=True if stage == "fit" else None)  # Lightning shuffles every training one

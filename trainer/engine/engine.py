@@ -135,12 +135,16 @@ class Engine:
 
     # ------------------------------------------------------------------ model, optimizer, data
     @contextlib.contextmanager
-    def init_module(self) -> Iterator[None]:
+    def init_module(self, empty_init: bool | None = None) -> Iterator[None]:
         """Build the model inside: under zero3 each parameter is partitioned as it is registered
         (never whole on any rank, equal to an eager build from the same seed); elsewhere a plain
-        build. Create the optimizer after the block, on ``model.parameters()``."""
+        build. Create the optimizer after the block, on ``model.parameters()``. ``empty_init=True``
+        (Fabric's) builds on the meta device where the strategy materializes at ``setup``
+        (``meta_init``: ``ModelParallelStrategy``); elsewhere it changes nothing."""
         self.launch()
-        with self._strategy.init_context():
+        meta = torch.device("meta") if empty_init and getattr(self._strategy, "meta_init", False) \
+            else contextlib.nullcontext()
+        with self._strategy.init_context(), meta:
             yield
 
     def setup(self, model: nn.Module, *optimizers: torch.optim.Optimizer) -> tuple[Any, ...]:

@@ -25,6 +25,11 @@ class TrainerProperties(TrainerLoops):
     """Lightning's read-only view of the Trainer, and the training data's loading (and, from
     ``TrainerLoops``, the loop objects' counters: ``fit_loop``, ``test_loop`` ...)."""
 
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """Lightning's ``trainer.print``: the built-in ``print`` on each node's local rank 0 only."""
+        if self.local_rank == 0:
+            print(*args, **kwargs)
+
     # ------------------------------------------------------------------ callbacks
     def _callbacks_of(self, kind: type) -> list:
         return [cb for cb in self.callbacks if isinstance(cb, kind)]

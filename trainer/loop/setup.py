@@ -132,10 +132,14 @@ class TrainerSetup:
         """Lightning's ``Trainer.init_module()``: build the model inside it and its tensors are made
         where it will run (this rank's device: the CPU, or ``cuda:<LOCAL_RANK>`` with
         ``accelerator="cuda"``), in a "-true" precision's dtype, inside the strategy's
-        ``init_context`` (ZeRO-3 partitions as it builds). ``empty_init`` is accepted; the
-        weights are initialised as usual."""
+        ``init_context`` (ZeRO-3 partitions as it builds). ``empty_init=True`` builds on the meta
+        device where the strategy materializes the module at set-up (its ``meta_init``:
+        ``ModelParallelStrategy``, as Lightning's); elsewhere it is accepted and the weights are
+        initialised as usual."""
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if self._accelerator_flag == "cuda" \
             else torch.device("cpu")
+        if empty_init and getattr(self._strategy, "meta_init", False):
+            device = torch.device("meta")
         dtype = self.precision_plugin.param_dtype if self.precision_plugin.name.endswith("-true") else None
         before = torch.get_default_dtype()
         with self._strategy.init_context(), device:
