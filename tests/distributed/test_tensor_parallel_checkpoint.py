@@ -5,6 +5,7 @@ resumes under zero3 on 2 ranks (tp=1) and on one process, and one saved by zero3
 under dp=2 x tp=2 (ZeRO-1); each continues as the uninterrupted run: the losses of the steps after
 the resume and the parameters at the end equal the run that never stopped (which saved the checkpoint).
 The two checkpoints of step 2 (dp2 x tp2 and zero3) hold the same tensors under the same names.
+ZeRO-3 with tp=2 (its units hold the local shards) saves and dp=2 x tp=2 under ZeRO-2 resumes (slow).
 The default suite keeps one small case: tp=2 under DDP on 2 ranks saves, zero3 on the same 2 ranks
 (tp=1) resumes.
 
@@ -45,11 +46,11 @@ class ShuffledGPT(TensorParallelGPT):
 
 
 def _strategy(name: str, tensor_parallel: int):
-    from zerotrain.strategies import DDP, ZeroStage1, ZeroStage2
+    from zerotrain.strategies import DDP, ZeroStage1, ZeroStage2, ZeroStage3
 
     if tensor_parallel == 1:
         return name
-    return {"ddp": DDP, "zero1": ZeroStage1, "zero2": ZeroStage2}[name](tensor_parallel=tensor_parallel)
+    return {"ddp": DDP, "zero1": ZeroStage1, "zero2": ZeroStage2, "zero3": ZeroStage3}[name](tensor_parallel=tensor_parallel)
 
 
 def _fit(root: str, strategy: str, devices: int, tensor_parallel: int = 1, save: str | None = None,
@@ -161,3 +162,14 @@ def test_tp2_under_ddp_resumes_as_zero3_with_tp1(tmp_path_factory):
                    dict(strategy="zero3", devices=2, resume=f"ddp_tp/step={SAVE_AT:06d}.ckpt"))
     assert [r[0]["tp"] for r in ranks] == [2, 2] and ranks[0][1]["tp"] == 1
     _assert_continues([[r[1]] for r in ranks], 0, [[r[0]] for r in ranks], 0)
+
+
+@pytest.mark.slow
+def test_zero3_with_tp2_resumes_as_dp2_by_tp2_under_zero2(tmp_path_factory):
+    """ZeRO-3 with a tensor axis (its units hold the local shards) writes the same format: tp=2 under
+    zero3 on 2 ranks saves; dp=2 x tp=2 under ZeRO-2 on 4 ranks resumes and ends as the run that saved."""
+    whole = _spawn(tmp_path_factory, 2, dict(strategy="zero3", devices=2, tensor_parallel=2, save="z3tp"))
+    resumed = _spawn(tmp_path_factory, 4, dict(strategy="zero2", devices=4, tensor_parallel=2,
+                                               resume=f"z3tp/step={SAVE_AT:06d}.ckpt"))
+    assert whole[0][0]["tp"] == resumed[0][0]["tp"] == 2
+    _assert_continues(resumed, 0, whole, 0)
