@@ -2,7 +2,8 @@
 processes, data parallel (dp=2: each rank holds whole sequences) against Ulysses sequence
 parallelism (dp=1 x sp=2: each rank holds half of one sequence; issue 45).
 
-    python -m zerotrain.bench.long_context --out bench/RESULTS.md    # the search (~20-30 min on 2 cores)
+    python -m zerotrain.bench.long_context --out bench/RESULTS.md    # the search at 9 GiB/rank (an hour or more)
+    python -m zerotrain.bench.long_context --cap-gib 4 --max-probes 4 --out bench/RESULTS.md   # ~12 min
     python -m zerotrain.bench.long_context --dry-run                  # the tiny GPT, a few s per probe
 
 A probe is one ``torchrun --standalone --nproc_per_node 2`` job of this file's worker: the Trainer
@@ -14,12 +15,14 @@ driver watches every rank's RSS every 20 ms and kills the job above the cap, so 
 holds more than ranks x cap for it; before each probe it waits until that much memory is available.
 
 The search per mode (``long_context_search.py``): two short calibration probes (``--calib``) fit
-peak RSS = a + b * length; where that line crosses the cap is the first probe, then at most
-``--max-probes`` more close the bracket (longest pass, shortest failure) to ``--grain``.
+peak RSS = a + b * length (the table's "predicted" is where it crosses the cap); the next probes
+follow the line through the two longest lengths that fit, at most doubling before the first
+failure (short lengths peak at the optimizer step, not in the activations, so the calibration's
+line can be flat), then inside the bracket (longest pass, shortest failure); at most
+``--max-probes`` of them, none started after ``--budget-min``.
 
-Precision: ``--precision auto`` times a 1024^3 matmul in fp32 and bf16 on one thread first and
-takes bf16-mixed unless bf16 is more than ``BF16_SLOWDOWN_MAX`` times slower (a CPU without
-AVX512-BF16 or AMX); the header records both speeds and the choice.
+``--precision auto``: bf16-mixed unless a 1024^3 bf16 matmul on one thread is more than
+``BF16_SLOWDOWN_MAX`` times slower than fp32's (no AVX512-BF16 or AMX); the header records both.
 """
 from __future__ import annotations
 
@@ -44,7 +47,6 @@ NPROC = 2
 BF16_SLOWDOWN_MAX = 2.0
 
 
-# =============================================================================== worker side
 def proc_kib(path: str, key: str) -> int:
     """A ``kB`` field of a /proc file (``/proc/self/status``, ``/proc/meminfo``) in bytes."""
     with open(path) as f:
@@ -201,9 +203,8 @@ def run_probe(args: argparse.Namespace, mode: str, length: int, *, workdir: str,
 
 
 def _commit() -> str:
-    run = subprocess.run(["git", "-C", os.path.dirname(os.path.abspath(__file__)), "describe", "--always", "--dirty"],
-                         capture_output=True, text=True)
-    return run.stdout.strip() or "unknown"
+    here = os.path.dirname(os.path.abspath(__file__))
+    return subprocess.run(["git", "-C", here, "describe", "--always", "--dirty"], capture_output=True, text=True).stdout.strip()
 
 
 def driver_main(args: argparse.Namespace) -> None:

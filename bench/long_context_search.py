@@ -2,9 +2,10 @@
 
 ``fit_line`` / ``predict_longest``: peak RSS per rank as a straight line in the sequence length,
 through the two longest lengths that fit, and where it crosses the cap. ``next_length``: the next
-length to probe, from that line, kept inside the bracket (longest pass, shortest failure) and,
-once there is one, in its middle half, so that each probe shrinks the bracket by a quarter at
-least. ``render`` and ``add_summary_row``: the markdown for bench/RESULTS.md.
+length to probe, from that line, at most twice the longest pass before any failure (below ~3k
+tokens the 118M GPT's peak is the optimizer step's, so a line through short lengths is flat),
+then inside the bracket (longest pass, shortest failure), in its middle half, so that each probe
+shrinks it by a quarter at least. ``render`` and ``add_summary_row``: the markdown for bench/RESULTS.md.
 """
 from __future__ import annotations
 
@@ -39,6 +40,8 @@ def next_length(passed: dict[int, int], failed: set[int], cap: int, grain: int, 
     if top <= lo:
         return None
     guess = predict_longest(*fit_line(passed), cap, grain, max_len)
+    if hi is None:  # short lengths may peak at the optimizer step, not in the activations: no more than double
+        guess = min(guess, 2 * lo)
     low, high = lo + grain, top
     if hi is not None:  # a bracket: shrink it by a quarter at least
         span = hi - lo
