@@ -266,7 +266,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.worker:
         return args
     if args.dry_run:
-        args.model, args.calib, args.grain, args.max_len, args.max_probes = "tiny", "128,256", 128, 1024, 1
+        args.model, args.calib, args.grain, args.max_len, args.max_probes = "tiny", "128,256", 128, 1024, 2
     from zerotrain.bench.common import MODELS
 
     if args.model not in MODELS:
