@@ -313,6 +313,13 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
             self._fit_val_loaders()
         self.fit_loop.end_saved_epoch()  # resumed from a save at an epoch's end: the next epoch, as Lightning
         warn_modules_in_eval(module)
+        # Lightning's order of the passes' iterators (each draws the DataLoader's base seed from the
+        # global RNG): the first pass's before on_train_start (its fit_loop.setup_data), a reloaded
+        # loader's once before the epoch's hooks (setup_data again), every later pass's after them
+        first, first_epoch = None, st.epoch
+        if not st.batches_in_epoch and not st.cut_batches:  # not a pass resumed mid-way (it starts below)
+            job.set_sampler_epoch(loader, st.epoch)
+            first = job.epoch_iterator(loader, resuming=False)
         self.hooks.both("on_train_start", self, module)
         self.fit_loop.continue_cut_epoch()
         while not self._done():
@@ -320,10 +327,17 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
                 loader = self._reload_loaders(st.epoch)
                 self.num_training_batches = n_batches = self._limit(loader, self.limit_train_batches)
                 val_batch = self._val_check_batch(n_batches)
+                iter(loader)  # Lightning's setup_data makes one, unused: the pass's own comes after the hooks
+                first = None
             job.set_sampler_epoch(loader, st.epoch)
             skip = self.fit_loop.start_epoch()  # > 0 only when resuming mid-epoch (trainer/loop/progress.py)
-            batches = job.epoch_iterator(loader, resuming=skip > 0)  # before the epoch's hooks, as Lightning
+            if skip > 0:  # a resumed pass: before the hooks, its draw undone (job.epoch_iterator)
+                batches = job.epoch_iterator(loader, resuming=True)
             self.hooks.both("on_train_epoch_start", self, module)
+            if skip == 0:
+                fresh = first is None or st.epoch != first_epoch
+                batches = job.epoch_iterator(loader, resuming=False) if fresh else first
+            first = None
             batch_idx = -1
             for batch_idx, (batch, last) in enumerate(with_last(batches, n_batches)):
                 if batch_idx >= n_batches or self._done():
