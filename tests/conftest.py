@@ -59,7 +59,12 @@ def pytest_report_header(config):
 ENV_MANAGED = frozenset({"PYTEST_CURRENT_TEST", "ZEROTRAIN_TEST_TIMEOUT_SCALE",
                          "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "PYTORCH_NVML_BASED_CUDA_CHECK"})
 #: name prefixes of daemon threads a library keeps for the whole process; each with why
-THREADS_ALLOWED: tuple[str, ...] = ()
+THREADS_ALLOWED: tuple[str, ...] = (
+    # tqdm's monitor: torch.fx.Interpreter.run makes a (disabled) tqdm bar, and tqdm.__new__ starts
+    # this one thread per process even for a disabled bar; torch.compile runs a traced
+    # autograd.Function's backward through that interpreter (the DeepSpeed face's ZeRO-3 linear)
+    "tqdm_monitor",
+)
 #: how long a thread that is finishing may take to end after its test
 THREAD_GRACE_S = 2.0
 

@@ -47,10 +47,11 @@ LOOP_CONFIG = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps
 
 def _plain_loop(as_ranks: int = 0) -> tuple[nn.Module, list[float], list[float]]:
     """What DeepSpeed's engine does, in plain PyTorch: loss / GAS, step and schedule every GAS
-    micro-batches, clipping, AdamW (DeepSpeed's "Adam"), the DistributedSampler's order.
+    micro-batches, clipping, DeepSpeed's "Adam" (AdamW, stepped as DeepSpeed's host kernel steps
+    fp32 CPU parameters: ``CPUAdam(order="deepspeed")``), the DistributedSampler's order.
     ``as_ranks=k``: the peer, each step's gradient summed as torch DDP sums it on k ranks."""
     model, data = _net(), _data()
-    opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+    opt = zerotrain.ops.CPUAdam(model.parameters(), lr=0.05, weight_decay=0.1, order="deepspeed")
     sched = lr_schedules.WarmupLR(opt, warmup_num_steps=3, warmup_max_lr=0.05)
     loader = DataLoader(data, batch_size=2, sampler=DistributedSampler(data, num_replicas=1, rank=0))
     losses, lrs, micro = [], [], []
