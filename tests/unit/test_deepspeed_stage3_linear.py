@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 import zerotrain.deepspeed as deepspeed
@@ -57,14 +58,21 @@ def test_it_is_not_torchs_linear_in_bf16():
 
 
 class _Probe(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, checkpointed: bool = False) -> None:
         super().__init__()
-        self.lin = nn.Linear(4, 2)
-        self.seen = None
+        self.lin, self.out = nn.Linear(4, 8), nn.Linear(8, 2)
+        self.checkpointed = checkpointed
 
     def forward(self, x):
-        self.seen = torch.nn.functional.linear  # what nn.Linear calls now
-        return self.lin(x)
+        if self.checkpointed:  # the user's non-reentrant checkpoint: recomputed inside backward
+            h = torch.utils.checkpoint.checkpoint(self.lin, x, use_reentrant=False)
+        else:
+            h = self.lin(x)
+        return self.out(torch.tanh(h))
+
+
+def _grad_fn(t) -> str:
+    return type(t.grad_fn).__name__
 
 
 @pytest.mark.parametrize("zero,used", [({"stage": 3}, True), ({"stage": 2}, False),
@@ -73,6 +81,25 @@ def test_the_stage3_engine_forward_uses_it(zero, used):
     torch.manual_seed(0)
     config = {**BASE, "optimizer": {"type": "Adam", "params": {"lr": 0.1}}, "zero_optimization": zero}
     engine, *_ = deepspeed.initialize(model=_Probe(), config=config)
-    engine(torch.randn(2, 4)).sum()
-    assert (engine.module.seen is stage3_linear) is used
-    assert torch.nn.functional.linear is not stage3_linear  # only for the forward
+    out = engine(torch.randn(2, 4))
+    assert _grad_fn(out).startswith("Stage3Linear") is used
+    assert not _grad_fn(nn.Linear(4, 2)(torch.randn(2, 4))).startswith("Stage3Linear")  # other models: torch's
+
+
+def test_a_checkpoint_recomputed_in_backward_uses_it_too():
+    """A non-reentrant activation checkpoint recomputes its layers inside ``loss.backward()``,
+    outside the engine's forward: they must run the same linear as the forward did (else torch's
+    checkpoint finds other saved tensors), and the step equals the one without the checkpoint."""
+    config = {**BASE, "optimizer": {"type": "Adam", "params": {"lr": 0.1}}, "zero_optimization": {"stage": 3}}
+    x = torch.randn(2, 4)
+    losses = []
+    for checkpointed in (False, True):
+        torch.manual_seed(0)
+        engine, *_ = deepspeed.initialize(model=_Probe(checkpointed), config=config)
+        for _ in range(2):
+            loss = engine(x).pow(2).mean()
+            loss.backward()
+            engine.step()
+            losses.append(loss.item())
+    assert losses[:2] == losses[2:]
+

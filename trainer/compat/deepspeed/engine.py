@@ -38,7 +38,7 @@ from .compiled import CompileMethods
 from ...engine.engine import Engine
 from ...errors import CheckpointError, ConfigError
 from .config import DeepSpeedConfig
-from .zero_init import deepspeed_stage3_linear
+from .zero_init import use_stage3_linear
 
 log = logging.getLogger("zerotrain")
 
@@ -196,6 +196,8 @@ class DeepSpeedEngine(CompileMethods, ConfigAccessors):
         # DeepSpeed's stage 3 computes every F.linear with its own function (zero_init.Stage3Linear)
         zero = cfg.raw.get("zero_optimization") or {}
         self._stage3_linear = cfg.zero_stage == 3 and bool(zero.get("memory_efficient_linear", True))
+        if self._stage3_linear:  # for this model's layers only, in forward and in any recomputation
+            use_stage3_linear(self.module.parameters())
         self._direct_calls = (_DirectCallsUnderAutocast(self.module, engine.strategy.precision, engine.device.type)
                               if cfg.precision != "32" else None)
 
@@ -242,7 +244,7 @@ class DeepSpeedEngine(CompileMethods, ConfigAccessors):
             self._defer_if_accumulating()
         dtype = self._cfg.torch_autocast_dtype  # DeepSpeed's torch_autocast section
         with self._monitor.timed("forward"), (torch.autocast(self.device.type, dtype=dtype) if dtype is not None
-                                               else contextlib.nullcontext()), deepspeed_stage3_linear(self._stage3_linear):
+                                               else contextlib.nullcontext()):
             out = self._model(*args, **kwargs)
         for t in _tensors(out):
             if t.requires_grad:

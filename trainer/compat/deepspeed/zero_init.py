@@ -198,15 +198,28 @@ def stage3_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return Stage3Linear.apply(x, weight, bias)
 
 
-@contextlib.contextmanager
-def deepspeed_stage3_linear(enabled: bool) -> Iterator[None]:
-    """``torch.nn.functional.linear`` is :func:`stage3_linear` for the block (the engine's forward)."""
-    if not enabled:
-        yield
-        return
-    original = torch.nn.functional.linear
-    torch.nn.functional.linear = stage3_linear
-    try:
-        yield
-    finally:
-        torch.nn.functional.linear = original
+#: torch's own ``F.linear``, kept while :func:`use_stage3_linear` has one installed in its place
+_TORCH_LINEAR: list = []
+#: the attribute that marks a stage-3 engine's parameters
+STAGE3_LINEAR = "_zerotrain_stage3_linear"
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` while a ZeRO-3 engine exists: :func:`stage3_linear` for its layers' weights,
+    torch's for every other model of the process."""
+    if getattr(weight, STAGE3_LINEAR, False):
+        return Stage3Linear.apply(x, weight, bias)
+    return _TORCH_LINEAR[0](x, weight, bias)
+
+
+def use_stage3_linear(params: Any) -> None:
+    """DeepSpeed's stage-3 linear for these parameters' layers, wherever ``F.linear`` runs on them:
+    the engine's forward, an activation checkpoint's recomputation inside backward (its saved
+    tensors must match the forward's), a plain ``loss.backward()``. Other models of the process
+    keep torch's ``F.linear``: DeepSpeed swaps it for the whole process, which would change every
+    other model's 16-bit results."""
+    if not _TORCH_LINEAR:
+        _TORCH_LINEAR.append(torch.nn.functional.linear)
+        torch.nn.functional.linear = _linear
+    for p in params:
+        setattr(p, STAGE3_LINEAR, True)
