@@ -4,7 +4,8 @@ waiting in a collective its peer never joins.
 
 * rank 1's loader holds one batch fewer: both ranks end the epoch at the same micro-batch;
 * rank 1's second batch lacks ``position_ids``: both ranks raise, naming sequence-parallel rank 1;
-* rank 1's batch carries an extra key: both ranks raise, naming the keys.
+* rank 1's batch carries an extra key: both ranks raise, naming the keys;
+* a key of another dtype, or a tensor on one rank and not on the other: both raise, naming it.
 
 Without the adapter's header exchange, rank 0 waits in an all-gather that rank 1 left (the spawn
 times out or gloo reports the closed peer). No deepspeed or transformers needed.
@@ -52,6 +53,8 @@ def _ranks() -> dict:
         "shorter": [_batch(i) for i in range(3 - rank)],
         "no_position_ids": [_batch(0), _batch(1, position_ids=rank != 1)],
         "extra_key": [_batch(0, extra=rank == 1)],
+        "dtype": [{**_batch(0), "labels": _batch(0)["labels"].to(torch.int32 if rank else torch.int64)}],
+        "kind": [{**_batch(0), "meta": torch.zeros(1, S) if rank else "text"}],
     }
     return {name: _outcome(UlyssesSPDataLoaderAdapter(batches, rank, group, world, torch.device("cpu")))
             for name, batches in cases.items()}
@@ -66,3 +69,7 @@ def test_ranks_that_disagree_end_or_fail_together(tmp_path):
     assert n == 2 and err.startswith("ValueError") and "rank 1" in err and "position_ids" in err
     n, err = out["extra_key"]
     assert n == 0 and "attention_mask" in err and "keys" in err
+    n, err = out["dtype"]
+    assert n == 0 and "batch['labels'] differs" in err and "torch.int32" in err and "torch.int64" in err
+    n, err = out["kind"]
+    assert n == 0 and "batch['meta'] differs" in err and "not a tensor" in err

@@ -158,6 +158,12 @@ class UlyssesSPDataLoaderAdapter:
             keys = ", ".join(f"rank {r} {h['__keys__']}" for r, h in enumerate(headers))
             raise ValueError(f"UlyssesSPDataLoaderAdapter: the sequence-parallel ranks' batches have different keys "
                              f"({keys}); valid: the same keys on every rank")
+        for key in header["__keys__"]:  # a tensor on every rank or on none, of one dtype: one kind of gather
+            kinds = [h[key][1] if key in h else "not a tensor" for h in headers]
+            if len(set(map(str, kinds))) > 1:
+                found = ", ".join(f"rank {r} {k}" for r, k in enumerate(kinds))
+                raise ValueError(f"UlyssesSPDataLoaderAdapter: batch[{key!r}] differs between the sequence-parallel "
+                                 f"ranks ({found}); valid: the same type and dtype on every rank")
         gathered: list[dict] = [{} for _ in range(self.sp_world_size)]
         for key, value in batch.items():
             if torch.is_tensor(value):
