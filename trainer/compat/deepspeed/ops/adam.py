@@ -138,6 +138,11 @@ class DeepSpeedCPUAdam(CPUAdam):
                          adamw_mode=bool(adamw_mode), bias_correction=bool(bias_correction), order="deepspeed")
         self.adam_w_mode = bool(adamw_mode)
         self.fp32_optimizer_states = fp32_optimizer_states
+        if not fp32_optimizer_states:
+            half = next((p for g in self.param_groups for p in g["params"] if p.dtype == torch.float16), None)
+            if half is not None:
+                raise ConfigError("DeepSpeedCPUAdam: fp32_optimizer_states=False with float16 parameters; valid: "
+                                  "True, or bfloat16 parameters (the host kernel keeps no float16 moments)")
 
     def _state_for(self, p: torch.Tensor) -> dict:
         keep = self.fp32_optimizer_states or p.dtype == torch.float32
