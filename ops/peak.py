@@ -9,7 +9,8 @@
   names another file), so that a machine is probed once. The file is written atomically; a
   damaged file is ignored and rewritten. ``zerotrain-report`` prints both dtypes' peaks.
 
-A CPU probe takes the fastest of 512, 1024 and 2048 (about 1 s in all per dtype on one core); on a
+A CPU probe takes the fastest of 512, 1024 and 2048 (about 1 s in all per dtype on one core; a size
+whose one matmul would outlast a round is skipped); on a
 CPU without native bf16 matmuls bf16 is many times slower than fp32, and that slower figure is what
 a bf16 run's MFU is then taken against.
 """
@@ -59,6 +60,8 @@ def probe_cpu_matmul(dtype: str = "fp32", sizes: tuple[int, ...] = (512, 1024, 2
     EPYC with MKL, one thread: 102 GFLOP/s at 512, 96 at 1024, 95 at 2048 and 4096)."""
     best = 0.0
     for n in sizes:
+        if best and 2 * n ** 3 / best > seconds / 3:  # one matmul of this size would outlast a round
+            break
         a, b = torch.randn(n, n).to(DTYPES[dtype]), torch.randn(n, n).to(DTYPES[dtype])
         torch.mm(a, b)  # warm-up: the kernel's first call packs and allocates
         for _ in range(3):
@@ -121,10 +124,12 @@ def _write(path: str, data: dict) -> None:
             os.unlink(tmp)
 
 
-def cpu_peak_flops(dtype: str = "fp32", *, refresh: bool = False) -> tuple[float, bool]:
+def cpu_peak_flops(dtype: str = "fp32", *, refresh: bool = False, store: bool = True) -> tuple[float, bool]:
     """(this process's CPU matmul peak in ``dtype``, whether it came from the cache). Probes and
-    caches it the first time on this machine; ``refresh`` probes again. An unwritable cache only
-    costs the probe next time."""
+    caches it the first time on this machine; ``refresh`` probes again. ``store=False``: a probe
+    taken beside other processes (the ranks of a job probe at once) is used, not cached, so the
+    cache holds only figures measured alone (``zerotrain-report``, one-process runs). An
+    unwritable cache only costs the probe next time."""
     if dtype not in DTYPES:
         raise ValueError(f"peak FLOP/s: dtype={dtype!r}; valid: {sorted(DTYPES)}")
     path, key = cache_path(), cache_key(dtype)
@@ -134,14 +139,16 @@ def cpu_peak_flops(dtype: str = "fp32", *, refresh: bool = False) -> tuple[float
             and entry["flops"] > 0:
         return float(entry["flops"]), True
     flops = probe_cpu_matmul(dtype)
+    if not store:
+        return flops, False
     data[key] = {"flops": flops, "measured": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())}
     _write(path, data)
     return flops, False
 
 
-def peak_flops(device: torch.device, dtype: str) -> Optional[float]:
+def peak_flops(device: torch.device, dtype: str, store: bool = True) -> Optional[float]:
     """The peak FLOP/s of one process on ``device`` for ``dtype``: the GPU table's (None for an
-    unknown GPU), or the CPU's measured and cached figure."""
+    unknown GPU), or the CPU's cached figure, else measured (and cached if ``store``)."""
     if device.type == "cuda":
         return gpu_peak_flops(device, dtype)
-    return cpu_peak_flops(dtype)[0]
+    return cpu_peak_flops(dtype, store=store)[0]

@@ -79,7 +79,8 @@ class FlopsProfiler(Callback):
     def on_fit_start(self, trainer, pl_module) -> None:
         self._device = trainer.strategy.device
         if self.peak_flops is None:
-            self.peak_flops = peak_flops(self._device, compute_dtype(trainer.precision_plugin))
+            self.peak_flops = peak_flops(self._device, compute_dtype(trainer.precision_plugin),
+                                         store=trainer.world_size == 1)  # a job's ranks probe at once: not cached
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         step = trainer.global_step

@@ -118,7 +118,8 @@ class ThroughputMonitor(Callback):
 
     def on_fit_start(self, trainer, pl_module) -> None:
         if self.peak_flops is None and pl_module.flops_per_sample():
-            self.peak_flops = peak_flops(trainer.strategy.device, compute_dtype(trainer.precision_plugin))
+            self.peak_flops = peak_flops(trainer.strategy.device, compute_dtype(trainer.precision_plugin),
+                                         store=trainer.world_size == 1)  # a job's ranks probe at once: not cached
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self._t is None:

@@ -90,3 +90,11 @@ def test_throughput_monitor_takes_the_machines_peak_unless_told(cache, tmp_path,
     if expect is not None:
         rate = thr.last["throughput/samples_per_sec"] * 1.0e6 / (expect * trainer.world_size)
         assert thr.last["throughput/mfu"] == pytest.approx(rate)
+
+
+def test_a_probe_beside_other_ranks_is_used_but_not_cached(cache):
+    path, calls = cache
+    assert peak.cpu_peak_flops("fp32", store=False) == (1.0e11, False)
+    assert not path.exists()
+    assert peak.cpu_peak_flops("fp32") == (1.0e11, False) and calls == ["fp32", "fp32"]
+    assert peak.cpu_peak_flops("fp32", store=False) == (1.0e11, True)  # a stored figure is read by everyone
