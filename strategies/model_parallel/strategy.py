@@ -83,17 +83,16 @@ def _overrides_configure_model(module: nn.Module) -> bool:
 
 
 def materialize(module: nn.Module, device: torch.device) -> None:
-    """A module built (partly) on the meta device: storage on ``device`` (``to_empty``), then each
-    submodule holding tensors of its own re-initialized by its ``reset_parameters``; a warning names
-    the modules that have none (their tensors are left uninitialized)."""
-    tensors = list(module.parameters()) + list(module.buffers())
-    if not any(t.is_meta for t in tensors):
-        return
-    module.to_empty(device=device)
+    """A module built (partly) on the meta device: each submodule holding meta tensors of its own
+    gets storage on ``device`` (``to_empty``, that submodule alone) and is re-initialized by its
+    ``reset_parameters``; submodules with real tensors keep them. A warning names the modules that
+    have no ``reset_parameters`` (their tensors are left uninitialized)."""
     missing = set()
     for sub in module.modules():
-        if next(sub.parameters(recurse=False), None) is None and next(sub.buffers(recurse=False), None) is None:
+        own = list(sub.parameters(recurse=False)) + list(sub.buffers(recurse=False))
+        if not any(t.is_meta for t in own):
             continue
+        sub.to_empty(device=device, recurse=False)
         reset = getattr(sub, "reset_parameters", None)
         if callable(reset):
             reset()

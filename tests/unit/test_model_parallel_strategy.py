@@ -85,6 +85,21 @@ def test_a_meta_build_is_materialized_by_reset_parameters():
     assert torch.equal(module[0].weight, nn.Linear(3, 3).weight)  # its own init, from the same RNG state
 
 
+def test_a_partly_meta_build_keeps_its_real_tensors():
+    """Only the submodules holding meta tensors are given storage and re-initialized: weights
+    loaded (or computed) before set-up survive, as Lightning materializes."""
+    real = nn.Linear(3, 3)
+    with torch.no_grad():
+        real.weight.fill_(7.0)
+    with torch.device("meta"):
+        late = nn.Linear(3, 2)
+    module = nn.Sequential(real, late)
+    module.register_buffer("table", torch.arange(4.0))
+    materialize(module, torch.device("cpu"))
+    assert torch.equal(real.weight, torch.full((3, 3), 7.0)) and torch.equal(module.table, torch.arange(4.0))
+    assert not late.weight.is_meta and late.weight.abs().max() <= 1 / 3 ** 0.5  # its own reset_parameters
+
+
 def test_init_module_with_empty_init_builds_on_meta_only_for_it():
     trainer = zerotrain.Trainer(strategy=ModelParallelStrategy(), logger=False)
     with trainer.init_module(empty_init=True):
