@@ -427,9 +427,11 @@ class PipelineStrategy(Strategy):
 
     def _counted_here(self) -> list[torch.Tensor]:
         """Gradients for the global norm (``norm_stages``: all of a listed stage's, none elsewhere)."""
-        if self.norm_stages is not None:
-            wanted = self.stage in self.norm_stages
-            return [p.grad for p in self.module.parameters() if p.grad is not None and wanted]
+        if self.norm_stages is not None:  # a listed stage's all, each replicated one once over its tensor group
+            if self.stage not in self.norm_stages:
+                return []
+            once = counted_once(self.module, self.mesh_rank("tensor"))
+            return [p.grad for p in self.module.parameters() if p.grad is not None and id(p) not in once]
         skip = self._uncounted()
         return [p.grad for p in self.module.parameters() if p.grad is not None and id(p) not in skip]
 

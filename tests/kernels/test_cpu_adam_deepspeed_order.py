@@ -107,6 +107,7 @@ def test_the_faces_deepspeedcpuadam_equals_deepspeeds(deepspeed_adam, native, dt
         _assert_same(got, _deepspeed(1013, dtype, state_dtype, adamw))
 
 
+@pytest.mark.slow  # builds DeepSpeed's own CPU FusedAdam op first: 40 s on 2 cores, past the default suite's budget
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_the_faces_fusedadam_equals_deepspeeds(deepspeed_adam, native, dtype):
     """The script-built FusedAdam (and the config's "AdamW", the same host-kernel steps under the

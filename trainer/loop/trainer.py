@@ -317,7 +317,7 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
         # global RNG): the first pass's before on_train_start (its fit_loop.setup_data), a reloaded
         # loader's once before the epoch's hooks (setup_data again), every later pass's after them
         first, first_epoch = None, st.epoch
-        if not st.batches_in_epoch and not st.cut_batches:  # not a pass resumed mid-way (it starts below)
+        if not (st.batches_in_epoch or st.cut_batches or st.epoch_ended):  # not a pass resumed mid-way or moved on
             job.set_sampler_epoch(loader, st.epoch)
             first = job.epoch_iterator(loader, resuming=False)
         self.hooks.both("on_train_start", self, module)
