@@ -103,3 +103,13 @@ def test_a_checkpoint_recomputed_in_backward_uses_it_too():
             losses.append(loss.item())
     assert losses[:2] == losses[2:]
 
+
+
+def test_other_models_still_script_after_a_stage3_engine():
+    """The swapped ``F.linear`` is what TorchScript compiles for any ``nn.Linear`` of the process
+    (Lightning's ``to_torchscript`` of another model after a stage-3 engine): it scripts to torch's op."""
+    config = {**BASE, "optimizer": {"type": "Adam", "params": {"lr": 0.1}}, "zero_optimization": {"stage": 3}}
+    deepspeed.initialize(model=_Probe(), config=config)
+    other = nn.Linear(4, 2)
+    x = torch.randn(3, 4)
+    assert torch.equal(torch.jit.script(other)(x), other(x))

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -204,12 +204,20 @@ _TORCH_LINEAR: list = []
 STAGE3_LINEAR = "_zerotrain_stage3_linear"
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` while a ZeRO-3 engine exists: :func:`stage3_linear` for its layers' weights,
-    torch's for every other model of the process."""
+@torch.jit.unused
+def _eager_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     if getattr(weight, STAGE3_LINEAR, False):
         return Stage3Linear.apply(x, weight, bias)
     return _TORCH_LINEAR[0](x, weight, bias)
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``F.linear`` while a ZeRO-3 engine exists: :func:`stage3_linear` for its layers' weights,
+    torch's for every other model of the process (and in TorchScript, which compiles this
+    function when it scripts any ``nn.Linear`` of the process: torch's op)."""
+    if torch.jit.is_scripting():
+        return torch._C._nn.linear(x, weight, bias)
+    return _eager_linear(x, weight, bias)
 
 
 def use_stage3_linear(params: Any) -> None:
