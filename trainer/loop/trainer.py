@@ -316,7 +316,7 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
         # Lightning's order of the passes' iterators (each draws the DataLoader's base seed from the
         # global RNG): the first pass's before on_train_start (its fit_loop.setup_data), a reloaded
         # loader's once before the epoch's hooks (setup_data again), every later pass's after them
-        first, first_epoch = None, st.epoch
+        first = None  # made only where this fit's first pass is of this epoch, from its start
         if not (st.batches_in_epoch or st.cut_batches or st.epoch_ended):  # not a pass resumed mid-way or moved on
             job.set_sampler_epoch(loader, st.epoch)
             first = job.epoch_iterator(loader, resuming=False)
@@ -335,8 +335,7 @@ class Trainer(TrainerProperties, TrainerLimits, TrainerData, TrainerEvaluation, 
                 batches = job.epoch_iterator(loader, resuming=True)
             self.hooks.both("on_train_epoch_start", self, module)
             if skip == 0:
-                fresh = first is None or st.epoch != first_epoch
-                batches = job.epoch_iterator(loader, resuming=False) if fresh else first
+                batches = job.epoch_iterator(loader, resuming=False) if first is None else first
             first = None
             batch_idx = -1
             for batch_idx, (batch, last) in enumerate(with_last(batches, n_batches)):
