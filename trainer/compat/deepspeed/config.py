@@ -15,6 +15,7 @@ module builds the optimizer and scheduler specs and assembles the ``DeepSpeedCon
 """
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import os
@@ -48,18 +49,60 @@ SCHEDULERS: dict[str, type] = {"WarmupLR": lr_schedules.WarmupLR, "WarmupDecayLR
                                "WarmupCosineLR": lr_schedules.WarmupCosineLR}
 
 
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object's pairs as a dict; a key given twice is an error, as in DeepSpeed (which
+    would otherwise keep the last one silently)."""
+    keys = [k for k, _ in pairs]
+    twice = sorted({k for k in keys if keys.count(k) > 1})
+    if twice:
+        raise ConfigError(f"config: duplicate keys {twice}; valid: each key once per section")
+    return dict(pairs)
+
+
+def _parse_text(text: str, where: str) -> Any:
+    """JSON, else hjson (JSON with comments, trailing commas, unquoted strings), which DeepSpeed
+    reads its config files with; hjson is DeepSpeed's dependency, used here only when installed."""
+    try:
+        return json.loads(text, object_pairs_hook=_no_duplicate_keys)
+    except json.JSONDecodeError as exc:
+        problem = f"not valid JSON ({exc})"
+    try:
+        import hjson
+    except ImportError:
+        raise _fail("config", where, problem, "a JSON object (or hjson, once `pip install hjson`)") from None
+    try:
+        return json.loads(json.dumps(hjson.loads(text, object_pairs_hook=_no_duplicate_keys)))
+    except hjson.HjsonDecodeError as exc:
+        raise _fail("config", where, f"{problem}, nor hjson ({exc})", "a JSON or hjson object") from None
+
+
+def _from_base64(text: str) -> Any:
+    """DeepSpeed's third form of ``config``: the config's JSON, base64-encoded (URL-safe), as
+    launchers pass it on a command line. None when ``text`` is not that."""
+    try:
+        decoded = base64.urlsafe_b64decode(text.encode("ascii")).decode("utf-8")
+    except (ValueError, UnicodeError):
+        return None
+    return _parse_text(decoded, "<base64>") if decoded.lstrip().startswith("{") else None
+
+
 def load_config(config: "str | os.PathLike | Mapping[str, Any]") -> dict[str, Any]:
-    """The config as a dict: a dict as given (copied), or a JSON file's contents."""
+    """The config as a dict: a dict as given (copied), a JSON (or hjson) file's contents, or
+    base64-encoded JSON, DeepSpeed's three forms."""
     if isinstance(config, Mapping):
         return json.loads(json.dumps(config))  # a deep copy that also rejects what JSON cannot hold
     if isinstance(config, (str, os.PathLike)):
-        if not os.path.isfile(config):
-            raise _fail("config", str(config), "no such file", "a dict or the path of a JSON file")
-        with open(config) as f:
-            try:
-                return json.load(f)
-            except json.JSONDecodeError as exc:
-                raise _fail("config", str(config), f"not valid JSON ({exc})", "a JSON object") from None
+        if os.path.isfile(config):
+            with open(config) as f:
+                raw = _parse_text(f.read(), str(config))
+        else:
+            raw = _from_base64(config) if isinstance(config, str) else None
+            if raw is None:
+                raise _fail("config", str(config), "no such file",
+                            "a dict, the path of a JSON file, or base64-encoded JSON")
+        if not isinstance(raw, dict):
+            raise _fail("config", str(config), f"holds a {type(raw).__name__}", "a JSON object")
+        return raw
     raise _fail("config", config, "neither a dict nor a path", "a dict or the path of a JSON file")
 
 
