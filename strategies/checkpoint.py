@@ -114,9 +114,9 @@ class ReplicatedCheckpoint:
         return {k: v.detach().to("cpu", copy=True) for k, v in self.s.module.state_dict().items()}
 
     def writes_shard(self) -> bool:
-        """Whether this rank's ``param_shards``/``extra_state`` hold anything (replicated: the first
-        replica, rank 0 without a tensor axis; with one, each tensor index's first rank, whose
-        shards ``parallel/tensor_checkpoint.py`` joins)."""
+        """Whether this rank's ``param_shards``/``extra_state`` hold anything: here the first of
+        its replicas (rank 0 without a tensor axis). Each family's adapter answers for itself (a
+        tensor axis: ``parallel/tensor_checkpoint.py``, every rank; DTensors: global rank 0)."""
         return self.s.replica_rank == 0
 
     def globally_named_experts(self) -> set[str]:

@@ -55,6 +55,11 @@ def local_of(like: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
 class DTensorCheckpoint(ReplicatedCheckpoint):
     """Rank 0 writes every parameter whole; every rank takes part in the gathers."""
 
+    def writes_shard(self) -> bool:
+        """Global rank 0 only: it writes every DTensor whole (the first rank of each other tensor
+        index is a first replica too, but writes nothing)."""
+        return self.s.is_global_zero
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: the complete model state on global rank 0 (each DTensor gathered), ``{}`` elsewhere."""
         assert self.s.module is not None

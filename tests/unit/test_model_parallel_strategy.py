@@ -111,3 +111,17 @@ def test_init_module_with_empty_init_builds_on_meta_only_for_it():
 def test_trainer_print_is_lightnings(capsys):
     zerotrain.Trainer(logger=False).print("hello", 1)
     assert capsys.readouterr().out == "hello 1\n"
+
+
+def test_only_global_rank_0_writes_a_dtensor_checkpoint():
+    """Every DTensor is written whole by global rank 0; on a data=2 x tensor=2 mesh rank 1 (tensor
+    index 1) is the first of its replicas too, but writes nothing: ``writes_shard`` says so."""
+    from types import SimpleNamespace
+
+    from zerotrain.strategies.model_parallel.checkpoint import DTensorCheckpoint
+    from zerotrain.strategies.parallel.mesh import ParallelMesh
+
+    mesh = ParallelMesh(data=2, tensor=2)
+    for rank in range(4):
+        s = SimpleNamespace(is_global_zero=rank == 0, replica_rank=mesh.replicas(rank).index(rank))
+        assert DTensorCheckpoint(s).writes_shard() is (rank == 0), rank
