@@ -183,8 +183,8 @@ def test_scheduler_sections_and_their_values():
 
 
 @pytest.mark.parametrize("section, match", [
-    ({"type": "OneCycle", "params": {}}, "scheduler.type='OneCycle': not a supported scheduler; valid: WarmupLR, "
-                                         "WarmupDecayLR, WarmupCosineLR"),
+    ({"type": "CyclicLR", "params": {}}, "scheduler.type='CyclicLR': not a supported scheduler; valid: WarmupLR, "
+                                         "WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest"),
     ({"type": "WarmupLR", "params": {"warmup_type": "cubic"}}, "warmup_type='cubic': unknown; valid: log, linear"),
     ({"type": "WarmupDecayLR", "params": {}}, "WarmupDecayLR rejects them"),
     ({"type": "WarmupLR", "params": {"warmup_num_steps": 0}}, "warmup_num_steps=0"),

@@ -46,7 +46,8 @@ _UNSUPPORTED_OPTIMIZERS = ("lamb", "lion", "muon", "muadam", "muadamw", "musgd",
 ZERO_TESTED_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, FusedAdam, DeepSpeedCPUAdam,
                           DeepSpeedAdamW, DeepSpeedAdam)
 SCHEDULERS: dict[str, type] = {"WarmupLR": lr_schedules.WarmupLR, "WarmupDecayLR": lr_schedules.WarmupDecayLR,
-                               "WarmupCosineLR": lr_schedules.WarmupCosineLR}
+                               "WarmupCosineLR": lr_schedules.WarmupCosineLR, "OneCycle": lr_schedules.OneCycle,
+                               "LRRangeTest": lr_schedules.LRRangeTest}
 
 
 def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

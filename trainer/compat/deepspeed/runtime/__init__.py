@@ -1,5 +1,5 @@
 """``zerotrain.deepspeed.runtime``: the parts of DeepSpeed's ``deepspeed.runtime`` that scripts call
-directly (``deepspeed.runtime.utils.set_random_seed``)."""
-from . import utils  # noqa: F401
+directly (``deepspeed.runtime.utils.set_random_seed``, ``deepspeed.runtime.lr_schedules``)."""
+from . import lr_schedules, utils  # noqa: F401
 
-__all__ = ["utils"]
+__all__ = ["lr_schedules", "utils"]
