@@ -35,6 +35,16 @@ from .engine import DeepSpeedEngine
 
 log = logging.getLogger("zerotrain")
 
+#: the DeepSpeed release whose behaviour this face follows (scripts compare it to gate features)
+__version__ = "0.19.8"
+__version_major__, __version_minor__, __version_patch__ = 0, 19, 8
+__git_hash__ = __git_branch__ = "zerotrain"
+
+
+class DeepSpeedAssertion(ConfigError, AssertionError):
+    """A ConfigError where DeepSpeed asserts (``initialize`` without a model, ...): also an
+    AssertionError, so code written against DeepSpeed (``pytest.raises(AssertionError)`` in its
+    tests, ``except AssertionError``) sees the refusal it expects."""
 
 
 def _submodules() -> dict[str, Any]:
@@ -103,7 +113,12 @@ def _optimizer(cfg: DeepSpeedConfig, client: Any, model: nn.Module, model_parame
     return opt
 
 
-def _scheduler(cfg: DeepSpeedConfig, client: Any, optimizer: torch.optim.Optimizer) -> Any:
+def _scheduler(cfg: DeepSpeedConfig, client: Any, optimizer: torch.optim.Optimizer, client_optimizer: Any) -> Any:
+    if client is not None and hasattr(client, "step") and not isinstance(client_optimizer, torch.optim.Optimizer):
+        raise DeepSpeedAssertion(  # DeepSpeed's rule: a built scheduler steps an optimizer the script built
+            f"initialize: lr_scheduler={type(client).__name__} (built) with optimizer="
+            f"{type(client_optimizer).__name__}; valid: a built optimizer with it, or a callable that takes the "
+            "optimizer and returns the scheduler")
     if client is None:
         return cfg.scheduler.build(optimizer) if cfg.scheduler is not None else None
     if callable(client) and not hasattr(client, "step"):
@@ -184,7 +199,8 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     """DeepSpeed's ``initialize``: returns ``(engine, optimizer, training_dataloader, lr_scheduler)``
     (the dataloader None without ``training_data``, the scheduler None without one). Collective."""
     if not isinstance(model, nn.Module):
-        raise ConfigError(f"initialize: model={type(model).__name__}; valid: an nn.Module")
+        raise DeepSpeedAssertion(f"initialize: model={type(model).__name__}; valid: an nn.Module (model=..., "
+                                 "by keyword: the first positional argument is args)")
     if mesh_param is not None:
         raise ConfigError(f"initialize: mesh_param={mesh_param!r}; valid: None (zerotrain.deepspeed takes no device "
                           "mesh: AutoTP through the config's tensor_parallel, Ulysses through ALST's mpu)")
@@ -213,7 +229,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     opt = _optimizer(cfg, optimizer, model, model_parameters)
     wrapped_model, wrapped_opt = engine.setup(model, opt)
     zero.register(engine)
-    sched = _scheduler(cfg, lr_scheduler, opt)
+    sched = _scheduler(cfg, lr_scheduler, opt, optimizer)
     loader = _dataloader(cfg, engine, training_data, collate_fn) if training_data is not None else None
     ds_engine = DeepSpeedEngine(engine, cfg, wrapped_model, wrapped_opt, sched, loader)
     if hasattr(args, "local_rank"):
@@ -235,5 +251,5 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
 
 
 __all__ = ["initialize", "init_distributed", "add_config_arguments", "DeepSpeedEngine", "DeepSpeedConfig",
-           "ConfigError", "comm", "accelerator", "zero", "moe", "lr_schedules", "checkpointing", "ops", "pipe", "runtime",
+           "ConfigError", "DeepSpeedAssertion", "comm", "accelerator", "zero", "moe", "lr_schedules", "checkpointing", "ops", "pipe", "runtime",
            "utils"]

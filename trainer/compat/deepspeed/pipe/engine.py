@@ -282,7 +282,7 @@ def initialize(source: Any, model: PipelineModule, optimizer: Any, model_paramet
     opt = _optimizer(cfg, optimizer, model, model_parameters)
     strategy.setup_module(model)
     strategy.setup_optimizer(opt)
-    sched = _scheduler(cfg, lr_scheduler, opt)
+    sched = _scheduler(cfg, lr_scheduler, opt, optimizer)
     engine = PipelineEngine(strategy, cfg, model, opt, sched)
     if training_data is not None:
         engine._build_data_iter(training_data, collate_fn)
