@@ -42,3 +42,32 @@ def test_a_built_scheduler_needs_a_built_optimizer():
         deepspeed.initialize(model=model, config=CONFIG, lr_scheduler=sched)
     engine, opt, _, got = deepspeed.initialize(model=model, config=CONFIG, optimizer=other, lr_scheduler=sched)
     assert got is sched
+
+
+def _engine(stage):
+    model = nn.Linear(4, 4)
+    config = {**CONFIG, "zero_optimization": {"stage": stage}}
+    return deepspeed.initialize(model=model, config=config)[0]
+
+
+def test_no_sync_refusals_are_deepspeeds():
+    """DeepSpeed's three no_sync rules (test_no_sync_ctxt.py): ZeRO 2/3 refuse it, it does not
+    nest, and step() inside it is refused; each an AssertionError with DeepSpeed's phrase."""
+    engine = _engine(1)
+    x = torch.randn(1, 4)
+    with engine.no_sync():
+        engine.backward(engine(x).sum())
+        with pytest.raises(AssertionError, match="It is illegal to call Engine.step.. inside no_sync context manager"):
+            engine.step()
+        with pytest.raises(AssertionError, match="no_sync context manager reentry is unsupported"):
+            with engine.no_sync():
+                pass
+    engine.step()  # after the block: allowed
+    assert engine.global_steps == 1
+    engine.destroy()
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+    with pytest.raises(AssertionError, match="no_sync context manager is incompatible"):
+        with _engine(2).no_sync():
+            pass

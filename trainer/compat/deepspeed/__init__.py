@@ -30,7 +30,7 @@ from ...errors import ConfigError
 from . import accelerator, checkpointing, comm, lr_schedules, moe, ops, pipe, runtime, sequence, utils, zero  # noqa: F401  (deepspeed.<module>)
 from .autotp import cut_for_autotp, sequence_parallel_of
 from .comm import init_distributed
-from .config import DeepSpeedConfig, parse, report_ignored
+from .config import DeepSpeedAssertion, DeepSpeedConfig, parse, report_ignored
 from .engine import DeepSpeedEngine
 
 log = logging.getLogger("zerotrain")
@@ -39,12 +39,6 @@ log = logging.getLogger("zerotrain")
 __version__ = "0.19.8"
 __version_major__, __version_minor__, __version_patch__ = 0, 19, 8
 __git_hash__ = __git_branch__ = "zerotrain"
-
-
-class DeepSpeedAssertion(ConfigError, AssertionError):
-    """A ConfigError where DeepSpeed asserts (``initialize`` without a model, ...): also an
-    AssertionError, so code written against DeepSpeed (``pytest.raises(AssertionError)`` in its
-    tests, ``except AssertionError``) sees the refusal it expects."""
 
 
 def _submodules() -> dict[str, Any]:

@@ -50,6 +50,13 @@ SCHEDULERS: dict[str, type] = {"WarmupLR": lr_schedules.WarmupLR, "WarmupDecayLR
                                "LRRangeTest": lr_schedules.LRRangeTest}
 
 
+class DeepSpeedAssertion(ConfigError, AssertionError):
+    """A ConfigError where DeepSpeed asserts (``initialize`` without a model, ``step()`` inside
+    ``no_sync``, ...): also an AssertionError, so code written against DeepSpeed
+    (``pytest.raises(AssertionError)`` in its tests, ``except AssertionError``) sees the refusal it
+    expects."""
+
+
 def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     """A JSON object's pairs as a dict; a key given twice is an error, as in DeepSpeed (which
     would otherwise keep the last one silently)."""

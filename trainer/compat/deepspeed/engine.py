@@ -37,7 +37,7 @@ from . import comm
 from .compiled import CompileMethods
 from ...engine.engine import Engine
 from ...errors import CheckpointError, ConfigError
-from .config import DeepSpeedConfig
+from .config import DeepSpeedAssertion, DeepSpeedConfig
 from .zero_init import use_stage3_linear
 
 log = logging.getLogger("zerotrain")
@@ -191,6 +191,7 @@ class DeepSpeedEngine(CompileMethods, ConfigAccessors):
         self._in_backward = False
         self._external_scale: float | None = None  # set while a plain loss.backward() runs
         self._step_applied = False
+        self._inside_no_sync = False
         self._monitor = _Monitor(cfg, engine.global_rank)
         self._comms = comm.record(self) if cfg.comms_logger else None
         # DeepSpeed's stage 3 computes every F.linear with its own function (zero_init.Stage3Linear)
@@ -231,12 +232,21 @@ class DeepSpeedEngine(CompileMethods, ConfigAccessors):
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """DeepSpeed's: defer gradient communication (refused under ZeRO 2/3, as DeepSpeed does)."""
+        """DeepSpeed's: defer gradient communication. As in DeepSpeed, refused under ZeRO 2/3, inside
+        another ``no_sync``, and ``step()`` is refused inside it (each a :class:`DeepSpeedAssertion`)."""
         if self._cfg.zero_stage >= 2:
-            raise ConfigError(f"DeepSpeedEngine.no_sync: zero_optimization.stage={self._cfg.zero_stage}: gradients "
-                              "are partitioned as they are produced; valid: stage 0 or 1")
-        with self._zt.no_backward_sync(self._model):
-            yield
+            raise DeepSpeedAssertion(
+                f"DeepSpeedEngine.no_sync: zero_optimization.stage={self._cfg.zero_stage}: the no_sync context manager "
+                "is incompatible with gradients partitioned as they are produced; valid: stage 0 or 1")
+        if self._inside_no_sync:
+            raise DeepSpeedAssertion("DeepSpeedEngine.no_sync: inside no_sync already (no_sync context manager reentry "
+                                     "is unsupported, as in DeepSpeed); valid: one with-block at a time")
+        self._inside_no_sync = True
+        try:
+            with self._zt.no_backward_sync(self._model):
+                yield
+        finally:
+            self._inside_no_sync = False
 
     # ------------------------------------------------------------------ forward, backward, step
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -312,6 +322,9 @@ class DeepSpeedEngine(CompileMethods, ConfigAccessors):
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         """At the accumulation boundary: clip, the strategy's step, the LR scheduler (not after a
         skipped fp16 step). Every call counts one micro-step."""
+        if self._inside_no_sync:
+            raise DeepSpeedAssertion("DeepSpeedEngine.step: It is illegal to call Engine.step() inside no_sync context "
+                                     "manager (as in DeepSpeed); valid: step after the with-block")
         self._end_deferral()
         self._step_applied = False
         if self.is_gradient_accumulation_boundary():
