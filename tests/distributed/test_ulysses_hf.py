@@ -37,9 +37,25 @@ def _model_and_batch(attn: str):
     return model, ids[:, :-1], ids[:, 1:]
 
 
-def _loss_sum(model, ids, targets, positions) -> torch.Tensor:
-    logits = model(input_ids=ids, position_ids=positions.expand(ids.shape[0], -1)).logits
+def _loss_sum(model, ids, targets, positions, attention_mask=None) -> torch.Tensor:
+    logits = model(input_ids=ids, position_ids=positions.expand(ids.shape[0], -1), attention_mask=attention_mask).logits
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), reduction="sum")
+
+
+def _bound() -> float:
+    c = CONFIG
+    head_dim = c["hidden_size"] // c["num_attention_heads"]
+    per_layer = 4 * c["hidden_size"] + c["hidden_size"] + c["intermediate_size"] + head_dim + 2 * S
+    return 2 * sum_rtol(c["num_hidden_layers"] * per_layer + c["hidden_size"] + B * S)
+
+
+def _padded(ids, targets):
+    """Row 0 right-padded (its last 5 tokens), row 1 left-padded (its first 3): the padding mask, and
+    the targets with the padded positions ignored (-100)."""
+    mask = torch.ones_like(ids)
+    mask[0, -5:] = 0
+    mask[1, :3] = 0
+    return mask, targets.masked_fill(mask == 0, -100)
 
 
 def _ranks():
@@ -60,8 +76,31 @@ def test_llama_step_over_sequence_shards_equals_one_process(tmp_path):
     model, ids, targets = _model_and_batch("sdpa")
     loss = _loss_sum(model, ids, targets, torch.arange(S)) / (B * S)
     loss.backward()
-    c = CONFIG
-    head_dim = c["hidden_size"] // c["num_attention_heads"]
-    per_layer = 4 * c["hidden_size"] + c["hidden_size"] + c["intermediate_size"] + head_dim + 2 * S
-    bound = 2 * sum_rtol(c["num_hidden_layers"] * per_layer + c["hidden_size"] + B * S)
-    assert_same_step(ranks, loss, {n: p.grad for n, p in model.named_parameters()}, bound)
+    assert_same_step(ranks, loss, {n: p.grad for n, p in model.named_parameters()}, _bound())
+
+
+def _padded_ranks():
+    from zerotrain.strategies.parallel import use_ulysses
+
+    rank, world = init_dist()
+    model, ids, targets = _model_and_batch("sdpa")
+    mask, targets = _padded(ids, targets)
+    use_ulysses(model, dist.group.WORLD)
+    s = S // world
+    cols = slice(rank * s, (rank + 1) * s)
+    count = int((targets != -100).sum())
+    loss = _loss_sum(model, ids[:, cols], targets[:, cols], torch.arange(cols.start, cols.stop), mask[:, cols]) / count
+    return summed_step(model, loss)
+
+
+def test_padded_llama_batch_over_sequence_shards_equals_one_process(tmp_path):
+    """A padding attention_mask (one row padded on the right, one on the left) reaches every shard's
+    attention as the whole sequence's mask: the step equals transformers' SDPA on one process with
+    the same mask (without the gathered mask the shards attend to the padding and differ)."""
+    pytest.importorskip("transformers")
+    ranks = run_ranks("test_ulysses_hf:_padded_ranks", 2, tmp_path, timeout=240)
+    model, ids, targets = _model_and_batch("sdpa")
+    mask, targets = _padded(ids, targets)
+    loss = _loss_sum(model, ids, targets, torch.arange(S), mask) / int((targets != -100).sum())
+    loss.backward()
+    assert_same_step(ranks, loss, {n: p.grad for n, p in model.named_parameters()}, _bound())
