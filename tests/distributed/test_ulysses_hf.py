@@ -58,49 +58,47 @@ def _padded(ids, targets):
     return mask, targets.masked_fill(mask == 0, -100)
 
 
+def _step(padded: bool, shard: int = 0, parts: int = 1, model_hook=None) -> tuple:
+    """The model, and its loss over columns ``shard`` of ``parts`` of the batch (the token sum / the
+    whole batch's token count), with or without the padding of ``_padded``."""
+    model, ids, targets = _model_and_batch("sdpa")
+    mask = None
+    if padded:
+        mask, targets = _padded(ids, targets)
+    if model_hook is not None:
+        model_hook(model)
+    count = int((targets != -100).sum())
+    s = S // parts
+    cols = slice(shard * s, (shard + 1) * s)
+    cut = None if mask is None else mask[:, cols]
+    return model, _loss_sum(model, ids[:, cols], targets[:, cols], torch.arange(cols.start, cols.stop), cut) / count
+
+
 def _ranks():
     from zerotrain.strategies.parallel import use_ulysses
 
     rank, world = init_dist()
-    model, ids, targets = _model_and_batch("sdpa")
-    use_ulysses(model, dist.group.WORLD)
-    s = S // world
-    cols = slice(rank * s, (rank + 1) * s)
-    loss = _loss_sum(model, ids[:, cols], targets[:, cols], torch.arange(cols.start, cols.stop)) / (B * S)
-    return summed_step(model, loss)
+    out = {}
+    for padded in (False, True):
+        model, loss = _step(padded, rank, world, lambda m: use_ulysses(m, dist.group.WORLD))
+        out[padded] = summed_step(model, loss)
+    return out
 
 
-def test_llama_step_over_sequence_shards_equals_one_process(tmp_path):
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list:
+    """Both steps of both ranks, from one 2-process run."""
     pytest.importorskip("transformers")
-    ranks = run_ranks("test_ulysses_hf:_ranks", 2, tmp_path, timeout=240)
-    model, ids, targets = _model_and_batch("sdpa")
-    loss = _loss_sum(model, ids, targets, torch.arange(S)) / (B * S)
+    return run_ranks("test_ulysses_hf:_ranks", 2, tmp_path_factory.mktemp("ulysses_hf"), timeout=240)
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
+def test_llama_step_over_sequence_shards_equals_one_process(padded, ranks):
+    """Without padding, and with a padding attention_mask (one row padded on the right, one on the
+    left), which reaches every shard's attention as the whole sequence's mask: the step equals
+    transformers' SDPA on one process with the same mask (dropping the mask, the shards attend to
+    the padding and differ)."""
+    model, loss = _step(padded)
     loss.backward()
-    assert_same_step(ranks, loss, {n: p.grad for n, p in model.named_parameters()}, _bound())
+    assert_same_step([r[padded] for r in ranks], loss, {n: p.grad for n, p in model.named_parameters()}, _bound())
 
-
-def _padded_ranks():
-    from zerotrain.strategies.parallel import use_ulysses
-
-    rank, world = init_dist()
-    model, ids, targets = _model_and_batch("sdpa")
-    mask, targets = _padded(ids, targets)
-    use_ulysses(model, dist.group.WORLD)
-    s = S // world
-    cols = slice(rank * s, (rank + 1) * s)
-    count = int((targets != -100).sum())
-    loss = _loss_sum(model, ids[:, cols], targets[:, cols], torch.arange(cols.start, cols.stop), mask[:, cols]) / count
-    return summed_step(model, loss)
-
-
-def test_padded_llama_batch_over_sequence_shards_equals_one_process(tmp_path):
-    """A padding attention_mask (one row padded on the right, one on the left) reaches every shard's
-    attention as the whole sequence's mask: the step equals transformers' SDPA on one process with
-    the same mask (without the gathered mask the shards attend to the padding and differ)."""
-    pytest.importorskip("transformers")
-    ranks = run_ranks("test_ulysses_hf:_padded_ranks", 2, tmp_path, timeout=240)
-    model, ids, targets = _model_and_batch("sdpa")
-    mask, targets = _padded(ids, targets)
-    loss = _loss_sum(model, ids, targets, torch.arange(S), mask) / int((targets != -100).sum())
-    loss.backward()
-    assert_same_step(ranks, loss, {n: p.grad for n, p in model.named_parameters()}, _bound())
