@@ -103,6 +103,7 @@ class Strategy(Ranks):
     #: True where ``run_schedule`` drives every forward and backward itself (the pipeline): a loop
     #: written by the user (the Engine) cannot drive such a strategy
     runs_own_schedule = False
+    partitions_parameters = False  #: a rank holds 1/replicas of the working parameters (ZeRO-3)
     #: the evaluation loops may run under ``torch.inference_mode`` (``Trainer(inference_mode=True)``):
     #: False where a forward gathers or swaps parameters into tensors that training reuses
     #: (an inference tensor cannot be saved for backward), as Lightning uses no_grad under FSDP

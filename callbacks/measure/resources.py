@@ -24,7 +24,10 @@ step's write-backs of the parameter files; those files' page-cache reads are the
 not seen): ``io_read`` and ``io_written``
 bytes and ``io_busy``, how long at least one read or write ran (not part of the sum either), so
 bytes / ``io_busy`` is the bandwidth achieved. Memory per step: the process's peak RSS and, on
-CUDA, the allocator's allocated, reserved and peak bytes.
+CUDA, the allocator's allocated, reserved and peak bytes. The mesh (``mesh_memory.py``): at train
+start the job's shape (data x sequence x tensor x pipeline stages) and each rank's parameter bytes,
+measured against the estimate from the whole model's split by its tensor plan (``summary["mesh"]``,
+every rank's ``params_measured`` / ``params_estimate`` in ``summary["ranks"]``, a line of the table).
 
 Each step goes to the loggers every ``log_every_n_steps`` (``time/forward``... in seconds,
 ``memory/rss_peak_gb``...: global rank 0's values, as every callback metric); at the end of
@@ -45,6 +48,7 @@ import torch
 from ...strategies import instrument
 from ...strategies.paths import directory_problem
 from ..base import Callback
+from .mesh_memory import format_mesh_line, mesh_report, param_split
 
 PARTS = ("data", "forward", "backward", "comm_wait", "io_wait", "optimizer", "refresh", "checkpoint", "validation",
          "other")
@@ -112,17 +116,21 @@ class ResourceMonitor(Callback):
         self._events: list[instrument.Collective] = []
         self._disk: list[instrument.DiskIO] = []  # appended from the I/O threads
         self._seen_step = 0
+        self._split = None  # the whole model's ParamSplit, taken at setup (before the strategy cuts it)
+        self.mesh: dict[str, Any] = {}
 
     # ---------------------------------------------------------------- attach / detach
     def setup(self, trainer, pl_module, stage: str) -> None:
         if stage == "fit":  # before the strategy sets up: DDP attaches its bucket watch
             instrument.add_sink(self)
+            self._split = param_split(pl_module)
 
     def on_train_start(self, trainer, pl_module) -> None:
         self.steps, self._events, self._disk = [], [], []
         self._seen_step = trainer.global_step
         if torch.cuda.is_available() and trainer.strategy.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(trainer.strategy.device)
+        self.mesh = mesh_report(trainer.strategy, self._split)
         self._timer = StepTimer()
         instrument.attach_timer(self._timer)
 
@@ -192,8 +200,12 @@ class ResourceMonitor(Callback):
             instrument.attach_timer(None)
             self._timer = None
         mine = _means(self.steps, self.warmup_steps)
+        if mine and self.mesh:
+            mine.update(params_measured=self.mesh["params_measured"], params_estimate=self.mesh["params_estimate"])
         ranks = _gather(trainer.strategy, mine)
         self.summary = _table_numbers(ranks)
+        if self.summary and self.mesh:
+            self.summary["mesh"] = self.mesh["mesh"]
         if self.print_summary and trainer.is_global_zero and self.summary:
             print(format_table(self.summary))
         if self.json_path:
@@ -308,4 +320,6 @@ def format_table(summary: dict[str, Any]) -> str:
                      f"{(read + written) / 1e9 / busy:.2f} GB/s while busy")
     mem = ", ".join(f"{k} {v / 2**30:.3f} GiB" for k, v in summary["memory"].items())
     lines.append(f"memory (max over ranks): {mem}")
+    if "mesh" in summary:
+        lines.append(format_mesh_line(summary["mesh"], summary["ranks"]))
     return "\n".join(lines)

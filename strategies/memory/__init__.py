@@ -1,6 +1,7 @@
 """Memory: what a strategy holds, in bytes per category, counting each storage once (here), and
 the host's RAM (``host.py``: glibc's mmap threshold, the free bytes per rank) and the ZeRO paper's
-per-rank formula (``formula.py``). Imports torch only.
+per-rank formula (``formula.py``), the same on a device mesh with the activations (``mesh.py``), and
+the bytes autograd saves for backward (``saved.py``). Imports torch only.
 
 Parameters that are views of one flat buffer share a storage and count once; a master slice that is
 a view of the working buffer (fp32 ZeRO) counts under ``params`` only. Categories are visited in the

@@ -218,3 +218,26 @@ def refuse_tensor_parallel(strategy, what: str) -> None:
         raise NotImplementedError(f"{type(strategy).__name__}(tensor_parallel={strategy.mesh_size('tensor')}): {what} "
                                   f"of tensor-parallel parameters are not built yet (strategies/README.md, tensor "
                                   f"parallelism)")
+
+
+def plan_split(model: nn.Module, plan: dict | None = None) -> tuple[int, int]:
+    """``(sharded, replicated)`` parameter elements of the whole ``model`` under ``plan`` (None:
+    its own), as ``parallelize_tensor`` would cut them: planned modules' weights and column-parallel
+    biases are cut, everything else stays whole; a tied parameter counts once. For the memory
+    estimate (``memory/mesh.py``); nothing is changed."""
+    plan = plan_of(model) if plan is None else dict(plan)
+    modules = dict(model.named_modules())
+    cut: set[int] = set()
+    for key, spec in plan.items():
+        pattern = _pattern(key)
+        for name in (n for n in modules if n and pattern.fullmatch(n)):
+            style, _ = resolve_style(spec, modules[name], key)
+            module = modules[name]
+            if not style.startswith(("colwise", "rowwise", "embedding_rowwise")):
+                continue  # a norm or dropout run on the sequence shard: its parameters stay whole
+            cut.add(id(module.weight))
+            if style.startswith("colwise") and getattr(module, "bias", None) is not None:
+                cut.add(id(module.bias))
+    params = {id(p): p.numel() for p in model.parameters()}
+    sharded = sum(n for i, n in params.items() if i in cut)
+    return sharded, sum(params.values()) - sharded

@@ -22,9 +22,11 @@ With the Offload strategy part of the state is on disk (:func:`estimate_offload`
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Sequence
 
 from ..memory.formula import PRECISION_BYTES, STAGES, ModelStates, estimate_model_states, format_bytes
+from ..memory.mesh import ParamSplit, format_mesh_table, gpt_activation_bytes, gpt_param_split
 from ..offload.config import GRAD_DEVICES, OPTIMIZER_DEVICES, PARAM_DEVICES, PARAM_DTYPES
 from ..offload.estimate import (OFFLOAD_STAGES, POLICY_DEFAULTS, STATE_DTYPE_BYTES, OffloadBytes, estimate_offload,
                                 largest_offload_model)
@@ -95,8 +97,76 @@ def _world_sizes(text: str) -> list[int]:
     return sizes
 
 
+class _Parser(argparse.ArgumentParser):
+    """Bad input is one line on stderr and rc 2 (no usage block)."""
+
+    def error(self, message: str):
+        sys.stderr.write(f"{self.prog}: error: {message}\n")
+        raise SystemExit(2)
+
+
+def _positive(flag: str):
+    def check(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{flag}={text!r}; valid: a whole number >= 1")
+        return value
+    return check
+
+
+def _divisors(n: int, *others: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if not n % d and not any(o % d for o in others))
+
+
+def _check_mesh(ap: argparse.ArgumentParser, args: argparse.Namespace, gpt: bool) -> None:
+    """The mesh options against the model and the world sizes, each refused in one line."""
+    t, s, p = args.tensor_parallel, args.sequence_parallel, args.stages
+    _check_model(ap, args, gpt)
+    inner = t * s * p
+    for n in args.world_size:
+        if n % inner:
+            ap.error(f"--world-size={n}: not a multiple of --tensor-parallel x --sequence-parallel x --stages = "
+                     f"{inner}; valid: a multiple of {inner}, e.g. {inner}, {2 * inner}")
+
+
+def _check_model(ap: argparse.ArgumentParser, args: argparse.Namespace, gpt: bool) -> None:
+    t, s, p = args.tensor_parallel, args.sequence_parallel, args.stages
+    if p > 1 and s > 1:
+        ap.error(f"--sequence-parallel={s}: the pipeline (--stages={p}) runs over the data and tensor axes only; "
+                 "valid: --sequence-parallel 1 with --stages > 1")
+    if args.expert_params is not None or args.offload_stage is not None:
+        ap.error(f"--tensor-parallel={t} --sequence-parallel={s} --stages={p}: the mesh table is the ZeRO "
+                 "stages'; valid: no --expert-params or offload options with a mesh")
+    if not gpt:
+        if t > 1 and args.sharded_params is None:
+            ap.error(f"--tensor-parallel={t}: which parameters the tensor plan cuts is unknown with --num-params; "
+                     "valid: a GPT config (--n-layer, --n-embd) or --sharded-params N")
+        return
+    if args.sharded_params is not None:
+        ap.error(f"--sharded-params={args.sharded_params:g}: a GPT config's split is its plan's; valid: "
+                 "--sharded-params only with --num-params")
+    heads, c, v = args.n_head, args.n_embd, args.vocab_size
+    if c % heads:
+        ap.error(f"--n-head={heads}: does not divide --n-embd={c}; valid: {_divisors(c)}")
+    if heads % t or v % t or c % t:
+        ap.error(f"--tensor-parallel={t}: does not divide --n-head={heads}, --vocab-size={v} and --n-embd={c} "
+                 f"(the plan cuts heads and vocabulary); valid: {_divisors(heads, v, c)}")
+    if heads % s:
+        ap.error(f"--sequence-parallel={s}: does not divide --n-head={heads} (Ulysses exchanges heads); "
+                 f"valid: {_divisors(heads)}")
+    if args.seq_len > args.block_size or args.seq_len % s:
+        ap.error(f"--seq-len={args.seq_len}: must be at most --block-size={args.block_size} and a multiple of "
+                 f"--sequence-parallel={s}; valid: a multiple of {s} up to {args.block_size}")
+    if p > args.n_layer + 4:
+        ap.error(f"--stages={p}: exceeds the {args.n_layer + 4} pipeline layers of the GPT (wte, positions, "
+                 f"--n-layer={args.n_layer} blocks, ln_f, lm_head); valid: 1 .. {args.n_layer + 4}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="zerotrain-estimate", description=__doc__.split("\n\n")[0],
+    ap = _Parser(prog="zerotrain-estimate", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--num-params", type=float, help="parameter count, e.g. 1.3e9")
     ap.add_argument("--n-layer", type=int, help="GPT config: number of blocks")
@@ -112,6 +182,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--expert-params", type=float, help="how many of the parameters are experts' (all "
                     "experts, every rank's): prints the dense/expert split (with --ep-size)")
     ap.add_argument("--ep-size", type=int, default=1, help="expert parallelism: ranks sharing the experts")
+    mesh = ap.add_argument_group("mesh (any of these prints the per-rank table of a data x sequence x tensor x "
+                                 "pipeline mesh; the CLI's strategy.tensor_parallel, sequence_parallel, stages)")
+    mesh.add_argument("--tensor-parallel", type=_positive("--tensor-parallel"), help="ranks a tensor group cuts the "
+                      "planned layers over (the demo GPT's GPT.tp_plan)")
+    mesh.add_argument("--sequence-parallel", type=_positive("--sequence-parallel"),
+                      help="Ulysses: ranks a sequence is cut over")
+    mesh.add_argument("--stages", type=_positive("--stages"), help="pipeline stages")
+    mesh.add_argument("--sharded-params", type=float, help="with --num-params: how many the tensor plan cuts")
+    mesh.add_argument("--n-head", type=_positive("--n-head"), help="GPT config: heads (default n_embd // 64, at "
+                      "least 1)")
+    mesh.add_argument("--batch-size", type=_positive("--batch-size"), default=1,
+                      help="sequences per rank's step, for the activations (default 1)")
+    mesh.add_argument("--seq-len", type=_positive("--seq-len"), help="tokens per sequence (default --block-size)")
     off = ap.add_argument_group("offload (any of these prints the Offload strategy's RAM and disk)")
     off.add_argument("--offload-stage", type=int, choices=OFFLOAD_STAGES, help="ZeRO stage under Offload")
     off.add_argument("--optimizer-device", choices=OPTIMIZER_DEVICES, help="default nvme")
@@ -144,6 +227,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         ap.error("give --num-params, or both --n-layer and --n-embd")
     offload = [args.offload_stage, args.optimizer_device, args.param_device, args.ram_gb, args.disk_gb]
+    if any(v is not None for v in (args.tensor_parallel, args.sequence_parallel, args.stages)):
+        return _mesh_table(ap, args, num_params, gpt=args.num_params is None)
     if args.expert_params is not None:
         from ..moe.estimate import format_expert_table  # the dense/expert split (issue 46)
         experts = int(args.expert_params)
@@ -174,6 +259,32 @@ def main(argv: Sequence[str] | None = None) -> int:
                                    **options))
     except ValueError as exc:
         ap.error(str(exc))
+    return 0
+
+
+def _mesh_table(ap: argparse.ArgumentParser, args: argparse.Namespace, num_params: int, gpt: bool) -> int:
+    args.tensor_parallel = args.tensor_parallel or 1
+    args.sequence_parallel = args.sequence_parallel or 1
+    args.stages = args.stages or 1
+    if gpt:
+        args.n_head = args.n_head or max(1, args.n_embd // 64)
+        args.seq_len = args.seq_len or args.block_size
+    _check_mesh(ap, args, gpt)
+    precision = args.precision or "bf16-mixed"
+    if gpt:
+        split = gpt_param_split(args.n_layer, args.n_embd, args.vocab_size, args.block_size, bias=not args.no_bias)
+
+        def activations(tensor: int, sequence: int) -> int:
+            return gpt_activation_bytes(args.batch_size, args.seq_len, args.n_layer, args.n_embd, args.n_head,
+                                        args.vocab_size, tensor, sequence, 4 if precision == "32" else 2)
+    else:
+        sharded = int(args.sharded_params or 0)
+        if not 0 <= sharded <= num_params or float(args.sharded_params or 0) != sharded:
+            ap.error(f"--sharded-params={args.sharded_params:g}: valid: a whole number in [0, --num-params]")
+        split, activations = ParamSplit(sharded, num_params - sharded), None
+    print(format_mesh_table(split, args.world_size, sequence=args.sequence_parallel, tensor=args.tensor_parallel,
+                            stages=args.stages, precision=precision, optimizer_bytes=args.optimizer_bytes,
+                            activations=activations))
     return 0
 
 

@@ -87,6 +87,7 @@ class ZeroStage3(ZeroStrategy):
 
     name = "zero3"
     stage = 3
+    partitions_parameters = True
     #: with a tensor axis, tensor-parallel parameters saved whole and loaded cut (parallel/tensor_checkpoint.py)
     checkpoint_adapter = TensorAxis(Stage3Checkpoint)
     #: expert parameters (moe/) get units of their own over their expert-data-parallel group
