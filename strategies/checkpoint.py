@@ -143,6 +143,16 @@ class ReplicatedCheckpoint:
         assert self.s.module is not None
         return {id(p): n for n, p in self.s.module.named_parameters() if p.requires_grad}
 
+    def checkpoint_names(self) -> dict[int, str]:
+        """``id(parameter) -> the name the checkpoint holds it under``: here its canonical name (the
+        pipeline's: the non-pipelined model's)."""
+        return self.trainable_names()
+
+    def saves(self, name: str) -> bool:
+        """Whether this rank's shards hold module parameter ``name`` when it writes (every one here;
+        a pipeline stage: not a tied copy whose lowest owning stage is another)."""
+        return True
+
     def checkpoint_model_info(self) -> dict[str, Any]:
         """What this rank's model needs from a checkpoint: trainable parameters by canonical name
         ``{name: (shape, dtype)}``, their other names (``aliases``: tied parameters), the other

@@ -18,7 +18,9 @@ is wrapped:
 
 So a checkpoint saved under dp x tp resumes under any strategy on any mesh (zero3 or single with
 tp=1 included), and one saved by any of them resumes under dp x tp. ``TensorAxis(Adapter)`` is the
-``checkpoint_adapter`` of the strategies that take a tensor axis (DDP, ZeRO-1/2/3).
+``checkpoint_adapter`` of the strategies that take a tensor axis (DDP, ZeRO-1/2/3, the pipeline:
+each stage's shards joined over its tensor group, summed over its replicas, under the
+non-pipelined model's names).
 """
 from __future__ import annotations
 
@@ -90,11 +92,14 @@ class TensorParallelCheckpoint:
     def __getattr__(self, name: str) -> Any:  # trainable_names, optimizer_group_names, extra_names, ...
         return getattr(self.inner, name)
 
-    def sharded(self) -> dict[str, nn.Parameter]:
-        """The tensor-parallel trainable parameters by canonical name, in module order."""
-        names = self.inner.trainable_names()
-        return {names[id(p)]: p for p in self.s.module.parameters()
-                if id(p) in names and hasattr(p, "tensor_parallel")}
+    def sharded(self, saving: bool = False) -> dict[str, nn.Parameter]:
+        """The tensor-parallel trainable parameters by the names the checkpoint holds them under
+        (``checkpoint_names``: a pipeline stage's are the non-pipelined model's), in module order;
+        ``saving``: only those the inner adapter ``saves`` here (not a pipeline's tied copy on a
+        stage other than its lowest owning one)."""
+        names = self.inner.checkpoint_names()
+        return {names[id(p)]: p for n, p in self.s.module.named_parameters()
+                if id(p) in names and hasattr(p, "tensor_parallel") and (not saving or self.inner.saves(n))}
 
     def _refuse_without_axis(self) -> None:
         if self.s.mesh_group("tensor") is None:  # cut by hand: no tensor group to join the shards over
@@ -125,9 +130,10 @@ class TensorParallelCheckpoint:
 
     def param_shards(self) -> dict[str, ParamShard]:
         """Collective: replicated parameters as the inner adapter saves them (tensor index 0's
-        ranks), each tensor-parallel one whole, an equal range of it per rank holding it."""
+        ranks), each tensor-parallel one whole, an equal range of it per rank holding it (its
+        replicas x its tensor group: a pipeline's are its stage's)."""
         self._refuse_without_axis()
-        s, shards, sharded = self.s, self.inner.param_shards(), self.sharded()
+        s, shards, sharded = self.s, self.inner.param_shards(), self.sharded(saving=True)
         tensor_rank = s.mesh_rank("tensor")
         out = {n: sh for n, sh in shards.items() if n not in sharded and tensor_rank == 0}
         described = self._describe({n: shards[n] for n in sharded if n in shards})

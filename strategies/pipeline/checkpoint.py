@@ -2,7 +2,10 @@
 non-pipelined model gives it (``PipelineModule.plain_key``), a tied parameter once, from its lowest
 owning stage, under its first name (``canonical_key``); under ZeRO-1 each replica's partition
 pieces (``zero1.StageZero1``). So a pipeline checkpoint resumes under any other strategy and theirs
-here.
+here. With ``tensor_parallel`` the strategy's adapter is ``TensorAxis(PipelineCheckpoint)``
+(``parallel/tensor_checkpoint.py``): each stage's tensor-parallel parameters and their optimizer
+state are saved whole (joined over the stage's tensor group) and loaded cut, so pp x tp resumes
+under another mesh (pp alone, single, zero, dp x tp) and the other way.
 
 Reads the strategy's ``module``, ``optimizer``, ``pipe``, ``replica``, ``_pipe_prefix`` and
 ``_zero``; never imports ``strategy.py``.
@@ -15,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint import ParamShard, ReplicatedCheckpoint, ShardReader
-from ..parallel.tensor_plan import gather_full_state, refuse_tensor_parallel
+from ..parallel.tensor_plan import gather_full_state
 
 
 def _read_parameter(reader: ShardReader, key: str, p: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -29,6 +32,9 @@ def _read_parameter(reader: ShardReader, key: str, p: torch.Tensor) -> dict[str,
 
 class PipelineCheckpoint(ReplicatedCheckpoint):
     """This stage's part of the checkpoint, in the non-pipelined model's names."""
+
+    #: ``full_state_dict`` gathers the tensor-parallel shards whole itself (``TensorAxis`` keeps it)
+    joins_tensor_shards = True
 
     def writes_shard(self) -> bool:
         """Replica 0 of every stage; under ZeRO-1 every replica (each holds a partition)."""
@@ -102,7 +108,6 @@ class PipelineCheckpoint(ReplicatedCheckpoint):
         replica's partition pieces; a tied parameter only from its lowest owning stage (the other
         owners' copies, masters and optimizer state are equal to it)."""
         s = self.s
-        refuse_tensor_parallel(s, "checkpoints")
         if s._zero is None:
             shards = super().param_shards()
         else:
@@ -125,7 +130,6 @@ class PipelineCheckpoint(ReplicatedCheckpoint):
         of the masters and state, then the working parameters gathered from every replica."""
         s = self.s
         assert s.module is not None and s.optimizer is not None
-        refuse_tensor_parallel(s, "checkpoints")
         names = self.checkpoint_names()
         with torch.no_grad():
             extras = super().checkpoint_model_info()["extras"]

@@ -89,6 +89,32 @@ def _share_of_loss(loss: torch.Tensor, target: Any, micro_targets: Sequence[Any]
     return loss * (_rows_of(target) / sum(rows))
 
 
+def batch_rows(value: Any, what: str) -> int:
+    """Rows (dim 0) of a tensor, or of the first tensor of a tuple (``what`` names it in the error)."""
+    if isinstance(value, (tuple, list)) and value:
+        return batch_rows(value[0], what)
+    if not torch.is_tensor(value) or value.dim() == 0:
+        raise TypeError(f"pipeline: {what} must be tensors with a batch dimension or tuples of them, got "
+                        f"{type(value).__name__}")
+    return value.shape[0]
+
+
+def split_micro_batches(value: Any, what: str, parts: int, train: bool, device: torch.device) -> list[Any]:
+    """``value`` (a tensor, or nested tuples of them) in ``parts`` micro-batches along dim 0, on
+    ``device``; a training batch must divide evenly (``PipelineStrategy.split_batch``)."""
+    from ...trainer.errors import ConfigError
+
+    if isinstance(value, (tuple, list)):
+        pieces = [split_micro_batches(v, what, parts, train, device) for v in value]
+        return [tuple(p[i] for p in pieces) for i in range(parts)]
+    rows = batch_rows(value, what)
+    if train and rows % parts:
+        raise ConfigError(f"pipeline: a training batch of {rows} rows cannot be split into "
+                          f"micro_batches={parts} equal parts; valid: a batch size (per data-parallel "
+                          f"replica) divisible by {parts}, with drop_last=True")
+    return [c.to(device) for c in value.tensor_split(parts)]
+
+
 class StageExecutor:
     def __init__(self, pipe: PipelineModule, num_stages: int, comm: PipeComm | None,
                  precision: Precision, device: torch.device, run_forward: Callable[..., Any],

@@ -42,7 +42,9 @@ parameter is saved once, by its lowest owning stage (with virtual stages: of the
 it), under its first name (``canonical_key``); under ZeRO-1 every replica of that stage writes its
 partition's pieces. So a pipeline checkpoint is the per-parameter layout every strategy writes: it
 resumes under another number of stages, replicas or chunks, with or without ZeRO-1, or as
-zero/ddp/single, and consolidates; and theirs resume here.
+zero/ddp/single, and consolidates; and theirs resume here. With ``tensor_parallel`` each stage's
+tensor-parallel parameters and optimizer state are saved whole (``TensorAxis``: pp x tp resumes as
+pp alone, single or dp x tp, and the other way).
 """
 from __future__ import annotations
 
@@ -59,6 +61,7 @@ from ..environment import release_at_exit
 from ..memory import replicated_tensors
 from ..options import config_from, expose_options
 from ..parallel.mesh import mesh_sizes
+from ..parallel.tensor_checkpoint import TensorAxis
 from ..parallel.tensor_plan import plan_of
 from .checkpoint import PipelineCheckpoint
 from .collectives import all_reduce_grads, broadcast_tensors, sum_over_world
@@ -66,20 +69,10 @@ from .config import PipelineConfig
 from .module import PipelineModule, Tie, find_pipeline_module
 from .p2p import PipeComm
 from .schedule import inference, interleaved_1f1b, schedule_from_name
-from .stage import StageExecutor, StepStats
+from .stage import StageExecutor, StepStats, batch_rows, split_micro_batches
 from .tensor import counted_once, cut_stage, tensor_groups
 from .topology import PipelineGrid
 from .zero1 import StageZero1
-
-
-def _rows(value: Any, what: str) -> int:
-    """Rows (dim 0) of a tensor, or of the first tensor of a tuple."""
-    if isinstance(value, (tuple, list)) and value:
-        return _rows(value[0], what)
-    if not torch.is_tensor(value) or value.dim() == 0:
-        raise TypeError(f"pipeline: {what} must be tensors with a batch dimension or tuples of them, got "
-                        f"{type(value).__name__}")
-    return value.shape[0]
 
 
 _NO_SEPARATE_STEP = ("pipeline: {call}() is not a step of its own here: the schedule interleaves every "
@@ -103,7 +96,7 @@ class PipelineStrategy(Strategy):
     #: a tensor axis inside each stage (``tensor_parallel``); no sequence axis (its stages and
     #: replicas are its own grid, ``PipelineGrid``, not a ``ParallelMesh``)
     mesh_axes = ("tensor",)
-    checkpoint_adapter = PipelineCheckpoint
+    checkpoint_adapter = TensorAxis(PipelineCheckpoint)  # tensor_parallel: each stage's shards saved whole
 
     def __init__(self, config: PipelineConfig | None = None, *,
                  process_group_timeout_s: float = PROCESS_GROUP_TIMEOUT_S, tensor_parallel: int = 1,
@@ -169,8 +162,8 @@ class PipelineStrategy(Strategy):
     def mesh_size(self, axis: str) -> int:
         return self.parallel_sizes["tensor"] if axis == "tensor" else super().mesh_size(axis)
 
-    def mesh_rank(self, axis: str) -> int:  # the tensor axis is the grid's innermost (PipelineGrid.tensor_of)
-        return self.global_rank % self.parallel_sizes["tensor"] if axis == "tensor" else super().mesh_rank(axis)
+    def mesh_rank(self, axis: str) -> int:
+        return self._grid().tensor_of(self.global_rank) if axis == "tensor" else super().mesh_rank(axis)
 
     def mesh_group(self, axis: str) -> Any:
         return self._tp_group if axis == "tensor" else super().mesh_group(axis)
@@ -207,6 +200,21 @@ class PipelineStrategy(Strategy):
     @property
     def data_parallel_rank(self) -> int:
         return self.replica
+
+    @property
+    def replica_world_size(self) -> int:
+        """The ranks holding the same parameters as this one: its stage (and tensor index) in
+        every replica, what the tensor-parallel checkpoint sums a parameter's pieces over."""
+        return self._grid().replicas
+
+    @property
+    def replica_rank(self) -> int:
+        return self.replica
+
+    @property
+    def replica_group(self) -> Any:
+        """This stage's (and tensor index's) data-parallel group; None with one replica."""
+        return self._dp_group
 
     def _grid(self) -> PipelineGrid:
         # pure arithmetic on the rank info, so the sampler may ask before setup_environment
@@ -310,8 +318,9 @@ class PipelineStrategy(Strategy):
             raise ValueError(f"pipeline: a batch must be (inputs, targets), got {type(batch).__name__}"
                              + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else ""))
         inputs, targets = batch
-        parts = self.micro_batches if train else self._evaluation_parts(_rows(inputs, "inputs"))
-        return self._split(inputs, "inputs", parts, train), self._split(targets, "targets", parts, train)
+        parts = self.micro_batches if train else self._evaluation_parts(batch_rows(inputs, "inputs"))
+        return (split_micro_batches(inputs, "inputs", parts, train, self.device),
+                split_micro_batches(targets, "targets", parts, train, self.device))
 
     def _evaluation_parts(self, rows: int) -> int:
         """How many parts an evaluation batch of ``rows`` rows is split into: ``micro_batches``, or
@@ -329,19 +338,6 @@ class PipelineStrategy(Strategy):
                               f"one row per stage; valid: evaluation batches of >= {p} rows (drop_last=True), "
                               "or virtual_stages=1")
         return parts - parts % p
-
-    def _split(self, value: Any, what: str, parts: int, train: bool) -> list[Any]:
-        from ...trainer.errors import ConfigError
-
-        if isinstance(value, (tuple, list)):
-            pieces = [self._split(v, what, parts, train) for v in value]
-            return [tuple(p[i] for p in pieces) for i in range(parts)]
-        rows = _rows(value, what)
-        if train and rows % parts:
-            raise ConfigError(f"pipeline: a training batch of {rows} rows cannot be split into "
-                              f"micro_batches={parts} equal parts; valid: a batch size (per data-parallel "
-                              f"replica) divisible by {parts}, with drop_last=True")
-        return [c.to(self.device) for c in value.tensor_split(parts)]
 
     def _instructions(self, train: bool, micro_batches: int) -> list:
         """This stage's instruction list for one batch (training or validation) of

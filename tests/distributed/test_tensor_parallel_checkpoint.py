@@ -114,26 +114,34 @@ def _tp_runs(f) -> list[list[dict]]:
                   dict(strategy="zero1", devices=4, tensor_parallel=2, resume=f"z3/step={SAVE_AT:06d}.ckpt"))
 
 
+def assert_same_tensors(got_path: str, want_path: str, world_size: int) -> dict:
+    """The checkpoint at ``got_path`` (saved by ``world_size`` ranks) holds ``want_path``'s
+    parameters under the same names and shapes, each AdamW state kind and scalar equal (rel <=
+    RTOL); returns ``got_path``'s parameter table."""
+    from zerotrain.trainer.checkpoint.directory import load_meta
+    from zerotrain.trainer.checkpoint.reshard import CheckpointReader
+
+    (a_root, a), (b_root, b) = load_meta(got_path), load_meta(want_path)
+    assert a["world_size"] == world_size and set(a["params"]) == set(b["params"])
+    with CheckpointReader(a_root, a) as got, CheckpointReader(b_root, b) as want:
+        for name, info in b["params"].items():
+            assert a["params"][name]["shape"] == info["shape"]
+            assert got.kinds(name) == want.kinds(name) == ["exp_avg", "exp_avg_sq", "param"]
+            assert {k: float(v) for k, v in got.scalars(name).items()} == {k: float(v) for k, v in want.scalars(name).items()}
+            n = torch.Size(info["shape"]).numel()
+            for kind in want.kinds(name):
+                w = want.read(name, kind, 0, n)
+                err = ((got.read(name, kind, 0, n) - w).norm() / w.norm().clamp_min(1e-30)).item()
+                assert err <= RTOL, (name, kind, err)
+    return a["params"]
+
+
 @pytest.mark.slow
 def test_dp2_by_tp2_checkpoint_holds_whole_parameters_as_zero3s(tmp_path_factory):
-    from zerotrain.trainer.checkpoint.reshard import CheckpointReader
-    from zerotrain.trainer.checkpoint.directory import load_meta
-
     _tp_runs(tmp_path_factory)
     root = _root(tmp_path_factory)
-    (tp_root, tp), (z3_root, z3) = (load_meta(os.path.join(root, d, f"step={SAVE_AT:06d}.ckpt")) for d in ("tp", "z3"))
-    assert tp["world_size"] == 4 and set(tp["params"]) == set(z3["params"])
-    assert tp["params"]["gpt.blocks.0.attn.c_attn.weight"]["shape"] == [48, 16]  # q, k, v whole
-    with CheckpointReader(tp_root, tp) as a, CheckpointReader(z3_root, z3) as b:
-        for name, info in z3["params"].items():
-            assert tp["params"][name]["shape"] == info["shape"]
-            assert a.kinds(name) == b.kinds(name) == ["exp_avg", "exp_avg_sq", "param"]
-            assert {k: float(v) for k, v in a.scalars(name).items()} == {k: float(v) for k, v in b.scalars(name).items()}
-            n = torch.Size(info["shape"]).numel()
-            for kind in b.kinds(name):
-                want = b.read(name, kind, 0, n)
-                err = ((a.read(name, kind, 0, n) - want).norm() / want.norm().clamp_min(1e-30)).item()
-                assert err <= RTOL, (name, kind, err)
+    params = assert_same_tensors(*(os.path.join(root, d, f"step={SAVE_AT:06d}.ckpt") for d in ("tp", "z3")), 4)
+    assert params["gpt.blocks.0.attn.c_attn.weight"]["shape"] == [48, 16]  # q, k, v whole
 
 
 @pytest.mark.slow

@@ -4,8 +4,7 @@ ranks (one data-parallel replica reading the whole batch of 8 sequences), its lo
 vocabulary-parallel cross-entropy (``GPTModule.logits_loss``), clipped at 1.0 by the whole model's
 norm; every logged loss equals the plain single-process loop's (test_pipeline_cli's reference: the
 same seed, data, AdamW, schedule and clipping). The sample at the end is drawn from the shards
-gathered whole on rank 0. Checkpoints are off (the pipeline's are refused under a tensor axis, and
-this test is about the key).
+gathered whole on rank 0. Checkpoints are off (this test is about the key).
 
 # tolerance: rel <= 1e-5 (issue 45's bound for fp32 against the plain loop) on each logged loss.
 """

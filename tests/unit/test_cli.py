@@ -71,9 +71,6 @@ PRE_SPAWN = [
     (["strategy.tensor_parallel=0"], ["tensor_parallel=0", "valid: a whole number >= 1"]),
     (["strategy.tensor_parallel=3"], ["DDPStrategy: tensor_parallel=3 does not divide the 2 processes",
                                       "multiple of 3"]),
-    (["strategy=pipeline", "strategy.tensor_parallel=2"], ["strategy.tensor_parallel=2: the pipeline does not save or "
-                                                           "load checkpoints of tensor-parallel stages yet; valid: 1, "
-                                                           "or trainer.enable_checkpointing=false and no ckpt_path"]),
     (["trainer.num_nodes=2"], ["trainer.num_nodes=2: a multi-node job needs", "torchrun or SLURM"]),
     (["trainer.collective_timeout_s=nan"], ["trainer.collective_timeout_s=nan", "finite number > 0"]),
     (["trainer.gradient_clip_val=nan"], ["trainer.gradient_clip_val=nan", "finite number > 0"]),

@@ -101,3 +101,20 @@ def test_a_cut_module_without_a_tensor_axis_is_refused():
     owner = _owner(_cut_model(0), tensor=1)  # cut by hand, the strategy has no tensor axis
     with pytest.raises(NotImplementedError, match="tensor_parallel=1"):
         TensorAxis(ReplicatedCheckpoint)(owner).load_param_shards(DictReader({}))
+
+
+class _RenamingCheckpoint(ReplicatedCheckpoint):
+    """An adapter whose checkpoint names are not the module's (the pipeline's: the non-pipelined
+    model's) and which leaves one parameter to another rank (the pipeline's tied copy)."""
+
+    def checkpoint_names(self):
+        return {i: "plain." + n for i, n in self.trainable_names().items()}
+
+    def saves(self, name):
+        return name != "proj.weight"
+
+
+def test_the_shards_are_named_and_saved_as_the_inner_adapter_says():
+    adapter = TensorAxis(_RenamingCheckpoint)(_owner(_cut_model(0)))
+    assert list(adapter.sharded()) == ["plain.qkv.weight", "plain.qkv.bias", "plain.proj.weight"]  # described, loaded
+    assert list(adapter.sharded(saving=True)) == ["plain.qkv.weight", "plain.qkv.bias"]  # written here

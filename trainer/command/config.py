@@ -302,11 +302,6 @@ class Config:
         if self.ckpt_path == "latest" and not self.trainer.enable_checkpointing:
             raise _bad("ckpt_path", self.ckpt_path, "needs trainer.enable_checkpointing=true",
                        "a checkpoint directory, or null")
-        tensor = getattr(self.strategy, "tensor_parallel", 1)
-        if getattr(self.strategy, "name", None) == "pipeline" and tensor > 1 and (
-                self.trainer.enable_checkpointing or self.ckpt_path is not None):
-            raise _bad("strategy.tensor_parallel", tensor, "the pipeline does not save or load checkpoints of "
-                       "tensor-parallel stages yet", "1, or trainer.enable_checkpointing=false and no ckpt_path")
         self._validate_world()
 
     def _validate_world(self) -> None:
