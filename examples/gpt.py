@@ -23,6 +23,7 @@ Two things matter for the sharded strategies:
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -46,19 +47,26 @@ class CausalSelfAttention(nn.Module):
         #: None: causal SDPA here; else ``attention(q, k, v)`` on (B, T, n_head, head_dim) tensors,
         #: e.g. Ulysses over a sequence group (:meth:`GPT.use_attention`)
         self.attention = None
+        #: the attention dropout's random numbers under tensor parallelism: each tensor rank holds
+        #: other heads, so it draws a stream of its own (set by the tensor-parallel cut:
+        #: zerotrain.strategies.parallel.tensor_sequence.TensorRNG); None: the default generator
+        self.tensor_rng = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
+        C = x.shape[-1]
+        qkv = self.c_attn(x)
+        B, T = qkv.shape[:2]  # the whole sequence, also where x is a sequence shard (tp_plan_sequence_parallel)
         # the heads are counted from c_attn's output: all n_head of them, or this rank's under a
         # tensor-parallel plan (GPT.tp_plan cuts c_attn's q, k and v by heads)
-        q, k, v = (t.view(B, T, -1, C // self.n_head) for t in self.c_attn(x).chunk(3, dim=2))
+        q, k, v = (t.view(B, T, -1, C // self.n_head) for t in qkv.chunk(3, dim=2))
         if self.attention is not None:
             y = self.attention(q, k, v)
         else:  # (B, T, n_head, head_dim) -> (B, n_head, T, head_dim) for SDPA, and back
-            y = F.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                dropout_p=self.dropout if self.training else 0.0, is_causal=True,
-            ).transpose(1, 2)
+            p = self.dropout if self.training else 0.0
+            with self.tensor_rng(x.device) if self.tensor_rng is not None and p > 0 else contextlib.nullcontext():
+                y = F.scaled_dot_product_attention(
+                    q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dropout_p=p, is_causal=True,
+                ).transpose(1, 2)
         y = y.contiguous().view(B, T, -1)
         return self.resid_dropout(self.c_proj(y))
 
@@ -194,11 +202,24 @@ class GPT(nn.Module):
     tp_plan = {"wte": "embedding_rowwise", "blocks.*.attn.c_attn": ("packed_colwise", 3),
                "blocks.*.attn.c_proj": "rowwise", "blocks.*.mlp.c_fc": "colwise", "blocks.*.mlp.c_proj": "rowwise",
                "lm_head": "colwise"}
+    #: the same with the sequence-parallel variant (Korthikanti et al., 2022): the residual stream,
+    #: the norms and the dropouts cut along the sequence over the tensor group (``drop`` cuts the
+    #: replicated embeddings + positions), each column-parallel input gathered along the sequence and
+    #: each row-parallel output reduce-scattered along it; the model's plan where
+    #: ``GPTConfig.tp_sequence_parallel`` (strategies/README.md, tensor parallelism)
+    tp_plan_sequence_parallel = {
+        "wte": "embedding_rowwise", "drop": "sequence_shard", "blocks.*.ln_1": "sequence_parallel",
+        "blocks.*.attn.c_attn": ("colwise_sp", 3), "blocks.*.attn.c_proj": "rowwise_sp",
+        "blocks.*.attn.resid_dropout": "sequence_parallel", "blocks.*.ln_2": "sequence_parallel",
+        "blocks.*.mlp.c_fc": "colwise_sp", "blocks.*.mlp.c_proj": "rowwise_sp", "blocks.*.mlp.dropout": "sequence_parallel",
+        "ln_f": "sequence_parallel", "lm_head": "colwise_sp"}
 
     def __init__(self, config: GPTConfig | None = None) -> None:
         super().__init__()
         self.config = config if config is not None else GPTConfig()
         c = self.config
+        if getattr(c, "tp_sequence_parallel", False):
+            self.tp_plan = dict(self.tp_plan_sequence_parallel)
         self.wte = nn.Embedding(c.vocab_size, c.n_embd)
         self.wpe = nn.Embedding(c.block_size, c.n_embd)
         self.drop = nn.Dropout(c.dropout)

@@ -9,6 +9,17 @@ collectives over the group are autograd functions around the layer's local matmu
 * ``gather_from_group``: all-gather along the last dimension forward, this rank's slice of the
   gradient backward: a column-parallel output wanted whole (``colwise_rep``).
 
+The sequence-parallel variant (Korthikanti et al., 2022; ``tensor_sequence.py``) keeps the
+activations between a row-parallel output and the next column-parallel input cut along the sequence
+(dimension 1 of ``[batch, sequence, ...]``) over the group; three more pairs move them:
+
+* ``scatter_to_sequence``: this rank's sequence chunk forward, all-gather of the gradient backward
+  (a replicated activation entering the sequence-sharded region);
+* ``gather_from_sequence``: all-gather along the sequence forward, reduce-scatter backward
+  (``colwise_sp``: a column-parallel layer's input);
+* ``reduce_scatter_to_sequence``: reduce-scatter along the sequence forward, all-gather backward
+  (``rowwise_sp``, ``embedding_rowwise_sp``: partial sums meeting as sequence shards).
+
 A sharded parameter carries ``tensor_parallel`` (a :class:`TensorShard`: the dimension it is cut
 along, into how many packed blocks, over how many ranks), which ``full_tensor`` uses to gather it
 back. Everything else (norms, biases of row-parallel layers, position embeddings) stays replicated
@@ -75,6 +86,63 @@ class _GatherFromGroup(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad.chunk(_size(ctx.group), dim=-1)[_rank(ctx.group)].contiguous(), None
+
+
+#: the sequence dimension of the ``[batch, sequence, ...]`` activations the sequence-parallel layers cut
+SEQ = 1
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _seq_size(x: torch.Tensor, group) -> int:
+    size = _size(group)
+    if x.dim() <= SEQ or x.shape[SEQ] % size:
+        raise ValueError(f"sequence parallelism: an activation {tuple(x.shape)} does not cut along dimension {SEQ} "
+                         f"(the sequence) into {size} tensor ranks; valid: [batch, sequence, ...] with the sequence "
+                         f"a multiple of {size}")
+    return size
+
+
+def _seq_chunk(x: torch.Tensor, group) -> torch.Tensor:
+    return x.chunk(_seq_size(x, group), dim=SEQ)[_rank(group)].clone(memory_format=torch.contiguous_format)
+
+
+def _seq_gather(x: torch.Tensor, group) -> torch.Tensor:
+    parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=SEQ)
+
+
+def _seq_reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
+    size = _seq_size(x, group)
+    whole = x.movedim(SEQ, 0).contiguous()  # the ranks' chunks contiguous, one after another
+    out = whole.new_empty((whole.shape[0] // size, *whole.shape[1:]))
+    _reduce_scatter_single(out, whole, group=group)
+    return out.movedim(0, SEQ).contiguous()
+
+
+class _SequenceMove(torch.autograd.Function):
+    """``there(x, group)`` forward, ``back(grad, group)`` backward: one of the sequence moves' pairs."""
+
+    @staticmethod
+    def forward(ctx, x, group, there, back):
+        ctx.group, ctx.back = group, back
+        return there(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.back(grad, ctx.group), None, None, None
+
+
+def scatter_to_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    return _SequenceMove.apply(x, group, _seq_chunk, _seq_gather)
+
+
+def gather_from_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    return _SequenceMove.apply(x, group, _seq_gather, _seq_reduce_scatter)
+
+
+def reduce_scatter_to_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    return _SequenceMove.apply(x, group, _seq_reduce_scatter, _seq_gather)
 
 
 def copy_to_group(x: torch.Tensor, group) -> torch.Tensor:
@@ -155,9 +223,12 @@ class ParallelLinear(nn.Module):
     ``style``: ``colwise`` (output features split; the input replicated, the output this rank's
     features), ``colwise_rep`` (the same, the output gathered whole), ``rowwise`` (input features
     split; the input this rank's features, the output summed over the group, the bias added once
-    after), ``rowwise_rep`` (the same from a replicated input, of which the layer takes its slice)."""
+    after), ``rowwise_rep`` (the same from a replicated input, of which the layer takes its slice).
+    Sequence-parallel: ``colwise_sp`` (as ``colwise`` from an input cut along the sequence, gathered
+    first), ``rowwise_sp`` (as ``rowwise``, the sum reduce-scattered along the sequence; the
+    replicated bias added to the shard, its gradient summed over the group)."""
 
-    STYLES = ("colwise", "colwise_rep", "rowwise", "rowwise_rep")
+    STYLES = ("colwise", "colwise_rep", "rowwise", "rowwise_rep", "colwise_sp", "rowwise_sp")
 
     def __init__(self, linear: nn.Linear, style: str, group, chunks: int = 1, shared: dict | None = None) -> None:
         super().__init__()
@@ -177,10 +248,14 @@ class ParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.style.startswith("colwise"):
-            y = F.linear(copy_to_group(x, self.group), self.weight, self.bias)
+            x = gather_from_sequence(x, self.group) if self.style == "colwise_sp" else copy_to_group(x, self.group)
+            y = F.linear(x, self.weight, self.bias)
             return gather_from_group(y, self.group) if self.style == "colwise_rep" else y
         if self.style == "rowwise_rep":
             x = x.chunk(_size(self.group), dim=-1)[_rank(self.group)]
+        if self.style == "rowwise_sp":  # each rank adds the bias to its own tokens: their gradients summed
+            y = reduce_scatter_to_sequence(F.linear(x, self.weight), self.group)
+            return y if self.bias is None else y + copy_to_group(self.bias, self.group)
         y = reduce_from_group(F.linear(x, self.weight), self.group)
         return y if self.bias is None else y + self.bias
 
@@ -190,10 +265,12 @@ class ParallelLinear(nn.Module):
 
 class VocabParallelEmbedding(nn.Module):
     """A ``nn.Embedding`` whose rows (the vocabulary) are cut over a tensor group: each rank looks
-    up the ids in its range, zeros elsewhere, and the group's sum is every id's row."""
+    up the ids in its range, zeros elsewhere, and the group's sum is every id's row
+    (``sequence_output``: reduce-scattered along the sequence, each rank its tokens' rows)."""
 
-    def __init__(self, embedding: nn.Embedding, group, shared: dict | None = None) -> None:
+    def __init__(self, embedding: nn.Embedding, group, shared: dict | None = None, sequence_output: bool = False) -> None:
         super().__init__()
+        self.sequence_output = sequence_output
         if embedding.max_norm is not None or embedding.sparse:
             raise ValueError("VocabParallelEmbedding: max_norm and sparse embeddings are not supported")
         self.group, self.padding_idx = group, embedding.padding_idx
@@ -204,8 +281,8 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.start
         outside = (local < 0) | (local >= self.weight.shape[0])
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
-        return reduce_from_group(out.masked_fill(outside.unsqueeze(-1), 0.0), self.group)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return (reduce_scatter_to_sequence if self.sequence_output else reduce_from_group)(out, self.group)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, local={tuple(self.weight.shape)}, rows from {self.start}"

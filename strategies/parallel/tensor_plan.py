@@ -14,12 +14,21 @@ in one of three vocabularies, all taken as input:
   ``colwise_rep``; input Shard(-1) is ``rowwise``, input Replicate ``rowwise_rep``;
   ``RowwiseParallel`` on an ``nn.Embedding`` is ``embedding_rowwise``, as torch shards it.
 
+The sequence-parallel variant (``tensor_sequence.py``; the activations between a row-parallel output
+and the next column-parallel input cut along the sequence, dimension 1): ``colwise_sp`` (input
+Shard(1): gathered first), ``rowwise_sp`` (output Shard(1): reduce-scattered), ``embedding_rowwise_sp``
+(the rows reduce-scattered), ``sequence_parallel`` (a norm or an ``nn.Dropout`` run on the shard;
+Hugging Face's name), ``sequence_shard`` (the same from a replicated input, cut first). torch's
+``SequenceParallel()`` (sequence_dim 1), ``ColwiseParallel(input_layouts=Shard(1))``,
+``RowwiseParallel(output_layouts=Shard(1))`` and an embedding's ``RowwiseParallel(input_layouts=Replicate(),
+output_layouts=Shard(1))`` are read as these. A plan with them is the switch: the demo GPT's is
+``GPT.tp_plan_sequence_parallel`` (``GPTConfig.tp_sequence_parallel``).
+
 With no plan, the model's own: ``model.tp_plan`` (a Hugging Face model's, from its config's
 ``base_model_tp_plan`` and its ``_tp_plan``), else ``model._tp_plan``.
 
-Refused before any module changes: a style outside these (the sequence-parallel variants among
-them: ``SequenceParallel``, layouts Shard(1)), a pattern that matches no module, a module of the
-wrong type, and a tied parameter whose other module the plan leaves whole.
+Refused before any module changes: a style outside these, a pattern that matches no module, a
+module of the wrong type, and a tied parameter whose other module the plan leaves whole.
 """
 from __future__ import annotations
 
@@ -30,16 +39,21 @@ import torch
 from torch import nn
 
 from .tensor import ParallelLinear, VocabParallelEmbedding, full_tensor
+from .tensor_sequence import give_tensor_rng, is_norm, sequence_parallel_module
 
 #: Hugging Face's names -> (our style, packed blocks)
 STYLES = {"colwise": ("colwise", 1), "colwise_rep": ("colwise_rep", 1), "colwise_gather_output": ("colwise_rep", 1),
           "rowwise": ("rowwise", 1), "rowwise_rep": ("rowwise_rep", 1), "packed_colwise": ("colwise", 2),
-          "embedding_rowwise": ("embedding_rowwise", 1)}
+          "embedding_rowwise": ("embedding_rowwise", 1), "colwise_sp": ("colwise_sp", 1), "rowwise_sp": ("rowwise_sp", 1),
+          "embedding_rowwise_sp": ("embedding_rowwise_sp", 1), "sequence_parallel": ("sequence_parallel", 1),
+          "sequence_shard": ("sequence_shard", 1)}
+#: the styles that run a module on this rank's sequence shard (a norm, a dropout), cutting no parameter
+SEQUENCE_STYLES = ("sequence_parallel", "sequence_shard")
 
 
 def _torch_style(spec, module: nn.Module) -> tuple[str, int]:
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
     def one(layouts):
         return layouts[0] if isinstance(layouts, (tuple, list)) else layouts
@@ -47,28 +61,38 @@ def _torch_style(spec, module: nn.Module) -> tuple[str, int]:
     def is_last(layout) -> bool:
         return isinstance(layout, Shard) and layout.dim == -1
 
+    def is_seq(layout) -> bool:
+        return isinstance(layout, Shard) and layout.dim == 1
+
     name = type(spec).__name__
+    if isinstance(spec, SequenceParallel):
+        if spec.sequence_sharding != (Shard(1),):
+            raise NotImplementedError(f"tensor plan: SequenceParallel(sequence_dim={spec.sequence_sharding[0].dim}) "
+                                      f"is not supported; valid: sequence_dim=1 ([batch, sequence, ...] activations)")
+        return "sequence_parallel", 1
     if not getattr(spec, "use_local_output", True):
         raise NotImplementedError(f"tensor plan: {name}(use_local_output=False) gives DTensors; zerotrain's "
                                   f"tensor parallelism keeps plain local tensors (use_local_output=True)")
     inp, out = one(spec.input_layouts), one(spec.output_layouts)
     if isinstance(spec, RowwiseParallel) and isinstance(module, nn.Embedding):
-        if isinstance(inp, Replicate) and isinstance(out, Replicate):
-            return "embedding_rowwise", 1
-    elif isinstance(spec, ColwiseParallel) and isinstance(inp, Replicate):
+        if isinstance(inp, Replicate) and (isinstance(out, Replicate) or is_seq(out)):
+            return "embedding_rowwise" + ("_sp" if is_seq(out) else ""), 1
+    elif isinstance(spec, ColwiseParallel) and (isinstance(inp, Replicate) or is_seq(inp)):
         if is_last(out):
-            return "colwise", 1
-        if isinstance(out, Replicate):
+            return "colwise" + ("_sp" if is_seq(inp) else ""), 1
+        if isinstance(out, Replicate) and isinstance(inp, Replicate):
             return "colwise_rep", 1
+    elif isinstance(spec, RowwiseParallel) and is_seq(out) and is_last(inp):
+        return "rowwise_sp", 1
     elif isinstance(spec, RowwiseParallel) and isinstance(out, Replicate):
         if is_last(inp):
             return "rowwise", 1
         if isinstance(inp, Replicate):
             return "rowwise_rep", 1
     raise NotImplementedError(f"tensor plan: {name}(input_layouts={inp}, output_layouts={out}) on "
-                              f"{type(module).__name__} is not supported (sequence-parallel layouts are not built); "
-                              f"valid: ColwiseParallel with input Replicate and output Shard(-1) or Replicate, "
-                              f"RowwiseParallel with output Replicate")
+                              f"{type(module).__name__} is not supported; valid: ColwiseParallel with input "
+                              f"Replicate or Shard(1) and output Shard(-1) (or Replicate from Replicate), "
+                              f"RowwiseParallel with output Replicate, or Shard(1) from Shard(-1); SequenceParallel()")
 
 
 def resolve_style(spec, module: nn.Module, where: str) -> tuple[str, int]:
@@ -85,7 +109,12 @@ def resolve_style(spec, module: nn.Module, where: str) -> tuple[str, int]:
     else:
         raise ValueError(f"tensor plan: {where!r}: {spec!r}; valid: one of {', '.join(STYLES)}, (style, chunks), "
                          f"ColwiseParallel(), RowwiseParallel()")
-    want = nn.Embedding if style == "embedding_rowwise" else nn.Linear
+    if style in SEQUENCE_STYLES:
+        if type(module) is not nn.Dropout and not is_norm(module):
+            raise ValueError(f"tensor plan: {where!r} is a {type(module).__name__}; {style} applies to an nn.Dropout "
+                             f"or a norm (a ...Norm class with parameters of its own, no submodules)")
+        return style, chunks
+    want = nn.Embedding if style.startswith("embedding_rowwise") else nn.Linear
     if not isinstance(module, want):
         raise ValueError(f"tensor plan: {where!r} is a {type(module).__name__}; {style} applies to an "
                          f"nn.{want.__name__}")
@@ -127,14 +156,20 @@ def parallelize_tensor(model: nn.Module, group, plan: dict | None = None) -> dic
             chosen[name] = resolve_style(spec, modules[name], key)
     _check_ties(model, modules, chosen)
     shared: dict = {}
-    replaced = {id(p) for name in chosen for p in modules[name].parameters(recurse=False)}
+    replaced = {id(p) for name, (style, _) in chosen.items() if style not in SEQUENCE_STYLES
+                for p in modules[name].parameters(recurse=False)}  # a sequence-parallel norm keeps its own
     for name, (style, chunks) in chosen.items():
         old = modules[name]
-        new = (VocabParallelEmbedding(old, group, shared) if style == "embedding_rowwise"
-               else ParallelLinear(old, style, group, chunks, shared))
+        if style in SEQUENCE_STYLES:
+            new = sequence_parallel_module(old, group, entry=style == "sequence_shard")
+        elif style.startswith("embedding_rowwise"):
+            new = VocabParallelEmbedding(old, group, shared, sequence_output=style.endswith("_sp"))
+        else:
+            new = ParallelLinear(old, style, group, chunks, shared)
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, new)
     model._tensor_parallel_replaced = frozenset(replaced)  # for refuse_stale_optimizer
+    give_tensor_rng(model, group)  # dropout inside the tensor-parallel regions: a stream per rank
     return {name: style for name, (style, _) in chosen.items()}
 
 

@@ -85,11 +85,14 @@ def _assert_equal_to_reference(results: list[dict], data_parallel: int, clip: fl
     assert mean == pytest.approx(ref["losses"], rel=RTOL)
 
 
-def _fit(tensor_parallel: int, devices: int, clip: float | None = None, strategy: str = "ddp") -> dict:
+def _fit(tensor_parallel: int, devices: int, clip: float | None = None, strategy: str = "ddp",
+         plan: str | None = None) -> dict:
     from zerotrain.strategies.ddp import DDPStrategy
     from zerotrain.strategies.zero import ZeroStage1, ZeroStage2, ZeroStage3
 
     module = TensorParallelGPT()
+    if plan is not None:  # another of the GPT's plans (tp_plan_sequence_parallel), the same weights
+        module.gpt.tp_plan = dict(getattr(module.gpt, plan))
     build = {"ddp": DDPStrategy, "zero1": ZeroStage1, "zero2": ZeroStage2, "zero3": ZeroStage3}[strategy]
     trainer = Trainer(strategy=build(tensor_parallel=tensor_parallel), devices=devices, max_steps=STEPS,
                       logger=False, enable_checkpointing=False, enable_progress_bar=False, precision="32",
@@ -101,7 +104,7 @@ def _fit(tensor_parallel: int, devices: int, clip: float | None = None, strategy
     assert s.checkpoint_model_info()["params"]["gpt.blocks.0.mlp.c_fc.weight"][0] == (c_fc.out_features, c_fc.in_features)
     return {"params": {k.removeprefix("gpt."): v for k, v in trainer.full_state_dict().items()},
             "losses": module.losses, "dp": s.data_parallel_world_size, "tp_rank": s.mesh_rank("tensor"),
-            "local": local, "c_fc": type(module.gpt.blocks[0].mlp.c_fc).__name__,
+            "local": local, "c_fc": type(module.gpt.blocks[0].mlp.c_fc).__name__, "ln_f": type(module.gpt.ln_f).__name__,
             "partitions": [u.layout.world_size for u in getattr(s, "units", [])]}
 
 

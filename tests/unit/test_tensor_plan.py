@@ -28,8 +28,8 @@ def test_vocabularies_resolve_alike():
     assert resolve_style(RowwiseParallel(input_layouts=Replicate()), emb, "x") == ("embedding_rowwise", 1)
     assert resolve_style("packed_colwise", linear, "x") == ("colwise", 2)
     assert resolve_style(("packed_colwise", 3), linear, "x") == ("colwise", 3)
-    with pytest.raises(NotImplementedError, match="sequence-parallel layouts are not built"):
-        resolve_style(RowwiseParallel(output_layouts=Shard(1)), linear, "x")
+    with pytest.raises(NotImplementedError, match="RowwiseParallel with output Replicate, or Shard"):
+        resolve_style(RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)), linear, "x")
     with pytest.raises(NotImplementedError, match="use_local_output=False"):
         resolve_style(ColwiseParallel(use_local_output=False), linear, "x")
 

@@ -38,6 +38,9 @@ class GPTConfig:
     #: "parameters" (between blocks, by parameter count: DeepSpeed's default) or "compute"
     #: (:meth:`GPT.pipeline_cut`: by estimated compute, a block split where a bound falls inside)
     pipeline_cut: str = "parameters"
+    #: with ``strategy.tensor_parallel``: the sequence-parallel plan (``GPT.tp_plan_sequence_parallel``:
+    #: norms, dropouts and the residual stream cut along the sequence over the tensor group)
+    tp_sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -51,6 +54,8 @@ class GPTConfig:
             )
         if self.pipeline_cut not in ("parameters", "compute"):
             raise ValueError(f"GPTConfig.pipeline_cut={self.pipeline_cut!r}; valid: 'parameters', 'compute'")
+        if not isinstance(self.tp_sequence_parallel, bool):
+            raise ValueError(f"GPTConfig.tp_sequence_parallel must be a bool, got {self.tp_sequence_parallel!r}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}")
 
@@ -148,6 +153,9 @@ def validate_pipeline(cfg: Any, world: int) -> int:
     tensor = getattr(cfg.strategy, "tensor_parallel", 1)
     if isinstance(tensor, int) and tensor >= 1 and world % tensor == 0:  # else the strategy names it
         world //= tensor
+    if tensor != 1 and getattr(cfg.model, "tp_sequence_parallel", False):
+        raise _bad("model.tp_sequence_parallel", True, "is not built for the pipeline (its stages pass activations "
+                   "replicated over the tensor group)", "false with strategy=pipeline")
     stages, m = cfg.strategy.stages or world, cfg.strategy.micro_batches
     if world % stages:
         raise _bad("strategy.stages", stages, f"does not divide the {world} processes (trainer.devices x "
@@ -188,6 +196,9 @@ def validate_tensor(cfg: Any, world: int) -> int:
         fits = [d for d in range(1, world + 1) if not (world % d or model.n_head % d or model.vocab_size % d)]
         raise _bad("strategy.tensor_parallel", tensor, f"does not divide model.{cut[0][0]}={cut[0][1]} (the GPT's "
                    "tensor-parallel plan cuts its heads and its vocabulary)", ", ".join(map(str, fits)))
+    if getattr(model, "tp_sequence_parallel", False) and model.block_size % tensor:  # the samples' length
+        raise _bad("model.block_size", model.block_size, f"does not cut into strategy.tensor_parallel={tensor} "
+                   "sequence shards (model.tp_sequence_parallel)", f"a multiple of {tensor}")
     return world // inner
 
 

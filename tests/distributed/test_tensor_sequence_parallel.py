@@ -1,0 +1,204 @@
+"""The sequence-parallel variant of tensor parallelism (strategies/parallel/tensor_sequence.py;
+issue 45) on real gloo processes, fp32, against the plain single-process model:
+
+* the demo GPT cut by ``GPT.tp_plan_sequence_parallel`` (``GPTConfig.tp_sequence_parallel``) on
+  tp=2, with dropout on (the embeddings', the residual ones', the MLP's; attention dropout off, as
+  its masks are each tensor rank's own): one step's loss and every gradient, gathered back, equal
+  one process's, and so do three Adam steps' losses and parameters: each rank's dropout draws the
+  plain model's mask for its tokens, the norms' parameter gradients are summed over the group;
+* the norms' and dropouts' saved activations per rank are exactly half of the plain model's, which
+  are the formula's: per norm ``N*C`` inputs and ``2*N`` statistics, per dropout an ``N*C`` mask
+  (fp32), N = B*S tokens, C = n_embd;
+* attention dropout under tensor parallelism draws each rank's own mask (the ranks' heads differ),
+  while the default streams stay in lockstep;
+* in the Trainer (``DDP/ZeroStage1/2(tensor_parallel=2)`` on a module holding the sequence-parallel
+  GPT; ``-m slow``): tp=2 on 2 ranks and dp=2 x tp=2 under ZeRO-1 and ZeRO-2 on 4 ranks train as the
+  plain loop.
+
+# tolerance: as test_tensor_parallel.py (its derived one-step bound, the issue's 1e-5 for the
+# trajectory); the sequence cut adds no sum: the reduce-scatter adds the same two partial sums per
+# element as the all-reduce it replaces, and the norm gradients' sum over the group splits the
+# token sum in two.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from harness import init_dist, run_ranks
+from tolerance import rel_err
+from test_tensor_parallel import LR, STEPS, TRAJECTORY_RTOL, _full, _step_bound, _tp_loss
+from test_ulysses_gpt import B, CONFIG, S
+from zerotrain.examples.gpt import GPT
+
+pytestmark = pytest.mark.timeout(240)
+
+P = 0.1
+SP_CONFIG = dataclasses.replace(CONFIG, dropout=P, tp_sequence_parallel=True)
+
+
+def _model_and_batch(attention_dropout: bool = False):
+    torch.manual_seed(5)
+    model = GPT(SP_CONFIG)
+    if not attention_dropout:
+        for block in model.blocks:
+            block.attn.dropout = 0.0
+    ids = torch.randint(0, CONFIG.vocab_size, (B, S + 1), generator=torch.Generator().manual_seed(6))
+    return model, ids[:, :-1], ids[:, 1:]
+
+
+class _SavedBytes:
+    """Bytes the norms' and dropouts' forwards save for backward: activations only (parameters'
+    storages left out), each storage once, counted whole (a view saved keeps all of it)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        from zerotrain.strategies.parallel.tensor_sequence import SequenceParallelDropout, SequenceParallelNorm
+
+        self.params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.storages: dict[int, int] = {}
+        self.on = True
+        kinds = (nn.LayerNorm, nn.Dropout, SequenceParallelNorm, SequenceParallelDropout)
+        for m in model.modules():
+            if isinstance(m, kinds):
+                m.register_forward_pre_hook(self._enter)
+                m.register_forward_hook(self._leave)
+
+    def _enter(self, module, args) -> None:
+        self.ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self.ctx.__enter__()
+
+    def _leave(self, module, args, out) -> None:
+        self.ctx.__exit__(None, None, None)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if self.on and ptr not in self.params:
+            self.storages[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    def total(self) -> int:
+        return sum(self.storages.values())
+
+
+def _formula_bytes() -> int:
+    n, c, layers = B * S, CONFIG.n_embd, CONFIG.n_layer
+    norms, dropouts = 2 * layers + 1, 2 * layers + 1  # ln_1, ln_2 per block, ln_f; drop, resid, mlp
+    return 4 * (norms * (n * c + 2 * n) + dropouts * n * c)
+
+
+def _train(model, ids, targets, loss_of) -> dict:
+    saved = _SavedBytes(model)
+    opt = torch.optim.Adam(model.parameters(), lr=LR)
+    losses, first_grads = [], None
+    for _ in range(STEPS):
+        loss = loss_of(model, ids, targets)
+        saved.on = False
+        loss.backward()
+        first_grads = first_grads or {n: p.grad.clone() for n, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return {"losses": torch.stack(losses), "first_grads": first_grads, "saved": saved.total()}
+
+
+def _sp_ranks():
+    from zerotrain.strategies.parallel import parallelize_tensor
+
+    init_dist()
+    group = dist.group.WORLD
+    model, ids, targets = _model_and_batch()
+    cut = parallelize_tensor(model, group)
+    out = _train(model, ids, targets, lambda m, i, t: _tp_loss(m, i, t, group))
+    out["grads"] = _gather_grads(model, out.pop("first_grads"), group)
+    out.update(params=_full(model, group), cut=cut)
+    return out
+
+
+def _gather_grads(model, grads: dict, group) -> dict:
+    from zerotrain.strategies.parallel import full_tensor
+
+    params = dict(model.named_parameters())
+    return {n: full_tensor((params[n], g), group) for n, g in grads.items()}
+
+
+def _plain() -> dict:
+    model, ids, targets = _model_and_batch()
+
+    def loss_of(m, i, t):
+        logits, _ = m(i)
+        return F.cross_entropy(logits.reshape(-1, CONFIG.vocab_size), t.reshape(-1))
+
+    out = _train(model, ids, targets, loss_of)
+    out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return out
+
+
+def test_gpt_tp2_sequence_parallel_with_dropout_equals_one_process_and_halves_norm_activations(tmp_path):
+    ranks = run_ranks("test_tensor_sequence_parallel:_sp_ranks", 2, tmp_path)
+    plain = _plain()
+    assert plain["saved"] == _formula_bytes()
+    bound = _step_bound()
+    for r in ranks:
+        assert r["cut"]["ln_f"] == "sequence_parallel" and r["cut"]["drop"] == "sequence_shard"
+        assert r["saved"] * 2 == plain["saved"]  # each rank: half the norms' and dropouts' activations
+        assert rel_err(r["losses"][0], plain["losses"][0]) <= bound
+        assert set(r["grads"]) == set(plain["first_grads"])
+        for name, g in plain["first_grads"].items():
+            assert rel_err(r["grads"][name], g) <= bound, name
+        assert rel_err(r["losses"], plain["losses"]) <= TRAJECTORY_RTOL
+        for name, p in plain["params"].items():
+            assert rel_err(r["params"][name], p) <= TRAJECTORY_RTOL, name
+
+
+def _attention_dropout_ranks():
+    """The cut gives the attention its tensor-parallel region over the group: a training forward with
+    attention dropout on runs through it, and the ranks' default generators stay in lockstep; a
+    draw in the region is each rank's own."""
+    from zerotrain.strategies.parallel import parallelize_tensor
+
+    init_dist()
+    model, ids, targets = _model_and_batch(attention_dropout=True)
+    parallelize_tensor(model, dist.group.WORLD)
+    loss = _tp_loss(model, ids, targets, dist.group.WORLD)
+    loss.backward()
+    attn = model.blocks[0].attn
+    with attn.tensor_rng(ids.device):
+        mask = F.dropout(torch.ones(64), 0.5, training=True)
+    return {"mask": mask, "after": torch.rand(4), "rng": type(attn.tensor_rng).__name__, "loss": loss.detach()}
+
+
+def test_attention_dropout_draws_each_tensor_ranks_own_mask(tmp_path):
+    ranks = run_ranks("test_tensor_sequence_parallel:_attention_dropout_ranks", 2, tmp_path)
+    assert ranks[0]["rng"] == "TensorRNG"
+    assert not torch.equal(ranks[0]["mask"], ranks[1]["mask"])
+    assert torch.equal(ranks[0]["after"], ranks[1]["after"])
+    assert torch.equal(ranks[0]["loss"], ranks[1]["loss"]) and torch.isfinite(ranks[0]["loss"])
+
+
+# ---------------------------------------------------------------------------- in the Trainer
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "zero1"])
+def test_tp2_sequence_parallel_in_the_trainer_trains_as_one_process(tmp_path, strategy):
+    from test_tensor_parallel_trainer import _check
+
+    results = run_ranks("test_tensor_parallel_trainer:_fit", 2, tmp_path, timeout=240, tensor_parallel=2, devices=2,
+                        strategy=strategy, plan="tp_plan_sequence_parallel")
+    assert [r["ln_f"] for r in results] == ["SequenceParallelNorm"] * 2
+    _check(results, 1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["zero1", "zero2"])
+def test_dp2_by_tp2_sequence_parallel_under_zero_trains_as_one_process(tmp_path, strategy):
+    from test_tensor_parallel_trainer import _check
+
+    results = run_ranks("test_tensor_parallel_trainer:_fit", 4, tmp_path, timeout=280, tensor_parallel=2, devices=4,
+                        strategy=strategy, plan="tp_plan_sequence_parallel")
+    assert [r["tp_rank"] for r in results] == [0, 1, 0, 1]
+    assert [r["ln_f"] for r in results] == ["SequenceParallelNorm"] * 4
+    _check(results, 2)
