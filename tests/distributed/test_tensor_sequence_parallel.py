@@ -9,8 +9,8 @@ issue 45) on real gloo processes, fp32, against the plain single-process model:
 * the norms' and dropouts' saved activations per rank are exactly half of the plain model's, which
   are the formula's: per norm ``N*C`` inputs and ``2*N`` statistics, per dropout an ``N*C`` mask
   (fp32), N = B*S tokens, C = n_embd;
-* attention dropout under tensor parallelism draws each rank's own mask (the ranks' heads differ),
-  while the default streams stay in lockstep;
+* attention dropout under tensor parallelism runs in the cut's region (``TensorRNG``): its draws
+  are each rank's own (the ranks' heads differ), while the default streams stay in lockstep;
 * in the Trainer (``DDP/ZeroStage1/2(tensor_parallel=2)`` on a module holding the sequence-parallel
   GPT; ``-m slow``): tp=2 on 2 ranks and dp=2 x tp=2 under ZeRO-1 and ZeRO-2 on 4 ranks train as the
   plain loop.
@@ -116,6 +116,15 @@ def _sp_ranks():
     out = _train(model, ids, targets, lambda m, i, t: _tp_loss(m, i, t, group))
     out["grads"] = _gather_grads(model, out.pop("first_grads"), group)
     out.update(params=_full(model, group), cut=cut)
+    # attention dropout on: a training step runs it in the cut's tensor-parallel region, whose draws
+    # are each rank's own while the default generators stay in lockstep
+    for block in model.blocks:
+        block.attn.dropout = 0.5
+    _tp_loss(model, ids, targets, group).backward()
+    attn = model.blocks[0].attn
+    with attn.tensor_rng(ids.device):
+        region = F.dropout(torch.ones(64), 0.5, training=True)
+    out.update(region=region, after=torch.rand(4), rng=type(attn.tensor_rng).__name__)
     return out
 
 
@@ -153,31 +162,9 @@ def test_gpt_tp2_sequence_parallel_with_dropout_equals_one_process_and_halves_no
         assert rel_err(r["losses"], plain["losses"]) <= TRAJECTORY_RTOL
         for name, p in plain["params"].items():
             assert rel_err(r["params"][name], p) <= TRAJECTORY_RTOL, name
-
-
-def _attention_dropout_ranks():
-    """The cut gives the attention its tensor-parallel region over the group: a training forward with
-    attention dropout on runs through it, and the ranks' default generators stay in lockstep; a
-    draw in the region is each rank's own."""
-    from zerotrain.strategies.parallel import parallelize_tensor
-
-    init_dist()
-    model, ids, targets = _model_and_batch(attention_dropout=True)
-    parallelize_tensor(model, dist.group.WORLD)
-    loss = _tp_loss(model, ids, targets, dist.group.WORLD)
-    loss.backward()
-    attn = model.blocks[0].attn
-    with attn.tensor_rng(ids.device):
-        mask = F.dropout(torch.ones(64), 0.5, training=True)
-    return {"mask": mask, "after": torch.rand(4), "rng": type(attn.tensor_rng).__name__, "loss": loss.detach()}
-
-
-def test_attention_dropout_draws_each_tensor_ranks_own_mask(tmp_path):
-    ranks = run_ranks("test_tensor_sequence_parallel:_attention_dropout_ranks", 2, tmp_path)
-    assert ranks[0]["rng"] == "TensorRNG"
-    assert not torch.equal(ranks[0]["mask"], ranks[1]["mask"])
-    assert torch.equal(ranks[0]["after"], ranks[1]["after"])
-    assert torch.equal(ranks[0]["loss"], ranks[1]["loss"]) and torch.isfinite(ranks[0]["loss"])
+        assert r["rng"] == "TensorRNG"
+    assert not torch.equal(ranks[0]["region"], ranks[1]["region"])  # other heads, another mask
+    assert torch.equal(ranks[0]["after"], ranks[1]["after"])  # the default streams in lockstep
 
 
 # ---------------------------------------------------------------------------- in the Trainer
