@@ -68,7 +68,8 @@ def mesh_model_states(split: ParamSplit, data: int = 1, sequence: int = 1, tenso
 
 
 def gpt_activation_bytes(batch: int, seq: int, n_layer: int, n_embd: int, n_head: int, vocab_size: int,
-                         tensor: int = 1, sequence: int = 1, element_bytes: int = 4, loss: bool = True) -> int:
+                         tensor: int = 1, sequence: int = 1, element_bytes: int = 4, loss: bool = True,
+                         tensor_sequence: bool = False) -> int:
     """Bytes autograd keeps for backward after one forward of the demo GPT on ``batch`` sequences
     of ``seq`` tokens, on one rank: its ``seq / sequence`` tokens (Ulysses), ``1/tensor`` of the
     heads and of the MLP's hidden units (Megatron). Per layer and token, in elements: the block's
@@ -80,6 +81,10 @@ def gpt_activation_bytes(batch: int, seq: int, n_layer: int, n_embd: int, n_head
     (``V``, cut by the tensor axis); int64 token ids (under a tensor axis: the vocabulary-parallel
     embedding's local ids and its out-of-range mask, one byte) and targets; the positions; the loss.
     ``loss=False``: the forward to the logits only (no targets, no log-softmax, no loss).
+    ``tensor_sequence``: the sequence-parallel variant of tensor parallelism (``GPTConfig.tp_sequence_parallel``):
+    the residual stream and the norms are cut along the sequence too, so of the whole ``4C + 4`` per
+    layer (``2C + 2`` for the final norm) only the column-parallel layers' gathered inputs (``2C``;
+    ``C``) stay whole.
     ``element_bytes``: 4 in fp32 (exact), 2 approximates bf16 activations."""
     for name, v in (("batch", batch), ("seq", seq), ("n_layer", n_layer), ("n_embd", n_embd), ("n_head", n_head),
                     ("vocab_size", vocab_size), ("tensor", tensor), ("sequence", sequence)):
@@ -93,9 +98,11 @@ def gpt_activation_bytes(batch: int, seq: int, n_layer: int, n_embd: int, n_head
     c, t, e = n_embd, tensor, element_bytes
     tokens = batch * seq // sequence
     cut = 12 * c + n_head + (c if sequence > 1 else 0)
-    layer = (4 * c + 4) * e + cut * e // t
+    whole, norm = (2 * c, 2 * c + 4) if tensor_sequence and t > 1 else (4 * c + 4, 0)  # per layer: whole, cut
+    layer = whole * e + (cut + norm) * e // t
     ids = 8 + (1 if t > 1 else 0)
-    head = (2 * c + 2) * e + ids + ((vocab_size // t) * e + 8 if loss else 0)  # ln_f; logits, targets
+    final = (c, c + 2) if tensor_sequence and t > 1 else (2 * c + 2, 0)
+    head = final[0] * e + final[1] * e // t + ids + ((vocab_size // t) * e + 8 if loss else 0)  # ln_f; logits
     return tokens * (n_layer * layer + head) + 8 * (seq // sequence) + (4 if loss else 0)  # positions, loss
 
 

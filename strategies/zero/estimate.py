@@ -160,6 +160,9 @@ def _check_model(ap: argparse.ArgumentParser, args: argparse.Namespace, gpt: boo
     if args.seq_len > args.block_size or args.seq_len % s:
         ap.error(f"--seq-len={args.seq_len}: must be at most --block-size={args.block_size} and a multiple of "
                  f"--sequence-parallel={s}; valid: a multiple of {s} up to {args.block_size}")
+    if args.tp_sequence_parallel and (t == 1 or args.seq_len % (t * s)):
+        ap.error(f"--tp-sequence-parallel: cuts the sequence over --tensor-parallel={t} (x --sequence-parallel={s}) "
+                 f"ranks; valid: with --tensor-parallel > 1 and --seq-len a multiple of {t * s}")
     if p > args.n_layer + 4:
         ap.error(f"--stages={p}: exceeds the {args.n_layer + 4} pipeline layers of the GPT (wte, positions, "
                  f"--n-layer={args.n_layer} blocks, ln_f, lm_head); valid: 1 .. {args.n_layer + 4}")
@@ -189,6 +192,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     mesh.add_argument("--sequence-parallel", type=_positive("--sequence-parallel"),
                       help="Ulysses: ranks a sequence is cut over")
     mesh.add_argument("--stages", type=_positive("--stages"), help="pipeline stages")
+    mesh.add_argument("--tp-sequence-parallel", action="store_true", help="the sequence-parallel variant of "
+                      "tensor parallelism (the CLI's model.tp_sequence_parallel): norms on sequence shards")
     mesh.add_argument("--sharded-params", type=float, help="with --num-params: how many the tensor plan cuts")
     mesh.add_argument("--n-head", type=_positive("--n-head"), help="GPT config: heads (default n_embd // 64, at "
                       "least 1)")
@@ -227,7 +232,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         ap.error("give --num-params, or both --n-layer and --n-embd")
     offload = [args.offload_stage, args.optimizer_device, args.param_device, args.ram_gb, args.disk_gb]
-    if any(v is not None for v in (args.tensor_parallel, args.sequence_parallel, args.stages)):
+    if args.tp_sequence_parallel or any(v is not None for v in (args.tensor_parallel, args.sequence_parallel,
+                                                                 args.stages)):
         return _mesh_table(ap, args, num_params, gpt=args.num_params is None)
     if args.expert_params is not None:
         from ..moe.estimate import format_expert_table  # the dense/expert split (issue 46)
@@ -276,7 +282,8 @@ def _mesh_table(ap: argparse.ArgumentParser, args: argparse.Namespace, num_param
 
         def activations(tensor: int, sequence: int) -> int:
             return gpt_activation_bytes(args.batch_size, args.seq_len, args.n_layer, args.n_embd, args.n_head,
-                                        args.vocab_size, tensor, sequence, 4 if precision == "32" else 2)
+                                        args.vocab_size, tensor, sequence, 4 if precision == "32" else 2,
+                                        tensor_sequence=args.tp_sequence_parallel)
     else:
         sharded = int(args.sharded_params or 0)
         if not 0 <= sharded <= num_params or float(args.sharded_params or 0) != sharded:

@@ -11,6 +11,8 @@ under tp=2.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,6 +21,7 @@ from torch.utils.data import DataLoader
 from harness import run_ranks
 from test_sequence_parallel_trainer import B, CONFIG, S, _data, _gpt
 from zerotrain import Trainer, TrainModule
+from zerotrain.examples.gpt import GPT
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -27,9 +30,13 @@ class MeasuredGPT(TrainModule):
     """The demo GPT through the mesh's axes (vocabulary-parallel loss over the tensor group, Ulysses
     over the sequence group); the first step's forward counted by ``SavedActivations``."""
 
-    def __init__(self) -> None:
+    def __init__(self, tp_sequence: bool = False) -> None:
         super().__init__()
-        self.gpt = _gpt()
+        if tp_sequence:  # the sequence-parallel variant's plan (GPT.tp_plan_sequence_parallel)
+            torch.manual_seed(5)
+            self.gpt = GPT(dataclasses.replace(CONFIG, tp_sequence_parallel=True))
+        else:
+            self.gpt = _gpt()
         self.saved: int | None = None
 
     def training_step(self, batch, batch_idx):
@@ -59,11 +66,11 @@ class MeasuredGPT(TrainModule):
         return DataLoader(_data(), batch_size=B, shuffle=False)
 
 
-def _fit(strategy: str, devices: int, tensor: int = 1, sequence: int = 1) -> dict:
+def _fit(strategy: str, devices: int, tensor: int = 1, sequence: int = 1, tp_sequence: bool = False) -> dict:
     from zerotrain.callbacks import ResourceMonitor
     from zerotrain.strategies import strategy_from_name
 
-    module, monitor = MeasuredGPT(), ResourceMonitor(print_summary=False)
+    module, monitor = MeasuredGPT(tp_sequence), ResourceMonitor(print_summary=False)
     axes = {k: v for k, v in (("tensor_parallel", tensor), ("sequence_parallel", sequence)) if v > 1}
     trainer = Trainer(strategy=strategy_from_name(strategy, **axes),
                       devices=devices, max_steps=2, logger=False, enable_checkpointing=False,
@@ -72,19 +79,19 @@ def _fit(strategy: str, devices: int, tensor: int = 1, sequence: int = 1) -> dic
     return {"params": trainer.strategy.memory_report()["params"], "mesh": monitor.mesh, "saved": module.saved}
 
 
-def _expected(data: int, tensor: int, sequence: int, stage: str) -> tuple[int, int]:
+def _expected(data: int, tensor: int, sequence: int, stage: str, tp_sequence: bool = False) -> tuple[int, int]:
     """(parameter bytes, forward activation bytes) per rank, by the estimate."""
     from zerotrain.strategies.memory.mesh import gpt_activation_bytes, gpt_param_split, mesh_model_states
 
     split = gpt_param_split(CONFIG.n_layer, CONFIG.n_embd, CONFIG.vocab_size, CONFIG.block_size, bias=CONFIG.bias)
     params = mesh_model_states(split, data, sequence, tensor, precision="32")[stage].params
     act = gpt_activation_bytes(B, S, CONFIG.n_layer, CONFIG.n_embd, CONFIG.n_head, CONFIG.vocab_size, tensor,
-                               sequence, loss=False)
+                               sequence, loss=False, tensor_sequence=tp_sequence)
     return params, act
 
 
-def _check(results: list[dict], data: int, tensor: int, sequence: int, stage: str) -> None:
-    params, act = _expected(data, tensor, sequence, stage)
+def _check(results: list[dict], data: int, tensor: int, sequence: int, stage: str, tp_sequence: bool = False) -> None:
+    params, act = _expected(data, tensor, sequence, stage, tp_sequence)
     for r in results:
         assert r["mesh"]["mesh"] == {"data": data, "sequence": sequence, "tensor": tensor, "stages": 1}
         assert r["params"] == params == r["mesh"]["params_measured"] == r["mesh"]["params_estimate"], r
@@ -98,6 +105,7 @@ def test_tp2_parameters_and_activations_per_rank_are_the_estimates(tmp_path):
     assert results[0]["params"] < whole * 0.6  # the cut layers hold most of the demo GPT
 
 
+@pytest.mark.slow
 def test_sp2_halves_the_activations_at_a_fixed_sequence(tmp_path):
     """Ulysses sp=2 on 2 ranks: each rank saves what the estimate says, about half of one process's
     forward over the whole sequence, measured here (the rest: the exchanged-back attention output)."""
@@ -118,3 +126,15 @@ def test_sp2_halves_the_activations_at_a_fixed_sequence(tmp_path):
 def test_dp2_by_tp2_under_zero_parameters_per_rank_are_the_estimates(tmp_path, strategy):
     results = run_ranks("test_mesh_estimate:_fit", 4, tmp_path, timeout=280, strategy=strategy, devices=4, tensor=2)
     _check(results, 2, 2, 1, strategy)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif("tp_sequence_parallel" not in {f.name for f in dataclasses.fields(CONFIG)},
+                    reason="the sequence-parallel variant of tensor parallelism is not in this tree")
+def test_tp2_with_sequence_parallel_norms_activations_are_the_estimate(tmp_path):
+    """The variant's norms run on sequence shards: only the column-parallel layers' gathered inputs
+    stay whole; parameters as plain tp=2 (the norms' stay whole)."""
+    results = run_ranks("test_mesh_estimate:_fit", 2, tmp_path, timeout=240, strategy="ddp", devices=2, tensor=2,
+                        tp_sequence=True)
+    _check(results, 1, 2, 1, "ddp", tp_sequence=True)
+    assert results[0]["saved"] < _expected(1, 2, 1, "ddp")[1]

@@ -74,6 +74,7 @@ def test_command_prints_the_mesh_table(capsys):
     (["--sequence-parallel", "8"], "--sequence-parallel=8"),
     (["--stages", "2", "--sequence-parallel", "2"], "--sequence-parallel=2"),
     (["--tensor-parallel", "2", "--seq-len", "64"], "--seq-len=64"),
+    (["--tp-sequence-parallel"], "--tp-sequence-parallel"),
 ])
 def test_bad_mesh_input_is_refused_in_one_line(capsys, argv, field):
     base = ["--n-layer", "2", "--n-embd", "64", "--n-head", "4", "--vocab-size", "64", "--block-size", "32",
@@ -83,6 +84,16 @@ def test_bad_mesh_input_is_refused_in_one_line(capsys, argv, field):
     err = capsys.readouterr()
     assert exc.value.code == 2 and err.out == ""
     assert len(err.err.strip().splitlines()) == 1 and field in err.err and "valid" in err.err
+
+
+def test_the_sequence_parallel_variant_keeps_only_the_gathered_inputs_whole():
+    """tp=2 with norms on sequence shards: per layer 2C of the replicated 4C + 4 stay whole (the
+    column-parallel layers' gathered inputs), the rest halves; C of the final norm's 2C + 2."""
+    shape = dict(batch=2, seq=16, n_layer=3, n_embd=16, n_head=4, vocab_size=32, tensor=2, loss=False)
+    plain, variant = gpt_activation_bytes(**shape), gpt_activation_bytes(**shape, tensor_sequence=True)
+    assert plain - variant == 2 * 16 * 4 * (3 * (2 * 16 + 4) + (16 + 2)) // 2
+    assert gpt_activation_bytes(**{**shape, "tensor": 1}, tensor_sequence=True) == gpt_activation_bytes(
+        **{**shape, "tensor": 1})
 
 
 def test_num_params_needs_the_cut_count_for_a_tensor_axis(capsys):
