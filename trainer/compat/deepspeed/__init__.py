@@ -32,6 +32,7 @@ from .autotp import cut_for_autotp, sequence_parallel_of
 from .comm import init_distributed
 from .config import DeepSpeedAssertion, DeepSpeedConfig, parse, report_ignored
 from .engine import DeepSpeedEngine
+from .ops.sixteen_bit import sixteen_bit_steps
 
 log = logging.getLogger("zerotrain")
 
@@ -221,11 +222,15 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     cut_for_autotp(engine.strategy, model)  # tensor_parallel.autotp_size: each rank's shards, before the optimizer
     _round_to_16bit(model, cfg)
     opt = _optimizer(cfg, optimizer, model, model_parameters)
+    sixteen = sixteen_bit_steps(cfg, opt, model)  # bf16 at stage 0: DeepSpeed's 16-bit optimizer wrapper
     wrapped_model, wrapped_opt = engine.setup(model, opt)
     zero.register(engine)
+    if sixteen is not None:
+        sixteen.setup()  # its zero-gradient step, at the configured lr (before the scheduler)
     sched = _scheduler(cfg, lr_scheduler, opt, optimizer)
     loader = _dataloader(cfg, engine, training_data, collate_fn) if training_data is not None else None
     ds_engine = DeepSpeedEngine(engine, cfg, wrapped_model, wrapped_opt, sched, loader)
+    ds_engine.sixteen_bit = sixteen
     if hasattr(args, "local_rank"):
         args.local_rank = ds_engine.local_rank  # DeepSpeed aligns the argument with the engine's
     return ds_engine, wrapped_opt, loader, sched

@@ -332,10 +332,19 @@ class DeepSpeedEngine(CompileMethods, ConfigAccessors):
                 self._take_step(lr_kwargs)
         self.micro_steps += 1
 
+    #: bf16 at stage 0: DeepSpeed's 16-bit optimizer wrapper's clip (``ops/sixteen_bit.py``)
+    sixteen_bit: Any = None
+
     def _take_step(self, lr_kwargs: dict[str, Any] | None) -> None:
-        if self._cfg.gradient_clipping > 0:
-            self._zt.clip_gradients(self._model, self.optimizer, max_norm=self._cfg.gradient_clipping)
-        self._step_applied = bool(self.optimizer.step())
+        if self.sixteen_bit is not None:
+            if self.sixteen_bit.clip():
+                self._step_applied = bool(self.optimizer.step())
+            else:  # a non-finite norm: the wrapper skips the step
+                self.optimizer.zero_grad()
+        else:
+            if self._cfg.gradient_clipping > 0:
+                self._zt.clip_gradients(self._model, self.optimizer, max_norm=self._cfg.gradient_clipping)
+            self._step_applied = bool(self.optimizer.step())
         if not self._step_applied:
             self.skipped_steps += 1
         elif self.lr_scheduler is not None:

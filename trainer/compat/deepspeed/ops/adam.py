@@ -17,6 +17,7 @@ import torch
 
 from .....ops import CPUAdam, fused_adam_step
 from .....ops.deepspeed_adam import DeepSpeedBetaPowers
+from .sixteen_bit import flat_data, flat_state
 from ....errors import ConfigError
 
 # DeepSpeed's CPU FusedAdam keeps one host-kernel object per mode (AdamW, Adam) and process, created
@@ -39,6 +40,8 @@ class HostKernelSteps:
 
     _kernel_adamw = True
     kernel_order = "deepspeed"
+    #: DeepSpeed's stage-0 bf16 wrapper (``sixteen_bit.py``): each group stepped as one flat buffer
+    flat_groups = False
 
     def _kernel_param(self, p: torch.Tensor, group: dict) -> bool:
         return (p.grad is not None and p.dtype in (torch.float32, torch.bfloat16) and p.device.type == "cpu"
@@ -56,6 +59,13 @@ class HostKernelSteps:
         try:
             for group in self.param_groups:
                 beta1, beta2 = group["betas"]
+                if self.flat_groups:
+                    self._flat_step(group)
+                    for p in group["params"]:  # torch's step below skips them
+                        if p.grad is not None:
+                            hidden.append((p, p.grad))
+                            p.grad = None
+                    continue
                 for p in group["params"]:
                     if not self._kernel_param(p, group):
                         continue
@@ -79,6 +89,30 @@ class HostKernelSteps:
             for p, g in hidden:
                 p.grad = g
         return loss
+
+    def _flat_step(self, group: dict) -> None:
+        """DeepSpeed's ``FP16_Optimizer`` steps one flat fp32 master per group: the group's trainable
+        parameters (views of one buffer, ``sixteen_bit.flat_data``) and their moments stepped by one
+        kernel call, a parameter without a gradient with zeros."""
+        params = [p for p in group["params"] if p.requires_grad]
+        if not params:
+            return
+        for p in params:
+            if not self.state[p]:
+                self.state[p].update(step=torch.tensor(0.0, dtype=torch.float32), exp_avg=torch.zeros_like(p),
+                                     exp_avg_sq=torch.zeros_like(p))
+        grad = torch.cat([p.grad.reshape(-1).float() if p.grad is not None else
+                          torch.zeros(p.numel(), dtype=torch.float32, device=p.device) for p in params])
+        step = int(self.state[params[0]]["step"].item()) + 1
+        for p in params:
+            self.state[p]["step"].fill_(step)
+        beta1, beta2 = group["betas"]
+        adamw = self._kernel_adamw or bool(group.get("decoupled_weight_decay"))
+        fused_adam_step(flat_data(params), grad, flat_state(self.state, params, "exp_avg"),
+                        flat_state(self.state, params, "exp_avg_sq"), step=step, lr=float(group["lr"]),
+                        beta1=float(beta1), beta2=float(beta2), eps=group["eps"], weight_decay=group["weight_decay"],
+                        adamw=adamw, order="deepspeed",
+                        beta_powers=_FUSED_ADAM_POWERS[adamw].advance(step, beta1, beta2))
 
 
 class DeepSpeedAdamW(HostKernelSteps, torch.optim.AdamW):
