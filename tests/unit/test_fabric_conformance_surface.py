@@ -42,6 +42,29 @@ def test_setup_module_alone_gives_a_set_up_model_and_setup_optimizers_steps_it()
         torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
 
 
+def test_setup_of_the_model_alone_then_setup_optimizers_of_an_optimizer_built_after_it():
+    """Fabric's FSDP / ModelParallel order (Lightning's examples/fabric/tensor_parallel):
+    ``setup(model)``, the optimizer built on the set-up model's parameters, then
+    ``setup_optimizers(optimizer)``; each of two models set up so finds its own optimizer. Before,
+    ``setup_optimizers`` said no module was set up."""
+    fabric = Fabric(accelerator="cpu", devices=1)
+    (a, _), (b, _) = _model_and_sgd(0), _model_and_sgd(1)
+    (ref_a, ref_opt_a), (ref_b, ref_opt_b) = _model_and_sgd(0), _model_and_sgd(1)
+    wrapped_a, wrapped_b = fabric.setup(a), fabric.setup(b)
+    opt_b = fabric.setup_optimizers(torch.optim.SGD(wrapped_b.parameters(), lr=0.1))
+    opt_a = fabric.setup_optimizers(torch.optim.SGD(wrapped_a.parameters(), lr=0.1))
+    x = torch.randn(4, 3)
+    for wrapped, opt, ref, ref_opt in ((wrapped_a, opt_a, ref_a, ref_opt_a), (wrapped_b, opt_b, ref_b, ref_opt_b)):
+        fabric.backward(wrapped(x).square().sum())
+        opt.step()
+        ref(x).square().sum().backward()
+        ref_opt.step()
+        for mine, theirs in zip(wrapped.parameters(), ref.parameters()):
+            torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="no module set up"):  # an optimizer of no set-up model
+        fabric.setup_optimizers(torch.optim.SGD(nn.Linear(3, 2).parameters(), lr=0.1))
+
+
 def test_objects_setup_returned_are_refused_with_fabrics_errors():
     fabric = Fabric(accelerator="cpu", devices=1)
     model, opt = _model_and_sgd()

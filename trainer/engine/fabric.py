@@ -345,15 +345,28 @@ class Fabric(Engine):
         """The second half: the optimizers of the module from ``setup_module`` (set up with it
         now, or handed to its strategy); returns the optimizer wrapper (a tuple for several)."""
         _check_not_wrapped(None, optimizers, "setup_optimizers")
-        if self._pending_module is None:
+        module, self._pending_module = self._pending_module or self._model_without_optimizer(optimizers), None
+        if module is None:
             raise ConfigError("Fabric.setup_optimizers: no module set up; valid: fabric.setup_module(model) "
                               "first, or fabric.setup(model, optimizer)")
-        module, self._pending_module = self._pending_module, None
         if not isinstance(module, EngineModule):
             _, *wrapped = self.setup(module, *optimizers)
         else:
             wrapped = self._optimizers_of(module, optimizers)
         return wrapped[0] if len(wrapped) == 1 else tuple(wrapped)
+
+    def _model_without_optimizer(self, optimizers: Sequence[Any]) -> EngineModule | None:
+        """The model that ``setup(model)`` set up alone (no optimizer yet) whose parameters
+        ``optimizers`` step: Fabric's ``setup(model)`` then ``setup_optimizers(optimizer)``, the order
+        FSDP and ModelParallel scripts use (the optimizer is built on the parallelized parameters)."""
+        wanted = {id(p) for o in optimizers if isinstance(o, torch.optim.Optimizer)
+                  for g in o.param_groups for p in g["params"]}
+        for m in reversed(self._models):
+            if any(o.strategy is m._strategy for o in self._optimizers):
+                continue
+            if any(id(p) in wanted for p in m.module.parameters()):
+                return m
+        return None
 
     def _optimizers_of(self, model: EngineModule, optimizers: Sequence[torch.optim.Optimizer]) -> list[Any]:
         """``optimizers`` handed to the strategy of ``model``, set up without one."""
