@@ -53,6 +53,25 @@ def test_safetensors_written_streaming_read_by_safetensors_and_by_slices(tmp_pat
             SafetensorsFile(path)
 
 
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.uint16, torch.uint32, torch.uint64,
+                                   torch.float8_e4m3fn, torch.float8_e5m2])
+def test_safetensors_holds_every_dtype_safetensors_names(dtype, tmp_path):
+    """A complex64 buffer (Llama's rotary ``freqs_cis``, found in Lightning's Fabric tensor_parallel
+    example), unsigned and float8 tensors round-trip, whole and by element ranges, and safetensors
+    itself reads them; before, saving such a model raised ``cannot be stored in safetensors``."""
+    from safetensors.torch import load_file
+
+    g = torch.Generator().manual_seed(0)
+    t = (torch.randn(3, 5, dtype=torch.complex64, generator=g) if dtype.is_complex
+         else torch.randint(0, 100, (3, 5), generator=g).to(dtype))
+    path = tmp_path / "t.safetensors"
+    write_safetensors(path, [Entry.of("t", t)])
+    assert load_file(path)["t"].view(torch.uint8).equal(t.view(torch.uint8))
+    with SafetensorsFile(path) as f:
+        assert f.read("t").view(torch.uint8).equal(t.view(torch.uint8))
+        assert f.read("t", 4, 9).view(torch.uint8).equal(t.reshape(-1)[4:9].view(torch.uint8))
+
+
 def test_torch_file_written_streaming_loads_with_weights_only_and_shares_tied_storage(tmp_path):
     ts = _tensors()
     calls = []

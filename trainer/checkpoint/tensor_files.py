@@ -32,7 +32,9 @@ from ..errors import CheckpointError
 
 _DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
            torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-           torch.uint8: "U8", torch.bool: "BOOL"}
+           torch.uint8: "U8", torch.bool: "BOOL", torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
+           torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+           torch.complex64: "C64"}  # as safetensors names them (C64: rotary tables such as Llama's freqs_cis)
 _BY_CODE = {v: k for k, v in _DTYPES.items()}
 _MAX_HEADER = 100 << 20  # safetensors' own limit
 
