@@ -97,7 +97,13 @@ class PipelineCheckpoint(ReplicatedCheckpoint):
                 "keys": [self.plain(k) for k in info["keys"]]}
 
     def optimizer_group_names(self) -> list[list[str]]:
-        return [[self.canonical(n) for n in group] for group in super().optimizer_group_names()]
+        """Each param group's parameters by checkpoint name; under ZeRO-1 the user's optimizer
+        holds master slices, so the groups are the flat buffers' parameters."""
+        s = self.s
+        if s._zero is None:
+            return [[self.canonical(n) for n in group] for group in super().optimizer_group_names()]
+        names = self.checkpoint_names()
+        return [[names[id(p)] for p in fg.params if id(p) in names] for fg in s._zero.flat_groups]
 
     def checkpoint_names(self) -> dict[int, str]:
         """``id(parameter) -> the plain name it is checkpointed under`` (``canonical``)."""

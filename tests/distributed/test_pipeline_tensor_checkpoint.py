@@ -67,12 +67,12 @@ class PipeOrPlainGPT(TrainModule):
 
 
 def _fit(root: str, devices: int, stages: int = 0, tensor_parallel: int = 1, save: str | None = None,
-         resume: str | None = None) -> dict:
-    """``stages`` 0: a single process; else the pipeline with that many stages."""
+         resume: str | None = None, zero_stage: int = 0) -> dict:
+    """``stages`` 0: a single process; else the pipeline with that many stages (and ``zero_stage``)."""
     from zerotrain.strategies.pipeline import PipelineStrategy
 
     strategy = (PipelineStrategy(stages=stages, tensor_parallel=tensor_parallel, micro_batches=MICRO,
-                                 process_group_timeout_s=60) if stages else "single")
+                                 zero_stage=zero_stage, process_group_timeout_s=60) if stages else "single")
     module = PipeOrPlainGPT()
     cbs = [ModelCheckpoint(dirpath=os.path.join(root, save), filename="{step:06d}", save_top_k=-1,
                            every_n_train_steps=SAVE_AT, save_last=False)] if save else []
@@ -164,3 +164,20 @@ def test_one_stage_tp2_resumes_as_two_stages(tmp_path_factory):
                    dict(devices=2, stages=2, resume=_ckpt("tp2")))
     assert [r[0]["tp"] for r in ranks] == [2, 2] and ranks[0][1]["tp"] == 1
     _assert_continues([r[1] for r in ranks], [r[0] for r in ranks])
+
+
+@pytest.mark.slow
+def test_single_resumes_as_one_stage_tp2_on_2_with_and_without_zero1(tmp_path_factory):
+    """The load's cut on 2 ranks: each tensor rank of the one stage reads its shard of the single
+    process's whole tensors (the tied embedding / LM head included) and continues as it; under
+    ``zero_stage=1`` into its partition of the masters and state. One stage x tp=2 under ZeRO-1 saves
+    too, and one process resumes it (the optimizer's groups are named from ZeRO-1's flat buffers)."""
+    whole = _single_saves(tmp_path_factory)
+    tp2 = dict(devices=2, stages=1, tensor_parallel=2)
+    runs = _spawn(tmp_path_factory, 2, dict(tp2, resume=_ckpt("single")),
+                  dict(tp2, zero_stage=1, resume=_ckpt("single")), dict(tp2, zero_stage=1, save="tpz1"))
+    assert [r[0]["tp"] for r in runs] == [2, 2]
+    for case in (0, 1):
+        _assert_continues([r[case] for r in runs], [r[0] for r in whole])
+    again = _spawn(tmp_path_factory, 1, dict(devices=1, resume=_ckpt("tpz1")))
+    _assert_continues([r[0] for r in again], [r[2] for r in runs])
