@@ -23,16 +23,19 @@ _POLICY_FIELDS = frozenset(f.name for f in fields(OffloadPolicy))
 
 
 def Offload(stage: int = 2, *, process_group_timeout_s: float = PROCESS_GROUP_TIMEOUT_S,  # noqa: N802
-            **options: Any) -> ZeroStrategy:
+            tensor_parallel: int = 1, **options: Any) -> ZeroStrategy:
     """ZeRO stage ``stage`` (2 or 3) with the optimizer offloaded: a ``ZeroStage2``/``ZeroStage3``
     whose stepper is an :class:`OffloadStepper`. ``options`` are flat: the policy's fields
     (:class:`OffloadPolicy`) and the stage's (``ZeroConfig``, ``BucketConfig`` or
-    ``Stage3Config``); an option of the other stage must stay at its default."""
+    ``Stage3Config``); an option of the other stage must stay at its default. ``tensor_parallel``:
+    the stage's tensor axis (each rank's shards partitioned over its replicas; the stepper sees
+    only partitions, so it is the same)."""
     check_stage(stage)
     policy = OffloadPolicy(**{k: v for k, v in options.items() if k in _POLICY_FIELDS})
     spec = ZeroSpec.from_options(stage, owner="Offload",
                                  **{k: v for k, v in options.items() if k not in _POLICY_FIELDS})
-    return zero_strategy(spec, OffloadStepper(policy), process_group_timeout_s=process_group_timeout_s)
+    return zero_strategy(spec, OffloadStepper(policy), process_group_timeout_s=process_group_timeout_s,
+                         tensor_parallel=tensor_parallel)
 
 
 __all__ = ["Offload", "OffloadPolicy", "OffloadStepper", "STAGES"]

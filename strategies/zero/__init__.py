@@ -31,9 +31,11 @@ _STAGE_CLASSES: dict[int, type[ZeroStrategy]] = {1: ZeroStage1, 2: ZeroStage2, 3
 
 
 def zero_strategy(spec: ZeroSpec, stepper: Stepper | None = None, *,
-                  process_group_timeout_s: float = PROCESS_GROUP_TIMEOUT_S) -> ZeroStrategy:
-    """The ZeRO strategy of ``spec.stage`` with ``stepper`` (default: on the device)."""
-    return _STAGE_CLASSES[spec.stage](spec, stepper, process_group_timeout_s=process_group_timeout_s)
+                  process_group_timeout_s: float = PROCESS_GROUP_TIMEOUT_S, tensor_parallel: int = 1) -> ZeroStrategy:
+    """The ZeRO strategy of ``spec.stage`` with ``stepper`` (default: on the device), over a tensor
+    axis of ``tensor_parallel`` ranks (``ZeroStrategy``'s)."""
+    return _STAGE_CLASSES[spec.stage](spec, stepper, process_group_timeout_s=process_group_timeout_s,
+                                      tensor_parallel=tensor_parallel)
 
 
 __all__ = ["BucketConfig", "ShardedStepper", "Stepper", "Stage3Config", "ZeroConfig", "ZeroSpec", "ZeroStrategy",

@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from ...errors import ConfigError
 from . import accelerator, checkpointing, comm, lr_schedules, moe, ops, pipe, runtime, sequence, utils, zero  # noqa: F401  (deepspeed.<module>)
-from .autotp import cut_for_autotp, sequence_parallel_of
+from .autotp import check_inputs_once, cut_for_autotp, sequence_parallel_of
 from .comm import init_distributed
 from .config import DeepSpeedAssertion, DeepSpeedConfig, parse, report_ignored
 from .engine import DeepSpeedEngine
@@ -220,6 +220,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
                      "deepspeed.checkpointing.configure(None, deepspeed_config=...), as in DeepSpeed")
     _broadcast_weights(model, engine.device)  # the whole model (rank 0's), then
     cut_for_autotp(engine.strategy, model)  # tensor_parallel.autotp_size: each rank's shards, before the optimizer
+    check_inputs_once(engine.strategy, model)
     _round_to_16bit(model, cfg)
     opt = _optimizer(cfg, optimizer, model, model_parameters)
     sixteen = sixteen_bit_steps(cfg, opt, model)  # bf16 at stage 0: DeepSpeed's 16-bit optimizer wrapper

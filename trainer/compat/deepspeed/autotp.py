@@ -8,13 +8,18 @@ tied to the embedding; an untied embedding stays whole on every rank, as DeepSpe
 model without a ``tp_plan`` is refused (DeepSpeed would fall back to its heuristic AutoTP, which
 zerotrain does not have).
 
+``check_inputs_once``: the model's first forward compares its inputs across the tensor group, as
+DeepSpeed's engine does (the ranks of a tensor group compute one replica's batch together; a loader
+sharded by global rank instead of data-parallel rank would train on mismatched halves silently).
+
 ``sequence_parallel_of``: ALST's ``mpu`` (Ulysses sequence parallelism) as the strategy's
 ``sequence_parallel``.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterator, Mapping
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -43,6 +48,44 @@ def cut_for_autotp(strategy, model: nn.Module) -> None:
     """Cut ``model`` over the strategy's tensor group (nothing without a tensor axis)."""
     if strategy.mesh_size("tensor") > 1:
         parallelize_tensor(model, strategy.mesh_group("tensor"), autotp_plan(model))
+
+
+def _input_tensors(value: Any, path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    if isinstance(value, torch.Tensor):
+        yield path, value.detach().cpu()
+    elif isinstance(value, Mapping):
+        for k, v in value.items():
+            yield from _input_tensors(v, f"{path}[{k!r}]")
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            yield from _input_tensors(v, f"{path}[{i}]")
+
+
+def check_inputs_once(strategy, model: nn.Module) -> None:
+    """With a tensor axis: a forward pre-hook on ``model`` that, at its first call (then it is
+    removed), compares the call's tensors with the tensor group's first rank's and raises on every
+    rank of the group if any differs (collective over the tensor group)."""
+    if strategy.mesh_size("tensor") <= 1:
+        return
+    group = strategy.mesh_group("tensor")
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        handle.remove()
+        mine = dict(_input_tensors(args, "args")) | dict(_input_tensors(kwargs, "kwargs"))
+        first = [mine]
+        dist.broadcast_object_list(first, src=dist.get_global_rank(group, 0), group=group)
+        differ = sorted(k for k in mine.keys() | first[0].keys()
+                        if k not in mine or k not in first[0] or not torch.equal(mine[k], first[0][k]))
+        flag = torch.tensor([int(bool(differ))])
+        dist.all_reduce(flag, group=group)
+        if flag.item():
+            ranks = dist.get_process_group_ranks(group)
+            raise ConfigError(f"forward: the inputs differ within the tensor-parallel group {ranks} "
+                              f"({', '.join(differ) or 'on another rank'} on rank {dist.get_rank()}); valid: the "
+                              f"same batch on every rank of a tensor group (shard the data by the data-parallel "
+                              f"rank, as DeepSpeed's AutoTP requires)")
+
+    handle = model.register_forward_pre_hook(hook, prepend=True, with_kwargs=True)
 
 
 def sequence_parallel_of(mpu: Any) -> int:

@@ -240,17 +240,22 @@ def _zero(raw: Mapping[str, Any], reader: _Reader, world_size: int) -> dict[str,
 
 
 def _tensor_parallel(raw: Mapping[str, Any], reader: _Reader, zero: dict[str, Any]) -> None:
-    """``tensor_parallel.autotp_size``: the strategy's ``tensor_parallel`` (DDP, ZeRO-1/2/3 cut the
-    model by its Hugging Face ``tp_plan``); the section's other keys are reported as ignored."""
+    """``tensor_parallel.autotp_size``: the strategy's ``tensor_parallel`` (DDP, ZeRO-1/2/3 and their
+    CPU optimizer offload cut the model by its Hugging Face ``tp_plan``); the section's other keys
+    are reported as ignored."""
     section = _section("tensor_parallel", raw.get("tensor_parallel") or {})
     size = _whole("tensor_parallel.autotp_size", section.get("autotp_size", 1), 1)
     reader.take(section, "tensor_parallel.", ("autotp_size",), "tensor_parallel")
     if size == 1:
         return
-    if zero["strategy"] not in ("ddp", "zero1", "zero2", "zero3"):
+    options = zero["strategy_options"]
+    cpu_optimizer = zero["strategy"] == "offload" and (options["optimizer_device"], options["param_device"]) == (
+        "cpu", "none")
+    if zero["strategy"] not in ("ddp", "zero1", "zero2", "zero3") and not cpu_optimizer:
         raise _fail("tensor_parallel.autotp_size", size, f"zerotrain runs AutoTP under ZeRO stage 0 (more than one "
-                    f"process), 1, 2 or 3 without offload (zero_optimization.stage={zero['zero_stage']}, strategy "
-                    f"{zero['strategy']})", "1, or zero_optimization.stage 0-3 without offload")
+                    f"process), 1, 2 or 3, with at most the optimizer offloaded to the CPU (zero_optimization.stage="
+                    f"{zero['zero_stage']}, strategy {zero['strategy']}, options {options})",
+                    "1, or zero_optimization.stage 0-3 with offload_optimizer.device cpu or none and no offload_param")
     zero["strategy_options"]["tensor_parallel"] = size
 
 
