@@ -180,3 +180,18 @@ def test_dp2_by_tp2_sequence_parallel_under_zero_trains_as_one_process(tmp_path,
     assert [r["tp_rank"] for r in results] == [0, 1, 0, 1]
     assert [r["ln_f"] for r in results] == ["SequenceParallelNorm"] * 4
     _check(results, 2)
+
+
+@pytest.mark.slow
+def test_the_cli_key_trains_as_the_plain_loop(tmp_path_factory):
+    """``model.tp_sequence_parallel=true strategy=ddp strategy.tensor_parallel=2``: the demo GPT cut by
+    its sequence-parallel plan; every logged loss equals the plain loop's, and the sample at the end
+    (drawn from the shards gathered whole on rank 0) is printed."""
+    from test_pipeline_cli import STEPS as CLI_STEPS, _cli, _logged_losses, _reference, _root
+
+    run_dir = _cli(_root(tmp_path_factory), "ddp_tp2_sp", 2, 1, "strategy=ddp", "strategy.tensor_parallel=2",
+                   "model.tp_sequence_parallel=true", "trainer.enable_checkpointing=false", "sample_tokens=8")
+    got = _logged_losses(run_dir)
+    assert [got[s] for s in range(1, CLI_STEPS + 1)] == pytest.approx(_reference()["losses"][1], rel=TRAJECTORY_RTOL)
+    stdout = (run_dir / "stdout.txt").read_text()
+    assert stdout.count("----- sample -----") == 1, stdout[-2000:]
