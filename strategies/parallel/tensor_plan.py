@@ -134,6 +134,17 @@ def plan_of(model: nn.Module) -> dict:
     return out
 
 
+def sequence_parallel_keys(plan: dict) -> list[str]:
+    """The keys of ``plan`` whose style is of the sequence-parallel variant (``_sp``, ``sequence_*``,
+    torch's ``SequenceParallel``), sorted; for a strategy that does not take it."""
+    def style(spec) -> str:
+        spec = spec[0] if isinstance(spec, tuple) else spec
+        return spec if isinstance(spec, str) else type(spec).__name__
+
+    return sorted(k for k, spec in plan.items()
+                  if style(spec).endswith("_sp") or style(spec) in (*SEQUENCE_STYLES, "SequenceParallel"))
+
+
 def _pattern(key: str) -> re.Pattern:
     return re.compile(r"[^.]+".join(re.escape(part) for part in key.split("*")))
 

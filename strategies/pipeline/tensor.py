@@ -28,7 +28,7 @@ from typing import Any
 from torch import nn
 
 from .. import instrument
-from ..parallel.tensor_plan import is_cut, parallelize_tensor
+from ..parallel.tensor_plan import is_cut, parallelize_tensor, sequence_parallel_keys
 
 
 def _matches(key: str, name: str) -> bool:
@@ -60,6 +60,11 @@ def cut_stage(module: nn.Module, pipe: Any, prefix: str, plan: dict, group: Any,
         warnings.warn(f"tensor_parallel={size}: {type(module).__name__} declares no tp_plan (in itself or a "
                       f"submodule); nothing is cut: every tensor rank holds its whole stage")
         return {}
+    sequence = sequence_parallel_keys(plan)
+    if sequence:  # its stages pass activations replicated over the tensor group
+        raise NotImplementedError(f"pipeline: tensor_parallel={size} with a sequence-parallel plan ({sequence[0]!r}) "
+                                  f"is not built; valid: the plain tensor-parallel plan (GPT.tp_plan, "
+                                  f"GPTConfig.tp_sequence_parallel=False)")
     local = stage_plan(module, pipe, prefix, plan)
     if not local:
         return {}

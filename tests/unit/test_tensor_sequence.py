@@ -101,3 +101,14 @@ def test_the_cli_key_and_what_it_refuses(tmp_path):
     with pytest.raises(ConfigError, match=r"^model.tp_sequence_parallel=True: is not built for the pipeline"):
         validate(_config("strategy=pipeline", "strategy.tensor_parallel=2", "strategy.micro_batches=2",
                          "trainer.devices=4", *key))
+
+
+def test_the_pipeline_refuses_a_sequence_parallel_plan():
+    from zerotrain.strategies.parallel.tensor_plan import sequence_parallel_keys
+    from zerotrain.strategies.pipeline.tensor import cut_stage
+
+    assert sequence_parallel_keys(GPT.tp_plan) == []
+    assert sequence_parallel_keys(GPT.tp_plan_sequence_parallel)[:2] == ["blocks.*.attn.c_attn", "blocks.*.attn.c_proj"]
+    with pytest.raises(NotImplementedError, match=r"pipeline: tensor_parallel=2 with a sequence-parallel plan "
+                                                  r"\('blocks.\*.attn.c_attn'\) is not built"):
+        cut_stage(nn.Linear(2, 2), None, "", GPT.tp_plan_sequence_parallel, None, 2)
