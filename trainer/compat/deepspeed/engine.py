@@ -38,6 +38,7 @@ from .compiled import CompileMethods
 from ...engine.engine import Engine
 from ...errors import CheckpointError, ConfigError
 from .config import DeepSpeedAssertion, DeepSpeedConfig
+from .ops import fp32_clip
 from .zero_init import use_stage3_linear
 
 log = logging.getLogger("zerotrain")
@@ -342,7 +343,9 @@ class DeepSpeedEngine(CompileMethods, ConfigAccessors):
             else:  # a non-finite norm: the wrapper skips the step
                 self.optimizer.zero_grad()
         else:
-            if self._cfg.gradient_clipping > 0:
+            if self._cfg.gradient_clipping > 0 and fp32_clip.applies(self):  # DeepSpeed's arithmetic (stage 0)
+                fp32_clip.clip(self.module, self._cfg.gradient_clipping)
+            elif self._cfg.gradient_clipping > 0:
                 self._zt.clip_gradients(self._model, self.optimizer, max_norm=self._cfg.gradient_clipping)
             self._step_applied = bool(self.optimizer.step())
         if not self._step_applied:
