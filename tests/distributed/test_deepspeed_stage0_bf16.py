@@ -5,7 +5,9 @@ FusedAdam (the config's "Adam"), ``FP16_UnfusedOptimizer`` around torch's AdamW 
 Both step once on zero gradients at set-up and clip by their own norm; the fused one steps one flat
 fp32 master per group in one host-kernel call. zerotrain's face now does the same
 (``trainer/compat/deepspeed/ops/sixteen_bit.py``); before, DeepSpeedExamples' cifar was one bf16 ulp
-apart from step 15, and this model's weights after the first step.
+apart from step 15, and this model's weights after the first step. The forward runs on the bf16
+rounding of every parameter and buffer, as DeepSpeed's bf16 module does (``embedded``: an
+embedding and a LayerNorm, which autocast alone left on fp32 weights).
 
 Exact equality is the derived bound: the forward (a bf16 module there, fp32 parameters under bf16
 autocast here: the same bf16 operands for linear and tanh), the bf16 gradient sum and the optimizer
@@ -34,13 +36,27 @@ pytestmark = [pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
               pytest.mark.slow]
 
 STEPS = 4
+CASES = ["fused", "torch_adam", "embedded"]  # embedded: an embedding and a LayerNorm, fused
 CONFIG = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000, "bf16": {"enabled": True},
           "zero_optimization": {"stage": 0}, "gradient_clipping": 0.05,
           "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "betas": [0.8, 0.999], "weight_decay": 0.1}}}
 
 
-def _model() -> nn.Module:
+class _Embedded(nn.Module):
+    """Ops autocast leaves alone (DeepSpeed's bf16 module runs them on bf16 weights)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.norm, self.head = nn.Embedding(40, 16), nn.LayerNorm(16), nn.Linear(16, 5)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.embed(ids))).mean(1)
+
+
+def _model(case: str) -> nn.Module:
     torch.manual_seed(0)
+    if case == "embedded":
+        return _Embedded()
     return nn.Sequential(nn.Linear(16, 21), nn.Tanh(), nn.Linear(21, 5))  # 467 elements: 467 % 16 = 3
 
 
@@ -63,13 +79,14 @@ def _train(impl: str, cases: list) -> dict:
     for case in cases:
         params = dict(CONFIG["optimizer"]["params"], **({"torch_adam": True} if case == "torch_adam" else {}))
         config = {**CONFIG, "optimizer": {"type": "Adam", "params": params}}
-        model = _model()
+        model = _model(case)
         engine, *_ = ds.initialize(model=model, model_parameters=model.parameters(), config=config)
         g = torch.Generator().manual_seed(100 + rank)
         losses = []
         for _ in range(STEPS):
             x, y = torch.randn(2, 16, generator=g), torch.randn(2, 5, generator=g)
-            loss = ((engine(x.bfloat16()).float() - y) ** 2).mean()
+            x = torch.randint(0, 40, (2, 6), generator=g) if case == "embedded" else x.bfloat16()
+            loss = ((engine(x).float() - y) ** 2).mean()
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())
@@ -83,11 +100,11 @@ def _train(impl: str, cases: list) -> dict:
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("stage0_bf16")
     return {impl: run_ranks("test_deepspeed_stage0_bf16:_train", 2, tmp / impl, timeout=300,
-                            env={"DS_ACCELERATOR": "cpu"}, impl=impl, cases=["fused", "torch_adam"])
+                            env={"DS_ACCELERATOR": "cpu"}, impl=impl, cases=CASES)
             for impl in ("ds", "zt")}
 
 
-@pytest.mark.parametrize("case", ["fused", "torch_adam"])
+@pytest.mark.parametrize("case", CASES)
 def test_stage0_bf16_equals_deepspeeds_16bit_optimizer(runs, case):
     for rank in range(2):
         want, got = runs["ds"][rank][case], runs["zt"][rank][case]

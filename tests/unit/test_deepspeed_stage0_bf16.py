@@ -145,3 +145,38 @@ def test_other_configs_keep_zerotrains_step():
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config={**CONFIG, **keys})
         assert engine.sixteen_bit is None
         torch.distributed.destroy_process_group()
+
+
+class _Embedded(nn.Module):
+    """Ops autocast leaves alone (an embedding, a LayerNorm, a parameter in plain arithmetic) and
+    a floating buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.norm, self.head = nn.Embedding(50, 16), nn.LayerNorm(16), nn.Linear(16, 5)
+        self.gain = nn.Parameter(torch.rand(16) + 0.5)
+        self.register_buffer("shift", torch.rand(16))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.embed(ids) * self.gain + self.shift))
+
+
+def test_the_forward_sees_the_bf16_module_deepspeed_trains():
+    """DeepSpeed's stage-0 module is bf16 (parameters and buffers): its forward equals this model
+    cast to bf16, whatever the ops; zerotrain's fp32 parameters under autocast gave an embedding, a
+    LayerNorm and a plain product their fp32 weights."""
+    import copy
+
+    torch.manual_seed(0)
+    model = _Embedded()
+    ds_module = copy.deepcopy(model).to(torch.bfloat16)
+    ids = torch.randint(0, 50, (2, 7))
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config={**CONFIG, "optimizer": {"type": "Adam", "params": {"lr": 0.0}}})
+    with torch.no_grad():
+        want = ds_module(ids)
+    out = engine(ids)
+    assert out.dtype == torch.bfloat16 and torch.equal(out.detach(), want)
+    assert all(p.dtype == torch.float32 for p in engine.module.parameters())  # the masters, back after the forward
+    engine.backward(out.float().pow(2).mean())
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in engine.module.parameters())

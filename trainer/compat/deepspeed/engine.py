@@ -443,6 +443,8 @@ class DeepSpeedEngine(CompileMethods, ConfigAccessors):
         self._monitor.close()
         if self._direct_calls is not None:
             self._direct_calls.remove()
+        if self.sixteen_bit is not None and self.sixteen_bit.forward is not None:
+            self.sixteen_bit.forward.remove()
         if self._comms is not None:
             comm.stop_recording(self._comms)
         self._zt.strategy.teardown()

@@ -4,10 +4,10 @@ DeepSpeed 0.19.8 trains a bf16 config at stage 0 with a bf16 module and wraps th
 its 16-bit optimizer (``engine._do_optimizer_sanity_check`` answers ``DDP_BFLOAT16``): the fused
 one (``FP16_Optimizer``) when the basic optimizer is its ``FusedAdam`` (the config's "Adam"/"AdamW"
 without ``torch_adam``), else the unfused one (``FP16_UnfusedOptimizer``: a client optimizer, the
-config's ``torch_adam``). zerotrain's stage 0 keeps the fp32 parameters in the module (the forward
-under autocast sees their bf16 rounding, which are DeepSpeed's bf16 weights) and sums the gradients
-in bf16 (``DDP(reduce_dtype=)``), so the module's fp32 parameters are DeepSpeed's fp32 masters and
-the gradients its gradients. What is left is the optimizer side, reproduced here:
+config's ``torch_adam``). zerotrain's stage 0 keeps the fp32 parameters in the module and sums the
+gradients in bf16 (``DDP(reduce_dtype=)``); its forward runs on the bf16 rounding of every parameter
+and buffer (:class:`Bf16Forward`: DeepSpeed's bf16 weights), so the module's fp32 parameters are
+DeepSpeed's fp32 masters and the gradients its gradients. The optimizer side is reproduced here:
 
 * at set-up both wrappers step the optimizer once with zero gradients (their
   ``initialize_optimizer_states``): Adam's step count is one ahead of the training steps, and the
@@ -24,6 +24,7 @@ the gradients its gradients. What is left is the optimizer side, reproduced here
 
 Not reproduced (kept as before, documented): fp16 (DeepSpeed's loss scaler inside the wrapper),
 gradient accumulation (DeepSpeed accumulates bf16 gradients in the bf16 module, zerotrain fp32 ones),
+ops on autocast's fp32 list inside the model (autocast still runs them in fp32; DeepSpeed in bf16),
 models with MoE experts (their norm joins the expert groups' norms), AutoTP and ALST (the norm over
 the model-parallel group)."""
 from __future__ import annotations
@@ -98,6 +99,7 @@ class SixteenBitSteps:
         wraps the module (their values unchanged), and the optimizer steps each group in one call."""
         self.optimizer, self.max_norm, self.fused = optimizer, float(max_norm), fused
         self.groups = trainable_groups(optimizer)
+        self.forward: Bf16Forward | None = None
         if fused:
             optimizer.flat_groups = True
             for g in self.groups:
@@ -163,6 +165,46 @@ class SixteenBitSteps:
         return True
 
 
+class Bf16Forward:
+    """DeepSpeed's stage-0 module is bf16: every op of its forward sees bf16 parameters and buffers.
+    zerotrain's keeps fp32 parameters (they are the masters) and autocast gives the bf16 rounding
+    only to the ops on its lists (linear, conv, matmul); an embedding, a LayerNorm or a parameter
+    in plain arithmetic would see fp32 weights. So: the floating buffers are cast to bf16 for good
+    (as DeepSpeed casts them), and each submodule's own fp32 parameters are replaced by their bf16
+    rounding while its forward runs (a pre-hook swaps them in, a hook after the forward puts the
+    parameters back; a recomputation under activation checkpointing runs the hooks again). The
+    gradients reach the fp32 parameters through the cast, bf16 values, as DeepSpeed's bf16 ones."""
+
+    def __init__(self, module: nn.Module) -> None:
+        with torch.no_grad():
+            for b in module.buffers():
+                if b.is_floating_point() and b.dtype != torch.bfloat16:
+                    b.data = b.data.to(torch.bfloat16)
+        self.handles = []
+        for m in module.modules():
+            if any(p is not None and p.dtype == torch.float32 for p in m._parameters.values()):
+                self.handles.append(m.register_forward_pre_hook(self._swap_in))
+                self.handles.append(m.register_forward_hook(self._swap_out, always_call=True))
+
+    @staticmethod
+    def _swap_in(m: nn.Module, args: object) -> None:
+        saved = {n: p for n, p in m._parameters.items() if p is not None and p.dtype == torch.float32}
+        m.__dict__.setdefault("_zt_bf16_saved", []).append(saved)
+        for n, p in saved.items():
+            m._parameters[n] = p.to(torch.bfloat16)  # type: ignore[assignment]  (the forward's view)
+
+    @staticmethod
+    def _swap_out(m: nn.Module, args: object, out: object) -> None:
+        stack = m.__dict__.get("_zt_bf16_saved")
+        if stack:
+            m._parameters.update(stack.pop())
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+
 def sixteen_bit_steps(cfg, optimizer: torch.optim.Optimizer, model: nn.Module) -> SixteenBitSteps | None:
     """The wrapper DeepSpeed builds for this config and optimizer, or None where zerotrain keeps its
     own step: not bf16 at stage 0, a model with MoE experts, or parameters that are not fp32."""
@@ -178,4 +220,6 @@ def sixteen_bit_steps(cfg, optimizer: torch.optim.Optimizer, model: nn.Module) -
     if any(p.dtype != torch.float32 for p in params):
         return None
     fused = isinstance(optimizer, HostKernelSteps) and all(p.device.type == "cpu" for p in params)
-    return SixteenBitSteps(optimizer, cfg.gradient_clipping, fused)
+    steps = SixteenBitSteps(optimizer, cfg.gradient_clipping, fused)
+    steps.forward = Bf16Forward(model)
+    return steps
