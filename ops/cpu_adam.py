@@ -7,12 +7,12 @@ native kernel (zerotrain/csrc/adam/cpu_adam.cpp) when it builds, else the pure-t
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 
 from . import builder
-from .deepspeed_adam import DeepSpeedBetaPowers, deepspeed_adam_reference, deepspeed_beta_powers
+from .deepspeed_adam import DS_VECTOR_BLOCK, DeepSpeedBetaPowers, deepspeed_adam_reference, deepspeed_beta_powers
 from .reference import AdamHyper, fallback_adam_step, stochastic_rounding_key
 
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -101,6 +101,7 @@ def fused_adam_step(
     isa: Optional[str] = None,
     order: str = "torch",
     beta_powers: Optional[tuple[float, float]] = None,
+    tail: Optional[Sequence[tuple[int, int]]] = None,
     **hyper: Any,
 ) -> None:
     """One in-place Adam/AdamW step on a flat slice, in one pass over memory.
@@ -126,6 +127,10 @@ def fused_adam_step(
         beta_powers: with ``order="deepspeed"``, the fp32 ``(beta1^step, beta2^step)`` DeepSpeed's
             optimizer object holds (:class:`~zerotrain.ops.deepspeed_adam.DeepSpeedBetaPowers`);
             default: those of a run that took steps 1, 2, ..., ``step``.
+        tail: with ``order="deepspeed"``, the ``[start, end)`` element ranges DeepSpeed's scalar tail
+            steps, when the slice is not DeepSpeed's own call (ZeRO-3's flat partition holds other
+            elements than this slice: ``zerotrain.deepspeed``'s stage 3); every other element gets
+            its vector step. Default None: the last ``numel % 16`` elements of this call.
         hyper: the fields of :class:`~zerotrain.ops.reference.AdamHyper`: ``step`` (the step being
             taken, counted from 1; bias correction uses it), ``lr``, ``beta1``, ``beta2``,
             ``eps``, ``weight_decay``, ``adamw`` (True: decoupled weight decay, AdamW; False: L2
@@ -144,6 +149,11 @@ def fused_adam_step(
                              f"{master.device}, valid: a CPU tensor")
         if beta_powers is None:
             beta_powers = deepspeed_beta_powers(h.beta1, h.beta2, h.step)
+        if tail is not None:
+            _step_with_tail(master, grad, exp_avg, exp_avg_sq, param_out, tail,
+                            dict(stochastic_rounding=stochastic_rounding, seed=seed, n_threads=n_threads,
+                                 isa=isa, order=order, beta_powers=beta_powers, **hyper))
+            return
     if isinstance(master, torch.Tensor) and master.is_cuda:
         from .cuda_adam import multi_tensor_adam_step
 
@@ -172,6 +182,48 @@ def fused_adam_step(
         bool(stochastic_rounding), stochastic_rounding_key(int(seed), int(h.step)),
         int(n_threads or 0), isa or "", order, *(beta_powers or (0.0, 0.0)),
     )
+
+
+def _step_with_tail(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                    param_out: Optional[torch.Tensor], tail: Sequence[tuple[int, int]], kw: dict[str, Any]) -> None:
+    """``fused_adam_step(order="deepspeed", tail=...)``: DeepSpeed's kernel steps the last ``numel % 16``
+    elements of a call with its scalar-tail products, so the elements of ``tail`` go in calls of at
+    most 15 elements (all tail), every other run in a call of whole 16-element blocks and its rest
+    in a zero-padded 16-element copy (zeros step to zeros), so none of them is a tail."""
+    flat = [None if t is None else t.view(-1) for t in (master, grad, exp_avg, exp_avg_sq, param_out)]
+    n = master.numel()
+    block = DS_VECTOR_BLOCK
+
+    def call(a: int, b: int) -> None:
+        fused_adam_step(*(t[a:b] for t in flat[:4]), param_out=None if flat[4] is None else flat[4][a:b], **kw)
+
+    def padded(a: int, b: int) -> None:
+        pad = [None if t is None else torch.zeros(block, dtype=t.dtype) for t in flat]
+        for t, c in zip(flat, pad):
+            if t is not None:
+                c[:b - a] = t[a:b]
+        fused_adam_step(*pad[:4], param_out=pad[4], **kw)
+        for t, c in zip(flat, pad):
+            if t is not None and t is not flat[1]:
+                t[a:b] = c[:b - a]
+
+    def vector(a: int, b: int) -> None:
+        whole = a + (b - a) // block * block
+        if whole > a:
+            call(a, whole)
+        if b > whole:
+            padded(whole, b)
+
+    at = 0
+    for lo, hi in sorted((max(0, lo), min(n, hi)) for lo, hi in tail):
+        lo = max(lo, at)
+        if lo >= hi:
+            continue
+        vector(at, lo)
+        for a in range(lo, hi, block - 1):
+            call(a, min(a + block - 1, hi))
+        at = hi
+    vector(at, n)
 
 
 class CPUAdam(torch.optim.Optimizer):
@@ -229,6 +281,9 @@ class CPUAdam(torch.optim.Optimizer):
         self.n_threads = n_threads
         self.order = order
         self._beta_powers = DeepSpeedBetaPowers(tuple(betas))
+        #: ``order="deepspeed"``: slot (parameter position, group after group) -> ``fused_adam_step``'s
+        #: ``tail`` (zerotrain.deepspeed's ZeRO-3 sets it); None: each call's own
+        self.kernel_tail: Optional[dict[int, list[tuple[int, int]]]] = None
 
     def _state_for(self, p: torch.Tensor) -> dict:
         state = self.state[p]
@@ -278,5 +333,6 @@ class CPUAdam(torch.optim.Optimizer):
                     stochastic_rounding=self.stochastic_rounding,
                     seed=self.seed + 0x632BE5AB * index, n_threads=self.n_threads,
                     order=self.order, beta_powers=powers,
+                    tail=None if self.kernel_tail is None else self.kernel_tail.get(index - 1, []),
                 )
         return loss

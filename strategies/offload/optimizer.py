@@ -38,6 +38,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from ...ops import CPUAdam, fused_adam_step
+from ...ops.deepspeed_adam import DeepSpeedBetaPowers
 from ..zero.sharded_optimizer import ShardedOptimizer
 from .grad_swap import SwappedGrads
 from .plan import SubGroup, run_pipelined
@@ -124,6 +125,10 @@ class OffloadedAdam(_GatherMasters):
             self.states = swapped
         #: with file-backed masters (ZeRO-3 ``param_device="nvme"``): ``prefetch(k)``/``release(k)``
         self.pager: Any = None
+        #: DeepSpeed's order (``kernel_order``): the fp32 ``beta^step`` pair of this optimizer, as
+        #: ``DeepSpeedCPUAdam``'s host object keeps it: a running product from step 1, recomputed by
+        #: ``pow`` when the step jumps (the first step after a checkpoint load)
+        self.beta_powers = DeepSpeedBetaPowers(tuple(optimizer.defaults.get("betas", (0.0, 0.0))))
 
     @property
     def swapped(self) -> bool:
@@ -142,6 +147,7 @@ class OffloadedAdam(_GatherMasters):
             self.swapped_grads.flush()  # each sub-group's read brings its gradient: written first
         hypers = [adam_hyper(self.optimizer, g) for g in self.optimizer.param_groups]
         steps = [self._step_of(i) + 1 for i in range(len(self.masters))]
+        tails = getattr(self.optimizer, "kernel_tail", None)  # slot -> DeepSpeed's scalar-tail ranges
 
         def step_one(k: int, b: int) -> None:
             sg = self.subgroups[k]
@@ -149,9 +155,16 @@ class OffloadedAdam(_GatherMasters):
                 self.pager.prefetch(k + 1)
             master, exp_avg, exp_avg_sq = self.states.views(k, b)
             grad = self.transfer.grad(sg) if self.swapped_grads is None else self.swapped_grads.view(k, b)
+            hyper = hypers[self.slot_group[sg.slot]]
+            ds = {}
+            if hyper["order"] == "deepspeed":
+                ds["beta_powers"] = self.beta_powers.advance(steps[sg.slot], hyper["beta1"], hyper["beta2"])
+                if tails is not None:
+                    ds["tail"] = [(max(lo, sg.lo) - sg.lo, min(hi, sg.hi) - sg.lo)
+                                  for lo, hi in tails.get(sg.slot, []) if lo < sg.hi and hi > sg.lo]
             fused_adam_step(master, grad, exp_avg, exp_avg_sq, step=steps[sg.slot],
                             grad_scale=grad_scale, param_out=self.transfer.param_out(sg, master),
-                            **self._rounding(k, exp_avg), **hypers[self.slot_group[sg.slot]])
+                            **self._rounding(k, exp_avg), **hyper, **ds)
             self.transfer.after_step(sg, master)
             if self.pager is not None:
                 self.pager.stepped(k)

@@ -72,7 +72,11 @@ class _Probe(nn.Module):
 
 
 def _grad_fn(t) -> str:
-    return type(t.grad_fn).__name__
+    """The node that made ``t``, under the stage-3 engine's module boundaries (identities)."""
+    fn = t.grad_fn
+    while type(fn).__name__.startswith("ModuleBoundary"):
+        fn = fn.next_functions[0][0]
+    return type(fn).__name__
 
 
 @pytest.mark.parametrize("zero,used", [({"stage": 3}, True), ({"stage": 2}, False),
@@ -84,6 +88,42 @@ def test_the_stage3_engine_forward_uses_it(zero, used):
     out = engine(torch.randn(2, 4))
     assert _grad_fn(out).startswith("Stage3Linear") is used
     assert not _grad_fn(nn.Linear(4, 2)(torch.randn(2, 4))).startswith("Stage3Linear")  # other models: torch's
+
+
+def test_a_slice_of_a_stage3_weight_uses_it_too():
+    """DeepSpeed swaps ``F.linear`` itself, so a layer that slices its weight (``nn.MultiheadAttention``
+    projecting query, key and value separately: ``in_proj_weight.chunk(3)``) runs its linear too."""
+    config = {**BASE, "optimizer": {"type": "Adam", "params": {"lr": 0.1}}, "zero_optimization": {"stage": 3}}
+    model = nn.MultiheadAttention(8, 2)
+    deepspeed.initialize(model=model, config=config)
+    w = model.in_proj_weight.detach().clone().requires_grad_()  # gathered here: a parameter's slice below
+    with deepspeed.zero.GatheredParameters([model.in_proj_weight]):
+        out = F.linear(torch.randn(3, 8), model.in_proj_weight.chunk(3)[1])
+    assert _grad_fn(out).startswith("Stage3Linear")
+    assert not _grad_fn(F.linear(torch.randn(3, 8), w.chunk(3)[1])).startswith("Stage3Linear")  # not its parameter
+
+
+class _SelfAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention = nn.MultiheadAttention(8, 2, batch_first=True)
+
+    def forward(self, x):
+        return self.attention(x, x, x)[0] + x
+
+
+@pytest.mark.parametrize("stage,distinct", [(3, True), (2, False)])
+def test_the_stage3_engine_gives_each_module_argument_its_own_tensor(stage, distinct):
+    """DeepSpeed's stage 3 puts an autograd identity on each tensor a module takes and returns (its
+    parameter hooks), so ``attention(x, x, x)`` gets three tensors and projects them separately;
+    the face's stage-3 engine does the same (``zero_init.use_module_boundaries``), other stages not."""
+    config = {**BASE, "optimizer": {"type": "Adam", "params": {"lr": 0.1}}, "zero_optimization": {"stage": stage}}
+    model = _SelfAttention()
+    engine, *_ = deepspeed.initialize(model=model, config=config)
+    seen = []
+    model.attention.register_forward_pre_hook(lambda m, args: seen.append(args[0] is args[1] or args[1] is args[2]))
+    engine(torch.randn(2, 3, 8)).sum().backward()
+    assert seen == [not distinct]
 
 
 def test_a_checkpoint_recomputed_in_backward_uses_it_too():

@@ -305,6 +305,23 @@ class ZeroStage3(ZeroStrategy):
         self._attach_stepper(ShardedOptimizer(optimizer, masters),
                              [u.working[r.start:r.start + r.numel] for u, r in order], masters_external=True)
 
+    def master_pieces(self) -> tuple[list[list[nn.Parameter]], list[list[tuple[nn.Parameter, int, int, int]]]]:
+        """After ``setup_optimizer``: the optimizer's trainable parameters, group by group in its
+        order, and what each master slot (the optimizer's params from then on, group by group; an
+        offload stepper's slots) holds: ``(parameter, first element in the parameter, first element
+        in the slot, count)`` per piece, in slot order."""
+        groups, order = self._norm_sources
+        slots = []
+        for u, r in order:
+            base = u.lo + r.start
+            pieces = []
+            for s in u.layout.spans:
+                lo, hi = max(s.offset, base), min(s.end, base + r.numel)
+                if lo < hi:
+                    pieces.append((u.params[s.index], lo - s.offset, lo - base, hi - lo))
+            slots.append(pieces)
+        return [list(g) for g in groups], slots
+
     def _plan_norms(self) -> list[ParamNorm]:
         """Each trainable parameter in the optimizer's order, located in its unit's partition
         (the master slots are the optimizer runs, group by group)."""

@@ -39,7 +39,8 @@ from ...engine.engine import Engine
 from ...errors import CheckpointError, ConfigError
 from .config import DeepSpeedAssertion, DeepSpeedConfig
 from .ops import fp32_clip
-from .zero_init import use_stage3_linear
+from .ops.stage3_tail import use_deepspeed_tail
+from .zero_init import use_module_boundaries, use_stage3_linear
 
 log = logging.getLogger("zerotrain")
 
@@ -200,6 +201,9 @@ class DeepSpeedEngine(CompileMethods, ConfigAccessors):
         self._stage3_linear = cfg.zero_stage == 3 and bool(zero.get("memory_efficient_linear", True))
         if self._stage3_linear:  # for this model's layers only, in forward and in any recomputation
             use_stage3_linear(self.module.parameters())
+        if cfg.zero_stage == 3:  # its module hooks' autograd identities; its host Adam's scalar tail
+            use_module_boundaries(self.module)
+            use_deepspeed_tail(engine.strategy, cfg.raw)
         self._direct_calls = (_DirectCallsUnderAutocast(self.module, engine.strategy.precision, engine.device.type)
                               if cfg.precision != "32" else None)
 

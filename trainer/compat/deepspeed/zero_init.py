@@ -206,7 +206,7 @@ STAGE3_LINEAR = "_zerotrain_stage3_linear"
 
 @torch.jit.unused
 def _eager_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    if getattr(weight, STAGE3_LINEAR, False):
+    if getattr(weight, STAGE3_LINEAR, False) or getattr(weight._base, STAGE3_LINEAR, False):  # or a slice of one
         return Stage3Linear.apply(x, weight, bias)
     return _TORCH_LINEAR[0](x, weight, bias)
 
@@ -231,3 +231,50 @@ def use_stage3_linear(params: Any) -> None:
         torch.nn.functional.linear = _linear
     for p in params:
         setattr(p, STAGE3_LINEAR, True)
+
+
+# ------------------------------------------------------------------ ZeRO-3's module boundaries
+class ModuleBoundary(torch.autograd.Function):
+    """The identity DeepSpeed 0.19.8's stage 3 applies to every tensor each module of the model
+    takes (its positional arguments) and returns (``parameter_offload.py``'s pre- and post-backward
+    functions, there to gather and release parameters in backward). Each argument becomes a tensor
+    of its own, so a module given one tensor several times sees distinct ones
+    (``nn.MultiheadAttention(x, x, x)`` then projects query, key and value separately), and a
+    tensor's gradient is summed over these nodes in the order autograd meets them: in 16-bit types
+    other sums than without them. :func:`use_module_boundaries` adds them as DeepSpeed does."""
+
+    @staticmethod
+    def forward(t: torch.Tensor) -> torch.Tensor:
+        return t.detach()
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: Any, output: Any) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def _each_tensor(value: Any) -> Any:
+    """``ModuleBoundary`` on every tensor of ``value`` (tuples, lists, named tuples, dicts in place)."""
+    if isinstance(value, (tuple, list)):
+        out = [_each_tensor(v) for v in value]
+        return type(value)(*out) if hasattr(value, "_fields") else type(value)(out)
+    if isinstance(value, dict):
+        for key in value:
+            value[key] = _each_tensor(value[key])
+        return value
+    if isinstance(value, torch.Tensor):
+        return ModuleBoundary.apply(value)
+    return value
+
+
+def use_module_boundaries(module: torch.nn.Module) -> list:
+    """DeepSpeed's stage-3 boundaries on ``module`` and every submodule: a forward pre-hook on the
+    positional arguments, a forward hook on the outputs. Returns the hooks' handles."""
+    handles = []
+    for m in module.modules():
+        handles.append(m.register_forward_pre_hook(lambda _m, args: _each_tensor(args)))
+        handles.append(m.register_forward_hook(lambda _m, _args, out: _each_tensor(out)))
+    return handles

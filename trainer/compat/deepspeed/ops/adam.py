@@ -40,6 +40,10 @@ class HostKernelSteps:
 
     _kernel_adamw = True
     kernel_order = "deepspeed"
+    #: slot (parameter position, group after group) -> ``fused_adam_step``'s ``tail``, set by the stage-3
+    #: engine (``stage3_tail.py``: the elements DeepSpeed's own layout puts in its kernel's scalar tail);
+    #: None: each call's own
+    kernel_tail: "dict[int, list[tuple[int, int]]] | None" = None
     #: DeepSpeed's stage-0 bf16 wrapper (``sixteen_bit.py``): each group stepped as one flat buffer
     flat_groups = False
 
@@ -57,6 +61,7 @@ class HostKernelSteps:
                 loss = closure()
         hidden: list[tuple[torch.Tensor, torch.Tensor]] = []
         try:
+            slot = -1
             for group in self.param_groups:
                 beta1, beta2 = group["betas"]
                 if self.flat_groups:
@@ -67,6 +72,7 @@ class HostKernelSteps:
                             p.grad = None
                     continue
                 for p in group["params"]:
+                    slot += 1
                     if not self._kernel_param(p, group):
                         continue
                     state = self.state[p]
@@ -81,7 +87,8 @@ class HostKernelSteps:
                                     step=step, lr=float(group["lr"]), beta1=float(beta1),
                                     beta2=float(beta2), eps=group["eps"], weight_decay=group["weight_decay"],
                                     adamw=adamw, order="deepspeed",
-                                    beta_powers=_FUSED_ADAM_POWERS[adamw].advance(step, beta1, beta2))
+                                    beta_powers=_FUSED_ADAM_POWERS[adamw].advance(step, beta1, beta2),
+                                    tail=None if self.kernel_tail is None else self.kernel_tail.get(slot, []))
                     hidden.append((p, p.grad))
                     p.grad = None  # torch's step below skips it
             super().step()  # type: ignore[misc]
