@@ -46,8 +46,8 @@ def _zerotrain_script() -> str:
     return text.replace("import zerotrain.deepspeed\n", "import zerotrain.deepspeed as deepspeed\n")
 
 
-def _run(script: str, config: str, out: str) -> dict:
-    sys.argv = [script, "--deepspeed_config", config, "--out", out]
+def _run(script: str, config: str, out: str, model: str) -> dict:
+    sys.argv = [script, "--deepspeed_config", config, "--out", out, "--model", model]
     runpy.run_path(script, run_name="__main__")
     import torch.distributed as dist
     return torch.load(f"{out}.{dist.get_rank()}.pt", weights_only=True)
@@ -56,23 +56,25 @@ def _run(script: str, config: str, out: str) -> dict:
 #: (ZeRO stage, gradient_clipping, offload_optimizer cpu, ranks): also clipped by the whole model's
 #: norm (0.1: active, measured 3% off the unclipped weights), the sharded parameters' squares summed
 #: over the tensor group as DeepSpeed sums them; 4 ranks: dp=2 x tp=2 (DeepSpeed's mesh: tensor
-#: groups [0, 1] and [2, 3]), each replica its own batches
+#: groups [0, 1] and [2, 3]), each replica its own batches; a fifth item: the script's --model (GQA
+#: Qwen2, its q/k/v biased, and Mistral; default Llama)
 CASES = {"stage0": (0, 0.0, False, 2), "stage2-clipped": (2, 0.1, False, 2), "stage0-clipped": (0, 0.1, False, 2),
          "stage1": (1, 0.0, False, 2), "stage2": (2, 0.0, False, 2), "stage3": (3, 0.0, False, 2),
-         "stage3-clipped": (3, 0.1, False, 2), "offload-stage3-clipped": (3, 0.1, True, 2)}
+         "stage3-clipped": (3, 0.1, False, 2), "offload-stage3-clipped": (3, 0.1, True, 2),
+         "qwen2-stage2-clipped": (2, 0.1, False, 2, "qwen2"), "mistral-stage3-clipped": (3, 0.1, False, 2, "mistral")}
 SLOW = tuple(c for c in CASES if c != "stage2-clipped")  # default: stage2-clipped
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW else c for c in CASES])
 def test_autotp_script_trains_as_with_deepspeed(tmp_path, case):
-    stage, clip, offload, ranks = CASES[case]
+    stage, clip, offload, ranks, *model = CASES[case]
     config = tmp_path / "ds.json"
     config.write_text(json.dumps(_config(stage, clip, offload)))
     zt = tmp_path / "zt_script.py"
     zt.write_text(_zerotrain_script())
     out = {side: run_ranks("test_deepspeed_autotp:_run", ranks, tmp_path / side, timeout=400,
                            env={"DS_ACCELERATOR": "cpu"}, script=str(script), config=str(config),
-                           out=str(tmp_path / side / "result"))
+                           out=str(tmp_path / side / "result"), model=model[0] if model else "llama")
            for side, script in (("ds", SCRIPT), ("zt", zt))}
     for ds, ours in zip(out["ds"], out["zt"]):
         assert rel_err(ours["losses"], ds["losses"]) <= RTOL
