@@ -413,7 +413,9 @@ class DeepSpeedEngine(CompileMethods, ConfigAccessors):
             path = os.path.join(os.fspath(load_dir), str(tag))
         self._end_deferral()
         state = self._checkpoint_state({}, scheduler=load_lr_scheduler_states)
+        generators = checkpoint_io.rng_state()  # DeepSpeed's load leaves the random generators alone
         self._zt.load(os.fspath(path), state)
+        checkpoint_io.set_rng_state(generators)
         counters = state["deepspeed_counters"]
         self.global_steps, self.skipped_steps = counters["global_steps"], counters["skipped_steps"]
         self.global_samples = counters.get("global_samples", self.global_steps * self.train_batch_size())
