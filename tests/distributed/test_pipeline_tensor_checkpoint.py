@@ -131,6 +131,7 @@ def _pp2_tp2_runs(f) -> list[list[dict]]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # up to four spawns when run alone
 def test_pp2_by_tp2_checkpoint_holds_whole_parameters_as_a_single_process(tmp_path_factory):
     _pp2_tp2_runs(tmp_path_factory)
     root = _RUNS["root"]
@@ -140,6 +141,7 @@ def test_pp2_by_tp2_checkpoint_holds_whole_parameters_as_a_single_process(tmp_pa
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # up to four spawns when run alone
 def test_pp2_by_tp2_resumes_as_pp2_on_2_and_as_single(tmp_path_factory):
     whole = _pp2_tp2_runs(tmp_path_factory)
     pp2 = _spawn(tmp_path_factory, 2, dict(devices=2, stages=2, resume=_ckpt("pptp")))
@@ -150,6 +152,7 @@ def test_pp2_by_tp2_resumes_as_pp2_on_2_and_as_single(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # up to four spawns when run alone
 def test_single_resumes_as_pp2_by_tp2(tmp_path_factory):
     whole = _single_saves(tmp_path_factory)
     resumed = _pp2_tp2_runs(tmp_path_factory)
@@ -167,6 +170,7 @@ def test_one_stage_tp2_resumes_as_two_stages(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # up to four spawns when run alone
 def test_single_resumes_as_one_stage_tp2_on_2_with_and_without_zero1(tmp_path_factory):
     """The load's cut on 2 ranks: each tensor rank of the one stage reads its shard of the single
     process's whole tensors (the tied embedding / LM head included) and continues as it; under
