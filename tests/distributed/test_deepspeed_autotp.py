@@ -61,7 +61,8 @@ def _run(script: str, config: str, out: str, model: str) -> dict:
 CASES = {"stage0": (0, 0.0, False, 2), "stage2-clipped": (2, 0.1, False, 2), "stage0-clipped": (0, 0.1, False, 2),
          "stage1": (1, 0.0, False, 2), "stage2": (2, 0.0, False, 2), "stage3": (3, 0.0, False, 2),
          "stage3-clipped": (3, 0.1, False, 2), "offload-stage3-clipped": (3, 0.1, True, 2),
-         "qwen2-stage2-clipped": (2, 0.1, False, 2, "qwen2"), "mistral-stage3-clipped": (3, 0.1, False, 2, "mistral")}
+         "qwen2-stage2-clipped": (2, 0.1, False, 2, "qwen2"), "mistral-stage3-clipped": (3, 0.1, False, 2, "mistral"),
+         "dp2xtp2-stage3-clipped": (3, 0.1, False, 4), "dp2xtp2-offload-stage2-clipped": (2, 0.1, True, 4)}
 SLOW = tuple(c for c in CASES if c != "stage2-clipped")  # default: stage2-clipped
 
 
