@@ -27,6 +27,9 @@ KINDS = [(torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch
 
 @pytest.fixture(scope="module")
 def deepspeed_adam():
+    """DeepSpeed's host Adam op. Its first use builds it (~35 s on 2 cores in a fresh HOME), so every
+    test that takes this fixture is ``slow``; the default suite keeps
+    ``test_every_isa_equals_the_fallback`` (the fallback is DeepSpeed's arithmetic, checked here)."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("DS_ACCELERATOR", "cpu")
         pytest.importorskip("cpuinfo")
@@ -75,6 +78,7 @@ def _assert_same(got, want):
         assert diff == 0, f"{name}: {diff} of {a.numel()} elements differ from DeepSpeed's"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [1013, 7])  # 1013 = 63 vectors of 16 + a tail of 5; 7: tail only
 @pytest.mark.parametrize("adamw", [True, False], ids=["adamw", "adam"])
 @pytest.mark.parametrize("dtype,state_dtype", KINDS, ids=["fp32", "bf16-fp32-moments", "bf16-bf16-moments"])
@@ -83,6 +87,7 @@ def test_kernel_is_bit_identical_to_deepspeeds_cpu_adam(deepspeed_adam, isa, n, 
     _assert_same(_kernel(n, dtype, state_dtype, adamw, isa=isa), want)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype,state_dtype", KINDS[1:], ids=["bf16-fp32-moments", "bf16-bf16-moments"])
 def test_torch_order_is_not(deepspeed_adam, native, dtype, state_dtype):
     """What the face ran before (730 of 115508 moments apart after one step, bench/CONFORMANCE.md)."""
@@ -91,6 +96,7 @@ def test_torch_order_is_not(deepspeed_adam, native, dtype, state_dtype):
     assert any(not torch.equal(a, b) for a, b in zip(got, want))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype,state_dtype", KINDS, ids=["fp32", "bf16-fp32-moments", "bf16-bf16-moments"])
 def test_the_fallback_is_bit_identical_too(deepspeed_adam, monkeypatch, dtype, state_dtype):
     monkeypatch.setattr(builder, "cpu_adam_module", lambda: None)
@@ -98,6 +104,7 @@ def test_the_fallback_is_bit_identical_too(deepspeed_adam, monkeypatch, dtype, s
         _assert_same(_kernel(1013, dtype, state_dtype, adamw), _deepspeed(1013, dtype, state_dtype, adamw))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype,state_dtype", KINDS, ids=["fp32", "bf16-fp32-moments", "bf16-bf16-moments"])
 def test_the_faces_deepspeedcpuadam_equals_deepspeeds(deepspeed_adam, native, dtype, state_dtype):
     from zerotrain.deepspeed.ops.adam import DeepSpeedCPUAdam
@@ -127,6 +134,7 @@ def test_the_faces_fusedadam_equals_deepspeeds(deepspeed_adam, native, dtype):
     _assert_same(run(FusedAdam), run(deepspeed_adam.FusedAdam))
 
 
+@pytest.mark.slow
 def test_beta_powers_follow_deepspeeds_running_product(deepspeed_adam, native):
     """Two parameter groups with other betas: DeepSpeed's one C++ object recomputes beta^step with
     pow at each change, where a run with fixed betas multiplies in fp32; both as DeepSpeed does."""
@@ -147,6 +155,17 @@ def test_beta_powers_follow_deepspeeds_running_product(deepspeed_adam, native):
     b = DeepSpeedBetaPowers((0.9, 0.999))
     assert [b.advance(s, 0.9, 0.999) for s in (1, 2, 2, 3)][-1] == deepspeed_beta_powers(0.9, 0.999, 3)
     assert b.advance(7, 0.9, 0.999)[0] == f32(f32(0.9) ** 7)  # a jump: pow, as DeepSpeed
+
+
+@pytest.mark.parametrize("n", [1013, 7])
+@pytest.mark.parametrize("adamw", [True, False], ids=["adamw", "adam"])
+@pytest.mark.parametrize("dtype,state_dtype", KINDS, ids=["fp32", "bf16-fp32-moments", "bf16-bf16-moments"])
+def test_every_isa_equals_the_fallback(isa, monkeypatch, n, adamw, dtype, state_dtype):
+    """Without DeepSpeed's build: each SIMD path of the kernel in DeepSpeed's order gives the
+    pure-torch fallback's bits (which the slow tests above prove equal to DeepSpeed's op)."""
+    got = _kernel(n, dtype, state_dtype, adamw, isa=isa)
+    monkeypatch.setattr(builder, "cpu_adam_module", lambda: None)
+    _assert_same(got, _kernel(n, dtype, state_dtype, adamw))
 
 
 def test_order_is_checked(native):
