@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from .tensor import _seq_gather
 from .ulysses import ulysses_attention
 
 
@@ -52,15 +53,6 @@ def _attention_for(group):
     return attention
 
 
-def gather_sequence(shard: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
-    """The group's shards of ``shard`` (rank i's is the i-th slice of the sequence along ``dim``),
-    concatenated in rank order: the whole sequence's tensor on every rank. Not differentiable (for
-    masks and ids)."""
-    parts = [torch.empty_like(shard) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, shard.contiguous(), group=group)
-    return torch.cat(parts, dim=dim)
-
-
 def _mask_for(group):
     def mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
              mask_function=None, attention_mask: torch.Tensor | None = None, **kwargs):
@@ -73,7 +65,7 @@ def _mask_for(group):
                                       "2-D padding attention_mask [batch, sequence shard] (or none)")
         if q_offset or kv_offset:
             raise NotImplementedError("Ulysses attention: a KV cache (offset positions) is not supported")
-        whole = gather_sequence(attention_mask.to(torch.uint8), group).bool()
+        whole = _seq_gather(attention_mask.to(torch.uint8), group).bool()  # [B, S/sp] shards -> [B, S]
         if bool(whole.all()):
             return None
         sp = dist.get_world_size(group)
