@@ -20,17 +20,15 @@ Skipped without deepspeed (the ``dev`` extra).
 from __future__ import annotations
 
 import importlib
-import importlib.util
 
 import pytest
 import torch
 from torch import nn
 
+import needs
 from harness import run_ranks
 
-pytestmark = [pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
-                                 reason="deepspeed is not installed (zerotrain's `dev` extra); this compares "
-                                        "against it"),
+pytestmark = [needs.deepspeed,
               pytest.mark.timeout(600),
               # the module's fixture runs both libraries at every stage (~90 s alone): the default
               # suite keeps tests/unit/test_deepspeed_fused_adam_bf16.py and test_zero_master_dtype.py

@@ -19,17 +19,15 @@ clips. Skipped without deepspeed (the ``dev`` extra).
 from __future__ import annotations
 
 import importlib
-import importlib.util
 
 import pytest
 import torch
 from torch import nn
 
+import needs
 from harness import run_ranks
 
-pytestmark = [pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
-                                 reason="deepspeed is not installed (zerotrain's `dev` extra); this compares "
-                                        "against it"),
+pytestmark = [needs.deepspeed,
               pytest.mark.timeout(600),
               # both libraries in 2 processes each (~40 s): the default suite keeps
               # tests/unit/test_deepspeed_stage0_bf16.py (the same arithmetic written out, one process)

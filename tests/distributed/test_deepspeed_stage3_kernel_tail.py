@@ -28,17 +28,15 @@ same fp32 operations on the same operands). Skipped without deepspeed (the ``dev
 from __future__ import annotations
 
 import importlib
-import importlib.util
 
 import pytest
 import torch
 from torch import nn
 
+import needs
 from harness import run_ranks
 
-pytestmark = [pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
-                                 reason="deepspeed is not installed (zerotrain's `dev` extra); this compares "
-                                        "against it"),
+pytestmark = [needs.deepspeed,
               pytest.mark.timeout(600),
               # both libraries, five runs each (~60 s alone); the default suite keeps
               # tests/unit/test_deepspeed_stage3_tail.py
