@@ -82,9 +82,9 @@ def gpt_activation_bytes(batch: int, seq: int, n_layer: int, n_embd: int, n_head
     embedding's local ids and its out-of-range mask, one byte) and targets; the positions; the loss.
     ``loss=False``: the forward to the logits only (no targets, no log-softmax, no loss).
     ``tensor_sequence``: the sequence-parallel variant of tensor parallelism (``GPTConfig.tp_sequence_parallel``):
-    the residual stream and the norms are cut along the sequence too, so of the whole ``4C + 4`` per
-    layer (``2C + 2`` for the final norm) only the column-parallel layers' gathered inputs (``2C``;
-    ``C``) stay whole.
+    the residual stream and the norms are cut along the sequence too, and a column-parallel layer keeps
+    its input's sequence chunk (gathering it again in backward), so the whole ``4C + 4`` per layer
+    (``2C + 2`` for the final norm) is cut by the tensor axis as well: every activation is ``1/tensor``.
     ``element_bytes``: 4 in fp32 (exact), 2 approximates bf16 activations."""
     for name, v in (("batch", batch), ("seq", seq), ("n_layer", n_layer), ("n_embd", n_embd), ("n_head", n_head),
                     ("vocab_size", vocab_size), ("tensor", tensor), ("sequence", sequence)):
@@ -98,10 +98,10 @@ def gpt_activation_bytes(batch: int, seq: int, n_layer: int, n_embd: int, n_head
     c, t, e = n_embd, tensor, element_bytes
     tokens = batch * seq // sequence
     cut = 12 * c + n_head + (c if sequence > 1 else 0)
-    whole, norm = (2 * c, 2 * c + 4) if tensor_sequence and t > 1 else (4 * c + 4, 0)  # per layer: whole, cut
+    whole, norm = (0, 4 * c + 4) if tensor_sequence and t > 1 else (4 * c + 4, 0)  # per layer: whole, cut
     layer = whole * e + (cut + norm) * e // t
     ids = 8 + (1 if t > 1 else 0)
-    final = (c, c + 2) if tensor_sequence and t > 1 else (2 * c + 2, 0)
+    final = (0, 2 * c + 2) if tensor_sequence and t > 1 else (2 * c + 2, 0)
     head = final[0] * e + final[1] * e // t + ids + ((vocab_size // t) * e + 8 if loss else 0)  # ln_f; logits
     return tokens * (n_layer * layer + head) + 8 * (seq // sequence) + (4 if loss else 0)  # positions, loss
 

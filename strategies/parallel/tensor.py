@@ -15,8 +15,9 @@ activations between a row-parallel output and the next column-parallel input cut
 
 * ``scatter_to_sequence``: this rank's sequence chunk forward, all-gather of the gradient backward
   (a replicated activation entering the sequence-sharded region);
-* ``gather_from_sequence``: all-gather along the sequence forward, reduce-scatter backward
-  (``colwise_sp``: a column-parallel layer's input);
+* ``column_from_sequence``: ``colwise_sp``'s layer: all-gather along the sequence, then the matmul,
+  forward; reduce-scatter of the input's gradient backward. It keeps only the input's chunk for
+  backward and gathers it again there (Megatron's sequence-parallel linear);
 * ``reduce_scatter_to_sequence``: reduce-scatter along the sequence forward, all-gather backward
   (``rowwise_sp``, ``embedding_rowwise_sp``: partial sums meeting as sequence shards).
 
@@ -133,12 +134,50 @@ class _SequenceMove(torch.autograd.Function):
         return ctx.back(grad, ctx.group), None, None, None
 
 
+class _ColumnFromSequence(torch.autograd.Function):
+    """``colwise_sp``'s layer: ``F.linear`` of the input gathered along the sequence, keeping only
+    this rank's sequence chunk for backward, where it is gathered again (Megatron's sequence-parallel
+    linear): the layer's saved input is ``1/tp`` of the whole. Under autocast the matmuls run in its
+    dtype, as ``F.linear`` would, and the gradients return in the inputs' own dtypes."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group):
+        device = x.device.type
+        cast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+        ctx.group, ctx.cast, ctx.bias_dtype = group, cast, bias.dtype if bias is not None else None
+        ctx.save_for_backward(x, weight)
+        whole = _seq_gather(x, group)
+        with torch.autocast(device, enabled=False):
+            if cast is not None:
+                whole, weight = whole.to(cast), weight.to(cast)
+                bias = bias.to(cast) if bias is not None else None
+            return F.linear(whole, weight, bias)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        w = weight.to(ctx.cast) if ctx.cast is not None else weight
+        grad_x = grad_w = grad_b = None
+        if need_x:
+            grad_x = _seq_reduce_scatter(grad.matmul(w).to(x.dtype), ctx.group)  # summed in the input's dtype
+        rows = grad.reshape(-1, grad.shape[-1])
+        if need_w:
+            whole = _seq_gather(x, ctx.group)  # gathered again: only the chunk was kept
+            whole = whole.to(ctx.cast) if ctx.cast is not None else whole
+            grad_w = rows.t().mm(whole.reshape(-1, whole.shape[-1])).to(weight.dtype)
+        if need_b and ctx.bias_dtype is not None:
+            grad_b = rows.sum(0).to(ctx.bias_dtype)
+        return grad_x, grad_w, grad_b, None
+
+
+def column_from_sequence(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group) -> torch.Tensor:
+    return _ColumnFromSequence.apply(x, weight, bias, group)
+
+
 def scatter_to_sequence(x: torch.Tensor, group) -> torch.Tensor:
     return _SequenceMove.apply(x, group, _seq_chunk, _seq_gather)
-
-
-def gather_from_sequence(x: torch.Tensor, group) -> torch.Tensor:
-    return _SequenceMove.apply(x, group, _seq_gather, _seq_reduce_scatter)
 
 
 def reduce_scatter_to_sequence(x: torch.Tensor, group) -> torch.Tensor:
@@ -248,8 +287,10 @@ class ParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.style.startswith("colwise"):
-            x = gather_from_sequence(x, self.group) if self.style == "colwise_sp" else copy_to_group(x, self.group)
-            y = F.linear(x, self.weight, self.bias)
+            if self.style == "colwise_sp":  # the input's sequence chunk kept for backward, gathered again there
+                y = column_from_sequence(x, self.weight, self.bias, self.group)
+            else:
+                y = F.linear(copy_to_group(x, self.group), self.weight, self.bias)
             return gather_from_group(y, self.group) if self.style == "colwise_rep" else y
         if self.style == "rowwise_rep":
             x = x.chunk(_size(self.group), dim=-1)[_rank(self.group)]

@@ -132,8 +132,9 @@ def test_dp2_by_tp2_under_zero_parameters_per_rank_are_the_estimates(tmp_path, s
 @pytest.mark.skipif("tp_sequence_parallel" not in {f.name for f in dataclasses.fields(CONFIG)},
                     reason="the sequence-parallel variant of tensor parallelism is not in this tree")
 def test_tp2_with_sequence_parallel_norms_activations_are_the_estimate(tmp_path):
-    """The variant's norms run on sequence shards: only the column-parallel layers' gathered inputs
-    stay whole; parameters as plain tp=2 (the norms' stay whole)."""
+    """The variant's norms run on sequence shards and its column-parallel layers keep their input's
+    sequence chunk: every layer activation is cut by the tensor axis; parameters as plain tp=2 (the
+    norms' stay whole)."""
     results = run_ranks("test_mesh_estimate:_fit", 2, tmp_path, timeout=240, strategy="ddp", devices=2, tensor=2,
                         tp_sequence=True)
     _check(results, 1, 2, 1, "ddp", tp_sequence=True)

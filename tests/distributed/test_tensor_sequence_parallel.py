@@ -158,6 +158,64 @@ def test_gpt_tp2_sequence_parallel_with_dropout_equals_one_process_and_halves_no
     assert torch.equal(ranks[0]["after"], ranks[1]["after"])  # the default streams in lockstep
 
 
+# ---------------------------------------------------------------------------- the column layer's saved input
+def _colwise_sp_ranks():
+    """One ``colwise_sp`` layer on tp=2, fp32 and under bf16 autocast: its output, gradients and the
+    bytes it saves for backward, against the same rank's layer on the whole (gathered) input."""
+    from zerotrain.strategies.memory.saved import SavedActivations
+    from zerotrain.strategies.parallel.tensor import ParallelLinear
+
+    init_dist()
+    group, rank = dist.group.WORLD, dist.get_rank()
+    torch.manual_seed(3)
+    linear, whole = nn.Linear(8, 6), torch.randn(2, 4, 8)
+    dy = torch.randn(2, 4, 6)
+    layer = ParallelLinear(linear, "colwise_sp", group)
+    rows = slice(3 * rank, 3 * rank + 3)  # this rank's output features
+    out = {}
+    for autocast in (False, True):
+        x = whole.chunk(2, dim=1)[rank].clone().requires_grad_()
+        layer.zero_grad()
+        with SavedActivations(layer) as saved, torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+            y = layer(x)
+        (y.float() * dy[..., rows]).sum().backward()
+        ref_x = whole.clone().requires_grad_()
+        ref_w, ref_b = linear.weight.detach()[rows].clone().requires_grad_(), linear.bias.detach()[rows].clone().requires_grad_()
+        with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+            ref = F.linear(ref_x, ref_w, ref_b)
+        (ref.float() * dy[..., rows]).sum().backward()
+        full_x = whole.clone().requires_grad_()  # the input's gradient sums both ranks' features
+        (F.linear(full_x, linear.weight, linear.bias) * dy).sum().backward()
+        out[autocast] = {"saved": saved.bytes, "chunk": x.numel() * x.element_size(), "y": y.detach(),
+                         "ref": ref.detach(), "gw": layer.weight.grad.clone(), "ref_gw": ref_w.grad,
+                         "gb": layer.bias.grad.clone(), "ref_gb": ref_b.grad, "gx": x.grad.clone(),
+                         "ref_gx": full_x.grad.chunk(2, dim=1)[rank],
+                         "scale": (dy.abs() @ linear.weight.detach().abs()).chunk(2, dim=1)[rank], "dtypes": (y.dtype, x.grad.dtype, layer.weight.grad.dtype)}
+    return out
+
+
+def test_a_column_parallel_layer_keeps_only_its_inputs_sequence_chunk_for_backward(tmp_path):
+    """Megatron's sequence-parallel linear: the layer saves 1/tp of its gathered input (gathered again
+    in backward), computes what ``F.linear`` on the whole input computes, fp32 and under autocast.
+    Tolerances: the weight's and bias's gradients sum over B*S = 8 tokens (Higham's gamma_n, fp32;
+    under bf16 each side rounds once more: 2 u_bf16 = 2**-7), the input's over 6 output features."""
+    from tolerance import gamma
+
+    bf16 = 2.0 ** -7
+    for r in run_ranks("test_tensor_sequence_parallel:_colwise_sp_ranks", 2, tmp_path):
+        for autocast, o in r.items():
+            assert o["saved"] == o["chunk"], (autocast, o["saved"], o["chunk"])  # not the gathered 2x
+            assert torch.equal(o["y"], o["ref"])  # the same F.linear on the same gathered input
+            extra = bf16 if autocast else 0.0
+            assert rel_err(o["gw"], o["ref_gw"]) <= 2 * gamma(8) + extra
+            assert rel_err(o["gb"], o["ref_gb"]) <= 2 * gamma(8) + extra
+            # the input's gradient against fp32 on the whole layer, element by element: per term of its
+            # 6-feature sum, bf16 rounds dy, the weight and the partial sum (3 u_bf16 = 3 * 2**-8 < 2**-6)
+            bound = (2.0 ** -6 if autocast else 2 * gamma(6)) * o["scale"]
+            assert bool(((o["gx"] - o["ref_gx"]).abs() <= bound).all()), autocast
+            assert o["dtypes"] == ((torch.bfloat16 if autocast else torch.float32), torch.float32, torch.float32)
+
+
 # ---------------------------------------------------------------------------- in the Trainer
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero3"])

@@ -86,12 +86,12 @@ def test_bad_mesh_input_is_refused_in_one_line(capsys, argv, field):
     assert len(err.err.strip().splitlines()) == 1 and field in err.err and "valid" in err.err
 
 
-def test_the_sequence_parallel_variant_keeps_only_the_gathered_inputs_whole():
-    """tp=2 with norms on sequence shards: per layer 2C of the replicated 4C + 4 stay whole (the
-    column-parallel layers' gathered inputs), the rest halves; C of the final norm's 2C + 2."""
+def test_the_sequence_parallel_variant_cuts_every_layer_activation_by_the_tensor_axis():
+    """tp=2 with norms on sequence shards and column-parallel layers keeping their input's chunk:
+    the per-layer 4C + 4 and the final norm's 2C + 2, whole under plain tp, halve too."""
     shape = dict(batch=2, seq=16, n_layer=3, n_embd=16, n_head=4, vocab_size=32, tensor=2, loss=False)
     plain, variant = gpt_activation_bytes(**shape), gpt_activation_bytes(**shape, tensor_sequence=True)
-    assert plain - variant == 2 * 16 * 4 * (3 * (2 * 16 + 4) + (16 + 2)) // 2
+    assert plain - variant == 2 * 16 * 4 * (3 * (4 * 16 + 4) + (2 * 16 + 2)) // 2
     assert gpt_activation_bytes(**{**shape, "tensor": 1}, tensor_sequence=True) == gpt_activation_bytes(
         **{**shape, "tensor": 1})
 
