@@ -24,8 +24,13 @@ Hugging Face's name), ``sequence_shard`` (the same from a replicated input, cut 
 output_layouts=Shard(1))`` are read as these. A plan with them is the switch: the demo GPT's is
 ``GPT.tp_plan_sequence_parallel`` (``GPTConfig.tp_sequence_parallel``).
 
+A ``colwise``/``rowwise`` entry (not the sequence-parallel ones) may name a Hugging Face ``Conv1D``
+(GPT-2's projections, weight stored ``[in, out]``): ``tensor_conv1d.ParallelConv1D`` cuts it in its
+own layout.
+
 With no plan, the model's own: ``model.tp_plan`` (a Hugging Face model's, from its config's
-``base_model_tp_plan`` and its ``_tp_plan``), else ``model._tp_plan``.
+``base_model_tp_plan`` and its ``_tp_plan``), else ``model._tp_plan``. A model with none can have
+one found by name and shape (``tensor_auto.plan_by_shape``; DeepSpeed's AutoTP face uses it).
 
 Refused before any module changes: a style outside these, a pattern that matches no module, a
 module of the wrong type, and a tied parameter whose other module the plan leaves whole.
@@ -39,6 +44,7 @@ import torch
 from torch import nn
 
 from .tensor import ParallelLinear, VocabParallelEmbedding, full_tensor
+from .tensor_conv1d import ParallelConv1D, is_conv1d
 from .tensor_sequence import give_tensor_rng, is_norm, sequence_parallel_module
 
 #: Hugging Face's names -> (our style, packed blocks)
@@ -114,10 +120,16 @@ def resolve_style(spec, module: nn.Module, where: str) -> tuple[str, int]:
             raise ValueError(f"tensor plan: {where!r} is a {type(module).__name__}; {style} applies to an nn.Dropout "
                              f"or a norm (a ...Norm class with parameters of its own, no submodules)")
         return style, chunks
-    want = nn.Embedding if style.startswith("embedding_rowwise") else nn.Linear
-    if not isinstance(module, want):
-        raise ValueError(f"tensor plan: {where!r} is a {type(module).__name__}; {style} applies to an "
-                         f"nn.{want.__name__}")
+    if style.startswith("embedding_rowwise"):
+        if not isinstance(module, nn.Embedding):
+            raise ValueError(f"tensor plan: {where!r} is a {type(module).__name__}; {style} applies to an nn.Embedding")
+    elif is_conv1d(module):
+        if style not in ParallelConv1D.STYLES:
+            raise ValueError(f"tensor plan: {where!r} is a Hugging Face Conv1D; {style} applies to an nn.Linear (a "
+                             f"Conv1D takes {', '.join(ParallelConv1D.STYLES)})")
+    elif not isinstance(module, nn.Linear):
+        raise ValueError(f"tensor plan: {where!r} is a {type(module).__name__}; {style} applies to an nn.Linear "
+                         f"(or a Hugging Face Conv1D)")
     return style, chunks
 
 
@@ -176,7 +188,7 @@ def parallelize_tensor(model: nn.Module, group, plan: dict | None = None) -> dic
         elif style.startswith("embedding_rowwise"):
             new = VocabParallelEmbedding(old, group, shared, sequence_output=style.endswith("_sp"))
         else:
-            new = ParallelLinear(old, style, group, chunks, shared)
+            new = (ParallelConv1D if is_conv1d(old) else ParallelLinear)(old, style, group, chunks, shared)
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, new)
     model._tensor_parallel_replaced = frozenset(replaced)  # for refuse_stale_optimizer
@@ -255,15 +267,6 @@ def join_shards(module: nn.Module, values: dict[int, torch.Tensor], group, devic
         if hasattr(p, "tensor_parallel") and id(p) in values:
             out[id(p)] = full_tensor((p, values[id(p)].to(device)), group).cpu()
     return out
-
-
-def refuse_tensor_parallel(strategy, what: str) -> None:
-    """NotImplementedError where ``strategy``'s module holds tensor-parallel parameters and ``what``
-    is not built for them."""
-    if strategy.module is not None and is_cut(strategy.module):
-        raise NotImplementedError(f"{type(strategy).__name__}(tensor_parallel={strategy.mesh_size('tensor')}): {what} "
-                                  f"of tensor-parallel parameters are not built yet (strategies/README.md, tensor "
-                                  f"parallelism)")
 
 
 def plan_split(model: nn.Module, plan: dict | None = None) -> tuple[int, int]:

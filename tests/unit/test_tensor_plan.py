@@ -73,7 +73,7 @@ def test_a_module_without_a_plan_takes_its_submodules_plans_under_their_paths():
 
 
 def test_a_tensor_axis_over_a_module_without_a_plan_leaves_it_whole_with_a_warning():
-    from zerotrain.strategies.parallel.tensor_plan import cut_for_mesh, refuse_tensor_parallel
+    from zerotrain.strategies.parallel.tensor_plan import cut_for_mesh
 
     class Strategy:  # the two questions cut_for_mesh asks of a strategy
         module = nn.Sequential(nn.Linear(2, 2))
@@ -88,4 +88,3 @@ def test_a_tensor_axis_over_a_module_without_a_plan_leaves_it_whole_with_a_warni
     with pytest.warns(UserWarning, match="Sequential declares no tp_plan .* every tensor rank holds the whole model"):
         cut_for_mesh(s)
     assert type(s.module[0]) is nn.Linear
-    refuse_tensor_parallel(s, "checkpoints")  # nothing is tensor-parallel: nothing to refuse
