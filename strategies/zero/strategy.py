@@ -215,6 +215,15 @@ class ZeroStrategy(Strategy):
         self.grads = self._build_gradients()
         self._attach_stepper(ShardedOptimizer(optimizer, masters), self._working_partitions())
 
+    def master_pieces(self) -> tuple[list[list[nn.Parameter]], list[list[tuple[nn.Parameter, int, int, int]]]]:
+        """After ``setup_optimizer``: the trainable parameters of each flat group, and what each
+        master slot (one per flat group here: ``sharded.masters[k]``, ``grads.partitions()[k]``)
+        holds on this rank: ``(parameter, first element in the parameter, first element in the
+        slot, count)`` per piece, in slot order (ZeRO-3's ``master_pieces`` has the same form)."""
+        slots = [[(fg.params[pc.index], pc.param_start, pc.partition_start, pc.numel) for pc in fg.layout.pieces(fg.rank)]
+                 for fg in self.flat_groups]
+        return [list(fg.params) for fg in self.flat_groups], slots
+
     def _working_partitions(self) -> list[torch.Tensor]:
         """This rank's slice of each group's working buffer (what an offload stepper writes)."""
         return [fg.partition(fg.rank) for fg in self.flat_groups]

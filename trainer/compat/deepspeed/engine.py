@@ -33,7 +33,7 @@ from torch import nn
 
 from ....strategies.offload.aio import atomic_file
 from ...checkpoint import directory as checkpoint_io
-from . import comm
+from . import comm, tensor_fragment
 from .compiled import CompileMethods
 from ...engine.engine import Engine
 from ...errors import CheckpointError, ConfigError
@@ -194,6 +194,10 @@ class DeepSpeedEngine(CompileMethods, ConfigAccessors):
         self._external_scale: float | None = None  # set while a plain loss.backward() runs
         self._step_applied = False
         self._inside_no_sync = False
+        #: the reduced gradients are readable (``deepspeed.utils.safe_get_full_grad``): from the
+        #: boundary's backward to its step
+        self._fresh_grads = False
+        tensor_fragment.register(self)
         self._monitor = _Monitor(cfg, engine.global_rank)
         self._comms = comm.record(self) if cfg.comms_logger else None
         # DeepSpeed's stage 3 computes every F.linear with its own function (zero_init.Stage3Linear)
@@ -302,6 +306,7 @@ class DeepSpeedEngine(CompileMethods, ConfigAccessors):
     def _end_external_backward(self) -> None:
         self._external_scale = None
         self._zt.end_external_backward()
+        self._fresh_grads = self._deferring is None
         self._end_deferral()
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
@@ -319,6 +324,7 @@ class DeepSpeedEngine(CompileMethods, ConfigAccessors):
         try:
             with self._monitor.timed("backward"):
                 self._zt.backward(scaled * sp if sp > 1 else scaled)
+            self._fresh_grads = self._deferring is None
         finally:
             self._in_backward = False
             self._end_deferral()
@@ -335,6 +341,7 @@ class DeepSpeedEngine(CompileMethods, ConfigAccessors):
         if self.is_gradient_accumulation_boundary():
             with self._monitor.timed("step"):
                 self._take_step(lr_kwargs)
+            self._fresh_grads = False
         self.micro_steps += 1
 
     #: bf16 at stage 0: DeepSpeed's 16-bit optimizer wrapper's clip (``ops/sixteen_bit.py``)
@@ -365,6 +372,7 @@ class DeepSpeedEngine(CompileMethods, ConfigAccessors):
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad()
+        self._fresh_grads = False
 
     # ------------------------------------------------------------------ checkpoints
     def _checkpoint_state(self, client_state: Mapping[str, Any], scheduler: bool = True) -> dict[str, Any]:

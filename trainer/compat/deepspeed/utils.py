@@ -1,5 +1,6 @@
 """``deepspeed.utils``: the small helpers DeepSpeed scripts import from it: ``logger``,
-``log_dist`` / ``print_dist`` (a message on chosen ranks) and ``RepeatingLoader``.
+``log_dist`` / ``print_dist`` (a message on chosen ranks), ``RepeatingLoader``, and the
+tensor-fragment accessors ``safe_get_full_fp32_param`` and its siblings (``tensor_fragment.py``).
 
 ``logger`` is zerotrain's ``zerotrain.deepspeed`` logger (a child of ``zerotrain``, so it follows
 zerotrain's logging set-up: INFO on rank 0, warnings elsewhere), not DeepSpeed's own "DeepSpeed"
@@ -11,6 +12,9 @@ import logging
 from typing import Any, Iterator, Sequence
 
 import torch.distributed as dist
+
+from .tensor_fragment import *  # noqa: F401,F403  (deepspeed.utils.safe_get_full_grad, ...)
+from .tensor_fragment import __all__ as _fragment_names
 
 logger = logging.getLogger("zerotrain.deepspeed")
 
@@ -60,4 +64,4 @@ class RepeatingLoader:
             return next(self.data_iter)
 
 
-__all__ = ["logger", "log_dist", "print_dist", "RepeatingLoader"]
+__all__ = ["logger", "log_dist", "print_dist", "RepeatingLoader", *_fragment_names]
