@@ -38,7 +38,7 @@ from .compiled import CompileMethods
 from ...engine.engine import Engine
 from ...errors import CheckpointError, ConfigError
 from .config import DeepSpeedAssertion, DeepSpeedConfig
-from .ops import fp32_clip
+from .ops import fp32_clip, zero_clip
 from .ops.stage3_tail import use_deepspeed_tail
 from .zero_init import use_module_boundaries, use_stage3_linear
 
@@ -356,7 +356,8 @@ class DeepSpeedEngine(CompileMethods, ConfigAccessors):
         else:
             if self._cfg.gradient_clipping > 0 and fp32_clip.applies(self):  # DeepSpeed's arithmetic (stage 0)
                 fp32_clip.clip(self.module, self._cfg.gradient_clipping)
-            elif self._cfg.gradient_clipping > 0:
+            elif self._cfg.gradient_clipping > 0 and not (zero_clip.applies(self) and zero_clip.clip(self)):
+                # (ZeRO 1-3: DeepSpeed's arithmetic where zero_clip applies; else, or a non-finite norm, ours)
                 self._zt.clip_gradients(self._model, self.optimizer, max_norm=self._cfg.gradient_clipping)
             self._step_applied = bool(self.optimizer.step())
         if not self._step_applied:

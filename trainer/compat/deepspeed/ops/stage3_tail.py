@@ -23,6 +23,22 @@ from .....ops.deepspeed_adam import DS_VECTOR_BLOCK
 SUB_GROUP_SIZE = 1_000_000_000
 
 
+def sub_groups(numels: Sequence[int], world_size: int, sub_group_size: int = SUB_GROUP_SIZE) -> list[list[int]]:
+    """How DeepSpeed's stage 3 cuts one param group (``numels``: its trainable parameters' sizes)
+    into sub-groups: the parameter indices of each, a sub-group closed once its partitions (each
+    ``ceil(numel / world_size)``) reach ``sub_group_size`` elements."""
+    subs: list[list[int]] = []
+    sub: list[int] = []
+    size = 0
+    for i, n in enumerate(numels):
+        sub.append(i)
+        size += -(-n // world_size)
+        if size >= sub_group_size or i == len(numels) - 1:
+            subs.append(sub)
+            sub, size = [], 0
+    return subs
+
+
 def deepspeed_tail_elements(groups: Sequence[Sequence[int]], world_size: int,
                             sub_group_size: int = SUB_GROUP_SIZE) -> list[list[list[tuple[int, int]]]]:
     """``groups[g][i]``: the number of elements of trainable parameter ``i`` of param group ``g``.
@@ -31,14 +47,7 @@ def deepspeed_tail_elements(groups: Sequence[Sequence[int]], world_size: int,
     out = []
     for numels in groups:
         ranges: list[list[tuple[int, int]]] = [[] for _ in numels]
-        subs, sub, size = [], [], 0
-        for i, n in enumerate(numels):
-            sub.append(i)
-            size += -(-n // world_size)
-            if size >= sub_group_size or i == len(numels) - 1:
-                subs.append(sub)
-                sub, size = [], 0
-        for sub in subs:
+        for sub in sub_groups(numels, world_size, sub_group_size):
             parts = [(i, -(-numels[i] // world_size)) for i in sub]
             total = sum(pn for _, pn in parts)
             first_tail = total - total % DS_VECTOR_BLOCK
