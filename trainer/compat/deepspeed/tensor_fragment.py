@@ -19,8 +19,9 @@ What each returns, as in DeepSpeed 0.19.8:
   hold (Adam before its first step, or an unknown key): ValueError on every rank.
 * ``safe_get_full_grad``: at stage 0 the parameter's ``.grad`` (the averaged gradient after the
   boundary's backward; None after ``step()``); under ZeRO the averaged gradient (fp32) between the
-  boundary's backward and ``step()``; outside that window ZeRO 1/2 raise ValueError (DeepSpeed's
-  message) on every rank, ZeRO-3 returns the (zeroed) gradient partitions, as DeepSpeed's stage 3.
+  boundary's backward and ``step()``; outside that window a ValueError (DeepSpeed's message) on
+  every rank. DeepSpeed's ZeRO-3 differs there: it returns the gradient the last step applied
+  (zerotrain's step zeroes the partitions, so there is nothing to return but zeros).
 * ``safe_set_full_fp32_param`` / ``safe_set_full_optimizer_state`` / ``safe_set_full_grad``: write
   the master / state / reduced gradient; the next ``step()`` reads them (the working 16-bit or
   partitioned parameter follows at that step, as in DeepSpeed; with fp32 at ZeRO 1/2 the working
@@ -104,9 +105,12 @@ def _refuse_swapped(s: Any, what: str) -> None:
 
 def _grad_slots(engine: Any, s: Any) -> list[torch.Tensor]:
     """This rank's reduced gradient slice of each master slot, valid between the boundary's
-    backward and ``step()`` (ZeRO 1/2 refuse outside it, ZeRO-3 reads its zeroed partitions)."""
-    if s.stage != 3 and not engine._fresh_grads:
-        raise ValueError(_GRAD_WINDOW)
+    backward and ``step()``; refused outside that window (DeepSpeed's ZeRO-1/2 refuse too; its
+    ZeRO-3 returns the gradient the last step applied, which zerotrain's step has zeroed)."""
+    if not engine._fresh_grads:
+        raise ValueError(_GRAD_WINDOW + (" (zerotrain's ZeRO-3 zeroes them in step(); DeepSpeed's keeps the last "
+                                          "step's until the next backward: read them before step())"
+                                          if s.stage == 3 else ""))
     slots = s.grads.partitions()
     if any(t.device.type == "meta" for t in slots):
         raise NotImplementedError("deepspeed.utils: gradients swapped to NVMe (grad_device nvme) are not built; "
