@@ -23,6 +23,17 @@ must not be read (``p.grad`` is only valid inside this rank's partition after a 
 backward).
 
 Memory per rank: 2Psi (params) + 2Psi (grads) + 12Psi/N (master + Adam) in bf16-mixed.
+
+``last_backward_wins`` (set by ``zerotrain.deepspeed`` for DeepSpeed's fp32 ZeRO-1): DeepSpeed
+reduces only at the end of its own engine's backward at the accumulation boundary, keeps this
+rank's averaged partition for the step, and sets every ``p.grad`` to None; a second such backward
+before the step reduces only what accumulated since and *replaces* the kept partition (a GAN's
+``backward(real)``, ``backward(fake)``, ``step()`` steps on the fake batch's gradient alone).
+Under the flag: the hooks reduce only inside this strategy's own synchronising backward (another
+model's backward that reaches these parameters, e.g. a generator's loss through the
+discriminator, only accumulates); after it the partitions are *held* and ``p.grad`` is None, so
+gradients arriving before the next synchronising backward stay in autograd's own ``p.grad``; that
+backward copies them into the buffer (overwriting the held values) and reduces them.
 """
 from __future__ import annotations
 
@@ -57,13 +68,24 @@ class ReplicatedGradients(BucketedReduction):
         #: groups zeroed (their ``p.grad`` set to None) since a synchronising backward last
         #: settled every parameter: some buffer regions may still hold an earlier step's values
         self.stale = [False] * len(self.flat_groups)
+        #: DeepSpeed's ZeRO-1 (module docstring): set before the first backward
+        self.last_backward_wins = False
+        #: groups whose partition a synchronising backward reduced and that wait for the step,
+        #: their ``p.grad`` None (``last_backward_wins`` only)
+        self.held = [False] * len(self.flat_groups)
+        self._own_backward = False  # between before_backward and after_backward
         for g in range(len(self.flat_groups)):
             self._settle_group(g)
 
     def before_backward(self) -> None:
         """Turn a buffer reduced in place back into something the next backward may accumulate
         into. A ``p.grad`` that is None or not the buffer's view (someone replaced it) is left to
-        autograd; the hook copies what it holds after accumulating into the buffer."""
+        autograd; the hook copies what it holds after accumulating into the buffer. Under
+        ``last_backward_wins`` a synchronising backward lets go of the held partitions: what it
+        reduces replaces them."""
+        self._own_backward = True
+        if self.last_backward_wins and self.is_sync():
+            self.held = [False] * len(self.flat_groups)
         for g in range(len(self.flat_groups)):
             if self.reduced[g]:
                 self._restore_sum(g)
@@ -103,12 +125,14 @@ class ReplicatedGradients(BucketedReduction):
     # when synchronising
     def _grad_ready(self, bi: int, index: int, p: nn.Parameter) -> None:
         b = self.buckets[bi]
+        if self.held[b.group]:  # the buffer waits for the step: accumulate in p.grad (see before_backward)
+            return
         self._settle(p, self.views[b.group][index])
         if self._active():
             self._take(bi, index, p)
 
     def _active(self) -> bool:
-        return self.is_sync()
+        return self.is_sync() and (self._own_backward or not self.last_backward_wins)
 
     def _missing(self, b: Bucket, index: int) -> None:
         self._settle(self.flat_groups[b.group].params[index], self.views[b.group][index])
@@ -131,10 +155,16 @@ class ReplicatedGradients(BucketedReduction):
             dst.copy_(got)
 
     def after_backward(self, sync: bool) -> None:
+        self._own_backward = False
         if sync:
             self.flush()  # every parameter got its gradient or was settled as missing
-            self.reduced = [True] * len(self.flat_groups)
+            self.reduced = [not self.last_backward_wins] * len(self.flat_groups)
             self.stale = [False] * len(self.flat_groups)
+            if self.last_backward_wins:
+                self.held = [True] * len(self.flat_groups)
+                for fg in self.flat_groups:
+                    for p in fg.params:
+                        p.grad = None
 
     def zero(self, slots: list[int] | None = None) -> None:
         """Set the groups' ``p.grad`` to None (groups ``slots`` only: one optimizer's, the others
@@ -143,7 +173,7 @@ class ReplicatedGradients(BucketedReduction):
             if slots is None or g in slots:
                 for p in fg.params:
                     p.grad = None
-                self.reduced[g] = False
+                self.reduced[g] = self.held[g] = False
                 self.stale[g] = True
 
     def reduce(self) -> None:
@@ -168,6 +198,11 @@ class ZeroStage1(ZeroStrategy):
 
     name = "zero1"
     stage = 1
+    #: DeepSpeed's fp32 ZeRO-1 semantics of several backwards per step (``ReplicatedGradients``);
+    #: ``zerotrain.deepspeed`` sets it before ``setup``
+    last_backward_wins = False
 
     def _build_gradients(self) -> ReplicatedGradients:
-        return ReplicatedGradients(*self._reduction_args(), is_sync=lambda: self._sync)
+        grads = ReplicatedGradients(*self._reduction_args(), is_sync=lambda: self._sync)
+        grads.last_backward_wins = self.last_backward_wins
+        return grads

@@ -224,6 +224,8 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     _round_to_16bit(model, cfg)
     opt = _optimizer(cfg, optimizer, model, model_parameters)
     sixteen = sixteen_bit_steps(cfg, opt, model)  # bf16 at stage 0: DeepSpeed's 16-bit optimizer wrapper
+    if cfg.strategy == "zero1" and cfg.precision == "32":  # DeepSpeed's fp32 ZeRO-1: the last backward wins
+        engine.strategy.last_backward_wins = True  # (strategies/zero/stage1.py)
     wrapped_model, wrapped_opt = engine.setup(model, opt)
     zero.register(engine)
     if sixteen is not None:

@@ -321,6 +321,10 @@ class DeepSpeedEngine(CompileMethods, ConfigAccessors):
         self._monitor.loss(loss)
         self._in_backward = True
         sp = self._sequence_scale()
+        if getattr(self._zt.strategy, "last_backward_wins", False):
+            # DeepSpeed's ZeRO-1 reduces at the boundary only, also for a module called directly
+            # (not through this engine's forward, which defers already)
+            self._defer_if_accumulating()
         try:
             with self._monitor.timed("backward"):
                 self._zt.backward(scaled * sp if sp > 1 else scaled)
