@@ -191,6 +191,7 @@ def parallelize_tensor(model: nn.Module, group, plan: dict | None = None) -> dic
             new = (ParallelConv1D if is_conv1d(old) else ParallelLinear)(old, style, group, chunks, shared)
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, new)
+    replaced -= {id(p) for p in model.parameters()}  # a row-parallel layer keeps its bias whole: the same Parameter
     model._tensor_parallel_replaced = frozenset(replaced)  # for refuse_stale_optimizer
     give_tensor_rng(model, group)  # dropout inside the tensor-parallel regions: a stream per rank
     return {name: style for name, (style, _) in chosen.items()}

@@ -5,8 +5,11 @@ optimizer (as DeepSpeed's engine does), so the optimizer steps each rank's shard
 The plan is the model's Hugging Face ``tp_plan`` as DeepSpeed 0.19.8 applies it: every entry, except
 that ``embedding_rowwise`` is applied only where the output head (``lm_head`` / ``embed_out``) is
 tied to the embedding; an untied embedding stays whole on every rank, as DeepSpeed leaves it. A
-model without a ``tp_plan`` is refused (DeepSpeed would fall back to its heuristic AutoTP, which
-zerotrain does not have).
+model without a ``tp_plan`` (GPT-2) is cut by the plan found by name and shape
+(``strategies/parallel/tensor_auto.py``: column-parallel projections reading the hidden size, the
+last one writing it row-parallel, a fused ``c_attn`` cut per head group of q, k and v; Conv1D in its
+own layout). DeepSpeed 0.19.8 falls back to its heuristic AutoTP there, which refuses GPT-2
+(``AutoTP not supported for model``), so that case is zerotrain's own, checked against one process.
 
 ``check_inputs_once``: the model's first forward compares its inputs across the tensor group, as
 DeepSpeed's engine does (the ranks of a tensor group compute one replica's batch together; a loader
@@ -25,6 +28,7 @@ from torch import nn
 
 from ...errors import ConfigError
 from ....strategies.parallel import parallelize_tensor, plan_of
+from ....strategies.parallel.tensor_auto import parallelize_by_shape
 
 
 def _tied_head(model: nn.Module) -> bool:
@@ -34,20 +38,26 @@ def _tied_head(model: nn.Module) -> bool:
 
 
 def autotp_plan(model: nn.Module) -> dict:
-    """The plan DeepSpeed 0.19.8's AutoTP follows for ``model`` (see the module's doc)."""
+    """The model's own plan as DeepSpeed 0.19.8's AutoTP follows it (see the module's doc); ``{}``
+    for a model without one."""
     plan = plan_of(model)
-    if not plan:
-        raise ConfigError(f"tensor_parallel.autotp_size: {type(model).__name__} has no Hugging Face tp_plan; zerotrain's "
-                          f"AutoTP follows a model's own plan (DeepSpeed's heuristic AutoTP is not implemented)")
     if _tied_head(model):
         return plan
     return {k: v for k, v in plan.items() if v != "embedding_rowwise"}
 
 
 def cut_for_autotp(strategy, model: nn.Module) -> None:
-    """Cut ``model`` over the strategy's tensor group (nothing without a tensor axis)."""
-    if strategy.mesh_size("tensor") > 1:
-        parallelize_tensor(model, strategy.mesh_group("tensor"), autotp_plan(model))
+    """Cut ``model`` over the strategy's tensor group (nothing without a tensor axis): by its own
+    plan, else by the plan found by name and shape."""
+    if strategy.mesh_size("tensor") == 1:
+        return
+    group, plan = strategy.mesh_group("tensor"), autotp_plan(model)
+    try:
+        parallelize_tensor(model, group, plan) if plan else parallelize_by_shape(model, group)
+    except ValueError as e:
+        if plan:
+            raise
+        raise ConfigError(f"tensor_parallel.autotp_size: {type(model).__name__} declares no tp_plan; {e}") from None
 
 
 def _input_tensors(value: Any, path: str) -> Iterator[tuple[str, torch.Tensor]]:
