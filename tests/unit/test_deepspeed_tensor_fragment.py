@@ -221,3 +221,29 @@ def test_local_api_at_stage3_round_trips():
         utils.safe_set_local_fp32_param(w, torch.zeros(3))
     assert utils.safe_get_local_fp32_param(engine.module.frozen.weight) is None
     engine.destroy()
+
+
+def test_zero1_gradient_before_the_boundary_and_inside_no_sync_is_the_local_accumulation():
+    """DeepSpeed's ZeRO-1 reduces at the boundary only; before it (and inside ``no_sync``, which
+    DeepSpeed's ``test_no_sync_ctxt.test_multiple_ctxts`` reads this way) ``safe_get_full_grad``
+    answers the parameter's ``.grad``: this rank's accumulation, not a reduced partition."""
+    torch.manual_seed(0)
+    model = _Net()
+    config = {"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2, "gradient_clipping": 0.0,
+              "optimizer": {"type": "Adam", "params": {"lr": 0.01, "torch_adam": True}},
+              "zero_optimization": {"stage": 1}}
+    engine = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+                                  config=config)[0]
+    w = engine.module.a.weight
+    _backward(engine)  # the first micro-batch: no reduction yet
+    assert w.grad is not None and utils.safe_get_full_grad(w) is w.grad
+    engine.step()
+    _backward(engine)  # the boundary: the reduced partitions
+    got = utils.safe_get_full_grad(w)
+    assert got is not w.grad and got.shape == w.shape
+    engine.step()
+    engine.set_gradient_accumulation_boundary(True)
+    with engine.no_sync():
+        _backward(engine)
+        assert w.grad is not None and utils.safe_get_full_grad(w) is w.grad
+    engine.destroy()

@@ -306,7 +306,7 @@ class DeepSpeedEngine(CompileMethods, ConfigAccessors):
     def _end_external_backward(self) -> None:
         self._external_scale = None
         self._zt.end_external_backward()
-        self._fresh_grads = self._deferring is None
+        self._fresh_grads = self._deferring is None and not self._inside_no_sync
         self._end_deferral()
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
@@ -328,7 +328,7 @@ class DeepSpeedEngine(CompileMethods, ConfigAccessors):
         try:
             with self._monitor.timed("backward"):
                 self._zt.backward(scaled * sp if sp > 1 else scaled)
-            self._fresh_grads = self._deferring is None
+            self._fresh_grads = self._deferring is None and not self._inside_no_sync
         finally:
             self._in_backward = False
             self._end_deferral()

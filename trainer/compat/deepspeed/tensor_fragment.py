@@ -19,7 +19,8 @@ What each returns, as in DeepSpeed 0.19.8:
   hold (Adam before its first step, or an unknown key): ValueError on every rank.
 * ``safe_get_full_grad``: at stage 0 the parameter's ``.grad`` (the averaged gradient after the
   boundary's backward; None after ``step()``); under ZeRO the averaged gradient (fp32) between the
-  boundary's backward and ``step()``; outside that window a ValueError (DeepSpeed's message) on
+  boundary's backward and ``step()`` (ZeRO-1 before the boundary or inside ``no_sync``: the
+  ``.grad`` this rank accumulated, as DeepSpeed's ZeRO-1 answers then); outside that window a ValueError (DeepSpeed's message) on
   every rank. DeepSpeed's ZeRO-3 differs there: it returns the gradient the last step applied
   (zerotrain's step zeroes the partitions, so there is nothing to return but zeros).
 * ``safe_set_full_fp32_param`` / ``safe_set_full_optimizer_state`` / ``safe_set_full_grad``: write
@@ -208,6 +209,8 @@ def safe_get_full_grad(param: torch.Tensor) -> torch.Tensor | None:
     if found is None:
         return param.grad
     engine, s = found
+    if not engine._fresh_grads and param.grad is not None:
+        return param.grad  # ZeRO-1 before the boundary or inside no_sync: this rank's accumulation, as DeepSpeed's
     slots = _grad_slots(engine, s)
     return _gather(engine, s, param, lambda k: slots[k].view(-1))
 
