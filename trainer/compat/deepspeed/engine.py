@@ -195,8 +195,9 @@ class DeepSpeedEngine(CompileMethods, ConfigAccessors):
         self._step_applied = False
         self._inside_no_sync = False
         #: the reduced gradients are readable (``deepspeed.utils.safe_get_full_grad``): from the
-        #: boundary's backward to its step
-        self._fresh_grads = False
+        #: boundary's backward to its step; ``_local_grads``: a backward since then did not reduce
+        #: (before the boundary, or inside no_sync)
+        self._fresh_grads = self._local_grads = False
         tensor_fragment.register(self)
         self._monitor = _Monitor(cfg, engine.global_rank)
         self._comms = comm.record(self) if cfg.comms_logger else None
@@ -307,6 +308,7 @@ class DeepSpeedEngine(CompileMethods, ConfigAccessors):
         self._external_scale = None
         self._zt.end_external_backward()
         self._fresh_grads = self._deferring is None and not self._inside_no_sync
+        self._local_grads = not self._fresh_grads
         self._end_deferral()
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
@@ -329,6 +331,7 @@ class DeepSpeedEngine(CompileMethods, ConfigAccessors):
             with self._monitor.timed("backward"):
                 self._zt.backward(scaled * sp if sp > 1 else scaled)
             self._fresh_grads = self._deferring is None and not self._inside_no_sync
+            self._local_grads = not self._fresh_grads
         finally:
             self._in_backward = False
             self._end_deferral()
@@ -345,7 +348,7 @@ class DeepSpeedEngine(CompileMethods, ConfigAccessors):
         if self.is_gradient_accumulation_boundary():
             with self._monitor.timed("step"):
                 self._take_step(lr_kwargs)
-            self._fresh_grads = False
+            self._fresh_grads = self._local_grads = False
         self.micro_steps += 1
 
     #: bf16 at stage 0: DeepSpeed's 16-bit optimizer wrapper's clip (``ops/sixteen_bit.py``)
@@ -377,7 +380,7 @@ class DeepSpeedEngine(CompileMethods, ConfigAccessors):
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad()
-        self._fresh_grads = False
+        self._fresh_grads = self._local_grads = False
 
     # ------------------------------------------------------------------ checkpoints
     def _checkpoint_state(self, client_state: Mapping[str, Any], scheduler: bool = True) -> dict[str, Any]:

@@ -209,7 +209,7 @@ def safe_get_full_grad(param: torch.Tensor) -> torch.Tensor | None:
     if found is None:
         return param.grad
     engine, s = found
-    if not engine._fresh_grads and param.grad is not None:
+    if engine._local_grads and param.grad is not None:
         return param.grad  # ZeRO-1 before the boundary or inside no_sync: this rank's accumulation, as DeepSpeed's
     slots = _grad_slots(engine, s)
     return _gather(engine, s, param, lambda k: slots[k].view(-1))
