@@ -32,14 +32,14 @@ from .autotp import check_inputs_once, cut_for_autotp, sequence_parallel_of
 from .comm import init_distributed
 from .config import DeepSpeedAssertion, DeepSpeedConfig, parse, report_ignored
 from .engine import DeepSpeedEngine
+from .git_version_info import git_branch as __git_branch__, git_hash as __git_hash__, version as __version__
 from .ops.sixteen_bit import sixteen_bit_steps
 
 log = logging.getLogger("zerotrain")
 
-#: the DeepSpeed release whose behaviour this face follows (scripts compare it to gate features)
-__version__ = "0.19.8"
-__version_major__, __version_minor__, __version_patch__ = 0, 19, 8
-__git_hash__ = __git_branch__ = "zerotrain"
+#: the DeepSpeed release whose behaviour this face follows (scripts compare it to gate features):
+#: ``__version__``, ``__git_hash__``, ``__git_branch__`` from git_version_info
+__version_major__, __version_minor__, __version_patch__ = (int(part) for part in __version__.split("."))
 
 
 def _submodules() -> dict[str, Any]:

@@ -35,9 +35,15 @@ class Accelerator:
         return torch.cuda.is_available() if self._name == "cuda" else True
 
     def device_count(self) -> int:
+        """CUDA: the GPUs torch sees. CPU: ``LOCAL_SIZE`` when set above 0, as DeepSpeed's CPU
+        accelerator counts its devices (its launcher sets it to the ranks per node), else the
+        ranks per node torchrun gives (``LOCAL_WORLD_SIZE``), else 1."""
         if self._name == "cuda":
             return torch.cuda.device_count()
-        return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        for key in ("LOCAL_SIZE", "LOCAL_WORLD_SIZE"):
+            if int(os.environ.get(key, "0") or 0) > 0:
+                return int(os.environ[key])
+        return 1
 
     def current_device(self) -> int:
         return torch.cuda.current_device() if self._name == "cuda" else 0
@@ -133,6 +139,12 @@ def get_accelerator() -> Accelerator:
                               f"{', '.join(ACCELERATORS)}")
         _current = Accelerator(name)
     return _current
+
+
+def is_current_accelerator_supported() -> bool:
+    """Whether this process's accelerator is one the face runs on (DeepSpeed's question of its own
+    list; both of zerotrain's, CUDA and CPU, are on DeepSpeed's)."""
+    return get_accelerator().device_name() in ACCELERATORS
 
 
 def set_accelerator(accelerator: Any) -> None:
