@@ -130,24 +130,30 @@ def _slices_3(group, world=WORLD):
     return out
 
 
-def test_partitions_are_deepspeeds():
-    """``zero12_owners`` cuts as DeepSpeed's flat buffer (padded to 2 x world) and its partition
-    info: the same elements per rank."""
+@pytest.mark.parametrize("aligned", [False, True], ids=["plain", "parameter_alignment"])
+def test_partitions_are_deepspeeds(aligned):
+    """``zero12_owners`` cuts as DeepSpeed's flat buffer (``flatten_dense_tensors_aligned``: each
+    parameter but the last padded to 16 bytes under ``parameter_alignment``, the whole to 2 x world)
+    and ``get_data_parallel_partitions``: the same elements per rank."""
+    fake = types.SimpleNamespace(real_dp_process_group=[None], flatten=torch.cat)
     for numels in ([13, 7, 40, 3], [5, 17], [1], [8, 8]):
-        total = sum(numels)
-        flat = torch.arange(float(total))
-        padded = torch.cat([flat, torch.full(((-total) % (2 * WORLD),), -1.0)])
-        fake = types.SimpleNamespace(real_dp_process_group=[None])
+        # elements numbered from 1: DeepSpeed's padding (zeros) tells itself apart
+        tensors = [torch.arange(1.0 + sum(numels[:i]), 1.0 + sum(numels[:i + 1])) for i in range(len(numels))]
+        padding, at = [], 0  # DeepSpeed's __init__: fp32, 4 elements to 16 bytes
+        for i, n in enumerate(numels):
+            at += n
+            padding.append(0 if i == len(numels) - 1 or not aligned else (-at) % 4)
+            at += padding[-1]
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(ds_zero.dist, "get_world_size", lambda group=None: WORLD)
-            parts = ds_zero.DeepSpeedZeroOptimizer.get_data_parallel_partitions(fake, padded, 0)
-        owners = zero_clip.zero12_owners(numels, WORLD)
-        starts = [sum(numels[:i]) for i in range(len(numels))]
+            flat = ds_zero.DeepSpeedZeroOptimizer.flatten_dense_tensors_aligned(
+                fake, tensors, 2 * WORLD, param_padding=padding)
+            parts = ds_zero.DeepSpeedZeroOptimizer.get_data_parallel_partitions(fake, flat, 0)
+        owners = zero_clip.zero12_owners(numels, WORLD, parameter_alignment=aligned)
         for rank in range(WORLD):
-            mine = torch.cat([flat[s + lo:s + hi] for s, pcs in zip(starts, owners) for r, lo, hi in pcs if r == rank]
-                             or [torch.zeros(0)])
-            want = parts[rank][parts[rank] >= 0]
-            assert torch.equal(mine, want), (numels, rank)
+            mine = [t[lo:hi] for t, pcs in zip(tensors, owners) for r, lo, hi in pcs if r == rank]
+            want = parts[rank][parts[rank] != 0]
+            assert torch.equal(torch.cat(mine or [torch.zeros(0)]), want), (numels, aligned, rank)
 
 
 def _deepspeed_group_norm(monkeypatch, group, stage: int, offload: bool) -> torch.Tensor:

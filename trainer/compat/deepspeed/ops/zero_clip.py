@@ -109,10 +109,11 @@ def zero3_owners(numels: Sequence[int], world_size: int) -> list[list[tuple[int,
     return out
 
 
-def norm_buckets(groups: Sequence[Sequence[torch.Tensor]], stage: int, world_size: int, zero: dict[str, Any]
-                 ) -> tuple[int, dict[int, list[tuple[int, int, int]]]]:
+def norm_buckets(groups: Sequence[Sequence[torch.Tensor]], stage: int, world_size: int, zero: dict[str, Any],
+                 element_size: int = 4) -> tuple[int, dict[int, list[tuple[int, int, int]]]]:
     """DeepSpeed's norm groups (stage 1/2: param groups; stage 3: sub-groups) and, per parameter
     (by ``id``), ``(bucket, first element, end)`` where bucket = norm group * world + owning rank.
+    ``element_size``: of DeepSpeed's module parameters (2 in bf16), for ``parameter_alignment``.
     Returns ``(number of norm groups, that map)``."""
     where: dict[int, list[tuple[int, int, int]]] = {}
     count = 0
@@ -124,8 +125,7 @@ def norm_buckets(groups: Sequence[Sequence[torch.Tensor]], stage: int, world_siz
             owners = zero3_owners(numels, world_size)
             subs = sub_groups(numels, world_size, int(zero.get("sub_group_size", SUB_GROUP_SIZE)))
         else:
-            size = params[0].element_size() if params else 4
-            owners = zero12_owners(numels, world_size, bool(zero.get("parameter_alignment", False)), size)
+            owners = zero12_owners(numels, world_size, bool(zero.get("parameter_alignment", False)), element_size)
             subs = [list(range(len(params)))]
         for sub in subs:
             for i in sub:
@@ -206,7 +206,7 @@ def clip(engine: Any) -> bool:
     cfg, strategy = engine._cfg, engine.zerotrain_engine.strategy
     world = strategy.data_parallel_world_size
     groups, pieces = strategy.master_pieces()
-    buckets, where = norm_buckets(groups, cfg.zero_stage, world, _zero_section(cfg))
+    buckets, where = norm_buckets(groups, cfg.zero_stage, world, _zero_section(cfg), 2 if cfg.bf16_enabled else 4)
     grads = strategy.step_gradients()
     device = strategy.device
     sums = rank_sums(pieces, strategy.stepper.norm_reader(grads), buckets * world, where, device)
