@@ -33,6 +33,7 @@ from .comm import init_distributed
 from .config import DeepSpeedAssertion, DeepSpeedConfig, parse, report_ignored
 from .engine import DeepSpeedEngine
 from .git_version_info import git_branch as __git_branch__, git_hash as __git_hash__, version as __version__
+from .ops.bf16_module import Bf16Module, cast_remaining_params
 from .ops.sixteen_bit import sixteen_bit_steps
 
 log = logging.getLogger("zerotrain")
@@ -227,6 +228,8 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     if cfg.strategy == "zero1" and cfg.precision == "32":  # DeepSpeed's fp32 ZeRO-1: the last backward wins
         engine.strategy.last_backward_wins = True  # (strategies/zero/stage1.py)
     wrapped_model, wrapped_opt = engine.setup(model, opt)
+    if isinstance(engine.strategy.precision, Bf16Module):
+        cast_remaining_params(model)  # DeepSpeed's module is bf16 whole: the parameters outside the optimizer too
     zero.register(engine)
     if sixteen is not None:
         sixteen.setup()  # its zero-gradient step, at the configured lr (before the scheduler)

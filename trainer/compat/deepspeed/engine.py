@@ -209,8 +209,9 @@ class DeepSpeedEngine(CompileMethods, ConfigAccessors):
         if cfg.zero_stage == 3:  # its module hooks' autograd identities; its host Adam's scalar tail
             use_module_boundaries(self.module)
             use_deepspeed_tail(engine.strategy, cfg.raw)
-        self._direct_calls = (_DirectCallsUnderAutocast(self.module, engine.strategy.precision, engine.device.type)
-                              if cfg.precision != "32" else None)
+        precision = engine.strategy.precision  # ZeRO 1-3 bf16: a bf16 module without autocast (ops/bf16_module.py)
+        self._direct_calls = (_DirectCallsUnderAutocast(self.module, precision, engine.device.type)
+                              if precision.autocast_dtype is not None else None)
 
     # ------------------------------------------------------------------ identity and config
     @property

@@ -32,11 +32,14 @@ _engines: "weakref.WeakSet[Engine]" = weakref.WeakSet()
 def new_engine(cfg: DeepSpeedConfig) -> Engine:
     """A zerotrain Engine for ``cfg`` on the process group ``comm.init_distributed`` joined."""
     from .accelerator import get_accelerator
+    from .ops.bf16_module import Bf16Module
 
     world = comm.get_world_size()
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    # bf16 under ZeRO 1-3: DeepSpeed's module is bf16 and its forward runs without autocast
+    precision = Bf16Module() if cfg.bf16_enabled and cfg.zero_stage in (1, 2, 3) else cfg.make_precision()
     return Engine(accelerator=get_accelerator().device_name(), devices=local, num_nodes=max(1, world // local),
-                  strategy=cfg.make_strategy(), precision=cfg.make_precision())
+                  strategy=cfg.make_strategy(), precision=precision)
 
 
 def take_pending(cfg: DeepSpeedConfig) -> Engine | None:
