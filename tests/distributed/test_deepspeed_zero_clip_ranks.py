@@ -25,12 +25,12 @@ import needs
 from harness import run_ranks
 
 pytestmark = [needs.deepspeed, pytest.mark.timeout(900),
-              # both libraries, three stages each (~90 s alone); the default suite keeps
+              # both libraries, four cases each (~2 min alone); the default suite keeps
               # tests/unit/test_deepspeed_zero_clip.py (the arithmetic against DeepSpeed's methods)
               pytest.mark.slow]
 
 D, HEADS, VOCAB, SEQ, BATCH, STEPS = 16, 4, 32, 8, 2, 4
-CASES = ["s1", "s2", "s3"]
+CASES = ["s1", "s2", "s3", "s2_off"]
 
 
 def _net(ds) -> nn.Module:
@@ -87,8 +87,12 @@ def _train(impl: str, cases: list) -> dict:
         zero = {"stage": int(case[1])}
         if zero["stage"] == 3:
             zero["stage3_param_persistence_threshold"] = 0
+        adamw = {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}
+        if case.endswith("_off"):  # DeepSpeedCPUAdam on the host partitions (the norm summed in Python floats)
+            zero["offload_optimizer"] = {"device": "cpu"}
+            del adamw["torch_adam"]
         config = {"train_micro_batch_size_per_gpu": BATCH, "steps_per_print": 1000, "zero_optimization": zero,
-                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}}}
+                  "optimizer": {"type": "AdamW", "params": adamw}}
         model = _net(ds)
         engine, *_ = ds.initialize(model=model, model_parameters=model.parameters(), config=config)
         g = torch.Generator().manual_seed(1234)  # the same batches on both ranks, each its half of the sequence
@@ -120,7 +124,8 @@ def runs(tmp_path_factory):
 
 @pytest.mark.parametrize("case", CASES)
 def test_clipped_steps_equal_deepspeeds(runs, case):
-    """ZeRO ``case`` (stage 1, 2 or 3), fp32, torch's AdamW (``torch_adam``), clipping 1.0."""
+    """ZeRO ``case`` (stage 1, 2 or 3), fp32, torch's AdamW (``torch_adam``), clipping 1.0;
+    ``s2_off``: stage 2 with ``offload_optimizer`` cpu (DeepSpeedCPUAdam)."""
     for rank in range(2):
         want, got = runs["ds"][rank][case], runs["zt"][rank][case]
         assert got["losses"] == want["losses"], (rank, got["losses"], want["losses"])
