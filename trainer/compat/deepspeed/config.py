@@ -355,6 +355,9 @@ def scheduler_spec(section: dict[str, Any], reader: _Reader) -> SchedulerSpec:
     reader.take(section, "scheduler.", ("type", "params"), "scheduler")
     if name not in SCHEDULERS:
         raise _fail("scheduler.type", name, "not a supported scheduler", ", ".join(SCHEDULERS))
+    warmup = params.get(lr_schedules.WARMUP_TYPE, lr_schedules.WARMUP_LOG_RATE)
+    if warmup not in lr_schedules.WARMUP_TYPES:  # the classes fall back to "log" with a warning, as DeepSpeed's
+        raise _fail("scheduler.params.warmup_type", warmup, "unknown", ", ".join(lr_schedules.WARMUP_TYPES))
     spec = SchedulerSpec(name, SCHEDULERS[name], params)
     probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
     try:

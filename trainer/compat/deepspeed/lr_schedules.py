@@ -7,7 +7,11 @@ rate of step 0 (``warmup_min_lr``, or 0 for WarmupCosineLR). Their state is
 
 Warm-up (``warmup_type``): "log" grows as ``log(i + 1) / log(warmup_num_steps)``, "linear" as
 ``i / warmup_num_steps``; ``warmup_num_steps`` is at least 2 (DeepSpeed's floor). An unknown
-``warmup_type`` is an error here (DeepSpeed warns and uses "log").
+``warmup_type`` given to a class warns and uses "log", as DeepSpeed's classes do; in a config's
+``scheduler.params`` it is an error (``config.py``), as every value zerotrain would not use.
+
+A param group whose ``lr`` is a tensor keeps that tensor: the rates are written into it, as
+DeepSpeed 0.19.8's ``update_lr`` does (a compiled optimizer step reads it in place).
 
 ``LRRangeTest`` and ``OneCycle`` (DeepSpeed's tutorials "lrrt" and "one-cycle") follow the same
 convention; ``OneCycle`` also cycles Adam's first beta (and, as DeepSpeed does, sets the second to
@@ -15,8 +19,13 @@ convention; ``OneCycle`` also cycles Adam's first beta (and, as DeepSpeed does, 
 """
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any, Sequence
+
+import torch
+
+log = logging.getLogger("zerotrain")
 
 WARMUP_TYPES = ("log", "linear")
 
@@ -48,6 +57,14 @@ def _per_group(optimizer: Any, value: Any, name: str) -> list[float]:
     return [float(value)] * len(optimizer.param_groups)
 
 
+def _write_lr(group: dict, lr: Any) -> None:
+    """Set a param group's rate: into its tensor when ``lr`` is one, else as the number."""
+    if isinstance(group["lr"], torch.Tensor):
+        group["lr"].fill_(lr.squeeze() if isinstance(lr, torch.Tensor) else lr)
+    else:
+        group["lr"] = lr
+
+
 class _Warmup:
     """The shared part: the warm-up fraction, the step counter, writing the rates."""
 
@@ -55,7 +72,9 @@ class _Warmup:
         if isinstance(warmup_num_steps, bool) or not isinstance(warmup_num_steps, int) or warmup_num_steps < 1:
             raise ValueError(f"warmup_num_steps={warmup_num_steps!r}: not a positive integer; valid: an integer >= 1")
         if warmup_type not in WARMUP_TYPES:
-            raise ValueError(f"warmup_type={warmup_type!r}: unknown; valid: {', '.join(WARMUP_TYPES)}")
+            log.warning("%s: warmup_type=%r unknown (valid: %s); the log warm-up is used, as DeepSpeed does",
+                        type(self).__name__, warmup_type, ", ".join(WARMUP_TYPES))
+            warmup_type = WARMUP_LOG_RATE
         self.optimizer = optimizer
         self.warmup_num_steps = max(2, warmup_num_steps)
         self.warmup_type = warmup_type
@@ -76,7 +95,7 @@ class _Warmup:
     def _apply(self) -> None:
         lrs = self.get_lr()
         for group, lr in zip(self.optimizer.param_groups, lrs):
-            group["lr"] = lr
+            _write_lr(group, lr)
         self._last_lr = [g["lr"] for g in self.optimizer.param_groups]
 
     def get_lr(self) -> list[float]:  # each schedule's rates at ``last_batch_iteration``
@@ -154,8 +173,12 @@ class WarmupCosineLR(_Warmup):
         super().__init__(optimizer, warmup_num_steps, warmup_type, last_batch_iteration)
         self.total_num_steps = total_num_steps
         self.warmup_min_ratio, self.cos_min_ratio = float(warmup_min_ratio), float(cos_min_ratio)
-        self.org_lrs = [g["lr"] for g in optimizer.param_groups]
+        self.org_lrs = [float(g["lr"]) for g in optimizer.param_groups]
         self._start()
+
+    def get_lr_ratio(self) -> float:
+        """The factor on each group's ``lr`` at ``last_batch_iteration`` (0 before the first step)."""
+        return self.ratio()
 
     def ratio(self) -> float:
         i = self.last_batch_iteration
@@ -230,6 +253,7 @@ class OneCycle(_Stepped):
         if self.down < 0:
             raise ValueError(f"cycle_second_step_size={cycle_second_step_size!r}: negative; valid: a number >= 0")
         self.total = self.up + self.down
+        self.step_ratio = self.up / self.total  # the rising part of the cycle (1.0 without a falling one)
         self.stairs = (cycle_first_stair_count,
                        cycle_first_stair_count if cycle_second_stair_count is None else cycle_second_stair_count)
         self.decay_step_size = decay_step_size
@@ -244,7 +268,7 @@ class OneCycle(_Stepped):
         self.max_moms = _per_group(optimizer, cycle_max_mom, "cycle_max_mom")
         if last_batch_iteration == -1:  # DeepSpeed sets the minimum rate (and momentum) at once
             for group, lr, mom in zip(optimizer.param_groups, self.min_lrs, self.min_moms):
-                group["lr"] = lr
+                _write_lr(group, lr)
                 if self.cycle_momentum:
                     group["betas"] = (mom, 0.99)
 
@@ -252,7 +276,7 @@ class OneCycle(_Stepped):
         """0 -> 1 -> 0 over the cycle (the position of the step after ``last_batch_iteration``)."""
         n = self.last_batch_iteration + 1
         x = 1.0 + n / self.total - math.floor(1 + n / self.total)  # the position in the cycle
-        ratio = self.up / self.total  # DeepSpeed's arithmetic, so that the rates are its to the last bit
+        ratio = self.step_ratio  # DeepSpeed's arithmetic (up / total), so that the rates are its to the last bit
         rising = x <= ratio
         h = x / ratio if rising else (x - 1) / (ratio - 1)
         stairs = self.stairs[0] if rising else self.stairs[1]
