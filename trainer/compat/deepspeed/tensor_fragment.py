@@ -20,9 +20,10 @@ What each returns, as in DeepSpeed 0.19.8:
 * ``safe_get_full_grad``: at stage 0 the parameter's ``.grad`` (the averaged gradient after the
   boundary's backward; None after ``step()``); under ZeRO the averaged gradient (fp32) between the
   boundary's backward and ``step()`` (ZeRO-1 before the boundary or inside ``no_sync``: the
-  ``.grad`` this rank accumulated, as DeepSpeed's ZeRO-1 answers then); outside that window a ValueError (DeepSpeed's message) on
-  every rank. DeepSpeed's ZeRO-3 differs there: it returns the gradient the last step applied
-  (zerotrain's step zeroes the partitions, so there is nothing to return but zeros).
+  ``.grad`` this rank accumulated, as DeepSpeed's ZeRO-1 answers then); outside that window a
+  ValueError (DeepSpeed's message) on every rank. DeepSpeed's ZeRO-3 differs there: it returns the
+  gradient the last step applied (zerotrain's step zeroes the partitions, so there is nothing to
+  return but zeros).
 * ``safe_set_full_fp32_param`` / ``safe_set_full_optimizer_state`` / ``safe_set_full_grad``: write
   the master / state / reduced gradient; the next ``step()`` reads them (the working 16-bit or
   partitioned parameter follows at that step, as in DeepSpeed; with fp32 at ZeRO 1/2 the working
@@ -32,8 +33,9 @@ What each returns, as in DeepSpeed 0.19.8:
   parameter, so the fragment's size differs from DeepSpeed's ``ds_tensor`` (and may be empty); a
   value given to ``safe_set_local_*`` must have the size ``safe_get_local_*`` returned.
 
-Not built (NotImplementedError): optimizer state swapped to NVMe (``offload_optimizer.device:
-nvme``), expert-parallel parameters (moe/ with ``ep_size`` > 1), the pipeline engine.
+Not built (NotImplementedError): writing optimizer state swapped to NVMe (``offload_optimizer.device:
+nvme``; reading it works), expert-parallel parameters (moe/ with ``ep_size`` > 1). The pipeline
+engine's parameters answer as a tensor no engine trains (None).
 """
 from __future__ import annotations
 
