@@ -68,10 +68,30 @@ class DDPStrategy(Strategy):
 
     def __init__(self, config: DDPConfig | None = None, *,
                  process_group_timeout_s: float = PROCESS_GROUP_TIMEOUT_S, sequence_parallel: int = 1,
-                 tensor_parallel: int = 1, **options: Any) -> None:
+                 tensor_parallel: int = 1, process_group: Any = None, **options: Any) -> None:
         super().__init__(process_group_timeout_s=process_group_timeout_s, sequence_parallel=sequence_parallel)
         self.parallel_sizes = mesh_sizes(type(self).__name__, sequence=sequence_parallel, tensor=tensor_parallel)
         self.config = config_from(DDPConfig, config, options, "DDP")
+        if process_group is not None and any(n > 1 for n in self.parallel_sizes.values()):
+            raise ValueError(f"DDP: process_group={process_group!r} with sequence_parallel={sequence_parallel!r}, "
+                             f"tensor_parallel={tensor_parallel!r}; valid: a process group with neither (the mesh "
+                             "makes its own groups)")
+        #: the ranks DDP averages gradients over (Fabric's ``DDPStrategy(process_group=...)``, a group
+        #: the user made with ``torch.distributed.new_group``); None: every replica. Only the model's
+        #: wrapper uses it: the samplers, ``barrier``/``all_reduce``/``broadcast`` span the job, as Fabric's
+        self.process_group = process_group
+
+    @property
+    def replica_group(self) -> "dist.ProcessGroup | None":
+        return super().replica_group if self.process_group is None else self.process_group
+
+    @property
+    def replica_world_size(self) -> int:
+        return super().replica_world_size if self.process_group is None else dist.get_world_size(self.process_group)
+
+    @property
+    def replica_rank(self) -> int:
+        return super().replica_rank if self.process_group is None else dist.get_rank(self.process_group)
 
     def setup_module(self, module) -> None:
         super().setup_module(module)
@@ -83,6 +103,9 @@ class DDPStrategy(Strategy):
         # experts (moe/): left out of torch's reducer and its start-up broadcast, reduced over
         # their expert-data-parallel group after backward (moe/grads.py)
         experts = expert_params(wrapper)
+        if experts and self.process_group is not None:
+            raise ValueError("DDP: process_group= with expert layers (moe/); valid: one of them (experts reduce "
+                             "over their own expert-data-parallel groups)")
         self._experts = list(experts.values())
         if experts:
             DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(wrapper, list(experts))

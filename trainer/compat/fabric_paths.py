@@ -34,6 +34,10 @@ MODULES = {
     "plugins.io.torch_io": "trainer.compat.lightning.plugins",
     "plugins.environments": "trainer.compat.lightning.plugins",
     "plugins.precision": "trainer.compat.lightning.plugins",
+    "plugins.collectives": "trainer.compat.fabric_collectives",
+    "plugins.collectives.collective": "trainer.compat.fabric_collectives",
+    "plugins.collectives.torch_collective": "trainer.compat.fabric_collectives",
+    "plugins.collectives.single_device": "trainer.compat.fabric_collectives",
     "fabric": "trainer.engine.fabric",
     "utilities.apply_func": "trainer.compat.fabric_names",
     "utilities.device_dtype_mixin": "trainer.compat.fabric_names",
@@ -66,7 +70,9 @@ EXTRA = {
     "utilities.rank_zero": {n: f"trainer.compat.fabric_names:{n}" for n in ("_get_rank", "rank_zero_deprecation")},
     "utilities.warnings": {"_is_path_in_lightning": "trainer.compat.fabric_names:_is_path_in_lightning"},
     "utilities.logger": {"_convert_json_serializable": "trainer.compat.fabric_names:_convert_json_serializable"},
-    "utilities.types": {"Optimizable": "trainer.compat.fabric_names:Optimizable"},
+    "utilities.types": {"Optimizable": "trainer.compat.fabric_names:Optimizable",
+                        **{n: f"trainer.compat.fabric_collectives:{n}"
+                           for n in ("CollectibleGroup", "ReduceOp", "RedOpType")}},
     "utilities.data": {"AttributeDict": "trainer.api.hparams:AttributeDict",
                        **{n: f"trainer.compat.fabric_names:{n}" for n in (
                            "_set_sampler_epoch", "_update_dataloader", "_get_dataloader_init_args_and_kwargs",

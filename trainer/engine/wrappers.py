@@ -43,6 +43,19 @@ class EngineModule(ForwardMethods):
     forward = __call__
 
     @property
+    def _forward_module(self) -> nn.Module:
+        """Fabric's name for what the strategy runs the forward through (under ddp on several
+        processes torch's ``DistributedDataParallel``, e.g. a ``Joinable`` for torch's ``Join``
+        with uneven inputs). Its forward takes the step method's name first
+        (``strategies/step_wrapper.py``): call the set-up model, not this."""
+        return self._strategy.model
+
+    @property
+    def _original_module(self) -> nn.Module:
+        """Fabric's name for the user's module (``.module``)."""
+        return self.module
+
+    @property
     def device(self) -> torch.device:
         """Where the module's parameters are (the strategy's device when it has none), as Fabric's."""
         first = next(self.module.parameters(), None)
