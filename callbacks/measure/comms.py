@@ -143,13 +143,16 @@ class StepRecorder:
         if self.verbose:
             log.info("comm %s: %d bytes over %d ranks (step %s)", event.op, event.nbytes, event.group_size, event.step)
 
-    def report(self, strategy: Any, accumulation: int, clips: bool) -> tuple[list[dict[str, Any]], str]:
-        """(summary rows, the printed report) of the steps so far, beside the formula."""
-        loop = type("Loop", (), {"accumulate_grad_batches": accumulation, "gradient_clip_algorithm": "norm",
-                                 "gradient_clip_val": 1.0 if clips else None})
+    def report(self, strategy: Any, accumulation: int, clip_bytes: int | None) -> tuple[list[dict[str, Any]], str]:
+        """(summary rows, the printed report) of the steps so far, beside the formula. ``clip_bytes``:
+        the all-reduce bytes the owner's clip by norm moves per step (None: it does not clip)."""
+        loop = type("Loop", (), {"accumulate_grad_batches": accumulation, "gradient_clip_val": None})
         summary = summarise(self.events)
         done = [e for e in self.events if e.step < self.step]  # whole steps only
-        return summary, format_report(summary, bytes_per_step(done), expected_step_bytes(strategy, loop))
+        expected = expected_step_bytes(strategy, loop)
+        if expected and clip_bytes:
+            expected["all_reduce"] = expected.get("all_reduce", 0) + clip_bytes
+        return summary, format_report(summary, bytes_per_step(done), expected)
 
 
 def comms_logger_for(strategy: Any, callbacks: list) -> list:

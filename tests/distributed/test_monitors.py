@@ -177,9 +177,13 @@ def _deepspeed_engine_steps(stage: int) -> dict:
         summary = deepspeed.comm.log_summary(return_dict=True)["summary"]
     recorder = deepspeed.comm._recording[0]
     from zerotrain.callbacks.measure.comms import expected_step_bytes
-    loop = type("Loop", (), {"accumulate_grad_batches": 2, "gradient_clip_val": 1.0, "gradient_clip_algorithm": "norm"})
+    from zerotrain.trainer.compat.deepspeed.ops import zero_clip
+    loop = type("Loop", (), {"accumulate_grad_batches": 2, "gradient_clip_val": None})
+    expected = expected_step_bytes(engine._zt.strategy, loop)
+    # the clip is DeepSpeed's (ops/zero_clip.py): one fp64 sum of squares per norm group and rank
+    expected["all_reduce"] = expected.get("all_reduce", 0) + zero_clip.norm_bytes(engine)
     out = {"steps": bytes_per_step([e for e in recorder.events if e.step < 3]), "printed": printed.getvalue(),
-           "expected": expected_step_bytes(engine._zt.strategy, loop), "rows": len(summary)}
+           "expected": expected, "rows": len(summary), "clip_bytes": zero_clip.norm_bytes(engine)}
     engine.destroy()
     return out
 
@@ -191,3 +195,4 @@ def test_deepspeed_config_comms_logger_reports_each_step_beside_the_formula(tmp_
         assert out["expected"] and sorted(out["steps"]) == [0, 1, 2]
         assert all(by_op == out["expected"] for by_op in out["steps"].values()), out
         assert ("formula:" in out["printed"]) == (rank == 0) and out["rows"] > 0
+        assert out["clip_bytes"] == 8 * 2  # one norm group (one param group; stage 3: one sub-group) x 2 ranks

@@ -355,6 +355,17 @@ class DeepSpeedEngine(CompileMethods, ConfigAccessors):
     #: bf16 at stage 0: DeepSpeed's 16-bit optimizer wrapper's clip (``ops/sixteen_bit.py``)
     sixteen_bit: Any = None
 
+    def clip_bytes(self) -> int | None:
+        """All-reduce bytes one step's clip by norm moves, for the comms logger's formula: DeepSpeed's
+        norm order at ZeRO 1-3 where ``zero_clip`` applies, else the strategy's own; None without
+        clipping, and at stage 0 (its formula leaves the clip out)."""
+        if self._cfg.gradient_clipping <= 0 or self._cfg.zero_stage == 0 or self.sixteen_bit is not None:
+            return None
+        if zero_clip.applies(self):
+            return zero_clip.norm_bytes(self)
+        norm_bytes = getattr(self._zt.strategy, "grad_norm_bytes", None)
+        return norm_bytes() if norm_bytes is not None else None
+
     def _take_step(self, lr_kwargs: dict[str, Any] | None) -> None:
         if self.sixteen_bit is not None:
             if self.sixteen_bit.clip():

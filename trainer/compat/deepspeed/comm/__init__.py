@@ -215,8 +215,7 @@ def log_summary(show_straggler: bool = False, return_dict: bool = False) -> Any:
                     '"comms_logger": {"enabled": true} in the DeepSpeed config')
         return {} if return_dict else None
     recorder, engine = _recording
-    summary, text = recorder.report(engine._zt.strategy, engine.gradient_accumulation_steps(),
-                                    engine._cfg.gradient_clipping > 0)
+    summary, text = recorder.report(engine._zt.strategy, engine.gradient_accumulation_steps(), engine.clip_bytes())
     if engine.global_rank == 0:
         print(text)
     return {"summary": summary} if return_dict else None

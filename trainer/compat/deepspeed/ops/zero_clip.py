@@ -199,6 +199,16 @@ def coefficient(norm: torch.Tensor, max_norm: float, loss_scale: float = 1.0) ->
     return 1.0 / (clip * loss_scale)
 
 
+def norm_bytes(engine: Any) -> int:
+    """All-reduce bytes one :func:`clip` moves (the comms logger's formula): the fp64 sum of squares
+    of every (norm group, DeepSpeed rank) bucket."""
+    cfg, strategy = engine._cfg, engine.zerotrain_engine.strategy
+    world = strategy.data_parallel_world_size
+    groups, _ = strategy.master_pieces()
+    buckets, _ = norm_buckets(groups, cfg.zero_stage, world, _zero_section(cfg), 2 if cfg.bf16_enabled else 4)
+    return 8 * buckets * world
+
+
 def clip(engine: Any) -> bool:
     """Collective: clip the strategy's step gradients as DeepSpeed's ZeRO optimizer does. Returns
     False, changing nothing, when the norm is not finite (the strategy's own clip then runs, as
