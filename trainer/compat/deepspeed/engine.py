@@ -33,7 +33,8 @@ from torch import nn
 
 from ....strategies.offload.aio import atomic_file
 from ...checkpoint import directory as checkpoint_io
-from . import comm, tensor_fragment
+from . import comm
+from .utils import tensor_fragment
 from .compiled import CompileMethods
 from ...engine.engine import Engine
 from ...errors import CheckpointError, ConfigError
