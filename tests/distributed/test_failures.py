@@ -190,7 +190,7 @@ def test_rank_zero_only_forward_under_zero3_ends_with_the_hint(tmp_path):
     ("sigkill", "rank 1 was killed by signal 9 (SIGKILL)"),
     # a script that ends early on one rank, with status 0, while rank 0 is still training
     ("exit0", "rank 1 had exited with code 0 before rank 0's fit ended"),
-    ("exit3", "rank 1 exited with code 3")])
+    pytest.param("exit3", "rank 1 exited with code 3", marks=pytest.mark.slow)])
 def test_a_rank_that_leaves_is_reported_by_name(tmp_path, fault, said):
     proc, after_fault = run_job(tmp_path, fault)
     # the rank's own status: it lost the race to rank 0's gloo error ("Connection reset"), exit 1
@@ -212,7 +212,7 @@ def test_nan_loss_raises_naming_step_and_rank(tmp_path):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("strategy", [pytest.param("ddp", marks=pytest.mark.slow), "zero2"])
+@pytest.mark.parametrize("strategy", [pytest.param("ddp", marks=pytest.mark.slow), pytest.param("zero2", marks=pytest.mark.slow)])
 def test_nan_loss_skip_drops_the_step_on_every_rank(tmp_path, strategy):
     proc, _ = run_job(tmp_path, "nan", strategy, on_nonfinite="skip")
     assert proc.returncode == 0, proc.stderr[-3000:]

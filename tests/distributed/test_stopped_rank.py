@@ -59,7 +59,7 @@ def _alive_after(pid: int, grace_s: float) -> bool:
 @pytest.mark.timeout(180)
 # local runs with -m slow (~24 s; keeps the default suite under 15 minutes): the default suite keeps
 # torchrun's, and our launcher's stopped rank 0 below
-@pytest.mark.parametrize("launcher", [pytest.param("local", marks=pytest.mark.slow), "torchrun"])
+@pytest.mark.parametrize("launcher", [pytest.param(v, marks=pytest.mark.slow) for v in ("local", "torchrun")])  # default: rank 0 below
 def test_a_stopped_rank_is_ended_by_its_peer_and_left_behind_by_nobody(tmp_path, launcher):
     pid_file = tmp_path / "rank1.pid"
     script = tmp_path / "job.py"
