@@ -158,6 +158,7 @@ def test_a_rank_sleeping_in_training_step_ends_the_job_naming_it(tmp_path, strat
         assert proc.returncode == STALL_EXIT_CODE, proc.returncode
 
 
+@pytest.mark.slow  # 25 s; the default suite keeps the rank stuck in training_step (15-minute budget)
 @pytest.mark.timeout(120)
 def test_a_rank_stuck_before_its_first_step_ends_the_job_naming_it(tmp_path):
     """Before the first optimizer step the watchdog allows 6x stall_timeout_s (12 s here); the

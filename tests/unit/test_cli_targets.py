@@ -176,6 +176,7 @@ if __name__ == "__main__":
 '''
 
 
+@pytest.mark.slow  # moved out of the default suite for its 15-minute budget (16.2 min on an AVX2 EPYC)
 @pytest.mark.timeout(300)
 def test_a_scripts_main_gives_the_same_command_line(tmp_path):
     """``zerotrain.cli.main(MyModule, MyData)`` in a script: the classes are the default targets,
